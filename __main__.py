@@ -1,0 +1,3 @@
+from dflash_ring.cli import main
+
+raise SystemExit(main())

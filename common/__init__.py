@@ -1,0 +1,1 @@
+"""Shared by every role: the ring, the slot format, config and liveness."""

@@ -1,0 +1,1 @@
+"""Drafter trainer: the DFlash drafter, its loss, training loop and checkpoints."""

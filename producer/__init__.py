@@ -1,0 +1,1 @@
+"""Target producer: data, the frozen target forward, features into the ring."""

@@ -1,0 +1,1 @@
+"""Supervisor: creates the ring, counts finished producers, broadcasts shutdown, reaps the dead."""
