@@ -1,2 +1,160 @@
-def main(argv=None) -> int:
+"""`dflash-ring`: one command, a subcommand per role and per operator action."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from dflash_ring.common.config import Config, ConfigError, default_runtime_root, load_config
+from dflash_ring.common.layout import Counter, RingHeaderError
+from dflash_ring.common.liveness import live_lock_files
+from dflash_ring.common.ring import ConfigMismatchError, Ring, RingNotFound
+
+log = logging.getLogger("dflash_ring")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
+        format=f"%(asctime)s {args.command}[%(process)d] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return args.func(args)
+    except (ConfigError, ConfigMismatchError, RingHeaderError, RingNotFound, RuntimeError, TimeoutError,
+            MemoryError) as e:
+        print(f"dflash-ring {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-ring", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def with_config(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        sp.add_argument("--config", "-c", help="TOML config file (defaults apply to every missing field)")
+        sp.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config field; repeatable")
+        sp.add_argument("--verbose", "-v", action="store_true")
+        return sp
+
+    sp = with_config(sub.add_parser("supervisor", help="create the ring and supervise the run"))
+    sp.add_argument("--reclaim-stale", action="store_true",
+                    help="discard a dead run's segment instead of refusing to start")
+    sp.set_defaults(func=cmd_supervisor)
+
+    sp = with_config(sub.add_parser("status", help="slots by state, depth and processes of a run"))
+    sp.add_argument("run", nargs="?", help="run name (default: the config's run.name)")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_status)
+
+    sp = with_config(sub.add_parser("stop", help="drain a run and stop it (or stop at once with --now)"))
+    sp.add_argument("run", nargs="?")
+    sp.add_argument("--now", action="store_true", help="do not drain: untrained ready items are dropped")
+    sp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the run to end")
+    sp.set_defaults(func=cmd_stop)
+
+    sp = with_config(sub.add_parser("clean", help="remove a dead run's segment, semaphores and lock files"))
+    sp.add_argument("run", nargs="?")
+    sp.set_defaults(func=cmd_clean)
+
+    sp = sub.add_parser("bench", help="benchmarks that print JSON")
+    bench = sp.add_subparsers(dest="bench", required=True)
+    bp = bench.add_parser("ring", help="ring throughput against multiprocessing and torch queues")
+    bp.add_argument("--json", action="store_true", help="print only the JSON report")
+    bp.add_argument("--sizes-mb", default="1,64,256", help="comma-separated item sizes in MB")
+    bp.add_argument("--items", type=int, default=0, help="items per case (0: scale with size)")
+    bp.set_defaults(func=cmd_bench_ring)
+    return p
+
+
+def _config(args: argparse.Namespace) -> Config:
+    return load_config(args.config, args.set)
+
+
+def _run_and_lock_dir(args: argparse.Namespace) -> tuple[str, Path]:
+    cfg = _config(args)
+    if args.run and args.run != cfg.run.name:
+        if cfg.run.run_dir:
+            raise ConfigError(f"run {args.run!r} differs from the config's run.name {cfg.run.name!r}")
+        return args.run, default_runtime_root() / args.run
+    return cfg.run.name, cfg.lock_dir()
+
+
+def cmd_supervisor(args: argparse.Namespace) -> int:
+    from dflash_ring.supervisor.supervisor import Supervisor
+
+    sup = Supervisor(_config(args), reclaim_stale=args.reclaim_stale)
+    try:
+        sup.start()
+        return sup.run()
+    finally:
+        sup.close()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    run, lock_dir = _run_and_lock_dir(args)
+    with Ring.open(run) as ring:
+        st = ring.status()
+    live = {p.stem for p in live_lock_files(lock_dir)}
+    for row in st.rows:
+        row["alive"] = f"{row['role']}-{row['index']}" in live
+    report = asdict(st) | {"depth": st.depth}
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    c = st.counters
+    print(f"run {st.run}: {st.n_slots} slots x {st.slot_bytes / 2**20:.1f} MiB, depth {st.depth}")
+    print("slots: " + ", ".join(f"{k} {v}" for k, v in st.slots_by_state.items()))
+    print(f"items: produced {c['produced']}, consumed {c['consumed']}, redelivered {c['redelivered']}, "
+          f"reclaimed {c['reclaimed']}, corrupt {c['corrupt']}")
+    print(f"producers done: {c['producers_done']}; drain {c['drain']}; shutdown {c['shutdown']}; "
+          f"supervisor adoptions {c['supervisor_adoptions']}")
+    print(f"{'role':<11}{'index':>5}{'pid':>9}{'alive':>7}{'status':>9}{'heartbeat':>11}{'items':>9}{'restarts':>9}")
+    for r in st.rows:
+        print(f"{r['role']:<11}{r['index']:>5}{r['pid']:>9}{'yes' if r['alive'] else 'no':>7}{r['status']:>9}"
+              f"{r['heartbeat_age_s']:>10.1f}s{r['items']:>9}{r['restarts']:>9}")
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from dflash_ring.supervisor.supervisor import STOP_DRAIN, STOP_NOW
+
+    run, _ = _run_and_lock_dir(args)
+    with Ring.open(run) as ring:
+        request = STOP_NOW if args.now else STOP_DRAIN
+        ring.set_flag(Counter.STOP_REQUEST, max(request, ring.counter(Counter.STOP_REQUEST)))
+        ring.broadcast()
+    print(f"asked run {run!r} to stop{' now' if args.now else ' after draining'}; waiting up to {args.timeout:.0f}s")
+    deadline = time.monotonic() + args.timeout
+    while Ring.exists(run):
+        if time.monotonic() > deadline:
+            print(f"run {run!r} has not ended after {args.timeout:.0f}s: is its supervisor running?", file=sys.stderr)
+            return 1
+        time.sleep(0.2)
+    print(f"run {run!r} stopped")
+    return 0
+
+
+def cmd_clean(args: argparse.Namespace) -> int:
+    from dflash_ring.supervisor.cleanup import clean
+
+    run, lock_dir = _run_and_lock_dir(args)
+    removed = clean(run, lock_dir)
+    print(f"removed {', '.join(removed)}" if removed else f"nothing of run {run!r} was left")
+    return 0
+
+
+def cmd_bench_ring(args: argparse.Namespace) -> int:
+    from dflash_ring.bench.ring import run_ring_bench
+
+    report = run_ring_bench([float(s) for s in args.sizes_mb.split(",")], args.items, quiet=args.json)
+    print(json.dumps(report, indent=2))
     return 0

@@ -1,0 +1,200 @@
+"""Run configuration: one TOML file shared by every process of a run.
+
+Every field has a default, an unknown key is an error that names it, and
+`--set section.key=value` overrides a field from the command line. The fields
+that two processes must agree on (ring geometry, topology) form the config
+fingerprint stored in the ring header, so a mismatched process is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RUN_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,48}$")
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message says which key and why."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "default"
+    # Lock files live here; empty means /run/dflash-ring/<name> as root,
+    # else $XDG_RUNTIME_DIR/dflash-ring/<name>, else /tmp/dflash-ring-<uid>/<name>.
+    run_dir: str = ""
+    # How long a producer or drafter waits for the supervisor to create the ring.
+    attach_timeout_s: float = 60.0
+
+
+@dataclass
+class RingConfig:
+    slots: int = 8
+    slot_bytes: int = 64 * 1024 * 1024
+    # Room at the start of each slot for its msgpack header.
+    slot_header_bytes: int = 64 * 1024
+    # Longest sleep on a wake-up hint before a waiter looks at the ring again.
+    wait_s: float = 0.2
+    # Register the mapping with CUDA (cudaHostRegister) when a GPU is present.
+    pin: bool = True
+
+
+@dataclass
+class TopologyConfig:
+    producers: int = 1
+    consumers: int = 2
+
+
+@dataclass
+class SupervisorConfig:
+    reap_interval_s: float = 0.5
+    # After shutdown, how long to wait for every process to exit before removing the ring.
+    exit_timeout_s: float = 60.0
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    ring: RingConfig = field(default_factory=RingConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+
+    def validate(self) -> None:
+        if not RUN_NAME_RE.match(self.run.name):
+            raise ConfigError(f"run.name {self.run.name!r} must be 1-48 of [A-Za-z0-9_.-]")
+        r = self.ring
+        if r.slots < 1 or r.slots > 4096:
+            raise ConfigError(f"ring.slots = {r.slots}: must be between 1 and 4096")
+        if r.slot_header_bytes < 4096 or r.slot_header_bytes % 4096:
+            raise ConfigError(f"ring.slot_header_bytes = {r.slot_header_bytes}: must be a multiple of 4096")
+        if r.slot_bytes <= r.slot_header_bytes:
+            raise ConfigError(
+                f"ring.slot_bytes = {r.slot_bytes} leaves no room for tensors after "
+                f"ring.slot_header_bytes = {r.slot_header_bytes}"
+            )
+        if r.wait_s <= 0:
+            raise ConfigError("ring.wait_s must be > 0")
+        t = self.topology
+        if t.producers < 1 or t.consumers < 1 or t.producers + t.consumers > 4000:
+            raise ConfigError(
+                f"topology: producers = {t.producers}, consumers = {t.consumers}: need at least one of each"
+            )
+
+    def fingerprint_fields(self) -> dict[str, typing.Any]:
+        """What every process of a run must agree on; stored in the ring header."""
+        return {
+            "run.name": self.run.name,
+            "ring.slots": self.ring.slots,
+            "ring.slot_bytes": self.ring.slot_bytes,
+            "ring.slot_header_bytes": self.ring.slot_header_bytes,
+            "topology.producers": self.topology.producers,
+            "topology.consumers": self.topology.consumers,
+        }
+
+    def lock_dir(self) -> Path:
+        if self.run.run_dir:
+            return Path(self.run.run_dir)
+        return default_runtime_root() / self.run.name
+
+
+def default_runtime_root() -> Path:
+    if os.geteuid() == 0:
+        return Path("/run/dflash-ring")
+    if xdg := os.environ.get("XDG_RUNTIME_DIR"):
+        return Path(xdg) / "dflash-ring"
+    return Path(f"/tmp/dflash-ring-{os.getuid()}")
+
+
+def fingerprint_digest(fields: dict[str, typing.Any]) -> bytes:
+    text = "\n".join(f"{k}={fields[k]!r}" for k in sorted(fields))
+    return hashlib.sha256(text.encode()).digest()
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Read a TOML file (or start from defaults) and apply `section.key=value` overrides."""
+    raw: dict[str, typing.Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    for item in overrides:
+        section, key, value = _parse_override(item)
+        raw.setdefault(section, {})[key] = value
+    cfg = _build(Config, raw, "")
+    cfg.validate()
+    return cfg
+
+
+def _parse_override(item: str) -> tuple[str, str, typing.Any]:
+    name, sep, text = item.partition("=")
+    section, dot, key = name.strip().partition(".")
+    if not sep or not dot or not section or not key:
+        raise ConfigError(f"--set {item!r}: expected section.key=value")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # a bare word is a string
+    return section, key, value
+
+
+def _build(cls: type, raw: typing.Any, where: str) -> typing.Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"[{where}] must be a table, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in known:
+            place = f"[{where}]" if where else "the top level"
+            raise ConfigError(f"unknown config key {key!r} in {place}; known keys: {', '.join(sorted(known))}")
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            continue
+        name = f"{where}.{f.name}" if where else f.name
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            values[f.name] = _build(hint, raw[f.name], name)
+        else:
+            values[f.name] = _coerce(raw[f.name], hint, name)
+    return cls(**values)
+
+
+def _coerce(value: typing.Any, hint: typing.Any, name: str) -> typing.Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, name)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{name} = {value!r}: expected {hint}")
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"{name} = {value!r}: expected a list")
+        return [_coerce(v, item, f"{name}[{i}]") for i, v in enumerate(value)]
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is bool and not isinstance(value, bool):
+        raise ConfigError(f"{name} = {value!r}: expected true or false")
+    if hint is int and isinstance(value, bool):
+        raise ConfigError(f"{name} = {value!r}: expected an integer")
+    if not isinstance(value, hint):
+        raise ConfigError(f"{name} = {value!r}: expected {hint.__name__}, got {type(value).__name__}")
+    return value

@@ -1,0 +1,50 @@
+"""A process's seat in a run: its lock file (liveness) and its row in the process table."""
+
+from __future__ import annotations
+
+import logging
+
+from dflash_ring.common.config import Config
+from dflash_ring.common.layout import Role, RowStatus
+from dflash_ring.common.liveness import LockFile, ensure_lock_dir, lock_path
+from dflash_ring.common.ring import Ring
+
+log = logging.getLogger(__name__)
+
+
+class Membership:
+    def __init__(self, ring: Ring, lock: LockFile, row: int, role: Role, index: int):
+        self.ring = ring
+        self.row = row
+        self.role = role
+        self.index = index
+        self._lock = lock
+
+    @classmethod
+    def join(cls, ring: Ring, cfg: Config, role: Role, index: int) -> Membership:
+        """Take this role's row, waiting until a predecessor in it is confirmed dead.
+
+        Whatever the predecessor held (a half-written or half-read slot) is
+        undone before this process does anything, so a restart needs no help
+        from the supervisor.
+        """
+        row = ring.row_of(role, index)
+        lock_dir = cfg.lock_dir()
+        ensure_lock_dir(lock_dir)
+        lock = LockFile.acquire(lock_path(lock_dir, role, index), cfg.run.attach_timeout_s)
+        lock.write_pid()
+        freed, redelivered = ring.reclaim_slots_of(row)
+        if freed or redelivered:
+            log.warning("took over row %d from a dead predecessor: %d slot(s) freed, %d redelivered",
+                        row, freed, redelivered)
+        ring.take_row(row, role, index)
+        return cls(ring, lock, row, role, index)
+
+    def heartbeat(self) -> None:
+        self.ring.heartbeat(self.row)
+
+    def leave(self, status: RowStatus = RowStatus.STOPPED) -> None:
+        """Give the row up on a clean exit; a finished producer keeps DONE."""
+        if self.ring.row_status(self.row) != RowStatus.DONE:
+            self.ring.set_row_status(self.row, status)
+        self._lock.release(unlink=True)

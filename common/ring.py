@@ -1,0 +1,593 @@
+"""The shared-memory slot ring: the one channel between target producers and drafter trainers.
+
+Slot life cycle, each arrow one compare-and-swap on the slot's state word:
+
+    FREE --producer claims--> WRITING --publish--> READY --consumer claims--> READING --release--> FREE
+               (abort / producer died: back to FREE)      (consumer died: back to READY, redelivered)
+
+Ownership lives only in the state words; the two POSIX semaphores are wake-up
+hints with timeouts, so a process dying anywhere leaves nothing held that a
+compare-and-swap by the reaper cannot undo. Producers number items with one
+fetch-add on the header's sequence index; consumers take the READY slot with
+the lowest item number, so the ring is FIFO and any number of producers feeds
+any number of consumers through the same pool of slots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import random
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import atomics
+import msgpack
+import numpy as np
+import posix_ipc
+import torch
+
+from dflash_ring.common.config import Config, fingerprint_digest
+from dflash_ring.common.layout import (
+    DESC_DTYPE,
+    FINGERPRINT_BLOB_OFFSET,
+    HEADER_BYTES,
+    NO_OWNER,
+    ROW_DTYPE,
+    Counter,
+    Geometry,
+    Identity,
+    RingHeaderError,
+    Role,
+    RowStatus,
+    SlotState,
+    is_initialized,
+    pack_state,
+    publish_magic,
+    read_identity,
+    write_identity,
+)
+from dflash_ring.common.pinning import HostRegistration
+from dflash_ring.common.slot_format import SlotFormatError, SlotHeader, SlotLayout, decode_header, encode_header, view
+
+SHM_DIR = "/dev/shm"
+
+
+def segment_name(run: str) -> str:
+    return f"/dflash-ring.{run}"
+
+
+def semaphore_names(run: str) -> tuple[str, str]:
+    return f"/dflash-ring.{run}.ready", f"/dflash-ring.{run}.free"
+
+
+class RingNotFound(FileNotFoundError):
+    pass
+
+
+class ConfigMismatchError(RuntimeError):
+    """This process's config differs from the one the ring was created with."""
+
+
+class SlotLostError(RuntimeError):
+    """A slot this process held was taken back (it was presumed dead): its work is void."""
+
+
+@dataclass
+class SlotWriter:
+    """A slot claimed by a producer: fill the tensors it hands out, then publish."""
+
+    slot: int
+    item: int
+    word: int
+    layout: SlotLayout
+    area: torch.Tensor
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def tensor(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """A zero-copy view into the slot, to be filled in place (e.g. by a D2H copy)."""
+        return view(self.area, self.layout.add(name, dtype, shape))
+
+
+@dataclass
+class SlotReader:
+    """A slot claimed by a consumer. Its tensors are views into shared memory:
+    copy what you need before `release`, after which a producer may overwrite them."""
+
+    slot: int
+    item: int
+    word: int
+    deliveries: int
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+
+
+@dataclass
+class RingStatus:
+    run: str
+    created_ns: int
+    n_slots: int
+    slot_bytes: int
+    slots_by_state: dict[str, int]
+    counters: dict[str, int]
+    rows: list[dict[str, Any]]
+
+    @property
+    def depth(self) -> int:
+        return self.slots_by_state["ready"]
+
+
+class Ring:
+    """One process's mapping of the ring. Create it (supervisor) or attach to it; close it when done."""
+
+    def __init__(self, name: str, shm: posix_ipc.SharedMemory, identity: Identity, fields: dict[str, Any]):
+        self.name = name
+        self.identity = identity
+        self.geometry: Geometry = identity.geometry
+        self.fingerprint_fields = fields
+        self.wait_s = 0.2
+        self._size = shm.size
+        self._mm = mmap.mmap(shm.fd, shm.size)
+        shm.close_fd()
+        self._mv = memoryview(self._mm)
+        self._stack = contextlib.ExitStack()
+        geo = self.geometry
+        self._rows = np.frombuffer(self._mm, dtype=ROW_DTYPE, count=geo.n_rows, offset=geo.table_offset)
+        self._desc = np.frombuffer(self._mm, dtype=DESC_DTYPE, count=geo.n_slots, offset=geo.desc_offset)
+        self._counters = {
+            c: self._stack.enter_context(atomics.atomicview(buffer=self._mv[c : c + 8], atype=atomics.UINT))
+            for c in Counter
+        }
+        self._states = [
+            self._stack.enter_context(
+                atomics.atomicview(buffer=self._mv[o : o + 8], atype=atomics.UINT)
+            )
+            for o in (geo.desc_offset + i * 64 for i in range(geo.n_slots))
+        ]
+        self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
+        # Atomic views must be closed while cffi is still alive, also when close() is never called.
+        self._finalizer = weakref.finalize(self, contextlib.ExitStack.close, self._stack)
+        self._pin: HostRegistration | None = None
+        ready, free = semaphore_names(identity.run_name)
+        self._sem_ready = posix_ipc.Semaphore(ready)
+        self._sem_free = posix_ipc.Semaphore(free)
+        self.wait_seconds = 0.0  # time spent blocked on an empty or full ring
+
+    # ---- life cycle -------------------------------------------------------
+
+    @classmethod
+    def create(cls, cfg: Config) -> Ring:
+        """Create the run's segment and semaphores exclusively (mode 0600). Supervisor only."""
+        run = cfg.run.name
+        geo = Geometry(
+            n_slots=cfg.ring.slots,
+            n_rows=1 + cfg.topology.producers + cfg.topology.consumers,
+            slot_bytes=cfg.ring.slot_bytes,
+            slot_header_bytes=cfg.ring.slot_header_bytes,
+        )
+        _check_shm_space(geo.total_bytes, run)
+        fields = cfg.fingerprint_fields()
+        blob = msgpack.packb(fields, use_bin_type=True)
+        for sem in semaphore_names(run):
+            posix_ipc.Semaphore(sem, posix_ipc.O_CREX, mode=0o600, initial_value=0).close()
+        shm = posix_ipc.SharedMemory(segment_name(run), posix_ipc.O_CREX, mode=0o600, size=geo.total_bytes)
+        with mmap.mmap(shm.fd, geo.total_bytes) as mm:
+            _prefault(mm)
+            buf = memoryview(mm)
+            write_identity(buf, geo, time.time_ns(), fingerprint_digest(fields), run, blob)
+            publish_magic(buf)
+            buf.release()
+        shm2 = posix_ipc.SharedMemory(segment_name(run))
+        shm.close_fd()
+        ring = cls._open(segment_name(run), shm2)
+        ring.wait_s = cfg.ring.wait_s
+        return ring
+
+    @classmethod
+    def attach(cls, cfg: Config, timeout_s: float | None = None, pin: bool = False) -> Ring:
+        """Attach to the live ring of cfg's run, waiting for the supervisor to create it."""
+        timeout_s = cfg.run.attach_timeout_s if timeout_s is None else timeout_s
+        ring = cls.open(cfg.run.name, timeout_s)
+        try:
+            ring.check_config(cfg)
+            ring.wait_s = cfg.ring.wait_s
+            if pin and cfg.ring.pin:
+                ring._pin = HostRegistration(ring._bytes)
+        except BaseException:
+            ring.close()
+            raise
+        return ring
+
+    @classmethod
+    def open(cls, run: str, timeout_s: float = 0.0) -> Ring:
+        """Map an existing ring without a config (status, stop, clean)."""
+        name = segment_name(run)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                shm = posix_ipc.SharedMemory(name)
+                if shm.size >= 8:
+                    with mmap.mmap(shm.fd, 8, prot=mmap.PROT_READ) as head:
+                        ready = is_initialized(memoryview(head))
+                    if ready:
+                        return cls._open(name, shm)
+                shm.close_fd()
+            except posix_ipc.ExistentialError:
+                pass
+            if time.monotonic() >= deadline:
+                raise RingNotFound(
+                    f"no ring for run {run!r} (shared-memory segment {name} does not exist"
+                    + (f" after waiting {timeout_s:.0f}s" if timeout_s else "")
+                    + "): is the supervisor running? Start it with `dflash-ring supervisor --config ...`"
+                )
+            time.sleep(0.05)
+
+    @classmethod
+    def _open(cls, name: str, shm: posix_ipc.SharedMemory) -> Ring:
+        with mmap.mmap(shm.fd, min(shm.size, HEADER_BYTES), prot=mmap.PROT_READ) as head:
+            buf = memoryview(head)
+            try:
+                identity = read_identity(buf, shm.size, name)
+                blob = bytes(buf[FINGERPRINT_BLOB_OFFSET : FINGERPRINT_BLOB_OFFSET + identity.blob_len])
+            finally:
+                buf.release()
+        try:
+            fields = msgpack.unpackb(blob, raw=False)
+            if not isinstance(fields, dict):
+                raise ValueError("not a map")
+        except Exception as e:
+            shm.close_fd()
+            raise RingHeaderError(f"segment {name} has unreadable config fields ({e})") from None
+        try:
+            return cls(name, shm, identity, fields)
+        except posix_ipc.ExistentialError:
+            raise RingHeaderError(
+                f"segment {name} exists but its semaphores do not: a half-removed run. "
+                f"Remove it with `dflash-ring clean {identity.run_name} --force`"
+            ) from None
+
+    def check_config(self, cfg: Config) -> None:
+        mine = cfg.fingerprint_fields()
+        if fingerprint_digest(mine) == self.identity.fingerprint:
+            return
+        theirs = self.fingerprint_fields
+        diffs = [
+            f"{k}: ring has {theirs.get(k, '<unset>')!r}, this process has {mine.get(k, '<unset>')!r}"
+            for k in sorted(set(mine) | set(theirs))
+            if mine.get(k) != theirs.get(k)
+        ] or ["(fields equal but digest differs: the header is damaged)"]
+        raise ConfigMismatchError(
+            f"config of this process does not match ring {self.name}: " + "; ".join(diffs)
+            + ". Start every process of a run with the same config file."
+        )
+
+    def close(self) -> None:
+        """Drop this process's mapping. Tensor views handed out must be gone first."""
+        if self._mm.closed:
+            return
+        if self._pin is not None:
+            self._pin.close()
+        self._finalizer()
+        del self._rows, self._desc, self._bytes
+        self._mv.release()
+        self._sem_ready.close()
+        self._sem_free.close()
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # a caller still holds a slot view; the mapping goes when that view does
+
+    def __enter__(self) -> Ring:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def unlink(run: str) -> list[str]:
+        """Remove the run's segment and semaphores (whatever exists); return what was removed."""
+        removed = []
+        for name, kind in [(segment_name(run), posix_ipc.unlink_shared_memory)] + [
+            (s, posix_ipc.unlink_semaphore) for s in semaphore_names(run)
+        ]:
+            try:
+                kind(name)
+                removed.append(name)
+            except posix_ipc.ExistentialError:
+                pass
+        return removed
+
+    @staticmethod
+    def exists(run: str) -> bool:
+        try:
+            posix_ipc.SharedMemory(segment_name(run)).close_fd()
+            return True
+        except posix_ipc.ExistentialError:
+            return False
+
+    # ---- rows ---------------------------------------------------------------
+
+    def row_of(self, role: Role, index: int) -> int:
+        producers = int(self.fingerprint_fields["topology.producers"])
+        consumers = int(self.fingerprint_fields["topology.consumers"])
+        if role == Role.SUPERVISOR:
+            return 0
+        limit = producers if role == Role.PRODUCER else consumers
+        if not 0 <= index < limit:
+            raise ValueError(
+                f"{role.name.lower()} index {index} is out of range: the run has "
+                f"topology.{role.name.lower()}s = {limit}"
+            )
+        return 1 + index if role == Role.PRODUCER else 1 + producers + index
+
+    def take_row(self, row: int, role: Role, index: int) -> None:
+        r = self._rows[row]
+        if r["pid"] != 0:
+            r["restarts"] += 1
+        r["role"], r["index"], r["pid"] = int(role), index, os.getpid()
+        r["started_ns"] = r["heartbeat_ns"] = time.time_ns()
+        r["status"] = RowStatus.RUNNING
+
+    def set_row_status(self, row: int, status: RowStatus) -> None:
+        self._rows[row]["status"] = status
+
+    def row_status(self, row: int) -> RowStatus:
+        return RowStatus(int(self._rows[row]["status"]))
+
+    def heartbeat(self, row: int) -> None:
+        self._rows[row]["heartbeat_ns"] = time.time_ns()
+
+    def rows(self) -> np.ndarray:
+        return self._rows.copy()
+
+    # ---- counters and flags -------------------------------------------------
+
+    def counter(self, c: Counter) -> int:
+        return self._counters[c].load()
+
+    def increment(self, c: Counter) -> int:
+        return self._counters[c].fetch_add(1)
+
+    def set_flag(self, c: Counter, value: int = 1) -> None:
+        self._counters[c].store(value)
+
+    @property
+    def draining(self) -> bool:
+        return self._counters[Counter.DRAIN].load() != 0
+
+    @property
+    def shutting_down(self) -> bool:
+        return self._counters[Counter.SHUTDOWN].load() != 0
+
+    def broadcast(self) -> None:
+        """Wake every waiter, e.g. after shutdown was set: each looks at the flags again."""
+        for sem in (self._sem_ready, self._sem_free):
+            for _ in range(self.geometry.n_rows):
+                sem.release()
+
+    # ---- producer side ------------------------------------------------------
+
+    def try_acquire(self, row: int) -> SlotWriter | None:
+        """Claim a FREE slot for writing and take the next item number; None if the ring is full."""
+        states = self._desc["state"].copy()
+        n = len(states)
+        start = random.randrange(n)
+        for k in range(n):
+            slot = (start + k) % n
+            word = int(states[slot])
+            if word & 0xFF != SlotState.FREE:
+                continue
+            mine = pack_state(word >> 24, row, SlotState.WRITING)
+            if self._states[slot].cmpxchg_strong(expected=word, desired=mine):
+                item = self._counters[Counter.NEXT_ITEM].fetch_add(1)
+                d = self._desc[slot]
+                d["item"], d["claimed_ns"], d["deliveries"] = item, time.time_ns(), 0
+                geo = self.geometry
+                area = self._slot_area(slot)
+                return SlotWriter(slot, item, mine, SlotLayout(geo.slot_bytes, geo.slot_header_bytes), area)
+        return None
+
+    def acquire(self, row: int, timeout_s: float | None = None) -> SlotWriter | None:
+        """Claim a slot, waiting while the ring is full. None on drain, shutdown or timeout."""
+        return self._wait(lambda: None if self.draining else self.try_acquire(row), self._sem_free, row, timeout_s)
+
+    def publish(self, w: SlotWriter, row: int) -> None:
+        header = encode_header(SlotHeader(w.layout.specs, w.meta), self.geometry.slot_header_bytes)
+        off = self.geometry.slot_offset(w.slot)
+        self._mv[off : off + len(header)] = header
+        ready = pack_state(w.word >> 24, row, SlotState.READY)
+        if not self._states[w.slot].cmpxchg_strong(expected=w.word, desired=ready):
+            raise SlotLostError(f"slot {w.slot} (item {w.item}) was reclaimed while this process wrote it")
+        self._counters[Counter.PRODUCED].fetch_add(1)
+        self._rows[row]["items"] += 1
+        self._hint(self._sem_ready)
+
+    def abort(self, w: SlotWriter) -> None:
+        """Give a claimed slot back unpublished (e.g. on shutdown)."""
+        if self._states[w.slot].cmpxchg_strong(expected=w.word, desired=pack_state((w.word >> 24) + 1, NO_OWNER, SlotState.FREE)):
+            self._hint(self._sem_free)
+
+    # ---- consumer side ------------------------------------------------------
+
+    def try_claim(self, row: int) -> SlotReader | None:
+        """Claim the READY slot with the lowest item number; None if none is READY.
+
+        A slot whose header fails validation is dropped (back to FREE, counted)
+        and SlotFormatError is raised, so the caller can log it and go on.
+        """
+        desc = self._desc.copy()
+        ready = np.flatnonzero((desc["state"] & 0xFF) == SlotState.READY)
+        for slot in ready[np.argsort(desc["item"][ready], kind="stable")]:
+            slot = int(slot)
+            word = int(desc["state"][slot])
+            mine = pack_state(word >> 24, row, SlotState.READING)
+            if not self._states[slot].cmpxchg_strong(expected=word, desired=mine):
+                continue
+            d = self._desc[slot]
+            d["claimed_ns"] = time.time_ns()
+            d["deliveries"] += 1
+            item, deliveries = int(d["item"]), int(d["deliveries"])
+            area = self._slot_area(slot)
+            try:
+                geo = self.geometry
+                header = decode_header(self._mv[self.geometry.slot_offset(slot):][: geo.slot_header_bytes],
+                                       geo.slot_bytes, geo.slot_header_bytes)
+            except SlotFormatError as e:
+                self._states[slot].cmpxchg_strong(
+                    expected=mine, desired=pack_state((word >> 24) + 1, NO_OWNER, SlotState.FREE))
+                self._counters[Counter.CORRUPT].fetch_add(1)
+                self._hint(self._sem_free)
+                raise SlotFormatError(f"slot {slot} (item {item}) dropped: {e}") from None
+            tensors = {s.name: view(area, s) for s in header.tensors}
+            return SlotReader(slot, item, mine, deliveries, tensors, header.meta)
+        return None
+
+    def claim(self, row: int, timeout_s: float | None = None) -> SlotReader | None:
+        """Claim the oldest READY item, waiting while the ring is empty. None on shutdown or timeout.
+
+        An empty ring is never a reason to stop: only the supervisor's shutdown is.
+        """
+        return self._wait(lambda: self.try_claim(row), self._sem_ready, row, timeout_s)
+
+    def release(self, r: SlotReader) -> None:
+        """Hand a consumed slot back to the producers."""
+        free = pack_state((r.word >> 24) + 1, NO_OWNER, SlotState.FREE)
+        if not self._states[r.slot].cmpxchg_strong(expected=r.word, desired=free):
+            raise SlotLostError(f"slot {r.slot} (item {r.item}) was reclaimed while this process read it")
+        self._counters[Counter.CONSUMED].fetch_add(1)
+        self._rows[(r.word >> 8) & 0xFFFF]["items"] += 1
+        self._hint(self._sem_free)
+
+    def requeue(self, r: SlotReader) -> None:
+        """Give a claimed item back unconsumed, for another consumer to take."""
+        if self._states[r.slot].cmpxchg_strong(expected=r.word, desired=pack_state((r.word >> 24) + 1, NO_OWNER, SlotState.READY)):
+            self._hint(self._sem_ready)
+
+    # ---- reaper -------------------------------------------------------------
+
+    def reclaim_slots_of(self, row: int) -> tuple[int, int]:
+        """Undo what a dead row held: WRITING -> FREE, READING -> READY. Returns (freed, redelivered).
+
+        The caller must hold the dead row's lock, so no successor runs meanwhile.
+        """
+        freed = redelivered = 0
+        for slot, word in enumerate(self._desc["state"].copy()):
+            word = int(word)
+            if (word >> 8) & 0xFFFF != row:
+                continue
+            state = word & 0xFF
+            if state == SlotState.WRITING:
+                new, c = pack_state((word >> 24) + 1, NO_OWNER, SlotState.FREE), Counter.RECLAIMED
+            elif state == SlotState.READING:
+                new, c = pack_state((word >> 24) + 1, NO_OWNER, SlotState.READY), Counter.REDELIVERED
+            else:
+                continue
+            if self._states[slot].cmpxchg_strong(expected=word, desired=new):
+                self._counters[c].fetch_add(1)
+                if c == Counter.RECLAIMED:
+                    freed += 1
+                else:
+                    redelivered += 1
+        if freed:
+            self._hint(self._sem_free)
+        if redelivered:
+            self._hint(self._sem_ready)
+        return freed, redelivered
+
+    def owned_slots(self) -> set[int]:
+        """Rows that hold a WRITING or READING slot right now."""
+        states = self._desc["state"].copy()
+        held = np.isin(states & 0xFF, (SlotState.WRITING, SlotState.READING))
+        return {int(w >> 8) & 0xFFFF for w in states[held]}
+
+    # ---- observation --------------------------------------------------------
+
+    def slot_counts(self) -> dict[str, int]:
+        states = self._desc["state"] & 0xFF
+        return {s.name.lower(): int(np.count_nonzero(states == s)) for s in SlotState}
+
+    def status(self) -> RingStatus:
+        now = time.time_ns()
+        rows = []
+        for i, r in enumerate(self._rows.copy()):
+            if r["role"] == Role.NONE:
+                continue
+            rows.append({
+                "row": i,
+                "role": Role(int(r["role"])).name.lower(),
+                "index": int(r["index"]),
+                "pid": int(r["pid"]),
+                "status": RowStatus(int(r["status"])).name.lower(),
+                "heartbeat_age_s": round((now - int(r["heartbeat_ns"])) / 1e9, 3),
+                "items": int(r["items"]),
+                "restarts": int(r["restarts"]),
+            })
+        return RingStatus(
+            run=self.identity.run_name,
+            created_ns=self.identity.created_ns,
+            n_slots=self.geometry.n_slots,
+            slot_bytes=self.geometry.slot_bytes,
+            slots_by_state=self.slot_counts(),
+            counters={c.name.lower(): self.counter(c) for c in Counter},
+            rows=rows,
+        )
+
+    # ---- internals ------------------------------------------------------------
+
+    def _slot_area(self, slot: int) -> torch.Tensor:
+        off = self.geometry.slot_offset(slot)
+        return self._bytes[off : off + self.geometry.slot_bytes]
+
+    def _hint(self, sem: posix_ipc.Semaphore) -> None:
+        # Bounded, so hints never pile up beyond one per process.
+        if sem.value < self.geometry.n_rows:
+            sem.release()
+
+    def _wait(self, attempt, sem: posix_ipc.Semaphore, row: int, timeout_s: float | None):
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        waited_from = None
+        try:
+            while True:
+                got = attempt()
+                if got is not None or self.shutting_down:
+                    return got
+                if self.draining and sem is self._sem_free:
+                    return None
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    return None
+                waited_from = waited_from or now
+                self.heartbeat(row)
+                wait = self.wait_s if deadline is None else min(self.wait_s, deadline - now)
+                with contextlib.suppress(posix_ipc.BusyError):
+                    sem.acquire(wait)
+        finally:
+            if waited_from is not None:
+                self.wait_seconds += time.monotonic() - waited_from
+
+
+def _prefault(mm: mmap.mmap) -> None:
+    """Touch every page once so tmpfs allocates now, not during the first hot-path copy."""
+    if hasattr(mmap, "MADV_POPULATE_WRITE"):
+        try:
+            mm.madvise(mmap.MADV_POPULATE_WRITE)
+            return
+        except OSError:
+            pass
+    pages = np.frombuffer(mm, dtype=np.uint8)
+    pages[:: mmap.PAGESIZE] = 0
+    del pages
+
+
+def _check_shm_space(nbytes: int, run: str) -> None:
+    """tmpfs overcommits: a ring larger than /dev/shm's free space would SIGBUS on first touch."""
+    st = os.statvfs(SHM_DIR)
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise MemoryError(
+            f"ring for run {run!r} needs {nbytes / 2**30:.2f} GiB of shared memory but {SHM_DIR} has "
+            f"{free / 2**30:.2f} GiB free: lower ring.slots or ring.slot_bytes, or enlarge {SHM_DIR}"
+        )

@@ -1,0 +1,58 @@
+"""The reaper: returns what dead processes held to the ring.
+
+A slot is attributed to a dead process only through its owner row's lock
+file, which the kernel frees on any death. The reaper takes that lock while
+it cleans, so a restarted successor cannot slip in between the look and the
+compare-and-swap; the CAS itself fences off any stale state word.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_ring.common.layout import Role, RowStatus
+from dflash_ring.common.liveness import LockFile, lock_path
+from dflash_ring.common.ring import Ring
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Reaped:
+    row: int
+    role: str
+    index: int
+    freed: int
+    redelivered: int
+
+
+def reap(ring: Ring, lock_dir: Path) -> list[Reaped]:
+    rows = ring.rows()
+    suspects = {i for i, r in enumerate(rows) if i and r["status"] == RowStatus.RUNNING}
+    suspects |= {row for row in ring.owned_slots() if row < len(rows)}
+    reaped = []
+    for row in sorted(suspects):
+        r = rows[row]
+        if r["role"] == Role.NONE:
+            continue
+        role = Role(int(r["role"]))
+        lock = LockFile.try_acquire(lock_path(lock_dir, role, int(r["index"])))
+        if lock is None:
+            continue  # alive
+        try:
+            was_running = ring.row_status(row) == RowStatus.RUNNING
+            freed, redelivered = ring.reclaim_slots_of(row)
+            if was_running:
+                ring.set_row_status(row, RowStatus.DEAD)
+        finally:
+            lock.release(unlink=True)
+        if not (was_running or freed or redelivered):
+            continue  # it left cleanly between our two looks
+        name = role.name.lower()
+        log.warning("%s %d (pid %d) died: %d slot(s) freed, %d redelivered",
+                    name, int(r["index"]), int(r["pid"]), freed, redelivered)
+        reaped.append(Reaped(row, name, int(r["index"]), freed, redelivered))
+    return reaped
+

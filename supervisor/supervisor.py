@@ -1,0 +1,198 @@
+"""The supervisor: creates (or adopts) the ring, owns the done-counter and the shutdown broadcast.
+
+Stop protocol, the place where bugs hide: a drafter never stops on its own
+view of an empty ring, because a slow producer may still be coming. Only the
+supervisor decides, and only when every producer has reported its shard done
+(or, on a drain, has stopped) AND no slot is WRITING, READY or READING. Then
+it sets the shutdown flag and wakes every waiter.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from datetime import datetime, timezone
+
+from dflash_ring.common.config import Config
+from dflash_ring.common.layout import Counter, RingHeaderError, Role, RowStatus
+from dflash_ring.common.liveness import LockFile, ensure_lock_dir, live_lock_files, lock_path
+from dflash_ring.common.ring import ConfigMismatchError, Ring
+from dflash_ring.supervisor.cleanup import remove_run
+from dflash_ring.supervisor.reaper import reap
+
+log = logging.getLogger(__name__)
+
+STOP_DRAIN = 1
+STOP_NOW = 2
+
+
+class SupervisorError(RuntimeError):
+    pass
+
+
+class StaleRunError(SupervisorError):
+    pass
+
+
+class Supervisor:
+    def __init__(self, cfg: Config, reclaim_stale: bool = False):
+        self.cfg = cfg
+        self.reclaim_stale = reclaim_stale
+        self.lock_dir = cfg.lock_dir()
+        self.ring: Ring | None = None
+        self._lock: LockFile | None = None
+        self._signals = 0
+
+    # ---- start ---------------------------------------------------------------
+
+    def start(self) -> Ring:
+        """Create the ring, or adopt a live one; refuse a stale one unless told to reclaim it."""
+        ensure_lock_dir(self.lock_dir)
+        me = lock_path(self.lock_dir, Role.SUPERVISOR, 0)
+        self._lock = LockFile.try_acquire(me)
+        if self._lock is None:
+            pid = me.read_text().strip() if me.exists() else "?"
+            raise SupervisorError(f"a supervisor for run {self.cfg.run.name!r} is already running (pid {pid})")
+        self._lock.write_pid()
+        run = self.cfg.run.name
+        if Ring.exists(run):
+            self.ring = self._adopt_or_reclaim(run)
+        else:
+            Ring.unlink(run)  # semaphores left by a crash during create or teardown
+            self.ring = Ring.create(self.cfg)
+            log.info("created ring %s: %d slots x %.1f MiB, %d producer(s), %d consumer(s)",
+                     self.ring.name, self.cfg.ring.slots, self.cfg.ring.slot_bytes / 2**20,
+                     self.cfg.topology.producers, self.cfg.topology.consumers)
+        self.ring.take_row(0, Role.SUPERVISOR, 0)
+        return self.ring
+
+    def _adopt_or_reclaim(self, run: str) -> Ring:
+        live = [p.name for p in live_lock_files(self.lock_dir) if p != self._lock.path]
+        try:
+            ring = Ring.open(run)
+        except RingHeaderError as e:
+            if live or not self.reclaim_stale:
+                raise SupervisorError(f"{e}" + (f" (live: {', '.join(live)})" if live else "")) from None
+            ring = None
+        if ring is not None:
+            try:
+                ring.check_config(self.cfg)
+            except ConfigMismatchError:
+                ring.close()
+                if live or not self.reclaim_stale:
+                    raise
+                ring = None
+        if ring is not None and live:
+            ring.wait_s = self.cfg.ring.wait_s
+            ring.increment(Counter.SUPERVISOR_ADOPTIONS)
+            log.warning("adopted live ring %s (live: %s)", ring.name, ", ".join(live))
+            return ring
+        if not self.reclaim_stale:
+            assert ring is not None
+            st = ring.status()
+            ring.close()
+            created = datetime.fromtimestamp(st.created_ns / 1e9, timezone.utc).isoformat(timespec="seconds")
+            raise StaleRunError(
+                f"run {run!r} has a stale ring {ring.name} (created {created}, items produced "
+                f"{st.counters['produced']}, consumed {st.counters['consumed']}, {st.depth} still ready) "
+                f"whose processes are all dead. Remove it with `dflash-ring clean {run}`, "
+                f"or start the supervisor with --reclaim-stale to discard it"
+            )
+        if ring is not None:
+            ring.close()
+        removed = Ring.unlink(run)
+        log.warning("reclaimed stale run %r: removed %s", run, ", ".join(removed))
+        return Ring.create(self.cfg)
+
+    # ---- main loop ---------------------------------------------------------------
+
+    def run(self) -> int:
+        """Supervise until shutdown and every process has left; return the exit code."""
+        ring = self.ring if self.ring is not None else self.start()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        producers = self.cfg.topology.producers
+        shutdown_at: float | None = None
+        try:
+            while True:
+                ring.heartbeat(0)
+                reap(ring, self.lock_dir)
+                self._apply_stop_requests(ring)
+                done = self.producers_done(ring)
+                ring.set_flag(Counter.PRODUCERS_DONE, done)
+                if not ring.shutting_down and self._may_shut_down(ring, done, producers):
+                    ring.set_flag(Counter.SHUTDOWN)
+                    log.info("shutdown: %d/%d producers done, ring empty, %d items consumed",
+                             done, producers, ring.counter(Counter.CONSUMED))
+                if ring.shutting_down:
+                    ring.broadcast()
+                    shutdown_at = shutdown_at or time.monotonic()
+                    others = self._live_others()
+                    if not others:
+                        self._teardown(ring)
+                        return 0
+                    if time.monotonic() - shutdown_at > self.cfg.supervisor.exit_timeout_s:
+                        log.error("still alive %.0fs after shutdown: %s; removing the ring anyway",
+                                  self.cfg.supervisor.exit_timeout_s, ", ".join(others))
+                        self._teardown(ring)
+                        return 1
+                time.sleep(self.cfg.supervisor.reap_interval_s)
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    @staticmethod
+    def producers_done(ring: Ring) -> int:
+        rows = ring.rows()
+        return int(((rows["role"] == Role.PRODUCER) & (rows["status"] == RowStatus.DONE)).sum())
+
+    def _may_shut_down(self, ring: Ring, done: int, producers: int) -> bool:
+        counts = ring.slot_counts()
+        if counts["writing"] or counts["ready"] or counts["reading"]:
+            return False
+        if done == producers:
+            return True
+        if not ring.draining:
+            return False
+        rows = ring.rows()
+        return not ((rows["role"] == Role.PRODUCER) & (rows["status"] == RowStatus.RUNNING)).any()
+
+    def _apply_stop_requests(self, ring: Ring) -> None:
+        request = max(ring.counter(Counter.STOP_REQUEST), STOP_DRAIN if self._signals == 1 else 0,
+                      STOP_NOW if self._signals > 1 else 0)
+        if request >= STOP_DRAIN and not ring.draining:
+            log.info("drain requested: producers take no new work; shutdown follows once the ring is empty")
+            ring.set_flag(Counter.DRAIN)
+            ring.broadcast()
+        if request >= STOP_NOW and not ring.shutting_down:
+            log.warning("immediate stop requested: %d ready item(s) will not be trained", ring.slot_counts()["ready"])
+            ring.set_flag(Counter.SHUTDOWN)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._signals += 1  # first: drain; second: stop now
+
+    def _live_others(self) -> list[str]:
+        return [p.name for p in live_lock_files(self.lock_dir) if self._lock is None or p != self._lock.path]
+
+    def _teardown(self, ring: Ring) -> None:
+        ring.close()
+        self.ring = None
+        removed = remove_run(self.cfg.run.name, self.lock_dir, keep=self._lock.path if self._lock else None)
+        if self._lock is not None:
+            self._lock.release(unlink=True)
+            self._lock = None
+        try:
+            self.lock_dir.rmdir()
+        except OSError:
+            pass
+        log.info("run %r finished; removed %s", self.cfg.run.name, ", ".join(removed) or "nothing")
+
+    def close(self) -> None:
+        """Leave without tearing down (e.g. after an error): a restarted supervisor adopts the ring."""
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
