@@ -1,3 +1,4 @@
 from dflash_ring.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # spawned workers re-import this module
+    raise SystemExit(main())

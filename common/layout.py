@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dflash_ring.common.config import RUN_NAME_RE
+
 MAGIC = b"DFLRING\x01"
 LAYOUT_VERSION = 1
 PAGE = 4096
@@ -185,7 +187,7 @@ def is_initialized(buf: memoryview) -> bool:
 
 def read_identity(buf: memoryview, segment_bytes: int, segment_name: str) -> Identity:
     """Parse and cross-check the identity block; raise RingHeaderError on anything off."""
-    fix = f"Stop every process of this run, then remove it with `dflash-ring clean <run> --force` and start again."
+    fix = f"Stop every process of this run, then remove it with `dflash-ring clean {segment_name.removeprefix('/dflash-ring.')}` and start again."
     if segment_bytes < HEADER_BYTES:
         raise RingHeaderError(f"segment {segment_name} is {segment_bytes} bytes, smaller than a ring header. {fix}")
     (magic, version, n_slots, n_rows, slot_bytes, slot_header_bytes, payload_offset, total, created_ns,
@@ -212,7 +214,9 @@ def read_identity(buf: memoryview, segment_bytes: int, segment_name: str) -> Ide
     try:
         name = run_name.rstrip(b"\0").decode()
     except UnicodeDecodeError:
-        raise RingHeaderError(f"segment {segment_name} header has an undecodable run name. {fix}") from None
+        name = ""
+    if f"/dflash-ring.{name}" != segment_name or not RUN_NAME_RE.match(name):
+        raise RingHeaderError(f"segment {segment_name} header names another run ({run_name!r:.60}). {fix}")
     return Identity(version, geo, created_ns, fingerprint, name, blob_len)
 
 

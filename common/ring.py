@@ -246,7 +246,7 @@ class Ring:
         except posix_ipc.ExistentialError:
             raise RingHeaderError(
                 f"segment {name} exists but its semaphores do not: a half-removed run. "
-                f"Remove it with `dflash-ring clean {identity.run_name} --force`"
+                f"Remove it with `dflash-ring clean {identity.run_name}`"
             ) from None
 
     def check_config(self, cfg: Config) -> None:

@@ -1,0 +1,215 @@
+"""`dflash-ring bench ring`: our ring against the usual ways of moving tensors between processes.
+
+Every transport does the same work per item: the producer copies a source
+tensor into the transport, the consumer copies it out into a private buffer.
+Throughput is bytes moved per second from the first put to the last get;
+per-item overhead is measured separately with 4 KiB items. Ratios compare
+our ring to each peer measured in the same invocation.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import platform
+import queue as queue_mod
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash_ring.common.config import load_config
+from dflash_ring.common.layout import Counter, Role
+from dflash_ring.common.membership import Membership
+from dflash_ring.common.ring import Ring
+
+MB = 1_000_000
+TINY_BYTES = 4096
+
+
+def _ring_config(run: str, producers: int, consumers: int, nbytes: int, lock_dir: str):
+    return load_config(None, [
+        f"run.name={run}", f'run.run_dir="{lock_dir}"', "ring.slots=4",
+        f"ring.slot_bytes={nbytes + 8192}", "ring.slot_header_bytes=4096", "ring.wait_s=0.05",
+        f"topology.producers={producers}", f"topology.consumers={consumers}",
+    ])
+
+
+def _ring_producer(cfg_args, index, items, nbytes, ready, start):
+    cfg = _ring_config(*cfg_args)
+    torch.set_num_threads(1)
+    src = torch.full((nbytes,), index, dtype=torch.uint8)
+    with Ring.attach(cfg) as ring:
+        me = Membership.join(ring, cfg, Role.PRODUCER, index)
+        ready.put(index)
+        start.wait()
+        for _ in range(items):
+            w = ring.acquire(me.row)
+            w.tensor("x", torch.uint8, (nbytes,)).copy_(src)
+            ring.publish(w, me.row)
+            del w
+        me.leave()
+
+
+def _ring_consumer(cfg_args, index, nbytes, ready, start, done):
+    cfg = _ring_config(*cfg_args)
+    torch.set_num_threads(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+    with Ring.attach(cfg) as ring:
+        me = Membership.join(ring, cfg, Role.CONSUMER, index)
+        ready.put(index)
+        start.wait()
+        while (r := ring.claim(me.row)) is not None:
+            dst.copy_(r.tensors["x"])
+            ring.release(r)
+            del r
+        done.put(time.monotonic())
+        me.leave()
+
+
+def _mpq_producer(q, index, items, nbytes, ready, start, sent):
+    src = np.full(nbytes, index, dtype=np.uint8)
+    ready.put(index)
+    start.wait()
+    for _ in range(items):
+        q.put(src.copy())
+    q.close()
+    q.join_thread()  # every item is in the pipe before the sentinels go in behind them
+    sent.put(index)
+
+
+def _mpq_consumer(q, index, nbytes, ready, start, done):
+    dst = np.empty(nbytes, dtype=np.uint8)
+    ready.put(index)
+    start.wait()
+    while (a := q.get()) is not None:
+        np.copyto(dst, a)
+    done.put(time.monotonic())
+
+
+def _tmp_producer(q, index, items, nbytes, ready, start, sent, finish):
+    torch.set_num_threads(1)
+    src = torch.full((nbytes,), index, dtype=torch.uint8)
+    ready.put(index)
+    start.wait()
+    for _ in range(items):
+        q.put(src.clone().share_memory_())
+    q.close()
+    q.join_thread()
+    sent.put(index)
+    finish.wait()  # a shared tensor's sender must outlive its receivers (torch.multiprocessing docs)
+
+
+def _tmp_consumer(q, index, nbytes, ready, start, done):
+    torch.set_num_threads(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+    ready.put(index)
+    start.wait()
+    while (t := q.get()) is not None:
+        dst.copy_(t)
+        del t
+    done.put(time.monotonic())
+
+
+def _measure(transport: str, pairs: int, items: int, nbytes: int) -> float:
+    """Seconds to move pairs*items items of nbytes from pairs producers to pairs consumers."""
+    ctx = mp.get_context("spawn")
+    ready, done, sent, start, finish = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+    total = pairs * items
+    ring = None
+    if transport == "ring":
+        run = f"bench-{os.getpid()}"
+        lock_dir = f"/tmp/dflash-ring-bench-{os.getpid()}"
+        cfg_args = (run, pairs, pairs, nbytes, lock_dir)
+        Ring.unlink(run)
+        ring = Ring.create(_ring_config(*cfg_args))
+        prod = [ctx.Process(target=_ring_producer, args=(cfg_args, i, items, nbytes, ready, start)) for i in range(pairs)]
+        cons = [ctx.Process(target=_ring_consumer, args=(cfg_args, i, nbytes, ready, start, done)) for i in range(pairs)]
+    else:
+        q = (torch.multiprocessing.get_context("spawn") if transport == "torch_mp_queue" else ctx).Queue(maxsize=4)
+        if transport == "torch_mp_queue":
+            pf, cf, extra = _tmp_producer, _tmp_consumer, (sent, finish)
+        else:
+            pf, cf, extra = _mpq_producer, _mpq_consumer, (sent,)
+        prod = [ctx.Process(target=pf, args=(q, i, items, nbytes, ready, start, *extra)) for i in range(pairs)]
+        cons = [ctx.Process(target=cf, args=(q, i, nbytes, ready, start, done)) for i in range(pairs)]
+    procs = prod + cons
+    for p in procs:
+        p.start()
+    try:
+        for _ in procs:
+            ready.get(timeout=120)
+        t0 = time.monotonic()
+        start.set()
+        if ring is not None:
+            while ring.counter(Counter.CONSUMED) < total:
+                time.sleep(0.005)
+            ring.set_flag(Counter.SHUTDOWN)
+            ring.broadcast()
+        else:
+            for _ in prod:
+                sent.get(timeout=600)
+            for _ in cons:  # FIFO queue: each consumer's sentinel comes after every item
+                q.put(None)
+        t1 = max(done.get(timeout=600) for _ in cons)
+        finish.set()
+        for p in procs:
+            p.join(timeout=60)
+        if any(p.exitcode != 0 for p in procs):
+            raise RuntimeError(f"{transport}: a worker failed: exit codes {[p.exitcode for p in procs]}")
+        return t1 - t0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        if ring is not None:
+            ring.close()
+            Ring.unlink(ring.identity.run_name)
+            import shutil
+            shutil.rmtree(lock_dir, ignore_errors=True)
+
+
+def _items_for(nbytes: int, requested: int) -> int:
+    if requested:
+        return requested
+    return max(4, min(200, int(2e9 // 2 // max(nbytes, 1))))  # ~1 GB per producer, 4-200 items
+
+
+def _iceoryx2_note() -> str:
+    try:
+        import iceoryx2  # noqa: F401
+    except ImportError:
+        return "iceoryx2 Python bindings not installed: not measured"
+    return "iceoryx2 installed but its tensor benchmark is not implemented: not measured"
+
+
+def run_ring_bench(sizes_mb: list[float], items: int = 0, quiet: bool = False) -> dict[str, Any]:
+    transports = ["ring", "mp_queue_numpy", "torch_mp_queue"]
+    cases = []
+    for pairs in (1, 2):
+        for size in sizes_mb + [TINY_BYTES / MB]:
+            nbytes = int(size * MB)
+            n = _items_for(nbytes, items) if nbytes > TINY_BYTES else 500
+            row: dict[str, Any] = {"topology": f"{pairs}->{pairs}", "item_bytes": nbytes, "items": pairs * n}
+            for t in transports:
+                secs = _measure(t, pairs, n, nbytes)
+                row[t] = {"gb_per_s": round(pairs * n * nbytes / secs / 1e9, 3),
+                          "us_per_item": round(secs / (pairs * n) * 1e6, 1)}
+                if not quiet:
+                    print(f"  {row['topology']} {nbytes:>10} B {t:<16} {row[t]}", flush=True)
+            row["ratio_ring_over"] = {
+                t: round(row["ring"]["gb_per_s"] / row[t]["gb_per_s"], 2) for t in transports[1:]
+            }
+            cases.append(row)
+    return {
+        "benchmark": "ring",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                 "torch": torch.__version__},
+        "method": "P producers copy a source tensor in, P consumers copy it out to a private buffer; "
+                  "GB/s = bytes moved / wall time from first put to last get; 4 KiB rows give per-item overhead",
+        "iceoryx2": _iceoryx2_note(),
+        "cases": cases,
+    }

@@ -1,0 +1,179 @@
+"""Bad input gets a clear error and loses nothing: stale runs, mismatched configs, damaged bytes."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import signal
+import struct
+
+import hypothesis.strategies as st
+import msgpack
+import posix_ipc
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from conftest import wait_exit, wait_for
+from dflash_ring.common.config import ConfigError, load_config
+from dflash_ring.common.layout import HEADER_BYTES, RingHeaderError, read_identity
+from dflash_ring.common.ring import ConfigMismatchError, Ring, segment_name
+from dflash_ring.common.slot_format import SlotFormatError, SlotHeader, SlotLayout, decode_header, encode_header
+
+
+def cfg_for(run, **overrides):
+    return load_config(run.config, [f"{k}={v}" for k, v in overrides.items()])
+
+
+def test_stale_segment_is_refused_with_the_fix_then_cleaned(run):
+    run.write_config(1, 1)
+    sup = run.supervisor()
+    consumer = run.worker("consumer", 0)
+    wait_for(lambda: (run.lock_dir / "consumer-0.lock").exists(), what="the consumer to join")
+    # `clean` refuses a live run.
+    out = run.cli("clean", "--config", str(run.config), check=False)
+    assert out.returncode == 2 and "is live" in out.stderr and "dflash-ring stop" in out.stderr
+    for p in (sup, consumer):  # a crash of everything leaves a stale segment
+        p.send_signal(signal.SIGKILL)
+        wait_exit(p)
+    assert Ring.exists(run.name)
+    refused = run.supervisor()
+    assert wait_exit(refused) == 2
+    err = refused.stderr.read()
+    assert "stale ring" in err and f"dflash-ring clean {run.name}" in err and "--reclaim-stale" in err
+    out = run.cli("clean", "--config", str(run.config))
+    assert segment_name(run.name) in out.stdout
+    assert run.leftovers() == []
+
+
+def test_reclaim_stale_starts_fresh(run):
+    run.write_config(1, 1)
+    sup = run.supervisor()
+    status = lambda: json.loads(run.cli("status", "--config", str(run.config), "--json").stdout)
+    first = wait_for(lambda: Ring.exists(run.name) and status(), what="the ring")
+    sup.send_signal(signal.SIGKILL)
+    wait_exit(sup)
+    sup = run.supervisor("--reclaim-stale")
+    wait_for(lambda: Ring.exists(run.name) and status()["created_ns"] != first["created_ns"],
+             what="a fresh ring")
+    run.cli("stop", "--config", str(run.config), "--now")
+    assert wait_exit(sup) == 0
+    assert "reclaimed stale run" in sup.stderr.read()
+
+
+def test_mismatched_config_is_refused_naming_the_fields(run):
+    run.write_config(1, 2, slots=4)
+    with Ring.create(cfg_for(run)) as ring:
+        with pytest.raises(ConfigMismatchError) as e:
+            Ring.attach(cfg_for(run, **{"ring.slots": 8, "topology.consumers": 3}), timeout_s=0)
+        msg = str(e.value)
+        assert "ring.slots: ring has 4, this process has 8" in msg
+        assert "topology.consumers: ring has 2, this process has 3" in msg
+        assert "ring.slot_bytes" not in msg
+        del ring
+    Ring.unlink(run.name)
+
+
+def test_unknown_config_key_and_bad_override_are_named(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[ring]\nslotz = 3\n")
+    with pytest.raises(ConfigError, match="unknown config key 'slotz' in \\[ring\\]"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="ring.slots = 'many': expected int"):
+        load_config(None, ["ring.slots=many"])
+    with pytest.raises(ConfigError, match="unknown config key 'nope'"):
+        load_config(None, ["nope.x=1"])
+    assert load_config(None, ["ring.slots=3", "run.name=abc"]).ring.slots == 3
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_ring_header_gives_a_clear_error(data):
+    cfg = load_config(None, ["run.name=fuzzhdr", "ring.slots=2", "ring.slot_bytes=8192",
+                             "ring.slot_header_bytes=4096"])
+    Ring.unlink("fuzzhdr")
+    with Ring.create(cfg) as ring:
+        size = ring.geometry.total_bytes
+        del ring
+    shm = posix_ipc.SharedMemory(segment_name("fuzzhdr"))
+    with mmap.mmap(shm.fd, shm.size) as mm:
+        shm.close_fd()
+        offset = data.draw(st.integers(0, 200), label="offset")
+        junk = data.draw(st.binary(min_size=1, max_size=64), label="junk")
+        mm[offset : offset + len(junk)] = junk[: max(0, HEADER_BYTES - offset)]
+        original = bytes(mm[:HEADER_BYTES])
+    try:
+        ring = Ring.attach(cfg, timeout_s=0)
+    except (RingHeaderError, ConfigMismatchError) as e:
+        assert "dflash-ring clean" in str(e) or "ring has" in str(e) or "damaged" in str(e)
+    else:
+        ring.close()  # the junk landed in a field we do not need, or rewrote it to its own value
+    finally:
+        Ring.unlink("fuzzhdr")
+    assert len(original) == HEADER_BYTES and size > HEADER_BYTES
+
+
+@settings(max_examples=500, deadline=None)
+@given(blob=st.binary(max_size=512))
+def test_arbitrary_bytes_never_escape_as_anything_but_slot_format_error(blob):
+    with pytest.raises(SlotFormatError):
+        decode_header(b"DFS1" + struct.pack("<I", len(blob)) + blob, 1 << 20, 4096)
+
+
+_entry = st.lists(
+    st.one_of(st.text(max_size=8), st.integers(-(2**63), 2**64 - 1), st.lists(st.integers(-5, 2**45), max_size=10),
+              st.sampled_from(["float32", "bfloat16", "int64", "complex", ""]), st.none()),
+    min_size=0, max_size=5)
+
+
+@settings(max_examples=500, deadline=None)
+@given(entries=st.lists(_entry, max_size=4), meta=st.dictionaries(st.text(max_size=5), st.integers(-(2**63), 2**63 - 1), max_size=3))
+def test_structurally_valid_msgpack_with_hostile_fields_is_bounded(entries, meta):
+    body = msgpack.packb({"tensors": entries, "meta": meta})
+    raw = b"DFS1" + struct.pack("<I", len(body)) + body
+    slot_bytes = 1 << 16
+    try:
+        header = decode_header(raw, slot_bytes, 4096)
+    except SlotFormatError:
+        return
+    for spec in header.tensors:  # anything accepted lies inside the slot, past the header
+        assert 4096 <= spec.offset and spec.offset + spec.nbytes <= slot_bytes
+
+
+def test_corrupted_slot_is_dropped_with_a_clear_error_and_the_reader_goes_on(run):
+    run.write_config(1, 1, slots=2)
+    cfg = cfg_for(run)
+    with Ring.create(cfg) as ring:
+        w = ring.try_acquire(1)
+        w.tensor("x", torch.float32, (4,)).fill_(1.0)
+        ring.publish(w, 1)
+        w2 = ring.try_acquire(1)
+        w2.tensor("x", torch.float32, (4,)).fill_(2.0)
+        ring.publish(w2, 1)
+        # Damage the first slot's header so its tensor points past the slot.
+        off = ring.geometry.slot_offset(w.slot)
+        bad = encode_header(SlotHeader([], {}), 4096)
+        body = msgpack.packb({"tensors": [["x", "float32", [1 << 30], 4096]], "meta": {}})
+        bad = b"DFS1" + struct.pack("<I", len(body)) + body
+        ring._mv[off : off + len(bad)] = bad
+        with pytest.raises(SlotFormatError, match=f"item {w.item}.*runs past"):
+            ring.try_claim(2)
+        r = ring.try_claim(2)  # the next item is intact and still delivered
+        assert r.item == w2.item and float(r.tensors["x"][0]) == 2.0
+        ring.release(r)
+        assert ring.status().counters["corrupt"] == 1
+        assert ring.slot_counts()["free"] == 2
+        del w, w2, r
+    Ring.unlink(run.name)
+
+
+def test_slot_layout_refuses_what_does_not_fit():
+    layout = SlotLayout(slot_bytes=8192, header_bytes=4096)
+    layout.add("a", torch.float32, (1000,))
+    with pytest.raises(ValueError, match="raise ring.slot_bytes"):
+        layout.add("b", torch.float32, (1000,))
+
+
+def test_identity_of_a_too_small_segment_is_an_error():
+    with pytest.raises(RingHeaderError, match="smaller than a ring header"):
+        read_identity(memoryview(bytearray(16)), 16, "/x")
