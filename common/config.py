@@ -18,6 +18,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_ring.producer.data_config import DataConfig
+
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,48}$")
 
 
@@ -66,6 +68,7 @@ class Config:
     ring: RingConfig = field(default_factory=RingConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+    data: DataConfig = field(default_factory=DataConfig)
 
     def validate(self) -> None:
         if not RUN_NAME_RE.match(self.run.name):
@@ -167,11 +170,18 @@ def _build(cls: type, raw: typing.Any, where: str) -> typing.Any:
             values[f.name] = _build(hint, raw[f.name], name)
         else:
             values[f.name] = _coerce(raw[f.name], hint, name)
-    return cls(**values)
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"[{where}]: {e}") from None
 
 
 def _coerce(value: typing.Any, hint: typing.Any, name: str) -> typing.Any:
     origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        if value not in typing.get_args(hint):
+            raise ConfigError(f"{name} = {value!r}: expected one of {', '.join(map(repr, typing.get_args(hint)))}")
+        return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(hint)
         if value is None and type(None) in args:

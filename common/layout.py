@@ -92,9 +92,14 @@ def unpack_state(word: int) -> tuple[int, int, SlotState]:
 
 ROW_DTYPE = np.dtype(
     {
-        "names": ["role", "index", "pid", "heartbeat_ns", "started_ns", "items", "status", "restarts"],
-        "formats": ["<u4", "<u4", "<u8", "<u8", "<u8", "<u8", "<u8", "<u8"],
-        "offsets": [0, 4, 8, 16, 24, 32, 40, 48],
+        # A producer's resume point lives here, beside its row, so it survives the producer:
+        # cursor is the committed (epoch, position); pending_item the item that committed it,
+        # and prev_cursor what to roll back to if that item's slot is reclaimed unpublished.
+        "names": ["role", "index", "pid", "heartbeat_ns", "started_ns", "items", "status", "restarts",
+                  "pending_item", "cursor", "prev_cursor", "has_cursor"],
+        "formats": ["<u4", "<u4", "<u8", "<u8", "<u8", "<u8", "<u8", "<u8", "<u8", ("<i8", (2,)), ("<i8", (2,)),
+                    "<u8"],
+        "offsets": [0, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96],
         "itemsize": ROW_BYTES,
     }
 )

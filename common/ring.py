@@ -331,6 +331,13 @@ class Ring:
         r["started_ns"] = r["heartbeat_ns"] = time.time_ns()
         r["status"] = RowStatus.RUNNING
 
+    def committed_cursor(self, row: int) -> tuple[int, int] | None:
+        """The (epoch, position) after the producer's last published batch, if it has one."""
+        r = self._rows[row]
+        if not r["has_cursor"] or r["cursor"][0] < 0:
+            return None
+        return int(r["cursor"][0]), int(r["cursor"][1])
+
     def set_row_status(self, row: int, status: RowStatus) -> None:
         self._rows[row]["status"] = status
 
@@ -394,10 +401,21 @@ class Ring:
         """Claim a slot, waiting while the ring is full. None on drain, shutdown or timeout."""
         return self._wait(lambda: None if self.draining else self.try_acquire(row), self._sem_free, row, timeout_s)
 
-    def publish(self, w: SlotWriter, row: int) -> None:
+    def publish(self, w: SlotWriter, row: int, cursor: tuple[int, int] | None = None) -> None:
+        """Make the slot READY. With a cursor, the producer's resume point moves to it in the same step.
+
+        The cursor is recorded before the compare-and-swap, with the item that commits it;
+        if the producer dies before the CAS, the reaper rolls it back with the slot.
+        """
         header = encode_header(SlotHeader(w.layout.specs, w.meta), self.geometry.slot_header_bytes)
         off = self.geometry.slot_offset(w.slot)
         self._mv[off : off + len(header)] = header
+        if cursor is not None:
+            r = self._rows[row]
+            r["prev_cursor"] = r["cursor"] if r["has_cursor"] else (-1, -1)
+            r["pending_item"] = w.item
+            r["cursor"] = cursor
+            r["has_cursor"] = 1
         ready = pack_state(w.word >> 24, row, SlotState.READY)
         if not self._states[w.slot].cmpxchg_strong(expected=w.word, desired=ready):
             raise SlotLostError(f"slot {w.slot} (item {w.item}) was reclaimed while this process wrote it")
@@ -488,6 +506,9 @@ class Ring:
             if self._states[slot].cmpxchg_strong(expected=word, desired=new):
                 self._counters[c].fetch_add(1)
                 if c == Counter.RECLAIMED:
+                    r = self._rows[row]
+                    if r["has_cursor"] and r["pending_item"] == self._desc[slot]["item"]:
+                        r["cursor"] = r["prev_cursor"]  # that batch was never published
                     freed += 1
                 else:
                     redelivered += 1
