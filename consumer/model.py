@@ -1,0 +1,353 @@
+"""DFlash drafter: Qwen3 layers whose attention also reads the target's hidden states.
+
+Training packs several sequences without padding and drafts many blocks per
+sequence in one pass. Each block is [anchor token, MASK x (B-1)]; its queries
+may see the target context strictly before the anchor (at inference the
+anchor's own target state does not exist yet) and the B tokens of their own
+block, and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import PretrainedConfig, Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+
+from .drafter_config import DrafterConfig, block_size_of, drafter_hf_config, qwen3_config
+
+EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+LM_HEAD_KEYS = ("lm_head.weight",)
+
+
+def cu_seqlens_from_lengths(lengths: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    lengths = torch.as_tensor(lengths, dtype=torch.long)
+    return F.pad(lengths.cumsum(0), (1, 0))
+
+
+@dataclass(frozen=True)
+class Anchors:
+    """Block starts in a packed batch, grouped by sequence so attention never crosses sequences."""
+
+    positions: torch.Tensor  # [N] int64 packed index of each anchor, ascending within a sequence
+    cu_anchors: torch.Tensor  # [num_seqs + 1]: sequence i owns positions[cu_anchors[i]:cu_anchors[i + 1]]
+    cu_seqlens: torch.Tensor  # [num_seqs + 1]: sequence i owns tokens [cu_seqlens[i], cu_seqlens[i + 1])
+
+    @property
+    def num_blocks(self) -> int:
+        return self.positions.numel()
+
+    def seq_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """First and one-past-last packed index of each anchor's sequence, [N] each."""
+        counts = self.cu_anchors.diff()
+        return self.cu_seqlens[:-1].repeat_interleave(counts), self.cu_seqlens[1:].repeat_interleave(counts)
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, num_anchors: int, generator: torch.Generator
+) -> Anchors:
+    """Per sequence, up to num_anchors distinct p with loss_mask[p] and loss_mask[p+1], uniformly.
+
+    The pair condition guarantees each block supervises at least its first
+    draft position. Resampled every step; the explicit generator keeps runs reproducible.
+    """
+    supervised = loss_mask.bool()
+    valid = torch.zeros_like(supervised)
+    valid[:-1] = supervised[:-1] & supervised[1:]
+    ends = cu_seqlens[1:]
+    valid[ends[ends > 0] - 1] = False  # p + 1 would belong to the next sequence
+    bounds = cu_seqlens.tolist()
+    picked: list[torch.Tensor] = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        candidates = valid[start:end].nonzero().squeeze(1) + start
+        if candidates.numel() > num_anchors:
+            keep = torch.randperm(candidates.numel(), generator=generator, device=generator.device)[:num_anchors]
+            candidates = candidates[keep.to(candidates.device)].sort().values
+        picked.append(candidates)
+    counts = torch.tensor([p.numel() for p in picked], device=cu_seqlens.device)
+    positions = torch.cat(picked) if picked else cu_seqlens.new_zeros(0)
+    return Anchors(positions=positions, cu_anchors=F.pad(counts.cumsum(0), (1, 0)), cu_seqlens=cu_seqlens)
+
+
+def block_attention_mask(
+    anchors: torch.Tensor, ctx_len: int, block_size: int, sliding_window: int | None = None
+) -> torch.Tensor:
+    """Boolean [n*B, ctx_len + n*B] mask (True = attend) for n blocks of one sequence.
+
+    Keys are [context 0..ctx_len-1 | block 0 | block 1 | ...]; `anchors` are
+    positions within the sequence. Sliding layers follow SpecForge/z-lab: the
+    window is per query position (a query at anchor+k keeps the last W keys,
+    itself included) and attention inside the block is causal.
+    """
+    n, device = anchors.numel(), anchors.device
+    offsets = torch.arange(block_size, device=device).repeat(n)
+    block_ids = torch.arange(n, device=device).repeat_interleave(block_size)
+    q_anchor = anchors.repeat_interleave(block_size)[:, None]
+    key = torch.arange(ctx_len, device=device)[None, :]
+    ctx_visible = key < q_anchor
+    block_visible = block_ids[:, None] == block_ids[None, :]
+    if sliding_window is not None:
+        ctx_visible &= key > q_anchor + offsets[:, None] - sliding_window
+        block_visible &= offsets[None, :] <= offsets[:, None]
+    return torch.cat([ctx_visible, block_visible], dim=1)
+
+
+@dataclass(frozen=True)
+class _AttentionGroup:
+    """Blocks attended in one SDPA call: a slice of block-token rows and the context keys they may need."""
+
+    rows: slice
+    context: slice
+    masks: dict[int | None, torch.Tensor]  # by sliding window (None = full attention)
+
+
+def _attention_groups(
+    anchors: Anchors, block_size: int, windows: set[int | None], anchors_per_group: int
+) -> list[_AttentionGroup]:
+    """Split each sequence's blocks into groups: block-to-block keys grow with group size, so small groups
+    keep the mask and the wasted block-block scores small; a group's context stops at its last anchor."""
+    seq_starts = anchors.seq_bounds()[0]
+    local = anchors.positions - seq_starts
+    local_host = local.tolist()
+    cu_seq, cu_anc = anchors.cu_seqlens.tolist(), anchors.cu_anchors.tolist()
+    groups = []
+    for seq in range(len(cu_anc) - 1):
+        for first in range(cu_anc[seq], cu_anc[seq + 1], anchors_per_group):
+            last = min(first + anchors_per_group, cu_anc[seq + 1])
+            ctx_len = local_host[last - 1]  # anchors are sorted: the last one sees the most context
+            masks = {w: block_attention_mask(local[first:last], ctx_len, block_size, w) for w in windows}
+            groups.append(
+                _AttentionGroup(
+                    rows=slice(first * block_size, last * block_size),
+                    context=slice(cu_seq[seq], cu_seq[seq] + ctx_len),
+                    masks=masks,
+                )
+            )
+    return groups
+
+
+# cuDNN attention builds a graph per new shape (~12 ms of CPU per call, seen on H200); every group
+# has its own key length, so it would rebuild on nearly every call. The other kernels take any shape.
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [L, heads, head_dim]; cos/sin: [L, head_dim]."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+class DFlashAttention(nn.Module):
+    """Queries from block tokens only; keys/values from [context ; block], sharing k_proj/v_proj/k_norm."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_groups = config.num_attention_heads // config.num_key_value_heads
+        hidden, kv_width = config.hidden_size, config.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_width, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_width, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        sliding = config.layer_types[layer_idx] == "sliding_attention"
+        self.sliding_window: int | None = config.sliding_window if sliding else None
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(-1, (-1, self.head_dim))
+
+    def _expand_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """[L, kv_heads, d] -> [1, heads, L, d]; query head h reads kv head h // groups, as in HF repeat_kv."""
+        return x.transpose(0, 1).repeat_interleave(self.num_kv_groups, dim=0)[None]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor,
+        block_rope: tuple[torch.Tensor, torch.Tensor],
+        context_rope: tuple[torch.Tensor, torch.Tensor],
+        groups: list[_AttentionGroup],
+    ) -> torch.Tensor:
+        q = _apply_rope(self.q_norm(self._heads(self.q_proj(x))), *block_rope)
+        k_block = _apply_rope(self.k_norm(self._heads(self.k_proj(x))), *block_rope)
+        k_context = _apply_rope(self.k_norm(self._heads(self.k_proj(context))), *context_rope)
+        v_block, v_context = self._heads(self.v_proj(x)), self._heads(self.v_proj(context))
+        outputs = []
+        with sdpa_kernel(_SDPA_BACKENDS):
+            for group in groups:
+                k = torch.cat([k_context[group.context], k_block[group.rows]])
+                v = torch.cat([v_context[group.context], v_block[group.rows]])
+                out = F.scaled_dot_product_attention(  # 4-D inputs: fused kernels take no other rank
+                    q[group.rows].transpose(0, 1)[None],
+                    self._expand_kv(k),
+                    self._expand_kv(v),
+                    attn_mask=group.masks[self.sliding_window],
+                )
+                outputs.append(out[0].transpose(0, 1))
+        attended = torch.cat(outputs) if outputs else q  # no blocks: q is already empty
+        return self.o_proj(attended.flatten(1))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor,
+        block_rope: tuple[torch.Tensor, torch.Tensor],
+        context_rope: tuple[torch.Tensor, torch.Tensor],
+        groups: list[_AttentionGroup],
+    ) -> torch.Tensor:
+        # The fused context is not re-normed per layer (z-lab): only block tokens get input_layernorm.
+        x = x + self.self_attn(self.input_layernorm(x), context, block_rope, context_rope, groups)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class FrozenTargetHead(nn.Module):
+    """The target's embed_tokens and lm_head: the drafter writes in the target's token space.
+
+    Kept out of the drafter so they are never trained nor shipped. Buffers,
+    not parameters, so an optimizer built from .parameters() cannot touch them.
+    """
+
+    def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        # None = tied: a second buffer would be copied separately by .to().
+        untied = None if lm_head_weight is None else lm_head_weight.detach()
+        self.register_buffer("untied_lm_head_weight", untied, persistent=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_weight if self.untied_lm_head_weight is None else self.untied_lm_head_weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_weight)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.lm_head_weight
+        return F.linear(hidden.to(weight.dtype), weight)
+
+
+def _tensor_files(root: Path) -> dict[str, Path]:
+    """Which safetensors file holds each tensor, for single-file and sharded checkpoints."""
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        return {k: root / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    single = root / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(f"{root}: no model.safetensors or model.safetensors.index.json")
+    with safe_open(single, framework="pt") as f:
+        return {k: single for k in f.keys()}
+
+
+def load_target_head(
+    target_dir: str | Path, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+) -> FrozenTargetHead:
+    """Read only embed_tokens and lm_head from a target checkpoint (never the whole model)."""
+    root = Path(target_dir)
+    files = _tensor_files(root)
+
+    def read(key: str) -> torch.Tensor:
+        with safe_open(files[key], framework="pt", device=str(device)) as f:
+            tensor = f.get_tensor(key)
+        return tensor if dtype is None else tensor.to(dtype)
+
+    embed_key = next((k for k in EMBED_KEYS if k in files), None)
+    if embed_key is None:
+        raise KeyError(f"{root}: none of {EMBED_KEYS} in the checkpoint")
+    lm_head_key = next((k for k in LM_HEAD_KEYS if k in files), None)
+    if lm_head_key is None:
+        config = json.loads((root / "config.json").read_text())
+        if config.get("tie_word_embeddings") is False:
+            raise KeyError(f"{root}: no lm_head.weight although tie_word_embeddings is false")
+    return FrozenTargetHead(read(embed_key), None if lm_head_key is None else read(lm_head_key))
+
+
+class DFlashDraftModel(nn.Module):
+    """Parameter names match the public checkpoints exactly (no prefix, no embed/lm_head)."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.block_size = block_size_of(config)
+        self.mask_token_id = int(config.dflash_config["mask_token_id"])
+        self.target_layer_ids = list(config.dflash_config["target_layer_ids"])
+        if self.block_size < 2:
+            raise ValueError("config has no block_size >= 2 (top level or in dflash_config)")
+        hidden = config.hidden_size
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        # A plain fp32 tensor, not a buffer (HF's inv_freq is an nn.Buffer, which would re-register):
+        # model.to(bfloat16) must not round the RoPE frequencies, serving stacks keep them in fp32.
+        rotary = Qwen3RotaryEmbedding(config)
+        self._inv_freq = torch.empty_like(rotary.inv_freq, dtype=torch.float32).copy_(rotary.inv_freq)
+        self._rope_scaling = rotary.attention_scaling
+        self._windows = {layer.self_attn.sliding_window for layer in self.layers}
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=config.initializer_range)
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [L, head_dim] exactly as Qwen3RotaryEmbedding computes them."""
+        freqs = positions[:, None].float() * self._inv_freq.to(positions.device)[None, :]
+        angles = torch.cat([freqs, freqs], dim=-1)
+        return (angles.cos() * self._rope_scaling).to(dtype), (angles.sin() * self._rope_scaling).to(dtype)
+
+    def forward(
+        self,
+        context: torch.Tensor,
+        input_ids: torch.Tensor,
+        anchors: Anchors,
+        head: FrozenTargetHead,
+        *,
+        anchors_per_group: int = 64,
+    ) -> torch.Tensor:
+        """Draft hidden states [N, B, H] (final-normed) for every anchor of a packed batch.
+
+        context: [T, n*H] target features (layers target_layer_ids, concatenated on channels);
+        input_ids: [T]; the anchors index both. Position 0 of each block is the anchor itself;
+        head.logits(out[:, k]) is the draft for token anchor + k.
+        """
+        if context.shape[-1] != self.fc.in_features:
+            raise ValueError(f"context width {context.shape[-1]} != {self.fc.in_features} (n_target_layers * hidden)")
+        if context.shape[0] != input_ids.shape[0] or context.shape[0] != int(anchors.cu_seqlens[-1]):
+            raise ValueError("context, input_ids and cu_seqlens disagree on the packed length")
+        block = self.block_size
+        ids = input_ids.new_full((anchors.num_blocks, block), self.mask_token_id)
+        ids[:, 0] = input_ids[anchors.positions]
+        x = head.embed(ids.reshape(-1)).to(self.fc.weight.dtype)
+        fused = self.hidden_norm(self.fc(context.to(self.fc.weight.dtype)))
+
+        token_starts = anchors.cu_seqlens[:-1].repeat_interleave(anchors.cu_seqlens.diff())
+        context_positions = torch.arange(context.shape[0], device=context.device) - token_starts
+        offsets = torch.arange(block, device=context.device)
+        block_positions = ((anchors.positions - anchors.seq_bounds()[0])[:, None] + offsets).reshape(-1)
+        block_rope, context_rope = self._rope(block_positions, x.dtype), self._rope(context_positions, x.dtype)
+        groups = _attention_groups(anchors, block, self._windows, anchors_per_group)
+        for layer in self.layers:
+            x = layer(x, fused, block_rope, context_rope, groups)
+        return self.norm(x).view(-1, block, x.shape[-1])
+
+
+def build_drafter(cfg: DrafterConfig, target_config: Mapping[str, Any] | PretrainedConfig) -> DFlashDraftModel:
+    """A freshly initialised drafter as wide as the target."""
+    return DFlashDraftModel(qwen3_config(drafter_hf_config(cfg, target_config)))

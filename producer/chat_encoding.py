@@ -1,0 +1,190 @@
+"""One data row -> token ids and an assistant-only loss mask, under the target's chat template.
+
+Without `{% generation %}` markers in the template, assistant spans are found by rendering the
+whole conversation again with one reply swapped for a dummy: the text that changes is the reply
+as the template renders it. Comparing against the rendered prefix of the conversation would break
+on templates that rewrite history (Qwen3 drops earlier replies' reasoning and pre-fills an empty
+<think> block only in the generation prompt), and searching for role headers is template-specific.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from .data_config import DataError
+
+ROLES = ("system", "user", "assistant")
+_GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# Two one-character replies that differ, so one of them differs from any reply's first and last character.
+_DUMMIES = ("x", "y")
+
+
+class BadRow(ValueError):
+    """A row that cannot become a training sample; its message is the reason shown to the user."""
+
+
+def conversation_of(row: Any) -> list[dict[str, Any]]:
+    """Validate a row of either shape (chat `messages`, or `prompt`/`response`) into messages."""
+    if not isinstance(row, Mapping):
+        raise BadRow(f"row is not an object (got {type(row).__name__})")
+    messages = row.get("messages")
+    if messages is None:
+        prompt, response = row.get("prompt"), row.get("response")
+        if prompt is None and response is None:
+            raise BadRow("no 'messages' and no 'prompt'/'response'")
+        for name, value in (("prompt", prompt), ("response", response)):
+            if not isinstance(value, str) or not value.strip():
+                raise BadRow(f"'{name}' is not a non-empty string")
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+    if not isinstance(messages, Sequence) or isinstance(messages, str):
+        raise BadRow(f"'messages' is not a list (got {type(messages).__name__})")
+    if not messages:
+        raise BadRow("empty conversation")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise BadRow(f"message {i} is not an object (got {type(message).__name__})")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise BadRow(f"message {i} has role {role!r}, not one of {ROLES}")
+        if not isinstance(content, str):
+            raise BadRow(f"message {i} content is not a string (got {type(content).__name__})")
+        if role == "assistant" and not content.strip():
+            raise BadRow(f"message {i} is an empty assistant reply")
+        _check_text(content, i)
+        # None-valued keys come from Arrow's union of struct fields; templates treat absent and None alike.
+        out.append({k: v for k, v in message.items() if v is not None})
+    if not any(m["role"] == "assistant" for m in out):
+        raise BadRow("no assistant turn")
+    return out
+
+
+def _check_text(text: str, index: int) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRow(f"message {index} is not valid Unicode ({e.reason})") from e
+    if "\ufffd" in text:
+        raise BadRow(f"message {index} has undecodable bytes (U+FFFD)")
+
+
+def decode_json_row(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadRow(f"invalid JSON ({e.msg} at column {e.colno})") from e
+
+
+class ChatEncoder:
+    """Holds the tokenizer and settings; picklable so `datasets.map` can ship it to workers."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, max_length: int, enable_thinking: bool):
+        if not tokenizer.is_fast:
+            raise DataError("loss masks need character offsets: load the target tokenizer as a fast tokenizer")
+        if not tokenizer.chat_template:
+            raise DataError("the target tokenizer has no chat template; set tokenizer.chat_template")
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.enable_thinking = enable_thinking
+        self.uses_generation_markers = bool(_GENERATION_MARKER.search(tokenizer.chat_template))
+        self.generation_prompt, self.closing = ("", "") if self.uses_generation_markers else self._probe()
+
+    def encode(self, row: Any) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids int32, loss_mask uint8), truncated to max_length; raises BadRow."""
+        messages = conversation_of(row)
+        if self.uses_generation_markers:
+            out = self._apply(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+            ids = np.asarray(out["input_ids"], dtype=np.int32)
+            mask = np.asarray(out["assistant_masks"], dtype=np.uint8)
+        else:
+            text = self._apply(messages, tokenize=False)
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids = np.asarray(enc["input_ids"], dtype=np.int32)
+            mask = _mask_spans(
+                np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2), self._spans(messages, text)
+            )
+        ids, mask = ids[: self.max_length], mask[: self.max_length]
+        if not mask.any():
+            raise BadRow(f"no assistant token within max_length={self.max_length}")
+        return ids, mask
+
+    def _apply(self, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
+        try:
+            return self.tokenizer.apply_chat_template(messages, enable_thinking=self.enable_thinking, **kwargs)
+        except Exception as e:  # templates raise anything (jinja errors, raise_exception(...)); only this row is lost
+            raise BadRow(f"chat template failed: {type(e).__name__}: {e}") from e
+
+    def _spans(self, messages: list[dict[str, Any]], text: str) -> list[tuple[int, int]]:
+        """Character spans of assistant turns in `text`: generation-prompt end to reply end plus its closing."""
+        spans: list[tuple[int, int]] = []
+        for k, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            renders = [self._apply(_with_content(messages, k, d), tokenize=False) for d in _DUMMIES]
+            start = min(_common_prefix(text, r) for r in renders)
+            end = len(text) - min(_common_suffix(text, r) for r in renders)
+            if k > 0 and self.generation_prompt:
+                # Extend back over what the model writes before the reply itself (Qwen3 with thinking on:
+                # the <think> block), up to where the generation prompt ends. Only when the text before
+                # this turn renders the same on its own: a template that rewrites history (Qwen3 renders
+                # a final reply differently) would otherwise pull earlier turns into the span.
+                prompt = self._apply(messages[:k], tokenize=False, add_generation_prompt=True)
+                shared = _common_prefix(text, prompt)
+                if shared >= len(prompt) - len(self.generation_prompt):
+                    start = min(start, shared)
+            end += _common_prefix(self.closing, text[end:])
+            if start >= end or (spans and start < spans[-1][1]):
+                raise BadRow(f"cannot locate assistant message {k} in the rendered conversation")
+            spans.append((start, end))
+        return spans
+
+    def _probe(self) -> tuple[str, str]:
+        """The generation prompt, and what the template writes right after a reply (ChatML:
+        '<|im_end|>\\n'), read off a minimal chat."""
+        user = [{"role": "user", "content": "q"}]
+        try:
+            asked = self._apply(user, tokenize=False)
+            prompted = self._apply(user, tokenize=False, add_generation_prompt=True)
+            replies = [self._apply(user + [{"role": "assistant", "content": d}], tokenize=False) for d in _DUMMIES]
+        except BadRow as e:
+            raise DataError(f"the chat template cannot render a minimal user/assistant chat: {e}") from e
+        generation_prompt = prompted[len(asked) :] if prompted.startswith(asked) else ""
+        n = _common_suffix(*replies)
+        return generation_prompt, replies[0][len(replies[0]) - n :]
+
+
+def _with_content(messages: list[dict[str, Any]], k: int, content: str) -> list[dict[str, Any]]:
+    return [{**m, "content": content} if i == k else m for i, m in enumerate(messages)]
+
+
+def _mask_spans(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """1 for tokens overlapping a span (the rule HF uses for generation markers)."""
+    starts = offsets[:, 0]
+    # Zero-width offsets (possible with trimmed offsets) count as one character at their start.
+    ends = np.maximum(offsets[:, 1], starts + 1)
+    mask = np.zeros(len(offsets), dtype=np.uint8)
+    for s, e in spans:
+        mask[(starts < e) & (ends > s)] = 1
+    return mask
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the common prefix; binary search over C-level slice compares, not a Python loop."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _common_suffix(a: str, b: str) -> int:
+    return _common_prefix(a[::-1], b[::-1])

@@ -1,0 +1,229 @@
+"""Tokenize a data set once, cache it on disk, and serve it as flat numpy arrays.
+
+The cache key covers everything that changes the tokens (tokenizer vocabulary and template,
+max_length, enable_thinking, the data files), never how they are batched. The hot path reads
+only memory-mapped .npy files: no Arrow row access, and T producers on one host share the
+page cache.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from transformers import PreTrainedTokenizerBase
+
+from .chat_encoding import BadRow, ChatEncoder, decode_json_row
+from .data_config import DataConfig, DataError
+from .data_source import DataFiles, locate, open_dataset
+
+logger = logging.getLogger(__name__)
+
+# Bump when tokenization or the cache layout changes, so old caches are not reused.
+CACHE_VERSION = 1
+_ARRAYS = ("tokens", "loss_mask", "offsets", "row_ids")
+_WARN_ROWS = 100  # rows warned about one by one; the rest are counted, and all are in meta.json
+_FEATURES = datasets.Features(
+    {
+        "input_ids": datasets.List(datasets.Value("int32")),
+        "loss_mask": datasets.List(datasets.Value("uint8")),
+        "bad": datasets.Value("string"),
+    }
+)
+
+
+@dataclass(frozen=True)
+class TokenizedData:
+    """Every usable sample; sample i is tokens[offsets[i]:offsets[i + 1]]."""
+
+    tokens: np.ndarray  # int32, all samples concatenated
+    loss_mask: np.ndarray  # uint8, 1 on assistant tokens
+    offsets: np.ndarray  # int64, num_samples + 1
+    row_ids: np.ndarray  # int64, each sample's row index in the source data set
+    num_rows: int
+    bad_rows: tuple[tuple[int, str], ...]  # (row index, reason) of every skipped row
+    directory: Path
+    from_cache: bool
+
+    def __len__(self) -> int:
+        return len(self.row_ids)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+
+def load_tokenized(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TokenizedData:
+    """Tokenized samples for `cfg`, built on first use and reused while nothing that matters changes."""
+    # Built even on a cache hit: it checks the tokenizer can do the job before anything is trusted.
+    encoder = ChatEncoder(tokenizer, max_length=cfg.max_length, enable_thinking=cfg.enable_thinking)
+    data = locate(cfg)
+    key = cache_key(cfg, tokenizer, data)
+    root = Path(cfg.cache_dir).expanduser()
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"tokenized-{key}"
+    # Producers start together; one tokenizes while the others wait for its result.
+    with _exclusive(root / f"tokenized-{key}.lock"):
+        from_cache = (final / "meta.json").exists()
+        if not from_cache:
+            _build(cfg, encoder, data, key, final)
+    loaded = _open(final, from_cache)
+    if from_cache:
+        logger.info(
+            "reusing tokenized %s from %s: %d samples, %d bad rows skipped (listed in meta.json)",
+            data.root,
+            final,
+            len(loaded),
+            len(loaded.bad_rows),
+        )
+    return loaded
+
+
+def cache_key(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, data: DataFiles) -> str:
+    settings = {
+        "version": CACHE_VERSION,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "max_length": cfg.max_length,
+        "enable_thinking": cfg.enable_thinking,
+        "split": cfg.split,
+        "format": data.format,
+        "data": data.fingerprint,
+    }
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """The full serialized tokenizer (vocab, merges, normalizer, added tokens) and its chat template."""
+    digest = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode())
+    digest.update(str(tokenizer.chat_template).encode())
+    return digest.hexdigest()
+
+
+@contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _encode_batch(batch: dict[str, list[Any]], *, encoder: ChatEncoder, json_rows: bool) -> dict[str, list[Any]]:
+    """datasets.map body: a bad row becomes an empty sample carrying its reason, never an exception."""
+    rows = batch["text"] if json_rows else [dict(zip(batch, vals, strict=True)) for vals in zip(*batch.values())]
+    out: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "bad": []}
+    for raw in rows:
+        try:
+            ids, mask = encoder.encode(decode_json_row(raw) if json_rows else raw)
+            reason = ""
+        except BadRow as e:
+            ids, mask, reason = np.zeros(0, np.int32), np.zeros(0, np.uint8), str(e)
+        out["input_ids"].append(ids)
+        out["loss_mask"].append(mask)
+        out["bad"].append(reason)
+    return out
+
+
+def _build(cfg: DataConfig, encoder: ChatEncoder, data: DataFiles, key: str, final: Path) -> None:
+    ds, json_rows = open_dataset(data, cfg)
+    if len(ds) == 0:
+        raise DataError(f"data set {data.root} has no rows")
+    # Under the lock, so a fixed name is safe and a crashed build's leftovers are cleared here.
+    tmp = final.with_name(f".{final.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        mapped = ds.map(
+            _encode_batch,
+            fn_kwargs={"encoder": encoder, "json_rows": json_rows},
+            batched=True,
+            batch_size=256,
+            num_proc=min(cfg.num_proc, len(ds)) if cfg.num_proc > 1 else None,
+            remove_columns=ds.column_names,
+            features=_FEATURES,
+            cache_file_name=str(tmp / "map.arrow"),
+            load_from_cache_file=False,
+            new_fingerprint=key,
+            desc="tokenizing",
+        )
+        bad_rows = _materialize(mapped.with_format("arrow")[:], tmp)
+        del mapped
+        _report(bad_rows, len(ds), data.root)
+        num_samples = len(ds) - len(bad_rows)
+        meta = {
+            "key": key,
+            "source": str(data.root),
+            "num_rows": len(ds),
+            "num_samples": num_samples,
+            "bad_rows": bad_rows,
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        for f in tmp.glob("map*.arrow"):
+            f.unlink()
+        tmp.rename(final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("tokenized %s into %s: %d rows -> %d samples", data.root, final, len(ds), num_samples)
+
+
+def _materialize(table: pa.Table, out: Path) -> list[tuple[int, str]]:
+    """Stream the mapped columns into flat .npy files chunk by chunk, so peak memory stays one chunk."""
+    lengths = pc.list_value_length(table.column("input_ids")).to_numpy()
+    # Every kept sample has at least one assistant token, so empty means skipped.
+    good = lengths > 0
+    bad = np.flatnonzero(~good)
+    bad_rows = list(zip(bad.tolist(), pc.take(table.column("bad"), bad).to_pylist(), strict=True))
+    if good.any():
+        np.save(out / "offsets.npy", np.concatenate([[0], np.cumsum(lengths[good], dtype=np.int64)]))
+        np.save(out / "row_ids.npy", np.flatnonzero(good).astype(np.int64))
+        for column, name, dtype in (("input_ids", "tokens", np.int32), ("loss_mask", "loss_mask", np.uint8)):
+            flat = np.lib.format.open_memmap(out / f"{name}.npy", mode="w+", dtype=dtype, shape=(int(lengths.sum()),))
+            pos = 0
+            for chunk in table.column(column).chunks:
+                values = pc.list_flatten(chunk).to_numpy()
+                flat[pos : pos + len(values)] = values
+                pos += len(values)
+            flat.flush()
+            del flat
+    return bad_rows
+
+
+def _report(bad_rows: list[tuple[int, str]], num_rows: int, source: Path) -> None:
+    for index, reason in bad_rows[:_WARN_ROWS]:
+        logger.warning("skipping row %d of %s: %s", index, source, reason)
+    if len(bad_rows) > _WARN_ROWS:
+        logger.warning("... and %d more bad rows (all listed in the cache's meta.json)", len(bad_rows) - _WARN_ROWS)
+    if len(bad_rows) == num_rows:
+        examples = "; ".join(f"row {i}: {r}" for i, r in bad_rows[:3])
+        raise DataError(
+            f"no usable row in {source}: all {num_rows} rows were skipped ({examples}). Each row needs "
+            "'messages' (a list of {role, content} with at least one assistant turn) or non-empty "
+            "'prompt' and 'response' strings, and an assistant reply starting within max_length tokens"
+        )
+    if bad_rows:
+        logger.warning("skipped %d of %d rows of %s", len(bad_rows), num_rows, source)
+
+
+def _open(directory: Path, from_cache: bool) -> TokenizedData:
+    meta = json.loads((directory / "meta.json").read_text())
+    arrays = {name: np.load(directory / f"{name}.npy", mmap_mode="r") for name in _ARRAYS}
+    return TokenizedData(
+        **arrays,
+        num_rows=meta["num_rows"],
+        bad_rows=tuple((int(i), str(r)) for i, r in meta["bad_rows"]),
+        directory=directory,
+        from_cache=from_cache,
+    )

@@ -1,0 +1,321 @@
+"""DFlash drafter: layer-id rule, parameter names, frozen target head loading, anchors and the block mask."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from dflash_ring.consumer.drafter_config import DrafterConfig, build_target_layer_ids
+from dflash_ring.consumer.model import (
+    Anchors,
+    FrozenTargetHead,
+    block_attention_mask,
+    build_drafter,
+    cu_seqlens_from_lengths,
+    load_target_head,
+    sample_anchors,
+)
+
+VOCAB, HIDDEN, MASK_ID = 256, 64, 255
+
+
+def tiny_target_config(**overrides) -> Qwen3Config:
+    base = dict(
+        hidden_size=HIDDEN,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+    )
+    return Qwen3Config(**{**base, **overrides})
+
+
+def save_target(path, sharded: bool = False, **overrides) -> Qwen3ForCausalLM:
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(tiny_target_config(**overrides))
+    target.save_pretrained(path, **({"max_shard_size": "40KB"} if sharded else {}))
+    return target
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("target")
+    save_target(path)
+    return path
+
+
+def anchors_from_local(lengths: list[int], local: list[list[int]]) -> Anchors:
+    cu = cu_seqlens_from_lengths(lengths)
+    positions = torch.tensor([cu[i].item() + a for i, seq in enumerate(local) for a in seq], dtype=torch.long)
+    counts = torch.tensor([len(seq) for seq in local])
+    return Anchors(positions=positions, cu_anchors=cu_seqlens_from_lengths(counts), cu_seqlens=cu)
+
+
+# --- configuration -------------------------------------------------------------------------------
+
+
+def test_build_target_layer_ids_matches_published_drafters():
+    assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B
+    assert build_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]  # Qwen3.6-27B
+    assert build_target_layer_ids(36, 1) == [18]
+    assert build_target_layer_ids(4, 1) == [2]
+    assert build_target_layer_ids(36, 2) == [1, 33]
+
+
+def test_loss_gamma_follows_paper_rule_unless_set():
+    assert DrafterConfig().loss_gamma == 7.0
+    assert DrafterConfig(block_size=10).loss_gamma == 5.0
+    assert DrafterConfig(block_size=8).loss_gamma == 4.0
+    assert DrafterConfig(block_size=16, loss_gamma=3.0).loss_gamma == 3.0
+    with pytest.raises(ValueError, match="loss_gamma"):
+        DrafterConfig(block_size=4)
+
+
+def test_sliding_layers_need_a_window():
+    with pytest.raises(ValueError, match="sliding_window"):
+        DrafterConfig(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+
+
+# --- parameters and the frozen head ------------------------------------------------------------------
+
+
+def test_parameter_names_are_the_public_ones():
+    cfg = DrafterConfig(num_hidden_layers=2, block_size=4, loss_gamma=2.0, mask_token_id=MASK_ID)
+    model = build_drafter(cfg, tiny_target_config())
+    per_layer = [
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+    ]
+    expected = {f"layers.{i}.{name}" for i in range(2) for name in per_layer}
+    expected |= {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    assert set(model.state_dict()) == expected
+    assert model.fc.weight.shape == (HIDDEN, 2 * HIDDEN)  # target layers [1, 1]: n = 2 draft layers
+
+
+@pytest.mark.parametrize("variant", ["untied", "tied", "sharded"])
+def test_frozen_head_loads_only_embed_and_lm_head(tmp_path, variant):
+    target = save_target(tmp_path, tie_word_embeddings=variant == "tied", sharded=variant == "sharded")
+    if variant == "sharded":
+        assert (tmp_path / "model.safetensors.index.json").exists()
+    head = load_target_head(tmp_path)
+    assert torch.equal(head.embed_weight, target.model.embed_tokens.weight)
+    assert torch.equal(head.lm_head_weight, target.lm_head.weight)
+    assert not any(t.requires_grad for t in head.buffers())
+    assert list(head.parameters()) == []  # nothing an optimizer could pick up
+    ids = torch.tensor([3, 7])
+    assert torch.equal(head.embed(ids), target.model.embed_tokens(ids))
+    hidden = torch.randn(2, HIDDEN)
+    torch.testing.assert_close(head.logits(hidden), target.lm_head(hidden))
+
+
+def test_frozen_head_refuses_untied_checkpoint_without_lm_head(tmp_path, target_dir):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(target_dir / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((target_dir / "config.json").read_text())
+    with pytest.raises(KeyError, match="lm_head"):
+        load_target_head(tmp_path)
+
+
+# --- anchors ---------------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    masks=st.lists(st.lists(st.booleans(), min_size=0, max_size=20), min_size=1, max_size=4),
+    num_anchors=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+)
+def test_sample_anchors_picks_valid_sorted_positions_within_each_sequence(masks, num_anchors, seed):
+    lengths = [len(m) for m in masks]
+    loss_mask = torch.tensor([b for m in masks for b in m], dtype=torch.bool)
+    cu = cu_seqlens_from_lengths(lengths)
+    anchors = sample_anchors(loss_mask, cu, num_anchors, torch.Generator().manual_seed(seed))
+    again = sample_anchors(loss_mask, cu, num_anchors, torch.Generator().manual_seed(seed))
+    assert torch.equal(anchors.positions, again.positions)
+    for i, mask in enumerate(masks):
+        valid = [p for p in range(len(mask) - 1) if mask[p] and mask[p + 1]]
+        picked = (anchors.positions[anchors.cu_anchors[i] : anchors.cu_anchors[i + 1]] - cu[i]).tolist()
+        assert picked == sorted(set(picked))
+        assert set(picked) <= set(valid)
+        assert len(picked) == min(num_anchors, len(valid))
+
+
+def test_sample_anchors_is_uniform_enough_to_reach_every_valid_position():
+    loss_mask = torch.ones(12, dtype=torch.bool)
+    cu = cu_seqlens_from_lengths([12])
+    gen = torch.Generator().manual_seed(0)
+    seen = set()
+    for _ in range(50):
+        seen |= set(sample_anchors(loss_mask, cu, 3, gen).positions.tolist())
+    assert seen == set(range(11))
+
+
+# --- attention mask --------------------------------------------------------------------------------
+
+
+def reference_mask(anchors: list[int], ctx_len: int, block: int, window: int | None) -> torch.Tensor:
+    n = len(anchors)
+    mask = torch.zeros(n * block, ctx_len + n * block, dtype=torch.bool)
+    for b, a in enumerate(anchors):
+        for k in range(block):
+            row = b * block + k
+            for j in range(ctx_len):
+                mask[row, j] = j < a and (window is None or a + k - j < window)
+            for k2 in range(block):
+                mask[row, ctx_len + b * block + k2] = window is None or k2 <= k
+    return mask
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_block_attention_mask_matches_reference(window):
+    anchors = [0, 3, 7]
+    got = block_attention_mask(torch.tensor(anchors), ctx_len=8, block_size=3, sliding_window=window)
+    assert torch.equal(got, reference_mask(anchors, 8, 3, window))
+
+
+LENGTHS = [24, 17]
+LOCAL_ANCHORS = [[3, 9, 15], [2, 10]]
+
+
+@pytest.fixture(scope="module")
+def setup(target_dir):
+    torch.manual_seed(1)
+    cfg = DrafterConfig(num_hidden_layers=2, block_size=4, loss_gamma=2.0, mask_token_id=MASK_ID)
+    target_config = json.loads((target_dir / "config.json").read_text())
+    model = build_drafter(cfg, target_config).eval()
+    head = load_target_head(target_dir)
+    total = sum(LENGTHS)
+    context = torch.randn(total, 2 * HIDDEN)
+    input_ids = torch.randint(0, 250, (total,))
+    return model, head, context, input_ids
+
+
+def draft_logits(model, head, context, input_ids, anchors, group=64):
+    with torch.no_grad():
+        return head.logits(model(context, input_ids, anchors, head, anchors_per_group=group))
+
+
+@pytest.mark.parametrize("group", [1, 2, 64])
+def test_block_sees_only_context_before_its_anchor_and_its_own_block(setup, group):
+    model, head, context, input_ids = setup
+    anchors = anchors_from_local(LENGTHS, LOCAL_ANCHORS)
+    base = draft_logits(model, head, context, input_ids, anchors, group)
+    b = 1  # sequence 0, anchor 9
+
+    future = context.clone()
+    future[9:] = torch.randn_like(future[9:])  # at/after the anchor, and all of sequence 1
+    changed = draft_logits(model, head, future, input_ids, anchors, group)
+    assert torch.equal(changed[b], base[b])
+    assert not torch.allclose(changed[2], base[2])  # anchor 15 does see positions 9..14
+
+    other_block = input_ids.clone()
+    other_block[15] = (other_block[15] + 1) % 250  # anchor token of block 2
+    changed = draft_logits(model, head, context, other_block, anchors, group)
+    assert torch.equal(changed[b], base[b])
+    assert not torch.allclose(changed[2], base[2])
+
+    past = context.clone()
+    past[8] += 1.0  # the last position strictly before the anchor
+    changed = draft_logits(model, head, past, input_ids, anchors, group)
+    assert not torch.allclose(changed[b], base[b])
+
+    own_anchor = input_ids.clone()
+    own_anchor[9] = (own_anchor[9] + 1) % 250
+    changed = draft_logits(model, head, context, own_anchor, anchors, group)
+    assert not torch.allclose(changed[b], base[b])
+
+
+def test_packed_neighbour_does_not_affect_a_sequence(setup):
+    model, head, context, input_ids = setup
+    first = slice(0, LENGTHS[0])
+    alone = draft_logits(
+        model, head, context[first], input_ids[first], anchors_from_local(LENGTHS[:1], LOCAL_ANCHORS[:1])
+    )
+    # Pack the other sequence *before* it: positions must restart at each sequence.
+    second = slice(LENGTHS[0], sum(LENGTHS))
+    packed_context = torch.cat([context[second], context[first]])
+    packed_ids = torch.cat([input_ids[second], input_ids[first]])
+    packed = draft_logits(
+        model, head, packed_context, packed_ids, anchors_from_local(LENGTHS[::-1], LOCAL_ANCHORS[::-1])
+    )
+    torch.testing.assert_close(packed[len(LOCAL_ANCHORS[1]) :], alone, rtol=1e-5, atol=1e-5)
+
+
+def sliding_drafter(num_layers: int):
+    torch.manual_seed(2)
+    cfg = DrafterConfig(
+        num_hidden_layers=num_layers,
+        block_size=4,
+        loss_gamma=2.0,
+        mask_token_id=MASK_ID,
+        target_layer_ids=[1, 2],
+        layer_types=["sliding_attention"] * num_layers,
+        sliding_window=6,
+    )
+    return build_drafter(cfg, tiny_target_config()).eval()
+
+
+def test_sliding_layers_ignore_context_outside_the_window(target_dir):
+    head = load_target_head(target_dir)
+    context, input_ids = torch.randn(24, 2 * HIDDEN), torch.randint(0, 250, (24,))
+    anchors = anchors_from_local([24], [[15]])
+    far = context.clone()
+    far[:10] = torch.randn_like(far[:10])  # query anchor+k keeps keys > 15 + k - 6, i.e. >= 10
+    near = context.clone()
+    near[10] += 1.0
+
+    deep = sliding_drafter(2)
+    base = draft_logits(deep, head, context, input_ids, anchors)
+    assert torch.equal(draft_logits(deep, head, far, input_ids, anchors), base)
+    assert not torch.allclose(draft_logits(deep, head, near, input_ids, anchors), base)
+
+    # One layer shows the window is per query: a query at anchor+1 no longer sees key 10.
+    shallow = sliding_drafter(1)
+    base = draft_logits(shallow, head, context, input_ids, anchors)
+    changed = draft_logits(shallow, head, near, input_ids, anchors)
+    assert not torch.allclose(changed[0, 0], base[0, 0])
+    assert torch.equal(changed[0, 1:], base[0, 1:])
+
+
+def test_batch_without_anchors_still_backpropagates(setup):
+    model, head, context, input_ids = setup
+    anchors = anchors_from_local(LENGTHS, [[], []])
+    out = model(context, input_ids, anchors, head)
+    assert out.shape == (0, 4, HIDDEN)
+    out.sum().backward()
+
+
+def test_bfloat16_drafter_keeps_fp32_rope_and_tracks_fp32(setup):
+    model, head, context, input_ids = setup
+    anchors = anchors_from_local(LENGTHS, LOCAL_ANCHORS)
+    reference = draft_logits(model, head, context, input_ids, anchors)
+    half = build_drafter(
+        DrafterConfig(num_hidden_layers=2, block_size=4, loss_gamma=2.0, mask_token_id=MASK_ID), tiny_target_config()
+    )
+    half.load_state_dict(model.state_dict())
+    half.to(torch.bfloat16)
+    assert half._inv_freq.dtype == torch.float32
+    bf16_head = FrozenTargetHead(head.embed_weight.bfloat16(), head.lm_head_weight.bfloat16())
+    got = draft_logits(half, bf16_head, context.bfloat16(), input_ids, anchors)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), reference, rtol=0.1, atol=0.05)

@@ -1,0 +1,284 @@
+"""Loading, tokenizing and caching data for producers, on an offline tokenizer with a Qwen3-style template."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from transformers import AutoTokenizer
+
+from dflash_ring.producer.chat_encoding import ChatEncoder
+from dflash_ring.producer.data_config import DataConfig, DataError
+from dflash_ring.producer.pretokenized import load_tokenized
+from dflash_ring.producer.tiny_tokenizer import tiny_chat_tokenizer
+
+CHAT = [
+    {"role": "system", "content": "be nice"},
+    {"role": "user", "content": "hi there"},
+    {"role": "assistant", "content": "hello world"},
+    {"role": "user", "content": "what is the capital of France?"},
+    {"role": "assistant", "content": "Paris, of course 😀"},
+]
+GOOD_ROWS = [
+    {"messages": CHAT},
+    {"prompt": "explain speculative decoding", "response": "a drafter guesses, the target checks"},
+    {"messages": CHAT[1:3]},
+]
+# The same ChatML, with the assistant spans marked for HF's own mask.
+MARKED_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- generation %}{{- m.content + '<|im_end|>\\n' }}{%- endgeneration %}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+UNMARKED_TEMPLATE = MARKED_TEMPLATE.replace("{%- generation %}", "").replace("{%- endgeneration %}", "")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return tiny_chat_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def spans(tokenizer, ids, mask) -> list[str]:
+    """The decoded runs of masked tokens."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+    return [tokenizer.decode(ids[s:e]) for s, e in zip(edges[::2], edges[1::2])]
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def sample(data, i) -> tuple[np.ndarray, np.ndarray]:
+    s = slice(data.offsets[i], data.offsets[i + 1])
+    return np.asarray(data.tokens[s]), np.asarray(data.loss_mask[s])
+
+
+def test_tiny_tokenizer_round_trips_through_auto_tokenizer(tmp_path):
+    tok = tiny_chat_tokenizer(tmp_path / "tok")
+    again = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    text = "Grüße, 世界! <|im_start|>x"
+    assert again.decode(again.encode(text, add_special_tokens=False)) == text
+    assert tok.encode(text) == again.encode(text)
+    assert again.chat_template == tok.chat_template
+
+
+def test_loss_mask_multi_turn_chat_thinking_off(tokenizer):
+    ids, mask = ChatEncoder(tokenizer, max_length=4096, enable_thinking=False).encode({"messages": CHAT})
+    # The empty <think> block is part of the prompt when thinking is off, so it is not learned.
+    assert spans(tokenizer, ids, mask) == ["hello world<|im_end|>\n", "Paris, of course 😀<|im_end|>\n"]
+    rendered = tokenizer.apply_chat_template(CHAT, tokenize=False, enable_thinking=False)
+    assert ids.tolist() == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert ids.dtype == np.int32 and mask.dtype == np.uint8
+
+
+def test_loss_mask_thinking_on_learns_the_think_block(tokenizer):
+    ids, mask = ChatEncoder(tokenizer, max_length=4096, enable_thinking=True).encode({"messages": CHAT})
+    assert spans(tokenizer, ids, mask) == [
+        "hello world<|im_end|>\n",
+        "<think>\n\n</think>\n\nParis, of course 😀<|im_end|>\n",
+    ]
+
+
+def test_loss_mask_with_reasoning_in_history_and_last_turn(tokenizer):
+    chat = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "<think>\nold thoughts\n</think>\n\nfirst answer"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "<think>\nnew thoughts\n</think>\n\nsecond answer"},
+    ]
+    ids, mask = ChatEncoder(tokenizer, max_length=4096, enable_thinking=True).encode({"messages": chat})
+    # The template drops the reasoning of history turns; the last turn keeps it.
+    assert spans(tokenizer, ids, mask) == [
+        "first answer<|im_end|>\n",
+        "<think>\nnew thoughts\n</think>\n\nsecond answer<|im_end|>\n",
+    ]
+
+
+def test_loss_mask_plain_row(tokenizer):
+    ids, mask = ChatEncoder(tokenizer, max_length=4096, enable_thinking=False).encode(GOOD_ROWS[1])
+    assert spans(tokenizer, ids, mask) == ["a drafter guesses, the target checks<|im_end|>\n"]
+    assert tokenizer.decode(ids).startswith("<|im_start|>user\nexplain speculative decoding<|im_end|>\n")
+
+
+def test_generation_markers_agree_with_template_diffing(tmp_path):
+    marked = tiny_chat_tokenizer(tmp_path / "marked", chat_template=MARKED_TEMPLATE)
+    unmarked = tiny_chat_tokenizer(tmp_path / "unmarked", chat_template=UNMARKED_TEMPLATE)
+    by_markers = ChatEncoder(marked, max_length=4096, enable_thinking=False)
+    by_diffing = ChatEncoder(unmarked, max_length=4096, enable_thinking=False)
+    assert by_markers.uses_generation_markers and not by_diffing.uses_generation_markers
+    for row in GOOD_ROWS:
+        (ids_a, mask_a), (ids_b, mask_b) = by_markers.encode(row), by_diffing.encode(row)
+        assert ids_a.tolist() == ids_b.tolist() and mask_a.tolist() == mask_b.tolist()
+        assert mask_a.any()
+
+
+def test_truncation_to_max_length(tokenizer):
+    full_ids, full_mask = ChatEncoder(tokenizer, max_length=4096, enable_thinking=False).encode({"messages": CHAT})
+    cut = int(np.flatnonzero(full_mask)[0]) + 3
+    ids, mask = ChatEncoder(tokenizer, max_length=cut, enable_thinking=False).encode({"messages": CHAT})
+    assert ids.tolist() == full_ids[:cut].tolist() and mask.tolist() == full_mask[:cut].tolist()
+
+
+def test_bad_rows_are_skipped_counted_and_reported_once(tokenizer, tmp_path, caplog):
+    path = tmp_path / "mixed.jsonl"
+    lines = [
+        json.dumps(GOOD_ROWS[0]),  # 0
+        "{not json",  # 1
+        json.dumps({"messages": "hello"}),  # 2 wrong type
+        json.dumps({"messages": []}),  # 3 empty conversation
+        json.dumps({"messages": [{"role": "user", "content": "only a question"}]}),  # 4 no assistant turn
+        json.dumps({"prompt": "q"}),  # 5 missing response
+        json.dumps({"prompt": "q", "response": 7}),  # 6 wrong type
+        json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}]}),  # 7
+        json.dumps({"messages": [{"role": "wizard", "content": "q"}, {"role": "assistant", "content": "a"}]}),  # 8
+        json.dumps({"prompt": "bad \ud800 surrogate", "response": "a"}),  # 9 invalid unicode
+        json.dumps(GOOD_ROWS[1]),  # 10
+        json.dumps([1, 2]),  # 11 not an object
+        json.dumps({"text": "no known field"}),  # 12
+        "",  # 13 blank line
+        json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]}),  # 14
+        json.dumps(GOOD_ROWS[2]),  # 15
+    ]
+    raw = ("\n".join(lines) + "\n").encode()
+    raw += b'{"prompt": "broken \xff\xfe bytes", "response": "a"}\n'  # 16 undecodable bytes
+    path.write_bytes(raw)
+    cfg = DataConfig(path=str(path), cache_dir=str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING, logger="dflash_ring.producer.pretokenized"):
+        data = load_tokenized(cfg, tokenizer)
+    bad = dict(data.bad_rows)
+    assert sorted(bad) == [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 16]
+    assert data.row_ids.tolist() == [0, 10, 15] and data.num_rows == 17
+    assert "JSON" in bad[1] and "not a list" in bad[2] and "no assistant" in bad[4] and "Unicode" in bad[9]
+    assert "U+FFFD" in bad[16]
+    for index in bad:
+        assert sum(f"skipping row {index} " in r.getMessage() for r in caplog.records) == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dflash_ring.producer.pretokenized"):
+        again = load_tokenized(cfg, tokenizer)
+    assert again.from_cache and again.bad_rows == data.bad_rows
+    assert not [r for r in caplog.records if "skipping row" in r.getMessage()]
+
+
+def test_entirely_bad_data_set_is_a_clear_error(tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"messages": "x"}, {"foo": 1}, 3])
+    with pytest.raises(DataError, match="no usable row.*'messages'"):
+        load_tokenized(DataConfig(path=str(path), cache_dir=str(tmp_path / "cache")), tokenizer)
+    assert not list((tmp_path / "cache").glob("tokenized-*/"))
+
+
+def test_empty_data_set_is_a_clear_error(tokenizer, tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(DataError, match="no rows"):
+        load_tokenized(DataConfig(path=str(tmp_path / "empty.jsonl"), cache_dir=str(tmp_path / "c")), tokenizer)
+    with pytest.raises(DataError, match="does not exist"):
+        load_tokenized(DataConfig(path=str(tmp_path / "missing.jsonl"), cache_dir=str(tmp_path / "c")), tokenizer)
+
+
+def test_parquet_without_row_columns_is_a_clear_error(tokenizer, tmp_path):
+    pq.write_table(pa.Table.from_pylist([{"text": "a"}]), tmp_path / "x.parquet")
+    with pytest.raises(DataError, match="none of the columns"):
+        load_tokenized(DataConfig(path=str(tmp_path / "x.parquet"), cache_dir=str(tmp_path / "c")), tokenizer)
+
+
+def _write(kind: str, root: Path) -> tuple[Path, str]:
+    # Arrow needs one schema: chat and plain rows share the columns, each leaving the other's empty.
+    table = pa.Table.from_pylist(
+        [{"messages": r.get("messages"), "prompt": r.get("prompt"), "response": r.get("response")} for r in GOOD_ROWS]
+    )
+    if kind == "json":
+        (root / "rows.json").write_text(json.dumps(GOOD_ROWS))
+        return root / "rows.json", "auto"
+    if kind == "jsonl":
+        return write_jsonl(root / "rows.jsonl", GOOD_ROWS), "auto"
+    if kind == "parquet":
+        pq.write_table(table, root / "rows.parquet")
+        return root / "rows.parquet", "auto"
+    if kind == "arrow":
+        with pa.ipc.new_stream(root / "rows.arrow", table.schema) as writer:
+            writer.write_table(table)
+        return root / "rows.arrow", "auto"
+    if kind == "disk":
+        datasets.Dataset(table).save_to_disk(str(root / "saved"))
+        return root / "saved", "auto"
+    datasets.DatasetDict({"train": datasets.Dataset(table.slice(0, 1)), "mine": datasets.Dataset(table)}).save_to_disk(
+        str(root / "saved_dict")
+    )
+    return root / "saved_dict", "disk"
+
+
+@pytest.mark.parametrize("kind", ["json", "jsonl", "parquet", "arrow", "disk", "disk_dict"])
+def test_input_formats_give_identical_samples(tokenizer, tmp_path, kind):
+    reference = ChatEncoder(tokenizer, max_length=3072, enable_thinking=False)
+    path, fmt = _write(kind, tmp_path)
+    split = "mine" if kind == "disk_dict" else "train"
+    data = load_tokenized(DataConfig(path=str(path), format=fmt, split=split, cache_dir=str(tmp_path / "c")), tokenizer)
+    assert len(data) == len(GOOD_ROWS) and not data.bad_rows
+    assert data.row_ids.tolist() == [0, 1, 2]
+    for i, row in enumerate(GOOD_ROWS):
+        ids, mask = sample(data, i)
+        want_ids, want_mask = reference.encode(row)
+        assert ids.tolist() == want_ids.tolist() and mask.tolist() == want_mask.tolist()
+    assert data.tokens.dtype == np.int32 and data.loss_mask.dtype == np.uint8
+    assert data.offsets[-1] == len(data.tokens) == len(data.loss_mask)
+
+
+def test_cache_is_reused_without_tokenizing(tokenizer, tmp_path, monkeypatch):
+    path = write_jsonl(tmp_path / "rows.jsonl", GOOD_ROWS)
+    cfg = DataConfig(path=str(path), cache_dir=str(tmp_path / "cache"))
+    first = load_tokenized(cfg, tokenizer)
+    assert not first.from_cache
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(ChatEncoder, "encode", refuse)
+    monkeypatch.setattr(datasets, "load_dataset", refuse)
+    # Batching settings are not part of the cache key.
+    second = load_tokenized(DataConfig(path=str(path), cache_dir=cfg.cache_dir, seed=5, packing=False), tokenizer)
+    assert second.from_cache and second.directory == first.directory
+    assert np.array_equal(second.tokens, first.tokens) and np.array_equal(second.offsets, first.offsets)
+
+
+def test_cache_is_invalidated_when_settings_change(tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "rows.jsonl", GOOD_ROWS)
+    cache = str(tmp_path / "cache")
+    base = load_tokenized(DataConfig(path=str(path), cache_dir=cache), tokenizer)
+    for cfg in (
+        DataConfig(path=str(path), cache_dir=cache, max_length=40),
+        DataConfig(path=str(path), cache_dir=cache, enable_thinking=True),
+    ):
+        changed = load_tokenized(cfg, tokenizer)
+        assert not changed.from_cache and changed.directory != base.directory
+    assert load_tokenized(DataConfig(path=str(path), cache_dir=cache, max_length=40), tokenizer).from_cache
+    other = tiny_chat_tokenizer(tmp_path / "other", chat_template=UNMARKED_TEMPLATE)
+    assert not load_tokenized(DataConfig(path=str(path), cache_dir=cache), other).from_cache
+    write_jsonl(path, GOOD_ROWS[:2])
+    edited = load_tokenized(DataConfig(path=str(path), cache_dir=cache), tokenizer)
+    assert not edited.from_cache and len(edited) == 2
+
+
+def test_parallel_tokenization_matches_serial(tokenizer, tmp_path):
+    rows = [GOOD_ROWS[i % 3] for i in range(40)] + [{"messages": 1}]
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    serial = load_tokenized(DataConfig(path=str(path), cache_dir=str(tmp_path / "a")), tokenizer)
+    parallel = load_tokenized(DataConfig(path=str(path), cache_dir=str(tmp_path / "b"), num_proc=2), tokenizer)
+    for name in ("tokens", "loss_mask", "offsets", "row_ids"):
+        assert np.array_equal(getattr(serial, name), getattr(parallel, name))
+    assert parallel.bad_rows == serial.bad_rows == ((40, "'messages' is not a list (got int)"),)
+
+
+def test_config_rejects_impossible_settings():
+    with pytest.raises(DataError, match="max_tokens_per_batch"):
+        DataConfig(path="x", max_length=4096, max_tokens_per_batch=1024)
+    with pytest.raises(DataError, match="format"):
+        DataConfig(path="x", format="csv")
