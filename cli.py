@@ -65,6 +65,16 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("run", nargs="?")
     sp.set_defaults(func=cmd_clean)
 
+    sp = with_config(sub.add_parser("drafter", help="run drafter trainer J: claim ring items and train"))
+    sp.add_argument("--index", type=int, required=True)
+    sp.add_argument("--device", help="e.g. cuda:0 or cpu (default: train.device)")
+    sp.set_defaults(func=cmd_drafter)
+
+    sp = sub.add_parser("export", help="write a training checkpoint as an HF DFlash drafter directory")
+    sp.add_argument("checkpoint", help="a step-N directory, or a checkpoint root (its latest)")
+    sp.add_argument("out_dir")
+    sp.set_defaults(func=cmd_export)
+
     sp = sub.add_parser("bench", help="benchmarks that print JSON")
     bench = sp.add_subparsers(dest="bench", required=True)
     bp = bench.add_parser("ring", help="ring throughput against multiprocessing and torch queues")
@@ -149,6 +159,19 @@ def cmd_clean(args: argparse.Namespace) -> int:
     run, lock_dir = _run_and_lock_dir(args)
     removed = clean(run, lock_dir)
     print(f"removed {', '.join(removed)}" if removed else f"nothing of run {run!r} was left")
+    return 0
+
+
+def cmd_drafter(args: argparse.Namespace) -> int:
+    from dflash_ring.consumer.process import run_drafter
+
+    return run_drafter(_config(args), args.index, args.device)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from dflash_ring.consumer.checkpoint import export_checkpoint
+
+    print(f"exported {export_checkpoint(args.checkpoint, args.out_dir)}")
     return 0
 
 

@@ -18,6 +18,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_ring.consumer.drafter_config import DrafterConfig
+from dflash_ring.consumer.train_config import TrainConfig
 from dflash_ring.producer.data_config import DataConfig
 
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,48}$")
@@ -69,6 +71,8 @@ class Config:
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> None:
         if not RUN_NAME_RE.match(self.run.name):

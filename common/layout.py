@@ -92,14 +92,15 @@ def unpack_state(word: int) -> tuple[int, int, SlotState]:
 
 ROW_DTYPE = np.dtype(
     {
+        # planned_items: batches a producer will publish over the whole run (the trainers' LR schedule).
         # A producer's resume point lives here, beside its row, so it survives the producer:
         # cursor is the committed (epoch, position); pending_item the item that committed it,
         # and prev_cursor what to roll back to if that item's slot is reclaimed unpublished.
         "names": ["role", "index", "pid", "heartbeat_ns", "started_ns", "items", "status", "restarts",
-                  "pending_item", "cursor", "prev_cursor", "has_cursor"],
+                  "pending_item", "cursor", "prev_cursor", "has_cursor", "planned_items"],
         "formats": ["<u4", "<u4", "<u8", "<u8", "<u8", "<u8", "<u8", "<u8", "<u8", ("<i8", (2,)), ("<i8", (2,)),
-                    "<u8"],
-        "offsets": [0, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96],
+                    "<u8", "<u8"],
+        "offsets": [0, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 104],
         "itemsize": ROW_BYTES,
     }
 )

@@ -338,6 +338,14 @@ class Ring:
             return None
         return int(r["cursor"][0]), int(r["cursor"][1])
 
+    def set_planned_items(self, row: int, n: int) -> None:
+        self._rows[row]["planned_items"] = n
+
+    def planned_items(self) -> int:
+        """Batches all producers that have started plan to publish over the run."""
+        rows = self._rows
+        return int(rows["planned_items"][rows["role"] == Role.PRODUCER].sum())
+
     def set_row_status(self, row: int, status: RowStatus) -> None:
         self._rows[row]["status"] = status
 

@@ -1,0 +1,227 @@
+"""The drafter-trainer process: claim ring items, train on them, checkpoint, exit on shutdown.
+
+A prefetch thread claims the next item and copies it to the training device
+while the current step runs; the slot goes back to the producers as soon as
+its copy has landed, before the step that uses it. Only the supervisor's
+shutdown ends the loop, never an empty ring. SIGTERM finishes the current
+step, checkpoints, gives back a prefetched item unused, and exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import signal
+import threading
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_ring.common.config import Config
+from dflash_ring.common.layout import Role
+from dflash_ring.common.membership import Membership
+from dflash_ring.common.ring import Ring, SlotReader
+from dflash_ring.common.slot_format import SlotFormatError
+from dflash_ring.consumer.checkpoint import CheckpointStore
+from dflash_ring.consumer.drafter_config import DrafterConfig
+from dflash_ring.consumer.model import build_drafter, load_target_head
+from dflash_ring.consumer.trainer import DeviceBatch, StepMetrics, Trainer
+
+log = logging.getLogger(__name__)
+
+
+def target_config_dict(target_path: str) -> dict[str, Any]:
+    path = Path(target_path) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"target.path {target_path!r} has no config.json: point it at a local HF model directory")
+    return json.loads(path.read_text())
+
+
+def resolve_drafter_config(cfg: Config) -> DrafterConfig:
+    """The drafter's settings with the target's choices filled in (mask token, captured layers)."""
+    mask = cfg.drafter.mask_token_id
+    if mask is None:
+        mask = cfg.target.mask_token_id
+    layer_ids = cfg.drafter.target_layer_ids or cfg.target.layer_ids
+    return replace(cfg.drafter, mask_token_id=mask, target_layer_ids=layer_ids)
+
+
+def pick_device(requested: str, index: int) -> torch.device:
+    if requested != "auto":
+        return torch.device(requested)
+    if torch.cuda.is_available():
+        return torch.device("cuda", index % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def to_device(r: SlotReader, device: torch.device, stream: torch.cuda.Stream | None) -> DeviceBatch:
+    """Copy one slot's tensors to the device; returns once the copy has landed (the slot may then go)."""
+    t = r.tensors
+    with torch.cuda.stream(stream) if stream is not None else _null():
+        batch = DeviceBatch(
+            features=t["features"].to(device, non_blocking=True),
+            input_ids=t["input_ids"].to(device, dtype=torch.long, non_blocking=True),
+            loss_mask=t["loss_mask"].to(device, dtype=torch.bool, non_blocking=True),
+            cu_seqlens=t["cu_seqlens"].to(device, dtype=torch.long, non_blocking=True),
+            final_hidden=t["final_hidden"].to(device, non_blocking=True) if "final_hidden" in t else None,
+            meta=dict(r.meta),
+        )
+    if stream is not None:
+        stream.synchronize()
+        # Allocated on the side stream, used on the default one: keep the allocator from reusing them early.
+        for x in (batch.features, batch.input_ids, batch.loss_mask, batch.cu_seqlens, batch.final_hidden):
+            if x is not None:
+                x.record_stream(torch.cuda.default_stream(device))
+    elif device.type == "cpu":  # .to(cpu) aliases the slot: take a private copy
+        batch.features, batch.input_ids = batch.features.clone(), batch.input_ids.clone()
+        if batch.final_hidden is not None:
+            batch.final_hidden = batch.final_hidden.clone()
+    return batch
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class Prefetcher(threading.Thread):
+    """Claims the next item and copies it to the device while the current step computes."""
+
+    def __init__(self, ring: Ring, row: int, device: torch.device):
+        super().__init__(name="prefetch", daemon=True)
+        self.ring, self.row, self.device = ring, row, device
+        self.items: queue.Queue[tuple[SlotReader, DeviceBatch] | None] = queue.Queue(maxsize=1)
+        self.stopping = threading.Event()
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.corrupt = 0
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                r = self.ring.claim(self.row, timeout_s=0.5)
+            except SlotFormatError as e:
+                self.corrupt += 1
+                log.error("%s", e)
+                continue
+            if r is None:
+                if self.ring.shutting_down:
+                    break
+                continue
+            self.items.put((r, to_device(r, self.device, self.stream)))
+        self.items.put(None)
+
+
+def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
+    device = pick_device(device_name or cfg.train.device, index)
+    drafter_cfg = resolve_drafter_config(cfg)
+    target_config = target_config_dict(cfg.target.path)
+    head = load_target_head(cfg.target.path, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                            device=device)
+    trainer = Trainer(build_drafter(drafter_cfg, target_config), head, drafter_cfg, cfg.train, device)
+    store = CheckpointStore(Path(cfg.train.checkpoint_dir) / f"drafter-{index}")
+    consumed: dict[str, list[int]] = {}
+    items = 0
+    if (ckpt := store.load_latest()) is not None:
+        trainer.restore(ckpt)
+        consumed, items = ckpt.info.get("consumed", {}), int(ckpt.info.get("items", 0))
+        log.info("resumed from %s (step %d)", ckpt.path, ckpt.step)
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+
+    def checkpoint() -> None:
+        info = {"consumed": consumed, "items": items, "drafter": asdict(drafter_cfg),
+                "target_config": target_config}
+        path = store.save(trainer.state(info), keep=cfg.train.keep_checkpoints)
+        log.info("checkpoint %s", path)
+
+    with Ring.attach(cfg, pin=True) as ring:
+        me = Membership.join(ring, cfg, Role.CONSUMER, index)
+        log.info("drafter %d on %s: %d parameters, ring %s", index, device,
+                 sum(p.numel() for p in trainer.model.parameters()), ring.name)
+        prefetch = Prefetcher(ring, me.row, device)
+        prefetch.start()
+        last_saved, window = trainer.step, _Window()
+        while (got := _next(prefetch, stop, me)) is not None:
+            r, batch = got
+            ring.release(r)
+            del r
+            items += 1
+            producer = str(batch.meta.get("producer", "?"))
+            mark = [int(batch.meta.get("epoch", 0)), int(batch.meta.get("position", 0))]
+            consumed[producer] = max(consumed.get(producer, mark), mark)
+            total = cfg.train.total_steps or _estimated_steps(ring, cfg)
+            if (m := trainer.train_step(batch, total)) is not None:
+                window.add(m, ring.wait_seconds)
+                if m.step % cfg.train.log_every_steps == 0:
+                    log.info("%s", window.line(total))
+                if m.step - last_saved >= cfg.train.checkpoint_every_steps:
+                    checkpoint()
+                    last_saved = trainer.step
+        prefetch.stopping.set()
+        _give_back(prefetch, ring)
+        if trainer.step != last_saved or store.load_latest() is None:
+            checkpoint()
+        log.info("drafter %d done: %d steps, %d items; %s", index, trainer.step, items,
+                 "stopped by signal" if stop.is_set() else "run finished")
+        me.leave()
+    return 0
+
+
+def _next(prefetch: Prefetcher, stop: threading.Event, me: Membership):
+    while not stop.is_set():
+        me.heartbeat()
+        try:
+            return prefetch.items.get(timeout=0.5)
+        except queue.Empty:
+            continue
+    return None
+
+
+def _give_back(prefetch: Prefetcher, ring: Ring) -> None:
+    """On a stop, an item claimed but not trained goes back to the ring for another drafter."""
+    while True:
+        try:
+            got = prefetch.items.get(timeout=1.0)
+        except queue.Empty:
+            if not prefetch.is_alive():
+                return
+            continue
+        if got is None:
+            return
+        ring.requeue(got[0])
+
+
+def _estimated_steps(ring: Ring, cfg: Config) -> int:
+    consumers = cfg.topology.consumers
+    return max(1, ring.planned_items() // (consumers * cfg.train.grad_accum))
+
+
+class _Window:
+    """Rolling numbers for one log line."""
+
+    def __init__(self) -> None:
+        self.t0, self.tokens, self.wait0 = time.perf_counter(), 0, 0.0
+        self.last: StepMetrics | None = None
+        self.wait = 0.0
+
+    def add(self, m: StepMetrics, wait_s: float) -> None:
+        self.tokens += m.tokens
+        self.last, self.wait = m, wait_s
+
+    def line(self, total: int) -> str:
+        m, dt = self.last, time.perf_counter() - self.t0
+        acc = m.accuracy_per_position
+        text = (f"step {m.step}/{total} loss {m.loss:.4f} acc@1 {acc[0]:.3f} acc@last {acc[-1]:.3f} "
+                f"accept_len {m.accept_len:.2f} lr {m.lr:.2e} tok/s {self.tokens / dt:.0f} "
+                f"ring_wait {self.wait - self.wait0:.1f}s")
+        self.t0, self.tokens, self.wait0 = time.perf_counter(), 0, self.wait
+        return text

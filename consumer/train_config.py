@@ -1,0 +1,36 @@
+"""How a drafter trainer optimizes and where it keeps its checkpoints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainConfig:
+    # AdamW with fp32 master weights (SpecForge's paper-aligned defaults).
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    betas: list[float] | None = None  # None -> [0.9, 0.95]
+    warmup_ratio: float = 0.04
+    min_lr_ratio: float = 0.0
+    # 0: estimate from the batches the producers plan, divided among the drafters.
+    total_steps: int = 0
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+    seed: int = 0
+    # "auto": cuda:<index of this drafter among visible GPUs> when CUDA is present, else cpu.
+    device: str = "auto"
+    # Blocks attended per SDPA call; 64-128 is fastest on an H200 (see docs/benchmarks.md).
+    anchors_per_group: int = 64
+    checkpoint_dir: str = "runs/default/checkpoints"
+    checkpoint_every_steps: int = 200
+    keep_checkpoints: int = 3
+    log_every_steps: int = 10
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or not 0 <= self.warmup_ratio < 1 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError("need lr > 0, 0 <= warmup_ratio < 1 and 0 <= min_lr_ratio <= 1")
+        if self.grad_accum < 1 or self.checkpoint_every_steps < 1 or self.keep_checkpoints < 1:
+            raise ValueError("grad_accum, checkpoint_every_steps and keep_checkpoints must be >= 1")
+        if self.betas is not None and len(self.betas) != 2:
+            raise ValueError(f"betas must be two numbers, got {self.betas}")

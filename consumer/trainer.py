@@ -1,0 +1,125 @@
+"""One drafter's optimization: a training step on a packed batch, the LR schedule, state to checkpoint.
+
+Kept free of the ring so the same step runs in the drafter process and in the
+in-process reference loop the pipeline is checked against.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dflash_ring.consumer.checkpoint import Checkpoint
+from dflash_ring.consumer.drafter_config import DrafterConfig
+from dflash_ring.consumer.loss import dflash_loss
+from dflash_ring.consumer.model import DFlashDraftModel, FrozenTargetHead, sample_anchors
+from dflash_ring.consumer.train_config import TrainConfig
+
+
+@dataclass
+class DeviceBatch:
+    """One ring item on the training device."""
+
+    features: torch.Tensor  # [T, n*H]
+    input_ids: torch.Tensor  # [T] int64
+    loss_mask: torch.Tensor  # [T] bool
+    cu_seqlens: torch.Tensor  # [S+1] int64
+    final_hidden: torch.Tensor | None = None  # [T, H], only for the KL loss
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    ce: float
+    kl: float
+    accuracy_per_position: list[float]
+    accept_len: float
+    lr: float
+    tokens: int
+    step_s: float
+
+
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    """Linear warmup then cosine decay to min_lr_ratio * lr; total may grow as estimates improve."""
+    total = max(total, step + 1, 1)
+    warmup = max(1, int(cfg.warmup_ratio * total))
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class Trainer:
+    def __init__(self, model: DFlashDraftModel, head: FrozenTargetHead, drafter: DrafterConfig,
+                 train: TrainConfig, device: torch.device):
+        self.model = model.to(device)  # fp32 master weights; bf16 only inside autocast on GPU
+        self.head = head
+        self.drafter = drafter
+        self.cfg = train
+        self.device = device
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=train.lr, weight_decay=train.weight_decay,
+            betas=tuple(train.betas or (0.9, 0.95)), fused=device.type == "cuda",
+        )
+        self.anchor_rng = torch.Generator(device=device).manual_seed(train.seed)
+        self.step = 0
+        self._micro = 0
+
+    def train_step(self, batch: DeviceBatch, total_steps: int) -> StepMetrics | None:
+        """Forward, backward and (every grad_accum micro-batches) an optimizer step."""
+        t0 = time.perf_counter()
+        self.model.train()
+        anchors = sample_anchors(batch.loss_mask, batch.cu_seqlens, self.drafter.num_anchors, self.anchor_rng)
+        if anchors.num_blocks == 0:
+            return None  # nothing supervisable in this batch (e.g. all prompt)
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+        with autocast:
+            hidden = self.model(batch.features, batch.input_ids, anchors, self.head,
+                                anchors_per_group=self.cfg.anchors_per_group)
+            out = dflash_loss(hidden, anchors, batch.input_ids, batch.loss_mask, self.head, self.drafter,
+                              target_hidden=batch.final_hidden if self.drafter.kl_weight > 0 else None)
+        (out.loss / self.cfg.grad_accum).backward()
+        self._micro += 1
+        if self._micro % self.cfg.grad_accum:
+            return None
+        lr = lr_at(self.step, total_steps, self.cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return StepMetrics(
+            step=self.step, loss=float(out.loss.detach()), ce=float(out.ce), kl=float(out.kl),
+            accuracy_per_position=[round(float(a), 4) for a in out.accuracy_per_position],
+            accept_len=float(out.accept_len), lr=lr, tokens=batch.num_tokens,
+            step_s=time.perf_counter() - t0,
+        )
+
+    def state(self, info: dict[str, Any]) -> Checkpoint:
+        tensors = {"rng.torch": torch.get_rng_state(), "rng.anchors": self.anchor_rng.get_state()}
+        if self.device.type == "cuda":
+            tensors["rng.cuda"] = torch.cuda.get_rng_state(self.device)
+        return Checkpoint(self.step, self.model.state_dict(), self.optimizer.state_dict(), tensors,
+                          dict(info, micro=self._micro))
+
+    def restore(self, ckpt: Checkpoint) -> None:
+        self.model.load_state_dict(ckpt.model)
+        self.optimizer.load_state_dict(ckpt.optimizer)
+        torch.set_rng_state(ckpt.tensors["rng.torch"])
+        self.anchor_rng.set_state(ckpt.tensors["rng.anchors"])
+        if self.device.type == "cuda" and "rng.cuda" in ckpt.tensors:
+            torch.cuda.set_rng_state(ckpt.tensors["rng.cuda"], self.device)
+        self.step = ckpt.step
+        self._micro = int(ckpt.info.get("micro", ckpt.step * self.cfg.grad_accum))

@@ -1,0 +1,103 @@
+"""Trainer durability: bitwise checkpoint round trips, refusal of partial checkpoints, export."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from dflash_ring.consumer.checkpoint import CheckpointStore, export_checkpoint
+from dflash_ring.consumer.drafter_config import DrafterConfig
+from dflash_ring.consumer.export import load_drafter
+from dflash_ring.consumer.model import build_drafter, load_target_head
+from dflash_ring.consumer.train_config import TrainConfig
+from dflash_ring.consumer.trainer import DeviceBatch, Trainer, lr_at
+
+
+def tiny_target(tmp_path):
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=96, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    path = tmp_path / "target"
+    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    return path, json.loads((path / "config.json").read_text())
+
+
+def make_trainer(tmp_path, seed=0):
+    path, target_config = tiny_target(tmp_path)
+    drafter = DrafterConfig(num_hidden_layers=1, block_size=4, num_anchors=8, mask_token_id=95, loss_gamma=2.0)
+    torch.manual_seed(seed)
+    model = build_drafter(drafter, target_config)
+    train = TrainConfig(lr=1e-3, total_steps=20, seed=seed)
+    return Trainer(model, load_target_head(path), drafter, train, torch.device("cpu")), target_config
+
+
+def batch(seed: int) -> DeviceBatch:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [20, 12]
+    ids = torch.randint(0, 90, (sum(lengths),), generator=g)
+    return DeviceBatch(
+        features=torch.randn(sum(lengths), 64, generator=g),  # one target layer x hidden 64
+        input_ids=ids,
+        loss_mask=torch.ones(sum(lengths), dtype=torch.bool),
+        cu_seqlens=torch.tensor([0, 20, 32]),
+        meta={"producer": 0, "epoch": 0, "position": seed},
+    )
+
+
+def test_checkpoint_round_trip_is_bitwise_and_resume_matches_uninterrupted(tmp_path):
+    trainer, target_config = make_trainer(tmp_path)
+    for s in range(3):
+        trainer.train_step(batch(s), 20)
+    store = CheckpointStore(tmp_path / "ckpt")
+    store.save(trainer.state({"drafter": {}, "target_config": target_config}), keep=2)
+    uninterrupted = [trainer.train_step(batch(s), 20).loss for s in range(3, 6)]
+
+    resumed, _ = make_trainer(tmp_path / "again", seed=1)  # different init: everything must come from the checkpoint
+    ckpt = store.load_latest()
+    resumed.restore(ckpt)
+    for name, value in trainer.state({}).model.items():
+        assert ckpt.model[name].dtype == value.dtype
+    assert [resumed.train_step(batch(s), 20).loss for s in range(3, 6)] == uninterrupted
+    for (n, a), b in zip(trainer.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
+def test_truncated_checkpoint_is_refused_and_the_previous_one_used(tmp_path):
+    trainer, target_config = make_trainer(tmp_path)
+    store = CheckpointStore(tmp_path / "ckpt")
+    trainer.train_step(batch(0), 20)
+    first = store.save(trainer.state({}), keep=3)
+    trainer.train_step(batch(1), 20)
+    second = store.save(trainer.state({}), keep=3)
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == second.name
+    weights = second / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a crash mid-write
+    loaded = store.load_latest()
+    assert loaded.path == first and loaded.step == 1
+    # A half-written temporary directory is never a candidate.
+    (tmp_path / "ckpt" / ".tmp-step-00000009-1").mkdir()
+    assert store.load_latest().path == first
+
+
+def test_export_from_checkpoint_loads_back_with_identical_weights(tmp_path):
+    trainer, target_config = make_trainer(tmp_path)
+    trainer.train_step(batch(0), 20)
+    info = {"drafter": {"num_hidden_layers": 1, "block_size": 4, "num_anchors": 8, "mask_token_id": 95, "loss_gamma": 2.0},
+            "target_config": target_config}
+    store = CheckpointStore(tmp_path / "ckpt")
+    store.save(trainer.state(info), keep=1)
+    out = export_checkpoint(tmp_path / "ckpt", tmp_path / "export")
+    reloaded = load_drafter(out, dtype=torch.float32)
+    for name, value in trainer.model.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], value.to(torch.bfloat16).float()), name
+
+
+def test_lr_schedule_warms_up_then_decays():
+    cfg = TrainConfig(lr=1.0, warmup_ratio=0.1, min_lr_ratio=0.1)
+    lrs = [lr_at(s, 100, cfg) for s in range(100)]
+    assert lrs[0] == 0.1 and lrs[9] == 1.0
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    assert abs(lrs[-1] - 0.1) < 0.01
