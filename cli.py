@@ -82,6 +82,12 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--sizes-mb", default="1,64,256", help="comma-separated item sizes in MB")
     bp.add_argument("--items", type=int, default=0, help="items per case (0: scale with size)")
     bp.set_defaults(func=cmd_bench_ring)
+    bp = bench.add_parser("drafter", help="one drafter training step: time split and FLOP utilization")
+    bp.add_argument("--json", action="store_true")
+    bp.add_argument("--tiny", action="store_true", help="a small shape (CPU smoke run)")
+    bp.add_argument("--steps", type=int, default=5)
+    bp.add_argument("--anchors-per-group", type=int, default=64)
+    bp.set_defaults(func=cmd_bench_drafter)
     return p
 
 
@@ -172,6 +178,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     from dflash_ring.consumer.checkpoint import export_checkpoint
 
     print(f"exported {export_checkpoint(args.checkpoint, args.out_dir)}")
+    return 0
+
+
+def cmd_bench_drafter(args: argparse.Namespace) -> int:
+    from dflash_ring.bench.drafter import run_drafter_bench
+
+    print(json.dumps(run_drafter_bench(args.tiny, args.steps, anchors_per_group=args.anchors_per_group), indent=2))
     return 0
 
 

@@ -185,6 +185,47 @@ def _iceoryx2_note() -> str:
     return "iceoryx2 installed but its tensor benchmark is not implemented: not measured"
 
 
+def _gpu_copy_cases(nbytes: int = 256 * 2**20, repeats: int = 10) -> dict[str, Any]:
+    """GPU <-> slot copy rates: a registered ring slot against the same mapping unregistered and a
+    pinned torch buffer, all in this run (the ring's reason to cudaHostRegister its mapping)."""
+    cfg = load_config(None, [f"run.name=bench-gpu-{os.getpid()}", "ring.slots=1", f"ring.slot_bytes={nbytes + 8192}",
+                             "ring.slot_header_bytes=4096", "topology.producers=1", "topology.consumers=1"])
+    Ring.unlink(cfg.run.name)
+    dev = torch.device("cuda")
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+
+    def rate(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+        return round(repeats * nbytes / (time.perf_counter() - t0) / 1e9, 2)
+
+    out: dict[str, Any] = {"bytes": nbytes, "device": torch.cuda.get_device_name(dev)}
+    with Ring.create(cfg) as ring:
+        w = ring.try_acquire(1)
+        slot = w.tensor("x", torch.uint8, (nbytes,))
+        out["unregistered_h2d_gb_per_s"] = rate(lambda: gpu.copy_(slot, non_blocking=True))
+        out["unregistered_d2h_gb_per_s"] = rate(lambda: slot.copy_(gpu, non_blocking=True))
+        t0 = time.perf_counter()
+        from dflash_ring.common.pinning import HostRegistration
+        reg = HostRegistration(ring._bytes)
+        out["register_s"] = round(time.perf_counter() - t0, 3)
+        out["registered"] = reg.pinned
+        out["slot_h2d_gb_per_s"] = rate(lambda: gpu.copy_(slot, non_blocking=True))
+        out["slot_d2h_gb_per_s"] = rate(lambda: slot.copy_(gpu, non_blocking=True))
+        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        out["pinned_buffer_h2d_gb_per_s"] = rate(lambda: gpu.copy_(pinned, non_blocking=True))
+        out["ratio_slot_over_unregistered_h2d"] = round(out["slot_h2d_gb_per_s"] / out["unregistered_h2d_gb_per_s"], 2)
+        out["ratio_slot_over_pinned_h2d"] = round(out["slot_h2d_gb_per_s"] / out["pinned_buffer_h2d_gb_per_s"], 2)
+        del slot, w
+        reg.close()
+    Ring.unlink(cfg.run.name)
+    return out
+
+
 def run_ring_bench(sizes_mb: list[float], items: int = 0, quiet: bool = False) -> dict[str, Any]:
     transports = ["ring", "mp_queue_numpy", "torch_mp_queue"]
     cases = []
@@ -212,4 +253,5 @@ def run_ring_bench(sizes_mb: list[float], items: int = 0, quiet: bool = False) -
                   "GB/s = bytes moved / wall time from first put to last get; 4 KiB rows give per-item overhead",
         "iceoryx2": _iceoryx2_note(),
         "cases": cases,
+        "gpu_copies": _gpu_copy_cases() if torch.cuda.is_available() else "no CUDA device: not measured",
     }
