@@ -45,6 +45,11 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--verbose", "-v", action="store_true")
         return sp
 
+    sp = with_config(sub.add_parser("run", help="the whole run on this host (no config: the embedded CPU default)"))
+    sp.add_argument("--workdir", default="runs/tiny", help="where the embedded default keeps its files")
+    sp.add_argument("--no-eval", action="store_true", help="skip the held-out acceptance comparison")
+    sp.set_defaults(func=cmd_run)
+
     sp = with_config(sub.add_parser("supervisor", help="create the ring and supervise the run"))
     sp.add_argument("--reclaim-stale", action="store_true",
                     help="discard a dead run's segment instead of refusing to start")
@@ -65,6 +70,11 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("run", nargs="?")
     sp.set_defaults(func=cmd_clean)
 
+    sp = with_config(sub.add_parser("target", help="run target producer I: the frozen target's features into the ring"))
+    sp.add_argument("--index", type=int, required=True)
+    sp.add_argument("--device", help="e.g. cuda:0 or cpu (default: target.device)")
+    sp.set_defaults(func=cmd_target)
+
     sp = with_config(sub.add_parser("drafter", help="run drafter trainer J: claim ring items and train"))
     sp.add_argument("--index", type=int, required=True)
     sp.add_argument("--device", help="e.g. cuda:0 or cpu (default: train.device)")
@@ -75,6 +85,16 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("out_dir")
     sp.set_defaults(func=cmd_export)
 
+    sp = sub.add_parser("eval", help="offline acceptance (tau) of a drafter against its target on chat prompts")
+    sp.add_argument("--drafter", required=True, help="exported drafter directory")
+    sp.add_argument("--target", required=True, help="target model directory (HF format, with tokenizer)")
+    sp.add_argument("--data", required=True, help="jsonl of chats; each row's last assistant turn is regenerated")
+    sp.add_argument("--max-new-tokens", type=int, default=256)
+    sp.add_argument("--limit", type=int, default=None, help="evaluate only the first K prompts")
+    sp.add_argument("--device", default="cpu")
+    sp.add_argument("--json", action="store_true", help="print the report as JSON")
+    sp.set_defaults(func=cmd_eval)
+
     sp = sub.add_parser("bench", help="benchmarks that print JSON")
     bench = sp.add_subparsers(dest="bench", required=True)
     bp = bench.add_parser("ring", help="ring throughput against multiprocessing and torch queues")
@@ -82,6 +102,21 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--sizes-mb", default="1,64,256", help="comma-separated item sizes in MB")
     bp.add_argument("--items", type=int, default=0, help="items per case (0: scale with size)")
     bp.set_defaults(func=cmd_bench_ring)
+    bp = bench.add_parser("target", help="target forward alone and into the ring: tokens/s, ratio, FLOP utilization")
+    bp.add_argument("--json", action="store_true", help="print only the JSON report")
+    bp.add_argument("--tiny", action="store_true", help="a small shape (CPU smoke run) instead of Qwen3-8B's")
+    bp.add_argument("--device", help="default: cuda if available, else cpu")
+    bp.add_argument("--batches", type=int, default=0, help="timed batches per phase (0: 10, or 3 with --tiny)")
+    bp.add_argument("--max-tokens", type=int, default=0, help="tokens per batch (0: 32768, or 2048 with --tiny)")
+    bp.add_argument("--draft-layers", type=int, default=5, help="target layers captured, by the DFlash rule")
+    bp.add_argument("--final-hidden", action="store_true", help="also ship the final hidden state")
+    bp.add_argument("--padded", action="store_true", help="padded batches instead of packed ones")
+    bp.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H200: 989)")
+    bp.set_defaults(func=cmd_bench_target)
+    bp = bench.add_parser("loader", help="one core: token arrays -> batches in the slot format, vs the target rate")
+    bp.add_argument("--json", action="store_true")
+    bp.add_argument("--samples", type=int, default=200_000)
+    bp.set_defaults(func=cmd_bench_loader)
     bp = bench.add_parser("drafter", help="one drafter training step: time split and FLOP utilization")
     bp.add_argument("--json", action="store_true")
     bp.add_argument("--tiny", action="store_true", help="a small shape (CPU smoke run)")
@@ -102,6 +137,12 @@ def _run_and_lock_dir(args: argparse.Namespace) -> tuple[str, Path]:
             raise ConfigError(f"run {args.run!r} differs from the config's run.name {cfg.run.name!r}")
         return args.run, default_runtime_root() / args.run
     return cfg.run.name, cfg.lock_dir()
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from dflash_ring.supervisor.launcher import run
+
+    return run(args.config, args.set, args.workdir, evaluate=not args.no_eval)
 
 
 def cmd_supervisor(args: argparse.Namespace) -> int:
@@ -168,6 +209,12 @@ def cmd_clean(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_target(args: argparse.Namespace) -> int:
+    from dflash_ring.producer.process import run_producer
+
+    return run_producer(_config(args), args.index, args.device)
+
+
 def cmd_drafter(args: argparse.Namespace) -> int:
     from dflash_ring.consumer.process import run_drafter
 
@@ -178,6 +225,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     from dflash_ring.consumer.checkpoint import export_checkpoint
 
     print(f"exported {export_checkpoint(args.checkpoint, args.out_dir)}")
+    return 0
+
+
+def cmd_bench_loader(args: argparse.Namespace) -> int:
+    from dflash_ring.bench.loader import run_loader_bench
+
+    print(json.dumps(run_loader_bench(args.samples), indent=2))
     return 0
 
 
@@ -193,4 +247,23 @@ def cmd_bench_ring(args: argparse.Namespace) -> int:
 
     report = run_ring_bench([float(s) for s in args.sizes_mb.split(",")], args.items, quiet=args.json)
     print(json.dumps(report, indent=2))
+    return 0
+
+
+def cmd_bench_target(args: argparse.Namespace) -> int:
+    from dflash_ring.bench.target import run_target_bench
+
+    report = run_target_bench(tiny=args.tiny, device=args.device, batches=args.batches, max_tokens=args.max_tokens,
+                              draft_layers=args.draft_layers, final_hidden=args.final_hidden, packed=not args.padded,
+                              peak_flops=args.peak_tflops * 1e12, quiet=args.json)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from dflash_ring.consumer.evaluate import evaluate_drafter, format_report, report_json
+
+    report = evaluate_drafter(args.drafter, args.target, args.data, max_new_tokens=args.max_new_tokens,
+                              limit=args.limit, device=args.device)
+    print(report_json(report) if args.json else format_report(report))
     return 0

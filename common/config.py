@@ -21,6 +21,7 @@ from pathlib import Path
 from dflash_ring.consumer.drafter_config import DrafterConfig
 from dflash_ring.consumer.train_config import TrainConfig
 from dflash_ring.producer.data_config import DataConfig
+from dflash_ring.producer.target_config import TargetConfig
 
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,48}$")
 
@@ -71,6 +72,7 @@ class Config:
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
@@ -96,8 +98,12 @@ class Config:
             )
 
     def fingerprint_fields(self) -> dict[str, typing.Any]:
-        """What every process of a run must agree on; stored in the ring header."""
-        return {
+        """What every process of a run must agree on; stored in the ring header.
+
+        With a target set, its geometry (read from its config.json) joins in, so a drafter
+        built for other features is refused by name when it attaches.
+        """
+        fields = {
             "run.name": self.run.name,
             "ring.slots": self.ring.slots,
             "ring.slot_bytes": self.ring.slot_bytes,
@@ -105,6 +111,12 @@ class Config:
             "topology.producers": self.topology.producers,
             "topology.consumers": self.topology.consumers,
         }
+        if self.target.path:
+            try:
+                fields |= self.target.geometry().fingerprint_fields()
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        return fields
 
     def lock_dir(self) -> Path:
         if self.run.run_dir:

@@ -60,6 +60,11 @@ def segment_name(run: str) -> str:
     return f"/dflash-ring.{run}"
 
 
+def replica_segment_name(run: str) -> str:
+    """Where the drafter replicas of a run average their parameters (consumer/replicas.py)."""
+    return f"/dflash-ring.{run}.replicas"
+
+
 def semaphore_names(run: str) -> tuple[str, str]:
     return f"/dflash-ring.{run}.ready", f"/dflash-ring.{run}.free"
 
@@ -240,7 +245,10 @@ class Ring:
                 raise ValueError("not a map")
         except Exception as e:
             shm.close_fd()
-            raise RingHeaderError(f"segment {name} has unreadable config fields ({e})") from None
+            raise RingHeaderError(
+                f"segment {name} has unreadable config fields ({e}): the header is damaged. Stop every process "
+                f"of this run, then remove it with `dflash-ring clean {identity.run_name}` and start again."
+            ) from None
         try:
             return cls(name, shm, identity, fields)
         except posix_ipc.ExistentialError:
@@ -290,7 +298,8 @@ class Ring:
     def unlink(run: str) -> list[str]:
         """Remove the run's segment and semaphores (whatever exists); return what was removed."""
         removed = []
-        for name, kind in [(segment_name(run), posix_ipc.unlink_shared_memory)] + [
+        for name, kind in [(segment_name(run), posix_ipc.unlink_shared_memory),
+                           (replica_segment_name(run), posix_ipc.unlink_shared_memory)] + [
             (s, posix_ipc.unlink_semaphore) for s in semaphore_names(run)
         ]:
             try:

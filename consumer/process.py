@@ -29,6 +29,7 @@ from dflash_ring.common.slot_format import SlotFormatError
 from dflash_ring.consumer.checkpoint import CheckpointStore
 from dflash_ring.consumer.drafter_config import DrafterConfig
 from dflash_ring.consumer.model import build_drafter, load_target_head
+from dflash_ring.consumer.replicas import ReplicaAverager
 from dflash_ring.consumer.trainer import DeviceBatch, StepMetrics, Trainer
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,11 @@ def resolve_drafter_config(cfg: Config) -> DrafterConfig:
     mask = cfg.drafter.mask_token_id
     if mask is None:
         mask = cfg.target.mask_token_id
-    layer_ids = cfg.drafter.target_layer_ids or cfg.target.layer_ids
+    # One source of truth for the features: the layers the producers capture.
+    layer_ids = list(cfg.target.geometry().layer_ids)
+    if cfg.drafter.target_layer_ids and list(cfg.drafter.target_layer_ids) != layer_ids:
+        raise ValueError(f"drafter.target_layer_ids {cfg.drafter.target_layer_ids} differs from the layers the "
+                         f"producers capture {layer_ids}: set target.layer_ids instead")
     return replace(cfg.drafter, mask_token_id=mask, target_layer_ids=layer_ids)
 
 
@@ -145,6 +150,10 @@ def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
 
     with Ring.attach(cfg, pin=True) as ring:
         me = Membership.join(ring, cfg, Role.CONSUMER, index)
+        replicas = None
+        if cfg.topology.consumers > 1 and cfg.train.average_every_steps:
+            replicas = ReplicaAverager(cfg.run.name, index, cfg.topology.consumers, trainer.model, cfg.lock_dir())
+            replicas.catch_up()
         log.info("drafter %d on %s: %d parameters, ring %s", index, device,
                  sum(p.numel() for p in trainer.model.parameters()), ring.name)
         prefetch = Prefetcher(ring, me.row, device)
@@ -161,6 +170,9 @@ def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
             total = cfg.train.total_steps or _estimated_steps(ring, cfg)
             if (m := trainer.train_step(batch, total)) is not None:
                 window.add(m, ring.wait_seconds)
+                if replicas is not None and m.step % cfg.train.average_every_steps == 0:
+                    replicas.publish(m.step)
+                    replicas.average()
                 if m.step % cfg.train.log_every_steps == 0:
                     log.info("%s", window.line(total))
                 if m.step - last_saved >= cfg.train.checkpoint_every_steps:
@@ -168,6 +180,9 @@ def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
                     last_saved = trainer.step
         prefetch.stopping.set()
         _give_back(prefetch, ring)
+        if replicas is not None:
+            replicas.publish(trainer.step)  # a restarted or late peer catches up from here
+            replicas.close()
         if trainer.step != last_saved or store.load_latest() is None:
             checkpoint()
         log.info("drafter %d done: %d steps, %d items; %s", index, trainer.step, items,

@@ -22,6 +22,8 @@ class TrainConfig:
     device: str = "auto"
     # Blocks attended per SDPA call; 64-128 is fastest on an H200 (see docs/benchmarks.md).
     anchors_per_group: int = 64
+    # Replicas on one host average parameters through shared memory every this many steps (0: never).
+    average_every_steps: int = 50
     checkpoint_dir: str = "runs/default/checkpoints"
     checkpoint_every_steps: int = 200
     keep_checkpoints: int = 3

@@ -1,0 +1,71 @@
+"""`dflash-ring bench loader`: can one CPU core feed a target GPU?
+
+Times the producer's data path from materialized token arrays to everything
+but the features in the slot format (plan the epoch, cut token-budget
+batches, build the forward's inputs, write ids, mask, boundaries and sample
+ids into a ring slot), on one thread, and compares its tokens/s with the
+target forward rate measured on the H200 (docs/benchmarks.md). The goal is
+at least 10x, so the loader never starves the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash_ring.common.config import load_config
+from dflash_ring.common.ring import Ring
+from dflash_ring.producer.batching import ShardBatcher
+from dflash_ring.producer.pretokenized import TokenizedData
+from dflash_ring.producer.process import prepare
+
+H200_TARGET_TOKENS_PER_S = 33563.2  # Qwen3-8B-shaped forward, docs/bench-target-h200.json
+
+
+def run_loader_bench(samples: int = 200_000, max_tokens: int = 32768, max_length: int = 3072,
+                     target_tokens_per_s: float = H200_TARGET_TOKENS_PER_S) -> dict:
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(np.log(600), 0.8, samples), 16, max_length).astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    data = TokenizedData(tokens=rng.integers(0, 151936, offsets[-1]).astype(np.int32),
+                         loss_mask=np.ones(offsets[-1], np.uint8), offsets=offsets,
+                         row_ids=np.arange(samples, dtype=np.int64), num_rows=samples, bad_rows=(),
+                         directory=Path("."), from_cache=False)
+    cfg = load_config(None, [f"run.name=bench-loader-{os.getpid()}", "ring.slots=1",
+                             "ring.slot_bytes=2097152", "ring.slot_header_bytes=65536"])
+    Ring.unlink(cfg.run.name)
+    with Ring.create(cfg) as ring:
+        t0 = time.perf_counter()
+        batcher = ShardBatcher(data, rank=0, world_size=1, max_tokens_per_batch=max_tokens, epochs=1)
+        tokens = batches = 0
+        for batch in batcher.batches():
+            prepare(batch, packed=True, pad_id=0, pin=False)
+            w = ring.try_acquire(1)
+            for name, dtype in (("input_ids", torch.int32), ("loss_mask", torch.uint8),
+                                ("cu_seqlens", torch.int32), ("sample_ids", torch.int64)):
+                w.tensor(name, dtype, getattr(batch, name).shape).copy_(torch.from_numpy(getattr(batch, name)))
+            ring.abort(w)
+            tokens += batch.num_tokens
+            batches += 1
+        seconds = time.perf_counter() - t0
+        del w
+    Ring.unlink(cfg.run.name)
+    rate = tokens / seconds
+    return {
+        "benchmark": "loader",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "threads": 1,
+        "samples": samples,
+        "batches": batches,
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "loader_tokens_per_s": round(rate),
+        "target_tokens_per_s": target_tokens_per_s,
+        "ratio_loader_over_target": round(rate / target_tokens_per_s, 1),
+    }

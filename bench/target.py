@@ -1,0 +1,211 @@
+"""`dflash-ring bench target`: the target forward alone, then the same forward feeding a real ring.
+
+One process, one random-weight model built from a config (Qwen3-8B's shape, or a tiny one for a
+CPU smoke run), one set of synthetic batches with a chat-like length distribution:
+
+  (a) forward: the loader thread and the truncated forward, outputs dropped;
+  (b) into the ring: the production loop (producer/process.py: loader thread, forward, D2H on a
+      side stream into registered slots, publish) with a consumer thread releasing slots.
+
+b / a is what the ring costs the producer (1.0: nothing). MFU counts model FLOPs only: 2 x the
+parameters of the layers that run, plus causal attention, against a dense bf16 peak.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import tempfile
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from dflash_ring.common.config import load_config
+from dflash_ring.common.layout import Role
+from dflash_ring.common.membership import Membership
+from dflash_ring.common.ring import Ring
+from dflash_ring.common.slot_format import ALIGN
+from dflash_ring.consumer.drafter_config import build_target_layer_ids
+from dflash_ring.producer.batching import Batch, ShardBatcher
+from dflash_ring.producer.pretokenized import TokenizedData
+from dflash_ring.producer.process import Loader, Producer, prepare, run_target, slot_tensors
+from dflash_ring.producer.target import TargetModel, resolve_device, resolve_dtype
+
+QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6)
+TINY = dict(hidden_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+            intermediate_size=384, vocab_size=1024, max_position_embeddings=4096)
+HEADER_BYTES = 64 * 1024
+
+
+def build_target(shape: dict[str, int], device: torch.device, dtype: torch.dtype, layer_ids: list[int], *,
+                 final_hidden: bool, packed: bool) -> TargetModel:
+    """Random weights made on the device itself: no download, no host copy of 16 GB."""
+    config = Qwen3Config(**shape, tie_word_embeddings=False, attn_implementation="sdpa")
+    with torch.device(device):
+        model = Qwen3ForCausalLM._from_config(config, dtype=dtype)
+    return TargetModel(model, layer_ids, final_hidden=final_hidden, packed=packed)
+
+
+def synthetic_batches(n: int, *, max_tokens: int, max_length: int, vocab: int, packed: bool) -> list[Batch]:
+    """Log-normal lengths (median ~600 tokens for full size, a long tail cut at max_length), random ids."""
+    rng = np.random.default_rng(0)
+    median = min(600, max_length // 4)
+    count = int(2 * n * max_tokens / median) + 16
+    lengths = np.clip(rng.lognormal(np.log(median), 0.8, count), 16, max_length).astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    data = TokenizedData(
+        tokens=rng.integers(0, vocab, offsets[-1]).astype(np.int32), loss_mask=np.ones(offsets[-1], np.uint8),
+        offsets=offsets, row_ids=np.arange(count, dtype=np.int64), num_rows=count, bad_rows=(),
+        directory=Path("."), from_cache=False,
+    )
+    batcher = ShardBatcher(data, rank=0, world_size=1, max_tokens_per_batch=max_tokens, epochs=1, packing=packed,
+                           bucket_window=256)
+    batches = []
+    for batch in batcher.batches():
+        batches.append(batch)
+        if len(batches) == n:
+            return batches
+    raise RuntimeError(f"only {len(batches)} synthetic batches for the {n} asked")
+
+
+def model_flops(target: TargetModel, batches: list[Batch]) -> float:
+    """2 x parameters of the layers run per token, plus 2 x heads x head_dim x s(s+1) per causal sequence and layer."""
+    layers = target.decoder.layers
+    run = len(layers) if target.final_hidden else target.deepest + 1
+    params = sum(p.numel() for layer in list(layers)[:run] for p in layer.parameters())
+    c = target.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    tokens = sum(b.num_tokens for b in batches)
+    pairs = sum(float((b.lengths.astype(np.float64) * (b.lengths + 1)).sum()) for b in batches)
+    return 2.0 * params * tokens + 2.0 * run * c.num_attention_heads * head_dim * pairs
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _loader(batches: list[Batch], target: TargetModel, device: torch.device) -> Loader:
+    return Loader(iter(batches), lambda b: prepare(b, packed=target.packed, pad_id=0, pin=device.type == "cuda"))
+
+
+def time_forward(target: TargetModel, warm: list[Batch], timed: list[Batch]) -> float:
+    for prep in _loader(warm, target, target.device):
+        run_target(target, prep)
+    _sync(target.device)
+    t0 = time.perf_counter()
+    for prep in _loader(timed, target, target.device):
+        run_target(target, prep)
+    _sync(target.device)
+    return time.perf_counter() - t0
+
+
+def _release_all(cfg, stop: threading.Event, ready: threading.Event) -> None:
+    """The consumer side: claim and release at once, so the ring is never the bottleneck by design."""
+    with Ring.attach(cfg) as ring:
+        me = Membership.join(ring, cfg, Role.CONSUMER, 0)
+        ready.set()
+        while not stop.is_set():
+            r = ring.claim(me.row, timeout_s=0.2)
+            if r is not None:
+                ring.release(r)
+                del r
+        me.leave()
+
+
+def time_into_ring(target: TargetModel, warm: list[Batch], timed: list[Batch], max_tokens: int,
+                   slots: int) -> tuple[float, float, int]:
+    """(seconds for the timed batches, seconds blocked on a full ring, slot bytes)."""
+    hidden = target.hidden_size if target.final_hidden else None
+    specs = slot_tensors(max_tokens, max_tokens, target.feature_width, hidden, target.dtype)
+    slot_bytes = HEADER_BYTES + sum(-(-int(np.prod(s)) * d.itemsize // ALIGN) * ALIGN for _, d, s in specs)
+    lock_dir = tempfile.mkdtemp(prefix="dflash-bench-target-")
+    cfg = load_config(None, [
+        f"run.name=bench-target-{os.getpid()}", f'run.run_dir="{lock_dir}"', f"ring.slots={slots}",
+        f"ring.slot_bytes={slot_bytes}", f"ring.slot_header_bytes={HEADER_BYTES}", "ring.wait_s=0.05",
+        "topology.producers=1", "topology.consumers=1",
+    ])
+    Ring.unlink(cfg.run.name)
+    owner = Ring.create(cfg)  # what the supervisor would do
+    stop, ready = threading.Event(), threading.Event()
+    consumer = threading.Thread(target=_release_all, args=(cfg, stop, ready), daemon=True)
+    try:
+        with Ring.attach(cfg, pin=target.device.type == "cuda") as ring:
+            consumer.start()
+            ready.wait(60)
+            me = Membership.join(ring, cfg, Role.PRODUCER, 0)
+            producer = Producer(ring, me.row, 0, target, stop=threading.Event())
+            producer.run(_loader(warm, target, target.device))
+            waited = ring.wait_seconds
+            t0 = time.perf_counter()
+            producer.run(_loader(timed, target, target.device))
+            elapsed = time.perf_counter() - t0
+            waited = ring.wait_seconds - waited
+            me.leave()
+    finally:
+        stop.set()
+        consumer.join(30)
+        owner.close()
+        Ring.unlink(cfg.run.name)
+        shutil.rmtree(lock_dir, ignore_errors=True)
+    return elapsed, waited, slot_bytes
+
+
+def run_target_bench(*, tiny: bool = False, device: str | None = None, batches: int = 0, max_tokens: int = 0,
+                     draft_layers: int = 5, final_hidden: bool = False, packed: bool = True,
+                     peak_flops: float = 989e12, quiet: bool = False) -> dict[str, Any]:
+    dev = resolve_device(device or "auto")
+    dtype = resolve_dtype("auto", dev)
+    shape = TINY if tiny else QWEN3_8B
+    batches = batches or (3 if tiny else 10)
+    max_tokens = max_tokens or (2048 if tiny else 32768)
+    max_length = min(max_tokens, 512 if tiny else 3072)
+    warm_n = 1 if tiny else 2
+    layer_ids = build_target_layer_ids(shape["num_hidden_layers"], draft_layers)
+    target = build_target(shape, dev, dtype, layer_ids, final_hidden=final_hidden, packed=packed)
+    all_batches = synthetic_batches(warm_n + batches, max_tokens=max_tokens, max_length=max_length,
+                                    vocab=shape["vocab_size"], packed=packed)
+    warm, timed = all_batches[:warm_n], all_batches[warm_n:]
+    tokens = sum(b.num_tokens for b in timed)
+    padded = sum(round(b.num_tokens / (1.0 - b.padding_fraction)) for b in timed)
+    forward_s = time_forward(target, warm, timed)
+    if not quiet:
+        print(f"  forward alone: {tokens / forward_s:,.0f} tokens/s", flush=True)
+    ring_s, waited_s, slot_bytes = time_into_ring(target, warm, timed, max_tokens, slots=4 if tiny else 3)
+    if not quiet:
+        print(f"  into the ring: {tokens / ring_s:,.0f} tokens/s", flush=True)
+    flops = model_flops(target, timed)
+    bytes_per_token = target.feature_width * dtype.itemsize + (target.hidden_size * dtype.itemsize if final_hidden
+                                                               else 0) + 5
+    return {
+        "benchmark": "target",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                 "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"},
+        "method": "same process, model and batches: (a) loader + truncated forward; (b) the producer loop into a "
+                  "real ring (side-stream D2H into registered slots) with a consumer thread releasing slots; "
+                  "tokens/s over the timed batches after warm-up",
+        "model": {"shape": "tiny" if tiny else "qwen3-8b", **shape, "dtype": str(dtype).removeprefix("torch."),
+                  "layer_ids": layer_ids, "layers_run": len(target.decoder.layers) if final_hidden
+                  else target.deepest + 1, "final_hidden": final_hidden,
+                  "attention": target.config._attn_implementation},
+        "batches": {"timed": len(timed), "warmup": warm_n, "max_tokens": max_tokens, "packed": packed,
+                    "tokens": tokens, "mean_sequences": round(sum(len(b.lengths) for b in timed) / len(timed), 1),
+                    "mean_length": round(tokens / sum(len(b.lengths) for b in timed), 1),
+                    "padding_fraction": round(1.0 - tokens / padded, 4)},
+        "forward_tokens_per_s": round(tokens / forward_s, 1),
+        "ring_tokens_per_s": round(tokens / ring_s, 1),
+        "ratio_ring_over_forward": round(forward_s / ring_s, 3),
+        "ring": {"slot_bytes": slot_bytes, "bytes_per_token": bytes_per_token,
+                 "gb_per_s": round(tokens * bytes_per_token / ring_s / 1e9, 3), "wait_s": round(waited_s, 3)},
+        "mfu": {"peak_flops": peak_flops, "flops_per_token": round(flops / tokens),
+                "forward": float(f"{flops / forward_s / peak_flops:.4g}"), "ring": float(f"{flops / ring_s / peak_flops:.4g}")},
+    }

@@ -1,0 +1,379 @@
+"""`dflash-ring target`: one producer process, running the frozen target on its shard into the ring.
+
+    loader thread:  batch n+1 -> host tensors (pinned on a GPU host)
+    main thread:    launch the forward of batch n   (asynchronous on a GPU)
+                    publish batch n-1 once its copy has landed   (the copy overlapped forward n)
+                    claim a slot (waits while the ring is full; never drops)
+                    queue batch n's D2H copy on a side stream straight into the slot
+
+The slot is registered with CUDA (Ring.attach(pin=True)), so the copy is one DMA at PCIe speed
+with no pageable staging buffer, and the compute stream never waits for it. On the CPU every step
+is synchronous and a batch is published as soon as it is written.
+
+Resume. `publish` commits the batch's cursor in the ring's process table, so a restarted producer
+continues after its last published batch (a batch whose slot was reclaimed unpublished is redone).
+The same cursor goes to a file in target.state_dir after each publish, for when the ring itself
+is gone; the ring's record wins. The file is removed once the shard is done.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import posix_ipc
+import torch
+from transformers import AutoTokenizer
+
+from dflash_ring.common.config import Config
+from dflash_ring.common.layout import Role, RowStatus
+from dflash_ring.common.membership import Membership
+from dflash_ring.common.ring import Ring, SlotWriter
+from dflash_ring.common.slot_format import SlotLayout
+
+from .batching import Batch, Cursor, ShardBatcher
+from .pretokenized import load_tokenized
+from .target import TargetModel, TargetOutput, resolve_device, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+LOG_EVERY_S = 30.0
+
+
+# ---- slot format --------------------------------------------------------------------------------
+
+def slot_tensors(num_tokens: int, num_sequences: int, width: int, hidden: int | None,
+                 dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """Every tensor of one item, in slot order. `hidden` is None unless the final state is shipped."""
+    specs = [
+        ("input_ids", torch.int32, (num_tokens,)),
+        ("loss_mask", torch.uint8, (num_tokens,)),
+        ("cu_seqlens", torch.int32, (num_sequences + 1,)),
+        ("sample_ids", torch.int64, (num_sequences,)),
+        ("features", dtype, (num_tokens, width)),
+    ]
+    if hidden is not None:
+        specs.append(("final_hidden", dtype, (num_tokens, hidden)))
+    return specs
+
+
+def check_slot_fits(cfg: Config, target: TargetModel) -> None:
+    """Fail at start, not at the first long batch, when the largest possible batch overflows a slot."""
+    tokens = cfg.data.max_tokens_per_batch
+    layout = SlotLayout(cfg.ring.slot_bytes, cfg.ring.slot_header_bytes)
+    hidden = target.hidden_size if target.final_hidden else None
+    try:
+        for spec in slot_tensors(tokens, tokens, target.feature_width, hidden, target.dtype):
+            layout.add(*spec)
+    except ValueError as e:
+        raise RuntimeError(f"a full batch of data.max_tokens_per_batch = {tokens} tokens does not fit a slot: {e}") from None
+
+
+# ---- loader -----------------------------------------------------------------------------------
+
+@dataclass
+class Prepared:
+    """A batch with its model inputs as host tensors, ready for a non-blocking H2D copy."""
+
+    batch: Batch
+    inputs: dict[str, torch.Tensor]
+    cu_seqlens: list[int]
+
+
+def prepare(batch: Batch, *, packed: bool, pad_id: int, pin: bool) -> Prepared:
+    if packed:
+        starts = np.repeat(batch.cu_seqlens[:-1], batch.lengths)
+        arrays = {
+            "input_ids": batch.input_ids.astype(np.int64),
+            "position_ids": np.arange(batch.num_tokens, dtype=np.int64) - starts,
+            "cu_seqlens": batch.cu_seqlens,
+        }
+    else:
+        ids, mask, _ = batch.padded(pad_id)
+        arrays = {"input_ids": ids.astype(np.int64), "attention_mask": mask.astype(np.int64),
+                  "token_index": np.flatnonzero(mask)}
+    inputs = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
+    if pin:
+        inputs = {k: v.pin_memory() for k, v in inputs.items()}
+    return Prepared(batch, inputs, batch.cu_seqlens.tolist())
+
+
+class Loader:
+    """Prepares the next batches on a thread, so the GPU never waits on numpy gathers."""
+
+    def __init__(self, batches: Iterator[Batch], prepare_fn: Callable[[Batch], Prepared], depth: int = 2):
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._fill, args=(batches, prepare_fn), name="loader", daemon=True)
+        self._thread.start()
+
+    def _fill(self, batches: Iterator[Batch], prepare_fn: Callable[[Batch], Prepared]) -> None:
+        try:
+            for batch in batches:
+                if not self._put(prepare_fn(batch)):
+                    return
+            self._put(None)
+        except BaseException as e:  # handed to the main thread, which raises it
+            self._put(e)
+
+    def _put(self, item: object) -> bool:
+        while not self._closed.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def __iter__(self) -> Iterator[Prepared]:
+        while (item := self._queue.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=10)
+
+
+# ---- forward and writer -------------------------------------------------------------------------
+
+def run_target(target: TargetModel, prep: Prepared) -> TargetOutput:
+    """Launch the forward; on a GPU this returns as soon as the kernels are queued."""
+    inputs = {k: v.to(target.device, non_blocking=True) for k, v in prep.inputs.items()}
+    if target.packed:
+        return target.forward_packed(inputs["input_ids"], inputs["position_ids"], inputs["cu_seqlens"], prep.cu_seqlens)
+    return target.forward_padded(inputs["input_ids"], inputs["attention_mask"], inputs["token_index"])
+
+
+@dataclass
+class InFlight:
+    """A claimed slot whose feature copy may still be running; `output` stays alive until it lands."""
+
+    writer: SlotWriter
+    batch: Batch
+    output: TargetOutput
+    copied: torch.cuda.Event | None
+
+
+class SlotFiller:
+    """Writes one batch into a claimed slot: ids from host memory, features by DMA on a side stream."""
+
+    def __init__(self, index: int, device: torch.device):
+        self.index = index
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def fill(self, w: SlotWriter, batch: Batch, out: TargetOutput) -> InFlight:
+        f = out.features
+        hidden = out.final_hidden.shape[1] if out.final_hidden is not None else None
+        views = {name: w.tensor(name, dtype, shape) for name, dtype, shape in
+                 slot_tensors(batch.num_tokens, len(batch.lengths), f.shape[1], hidden, f.dtype)}
+        for name in ("input_ids", "loss_mask", "cu_seqlens", "sample_ids"):
+            views[name].copy_(torch.from_numpy(getattr(batch, name)))
+        w.meta = {"producer": self.index, "epoch": batch.epoch, "position": batch.position,
+                  "num_tokens": batch.num_tokens, "num_sequences": len(batch.lengths)}
+        device_out = [("features", f)] + ([("final_hidden", out.final_hidden)] if hidden is not None else [])
+        if self.stream is None:
+            for name, t in device_out:
+                views[name].copy_(t)
+            return InFlight(w, batch, out, None)
+        self.stream.wait_stream(torch.cuda.current_stream(f.device))
+        with torch.cuda.stream(self.stream):
+            for name, t in device_out:
+                views[name].copy_(t, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+        return InFlight(w, batch, out, copied)
+
+
+class CursorFile:
+    """The last published cursor on disk, tagged with the plan it belongs to (a changed plan ignores it)."""
+
+    def __init__(self, path: Path, plan: str):
+        self.path = path
+        self.plan = plan
+
+    def load(self) -> Cursor | None:
+        try:
+            saved = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, json.JSONDecodeError) as e:
+            log.warning("ignoring unreadable cursor file %s: %s", self.path, e)
+            return None
+        if saved.get("plan") != self.plan:
+            log.warning("ignoring cursor file %s: it belongs to another data set or batching plan", self.path)
+            return None
+        return Cursor(int(saved["epoch"]), int(saved["position"]))
+
+    def save(self, cursor: Cursor) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(json.dumps({"epoch": cursor.epoch, "position": cursor.position, "plan": self.plan}))
+        os.replace(tmp, self.path)
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+@dataclass
+class Stats:
+    batches: int = 0
+    tokens: int = 0
+    padded_tokens: int = 0  # rows x width of padded batches; equals tokens when packed
+    started: float = 0.0
+
+    def add(self, batch: Batch) -> None:
+        self.batches += 1
+        self.tokens += batch.num_tokens
+        self.padded_tokens += round(batch.num_tokens / (1.0 - batch.padding_fraction))
+
+    @property
+    def padding_fraction(self) -> float:
+        return 1.0 - self.tokens / self.padded_tokens if self.padded_tokens else 0.0
+
+
+class Producer:
+    """The main loop: one batch in the forward, the previous one's copy landing, at most one slot held."""
+
+    def __init__(self, ring: Ring, row: int, index: int, target: TargetModel, *,
+                 stop: threading.Event, cursor_file: CursorFile | None = None):
+        self.ring, self.row, self.target = ring, row, target
+        self.stop = stop
+        self.cursor_file = cursor_file
+        self.filler = SlotFiller(index, target.device)
+        self.stats = Stats()
+        self._logged = 0.0
+
+    def run(self, prepared: Iterable[Prepared]) -> bool:
+        """Publish every batch; True when all were published, False on stop, drain or shutdown."""
+        self.stats.started = self._logged = time.monotonic()
+        in_flight: InFlight | None = None
+        try:
+            for prep in prepared:
+                if self.stop.is_set():
+                    return False
+                out = run_target(self.target, prep)
+                if in_flight is not None:
+                    self._publish(in_flight)
+                    in_flight = None
+                w = self._acquire()
+                if w is None:
+                    return False
+                in_flight = self.filler.fill(w, prep.batch, out)
+                if in_flight.copied is None:
+                    self._publish(in_flight)
+                    in_flight = None
+            return True
+        except BaseException:
+            if in_flight is not None:
+                self._abort(in_flight)
+                in_flight = None
+            raise
+        finally:
+            if in_flight is not None:
+                self._publish(in_flight)  # a finished forward on stop: keep it
+            self._log()
+
+    def _acquire(self) -> SlotWriter | None:
+        """A slot, waiting while the ring is full; None on drain, shutdown or our own stop signal."""
+        while not self.stop.is_set():
+            try:
+                w = self.ring.acquire(self.row, timeout_s=1.0)
+            except posix_ipc.SignalError:  # our SIGTERM handler ran inside the semaphore wait
+                continue
+            if w is not None or self.ring.draining or self.ring.shutting_down:
+                return w
+        return None
+
+    def _publish(self, f: InFlight) -> None:
+        if f.copied is not None:
+            f.copied.synchronize()
+        cursor = f.batch.cursor
+        self.ring.publish(f.writer, self.row, cursor=(cursor.epoch, cursor.position))
+        if self.cursor_file is not None:
+            self.cursor_file.save(cursor)
+        self.ring.heartbeat(self.row)
+        self.stats.add(f.batch)
+        if time.monotonic() - self._logged > LOG_EVERY_S:
+            self._log()
+
+    def _abort(self, f: InFlight) -> None:
+        if f.copied is not None:
+            f.copied.synchronize()  # no DMA may still write into a slot handed back
+        self.ring.abort(f.writer)
+
+    def _log(self) -> None:
+        self._logged = time.monotonic()
+        s, elapsed = self.stats, max(self._logged - self.stats.started, 1e-9)
+        log.info("published %d batches, %d tokens (%.0f tokens/s), %.1fs waiting on a full ring, padding %.1f%%",
+                 s.batches, s.tokens, s.tokens / elapsed, self.ring.wait_seconds, 100 * s.padding_fraction)
+
+
+# ---- the process ------------------------------------------------------------------------------
+
+def plan_key(batcher: ShardBatcher) -> str:
+    """Everything that fixes which batches a cursor position means (not the epoch count: runs may grow)."""
+    settings = [batcher.data.directory.name, batcher.seed, batcher.max_tokens, batcher.packing,
+                batcher.bucket_window, batcher.rank, batcher.world_size]
+    return hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:24]
+
+
+def resume_point(ring: Ring, row: int, cursor_file: CursorFile) -> tuple[Cursor, str]:
+    if (committed := ring.committed_cursor(row)) is not None:
+        return Cursor(*committed), "ring"
+    if (saved := cursor_file.load()) is not None:
+        return saved, f"cursor file {cursor_file.path}"
+    return Cursor(), "start"
+
+
+def run_producer(cfg: Config, index: int, device_name: str | None = None) -> int:
+    """Produce shard `index` of topology.producers; 0 when finished or stopped cleanly."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    device = resolve_device(device_name or cfg.target.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    producers = cfg.topology.producers
+    with Ring.attach(cfg, pin=device.type == "cuda") as ring:  # a mismatched config fails before any loading
+        tokenizer = AutoTokenizer.from_pretrained(cfg.target.tokenizer or cfg.target.path, local_files_only=True)
+        data = load_tokenized(cfg.data, tokenizer)
+        target = TargetModel.load(cfg.target, device, packed=cfg.data.packing)
+        check_slot_fits(cfg, target)
+        batcher = ShardBatcher.from_config(data, cfg.data, rank=index, world_size=producers)
+        state = Path(cfg.target.state_dir).expanduser() / cfg.run.name
+        state.mkdir(parents=True, exist_ok=True)
+        cursor_file = CursorFile(state / f"producer-{index}.json", plan_key(batcher))
+        me = Membership.join(ring, cfg, Role.PRODUCER, index)
+        ring.set_planned_items(me.row, sum(len(batcher.epoch_plan(e)) for e in range(cfg.data.epochs)))
+        loader = None
+        try:
+            start, source = resume_point(ring, me.row, cursor_file)
+            log.info("producer %d of %d: %d samples, %d epochs, %s features; resuming at epoch %d position %d "
+                     "(from the %s)", index, producers, len(data), cfg.data.epochs,
+                     resolve_dtype(cfg.target.dtype, device), start.epoch, start.position, source)
+            pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+            loader = Loader(batcher.batches(start), lambda b: prepare(b, packed=cfg.data.packing, pad_id=pad_id,
+                                                                      pin=device.type == "cuda"))
+            producer = Producer(ring, me.row, index, target, stop=stop, cursor_file=cursor_file)
+            if producer.run(loader):
+                ring.set_row_status(me.row, RowStatus.DONE)
+                cursor_file.remove()
+                log.info("shard done")
+            else:
+                log.info("stopped before the end of the shard (signal, drain or shutdown)")
+        finally:
+            if loader is not None:
+                loader.close()
+            me.leave()
+    return 0

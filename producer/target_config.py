@@ -1,0 +1,121 @@
+"""Which target model a producer runs, and which of its layers feed the drafter.
+
+This module stays import-light (json, no torch): every process of a run reads it while
+loading its config, because the target's geometry is part of the ring's config fingerprint.
+A drafter built for another hidden size, layer count, vocabulary or layer selection is
+refused when it attaches, instead of training on features it misreads.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+TargetDtype = Literal["auto", "float32", "bfloat16"]
+AttnImplementation = Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"]
+
+
+class TargetConfigError(ValueError):
+    """The target settings (or the model they point at) cannot be used; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class TargetGeometry:
+    """What a drafter must agree on with the producers: the shape of every feature row."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    vocab_size: int
+    layer_ids: tuple[int, ...]
+    mask_token_id: int | None
+    ship_final_hidden: bool
+
+    @property
+    def feature_width(self) -> int:
+        return len(self.layer_ids) * self.hidden_size
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        return {
+            "target.hidden_size": self.hidden_size,
+            "target.num_hidden_layers": self.num_hidden_layers,
+            "target.vocab_size": self.vocab_size,
+            "target.layer_ids": list(self.layer_ids),
+            "target.mask_token_id": self.mask_token_id,
+            "target.ship_final_hidden": self.ship_final_hidden,
+        }
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    # A local Hugging Face model directory (config.json + weights); nothing is downloaded.
+    path: str = ""
+    # Tokenizer directory; empty means the model directory.
+    tokenizer: str = ""
+    # Decoder layers whose outputs become features (0-based; HF hidden_states[l + 1]).
+    # None: the DFlash rule for num_draft_layers (evenly over 1..L-3, or [L // 2] for one layer).
+    layer_ids: list[int] | None = None
+    num_draft_layers: int = 1
+    # "auto": bfloat16 on a GPU, float32 on the CPU (where bf16 matmuls are slow and inexact).
+    dtype: TargetDtype = "auto"
+    # "auto": cuda if available, else cpu; `dflash-ring target --device cuda:N` overrides it.
+    device: str = "auto"
+    # Also ship the final normed hidden state [tokens, hidden], for a KL loss through the frozen LM head.
+    ship_final_hidden: bool = False
+    # The drafter's <|MASK|> row; must be a row of the target embedding. Only checked and fingerprinted here.
+    mask_token_id: int | None = None
+    # For padded batches, and as the model's own attention. Packed batches with sdpa/eager run each
+    # sequence's attention separately (see producer/target.py); flash_attention_* use their varlen kernels.
+    attn_implementation: AttnImplementation = "sdpa"
+    # Cursor files (<state_dir>/<run>/producer-<i>.json): where to resume when the ring is gone.
+    state_dir: str = "~/.cache/dflash_ring/state"
+
+    def __post_init__(self) -> None:
+        if self.num_draft_layers < 1:
+            raise TargetConfigError(f"target.num_draft_layers = {self.num_draft_layers}: must be at least 1")
+        if self.layer_ids is not None:
+            if not self.layer_ids or len(set(self.layer_ids)) != len(self.layer_ids) or min(self.layer_ids) < 0:
+                raise TargetConfigError(f"target.layer_ids = {self.layer_ids}: need distinct non-negative layer ids")
+
+    def model_config(self) -> dict[str, Any]:
+        """The language-model part of the target's config.json (read as JSON: no weights, no torch)."""
+        if not self.path:
+            raise TargetConfigError("target.path is empty: set it to a local Hugging Face model directory")
+        file = Path(self.path).expanduser() / "config.json"
+        try:
+            config = json.loads(file.read_text())
+        except FileNotFoundError:
+            raise TargetConfigError(f"target.path: {file} does not exist (a local HF model directory is needed)") from None
+        except json.JSONDecodeError as e:
+            raise TargetConfigError(f"target.path: {file} is not valid JSON: {e}") from None
+        from dflash_ring.consumer.drafter_config import target_text_config
+
+        return target_text_config(config)
+
+    def geometry(self) -> TargetGeometry:
+        config = self.model_config()
+        try:
+            hidden, layers, vocab = (int(config[k]) for k in ("hidden_size", "num_hidden_layers", "vocab_size"))
+        except KeyError as e:
+            raise TargetConfigError(f"target config.json in {self.path} has no {e.args[0]!r}") from None
+        ids = tuple(self.resolved_layer_ids(layers))
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < vocab:
+            raise TargetConfigError(
+                f"target.mask_token_id = {self.mask_token_id} is not a row of the {vocab}-row target embedding"
+            )
+        return TargetGeometry(hidden, layers, vocab, ids, self.mask_token_id, self.ship_final_hidden)
+
+    def resolved_layer_ids(self, num_hidden_layers: int) -> list[int]:
+        from dflash_ring.consumer.drafter_config import build_target_layer_ids
+
+        ids = list(self.layer_ids) if self.layer_ids is not None else build_target_layer_ids(
+            num_hidden_layers, self.num_draft_layers)
+        # HF's hidden_states[L] is the final *normed* state, not layer L-1's output, so id L-1 would
+        # mean two different things; the final state has its own switch (ship_final_hidden).
+        if max(ids) > num_hidden_layers - 2:
+            raise TargetConfigError(
+                f"target layer ids {ids} must lie in 0..{num_hidden_layers - 2} for a {num_hidden_layers}-layer "
+                f"target (use target.ship_final_hidden for the final normed state)"
+            )
+        return ids

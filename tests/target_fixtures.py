@@ -1,0 +1,71 @@
+"""Tiny random-init targets saved as real HF model directories, a chat data set, and reference features."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+from dflash_ring.producer.tiny_tokenizer import tiny_chat_tokenizer
+
+ARCHS = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM),
+         "mistral": (MistralConfig, MistralForCausalLM)}
+WORDS = ("the quick brown fox jumps over the lazy dog drafter target hidden state ring shared memory "
+         "capital France Paris explain speculative decoding numbers hello world thanks sure okay").split()
+
+
+def build_target(path: Path, arch: str, layers: int = 6, hidden: int = 64, seed: int = 0, **extra) -> Path:
+    """A random-weight target with the tiny tokenizer beside it, as `save_pretrained` writes a real one."""
+    tokenizer = tiny_chat_tokenizer(path)
+    config_cls, model_cls = ARCHS[arch]
+    config = config_cls(
+        vocab_size=len(tokenizer) + 8,  # spare rows, like Qwen3's: the first one can be the mask token
+        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=4096,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, **extra,
+    )
+    torch.manual_seed(seed)
+    model_cls(config).save_pretrained(path)
+    return path
+
+
+def write_chat_rows(path: Path, rows: int, seed: int = 0) -> Path:
+    """Chat rows of varied length (a few dozen to ~150 tokens), some multi-turn, one per line."""
+    rng = random.Random(seed)
+
+    def text(lo: int, hi: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+    out = []
+    for i in range(rows):
+        messages = [{"role": "user", "content": text(3, 30)}, {"role": "assistant", "content": text(3, 60)}]
+        if i % 4 == 0:
+            messages += [{"role": "user", "content": text(2, 10)}, {"role": "assistant", "content": text(2, 20)}]
+        out.append({"messages": messages})
+    path.write_text("".join(json.dumps(r) + "\n" for r in out))
+    return path
+
+
+def reference_features(model_dir: Path, sequences: list[torch.Tensor], layer_ids: list[int]) -> list[torch.Tensor]:
+    """Each sequence alone through a plain HF forward with output_hidden_states: concat of hidden_states[l + 1]."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for ids in sequences:
+            hs = model(ids.long()[None], output_hidden_states=True).hidden_states
+            out.append(torch.cat([hs[i + 1][0] for i in layer_ids], dim=-1))
+    return out
+
+
+def reference_final_hidden(model_dir: Path, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return [model.model(ids.long()[None]).last_hidden_state[0] for ids in sequences]
+
+
+def load_tokenizer(model_dir: Path):
+    return AutoTokenizer.from_pretrained(model_dir)

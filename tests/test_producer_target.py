@@ -1,0 +1,157 @@
+"""The target forward in-process: exact features, truncation, no logits, layer selection and its fingerprint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_ring.common.config import ConfigError, load_config
+from dflash_ring.producer.batching import Batch, Cursor
+from dflash_ring.producer.process import CursorFile, prepare, run_target
+from dflash_ring.producer.target import TargetModel
+from dflash_ring.producer.target_config import TargetConfig, TargetConfigError
+from target_fixtures import build_target, reference_features, reference_final_hidden
+
+LENGTHS = [37, 8, 120, 64, 9, 200, 12]  # real samples are never shorter: the chat template alone is longer
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("targets")
+    return {arch: build_target(root / arch, arch) for arch in ("qwen3", "llama")}
+
+
+def packed_batch(seed: int = 0) -> Batch:
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray(LENGTHS, dtype=np.int32)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return Batch(
+        input_ids=rng.integers(0, 400, cu[-1]).astype(np.int32), loss_mask=np.ones(cu[-1], np.uint8),
+        lengths=lengths, cu_seqlens=cu, sample_ids=np.arange(len(lengths), dtype=np.int64), epoch=0, position=0,
+        cursor=Cursor(0, 1), padding_fraction=0.0,
+    )
+
+
+def sequences(batch: Batch) -> list[torch.Tensor]:
+    cu = batch.cu_seqlens
+    return [torch.from_numpy(batch.input_ids[a:b]) for a, b in zip(cu[:-1], cu[1:])]
+
+
+def split(t: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
+    cu = batch.cu_seqlens
+    return [t[a:b] for a, b in zip(cu[:-1], cu[1:])]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_packed_features_equal_each_sequence_alone_bit_for_bit(targets, arch):
+    target = TargetModel.load(TargetConfig(path=str(targets[arch]), num_draft_layers=2), torch.device("cpu"), packed=True)
+    assert target.layer_ids == [1, 3] and target.dtype == torch.float32
+    batch = packed_batch()
+    out = run_target(target, prepare(batch, packed=True, pad_id=0, pin=False))
+    assert out.features.shape == (batch.num_tokens, 2 * 64) and out.final_hidden is None
+    expected = reference_features(targets[arch], sequences(batch), target.layer_ids)
+    for got, want in zip(split(out.features, batch), expected, strict=True):
+        assert torch.equal(got, want)  # a leak across packed sequences would change every later one
+
+
+def test_sliding_window_attention_stays_exact_when_packed(tmp_path):
+    """Mistral-style sliding windows shorter than the sequences: the packed path must apply them too."""
+    path = build_target(tmp_path / "mistral", "mistral", sliding_window=16)
+    target = TargetModel.load(TargetConfig(path=str(path), num_draft_layers=2), torch.device("cpu"), packed=True)
+    batch = packed_batch()
+    out = run_target(target, prepare(batch, packed=True, pad_id=0, pin=False))
+    expected = reference_features(path, sequences(batch), target.layer_ids)
+    assert all(torch.equal(a, b) for a, b in zip(split(out.features, batch), expected, strict=True))
+
+
+def test_padded_batches_match_to_rounding_and_keep_only_real_tokens(targets):
+    cfg = TargetConfig(path=str(targets["qwen3"]), num_draft_layers=2)
+    target = TargetModel.load(cfg, torch.device("cpu"), packed=False)
+    batch = packed_batch()
+    out = run_target(target, prepare(batch, packed=False, pad_id=0, pin=False))
+    assert out.features.shape[0] == batch.num_tokens
+    expected = reference_features(targets["qwen3"], sequences(batch), target.layer_ids)
+    for got, want in zip(split(out.features, batch), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def count_calls(target: TargetModel) -> tuple[dict[str, int], list[int]]:
+    calls: dict[str, int] = {}
+    widths: list[int] = []
+    for name, module in target.decoder.named_modules():
+        if name.count(".") <= 1 and name:  # layers.N, norm, embed_tokens, rotary_emb
+            module.register_forward_pre_hook(lambda m, a, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_hook(lambda m, a, out: widths.append(out.shape[-1]))
+    return calls, widths
+
+
+def test_forward_stops_after_the_deepest_captured_layer_and_never_computes_logits(targets):
+    cfg = TargetConfig(path=str(targets["llama"]), layer_ids=[2, 0])
+    target = TargetModel.load(cfg, torch.device("cpu"), packed=True)
+    vocab = target.config.vocab_size
+    calls, widths = count_calls(target)
+    batch = packed_batch()
+    out = run_target(target, prepare(batch, packed=True, pad_id=0, pin=False))
+    assert {k: v for k, v in calls.items() if k.startswith("layers.")} == {"layers.0": 1, "layers.1": 1, "layers.2": 1}
+    assert "norm" not in calls  # nor layers 3..5
+    assert widths and vocab not in widths
+    assert not hasattr(target, "lm_head") and not any(
+        isinstance(m, torch.nn.Linear) and m.out_features == vocab for m in target.decoder.modules())
+    # Features come in layer_ids order, not depth order.
+    expected = reference_features(targets["llama"], sequences(batch), [2, 0])
+    assert all(torch.equal(a, b) for a, b in zip(split(out.features, batch), expected, strict=True))
+
+
+def test_shipping_the_final_hidden_runs_every_layer_and_matches_last_hidden_state(targets):
+    cfg = TargetConfig(path=str(targets["qwen3"]), num_draft_layers=2, ship_final_hidden=True)
+    target = TargetModel.load(cfg, torch.device("cpu"), packed=True)
+    calls, widths = count_calls(target)
+    batch = packed_batch()
+    out = run_target(target, prepare(batch, packed=True, pad_id=0, pin=False))
+    assert calls["norm"] == 1 and all(calls[f"layers.{i}"] == 1 for i in range(6))
+    assert target.config.vocab_size not in widths
+    expected = reference_final_hidden(targets["qwen3"], sequences(batch))
+    assert all(torch.equal(a, b) for a, b in zip(split(out.final_hidden, batch), expected, strict=True))
+
+
+def test_layer_ids_follow_the_dflash_rule_and_are_range_checked(targets, tmp_path):
+    path = str(targets["qwen3"])
+    assert TargetConfig(path=path).geometry().layer_ids == (3,)  # one draft layer: L // 2
+    assert TargetConfig(path=path, num_draft_layers=2).geometry().layer_ids == (1, 3)
+    assert TargetConfig().resolved_layer_ids(36) == [18]
+    assert TargetConfig(num_draft_layers=5).resolved_layer_ids(36) == [1, 9, 17, 25, 33]
+    with pytest.raises(TargetConfigError, match="0..4"):
+        TargetConfig(path=path, layer_ids=[5]).geometry()  # layer L-1: HF's hidden_states[L] is normed
+    with pytest.raises(TargetConfigError, match="mask_token_id"):
+        TargetConfig(path=path, mask_token_id=10**6).geometry()
+    with pytest.raises(TargetConfigError, match="distinct"):
+        TargetConfig(layer_ids=[1, 1])
+
+
+def test_target_geometry_joins_the_config_fingerprint(targets, tmp_path):
+    cfg = load_config(None, [f'target.path="{targets["qwen3"]}"', "target.num_draft_layers=2",
+                             "target.mask_token_id=405", "target.ship_final_hidden=true"])
+    fields = cfg.fingerprint_fields()
+    assert {k: v for k, v in fields.items() if k.startswith("target.")} == {
+        "target.hidden_size": 64, "target.num_hidden_layers": 6, "target.vocab_size": fields["target.vocab_size"],
+        "target.layer_ids": [1, 3], "target.mask_token_id": 405, "target.ship_final_hidden": True,
+    }
+    assert "target.hidden_size" not in load_config(None, []).fingerprint_fields()
+    with pytest.raises(ConfigError, match="config.json"):
+        load_config(None, [f'target.path="{tmp_path}"']).fingerprint_fields()
+    with pytest.raises(ConfigError, match="float32"):
+        load_config(None, ['target.dtype="float16"'])
+
+
+def test_cursor_file_round_trips_and_ignores_another_plan(tmp_path):
+    f = CursorFile(tmp_path / "producer-0.json", plan="a")
+    assert f.load() is None
+    f.save(Cursor(1, 7))
+    assert f.load() == Cursor(1, 7)
+    assert CursorFile(f.path, plan="b").load() is None
+    f.remove()
+    assert not f.path.exists()
