@@ -27,6 +27,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from dflash_ring.common.durable import fsync
+
 log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -84,17 +86,17 @@ class CheckpointStore:
         info = dict(ckpt.info, step=ckpt.step, optimizer=opt_rest)
         (tmp / "trainer.json").write_text(json.dumps(info, indent=1))
         for name in FILES:
-            _fsync(tmp / name)
-        _fsync(tmp)
+            fsync(tmp / name)
+        fsync(tmp)
         if final.exists():  # a checkpoint of the same step from before a crash: replace it
             shutil.rmtree(final)
         tmp.rename(final)
-        _fsync(self.root)
+        fsync(self.root)
         pointer = self.root / ".latest.tmp"
         pointer.write_text(final.name + "\n")
-        _fsync(pointer)
+        fsync(pointer)
         pointer.rename(self.root / "latest")
-        _fsync(self.root)
+        fsync(self.root)
         self._prune(keep)
         return final
 
@@ -138,13 +140,6 @@ class CheckpointStore:
             if not stale.name.endswith(f"-{os.getpid()}"):
                 shutil.rmtree(stale, ignore_errors=True)
 
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:

@@ -19,6 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PretrainedConfig
 
+from dflash_ring.common.durable import fsync
+
 from .drafter_config import DrafterConfig, drafter_hf_config, qwen3_config
 from .model import DFlashDraftModel
 
@@ -47,13 +49,6 @@ def _expected_state(config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         return DFlashDraftModel(qwen3_config(config)).state_dict()
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 def export_drafter(
     model: DFlashDraftModel,
@@ -80,12 +75,12 @@ def export_drafter(
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_file(state, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
         for path in (tmp / CONFIG_NAME, tmp / WEIGHTS_NAME, tmp):
-            _fsync(path)
+            fsync(path)
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync(out.parent)
+    fsync(out.parent)
     return out
 
 
