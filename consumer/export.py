@@ -8,7 +8,6 @@ Reading is safetensors-only: a checkpoint is data, never code to unpickle.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Mapping

@@ -347,6 +347,27 @@ class DFlashDraftModel(nn.Module):
             x = layer(x, fused, block_rope, context_rope, groups)
         return self.norm(x).view(-1, block, x.shape[-1])
 
+    def draft_block(self, context: torch.Tensor, committed_ids: torch.Tensor, head: FrozenTargetHead) -> torch.Tensor:
+        """Inference: draft hidden states [B, H] for the block anchored at the last committed token.
+
+        committed_ids: [S + 1] tokens so far, the anchor last (at position S); context: [S, n*H] target
+        features of positions 0..S-1 (the anchor's own does not exist yet). Runs the training forward
+        with one anchor, so inference cannot drift from what was trained: the block sees all of the
+        context, itself bidirectionally, and sits at positions S..S+B-1.
+        """
+        length = committed_ids.shape[0]
+        if context.shape[0] != length - 1:
+            raise ValueError(f"{length} committed tokens need {length - 1} context rows, got {context.shape[0]}")
+        # A row for the anchor keeps the packed shapes; the mask (keys < anchor) never reads it.
+        padded = torch.cat([context, context.new_zeros(1, context.shape[1])])
+        device = committed_ids.device
+        anchors = Anchors(
+            positions=torch.tensor([length - 1], device=device),
+            cu_anchors=torch.tensor([0, 1], device=device),
+            cu_seqlens=torch.tensor([0, length], device=device),
+        )
+        return self(padded, committed_ids, anchors, head)[0]
+
 
 def build_drafter(cfg: DrafterConfig, target_config: Mapping[str, Any] | PretrainedConfig) -> DFlashDraftModel:
     """A freshly initialised drafter as wide as the target."""

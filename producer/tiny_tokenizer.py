@@ -6,9 +6,10 @@ corpus and given a Qwen3-style ChatML template; byte-level means any text can be
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 # Qwen3's template without tools: the parts that shape the token stream (history turns lose
@@ -64,6 +65,12 @@ QWEN3_STYLE_CHAT_TEMPLATE = """\
 {%- endif %}
 """
 
+# Qwen2/Qwen3's pre-tokenizer split: digits one by one, and a newline run is one piece whatever
+# follows it, so a prompt ending in "\n\n" tokenizes the same alone as in front of the reply.
+QWEN_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 THINK_TOKENS = ("<think>", "</think>")
 
@@ -80,11 +87,28 @@ _CORPUS = (
 
 
 def tiny_chat_tokenizer(
-    path: str | Path, chat_template: str = QWEN3_STYLE_CHAT_TEMPLATE, vocab_size: int = 400
+    path: str | Path,
+    chat_template: str = QWEN3_STYLE_CHAT_TEMPLATE,
+    vocab_size: int = 400,
+    *,
+    corpus: Iterable[str] = (),
+    split_pattern: str | None = None,
 ) -> PreTrainedTokenizerBase:
-    """Build, save to `path` and load back through `AutoTokenizer`, the same path a real target takes."""
+    """Build, save to `path` and load back through `AutoTokenizer`, the same path a real target takes.
+
+    `corpus` adds training text so the vocabulary fits a data set (the tiny target's); `split_pattern`
+    replaces GPT-2's byte-level split with a regex split first (QWEN_SPLIT_PATTERN: Qwen's).
+    """
     backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split_pattern is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split_pattern), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     backend.decoder = decoders.ByteLevel()
     # trim_offsets=False, as in Qwen's tokenizer: loss masks come from exact character offsets.
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
@@ -94,7 +118,7 @@ def tiny_chat_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    backend.train_from_iterator(_CORPUS, trainer=trainer)
+    backend.train_from_iterator([*_CORPUS, *corpus], trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         eos_token="<|im_end|>",
