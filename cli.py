@@ -263,7 +263,11 @@ def cmd_bench_target(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from dflash_ring.consumer.evaluate import evaluate_drafter, format_report, report_json
 
-    report = evaluate_drafter(args.drafter, args.target, args.data, max_new_tokens=args.max_new_tokens,
-                              limit=args.limit, device=args.device)
+    try:
+        report = evaluate_drafter(args.drafter, args.target, args.data, max_new_tokens=args.max_new_tokens,
+                                  limit=args.limit, device=args.device)
+    except (OSError, ValueError) as e:  # missing files, a drafter of another target, a malformed data row
+        print(f"dflash-ring eval: error: {e}", file=sys.stderr)
+        return 2
     print(report_json(report) if args.json else format_report(report))
     return 0

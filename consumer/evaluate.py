@@ -1,0 +1,208 @@
+"""Offline acceptance eval: greedy speculative decoding with a DFlash drafter against its target.
+
+Follows z-lab's `dflash_generate` (dflash.md section 5): the target prefills the prompt and gives
+the first token; each round the drafter proposes B-1 tokens after the last committed one, the
+target checks the whole block in one forward, the matching prefix is accepted and the target's
+own next token is added as a bonus. The output is therefore exactly greedy target decoding; the
+drafter only changes how many tokens each target forward yields, which is what tau measures.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from statistics import fmean
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from dflash_ring.producer.chat_encoding import conversation_of, decode_json_row
+
+from .export import load_drafter
+from .model import DFlashDraftModel, FrozenTargetHead
+
+DraftFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(committed ids [S + 1] ending with the anchor, target features [S, n*H]) -> B - 1 draft token ids."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    tokens: list[int]  # generated ids, prompt excluded; ends with EOS if one was produced
+    accepted: list[int]  # drafts accepted in each verification round, each in 0..B-1
+
+
+@dataclass(frozen=True)
+class AcceptanceReport:
+    block_size: int
+    num_prompts: int
+    tau: float  # mean acceptance length: per prompt mean(accepted + 1) over rounds, averaged over prompts
+    tau_per_prompt: list[float | None]  # None for a prompt that ended before any round
+    accepted_histogram: list[int]  # [B]: rounds that accepted k drafts, k = 0..B-1
+    rounds: int
+    tokens_generated: int
+
+
+def target_features(hidden_states: Sequence[torch.Tensor], target_layer_ids: Sequence[int]) -> torch.Tensor:
+    """[batch, seq, n*H]: outputs of the listed decoder layers (HF hidden_states[l + 1]), concatenated."""
+    return torch.cat([hidden_states[layer + 1] for layer in target_layer_ids], dim=-1)
+
+
+def drafter_draft_fn(drafter: DFlashDraftModel, head: FrozenTargetHead) -> DraftFn:
+    """Drafts from a DFlash drafter: its block hidden states through the target's lm_head, argmax."""
+
+    def draft(committed: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        hidden = drafter.draft_block(context.to(drafter.fc.weight.dtype), committed, head)
+        return head.logits(hidden[1:]).argmax(dim=-1)
+
+    return draft
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target: PreTrainedModel,
+    prompt_ids: Sequence[int],
+    draft: DraftFn,
+    *,
+    block_size: int,
+    target_layer_ids: Sequence[int],
+    eos_token_ids: Iterable[int],
+    max_new_tokens: int,
+) -> Generation:
+    """Greedy decoding of `prompt_ids` by draft-then-verify rounds, stopping at EOS or max_new_tokens."""
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be at least 1")
+    eos = set(eos_token_ids)
+    device = target.device
+    cache = DynamicCache(config=target.config)  # holds exactly the target states behind `context`
+    prompt = torch.tensor([list(prompt_ids)], device=device)
+    out = target(input_ids=prompt, cache=cache, output_hidden_states=True, logits_to_keep=1)
+    context = target_features(out.hidden_states, target_layer_ids)[0]
+    committed = torch.cat([prompt[0], out.logits[0, -1:].argmax(dim=-1)])
+    generated = committed[-1:].tolist()
+    accepted: list[int] = []
+    finished = generated[0] in eos
+    while len(generated) < max_new_tokens and not finished:
+        drafts = draft(committed, context)
+        if drafts.shape != (block_size - 1,):
+            raise ValueError(f"draft returned shape {tuple(drafts.shape)}, expected ({block_size - 1},)")
+        block = torch.cat([committed[-1:], drafts.to(device)])
+        out = target(input_ids=block[None], cache=cache, output_hidden_states=True)
+        verified = out.logits[0].argmax(dim=-1)  # verified[k]: the target's token after block[: k + 1]
+        n = int((block[1:] == verified[:-1]).long().cumprod(dim=0).sum())
+        # Keep the anchor and the n accepted drafts; the bonus verified[n] is the next round's anchor.
+        cache.crop(-(block_size - 1 - n))
+        context = torch.cat([context, target_features(out.hidden_states, target_layer_ids)[0, : n + 1]])
+        new = torch.cat([block[1 : n + 1], verified[n : n + 1]])
+        committed = torch.cat([committed, new])
+        generated += new.tolist()
+        accepted.append(n)
+        finished = not eos.isdisjoint(new.tolist())
+    tokens = generated[:max_new_tokens]
+    stop = next((i for i, t in enumerate(tokens) if t in eos), None)
+    return Generation(tokens=tokens if stop is None else tokens[: stop + 1], accepted=accepted)
+
+
+def summarize(generations: Sequence[Generation], block_size: int) -> AcceptanceReport:
+    histogram = [0] * block_size
+    for generation in generations:
+        for n in generation.accepted:
+            histogram[n] += 1
+    per_prompt = [fmean(n + 1 for n in g.accepted) if g.accepted else None for g in generations]
+    scored = [t for t in per_prompt if t is not None]
+    return AcceptanceReport(
+        block_size=block_size,
+        num_prompts=len(generations),
+        tau=fmean(scored) if scored else 0.0,
+        tau_per_prompt=per_prompt,
+        accepted_histogram=histogram,
+        rounds=sum(histogram),
+        tokens_generated=sum(len(g.tokens) for g in generations),
+    )
+
+
+def eos_ids(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Every id that ends a reply: the generation config may list several (Qwen3: <|im_end|>, <|endoftext|>)."""
+    configured = target.generation_config.eos_token_id
+    ids = set(configured if isinstance(configured, list) else [] if configured is None else [configured])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def chat_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: int | None = None) -> list[list[int]]:
+    """Token ids of each jsonl row's conversation up to its last assistant turn, with the generation prompt
+    (thinking off, as in the published evals)."""
+    prompts = []
+    for line in Path(path).read_text().splitlines():
+        if limit is not None and len(prompts) >= limit:
+            break
+        if not line.strip():
+            continue
+        messages = conversation_of(decode_json_row(line))
+        last_reply = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        text = tokenizer.apply_chat_template(
+            messages[:last_reply], tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
+        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return prompts
+
+
+def check_compatible(drafter: DFlashDraftModel, target: PreTrainedModel) -> None:
+    """Refuse a drafter built for another target: its features or mask row would not exist here."""
+    config = target.config.get_text_config()
+    width = len(drafter.target_layer_ids) * config.hidden_size
+    if drafter.fc.in_features != width or max(drafter.target_layer_ids) >= config.num_hidden_layers:
+        raise ValueError(
+            f"drafter reads target layers {drafter.target_layer_ids} ({drafter.fc.in_features} channels) but the "
+            f"target has {config.num_hidden_layers} layers of width {config.hidden_size}"
+        )
+    if drafter.mask_token_id >= config.vocab_size:
+        raise ValueError(f"drafter mask_token_id {drafter.mask_token_id} is not a row of the target's embedding")
+
+
+def evaluate_drafter(
+    drafter_dir: str | Path,
+    target_dir: str | Path,
+    data: str | Path,
+    *,
+    max_new_tokens: int = 256,
+    limit: int | None = None,
+    device: str = "cpu",
+) -> AcceptanceReport:
+    """tau and the acceptance histogram of an exported drafter on the prompts of a chat jsonl file."""
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
+    drafter = load_drafter(drafter_dir, device=device, dtype=torch.float32).eval()
+    check_compatible(drafter, target)
+    head = FrozenTargetHead(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    draft = drafter_draft_fn(drafter, head)
+    eos = eos_ids(target, tokenizer)
+    generations = [
+        speculative_generate(
+            target,
+            prompt,
+            draft,
+            block_size=drafter.block_size,
+            target_layer_ids=drafter.target_layer_ids,
+            eos_token_ids=eos,
+            max_new_tokens=max_new_tokens,
+        )
+        for prompt in chat_prompts(data, tokenizer, limit)
+    ]
+    return summarize(generations, drafter.block_size)
+
+
+def format_report(report: AcceptanceReport) -> str:
+    lines = [
+        f"tau {report.tau:.3f} (block size {report.block_size}) over {report.num_prompts} prompts: "
+        f"{report.rounds} rounds, {report.tokens_generated} tokens generated",
+        "accepted drafts per round: "
+        + ", ".join(f"{k}: {count}" for k, count in enumerate(report.accepted_histogram) if count),
+    ]
+    return "\n".join(lines)
+
+
+def report_json(report: AcceptanceReport) -> str:
+    return json.dumps(asdict(report), indent=2)

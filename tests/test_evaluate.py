@@ -1,0 +1,189 @@
+"""Offline acceptance eval: speculative decoding is lossless, and tau/histogram are counted right."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from dflash_ring.cli import main
+from dflash_ring.consumer.drafter_config import DrafterConfig
+from dflash_ring.consumer.evaluate import (
+    AcceptanceReport,
+    Generation,
+    drafter_draft_fn,
+    evaluate_drafter,
+    speculative_generate,
+    summarize,
+)
+from dflash_ring.consumer.export import export_drafter, load_drafter
+from dflash_ring.consumer.model import Anchors, FrozenTargetHead, build_drafter
+from dflash_ring.producer.tiny_tokenizer import tiny_chat_tokenizer
+
+BLOCK, MAX_NEW, LAYER_IDS = 4, 24, [1, 2]
+PROMPTS = ([5, 17, 42, 9, 33, 120, 7], [3, 3, 3], list(range(60, 90)))
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("target")
+    tokenizer = tiny_chat_tokenizer(path)
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=448,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    target = Qwen3ForCausalLM(config)
+    with torch.no_grad():  # sharper logits than the default init, so greedy argmaxes are not near-ties
+        target.lm_head.weight.mul_(20)
+    target.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(target_dir, tmp_path_factory):
+    torch.manual_seed(1)
+    cfg = DrafterConfig(
+        num_hidden_layers=2, block_size=BLOCK, loss_gamma=2.0, mask_token_id=447, target_layer_ids=LAYER_IDS
+    )
+    config = json.loads((target_dir / "config.json").read_text())
+    return export_drafter(build_drafter(cfg, config), cfg, config, tmp_path_factory.mktemp("d") / "drafter")
+
+
+@pytest.fixture(scope="module")
+def drafter(drafter_dir):
+    return load_drafter(drafter_dir, dtype=torch.float32).eval()
+
+
+def head_of(target: Qwen3ForCausalLM) -> FrozenTargetHead:
+    return FrozenTargetHead(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+
+
+@torch.no_grad()
+def plain_greedy(target: Qwen3ForCausalLM, prompt: list[int], n: int) -> list[int]:
+    """Reference decoding: the whole sequence re-run for every token, no cache, no drafts."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(target(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def generate(target, prompt, draft, eos=(), max_new=MAX_NEW) -> Generation:
+    return speculative_generate(
+        target, prompt, draft, block_size=BLOCK, target_layer_ids=LAYER_IDS, eos_token_ids=eos, max_new_tokens=max_new
+    )
+
+
+def oracle(prompt: list[int], continuation: list[int]):
+    """A drafter that is perfect by construction: it proposes the target's own greedy tokens."""
+
+    def draft(committed: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        done = committed.shape[0] - len(prompt)
+        return torch.tensor(continuation[done : done + BLOCK - 1])
+
+    return draft
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_drafter_decoding_equals_plain_greedy(target, drafter, prompt):
+    got = generate(target, prompt, drafter_draft_fn(drafter, head_of(target)))
+    assert got.tokens == plain_greedy(target, prompt, MAX_NEW)
+    assert all(0 <= n <= BLOCK - 1 for n in got.accepted)
+    # One token from the prefill, then accepted + 1 per round, cut at max_new_tokens.
+    assert len(got.tokens) == min(MAX_NEW, 1 + sum(n + 1 for n in got.accepted))
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_perfect_drafts_are_all_accepted(target, prompt):
+    continuation = plain_greedy(target, prompt, MAX_NEW + BLOCK)
+    got = generate(target, prompt, oracle(prompt, continuation))
+    assert got.tokens == continuation[:MAX_NEW]
+    assert got.accepted == [BLOCK - 1] * -(-(MAX_NEW - 1) // BLOCK)
+    assert summarize([got], BLOCK).tau == BLOCK
+
+
+def test_wrong_drafts_still_give_greedy_output(target):
+    prompt = PROMPTS[0]
+    continuation = plain_greedy(target, prompt, MAX_NEW + BLOCK)
+    right = oracle(prompt, continuation)
+
+    def half_right(committed, context):  # the first draft right, the rest wrong: exactly one accepted
+        drafts = right(committed, context).clone()
+        drafts[1:] = (drafts[1:] + 1) % 400
+        return drafts
+
+    got = generate(target, prompt, half_right)
+    assert got.tokens == continuation[:MAX_NEW]
+    assert set(got.accepted) == {1}
+
+
+def test_stops_at_eos_and_keeps_it(target):
+    prompt = PROMPTS[2]
+    continuation = plain_greedy(target, prompt, MAX_NEW)
+    eos = continuation[5]
+    got = generate(target, prompt, oracle(prompt, continuation + [0] * BLOCK), eos={eos})
+    assert got.tokens == continuation[: continuation.index(eos) + 1]
+
+
+def test_draft_block_sees_only_the_context_before_its_anchor(drafter, target):
+    """Inference drafting equals the training forward for a block anchored mid-sequence."""
+    torch.manual_seed(2)
+    length, anchor = 20, 11
+    context = torch.randn(length, drafter.fc.in_features)
+    ids = torch.randint(0, 400, (length,))
+    anchors = Anchors(
+        positions=torch.tensor([anchor]), cu_anchors=torch.tensor([0, 1]), cu_seqlens=torch.tensor([0, length])
+    )
+    with torch.no_grad():
+        trained = drafter(context, ids, anchors, head_of(target))[0]
+        inferred = drafter.draft_block(context[:anchor], ids[: anchor + 1], head_of(target))
+    torch.testing.assert_close(inferred, trained)
+
+
+def test_summary_counts():
+    report = summarize(
+        [Generation(tokens=[1] * 9, accepted=[0, 3, 1]), Generation(tokens=[2], accepted=[])], block_size=BLOCK
+    )
+    assert report.accepted_histogram == [1, 1, 0, 1]
+    assert sum(report.accepted_histogram) == report.rounds == 3
+    assert report.tau_per_prompt == [pytest.approx(7 / 3), None]
+    assert report.tau == pytest.approx(7 / 3)
+    assert report.tokens_generated == 10
+
+
+def test_evaluate_drafter_on_a_chat_file_and_cli(target_dir, drafter_dir, tmp_path, capsys):
+    data = tmp_path / "heldout.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": "Count from 3 to 7."}, {"role": "assistant", "content": "3 4"}]},
+        {"prompt": "Repeat: red cat.", "response": "red cat"},
+        {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]},
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = evaluate_drafter(drafter_dir, target_dir, data, max_new_tokens=12, limit=2)
+    assert isinstance(report, AcceptanceReport)
+    assert report.num_prompts == 2 and report.block_size == BLOCK
+    assert sum(report.accepted_histogram) == report.rounds > 0
+    assert 1 <= report.tau <= BLOCK
+    assert report.tokens_generated <= 2 * 12
+
+    args = ["eval", "--drafter", str(drafter_dir), "--target", str(target_dir), "--data", str(data)]
+    assert main([*args, "--max-new-tokens", "12", "--limit", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(asdict(report)))
+    assert main([*args, "--max-new-tokens", "4", "--limit", "1"]) == 0
+    assert "tau" in capsys.readouterr().out
