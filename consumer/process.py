@@ -4,7 +4,7 @@ A prefetch thread claims the next item and copies it to the training device
 while the current step runs; the slot goes back to the producers as soon as
 its copy has landed, before the step that uses it. Only the supervisor's
 shutdown ends the loop, never an empty ring. SIGTERM finishes the current
-step, checkpoints, gives back a prefetched item unused, and exits 0.
+step, trains the one item already prefetched, checkpoints, and exits 0.
 """
 
 from __future__ import annotations
@@ -97,30 +97,44 @@ class _null:
 
 
 class Prefetcher(threading.Thread):
-    """Claims the next item and copies it to the device while the current step computes."""
+    """Claims the next item, copies it to the device and releases its slot while the current step computes.
+
+    At most one item is prefetched ahead (`room`), so a drafter never sits on more than one slot.
+    """
 
     def __init__(self, ring: Ring, row: int, device: torch.device):
         super().__init__(name="prefetch", daemon=True)
         self.ring, self.row, self.device = ring, row, device
-        self.items: queue.Queue[tuple[SlotReader, DeviceBatch] | None] = queue.Queue(maxsize=1)
+        self.items: queue.Queue[DeviceBatch | None] = queue.Queue()
+        self.room = threading.Semaphore(1)
         self.stopping = threading.Event()
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.corrupt = 0
 
     def run(self) -> None:
         while not self.stopping.is_set():
+            if not self.room.acquire(timeout=0.5):
+                continue
             try:
                 r = self.ring.claim(self.row, timeout_s=0.5)
             except SlotFormatError as e:
-                self.corrupt += 1
                 log.error("%s", e)
-                continue
+                r = None
             if r is None:
+                self.room.release()
                 if self.ring.shutting_down:
                     break
                 continue
-            self.items.put((r, to_device(r, self.device, self.stream)))
+            batch = to_device(r, self.device, self.stream)
+            self.ring.release(r)  # the copy has landed: producers may refill the slot now
+            del r
+            self.items.put(batch)
         self.items.put(None)
+
+    def take(self, timeout_s: float) -> DeviceBatch | None:
+        """The next batch (None at the end); raises queue.Empty on timeout."""
+        batch = self.items.get(timeout=timeout_s)
+        self.room.release()
+        return batch
 
 
 def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
@@ -159,10 +173,7 @@ def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
         prefetch = Prefetcher(ring, me.row, device)
         prefetch.start()
         last_saved, window = trainer.step, _Window()
-        while (got := _next(prefetch, stop, me)) is not None:
-            r, batch = got
-            ring.release(r)
-            del r
+        while (batch := _next(prefetch, stop, me)) is not None:
             items += 1
             producer = str(batch.meta.get("producer", "?"))
             mark = [int(batch.meta.get("epoch", 0)), int(batch.meta.get("position", 0))]
@@ -179,7 +190,9 @@ def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
                     checkpoint()
                     last_saved = trainer.step
         prefetch.stopping.set()
-        _give_back(prefetch, ring)
+        for batch in _leftovers(prefetch):  # released already: train it rather than lose it
+            trainer.train_step(batch, cfg.train.total_steps or _estimated_steps(ring, cfg))
+            items += 1
         if replicas is not None:
             replicas.publish(trainer.step)  # a restarted or late peer catches up from here
             replicas.close()
@@ -191,28 +204,27 @@ def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
     return 0
 
 
-def _next(prefetch: Prefetcher, stop: threading.Event, me: Membership):
+def _next(prefetch: Prefetcher, stop: threading.Event, me: Membership) -> DeviceBatch | None:
     while not stop.is_set():
         me.heartbeat()
         try:
-            return prefetch.items.get(timeout=0.5)
+            return prefetch.take(0.5)
         except queue.Empty:
             continue
     return None
 
 
-def _give_back(prefetch: Prefetcher, ring: Ring) -> None:
-    """On a stop, an item claimed but not trained goes back to the ring for another drafter."""
+def _leftovers(prefetch: Prefetcher) -> list[DeviceBatch]:
+    """Batches the prefetcher had taken when a stop came (at most one)."""
+    prefetch.join()
+    out = []
     while True:
         try:
-            got = prefetch.items.get(timeout=1.0)
+            batch = prefetch.items.get_nowait()
         except queue.Empty:
-            if not prefetch.is_alive():
-                return
-            continue
-        if got is None:
-            return
-        ring.requeue(got[0])
+            return out
+        if batch is not None:
+            out.append(batch)
 
 
 def _estimated_steps(ring: Ring, cfg: Config) -> int:

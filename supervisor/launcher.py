@@ -64,7 +64,7 @@ cache_dir = "{workdir / 'data-cache'}"
 
 [target]
 path = "{target}"
-num_draft_layers = 2
+layer_ids = [1, 2]
 mask_token_id = {mask}
 state_dir = "{workdir / 'state'}"
 device = "cpu"
@@ -98,7 +98,8 @@ class Progress:
 
 
 class Launch:
-    def __init__(self, cfg_path: Path, overrides: list[str]):
+    def __init__(self, cfg_path: Path, overrides: list[str], env: dict[str, str] | None = None):
+        self.env = dict(os.environ, **(env or {}))
         self.cfg_path = cfg_path
         self.overrides = overrides
         self.cfg: Config = load_config(cfg_path, overrides)
@@ -110,7 +111,8 @@ class Launch:
     def _spawn(self, name: str, *args: str) -> None:
         sets = [a for o in self.overrides for a in ("--set", o)]
         cmd = [sys.executable, "-m", "dflash_ring", *args, "--config", str(self.cfg_path), *sets]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                env=self.env)
         self.procs[name] = proc
         t = threading.Thread(target=self._forward, args=(name, proc), daemon=True)
         t.start()
@@ -198,7 +200,8 @@ def run(config: str | None, overrides: list[str], workdir: str = "runs/tiny", ev
         cfg_path = embedded_config(work)
     else:
         cfg_path = Path(config)
-    launch = Launch(cfg_path, overrides)
+    # Several CPU processes on a few cores: one thread each, or they thrash (a 20-30x slowdown seen here).
+    launch = Launch(cfg_path, overrides, env={"OMP_NUM_THREADS": "1"} if embedded else None)
     out_dir = Path(launch.cfg.train.checkpoint_dir).parent / "drafter"
     launch.start()
     rc = launch.wait()
@@ -228,6 +231,7 @@ def _compare_with_untrained(cfg: Config, exported: Path, console: Console) -> No
     from dflash_ring.consumer.process import resolve_drafter_config, target_config_dict
     from dflash_ring.producer.tiny_target import HELDOUT_FILE
 
+    torch.set_num_threads(1)  # tiny models: threads only add overhead on a shared box
     heldout = Path(cfg.target.path) / HELDOUT_FILE
     untrained_dir = exported.parent / "drafter-untrained"
     if not untrained_dir.exists():

@@ -24,7 +24,7 @@ def pipeline_config(run, target, data, extra: str = "") -> None:
 path = "{data}"
 max_length = 128
 max_tokens_per_batch = 512
-epochs = 6
+epochs = 12
 cache_dir = "{run.tmp / 'cache'}"
 [target]
 path = "{target}"
@@ -91,7 +91,7 @@ def test_drafters_learn_from_the_ring_stay_in_step_and_survive_a_kill(run):
     loss, acc = curves(log0)
     assert len(loss) >= 10
     assert sum(loss[-5:]) / 5 < sum(loss[:5]) / 5 - 0.05, (loss, acc)
-    assert sum(acc[-5:]) / 5 > 0.3 > sum(acc[:5]) / 5, acc
+    assert sum(acc[-5:]) / 5 > 0.3 > sum(acc[:5]) / 5, (len(acc), acc)
     # The replicas stay close: parameter averaging every 2 steps.
     w0 = load_file(sorted((run.tmp / "ckpt" / "drafter-0").glob("step-*"))[-1] / "model.safetensors")
     w1 = load_file(sorted((run.tmp / "ckpt" / "drafter-1").glob("step-*"))[-1] / "model.safetensors")
