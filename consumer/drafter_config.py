@@ -33,11 +33,8 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
         return [num_target_layers // 2]
     start, end = 1, num_target_layers - 3
     span = end - start
-    ids = [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"the DFlash rule gives repeated layers {ids} for {num_target_layers} target and "
-                         f"{num_draft_layers} draft layers: list target.layer_ids explicitly")
-    return ids
+    # Small targets get repeated ids (e.g. [1, 1] for 4 layers): kept, as the reference rule does.
+    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
 @dataclass
