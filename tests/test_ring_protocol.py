@@ -30,10 +30,13 @@ def test_any_ratio_delivers_exactly_once_and_balances(run, producers, consumers)
     items = 24
     run.write_config(producers, consumers, slots=6)
     sup = run.supervisor()
-    procs = [run.worker("producer", i, "--items", str(items)) for i in range(producers)]
     # Consumers are the bottleneck (equal work per item): a shared ring must keep all of them busy,
     # where per-consumer queues with round-robin assignment gave 5 producers / 3 consumers = 2,2,1.
-    procs += [run.worker("consumer", j, "--work-s", "0.03") for j in range(consumers)]
+    # They all join before the first item, so start-up skew on a loaded box is not measured as imbalance.
+    procs = [run.worker("consumer", j, "--work-s", "0.03") for j in range(consumers)]
+    wait_for(lambda: all((run.lock_dir / f"consumer-{j}.lock").exists() for j in range(consumers)),
+             timeout=120, what="every consumer to join")
+    procs += [run.worker("producer", i, "--items", str(items)) for i in range(producers)]
     for p in procs:
         assert wait_exit(p, 120) == 0, p.stderr.read()
     assert wait_exit(sup) == 0, sup.stderr.read()
