@@ -12,7 +12,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import platform
-import queue as queue_mod
 import time
 from datetime import datetime, timezone
 from typing import Any

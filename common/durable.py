@@ -1,8 +1,11 @@
-"""Making a write survive a crash: fsync a file or a directory by path."""
+"""Writes that survive crashes and races: fsync by path, and one builder per cache entry."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -13,3 +16,14 @@ def fsync(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextmanager
+def exclusive(lock_path: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive flock on lock_path (mode 0600): one process builds a cache entry, the others wait."""
+    fd = os.open(Path(lock_path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock

@@ -8,13 +8,10 @@ page cache.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +21,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from transformers import PreTrainedTokenizerBase
+
+from dflash_ring.common.durable import exclusive
 
 from .chat_encoding import BadRow, ChatEncoder, decode_json_row
 from .data_config import DataConfig, DataError
@@ -75,7 +74,7 @@ def load_tokenized(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Token
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"tokenized-{key}"
     # Producers start together; one tokenizes while the others wait for its result.
-    with _exclusive(root / f"tokenized-{key}.lock"):
+    with exclusive(root / f"tokenized-{key}.lock"):
         from_cache = (final / "meta.json").exists()
         if not from_cache:
             _build(cfg, encoder, data, key, final)
@@ -109,16 +108,6 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     digest = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode())
     digest.update(str(tokenizer.chat_template).encode())
     return digest.hexdigest()
-
-
-@contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    with open(lock_path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _encode_batch(batch: dict[str, list[Any]], *, encoder: ChatEncoder, json_rows: bool) -> dict[str, list[Any]]:

@@ -9,7 +9,6 @@ every file still has the checksum recorded there; anything else is rebuilt.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -18,7 +17,6 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
-from dflash_ring.common.durable import fsync
+from dflash_ring.common.durable import exclusive, fsync
 
 from .chat_encoding import ChatEncoder
 from .tiny_corpus import CorpusSpec, Row, corpus_texts, generate_corpus, write_jsonl
@@ -81,7 +79,7 @@ def ensure_tiny_target(cache_dir: str | Path, recipe: TinyTargetRecipe = TinyTar
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"tiny-target-v{recipe.version}-{recipe.key()}"
     # Producers may start together: one builds, the others wait and then reuse its result.
-    with _exclusive(root / f".{final.name}.lock"):
+    with exclusive(root / f".{final.name}.lock"):
         if _is_intact(final, recipe):
             return final
         for leftover in root.glob(f".{final.name}.*.tmp"):  # a crashed build's; nobody else builds this entry now
@@ -274,16 +272,6 @@ def _is_intact(directory: Path, recipe: TinyTargetRecipe) -> bool:
         return marker["recipe"] == asdict(recipe) and marker["files"] == _checksums(directory)
     except (OSError, ValueError, KeyError, TypeError):
         return False
-
-
-@contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    with open(lock_path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _fsync_tree(directory: Path) -> None:

@@ -226,7 +226,7 @@ def _compare_with_untrained(cfg: Config, exported: Path, console: Console) -> No
     import torch
 
     from dflash_ring.consumer.evaluate import evaluate_drafter
-    from dflash_ring.consumer.export import export_drafter, load_drafter
+    from dflash_ring.consumer.export import export_drafter
     from dflash_ring.consumer.model import build_drafter
     from dflash_ring.consumer.process import resolve_drafter_config, target_config_dict
     from dflash_ring.producer.tiny_target import HELDOUT_FILE

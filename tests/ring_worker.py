@@ -8,7 +8,6 @@ one line per item to a ledger file, which the tests reconcile.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path

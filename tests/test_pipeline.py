@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import signal
 
-import torch
 from safetensors.torch import load_file
 
 from conftest import wait_exit, wait_for
