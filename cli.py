@@ -121,7 +121,12 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--json", action="store_true")
     bp.add_argument("--tiny", action="store_true", help="a small shape (CPU smoke run)")
     bp.add_argument("--steps", type=int, default=5)
-    bp.add_argument("--anchors-per-group", type=int, default=64)
+    bp.add_argument("--anchors-per-group", type=int, default=64, help="blocks per SDPA call (--attention sdpa)")
+    bp.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto")
+    bp.add_argument("--loss-chunk", type=int, default=1024, help="rows of [rows, vocab] logits at once")
+    bp.add_argument("--no-check", action="store_true", help="skip the flex-vs-sdpa gradient comparison (GPU)")
+    bp.add_argument("--profile", action="store_true", help="add the top GPU kernels of two steps")
+    bp.add_argument("--no-compile", action="store_true", help="run the decoder layers eagerly")
     bp.set_defaults(func=cmd_bench_drafter)
     return p
 
@@ -238,7 +243,10 @@ def cmd_bench_loader(args: argparse.Namespace) -> int:
 def cmd_bench_drafter(args: argparse.Namespace) -> int:
     from dflash_ring.bench.drafter import run_drafter_bench
 
-    print(json.dumps(run_drafter_bench(args.tiny, args.steps, anchors_per_group=args.anchors_per_group), indent=2))
+    print(json.dumps(run_drafter_bench(args.tiny, args.steps, anchors_per_group=args.anchors_per_group,
+                                       attention=args.attention, loss_chunk=args.loss_chunk,
+                                       check=not args.no_check, profile=args.profile,
+                                       compile=not args.no_compile), indent=2))
     return 0
 
 

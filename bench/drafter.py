@@ -42,14 +42,36 @@ def step_flops(cfg: dict[str, Any], n_layers: int, n_ctx_layers: int, tokens: in
     return 3 * trainable_fwd + 2 * head
 
 
+def _grad_check(model, head, drafter, ctx, ids, mask, anchors, cuda: bool) -> float:
+    """Max over parameters of |g_flex - g_sdpa| / |g_sdpa| for one step: the fused path must train the same model."""
+    grads = {}
+    for attention in ("sdpa", "flex"):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            hidden = model(ctx, ids, anchors, head, attention=attention)
+            dflash_loss(hidden, anchors, ids, mask, head, drafter).loss.backward()
+        grads[attention] = [p.grad.float().clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return max(float((f - s_).norm() / s_.norm().clamp_min(1e-30)) for f, s_ in zip(grads["flex"], grads["sdpa"]))
+
+
+def _top_kernels(prof, n: int = 15) -> list[list]:
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)[:n]
+    return [[e.key[:90], round(e.self_device_time_total / 1e3 / 2, 2), e.count // 2] for e in rows]  # ms, calls per step
+
+
 def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int = 4, seq_len: int = 3072,
-                      anchors: int = 512, anchors_per_group: int = 64, peak_flops: float = H200_BF16_PEAK) -> dict:
+                      anchors: int = 512, anchors_per_group: int = 64, attention: str = "auto",
+                      loss_chunk: int = 1024, check: bool = True, profile: bool = False, compile: bool = True,
+                      peak_flops: float = H200_BF16_PEAK) -> dict:
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
+    attention = attention if attention != "auto" else ("flex" if cuda else "sdpa")
     target = TINY if tiny or not cuda else QWEN3_8B
     if not cuda:
         seqs, seq_len, anchors, steps = 2, 256, 32, 2
-    drafter = DrafterConfig(num_hidden_layers=5, block_size=16, num_anchors=anchors, mask_token_id=target["vocab_size"] - 1)
+    drafter = DrafterConfig(num_hidden_layers=5, block_size=16, num_anchors=anchors,
+                            mask_token_id=target["vocab_size"] - 1, loss_chunk_tokens=loss_chunk)
     model = build_drafter(drafter, target).to(dev)
     n_ctx = len(model.target_layer_ids)
     h, vocab = target["hidden_size"], target["vocab_size"]
@@ -69,17 +91,22 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int = 4, seq_len
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    phases = {"h2d_s": [], "forward_s": [], "backward_s": [], "optimizer_s": [], "step_s": []}
-    blocks = 0
-    visible = 0.0
-    for i in range(steps + 2):
+    grad_err = None
+    if check and cuda:  # flex has no CPU backward
+        ctx, ids, mask = host.to(dev), ids_host.to(dev), mask_host.to(dev)
+        grad_err = _grad_check(model, head, drafter, ctx, ids, mask, sample_anchors(mask, cu, anchors, gen), cuda)
+    compile = compile and cuda and attention == "flex"
+    if compile:
+        model.compile_layers()
+
+    def step() -> tuple[float, ...]:
         t0 = sync()
         ctx = host.to(dev, non_blocking=True)
         ids, mask = ids_host.to(dev, non_blocking=True), mask_host.to(dev, non_blocking=True)
         t1 = sync()
         a = sample_anchors(mask, cu, anchors, gen)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
-            hidden = model(ctx, ids, a, head, anchors_per_group=anchors_per_group)
+            hidden = model(ctx, ids, a, head, attention=attention, anchors_per_group=anchors_per_group)
             out = dflash_loss(hidden, a, ids, mask, head, drafter)
         t2 = sync()
         out.loss.backward()
@@ -88,11 +115,22 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int = 4, seq_len
         opt.step()
         opt.zero_grad(set_to_none=True)
         t4 = sync()
-        if i >= 2:  # two warm-up steps
-            for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
-                phases[k].append(v)
-            blocks = a.num_blocks
-            visible = float((a.positions - a.seq_bounds()[0]).float().mean()) + drafter.block_size
+        step.anchors = a
+        return t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0
+
+    compile_s = sum(step()[-1] for _ in range(4))  # warm-up; the first steps compile (flex, layers, loss)
+    phases = {"h2d_s": [], "forward_s": [], "backward_s": [], "optimizer_s": [], "step_s": []}
+    for _ in range(steps):
+        for k, v in zip(phases, step()):
+            phases[k].append(v)
+    a = step.anchors
+    blocks = a.num_blocks
+    visible = float((a.positions - a.seq_bounds()[0]).float().mean()) + drafter.block_size
+    top = None
+    if profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            step(), step()
+        top = _top_kernels(prof)
     mean = {k: sum(v) / len(v) for k, v in phases.items()}
     flops = step_flops(target, drafter.num_hidden_layers, n_ctx, tokens, blocks, drafter.block_size, visible)
     report = {
@@ -103,6 +141,12 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int = 4, seq_len
         "shape": {"hidden": h, "draft_layers": drafter.num_hidden_layers, "target_layers_fed": n_ctx,
                   "block_size": drafter.block_size, "anchors_per_seq": anchors, "seqs": seqs, "seq_len": seq_len,
                   "blocks_per_step": blocks, "vocab": vocab},
+        "attention": attention,
+        "anchors_per_group": anchors_per_group if attention == "sdpa" else None,
+        "loss_chunk_tokens": loss_chunk,
+        "compiled_layers": compile,
+        "warmup_s": round(compile_s, 1),
+        "flex_vs_sdpa_grad_rel_err": None if grad_err is None else round(grad_err, 5),
         "step_split_s": {k: round(v, 4) for k, v in mean.items()},
         "sync_s": 0.0,  # one replica: no collective in the step
         "tokens_per_s": round(tokens / mean["step_s"], 1),
@@ -112,4 +156,6 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int = 4, seq_len
         "mfu": round(flops / mean["step_s"] / peak_flops, 4),
         "peak_memory_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 1) if cuda else None,
     }
+    if top is not None:
+        report["top_kernels_ms_per_step"] = top
     return report

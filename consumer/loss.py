@@ -41,6 +41,45 @@ def block_labels(
     return BlockLabels(tokens=torch.where(valid, input_ids[safe], 0), valid=valid)
 
 
+def _chunk_terms(logits: torch.Tensor, label: torch.Tensor, w: torch.Tensor, target_logits: torch.Tensor | None,
+                 kl_weight: float, need_grad: bool):
+    """Weighted CE and KL sums, top-1 and d(loss)/d(logits) of one row chunk, in fp32.
+
+    One function so that on a GPU torch.compile fuses the softmax, gather, argmax and
+    gradient into a pass or two over the [rows, vocab] chunk instead of one per op.
+    """
+    log_q = F.log_softmax(logits.float(), dim=-1)
+    predictions = log_q.argmax(dim=-1)
+    ce = (w * -log_q.gather(1, label[:, None]).squeeze(1)).sum()
+    kl = ce.new_zeros(())
+    p = None
+    if target_logits is not None:
+        log_p = F.log_softmax(target_logits.float(), dim=-1)
+        p = log_p.exp()
+        kl = (w * (p * (log_p - log_q)).sum(dim=-1)).sum()
+    if not need_grad:
+        return ce, kl, predictions, None
+    # d(CE)/d(logits) = q - onehot;  d(KL)/d(logits) = q - p.
+    d_logits = log_q.exp()
+    if p is not None:
+        d_logits = d_logits * (1.0 + kl_weight) - kl_weight * p
+    onehot = torch.arange(logits.shape[-1], device=logits.device)[None, :] == label[:, None]
+    d_logits = (d_logits - onehot.float()) * w[:, None]
+    return ce, kl, predictions, d_logits.to(logits.dtype)
+
+
+_compiled_chunk_terms = None
+
+
+def _terms_fn(device: torch.device):
+    global _compiled_chunk_terms
+    if device.type != "cuda":
+        return _chunk_terms
+    if _compiled_chunk_terms is None:
+        _compiled_chunk_terms = torch.compile(_chunk_terms, dynamic=True)
+    return _compiled_chunk_terms
+
+
 class _ChunkedHeadLoss(torch.autograd.Function):
     """sum_r w_r * (CE_r + kl_weight * KL(target_r || draft_r)) over rows, chunked over rows.
 
@@ -56,23 +95,17 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         ce_sum = hidden.new_zeros((), dtype=torch.float32)
         kl_sum = torch.zeros_like(ce_sum)
         predictions = torch.empty_like(labels)
+        terms = _terms_fn(hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            log_q = F.log_softmax(F.linear(hidden[rows].to(weight.dtype), weight).float(), dim=-1)
-            label, w = labels[rows], row_weights[rows]
-            predictions[rows] = log_q.argmax(dim=-1)
-            ce_sum += (w * -log_q.gather(1, label[:, None]).squeeze(1)).sum()
-            if target_hidden is not None:
-                log_p = F.log_softmax(F.linear(target_hidden[rows].to(weight.dtype), weight).float(), dim=-1)
-                p = log_p.exp()
-                kl_sum += (w * (p * (log_p - log_q)).sum(dim=-1)).sum()
+            logits = F.linear(hidden[rows].to(weight.dtype), weight)
+            teacher = None if target_hidden is None else F.linear(target_hidden[rows].to(weight.dtype), weight)
+            ce, kl, predictions[rows], d_logits = terms(logits, labels[rows], row_weights[rows], teacher,
+                                                        kl_weight, needs_grad)
+            ce_sum += ce
+            kl_sum += kl
             if needs_grad:
-                # d(CE)/d(logits) = q - onehot;  d(KL)/d(logits) = q - p.
-                d_logits = log_q.exp()
-                if target_hidden is not None:
-                    d_logits.mul_(1.0 + kl_weight).sub_(kl_weight * p)
-                d_logits[torch.arange(label.numel(), device=label.device), label] -= 1.0
-                grad[rows] = ((d_logits * w[:, None]).to(weight.dtype) @ weight).to(hidden.dtype)
+                grad[rows] = (d_logits @ weight).to(hidden.dtype)
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(ce_sum, kl_sum, predictions)
         return ce_sum + kl_weight * kl_sum, ce_sum, kl_sum, predictions

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import PretrainedConfig, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
@@ -135,6 +136,89 @@ def _attention_groups(
     return groups
 
 
+FLEX_TILE = 128  # flex_attention's default block size; the sparsity below is computed per tile of it
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+@dataclass(frozen=True)
+class FlexLayout:
+    """One flex_attention call over all blocks of a packed batch.
+
+    Keys are [context (padded to a tile) | block tokens (padded to a tile)]. The
+    tile lists name only the context tiles between a tile's first sequence start
+    and its last anchor, plus the tiles of its own blocks, so the kernel computes
+    about what the mask lets through, with no per-sequence split and no dense mask.
+    """
+
+    num_queries: int  # real block-token rows; the rest up to a tile is padding
+    context_len: int  # padded context length: block keys start here
+    masks: dict[int | None, BlockMask]  # by sliding window (None = full attention)
+
+
+def flex_layout(anchors: Anchors, context_len: int, block_size: int, windows: set[int | None]) -> FlexLayout:
+    n, dev = anchors.num_blocks, anchors.positions.device
+    rows = n * block_size
+    q_len, t_pad = _round_up(max(rows, 1), FLEX_TILE), _round_up(context_len, FLEX_TILE)
+    anchor = anchors.positions
+    start = anchors.seq_bounds()[0]
+    tiles = torch.arange(q_len // FLEX_TILE, device=dev)
+    first = (tiles * FLEX_TILE // block_size).clamp(max=max(n - 1, 0))
+    last = (((tiles + 1) * FLEX_TILE - 1) // block_size).clamp(max=max(n - 1, 0))
+    if n:
+        ctx_lo, ctx_hi = start[first] // FLEX_TILE, (anchor[last] + FLEX_TILE - 1) // FLEX_TILE
+    else:
+        ctx_lo = ctx_hi = torch.zeros_like(tiles)
+    n_ctx = (ctx_hi - ctx_lo).clamp(min=0)
+    blk_lo = (t_pad + first * block_size) // FLEX_TILE
+    blk_hi = torch.maximum((t_pad + (last + 1) * block_size + FLEX_TILE - 1) // FLEX_TILE, blk_lo + 1)
+    n_blk = blk_hi - blk_lo
+    kv_tiles = (t_pad + q_len) // FLEX_TILE
+    slot = torch.arange(kv_tiles, device=dev)[None, :]  # BlockMask reads the kv tile count off this width
+    indices = torch.where(slot < n_ctx[:, None], ctx_lo[:, None] + slot, blk_lo[:, None] + slot - n_ctx[:, None])
+    indices = indices.clamp(max=kv_tiles - 1).to(torch.int32)
+    counts = (n_ctx + n_blk).to(torch.int32)
+    safe_anchor = anchor if n else anchor.new_zeros(1)
+    safe_start = start if n else start.new_zeros(1)
+    last_block = max(n - 1, 0)
+
+    def rule(window: int | None):
+        def mask_mod(b, h, q_idx, kv_idx):
+            q_block, offset = q_idx // block_size, q_idx % block_size
+            a = safe_anchor[q_block.clamp(max=last_block)]
+            s = safe_start[q_block.clamp(max=last_block)]
+            ctx_ok = (kv_idx >= s) & (kv_idx < a)
+            key = kv_idx - t_pad
+            blk_ok = key // block_size == q_block
+            if window is not None:
+                ctx_ok = ctx_ok & (kv_idx > a + offset - window)
+                blk_ok = blk_ok & (key % block_size <= offset)
+            return torch.where(kv_idx < t_pad, ctx_ok, blk_ok)
+        return mask_mod
+
+    masks = {
+        w: BlockMask.from_kv_blocks(counts[None, None], indices[None, None], BLOCK_SIZE=FLEX_TILE,
+                                    mask_mod=rule(w), seq_lengths=(q_len, t_pad + q_len))
+        for w in windows
+    }
+    return FlexLayout(num_queries=rows, context_len=t_pad, masks=masks)
+
+
+_compiled_flex = None
+
+
+def _flex_attention(q, k, v, block_mask: BlockMask) -> torch.Tensor:
+    """Compiled on CUDA (fused kernel, built once per process); eager elsewhere (tests on CPU)."""
+    global _compiled_flex
+    if q.is_cuda:
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=True)
+        return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
 # cuDNN attention builds a graph per new shape (~12 ms of CPU per call, seen on H200); every group
 # has its own key length, so it would rebuild on nearly every call. The other kernels take any shape.
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -176,12 +260,14 @@ class DFlashAttention(nn.Module):
         context: torch.Tensor,
         block_rope: tuple[torch.Tensor, torch.Tensor],
         context_rope: tuple[torch.Tensor, torch.Tensor],
-        groups: list[_AttentionGroup],
+        groups: list[_AttentionGroup] | FlexLayout,
     ) -> torch.Tensor:
         q = _apply_rope(self.q_norm(self._heads(self.q_proj(x))), *block_rope)
         k_block = _apply_rope(self.k_norm(self._heads(self.k_proj(x))), *block_rope)
         k_context = _apply_rope(self.k_norm(self._heads(self.k_proj(context))), *context_rope)
         v_block, v_context = self._heads(self.v_proj(x)), self._heads(self.v_proj(context))
+        if isinstance(groups, FlexLayout):
+            return self.o_proj(self._flex(q, k_context, k_block, v_context, v_block, groups).flatten(1))
         outputs = []
         with sdpa_kernel(_SDPA_BACKENDS):
             for group in groups:
@@ -196,6 +282,20 @@ class DFlashAttention(nn.Module):
                 outputs.append(out[0].transpose(0, 1))
         attended = torch.cat(outputs) if outputs else q  # no blocks: q is already empty
         return self.o_proj(attended.flatten(1))
+
+    def _flex(self, q, k_context, k_block, v_context, v_block, layout: FlexLayout) -> torch.Tensor:
+        rows = q.shape[0]
+        q_len = layout.masks[self.sliding_window].seq_lengths[0]
+
+        def keys(context: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+            pad_ctx = context.new_zeros(layout.context_len - context.shape[0], *context.shape[1:])
+            pad_blk = block.new_zeros(q_len - rows, *block.shape[1:])
+            return torch.cat([context, pad_ctx, block, pad_blk]).transpose(0, 1)[None]
+
+        query = torch.cat([q, q.new_zeros(q_len - rows, *q.shape[1:])]).transpose(0, 1)[None]
+        out = _flex_attention(query, keys(k_context, k_block), keys(v_context, v_block),
+                              layout.masks[self.sliding_window])
+        return out[0, :, :rows].transpose(0, 1)
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -212,7 +312,7 @@ class DFlashDecoderLayer(nn.Module):
         context: torch.Tensor,
         block_rope: tuple[torch.Tensor, torch.Tensor],
         context_rope: tuple[torch.Tensor, torch.Tensor],
-        groups: list[_AttentionGroup],
+        groups: list[_AttentionGroup] | FlexLayout,
     ) -> torch.Tensor:
         # The fused context is not re-normed per layer (z-lab): only block tokens get input_layernorm.
         x = x + self.self_attn(self.input_layernorm(x), context, block_rope, context_rope, groups)
@@ -306,6 +406,12 @@ class DFlashDraftModel(nn.Module):
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=config.initializer_range)
 
+    def compile_layers(self) -> None:
+        """torch.compile each decoder layer in place (one graph serves all: they share code and shapes), fusing
+        norms, RoPE, SiLU and residual adds around the matmuls; state_dict names are unchanged."""
+        for layer in self.layers:
+            layer.compile(dynamic=True)
+
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [L, head_dim] exactly as Qwen3RotaryEmbedding computes them."""
         freqs = positions[:, None].float() * self._inv_freq.to(positions.device)[None, :]
@@ -319,13 +425,16 @@ class DFlashDraftModel(nn.Module):
         anchors: Anchors,
         head: FrozenTargetHead,
         *,
+        attention: str = "sdpa",
         anchors_per_group: int = 64,
     ) -> torch.Tensor:
         """Draft hidden states [N, B, H] (final-normed) for every anchor of a packed batch.
 
         context: [T, n*H] target features (layers target_layer_ids, concatenated on channels);
         input_ids: [T]; the anchors index both. Position 0 of each block is the anchor itself;
-        head.logits(out[:, k]) is the draft for token anchor + k.
+        head.logits(out[:, k]) is the draft for token anchor + k. attention: "sdpa" runs one
+        masked SDPA call per group of anchors_per_group blocks; "flex" one block-sparse
+        flex_attention call for all blocks (same result, far less wasted work on a GPU).
         """
         if context.shape[-1] != self.fc.in_features:
             raise ValueError(f"context width {context.shape[-1]} != {self.fc.in_features} (n_target_layers * hidden)")
@@ -342,7 +451,12 @@ class DFlashDraftModel(nn.Module):
         offsets = torch.arange(block, device=context.device)
         block_positions = ((anchors.positions - anchors.seq_bounds()[0])[:, None] + offsets).reshape(-1)
         block_rope, context_rope = self._rope(block_positions, x.dtype), self._rope(context_positions, x.dtype)
-        groups = _attention_groups(anchors, block, self._windows, anchors_per_group)
+        if attention == "flex":
+            groups = flex_layout(anchors, context.shape[0], block, self._windows)
+        elif attention == "sdpa":
+            groups = _attention_groups(anchors, block, self._windows, anchors_per_group)
+        else:
+            raise ValueError(f"attention must be 'flex' or 'sdpa', got {attention!r}")
         for layer in self.layers:
             x = layer(x, fused, block_rope, context_rope, groups)
         return self.norm(x).view(-1, block, x.shape[-1])

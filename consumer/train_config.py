@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass
@@ -20,7 +21,11 @@ class TrainConfig:
     seed: int = 0
     # "auto": cuda:<index of this drafter among visible GPUs> when CUDA is present, else cpu.
     device: str = "auto"
-    # Blocks attended per SDPA call; 64-128 is fastest on an H200 (see docs/benchmarks.md).
+    # "flex": one block-sparse flex_attention call per layer (compiled; the GPU default under "auto").
+    # "sdpa": masked SDPA per group of anchors_per_group blocks (eager; the CPU default under "auto").
+    attention: Literal["auto", "flex", "sdpa"] = "auto"
+    # torch.compile the decoder layers on a GPU (fuses the elementwise work; the first steps compile).
+    compile: bool = True
     anchors_per_group: int = 64
     # Replicas on one host average parameters through shared memory every this many steps (0: never).
     average_every_steps: int = 50
@@ -28,6 +33,11 @@ class TrainConfig:
     checkpoint_every_steps: int = 200
     keep_checkpoints: int = 3
     log_every_steps: int = 10
+
+    def attention_for(self, device_type: str) -> str:
+        if self.attention != "auto":
+            return self.attention
+        return "flex" if device_type == "cuda" else "sdpa"
 
     def __post_init__(self) -> None:
         if self.lr <= 0 or not 0 <= self.warmup_ratio < 1 or not 0 <= self.min_lr_ratio <= 1:

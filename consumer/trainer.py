@@ -63,6 +63,8 @@ class Trainer:
     def __init__(self, model: DFlashDraftModel, head: FrozenTargetHead, drafter: DrafterConfig,
                  train: TrainConfig, device: torch.device):
         self.model = model.to(device)  # fp32 master weights; bf16 only inside autocast on GPU
+        if train.compile and device.type == "cuda" and train.attention_for("cuda") == "flex":  # sdpa groups vary
+            self.model.compile_layers()
         self.head = head
         self.drafter = drafter
         self.cfg = train
@@ -85,6 +87,7 @@ class Trainer:
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
         with autocast:
             hidden = self.model(batch.features, batch.input_ids, anchors, self.head,
+                                attention=self.cfg.attention_for(self.device.type),
                                 anchors_per_group=self.cfg.anchors_per_group)
             out = dflash_loss(hidden, anchors, batch.input_ids, batch.loss_mask, self.head, self.drafter,
                               target_hidden=batch.final_hidden if self.drafter.kl_weight > 0 else None)

@@ -211,11 +211,13 @@ def setup(target_dir):
 
 
 def draft_logits(model, head, context, input_ids, anchors, group=64):
+    attention = "flex" if group == "flex" else "sdpa"
     with torch.no_grad():
-        return head.logits(model(context, input_ids, anchors, head, anchors_per_group=group))
+        return head.logits(model(context, input_ids, anchors, head, attention=attention,
+                                 anchors_per_group=group if attention == "sdpa" else 64))
 
 
-@pytest.mark.parametrize("group", [1, 2, 64])
+@pytest.mark.parametrize("group", [1, 2, 64, "flex"])
 def test_block_sees_only_context_before_its_anchor_and_its_own_block(setup, group):
     model, head, context, input_ids = setup
     anchors = anchors_from_local(LENGTHS, LOCAL_ANCHORS)
@@ -275,7 +277,8 @@ def sliding_drafter(num_layers: int):
     return build_drafter(cfg, tiny_target_config()).eval()
 
 
-def test_sliding_layers_ignore_context_outside_the_window(target_dir):
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_sliding_layers_ignore_context_outside_the_window(target_dir, attention):
     head = load_target_head(target_dir)
     context, input_ids = torch.randn(24, 2 * HIDDEN), torch.randint(0, 250, (24,))
     anchors = anchors_from_local([24], [[15]])
@@ -284,15 +287,16 @@ def test_sliding_layers_ignore_context_outside_the_window(target_dir):
     near = context.clone()
     near[10] += 1.0
 
+    g = "flex" if attention == "flex" else 64
     deep = sliding_drafter(2)
-    base = draft_logits(deep, head, context, input_ids, anchors)
-    assert torch.equal(draft_logits(deep, head, far, input_ids, anchors), base)
-    assert not torch.allclose(draft_logits(deep, head, near, input_ids, anchors), base)
+    base = draft_logits(deep, head, context, input_ids, anchors, g)
+    assert torch.equal(draft_logits(deep, head, far, input_ids, anchors, g), base)
+    assert not torch.allclose(draft_logits(deep, head, near, input_ids, anchors, g), base)
 
     # One layer shows the window is per query: a query at anchor+1 no longer sees key 10.
     shallow = sliding_drafter(1)
-    base = draft_logits(shallow, head, context, input_ids, anchors)
-    changed = draft_logits(shallow, head, near, input_ids, anchors)
+    base = draft_logits(shallow, head, context, input_ids, anchors, g)
+    changed = draft_logits(shallow, head, near, input_ids, anchors, g)
     assert not torch.allclose(changed[0, 0], base[0, 0])
     assert torch.equal(changed[0, 1:], base[0, 1:])
 
@@ -319,3 +323,25 @@ def test_bfloat16_drafter_keeps_fp32_rope_and_tracks_fp32(setup):
     got = draft_logits(half, bf16_head, context.bfloat16(), input_ids, anchors)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), reference, rtol=0.1, atol=0.05)
+
+
+@pytest.mark.parametrize("block_size,window", [(4, None), (10, None), (10, 13)])
+def test_flex_attention_matches_grouped_sdpa(target_dir, block_size, window):
+    """The GPU path (one block-sparse flex call) against the dense-mask path, over tiles of 128 rows:
+    many blocks, several sequences, a block size that does not divide the tile, sliding layers.
+    Forward only: flex has no CPU backward; `bench drafter` compares the gradients on the GPU."""
+    torch.manual_seed(3)
+    layer_types = ["full_attention", "sliding_attention"] if window else None
+    cfg = DrafterConfig(num_hidden_layers=2, block_size=block_size, loss_gamma=2.0, mask_token_id=MASK_ID,
+                        target_layer_ids=[1, 2], layer_types=layer_types, sliding_window=window)
+    model = build_drafter(cfg, tiny_target_config()).double()
+    head = load_target_head(target_dir, dtype=torch.float64)
+    lengths = [150, 61, 300]
+    local = [list(range(1, 149, 5)), [0, 7, 30, 59], list(range(3, 298, 11))]
+    anchors = anchors_from_local(lengths, local)
+    context = torch.randn(sum(lengths), 2 * HIDDEN, dtype=torch.float64)
+    input_ids = torch.randint(0, 250, (sum(lengths),))
+    with torch.no_grad():
+        sdpa = model(context, input_ids, anchors, head, attention="sdpa", anchors_per_group=7)
+        flex = model(context, input_ids, anchors, head, attention="flex")
+    torch.testing.assert_close(flex, sdpa, rtol=1e-9, atol=1e-9)
