@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup run test bench-ring clean-venv
+.PHONY: setup deploy-tools run test bench-ring clean-venv
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(if $(filter system,$(DFLASH_TORCH)),--system-site-packages,) $(VENV)
@@ -20,7 +20,21 @@ setup: $(VENV)/.installed
 run: setup
 	$(VENV)/bin/dflash-ring run
 
-test: setup
+# promtool and prometheus for the deploy tests (tests/test_deploy.py, tests/test_prometheus_live.py):
+# installed from the distribution when missing and we are root (CI); otherwise those tests skip
+# (and fail when CI is set). Note: on a host running systemd, the Debian package also starts a
+# prometheus service on :9090.
+deploy-tools:
+	@command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 || \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing prometheus (promtool) for the deploy tests"; \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; } \
+	    >/dev/null || echo "could not install prometheus: the deploy tests will skip (or fail under CI)"; \
+	else \
+	  echo "promtool/prometheus not installed (not root): the deploy tests will skip; apt-get install prometheus"; \
+	fi
+
+test: setup deploy-tools
 	$(PY) -m pytest -q
 
 bench-ring: setup

@@ -50,6 +50,16 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-eval", action="store_true", help="skip the held-out acceptance comparison")
     sp.set_defaults(func=cmd_run)
 
+    sp = with_config(sub.add_parser("chaos", help="kill processes of a real run at random; check nothing was lost"))
+    sp.add_argument("--kills", type=int, default=12, help="signals to send (SIGKILL or SIGTERM)")
+    sp.add_argument("--seconds", type=float, default=60.0, help="the window they are spread over")
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--epochs", type=int, default=0, help="epochs of the chaos run (0: outlast the window)")
+    sp.add_argument("--workdir", default="runs/chaos")
+    sp.add_argument("--no-baseline", action="store_true", help="skip the run without faults")
+    sp.add_argument("--json", action="store_true", help="print the report as JSON")
+    sp.set_defaults(func=cmd_chaos)
+
     sp = with_config(sub.add_parser("supervisor", help="create the ring and supervise the run"))
     sp.add_argument("--reclaim-stale", action="store_true",
                     help="discard a dead run's segment instead of refusing to start")
@@ -113,6 +123,14 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--padded", action="store_true", help="padded batches instead of packed ones")
     bp.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H200: 989)")
     bp.set_defaults(func=cmd_bench_target)
+    bp = bench.add_parser("pipeline", help="random-weight target + drafter as real processes vs the target alone")
+    bp.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
+    bp.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke run)")
+    bp.add_argument("--seconds", type=float, default=90.0, help="steady-state window measured")
+    bp.add_argument("--warmup-steps", type=int, default=0, help="drafter steps before the window (0: 8, tiny 3)")
+    bp.add_argument("--workdir", help="where the target, data and logs go (default: a new temporary directory)")
+    bp.add_argument("--port-base", type=int, default=19460, help="metrics ports of the bench's processes")
+    bp.set_defaults(func=cmd_bench_pipeline)
     bp = bench.add_parser("loader", help="one core: token arrays -> batches in the slot format, vs the target rate")
     bp.add_argument("--json", action="store_true")
     bp.add_argument("--samples", type=int, default=200_000)
@@ -148,6 +166,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     from dflash_ring.supervisor.launcher import run
 
     return run(args.config, args.set, args.workdir, evaluate=not args.no_eval)
+
+
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from dflash_ring.supervisor.chaos import ChaosOptions, format_report, report_json, run_chaos
+
+    report = run_chaos(ChaosOptions(kills=args.kills, seconds=args.seconds, seed=args.seed, workdir=Path(args.workdir),
+                                    config=args.config, overrides=args.set, epochs=args.epochs,
+                                    baseline=not args.no_baseline))
+    print(report_json(report) if args.json else format_report(report))
+    return 0 if report["passed"] else 1
 
 
 def cmd_supervisor(args: argparse.Namespace) -> int:
@@ -254,6 +282,15 @@ def cmd_bench_ring(args: argparse.Namespace) -> int:
     from dflash_ring.bench.ring import run_ring_bench
 
     report = run_ring_bench([float(s) for s in args.sizes_mb.split(",")], args.items, quiet=args.json)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def cmd_bench_pipeline(args: argparse.Namespace) -> int:
+    from dflash_ring.bench.pipeline import run_pipeline_bench
+
+    report = run_pipeline_bench(tiny=args.tiny, seconds=args.seconds, warmup_steps=args.warmup_steps,
+                                workdir=args.workdir, port_base=args.port_base)
     print(json.dumps(report, indent=2))
     return 0
 

@@ -38,6 +38,9 @@ class RunConfig:
     run_dir: str = ""
     # How long a producer or drafter waits for the supervisor to create the ring.
     attach_timeout_s: float = 60.0
+    # Empty: off. Else every process appends what it committed, consumed and trained to
+    # <ledger_dir>/<role>-<index>.jsonl (common/ledger.py), e.g. for `dflash-ring chaos`.
+    ledger_dir: str = ""
 
 
 @dataclass
@@ -66,6 +69,39 @@ class SupervisorConfig:
 
 
 @dataclass
+class MetricsConfig:
+    """Each process serves Prometheus /metrics on bind:port, so one scrape config covers a host.
+
+    Ports: supervisor = port_base, target (producer) i = port_base + 1 + i,
+    drafter j = port_base + 100 + j. Fixed offsets let the scrape config and the
+    systemd units name every port without asking the run. The default bind is
+    loopback: metrics say nothing secret, but exposure is the operator's choice.
+    """
+
+    enabled: bool = True
+    bind: str = "127.0.0.1"
+    port_base: int = 9460
+
+
+@dataclass
+class GroupConfig:
+    """Drafter replicas on several hosts (consumer/replica_group.py); empty rendezvous: this host only."""
+
+    # "tcp://host:port" of the rendezvous store every host's drafter leader connects to.
+    rendezvous: str = ""
+    # This host's supervisor serves the rendezvous store (set on exactly one host).
+    serve: bool = False
+    # Hosts expected: a group forms as soon as this many leaders are there (0: whoever arrives within settle_s).
+    hosts: int = 0
+    # A forming group closes once no leader has arrived for this long.
+    settle_s: float = 5.0
+    # Longest wait on another host (collective, rendezvous) before it is dropped from the group.
+    timeout_s: float = 300.0
+    # This host's name in logs and errors; empty: <hostname>/<run.name>.
+    host_name: str = ""
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     ring: RingConfig = field(default_factory=RingConfig)
@@ -75,6 +111,8 @@ class Config:
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    group: GroupConfig = field(default_factory=GroupConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def validate(self) -> None:
         if not RUN_NAME_RE.match(self.run.name):
@@ -96,6 +134,23 @@ class Config:
             raise ConfigError(
                 f"topology: producers = {t.producers}, consumers = {t.consumers}: need at least one of each"
             )
+        m = self.metrics
+        if m.enabled:
+            if t.producers > 99:
+                raise ConfigError(f"topology.producers = {t.producers}: metrics ports of targets (port_base + 1 + i) "
+                                  "would run into the drafters' (port_base + 100 + j); set metrics.enabled = false")
+            if not 1 <= m.port_base <= 65535 - 100 - t.consumers:
+                raise ConfigError(f"metrics.port_base = {m.port_base}: must leave room for port_base + 100 + "
+                                  f"{t.consumers - 1} below 65536")
+
+        g = self.group
+        if g.rendezvous and not re.match(r"^tcp://([^\s/:\[\]]+|\[[0-9A-Fa-f:.]+\]):\d{1,5}$", g.rendezvous):
+            raise ConfigError(f"group.rendezvous = {g.rendezvous!r}: expected tcp://host:port")
+        if g.serve and not g.rendezvous:
+            raise ConfigError("group.serve = true needs group.rendezvous = \"tcp://host:port\" to listen on")
+        if g.hosts < 0 or g.settle_s <= 0 or g.timeout_s <= 0:
+            raise ConfigError(f"group: hosts = {g.hosts}, settle_s = {g.settle_s}, timeout_s = {g.timeout_s}: "
+                              "need hosts >= 0 and positive times")
 
     def fingerprint_fields(self) -> dict[str, typing.Any]:
         """What every process of a run must agree on; stored in the ring header.

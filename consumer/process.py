@@ -21,14 +21,19 @@ from typing import Any
 
 import torch
 
+from dflash_ring.common import sd_notify
 from dflash_ring.common.config import Config
+from dflash_ring.common.gpu_metrics import GpuCollector, device_uuid
 from dflash_ring.common.layout import Role
+from dflash_ring.common.ledger import Ledger, identity
 from dflash_ring.common.membership import Membership
+from dflash_ring.common.metrics import DRAFTER, DrafterMetrics, serve
 from dflash_ring.common.ring import Ring, SlotReader
 from dflash_ring.common.slot_format import SlotFormatError
 from dflash_ring.consumer.checkpoint import CheckpointStore
 from dflash_ring.consumer.drafter_config import DrafterConfig
 from dflash_ring.consumer.model import build_drafter, load_target_head
+from dflash_ring.consumer.replica_group import ReplicaGroup
 from dflash_ring.consumer.replicas import ReplicaAverager
 from dflash_ring.consumer.trainer import DeviceBatch, StepMetrics, Trainer
 
@@ -102,9 +107,11 @@ class Prefetcher(threading.Thread):
     At most one item is prefetched ahead (`room`), so a drafter never sits on more than one slot.
     """
 
-    def __init__(self, ring: Ring, row: int, device: torch.device):
+    def __init__(self, ring: Ring, row: int, device: torch.device, metrics: DrafterMetrics | None = None):
         super().__init__(name="prefetch", daemon=True)
         self.ring, self.row, self.device = ring, row, device
+        self.metrics = metrics or DrafterMetrics()
+        self.ledger: Ledger | None = None  # run.ledger_dir: one record per batch taken from the ring
         self.items: queue.Queue[DeviceBatch | None] = queue.Queue()
         self.room = threading.Semaphore(1)
         self.stopping = threading.Event()
@@ -114,18 +121,25 @@ class Prefetcher(threading.Thread):
         while not self.stopping.is_set():
             if not self.room.acquire(timeout=0.5):
                 continue
+            waited = self.ring.wait_seconds
             try:
                 r = self.ring.claim(self.row, timeout_s=0.5)
             except SlotFormatError as e:
                 log.error("%s", e)
                 r = None
+            self.metrics.wait.inc(self.ring.wait_seconds - waited)
             if r is None:
                 self.room.release()
                 if self.ring.shutting_down:
                     break
                 continue
+            t0 = time.perf_counter()
             batch = to_device(r, self.device, self.stream)
+            self.metrics.h2d.observe(time.perf_counter() - t0)  # to_device returns once the copy landed
+            if self.ledger is not None:  # before the release: a kill in between redelivers the slot
+                self.ledger.write("got", item=r.item, deliveries=r.deliveries, **identity(r.meta))
             self.ring.release(r)  # the copy has landed: producers may refill the slot now
+            self.metrics.items.inc()
             del r
             self.items.put(batch)
         self.items.put(None)
@@ -139,10 +153,16 @@ class Prefetcher(threading.Thread):
 
 def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
     device = pick_device(device_name or cfg.train.device, index)
+    uuid = device_uuid(device)
+    registry = serve(cfg, DRAFTER, index, uuid)  # a taken port fails here, before any loading
+    if cfg.metrics.enabled:
+        registry.register(GpuCollector([uuid]))
+    metrics = DrafterMetrics(registry)
     drafter_cfg = resolve_drafter_config(cfg)
     target_config = target_config_dict(cfg.target.path)
     head = load_target_head(cfg.target.path, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                             device=device)
+    torch.manual_seed(cfg.train.seed)  # the initial weights: reproducible, and equal across replicas
     trainer = Trainer(build_drafter(drafter_cfg, target_config), head, drafter_cfg, cfg.train, device)
     store = CheckpointStore(Path(cfg.train.checkpoint_dir) / f"drafter-{index}")
     consumed: dict[str, list[int]] = {}
@@ -153,25 +173,36 @@ def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
         log.info("resumed from %s (step %d)", ckpt.path, ckpt.step)
 
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
 
     def checkpoint() -> None:
         info = {"consumed": consumed, "items": items, "drafter": asdict(drafter_cfg),
                 "target_config": target_config}
         path = store.save(trainer.state(info), keep=cfg.train.keep_checkpoints)
+        if ledger is not None:
+            ledger.write("ckpt", step=trainer.step, items=items)
         log.info("checkpoint %s", path)
 
     with Ring.attach(cfg, pin=True) as ring:
+        # Only now: while it waits for the ring this process holds nothing, so SIGTERM ends it at once
+        # (a handler set earlier left it deaf to `systemctl stop` for all of run.attach_timeout_s).
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
         me = Membership.join(ring, cfg, Role.CONSUMER, index)
-        replicas = None
+        if (ledger := Ledger.open(cfg, "drafter", index)) is not None:
+            ledger.write("start", step=trainer.step)
+        replicas, group, caught = None, None, 0
         if cfg.topology.consumers > 1 and cfg.train.average_every_steps:
             replicas = ReplicaAverager(cfg.run.name, index, cfg.topology.consumers, trainer.model, cfg.lock_dir())
-            replicas.catch_up()
+            caught = replicas.catch_up()
+        if cfg.group.rendezvous and cfg.train.average_every_steps:  # other hosts: this host's leader meets them
+            group = ReplicaGroup.from_config(cfg, index, trainer.model, drafter_cfg, fresh=caught == 0)
+            group.start()  # a restarted host takes the live hosts' weights before its first step
         log.info("drafter %d on %s: %d parameters, ring %s", index, device,
                  sum(p.numel() for p in trainer.model.parameters()), ring.name)
-        prefetch = Prefetcher(ring, me.row, device)
+        prefetch = Prefetcher(ring, me.row, device, metrics)
+        prefetch.ledger = ledger
         prefetch.start()
+        sd_notify.ready(f"drafter {index}: model loaded, ring attached")
         last_saved, window = trainer.step, _Window()
         while (batch := _next(prefetch, stop, me)) is not None:
             items += 1
@@ -179,20 +210,33 @@ def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
             mark = [int(batch.meta.get("epoch", 0)), int(batch.meta.get("position", 0))]
             consumed[producer] = max(consumed.get(producer, mark), mark)
             total = cfg.train.total_steps or _estimated_steps(ring, cfg)
-            if (m := trainer.train_step(batch, total)) is not None:
+            m = trainer.train_step(batch, total)
+            if ledger is not None:
+                ledger.write("train", step=trainer.step, **identity(batch.meta))
+            metrics.tokens.inc(batch.num_tokens)
+            if m is not None:
+                _record(metrics, m)
                 window.add(m, ring.wait_seconds)
-                if replicas is not None and m.step % cfg.train.average_every_steps == 0:
-                    replicas.publish(m.step)
-                    replicas.average()
+                if cfg.train.average_every_steps and m.step % cfg.train.average_every_steps == 0:
+                    if replicas is not None:
+                        replicas.publish(m.step)
+                        replicas.average()
+                    if group is not None and group.sync(m.step) and replicas is not None:
+                        replicas.publish(m.step)  # this host's other replicas take the group mean from here
                 if m.step % cfg.train.log_every_steps == 0:
                     log.info("%s", window.line(total))
                 if m.step - last_saved >= cfg.train.checkpoint_every_steps:
                     checkpoint()
                     last_saved = trainer.step
         prefetch.stopping.set()
+        if group is not None:
+            group.close()  # at once: a peer waiting on this host in a collective re-forms without it
+        sd_notify.stopping()
         for batch in _leftovers(prefetch):  # released already: train it rather than lose it
             trainer.train_step(batch, cfg.train.total_steps or _estimated_steps(ring, cfg))
             items += 1
+            if ledger is not None:
+                ledger.write("train", step=trainer.step, **identity(batch.meta))
         if replicas is not None:
             replicas.publish(trainer.step)  # a restarted or late peer catches up from here
             replicas.close()
@@ -200,6 +244,8 @@ def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
             checkpoint()
         log.info("drafter %d done: %d steps, %d items; %s", index, trainer.step, items,
                  "stopped by signal" if stop.is_set() else "run finished")
+        if ledger is not None:
+            ledger.write("exit", step=trainer.step)
         me.leave()
     return 0
 
@@ -207,11 +253,24 @@ def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
 def _next(prefetch: Prefetcher, stop: threading.Event, me: Membership) -> DeviceBatch | None:
     while not stop.is_set():
         me.heartbeat()
+        sd_notify.watchdog()
         try:
             return prefetch.take(0.5)
         except queue.Empty:
             continue
     return None
+
+
+def _record(metrics: DrafterMetrics, m: StepMetrics) -> None:
+    """One optimizer step's numbers into the drafter's metrics."""
+    metrics.steps.inc()
+    metrics.step.observe(m.step_s)
+    metrics.step_number.set(m.step)
+    metrics.loss.set(m.loss)
+    acc = m.accuracy_per_position
+    metrics.accuracy.set(sum(acc) / len(acc) if acc else 0.0)
+    metrics.acceptance.set(m.accept_len)
+    metrics.lr.set(m.lr)
 
 
 def _leftovers(prefetch: Prefetcher) -> list[DeviceBatch]:

@@ -35,9 +35,13 @@ import posix_ipc
 import torch
 from transformers import AutoTokenizer
 
+from dflash_ring.common import sd_notify
 from dflash_ring.common.config import Config
+from dflash_ring.common.gpu_metrics import GpuCollector, device_uuid
 from dflash_ring.common.layout import Role, RowStatus
+from dflash_ring.common.ledger import Ledger
 from dflash_ring.common.membership import Membership
+from dflash_ring.common.metrics import TARGET, DeviceSpan, ProducerMetrics, serve
 from dflash_ring.common.ring import Ring, SlotWriter
 from dflash_ring.common.slot_format import SlotLayout
 
@@ -164,6 +168,8 @@ class InFlight:
     batch: Batch
     output: TargetOutput
     copied: torch.cuda.Event | None
+    copy_span: DeviceSpan | None = None
+    target_span: DeviceSpan | None = None  # the forward that made `output`, read once the copy landed
 
 
 class SlotFiller:
@@ -184,16 +190,19 @@ class SlotFiller:
                   "num_tokens": batch.num_tokens, "num_sequences": len(batch.lengths)}
         device_out = [("features", f)] + ([("final_hidden", out.final_hidden)] if hidden is not None else [])
         if self.stream is None:
+            span = DeviceSpan(f.device)
             for name, t in device_out:
                 views[name].copy_(t)
-            return InFlight(w, batch, out, None)
+            return InFlight(w, batch, out, None, span.end())
         self.stream.wait_stream(torch.cuda.current_stream(f.device))
         with torch.cuda.stream(self.stream):
+            span = DeviceSpan(f.device, self.stream)
             for name, t in device_out:
                 views[name].copy_(t, non_blocking=True)
+            span.end(self.stream)
             copied = torch.cuda.Event()
             copied.record(self.stream)
-        return InFlight(w, batch, out, copied)
+        return InFlight(w, batch, out, copied, span)
 
 
 class CursorFile:
@@ -246,10 +255,13 @@ class Producer:
     """The main loop: one batch in the forward, the previous one's copy landing, at most one slot held."""
 
     def __init__(self, ring: Ring, row: int, index: int, target: TargetModel, *,
-                 stop: threading.Event, cursor_file: CursorFile | None = None):
+                 stop: threading.Event, cursor_file: CursorFile | None = None,
+                 metrics: ProducerMetrics | None = None):
         self.ring, self.row, self.target = ring, row, target
         self.stop = stop
         self.cursor_file = cursor_file
+        self.ledger: Ledger | None = None  # run.ledger_dir: one record per published batch
+        self.metrics = metrics or ProducerMetrics()
         self.filler = SlotFiller(index, target.device)
         self.stats = Stats()
         self._logged = 0.0
@@ -262,7 +274,9 @@ class Producer:
             for prep in prepared:
                 if self.stop.is_set():
                     return False
+                forward = DeviceSpan(self.target.device)
                 out = run_target(self.target, prep)
+                forward.end()
                 if in_flight is not None:
                     self._publish(in_flight)
                     in_flight = None
@@ -270,6 +284,7 @@ class Producer:
                 if w is None:
                     return False
                 in_flight = self.filler.fill(w, prep.batch, out)
+                in_flight.target_span = forward
                 if in_flight.copied is None:
                     self._publish(in_flight)
                     in_flight = None
@@ -287,10 +302,14 @@ class Producer:
     def _acquire(self) -> SlotWriter | None:
         """A slot, waiting while the ring is full; None on drain, shutdown or our own stop signal."""
         while not self.stop.is_set():
+            sd_notify.watchdog()
+            waited = self.ring.wait_seconds
             try:
                 w = self.ring.acquire(self.row, timeout_s=1.0)
             except posix_ipc.SignalError:  # our SIGTERM handler ran inside the semaphore wait
                 continue
+            finally:
+                self.metrics.blocked.inc(self.ring.wait_seconds - waited)
             if w is not None or self.ring.draining or self.ring.shutting_down:
                 return w
         return None
@@ -300,10 +319,19 @@ class Producer:
             f.copied.synchronize()
         cursor = f.batch.cursor
         self.ring.publish(f.writer, self.row, cursor=(cursor.epoch, cursor.position))
+        if self.ledger is not None:
+            self.ledger.write("pub", item=f.writer.item, epoch=f.batch.epoch, pos=f.batch.position)
         if self.cursor_file is not None:
             self.cursor_file.save(cursor)
         self.ring.heartbeat(self.row)
         self.stats.add(f.batch)
+        m = self.metrics
+        m.tokens.inc(f.batch.num_tokens)
+        if f.copy_span is not None:
+            m.d2h.observe(f.copy_span.seconds())
+        if f.target_span is not None:
+            m.step.observe(f.target_span.seconds())
+        m.items.inc()  # last: once it matches the ring's count, the item's other numbers are in
         if time.monotonic() - self._logged > LOG_EVERY_S:
             self._log()
 
@@ -339,15 +367,23 @@ def resume_point(ring: Ring, row: int, cursor_file: CursorFile) -> tuple[Cursor,
 def run_producer(cfg: Config, index: int, device_name: str | None = None) -> int:
     """Produce shard `index` of topology.producers; 0 when finished or stopped cleanly."""
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     device = resolve_device(device_name or cfg.target.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    uuid = device_uuid(device)
+    registry = serve(cfg, TARGET, index, uuid)  # a taken port fails here, before minutes of loading
+    if cfg.metrics.enabled:
+        registry.register(GpuCollector([uuid]))
+    metrics = ProducerMetrics(registry)
     producers = cfg.topology.producers
     with Ring.attach(cfg, pin=device.type == "cuda") as ring:  # a mismatched config fails before any loading
+        # Only now: while it waits for the ring this process holds nothing, so SIGTERM ends it at once
+        # (a handler set earlier left it deaf to `systemctl stop` for all of run.attach_timeout_s).
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
         tokenizer = AutoTokenizer.from_pretrained(cfg.target.tokenizer or cfg.target.path, local_files_only=True)
         data = load_tokenized(cfg.data, tokenizer)
+        metrics.bad_rows.inc(len(data.bad_rows))
         target = TargetModel.load(cfg.target, device, packed=cfg.data.packing)
         check_slot_fits(cfg, target)
         batcher = ShardBatcher.from_config(data, cfg.data, rank=index, world_size=producers)
@@ -355,7 +391,10 @@ def run_producer(cfg: Config, index: int, device_name: str | None = None) -> int
         state.mkdir(parents=True, exist_ok=True)
         cursor_file = CursorFile(state / f"producer-{index}.json", plan_key(batcher))
         me = Membership.join(ring, cfg, Role.PRODUCER, index)
-        ring.set_planned_items(me.row, sum(len(batcher.epoch_plan(e)) for e in range(cfg.data.epochs)))
+        plan = [len(batcher.epoch_plan(e)) for e in range(cfg.data.epochs)]
+        ring.set_planned_items(me.row, sum(plan))
+        ledger = Ledger.open(cfg, "producer", index)
+        sd_notify.ready(f"target {index}: model loaded, ring attached")
         loader = None
         try:
             start, source = resume_point(ring, me.row, cursor_file)
@@ -365,14 +404,20 @@ def run_producer(cfg: Config, index: int, device_name: str | None = None) -> int
             pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
             loader = Loader(batcher.batches(start), lambda b: prepare(b, packed=cfg.data.packing, pad_id=pad_id,
                                                                       pin=device.type == "cuda"))
-            producer = Producer(ring, me.row, index, target, stop=stop, cursor_file=cursor_file)
+            producer = Producer(ring, me.row, index, target, stop=stop, cursor_file=cursor_file, metrics=metrics)
+            if ledger is not None:
+                ledger.write("start", plan=plan, resume=[start.epoch, start.position])
+                producer.ledger = ledger
             if producer.run(loader):
                 ring.set_row_status(me.row, RowStatus.DONE)
+                if ledger is not None:
+                    ledger.write("done")
                 cursor_file.remove()
                 log.info("shard done")
             else:
                 log.info("stopped before the end of the shard (signal, drain or shutdown)")
         finally:
+            sd_notify.stopping()
             if loader is not None:
                 loader.close()
             me.leave()

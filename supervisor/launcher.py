@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dflash_ring.common.config import Config, load_config
+from dflash_ring.common.metrics import check_ports_free, run_ports
 from dflash_ring.common.ring import Ring, RingNotFound
 
 STEP_LINE = re.compile(
@@ -83,6 +84,12 @@ average_every_steps = 10
 checkpoint_dir = "{workdir / 'checkpoints'}"
 checkpoint_every_steps = 100
 log_every_steps = 10
+
+[metrics]
+# /metrics per process: supervisor port_base, target i port_base + 1 + i, drafter j port_base + 100 + j
+enabled = true
+bind = "127.0.0.1"
+port_base = 9460
 """)
     return path
 
@@ -128,6 +135,10 @@ class Launch:
 
     def start(self) -> None:
         t = self.cfg.topology
+        check_ports_free(self.cfg)  # one clear error now, not one per child process
+        if self.cfg.metrics.enabled:
+            ports = ", ".join(f"{name} {port}" for name, port in run_ports(self.cfg).items())
+            self.console.print(f"metrics at http://{self.cfg.metrics.bind}:PORT/metrics: {ports}")
         self._spawn("supervisor", "supervisor", "--reclaim-stale")
         for i in range(t.producers):
             self._spawn(f"target-{i}", "target", "--index", str(i))

@@ -14,10 +14,14 @@ import signal
 import time
 from datetime import datetime, timezone
 
+from dflash_ring.common import sd_notify
 from dflash_ring.common.config import Config
 from dflash_ring.common.layout import Counter, RingHeaderError, Role, RowStatus
+from dflash_ring.common.ledger import Ledger
 from dflash_ring.common.liveness import LockFile, ensure_lock_dir, live_lock_files, lock_path
+from dflash_ring.common.metrics import SUPERVISOR, RingCollector, serve
 from dflash_ring.common.ring import ConfigMismatchError, Ring
+from dflash_ring.consumer.replica_group import serve_rendezvous
 from dflash_ring.supervisor.cleanup import remove_run
 from dflash_ring.supervisor.reaper import reap
 
@@ -43,6 +47,9 @@ class Supervisor:
         self.ring: Ring | None = None
         self._lock: LockFile | None = None
         self._signals = 0
+        self._rendezvous = None  # group.serve: the cross-host drafter group's store, for as long as this runs
+        self._metrics: RingCollector | None = None
+        self._stopping_sent = False
 
     # ---- start ---------------------------------------------------------------
 
@@ -55,6 +62,9 @@ class Supervisor:
             pid = me.read_text().strip() if me.exists() else "?"
             raise SupervisorError(f"a supervisor for run {self.cfg.run.name!r} is already running (pid {pid})")
         self._lock.write_pid()
+        if self._metrics is None:  # before the ring exists: a taken port must not leave a ring behind
+            self._metrics = RingCollector(self.lock_dir)
+            serve(self.cfg, SUPERVISOR).register(self._metrics)
         run = self.cfg.run.name
         if Ring.exists(run):
             self.ring = self._adopt_or_reclaim(run)
@@ -65,6 +75,14 @@ class Supervisor:
                      self.ring.name, self.cfg.ring.slots, self.cfg.ring.slot_bytes / 2**20,
                      self.cfg.topology.producers, self.cfg.topology.consumers)
         self.ring.take_row(0, Role.SUPERVISOR, 0)
+        if self.cfg.group.serve and self._rendezvous is None:
+            self._rendezvous = serve_rendezvous(self.cfg.group.rendezvous)
+            log.info("serving the drafter replica group's rendezvous at %s", self.cfg.group.rendezvous)
+        if (ledger := Ledger.open(self.cfg, "supervisor", 0)) is not None:  # which ring: created or adopted
+            ledger.write("start", ring_created_ns=self.ring.identity.created_ns,
+                         adoptions=self.ring.counter(Counter.SUPERVISOR_ADOPTIONS))
+            ledger.close()
+        self._metrics.attach(self.ring)
         return self.ring
 
     def _adopt_or_reclaim(self, run: str) -> Ring:
@@ -114,9 +132,11 @@ class Supervisor:
             signal.signal(sig, self._on_signal)
         producers = self.cfg.topology.producers
         shutdown_at: float | None = None
+        sd_notify.ready(f"ring {ring.name} up")
         try:
             while True:
                 ring.heartbeat(0)
+                sd_notify.watchdog()
                 reap(ring, self.lock_dir)
                 self._apply_stop_requests(ring)
                 done = self.producers_done(ring)
@@ -125,6 +145,8 @@ class Supervisor:
                     ring.set_flag(Counter.SHUTDOWN)
                     log.info("shutdown: %d/%d producers done, ring empty, %d items consumed",
                              done, producers, ring.counter(Counter.CONSUMED))
+                if ring.shutting_down or ring.draining:
+                    self._notify_stopping()
                 if ring.shutting_down:
                     ring.broadcast()
                     shutdown_at = shutdown_at or time.monotonic()
@@ -169,6 +191,12 @@ class Supervisor:
             log.warning("immediate stop requested: %d ready item(s) will not be trained", ring.slot_counts()["ready"])
             ring.set_flag(Counter.SHUTDOWN)
 
+    def _notify_stopping(self) -> None:
+        """Once, when the run starts to drain or shut down: systemd then shows it as deactivating."""
+        if not self._stopping_sent:
+            sd_notify.stopping()
+            self._stopping_sent = True
+
     def _on_signal(self, signum: int, frame: object) -> None:
         self._signals += 1  # first: drain; second: stop now
 
@@ -176,6 +204,8 @@ class Supervisor:
         return [p.name for p in live_lock_files(self.lock_dir) if self._lock is None or p != self._lock.path]
 
     def _teardown(self, ring: Ring) -> None:
+        if self._metrics is not None:
+            self._metrics.detach()
         ring.close()
         self.ring = None
         removed = remove_run(self.cfg.run.name, self.lock_dir, keep=self._lock.path if self._lock else None)
@@ -190,6 +220,8 @@ class Supervisor:
 
     def close(self) -> None:
         """Leave without tearing down (e.g. after an error): a restarted supervisor adopts the ring."""
+        if self._metrics is not None:
+            self._metrics.detach()
         if self.ring is not None:
             self.ring.close()
             self.ring = None

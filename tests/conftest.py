@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,6 +29,7 @@ class Run:
         self.lock_dir = tmp / "locks"
         self.config = tmp / "run.toml"
         self.procs: list[subprocess.Popen] = []
+        self.metrics_base = free_port_base()
 
     def write_config(self, producers: int, consumers: int, slots: int = 4, slot_bytes: int = 1 << 20,
                      extra: str = "") -> Path:
@@ -35,6 +38,8 @@ class Run:
             f"[ring]\nslots = {slots}\nslot_bytes = {slot_bytes}\nslot_header_bytes = 4096\nwait_s = 0.1\n"
             f"[topology]\nproducers = {producers}\nconsumers = {consumers}\n"
             f"[supervisor]\nreap_interval_s = 0.1\nexit_timeout_s = 30\n{extra}"
+            # Every process serves /metrics: a free base per run, so runs side by side never collide.
+            + ("" if "[metrics]" in extra else f"\n[metrics]\nport_base = {self.metrics_base}\n")
         )
         return self.config
 
@@ -71,6 +76,20 @@ class Run:
         found = [n for n in os.listdir("/dev/shm") if n.startswith(f"dflash-ring.{self.name}")]
         found += [str(p) for p in self.lock_dir.glob("*")] if self.lock_dir.exists() else []
         return found
+
+
+def free_port_base(span: int = 8) -> int:
+    """A metrics port base whose first ports (supervisor, targets) and drafter ports are all free."""
+    for _ in range(200):
+        base = random.randrange(10000, 32000)  # below Linux's ephemeral range (32768-60999)
+        try:
+            for port in [*range(base, base + span), *range(base + 100, base + 100 + span)]:
+                with socket.create_server(("127.0.0.1", port)):
+                    pass
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free metrics port base found on 127.0.0.1")
 
 
 def wait_exit(proc: subprocess.Popen, timeout: float = 60.0) -> int:

@@ -1,0 +1,248 @@
+"""Prometheus metrics: every process of a run serves /metrics, and every name is defined here.
+
+The names are a contract with deploy/ (alert rules, dashboard), so they live in one module:
+prefix dflash_ring_, base units (seconds, bytes), counters end in _total, ratios are 0-1.
+
+Ports (MetricsConfig): supervisor port_base, target i port_base + 1 + i, drafter j port_base + 100 + j.
+Hot paths count per item or per optimizer step, never per token.
+
+The supervisor's ring numbers are read from the ring at scrape time (RingCollector), so a scrape
+shows exactly what `dflash-ring status` would show at that moment.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+import threading
+import time
+from pathlib import Path
+
+import torch
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from dflash_ring.common.config import Config, MetricsConfig
+from dflash_ring.common.layout import Role
+
+log = logging.getLogger(__name__)
+
+SUPERVISOR, TARGET, DRAFTER = "supervisor", "target", "drafter"
+# Ring rows name roles after the ring (producer, consumer); metrics after the processes.
+ROLE_LABEL = {Role.SUPERVISOR: SUPERVISOR, Role.PRODUCER: TARGET, Role.CONSUMER: DRAFTER}
+PORT_OFFSET = {SUPERVISOR: 0, TARGET: 1, DRAFTER: 100}
+
+# Copies move 1 MiB to ~1.3 GiB (tens of microseconds to ~100 ms); steps take ~10 ms to seconds.
+COPY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+disable_created_metrics()  # *_created series only double the scrape; Prometheus does not need them
+
+
+class MetricsPortError(RuntimeError):
+    """The metrics port of this process cannot be bound; the message names the port and the setting."""
+
+
+def port_of(m: MetricsConfig, role: str, index: int = 0) -> int:
+    return m.port_base + PORT_OFFSET[role] + (0 if role == SUPERVISOR else index)
+
+
+def run_ports(cfg: Config) -> dict[str, int]:
+    """Every process's port, e.g. {"supervisor": 9460, "target-0": 9461, "drafter-0": 9560}."""
+    m, t = cfg.metrics, cfg.topology
+    ports = {SUPERVISOR: port_of(m, SUPERVISOR)}
+    ports |= {f"{TARGET}-{i}": port_of(m, TARGET, i) for i in range(t.producers)}
+    ports |= {f"{DRAFTER}-{j}": port_of(m, DRAFTER, j) for j in range(t.consumers)}
+    return ports
+
+
+def _port_error(m: MetricsConfig, who: str, port: int, e: OSError) -> MetricsPortError:
+    if e.errno == errno.EADDRINUSE:
+        return MetricsPortError(
+            f"metrics port {port} on {m.bind} (for {who}) is already in use, by another run or program. "
+            f"Ports are metrics.port_base ({m.port_base}) + 0 supervisor, + 1 + i target i, + 100 + j drafter j: "
+            f"choose a free base with `--set metrics.port_base=N` (or port_base in [metrics]), "
+            f"or turn metrics off with `--set metrics.enabled=false`"
+        )
+    return MetricsPortError(f"cannot serve metrics for {who} on {m.bind}:{port} ({e}): check metrics.bind "
+                            f"and metrics.port_base, or set metrics.enabled = false")
+
+
+def check_ports_free(cfg: Config) -> None:
+    """Refuse to start a one-host run whose metrics ports are taken, before any process starts."""
+    if not cfg.metrics.enabled:
+        return
+    for who, port in run_ports(cfg).items():
+        try:
+            with socket.create_server((cfg.metrics.bind, port)):
+                pass
+        except OSError as e:
+            raise _port_error(cfg.metrics, who, port, e) from None
+
+
+def serve(cfg: Config, role: str, index: int = 0, uuid: str = "") -> CollectorRegistry:
+    """This process's registry, served on its port when metrics are enabled (a private one otherwise).
+
+    Carries dflash_ring_process_info{role,index,run,UUID} = 1 and the standard process_* metrics.
+    """
+    registry = CollectorRegistry()
+    if not cfg.metrics.enabled:
+        return registry
+    for c in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+        registry.register(c)
+    Gauge("dflash_ring_process_info", "This process: role (supervisor|target|drafter), index, run and GPU UUID "
+          "(empty on the CPU); always 1", ["role", "index", "run", "UUID"],
+          registry=registry).labels(role, str(index), cfg.run.name, uuid).set(1)
+    m = cfg.metrics
+    port = port_of(m, role, index)
+    who = role if role == SUPERVISOR else f"{role} {index}"
+    try:
+        start_http_server(port, addr=m.bind, registry=registry)
+    except OSError as e:
+        raise _port_error(m, who, port, e) from None
+    log.info("metrics on http://%s:%d/metrics", m.bind, port)
+    return registry
+
+
+class DeviceSpan:
+    """Times device work without a sync: CUDA events on a GPU (read once the work is known done), else the clock."""
+
+    def __init__(self, device: torch.device, stream: torch.cuda.Stream | None = None):
+        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        if device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record(stream)
+        self._t0, self._t1 = time.perf_counter(), 0.0
+
+    def end(self, stream: torch.cuda.Stream | None = None) -> DeviceSpan:
+        if self._events is not None:
+            self._events[1].record(stream)
+        self._t1 = time.perf_counter()
+        return self
+
+    def seconds(self) -> float:
+        if self._events is None:
+            return self._t1 - self._t0
+        self._events[1].synchronize()  # already done where callers read it: after the copy landed
+        return self._events[0].elapsed_time(self._events[1]) / 1000.0
+
+
+class ProducerMetrics:
+    """A target's numbers, updated once per published item."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = registry if registry is not None else CollectorRegistry()
+        self.blocked = Counter("dflash_ring_producer_blocked_seconds_total",
+                               "Seconds this target waited for a free slot (ring full)", registry=r)
+        self.d2h = Histogram("dflash_ring_d2h_copy_seconds", "Device-to-host copy of one item into its slot",
+                             buckets=COPY_BUCKETS, registry=r)
+        self.step = Histogram("dflash_ring_target_step_seconds", "Target forward time of one batch",
+                              buckets=STEP_BUCKETS, registry=r)
+        self.tokens = Counter("dflash_ring_target_tokens_total", "Tokens this target published", registry=r)
+        self.items = Counter("dflash_ring_target_items_total", "Items (batches) this target published", registry=r)
+        self.bad_rows = Counter("dflash_ring_bad_rows_skipped_total",
+                                "Data set rows skipped as unusable at load (the whole set: each target "
+                                "reports the same rows; use max, not sum)", registry=r)
+
+
+class DrafterMetrics:
+    """A drafter's numbers: per item in the prefetcher, per optimizer step in the main loop."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = registry if registry is not None else CollectorRegistry()
+        self.wait = Counter("dflash_ring_consumer_wait_seconds_total",
+                            "Seconds this drafter waited for a ready slot (ring empty)", registry=r)
+        self.h2d = Histogram("dflash_ring_h2d_copy_seconds", "Host-to-device copy of one item out of its slot",
+                             buckets=COPY_BUCKETS, registry=r)
+        self.items = Counter("dflash_ring_drafter_items_total", "Items this drafter took from the ring", registry=r)
+        self.tokens = Counter("dflash_ring_drafter_tokens_total", "Tokens this drafter trained on", registry=r)
+        self.steps = Counter("dflash_ring_drafter_steps_total", "Optimizer steps of this drafter (this start)",
+                             registry=r)
+        self.step = Histogram("dflash_ring_drafter_step_seconds", "Time of one training step",
+                              buckets=STEP_BUCKETS, registry=r)
+        self.loss = Gauge("dflash_ring_drafter_loss", "Training loss of the last step", registry=r)
+        self.accuracy = Gauge("dflash_ring_drafter_accuracy",
+                              "Top-1 accuracy of the last step, mean over block positions (0-1)", registry=r)
+        self.acceptance = Gauge("dflash_ring_drafter_acceptance_length",
+                                "Expected acceptance length of the last step's blocks", registry=r)
+        self.lr = Gauge("dflash_ring_drafter_learning_rate", "Learning rate of the last step", registry=r)
+        self.step_number = Gauge("dflash_ring_drafter_step", "Optimizer step reached (survives restarts)",
+                                 registry=r)
+
+
+class RingCollector(Collector):
+    """The supervisor's view of the ring, read at scrape time from the same source as `dflash-ring status`."""
+
+    def __init__(self, lock_dir: Path):
+        self._lock_dir = lock_dir
+        self._ring = None
+        self._mutex = threading.Lock()
+
+    def attach(self, ring) -> None:
+        with self._mutex:
+            self._ring = ring
+
+    def detach(self) -> None:
+        """Before the ring is closed: a scrape never reads an unmapped segment."""
+        with self._mutex:
+            self._ring = None
+
+    def collect(self):
+        from dflash_ring.common.liveness import live_lock_files
+
+        with self._mutex:
+            if self._ring is None:
+                return
+            st = self._ring.status()
+            expected = int(self._ring.fingerprint_fields["topology.producers"])
+        live = [p.stem for p in live_lock_files(self._lock_dir)]
+        c = st.counters
+        yield GaugeMetricFamily("dflash_ring_capacity_slots", "Slots in the ring", value=st.n_slots)
+        slots = GaugeMetricFamily("dflash_ring_slots", "Slots by state", labels=["state"])
+        for state, n in st.slots_by_state.items():
+            slots.add_metric([state], n)
+        yield slots
+        yield GaugeMetricFamily("dflash_ring_depth_items", "Items ready and not yet claimed", value=st.depth)
+        for key, text in (
+            ("produced", "Items published by all targets"),
+            ("consumed", "Items released by all drafters"),
+            ("redelivered", "Items of dead drafters handed to another"),
+            ("reclaimed", "Half-written slots of dead targets returned to free"),
+            ("corrupt", "Ready items dropped because their slot header failed validation"),
+        ):
+            yield CounterMetricFamily(f"dflash_ring_items_{key}", text, value=c[key])
+        yield GaugeMetricFamily("dflash_ring_producers_done", "Targets that finished their shard",
+                                value=c["producers_done"])
+        yield GaugeMetricFamily("dflash_ring_producers_expected", "Targets of the run (topology.producers)",
+                                value=expected)
+        yield GaugeMetricFamily("dflash_ring_draining", "1 while the run drains", value=int(c["drain"] != 0))
+        yield GaugeMetricFamily("dflash_ring_shutting_down", "1 once shutdown is broadcast",
+                                value=int(c["shutdown"] != 0))
+        yield CounterMetricFamily("dflash_ring_supervisor_adoptions", "Times a restarted supervisor adopted the ring",
+                                  value=c["supervisor_adoptions"])
+        starts = CounterMetricFamily("dflash_ring_process_starts",
+                                     "Times a process took its row (restarts = starts - 1)", labels=["role", "index"])
+        beat = GaugeMetricFamily("dflash_ring_heartbeat_age_seconds", "Seconds since a process's last heartbeat",
+                                 labels=["role", "index"])
+        for row in st.rows:
+            labels = [ROLE_LABEL[Role[row["role"].upper()]], str(row["index"])]
+            starts.add_metric(labels, row["restarts"] + 1)
+            beat.add_metric(labels, row["heartbeat_age_s"])
+        yield starts
+        yield beat
+        yield GaugeMetricFamily("dflash_ring_consumers_live", "Drafters holding their lock now",
+                                value=sum(s.startswith("consumer-") for s in live))
+        yield GaugeMetricFamily("dflash_ring_producers_live", "Targets holding their lock now",
+                                value=sum(s.startswith("producer-") for s in live))
