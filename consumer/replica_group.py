@@ -1,0 +1,368 @@
+"""Drafter replicas on several hosts: one leader per host averages parameters with the other hosts' leaders.
+
+Two levels. Within a host, replicas average through shared memory every K steps
+(`replicas.py`: no barrier, the fast path). Across hosts, right after that, the
+host's leader (its lowest live drafter index) averages with the other hosts'
+leaders through a gloo process group; the host's other replicas pick the group
+mean up from the leader's shared-memory copy at their next local average.
+
+Rendezvous: a `TCPStore` at `group.rendezvous`, served by the supervisor of the
+one host with `group.serve = true` (it lives as long as that supervisor). The
+store holds a generation number; each generation is one fixed set of leaders
+with its own `ProcessGroupGloo` (under the prefix `g<gen>/pg/`):
+
+- Forming generation g: a leader takes a rank with `add("g<g>/count", 1)`.
+  Rank 0 closes the generation (writes `g<g>/size`) once `group.hosts` leaders are
+  there, or once none has arrived for `group.settle_s`. A leader that arrives
+  after the close asks the members to re-form (`add("joins", 1)`) and waits for
+  the generation to change; if no member of g heartbeats any more (a background
+  thread adds to `g<g>/hb` every second), it moves the generation on itself.
+- Every K steps a member first all-reduces a control flag ("the generation or
+  the joins counter changed since I joined", read from the store), then the
+  parameters (sum / size). If the flag is set anywhere, every member re-forms at
+  the next generation after this average, so all members decide alike.
+- A dead peer makes the collective fail at once (its sockets close); a hung or
+  unreachable one fails it after `group.timeout_s`. The survivors then move the
+  generation on (`compare_set`) and re-form without it: no wait is unbounded.
+  A lost store (its supervisor gone) only pauses cross-host averaging: the host
+  keeps training and retries the store every few seconds.
+- Healing: right after each generation forms, members average with weight 1 for
+  live weights and 0 for a "fresh" leader (a restarted host whose drafters had no
+  live local peer to catch up from, checkpoint-resumed or not), so a rejoining host
+  takes the live hosts' mean before its first step; if every member is fresh (a
+  whole-cluster start) they take the plain mean.
+- Config: at rendezvous each leader compares the fields that must agree (drafter
+  settings, target geometry, optimizer settings, K, parameter shapes) with the
+  first registered set, as JSON in the store, and refuses to train on a mismatch,
+  naming the fields.
+
+Only tensors cross the wire (no pickle). Parameters are staged one at a time into
+one pinned host buffer and reduced there with gloo, so a GPU drafter's extra device
+memory is nil and no nccl group is needed. Caveats, as within a host: AdamW moments
+are not averaged (each replica keeps its own; a rejoining host keeps its own or
+fresh moments and takes only the parameters), and the slowest host sets the pace of
+each average (a collective), bounded by `group.timeout_s`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed import AllreduceOptions, PrefixStore, ProcessGroupGloo, ReduceOp, TCPStore
+
+from dflash_ring.common.config import Config, ConfigError, GroupConfig
+from dflash_ring.common.layout import Role
+from dflash_ring.common.liveness import is_alive, lock_path
+
+log = logging.getLogger(__name__)
+
+BUCKET = 16 << 20  # floats per all-reduce call (64 MiB)
+HEARTBEAT_S = 1.0
+RETRY_S = 10.0  # between attempts to reach a lost store
+
+
+def parse_rendezvous(address: str) -> tuple[str, int]:
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def serve_rendezvous(address: str) -> TCPStore:
+    """The store every host's leader meets at; keep the object alive as long as the group may form."""
+    _, port = parse_rendezvous(address)
+    return TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+
+
+def fingerprint_fields(cfg: Config, drafter: Any, model: nn.Module) -> dict[str, Any]:
+    """What every host of a group must agree on, by config field name."""
+    fields: dict[str, Any] = {f"drafter.{k}": v for k, v in asdict(drafter).items()}
+    if cfg.target.path:
+        fields |= cfg.target.geometry().fingerprint_fields()
+    for k in ("average_every_steps", "lr", "weight_decay", "betas", "warmup_ratio", "min_lr_ratio", "grad_clip",
+              "grad_accum"):
+        fields[f"train.{k}"] = getattr(cfg.train, k)
+    fields["group.hosts"] = cfg.group.hosts
+    fields["model.parameter_shapes"] = [list(p.shape) for p in model.parameters()]
+    return json.loads(json.dumps(fields, default=str))
+
+
+class _Unavailable(Exception):
+    """No group now (store unreachable, no generation formed in time): train alone, retry later."""
+
+
+class ReplicaGroup:
+    def __init__(self, group: GroupConfig, host: str, index: int, model: nn.Module, lock_dir: Path,
+                 fields: dict[str, Any], fresh: bool):
+        self.cfg, self.host, self.index, self.lock_dir = group, host, index, lock_dir
+        self.fields = json.loads(json.dumps(fields, default=str))
+        self.fresh = fresh  # no live weights yet: take the live hosts' mean when a generation forms
+        self.params = list(model.parameters())
+        n = sum(p.numel() for p in self.params)
+        self._flat = torch.empty(n, dtype=torch.float32, pin_memory=self.params[0].is_cuda)
+        self.store: TCPStore | None = None
+        self.pg: ProcessGroupGloo | None = None
+        self.gen, self.rank, self.size, self.round = -1, 0, 0, 0
+        self.averages = 0  # cross-host averages taken part in (size > 1)
+        self._joins_seen = 0
+        self._retry_at = 0.0
+        self._connects = 0
+        self._beat: tuple[threading.Thread, threading.Event] | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Config, index: int, model: nn.Module, drafter: Any, fresh: bool) -> ReplicaGroup:
+        host = cfg.group.host_name or f"{socket.gethostname()}/{cfg.run.name}"
+        return cls(cfg.group, host, index, model, cfg.lock_dir(), fingerprint_fields(cfg, drafter, model), fresh)
+
+    # ---- public ------------------------------------------------------------------
+
+    def is_leader(self) -> bool:
+        """The lowest live drafter index of this host meets the other hosts."""
+        return not any(is_alive(lock_path(self.lock_dir, Role.CONSUMER, j)) for j in range(self.index))
+
+    def start(self) -> None:
+        """Before the first step: a leader joins, and takes the live weights if it has none."""
+        if self.is_leader():
+            self._join()
+
+    def sync(self, step: int) -> bool:
+        """Every K steps, after the host-local average; True if the parameters changed (re-publish them)."""
+        if not self.is_leader():
+            if self.store is not None:
+                log.info("a lower-index drafter leads this host again: leaving the group")
+                self.close()
+            return False
+        if self.gen < 0:
+            return self._join()
+        try:
+            changed = (int(self.store.add("gen", 0)) != self.gen
+                       or int(self.store.add("joins", 0)) != self._joins_seen)
+        except RuntimeError as e:
+            self._lost_store(e)
+            return False
+        averaged = False
+        if self.size > 1:
+            try:
+                flag = torch.tensor([float(changed)])
+                self.pg.allreduce([flag], _opts(ReduceOp.MAX)).wait()
+                changed = bool(flag[0] > 0)
+                self._average(1.0, float(self.size))
+                self.round += 1
+                self.averages += 1
+                averaged = True
+            except RuntimeError as e:
+                log.warning("group generation %d lost a host at step %d (%s): re-forming", self.gen, step,
+                            _first_line(e))
+                changed = True
+        if changed:
+            old = self.gen
+            self._teardown()
+            try:
+                self.store.compare_set("gen", str(old), str(old + 1))
+            except RuntimeError as e:
+                self._lost_store(e)
+                return averaged
+            averaged = self._join() or averaged
+        return averaged
+
+    def close(self) -> None:
+        """Leave: peers in a collective with us see our sockets close and re-form at once."""
+        self._teardown()
+        self.store = None
+        self.gen = -1
+
+    # ---- rendezvous ----------------------------------------------------------------
+
+    def _join(self) -> bool:
+        """Connect, check the config, form or join a generation, heal; False if no group now."""
+        if time.monotonic() < self._retry_at:
+            return False
+        try:
+            if self.store is None:
+                host, port = parse_rendezvous(self.cfg.rendezvous)
+                first, self._connects = self._connects == 0, self._connects + 1
+                self.store = TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                      timeout=timedelta(seconds=min(self.cfg.timeout_s, 30.0 if first else 5.0)))
+                self._check_fingerprint()
+            self._form()
+            self._heal()
+            return self.size > 1
+        except _Unavailable as e:
+            log.warning("no replica group now (%s): training alone, retrying in %.0fs", e, RETRY_S)
+            self._teardown()
+            self._retry_at = time.monotonic() + RETRY_S
+        except RuntimeError as e:
+            self._lost_store(e)
+        return False
+
+    def _check_fingerprint(self) -> None:
+        mine = json.dumps(self.fields, sort_keys=True)
+        first = self.store.compare_set("fingerprint", "", mine).decode()
+        if first == mine:
+            self.store.compare_set("fingerprint_host", "", self.host)
+            return
+        theirs = json.loads(first)
+        by = self.store.get("fingerprint_host").decode() if self.store.check(["fingerprint_host"]) else "?"
+        diff = [f"{k} = {self.fields.get(k, '<unset>')!r} here, {theirs.get(k, '<unset>')!r} on {by}"
+                for k in sorted(set(self.fields) | set(theirs)) if self.fields.get(k) != theirs.get(k)]
+        self.close()
+        raise ConfigError(f"host {self.host} cannot join the drafter replica group at {self.cfg.rendezvous}: "
+                          f"its config differs from the group's: {'; '.join(diff)}. Every host must use the "
+                          f"same settings (restart the rendezvous host's supervisor to start a new group)")
+
+    def _form(self) -> None:
+        store, deadline = self.store, time.monotonic() + self.cfg.timeout_s
+        while True:
+            if time.monotonic() > deadline:
+                raise _Unavailable(f"no generation formed within {self.cfg.timeout_s:.0f}s")
+            g = int(store.add("gen", 0))
+            if store.check([f"g{g}/size"]):  # closed: ask its members to re-form with us
+                self._await_members(g, deadline)
+                continue
+            joins = int(store.add("joins", 0))  # before taking a rank: any later join is seen at a sync
+            rank = int(store.add(f"g{g}/count", 1)) - 1
+            size = self._close(g) if rank == 0 else self._await_size(g)
+            if size is None or rank >= size:
+                store.compare_set("gen", str(g), str(g + 1))
+                continue
+            store.set(f"g{g}/host{rank}", self.host)
+            try:
+                pg = ProcessGroupGloo(PrefixStore(f"g{g}/pg/", store), rank, size,
+                                      timedelta(seconds=self.cfg.timeout_s)) if size > 1 else None
+            except RuntimeError as e:
+                log.warning("generation %d did not connect (%s): next one", g, _first_line(e))
+                store.compare_set("gen", str(g), str(g + 1))
+                continue
+            self.gen, self.rank, self.size, self.pg, self.round, self._joins_seen = g, rank, size, pg, 0, joins
+            hosts = [store.get(f"g{g}/host{r}").decode() if store.check([f"g{g}/host{r}"]) else "?"
+                     for r in range(size)]
+            log.info("replica group generation %d: rank %d of %d (%s)", g, rank, size, ", ".join(hosts))
+            self._start_heartbeat(g)
+            return
+
+    def _close(self, g: int) -> int:
+        last, since = 1, time.monotonic()
+        while True:
+            count = int(self.store.add(f"g{g}/count", 0))
+            if count != last:
+                last, since = count, time.monotonic()
+            if (self.cfg.hosts and count >= self.cfg.hosts) or time.monotonic() - since >= self.cfg.settle_s:
+                self.store.set(f"g{g}/size", str(count))
+                return count
+            time.sleep(0.05)
+
+    def _await_size(self, g: int) -> int | None:
+        """The size rank 0 closed g with; None if it never does (rank 0 died while forming)."""
+        last, since = -1, time.monotonic()
+        while not self.store.check([f"g{g}/size"]):
+            count = int(self.store.add(f"g{g}/count", 0))
+            if count != last:
+                last, since = count, time.monotonic()
+            if time.monotonic() - since > self.cfg.settle_s + 10.0:
+                return None
+            time.sleep(0.05)
+        return int(self.store.get(f"g{g}/size"))
+
+    def _await_members(self, g: int, deadline: float) -> None:
+        """g is closed: wait for its members to re-form at their next average, or move on if none is alive."""
+        store = self.store
+        store.add("joins", 1)
+        beats, since = int(store.add(f"g{g}/hb", 0)), time.monotonic()
+        log.info("generation %d is running: waiting for its members to re-form with this host", g)
+        while int(store.add("gen", 0)) == g:
+            now = time.monotonic()
+            if int(store.add(f"g{g}/hb", 0)) != beats:
+                beats, since = int(store.add(f"g{g}/hb", 0)), now
+            if now - since > 3 * HEARTBEAT_S + 1.0 or now > deadline:
+                log.info("generation %d has no live member: starting the next", g)
+                store.compare_set("gen", str(g), str(g + 1))
+                return
+            time.sleep(0.1)
+
+    def _start_heartbeat(self, g: int) -> None:
+        host, port = parse_rendezvous(self.cfg.rendezvous)
+        stop = threading.Event()
+
+        def beat() -> None:
+            try:
+                store = TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+                while not stop.wait(HEARTBEAT_S):
+                    store.add(f"g{g}/hb", 1)
+            except RuntimeError:
+                pass  # the main thread finds out at its next store call
+
+        thread = threading.Thread(target=beat, name=f"group-heartbeat-{g}", daemon=True)
+        thread.start()
+        self._beat = (thread, stop)
+
+    # ---- averaging -------------------------------------------------------------------
+
+    def _heal(self) -> None:
+        """Right after forming: the mean over members with live weights (all members if none has)."""
+        weight = 0.0 if self.fresh else 1.0
+        if self.size > 1:
+            live = torch.tensor([weight])
+            self.pg.allreduce([live], _opts(ReduceOp.SUM)).wait()
+            total = float(live[0])
+            if total == 0:
+                weight, total = 1.0, float(self.size)
+            self._average(weight, total)
+            self.averages += 1
+            if self.fresh and weight == 0:
+                log.info("caught up with the live hosts' weights (generation %d, %d live of %d)", self.gen,
+                         int(total), self.size)
+        self.fresh = False
+
+    @torch.no_grad()
+    def _average(self, weight: float, total: float) -> None:
+        flat, offset = self._flat, 0
+        for p in self.params:  # one parameter at a time: no extra device memory
+            flat[offset : offset + p.numel()].view_as(p).copy_(p.detach(), non_blocking=True)
+            offset += p.numel()
+        if self.params[0].is_cuda:
+            torch.cuda.current_stream(self.params[0].device).synchronize()
+        if weight != 1.0:
+            flat.mul_(weight)
+        for chunk in flat.split(BUCKET):
+            self.pg.allreduce([chunk], _opts(ReduceOp.SUM)).wait()
+        flat.div_(total)
+        offset = 0
+        for p in self.params:
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    # ---- failure ---------------------------------------------------------------------
+
+    def _teardown(self) -> None:
+        if self._beat is not None:
+            thread, stop = self._beat
+            stop.set()
+            thread.join(timeout=2 * HEARTBEAT_S)
+            self._beat = None
+        self.pg = None  # the destructor closes its sockets: a peer blocked on us fails at once
+        self.gen, self.size = -1, 0
+
+    def _lost_store(self, e: BaseException) -> None:
+        log.warning("replica group store %s unreachable (%s): training alone, retrying in %.0fs",
+                    self.cfg.rendezvous, _first_line(e), RETRY_S)
+        self._teardown()
+        self.store = None
+        self._retry_at = time.monotonic() + RETRY_S
+
+
+def _opts(op: ReduceOp) -> AllreduceOptions:
+    o = AllreduceOptions()
+    o.reduceOp = op
+    return o
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
