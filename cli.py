@@ -130,6 +130,7 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--warmup-steps", type=int, default=0, help="drafter steps before the window (0: 8, tiny 3)")
     bp.add_argument("--workdir", help="where the target, data and logs go (default: a new temporary directory)")
     bp.add_argument("--port-base", type=int, default=19460, help="metrics ports of the bench's processes")
+    bp.add_argument("--kill-drafter", action="store_true", help="after the window: SIGKILL the drafter, restart it")
     bp.set_defaults(func=cmd_bench_pipeline)
     bp = bench.add_parser("loader", help="one core: token arrays -> batches in the slot format, vs the target rate")
     bp.add_argument("--json", action="store_true")
@@ -290,7 +291,7 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
     from dflash_ring.bench.pipeline import run_pipeline_bench
 
     report = run_pipeline_bench(tiny=args.tiny, seconds=args.seconds, warmup_steps=args.warmup_steps,
-                                workdir=args.workdir, port_base=args.port_base)
+                                workdir=args.workdir, port_base=args.port_base, kill_drafter=args.kill_drafter)
     print(json.dumps(report, indent=2))
     return 0
 

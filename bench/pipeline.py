@@ -10,6 +10,7 @@ window after the drafter's first steps (which compile).
   pipeline:   tokens/s trained by the drafter; ratio = pipeline / standalone.
 
 With two GPUs the target runs on cuda:0 and the drafter on cuda:1; with one, both share it.
+--kill-drafter then SIGKILLs the drafter, restarts it at once and reports what the target saw.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -170,19 +172,45 @@ def _gpu_util(sample: dict[str, float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _kill_and_restart_drafter(procs: list[subprocess.Popen], cmd: list[str], ports: dict[str, int],
+                              log, timeout: float) -> dict[str, Any]:
+    """SIGKILL the drafter mid-run, start it again at once (as Restart=on-failure would) and watch the target."""
+    before = {role: _scrape(port) for role, port in ports.items()}
+    target_pid = procs[1].pid
+    procs[2].kill()
+    procs[2].wait()
+    t_kill = time.monotonic()
+    procs[2] = subprocess.Popen(cmd, stderr=log)
+    _wait_for(lambda: _scrape(ports[DRAFTER]).get("dflash_ring_drafter_steps_total", 0) >= 1, timeout,
+              "a step of the restarted drafter", procs)
+    recovered_s = time.monotonic() - t_kill
+    after = {role: _scrape(port) for role, port in ports.items()}
+    return {
+        "drafter_first_step_after_kill_s": round(recovered_s, 1),  # process start, model load, compile
+        "target_process_unchanged": procs[1].poll() is None and procs[1].pid == target_pid,
+        "target_items_during_outage": after[TARGET].get("dflash_ring_target_items_total", 0)
+        - before[TARGET].get("dflash_ring_target_items_total", 0),
+        "redelivered_items": after[SUPERVISOR].get("dflash_ring_items_redelivered_total", 0)
+        - before[SUPERVISOR].get("dflash_ring_items_redelivered_total", 0),
+        "drafter_starts": after[SUPERVISOR].get("dflash_ring_process_starts_total{index=0,role=drafter}"),
+        "drafter_resumed_at_step": after[DRAFTER].get("dflash_ring_drafter_step"),
+    }
+
+
 def _pipeline(cfg_path: Path, target_device: str, drafter_device: str, seconds: float,
-              warmup_steps: int, work: Path) -> dict[str, Any]:
+              warmup_steps: int, work: Path, kill_drafter: bool) -> dict[str, Any]:
     cfg = load_config(cfg_path)
     ports = {role: port_of(cfg.metrics, role, 0) for role in (SUPERVISOR, TARGET, DRAFTER)}
     base = [sys.executable, "-m", "dflash_ring"]
     logs = {name: open(work / f"{name}.log", "w") for name in ("supervisor", "target", "drafter")}
+    drafter_cmd = [*base, "drafter", "--config", str(cfg_path), "--index", "0", "--device", drafter_device]
     procs = [
         subprocess.Popen([*base, "supervisor", "--config", str(cfg_path)], stderr=logs["supervisor"]),
         subprocess.Popen([*base, "target", "--config", str(cfg_path), "--index", "0", "--device", target_device],
                          stderr=logs["target"]),
-        subprocess.Popen([*base, "drafter", "--config", str(cfg_path), "--index", "0", "--device", drafter_device],
-                         stderr=logs["drafter"]),
+        subprocess.Popen(drafter_cmd, stderr=logs["drafter"]),
     ]
+    outage = None
     try:
         _wait_for(lambda: _scrape(ports[DRAFTER]).get("dflash_ring_drafter_steps_total", 0) >= warmup_steps,
                   1200, f"{warmup_steps} drafter steps", procs)
@@ -196,6 +224,8 @@ def _pipeline(cfg_path: Path, target_device: str, drafter_device: str, seconds: 
             drafter_util.append(_gpu_util(_scrape(ports[DRAFTER])))
         last = {role: _scrape(port) for role, port in ports.items()}
         dt = time.monotonic() - t0
+        if kill_drafter:
+            outage = _kill_and_restart_drafter(procs, drafter_cmd, ports, logs["drafter"], 1200)
     finally:
         subprocess.run([*base, "stop", "--now", "--config", str(cfg_path), "--timeout", "120"], capture_output=True)
         for p in procs:
@@ -229,11 +259,12 @@ def _pipeline(cfg_path: Path, target_device: str, drafter_device: str, seconds: 
         "target_gpu_utilization": mean(target_util),
         "drafter_gpu_utilization": mean(drafter_util),
         "exit_codes": [p.returncode for p in procs],
+        "drafter_kill": outage,
     }
 
 
 def run_pipeline_bench(*, tiny: bool = False, seconds: float = 90.0, warmup_steps: int = 0,
-                       workdir: str | None = None, port_base: int = 19460) -> dict[str, Any]:
+                       workdir: str | None = None, port_base: int = 19460, kill_drafter: bool = False) -> dict[str, Any]:
     cuda = torch.cuda.is_available() and not tiny
     gpus = torch.cuda.device_count() if cuda else 0
     target_device = "cuda:0" if cuda else "cpu"
@@ -241,13 +272,15 @@ def run_pipeline_bench(*, tiny: bool = False, seconds: float = 90.0, warmup_step
     shape = QWEN3_8B if cuda else TINY
     work = Path(workdir or tempfile.mkdtemp(prefix="dflash-bench-pipeline-"))
     work.mkdir(parents=True, exist_ok=True)
+    for stale in ("checkpoints", "state", "locks"):  # a reused workdir keeps its target and data, not its run
+        shutil.rmtree(work / stale, ignore_errors=True)
     target = _save_random_target(work / "target", shape, torch.device(target_device))
     data = _write_chat_rows(work / "chat.jsonl", rows=400 if tiny else 2000, words=120 if tiny else 2600)
     cfg_path = _write_config(work, target, data, shape=shape, tiny=not cuda, target_device=target_device,
                              drafter_device=drafter_device, port_base=port_base)
     standalone = _standalone(cfg_path, torch.device(target_device), batches=4 if not cuda else 10)
     pipeline = _pipeline(cfg_path, target_device, drafter_device, seconds, warmup_steps or (3 if not cuda else 8),
-                         work)
+                         work, kill_drafter)
     return {
         "benchmark": "pipeline",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
