@@ -16,6 +16,7 @@ any number of consumers through the same pool of slots.
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import random
@@ -54,6 +55,7 @@ from dflash_ring.common.pinning import HostRegistration
 from dflash_ring.common.slot_format import SlotFormatError, SlotHeader, SlotLayout, decode_header, encode_header, view
 
 SHM_DIR = "/dev/shm"
+log = logging.getLogger(__name__)
 
 
 def segment_name(run: str) -> str:
@@ -211,6 +213,7 @@ class Ring:
         """Map an existing ring without a config (status, stop, clean)."""
         name = segment_name(run)
         deadline = time.monotonic() + timeout_s
+        announced = False
         while True:
             try:
                 shm = posix_ipc.SharedMemory(name)
@@ -228,6 +231,10 @@ class Ring:
                     + (f" after waiting {timeout_s:.0f}s" if timeout_s else "")
                     + "): is the supervisor running? Start it with `dflash-ring supervisor --config ...`"
                 )
+            if not announced:
+                log.info("waiting up to %.0fs for the ring of run %r (%s): is its supervisor running?",
+                         timeout_s, run, name)
+                announced = True
             time.sleep(0.05)
 
     @classmethod

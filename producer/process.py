@@ -13,7 +13,8 @@ is synchronous and a batch is published as soon as it is written.
 Resume. `publish` commits the batch's cursor in the ring's process table, so a restarted producer
 continues after its last published batch (a batch whose slot was reclaimed unpublished is redone).
 The same cursor goes to a file in target.state_dir after each publish, for when the ring itself
-is gone; the ring's record wins. The file is removed once the shard is done.
+is gone; the ring's record wins. At the end of the shard it holds the end (a drained run started
+again must not redo a finished shard); the supervisor removes it once the whole run is complete.
 """
 
 from __future__ import annotations
@@ -412,7 +413,9 @@ def run_producer(cfg: Config, index: int, device_name: str | None = None) -> int
                 ring.set_row_status(me.row, RowStatus.DONE)
                 if ledger is not None:
                     ledger.write("done")
-                cursor_file.remove()
+                # Keep the end, not nothing: a run drained now and started again must not redo this shard.
+                # The supervisor removes the file once every shard is done (the run is complete).
+                cursor_file.save(Cursor(cfg.data.epochs, 0))
                 log.info("shard done")
             else:
                 log.info("stopped before the end of the shard (signal, drain or shutdown)")

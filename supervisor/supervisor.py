@@ -13,6 +13,7 @@ import logging
 import signal
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 from dflash_ring.common import sd_notify
 from dflash_ring.common.config import Config
@@ -204,6 +205,7 @@ class Supervisor:
         return [p.name for p in live_lock_files(self.lock_dir) if self._lock is None or p != self._lock.path]
 
     def _teardown(self, ring: Ring) -> None:
+        complete = self.producers_done(ring) == self.cfg.topology.producers
         if self._metrics is not None:
             self._metrics.detach()
         ring.close()
@@ -216,6 +218,11 @@ class Supervisor:
             self.lock_dir.rmdir()
         except OSError:
             pass
+        if complete:  # every shard done: the producers' resume points are void (a drained run keeps them)
+            state = Path(self.cfg.target.state_dir).expanduser() / self.cfg.run.name
+            for cursor in sorted(state.glob("producer-*.json")):
+                cursor.unlink(missing_ok=True)
+                removed.append(str(cursor))
         log.info("run %r finished; removed %s", self.cfg.run.name, ", ".join(removed) or "nothing")
 
     def close(self) -> None:

@@ -203,3 +203,31 @@ def test_a_drafter_built_for_another_target_geometry_is_refused_by_name(run, wor
     assert out.returncode == 2 and "target.ship_final_hidden" in out.stderr
     sup.send_signal(signal.SIGTERM)
     assert wait_exit(sup) == 0
+
+
+def test_a_drained_run_started_again_does_not_redo_a_finished_shard(run, world):
+    """Found by `dflash-ring chaos`: a run drained (supervisor SIGTERM or `stop`) after one producer had
+    finished its shard, then started again, had that producer redo its whole shard: its cursor file was
+    removed at shard end and the ring holding its final cursor was gone. Each such batch was trained twice."""
+    cfg = configure(run, world, producers=2, epochs=1, max_tokens=256)
+    data = tokenized(cfg)
+    shard = [len(ShardBatcher.from_config(data, cfg.data, rank=p, world_size=2).epoch_plan(0)) for p in (0, 1)]
+    sup = run.supervisor()
+    p0 = producer(run, 0)
+
+    def drain_once_shard_0_is_done(n: int) -> None:
+        if n == shard[0]:  # producer 1 has not started: the drain ends the run with its shard untouched
+            assert wait_exit(p0) == 0
+            run.spawn("-m", "dflash_ring", "stop", "--config", str(run.config))
+
+    first = consume(cfg, after_each=drain_once_shard_0_is_done)
+    finish(run, [sup])
+    assert len(first) == shard[0] and {i.meta["producer"] for i in first} == {0}
+    sup = run.supervisor()  # the run started again, as a whole
+    procs = [producer(run, 0), producer(run, 1)]
+    second = consume(cfg)
+    finish(run, procs + [sup])
+    assert [i.meta["producer"] for i in second].count(0) == 0  # nothing of the finished shard again
+    assert sorted(i.meta["position"] for i in second) == list(range(shard[1]))
+    assert list((run.tmp / "state" / run.name).glob("producer-*.json")) == []  # run complete: no resume points
+    assert run.leftovers() == []

@@ -1,0 +1,610 @@
+"""`dflash-ring chaos`: kill processes of a real run at random and prove nothing was lost.
+
+One invocation runs two pipelines on this host, each as real processes (supervisor, targets,
+drafters) with the ledger on (`run.ledger_dir`, common/ledger.py):
+
+1. a baseline without faults (same config, one epoch), for the throughput it reaches;
+2. the chaos run, sized to outlast the fault window. Once training is under way, `kills`
+   signals go out at seeded random moments within `seconds`, to random targets, drafters and
+   the supervisor: SIGKILL, or SIGTERM (a target or drafter then stops cleanly; the supervisor
+   drains the run, after which the whole run is started again, as an operator would).
+   A restarter (supervisor/restarter.py) brings back every process that was signalled or exited
+   non-zero, after a random delay, with the command it was started with (Restart=on-failure).
+
+Then it checks, from the ledgers and the file system, and reports:
+
+- every batch of every epoch (producer, epoch, position: the producers' plan) was handed to
+  training, except those inside the documented loss windows below; none is missing;
+- no batch was trained twice; a batch seen twice by drafters is explained only by redelivery
+  (same item number, higher delivery count, the first holder killed before training it);
+- no producer published a batch twice (its cursor commits at publish);
+- every process exited within the timeout after the run (no hang); after `dflash-ring clean`
+  no segment, semaphore or lock file of the run is left;
+- every drafter's final checkpoint loads and exports through `dflash-ring export`'s code.
+
+Documented windows (what a kill may cost, by design, without a batch going missing):
+
+- redelivery: a drafter killed between claiming a slot and releasing it (the copy out of the
+  slot) leaves the slot READING; the reaper, or its successor, makes it READY again and another
+  drafter takes it (deliveries + 1). Its `got` record may then appear twice.
+- in flight: a drafter releases a slot as soon as its copy has landed, before training on it.
+  A drafter SIGKILLed then loses up to two batches it took (one training, one prefetched): they
+  were consumed from the ring but never trained. Counted as `lost_in_flight`, at most 2 per kill.
+- un-checkpointed updates: batches a killed drafter trained after its last checkpoint were
+  trained, but those updates are rolled back when it resumes (its replicas keep theirs).
+  Counted as `trained_then_lost_with_crash`, at most train.checkpoint_every_steps x
+  train.grad_accum + 2 per kill.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from dflash_ring.common.config import Config, load_config
+from dflash_ring.common.ledger import read_ledger
+from dflash_ring.common.ring import Ring, RingNotFound
+from dflash_ring.supervisor.restarter import Restarter
+
+# The embedded tiny default, made small enough per batch that a minute holds many items and kills.
+CHAOS_DEFAULTS = [
+    "topology.producers=2",
+    "topology.consumers=3",
+    'data.split="train[:600]"',
+    "data.max_tokens_per_batch=256",
+    "drafter.num_hidden_layers=1",
+    "drafter.num_anchors=16",
+    "train.checkpoint_every_steps=10",
+    "train.average_every_steps=10",
+    "train.log_every_steps=50",
+]
+ROLE_SHARES = {"supervisor": 0.2, "target": 0.35, "drafter": 0.45}
+SUPERVISOR_SIGTERM_SHARE = 0.2  # a supervisor SIGTERM drains the run: it is then restarted as a whole
+WORKER_SIGTERM_SHARE = 0.3
+
+
+@dataclass
+class ChaosOptions:
+    kills: int
+    seconds: float
+    seed: int
+    workdir: Path
+    config: str | None = None
+    overrides: list[str] = field(default_factory=list)
+    epochs: int = 0  # 0: enough to outlast the fault window, from the baseline's throughput
+    baseline: bool = True
+    restart_delay_s: tuple[float, float] = (0.5, 4.0)
+    exit_timeout_s: float = 120.0
+
+
+@dataclass
+class Kill:
+    t: float
+    name: str
+    role: str
+    signal: str
+    pid: int
+
+
+# ---- configuration of one phase -------------------------------------------------------------------
+
+def phase_overrides(base: list[str], name: str, directory: Path, epochs: int, has_metrics: bool) -> list[str]:
+    d = directory.resolve()
+    sets = list(base) + [
+        f"run.name={name}",
+        f'run.run_dir="{d / "locks"}"',
+        f'run.ledger_dir="{d / "ledger"}"',
+        "run.attach_timeout_s=300",  # a loaded 2-core box can take a minute to start a supervisor
+        f'train.checkpoint_dir="{d / "checkpoints"}"',
+        f'target.state_dir="{d / "state"}"',
+        f"data.epochs={epochs}",
+        "supervisor.reap_interval_s=0.2",
+    ]
+    if has_metrics:
+        sets.append("metrics.enabled=false")  # fixed ports would collide with a run beside this one
+    return sets
+
+
+# ---- the ledger, reconciled -------------------------------------------------------------------------
+
+def read_ledgers(directory: Path) -> tuple[dict[str, list[dict[str, Any]]], int]:
+    """Records per role file (e.g. 'drafter-1'), sorted by time; and how many lines were cut."""
+    out, cut = {}, 0
+    for path in sorted(directory.glob("*.jsonl")) if directory.is_dir() else []:
+        f = read_ledger(path)
+        cut += f.cut_lines
+        out[path.stem] = sorted(f.records, key=lambda r: r["t"])
+    return out, cut
+
+
+def _ident(r: dict[str, Any]) -> tuple[int, int, int]:
+    return int(r["producer"]), int(r["epoch"]), int(r["pos"])
+
+
+def reconcile(ledgers: dict[str, list[dict[str, Any]]], checkpoint_every: int, grad_accum: int) -> dict[str, Any]:
+    """What the producers planned against what the drafters took and trained."""
+    problems: list[str] = []
+    expected: set[tuple[int, int, int]] = set()
+    published: dict[tuple[int, int, int], set[int]] = defaultdict(set)
+    plans: dict[int, list[int]] = {}
+    for name, recs in ledgers.items():
+        if not name.startswith("producer-"):
+            continue
+        p = int(name.split("-")[1])
+        for r in recs:
+            if r["ev"] == "start":
+                if p in plans and plans[p] != r["plan"]:
+                    problems.append(f"producer {p} changed its plan between restarts: {plans[p]} -> {r['plan']}")
+                plans[p] = r["plan"]
+            elif r["ev"] == "pub":
+                published[(p, r["epoch"], r["pos"])].add(int(r["item"]))
+    for p, plan in plans.items():
+        expected |= {(p, e, pos) for e, n in enumerate(plan) for pos in range(n)}
+
+    got: dict[tuple[int, int, int], list[dict[str, Any]]] = defaultdict(list)
+    trained: dict[tuple[int, int, int], list[dict[str, Any]]] = defaultdict(list)
+    clean_exit: set[int] = set()
+    drafter_pids: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for name, recs in ledgers.items():
+        if not name.startswith("drafter-"):
+            continue
+        for r in recs:
+            r = dict(r, drafter=name)
+            drafter_pids[r["pid"]].append(r)
+            if r["ev"] == "got":
+                got[_ident(r)].append(r)
+            elif r["ev"] == "train":
+                trained[_ident(r)].append(r)
+            elif r["ev"] == "exit":
+                clean_exit.add(r["pid"])
+    killed = {pid for pid in drafter_pids if pid not in clean_exit}
+
+    # Seen twice: only redelivery may explain it (same item, more deliveries, first holder killed untrained).
+    redelivered = sum(1 for rs in got.values() for r in rs if int(r["deliveries"]) > 1)
+    explained_dupes, unexplained = 0, []
+    trained_by = {k: {r["pid"] for r in rs} for k, rs in trained.items()}
+    for k, rs in got.items():
+        for first, later in zip(rs, rs[1:]):
+            if (first["item"] == later["item"] and later["deliveries"] > first["deliveries"]
+                    and first["pid"] in killed and first["pid"] not in trained_by.get(k, set())):
+                explained_dupes += 1
+            else:
+                unexplained.append({"batch": k, "records": [first, later]})
+    twice_trained = [{"batch": k, "records": rs} for k, rs in trained.items() if len(rs) > 1]
+    republished = [{"batch": k, "items": sorted(items)} for k, items in published.items() if len(items) > 1]
+
+    # Taken from the ring by a drafter that was killed before training it, and not redelivered.
+    lost_in_flight: list[tuple[int, int, int]] = []
+    in_flight_by_pid: Counter[int] = Counter()
+    for k, rs in got.items():
+        if k in trained:
+            continue
+        last = rs[-1]
+        if last["pid"] in killed:
+            lost_in_flight.append(k)
+            in_flight_by_pid[last["pid"]] += 1
+    over_window = {pid: n for pid, n in in_flight_by_pid.items() if n > 2}
+    if over_window:
+        problems.append(f"killed drafters lost more than 2 in-flight batches each: {over_window}")
+
+    # Trained by a killed drafter after its last checkpoint: the updates went with it.
+    uncheckpointed = 0
+    bound = checkpoint_every * grad_accum + 2
+    for pid in killed:
+        recs = drafter_pids[pid]
+        last_ckpt = max((r["t"] for r in recs if r["ev"] == "ckpt"), default=float("-inf"))
+        n = sum(1 for r in recs if r["ev"] == "train" and r["t"] > last_ckpt)
+        uncheckpointed += n
+        if n > bound:
+            problems.append(f"drafter pid {pid} trained {n} batches after its last checkpoint (bound {bound})")
+
+    missing = sorted(expected - set(trained) - set(lost_in_flight))
+    unexpected = sorted(set(trained) - expected)
+    seen_only = set(got) | set(published)
+    never_published = sorted(k for k in missing if k not in seen_only)
+    if missing:
+        problems.append(f"{len(missing)} planned batch(es) never trained, e.g. {missing[:5]} "
+                        f"({len(never_published)} of them never published)")
+    if unexpected:
+        problems.append(f"{len(unexpected)} trained batch(es) outside the producers' plan, e.g. {unexpected[:5]}")
+    if twice_trained:
+        problems.append(f"{len(twice_trained)} batch(es) trained twice, e.g. {twice_trained[:2]}")
+    if unexplained:
+        problems.append(f"{len(unexplained)} batch(es) taken twice without a redelivery, e.g. {unexplained[:2]}")
+    if republished:
+        problems.append(f"{len(republished)} batch(es) published twice, e.g. {republished[:3]}")
+    pub_records = sum(len(v) for v in published.values())
+    return {
+        "planned_batches": len(expected),
+        "plans": {str(p): plan for p, plan in sorted(plans.items())},
+        "published_records": pub_records,
+        "published_without_record": len({k for k in got if k not in published}),
+        "taken_by_drafters": len(got),
+        "trained_batches": len(trained),
+        "missing": len(missing),
+        "missing_examples": missing[:20],
+        "trained_twice": len(twice_trained),
+        "published_twice": len(republished),
+        "redelivered_items": redelivered,
+        "seen_twice_explained_by_redelivery": explained_dupes,
+        "seen_twice_unexplained": len(unexplained),
+        "lost_in_flight": len(lost_in_flight),
+        "trained_then_lost_with_crash": uncheckpointed,
+        "killed_drafter_incarnations": len(killed),
+        "problems": problems,
+    }
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return round(values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))], 2)
+
+
+def recoveries(kills: list[Kill], spawns: list[tuple[float, str, int]],
+               ledgers: dict[str, list[dict[str, Any]]]) -> tuple[list[float], int]:
+    """Seconds from each kill to its role's next incarnation doing work; and kills never recovered."""
+    work = {"supervisor": {"start"}, "producer": {"pub", "done"}, "drafter": {"train", "exit"}}
+    first_work: dict[int, float] = {}
+    for name, recs in ledgers.items():
+        kinds = work[name.split("-")[0]]
+        for r in recs:
+            if r["ev"] in kinds and r["pid"] not in first_work:
+                first_work[r["pid"]] = r["t"]
+    times, unrecovered = [], 0
+    for k in kills:
+        nxt = [(t, pid) for t, name, pid in spawns if name == k.name and t >= k.t]
+        done = min((first_work[pid] for _, pid in nxt if pid in first_work and first_work[pid] >= k.t),
+                   default=None)
+        if done is None:
+            unrecovered += 1
+        else:
+            times.append(done - k.t)
+    return times, unrecovered
+
+
+# ---- one phase: start, (kill,) wait, check -------------------------------------------------------------
+
+class Phase:
+    def __init__(self, label: str, cfg_path: Path, sets: list[str], directory: Path, env: dict[str, str],
+                 opts: ChaosOptions):
+        self.label, self.cfg_path, self.sets, self.dir, self.opts = label, cfg_path, sets, directory, opts
+        self.cfg: Config = load_config(cfg_path, sets)
+        self.run = self.cfg.run.name
+        self.restarter = Restarter(cfg_path, sets, directory / "logs", env, random.Random(opts.seed + 1),
+                                   opts.restart_delay_s)
+        self.kills: list[Kill] = []
+        self.window: tuple[float, float] | None = None
+        self.full_restarts = 0
+        self.hung: list[str] = []
+        self.failures: list[str] = []
+
+    def names(self) -> list[str]:
+        t = self.cfg.topology
+        return ["supervisor"] + [f"target-{i}" for i in range(t.producers)] + [f"drafter-{j}" for j in range(t.consumers)]
+
+    def ledger_dir(self) -> Path:
+        return Path(self.cfg.run.ledger_dir)
+
+    def _training(self) -> float | None:
+        """Time of the first trained batch, once there is one."""
+        first = None
+        for path in self.ledger_dir().glob("drafter-*.jsonl"):
+            for r in read_ledger(path).records:
+                if r["ev"] == "train":
+                    first = r["t"] if first is None else min(first, r["t"])
+                    break
+        return first
+
+    def _joined(self) -> set[int]:
+        """Pids that joined the run (their ledger's start record; the supervisor's after taking its row)."""
+        pids = set()
+        for path in self.ledger_dir().glob("*.jsonl"):
+            pids |= {r["pid"] for r in read_ledger(path).records if r["ev"] == "start"}
+        return pids
+
+    def _all_done(self) -> bool:
+        """Every producer's last ledger record says its shard is done: the run is complete."""
+        n = self.cfg.topology.producers
+        lasts = [read_ledger(p).records[-1:] for p in self.ledger_dir().glob("producer-*.jsonl")]
+        return len(lasts) == n and all(last and last[0]["ev"] == "done" for last in lasts)
+
+    def _ring_flags(self) -> tuple[bool, bool] | None:
+        """(draining, shutting down) of the live ring; None when there is none."""
+        try:
+            with Ring.open(self.run) as ring:
+                return ring.draining, ring.shutting_down
+        except (RingNotFound, OSError, RuntimeError):
+            return None
+
+    def execute(self, kills: int, seconds: float, deadline_s: float) -> None:
+        rng = random.Random(self.opts.seed)
+        r = self.restarter
+        if leftovers(self.cfg):  # of an earlier invocation that was cut short
+            clean_before = _clean(self.cfg_path, self.sets)
+            if clean_before.returncode != 0:
+                raise RuntimeError(f"`dflash-ring clean` before the {self.label} run failed: {clean_before.stderr}")
+        started = time.monotonic()
+        for name in self.names():
+            r.start(name)
+        schedule: list[tuple[float, str, str]] = []
+        drained_by_us = False
+        while True:
+            now = time.monotonic()
+            if now - started > deadline_s:
+                self.failures.append(f"{self.label} run did not finish within {deadline_s:.0f}s: hung")
+                self.hung = r.alive()
+                break
+            if self.window is None and kills and self._training() is not None:
+                self.window = (time.time(), time.time() + seconds)
+                at = sorted(rng.uniform(0, seconds) for _ in range(kills))
+                roles = _roles(kills, rng)
+                schedule = [(now + a, role, _signal_for(role, rng)) for a, role in zip(at, roles)]
+            exited = r.poll(restart=not r.over)
+            sup = exited.get("supervisor")
+            if sup is not None and sup == 0:
+                if drained_by_us and not self._all_done():
+                    # Drained on our SIGTERM: the run is stopped, not finished. Start it again as a whole.
+                    r.stop_unjoined(self._joined())
+                    if not r.wait_all_exit(self.opts.exit_timeout_s):
+                        self.hung = r.alive()
+                        self.failures.append(f"after a drain, still alive: {', '.join(self.hung)}")
+                        break
+                    drained_by_us = False
+                    self.full_restarts += 1
+                    time.sleep(rng.uniform(*self.opts.restart_delay_s))
+                    r.clear_pending()
+                    for name in self.names():
+                        r.start(name)
+                else:
+                    r.over = True
+            if r.over:
+                r.stop_unjoined(self._joined())
+                if not r.wait_all_exit(self.opts.exit_timeout_s):
+                    self.hung = r.alive()
+                    self.failures.append(f"still alive {self.opts.exit_timeout_s:.0f}s after the run ended: "
+                                         f"{', '.join(self.hung)}")
+                break
+            if schedule and schedule[0][0] <= now and not drained_by_us:
+                flags = self._ring_flags()
+                if flags is None or flags[0] or flags[1]:
+                    # No run in progress right now (it is starting again): postpone every kill alike,
+                    # so that they do not all land in one burst when it is back.
+                    lag = now + 0.5 - schedule[0][0]
+                    schedule = [(t + lag, role, sig) for t, role, sig in schedule]
+                else:
+                    _, role, sig = schedule.pop(0)
+                    victim = r.pick(role, rng)
+                    if victim is None:
+                        schedule.insert(0, (now + 0.5, role, sig))
+                    else:
+                        if victim == "supervisor" and sig == "SIGTERM":
+                            drained_by_us = True
+                        pid = r.signal(victim, getattr(signal, sig))
+                        self.kills.append(Kill(time.time(), victim, victim.split("-")[0], sig, pid))
+            time.sleep(0.05)
+        if self.hung:
+            r.kill_all()
+        self.unsent = len(schedule)
+        if self.window is not None and self.kills:  # postponed kills stretch the window
+            self.window = (self.window[0], max(self.window[1], self.kills[-1].t))
+
+
+def _roles(n: int, rng: random.Random) -> list[str]:
+    roles = ["supervisor", "target", "drafter"][: min(n, 3)]
+    roles += rng.choices(list(ROLE_SHARES), weights=list(ROLE_SHARES.values()), k=n - len(roles))
+    rng.shuffle(roles)
+    return roles
+
+
+def _signal_for(role: str, rng: random.Random) -> str:
+    share = SUPERVISOR_SIGTERM_SHARE if role == "supervisor" else WORKER_SIGTERM_SHARE
+    return "SIGTERM" if rng.random() < share else "SIGKILL"
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dflash_ring", *args]
+
+
+def _clean(cfg_path: Path, sets: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(_cli("clean", "--config", str(cfg_path), *[a for s in sets for a in ("--set", s)]),
+                          capture_output=True, text=True, timeout=120)
+
+
+def leftovers(cfg: Config) -> list[str]:
+    run = cfg.run.name
+    found = [f"/dev/shm/{n}" for n in os.listdir("/dev/shm")
+             if n.startswith(f"dflash-ring.{run}.") or n == f"dflash-ring.{run}"
+             or n.startswith(f"sem.dflash-ring.{run}.")]
+    lock_dir = cfg.lock_dir()
+    if lock_dir.exists():
+        found += [str(p) for p in lock_dir.iterdir()] or [str(lock_dir)]
+    return found
+
+
+def _checkpoints(cfg: Config, out: Path) -> dict[str, Any]:
+    from dflash_ring.consumer.checkpoint import CheckpointStore, export_checkpoint
+
+    result = {}
+    for j in range(cfg.topology.consumers):
+        root = Path(cfg.train.checkpoint_dir) / f"drafter-{j}"
+        try:
+            ckpt = CheckpointStore(root).load_latest()
+            if ckpt is None:
+                result[f"drafter-{j}"] = {"error": f"no checkpoint under {root}"}
+                continue
+            exported = export_checkpoint(root, out / f"drafter-{j}")
+            result[f"drafter-{j}"] = {"step": ckpt.step, "exported": str(exported)}
+        except Exception as e:  # reported, not raised: the report must come out
+            result[f"drafter-{j}"] = {"error": f"{type(e).__name__}: {e}"}
+    return result
+
+
+def _throughput(ledgers: dict[str, list[dict[str, Any]]], window: tuple[float, float] | None) -> dict[str, Any]:
+    ts = sorted(r["t"] for name, recs in ledgers.items() if name.startswith("drafter-")
+                for r in recs if r["ev"] == "train")
+    if len(ts) < 2:
+        return {"trained": len(ts), "items_per_s": None}
+    lo, hi = (ts[0], ts[-1]) if window is None else (window[0], min(window[1], ts[-1]))
+    n = sum(1 for t in ts if lo <= t <= hi)
+    return {"trained": len(ts), "measured_over_s": round(hi - lo, 1), "items_in_span": n,
+            "items_per_s": round(n / (hi - lo), 2) if hi > lo else None}
+
+
+# ---- the command ------------------------------------------------------------------------------------
+
+def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
+    from dflash_ring.supervisor.launcher import embedded_config
+
+    work = opts.workdir.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    base_sets: list[str] = []
+    if opts.config is None:
+        cfg_path = embedded_config(work)
+        base_sets = list(CHAOS_DEFAULTS)
+    else:
+        cfg_path = Path(opts.config).resolve()
+    base_sets += opts.overrides
+    has_metrics = hasattr(Config(), "metrics")
+    env = {"PYTHONUNBUFFERED": "1"}
+    env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    started = time.time()
+    report: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "seed": opts.seed, "kills_requested": opts.kills, "seconds": opts.seconds,
+        "config": str(cfg_path), "overrides": base_sets,
+    }
+    failures: list[str] = []
+
+    base_rate, per_epoch = None, None
+    if opts.baseline:
+        d = work / "baseline"
+        _fresh(d)
+        sets = phase_overrides(base_sets, f"chaos{opts.seed}-base", d, 1, has_metrics)
+        phase = Phase("baseline", cfg_path, sets, d, env, opts)
+        phase.execute(0, 0, deadline_s=900)
+        ledgers, _ = read_ledgers(phase.ledger_dir())
+        rec = reconcile(ledgers, phase.cfg.train.checkpoint_every_steps, phase.cfg.train.grad_accum)
+        thr = _throughput(ledgers, None)
+        base_rate = thr["items_per_s"]
+        per_epoch = rec["planned_batches"]
+        report["baseline"] = {"epochs": 1, "planned_batches": per_epoch, "trained": rec["trained_batches"],
+                              "missing": rec["missing"], **thr, "failures": phase.failures + rec["problems"]}
+        failures += [f"baseline: {f}" for f in phase.failures + rec["problems"]]
+        if leftovers(phase.cfg):
+            failures.append(f"baseline: left behind {leftovers(phase.cfg)}")
+            _clean(phase.cfg_path, phase.sets)
+
+    epochs = opts.epochs
+    if not epochs:
+        if base_rate and per_epoch:
+            # Enough to outlast the fault window at fault-free speed; the faults only stretch the run.
+            epochs = max(2, math.ceil(base_rate * opts.seconds / per_epoch))
+        else:
+            epochs = 10
+    d = work / "chaos"
+    _fresh(d)
+    sets = phase_overrides(base_sets, f"chaos{opts.seed}", d, epochs, has_metrics)
+    phase = Phase("chaos", cfg_path, sets, d, env, opts)
+    t0 = time.monotonic()
+    phase.execute(opts.kills, opts.seconds, deadline_s=opts.seconds + max(600.0, 2 * opts.seconds))
+    wall = time.monotonic() - t0
+    ledgers, cut = read_ledgers(phase.ledger_dir())
+    rec = reconcile(ledgers, phase.cfg.train.checkpoint_every_steps, phase.cfg.train.grad_accum)
+    thr = _throughput(ledgers, phase.window)
+    rec_times, unrecovered = recoveries(phase.kills, phase.restarter.spawns_wall(), ledgers)
+    clean = _clean(phase.cfg_path, phase.sets)
+    left = leftovers(phase.cfg)
+    ckpts = _checkpoints(phase.cfg, d / "exported")
+    exits = phase.restarter.exit_codes()
+    late = phase.restarter.stopped_late
+    unjoined = sum(len(pids) for pids in late.values())
+
+    by_role = Counter(k.role for k in phase.kills)
+    by_signal = Counter(f"{k.role}:{k.signal}" for k in phase.kills)
+    chaos_rate = thr.get("items_per_s")
+    report["chaos"] = {
+        "epochs": epochs, "wall_s": round(wall, 1), "cut_ledger_lines": cut,
+        "kills": {"sent": len(phase.kills), "unsent": phase.unsent,
+                  "by_role": {r: by_role.get(r, 0) for r in ("supervisor", "target", "drafter")},
+                  "by_role_and_signal": dict(sorted(by_signal.items()))},
+        "restarts": phase.restarter.restarts, "full_restarts_after_drain": phase.full_restarts,
+        "recoveries": len(rec_times), "not_recovered_before_the_end": unrecovered,
+        "recovery_s": {"p50": _percentile(rec_times, 0.5), "max": _percentile(rec_times, 1.0)},
+        "throughput": {**thr, "baseline_items_per_s": base_rate,
+                       "lost": round(1 - chaos_rate / base_rate, 3) if chaos_rate and base_rate else None},
+        "ledger": {k: v for k, v in rec.items() if k != "problems"},
+        "exit_codes": exits,
+        "failure_exits_restarted": sum(1 for codes in exits.values() for rc in codes[:-1] if rc > 0),
+        "stopped_unjoined_after_a_run_ended": unjoined,
+        "hung": phase.hung,
+        "clean": {"rc": clean.returncode, "output": (clean.stdout + clean.stderr).strip()[-500:],
+                  "leftovers": left},
+        "checkpoints": ckpts,
+        "kill_log": [{"t": round(k.t - started, 2), "process": k.name, "signal": k.signal, "pid": k.pid}
+                     for k in phase.kills],
+        "logs": str(d / "logs"),
+    }
+    failures += phase.failures + rec["problems"]
+    if clean.returncode != 0:
+        failures.append(f"`dflash-ring clean` exited {clean.returncode}: {clean.stderr.strip()[-300:]}")
+    if left:
+        failures.append(f"left after clean: {left}")
+    failures += [f"{name}: {v['error']}" for name, v in ckpts.items() if "error" in v]
+    bad_exits = {n: codes for n, codes in exits.items()
+                 if codes and not (codes[-1] == 0 or (phase.restarter.last_stopped_late(n)
+                                                      and codes[-1] == -signal.SIGTERM))}
+    if bad_exits and not phase.hung:
+        failures.append(f"last exit non-zero: {bad_exits}")
+    report["failures"] = failures
+    report["passed"] = not failures
+    report["seconds_total"] = round(time.time() - started, 1)
+    return report
+
+
+def _fresh(d: Path) -> None:
+    import shutil
+
+    if d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+
+
+def format_report(rep: dict[str, Any]) -> str:
+    c = rep["chaos"]
+    k, led, thr = c["kills"], c["ledger"], c["throughput"]
+    lines = [
+        f"chaos run, seed {rep['seed']}: {'PASSED' if rep['passed'] else 'FAILED'} ({rep['seconds_total']:.0f}s in all)",
+        f"  kills: {k['sent']} sent ({', '.join(f'{r} {n}' for r, n in k['by_role'].items())}); "
+        f"{', '.join(f'{r} {n}' for r, n in k['by_role_and_signal'].items())}",
+        f"  restarts {c['restarts']}, full restarts after a drain {c['full_restarts_after_drain']}, "
+        f"recoveries {c['recoveries']} (recovery p50 {c['recovery_s']['p50']}s, max {c['recovery_s']['max']}s), "
+        f"not recovered before the end {c['not_recovered_before_the_end']}",
+        f"  batches: planned {led['planned_batches']}, trained {led['trained_batches']}, missing {led['missing']}, "
+        f"trained twice {led['trained_twice']}, published twice {led['published_twice']}",
+        f"  redelivered {led['redelivered_items']} (seen twice, explained {led['seen_twice_explained_by_redelivery']}, "
+        f"unexplained {led['seen_twice_unexplained']}); lost in flight {led['lost_in_flight']}; "
+        f"trained then lost with a crash (un-checkpointed) {led['trained_then_lost_with_crash']}",
+        f"  throughput in the fault window {thr.get('items_per_s')} items/s vs {thr.get('baseline_items_per_s')} "
+        f"without faults: lost {thr.get('lost')}",
+        f"  hung: {c['hung'] or 'none'}; left after clean: {c['clean']['leftovers'] or 'nothing'}; "
+        "checkpoints: " + ", ".join(f"{n} step {v.get('step')}" for n, v in c["checkpoints"].items()),
+    ]
+    lines += [f"  FAILURE: {f}" for f in rep["failures"]]
+    return "\n".join(lines)
+
+
+def report_json(rep: dict[str, Any]) -> str:
+    return json.dumps(rep, indent=2, default=str)
