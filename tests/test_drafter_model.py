@@ -24,6 +24,11 @@ from dflash_ring.consumer.model import (
 VOCAB, HIDDEN, MASK_ID = 256, 64, 255
 
 
+# The CPU runs flex_attention eagerly on purpose (the reference check of the GPU path), so its
+# "use torch.compile" advice is expected here.
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
+
+
 def tiny_target_config(**overrides) -> Qwen3Config:
     base = dict(
         hidden_size=HIDDEN,
