@@ -155,6 +155,13 @@ class ProducerMetrics:
         self.bad_rows = Counter("dflash_ring_bad_rows_skipped_total",
                                 "Data set rows skipped as unusable at load (the whole set: each target "
                                 "reports the same rows; use max, not sum)", registry=r)
+        self.packing = Gauge("dflash_ring_target_packing_info",
+                             "1 for the batch layout this target runs (packed: the conformance probe passed; "
+                             "padded: target.packing = padded, or auto after a failed probe)",
+                             ["mode", "model_type"], registry=r)
+        self.conformance_error = Gauge("dflash_ring_target_conformance_error",
+                                       "Largest per-token relative error of packed against per-sequence features "
+                                       "in the start-up conformance probe (NaN: not probed)", registry=r)
 
 
 class DrafterMetrics:

@@ -117,7 +117,8 @@ class ShardBatcher:
         self._plan: tuple[int, list[np.ndarray]] | None = None
 
     @classmethod
-    def from_config(cls, data: TokenizedData, cfg: DataConfig, *, rank: int, world_size: int) -> ShardBatcher:
+    def from_config(cls, data: TokenizedData, cfg: DataConfig, *, rank: int, world_size: int,
+                    packing: bool = True) -> ShardBatcher:
         return cls(
             data,
             rank=rank,
@@ -125,7 +126,7 @@ class ShardBatcher:
             max_tokens_per_batch=cfg.max_tokens_per_batch,
             epochs=cfg.epochs,
             seed=cfg.seed,
-            packing=cfg.packing,
+            packing=packing,
             bucket_window=cfg.bucket_window,
         )
 

@@ -27,7 +27,7 @@ class DataConfig:
     # A DatasetDict directory's split; for files, "train" (slices such as "train[:1000]" work).
     split: str = "train"
     max_length: int = 3072
-    # Token budget of one batch; padding counts against it when packing is off.
+    # Token budget of one batch; padding counts against it when batches are padded (target.packing).
     max_tokens_per_batch: int = 32768
     # Passed to the chat template (Qwen3: False pre-fills an empty <think> block in the prompt).
     enable_thinking: bool = False
@@ -35,8 +35,6 @@ class DataConfig:
     epochs: int = 1
     num_proc: int = 1
     cache_dir: str = "~/.cache/dflash_ring/data"
-    # Packed batches are one concatenated sequence with cu_seqlens; unpacked ones are padded.
-    packing: bool = True
     # Samples sorted by length together; larger packs tighter, smaller keeps the order random.
     bucket_window: int = 1024
 

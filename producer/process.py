@@ -47,6 +47,7 @@ from dflash_ring.common.ring import Ring, SlotWriter
 from dflash_ring.common.slot_format import SlotLayout
 
 from .batching import Batch, Cursor, ShardBatcher
+from .conformance import choose_packing
 from .pretokenized import load_tokenized
 from .target import TargetModel, TargetOutput, resolve_device, resolve_dtype
 
@@ -385,9 +386,12 @@ def run_producer(cfg: Config, index: int, device_name: str | None = None) -> int
         tokenizer = AutoTokenizer.from_pretrained(cfg.target.tokenizer or cfg.target.path, local_files_only=True)
         data = load_tokenized(cfg.data, tokenizer)
         metrics.bad_rows.inc(len(data.bad_rows))
-        target = TargetModel.load(cfg.target, device, packed=cfg.data.packing)
+        target = TargetModel.load(cfg.target, device, packed=cfg.target.packing != "padded")
+        probe = choose_packing(target, cfg.target.packing)  # before anything is published
+        metrics.packing.labels("packed" if target.packed else "padded", target.config.model_type).set(1)
+        metrics.conformance_error.set(float("nan") if probe is None or probe.max_error is None else probe.max_error)
         check_slot_fits(cfg, target)
-        batcher = ShardBatcher.from_config(data, cfg.data, rank=index, world_size=producers)
+        batcher = ShardBatcher.from_config(data, cfg.data, rank=index, world_size=producers, packing=target.packed)
         state = Path(cfg.target.state_dir).expanduser() / cfg.run.name
         state.mkdir(parents=True, exist_ok=True)
         cursor_file = CursorFile(state / f"producer-{index}.json", plan_key(batcher))
@@ -403,7 +407,7 @@ def run_producer(cfg: Config, index: int, device_name: str | None = None) -> int
                      "(from the %s)", index, producers, len(data), cfg.data.epochs,
                      resolve_dtype(cfg.target.dtype, device), start.epoch, start.position, source)
             pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-            loader = Loader(batcher.batches(start), lambda b: prepare(b, packed=cfg.data.packing, pad_id=pad_id,
+            loader = Loader(batcher.batches(start), lambda b: prepare(b, packed=target.packed, pad_id=pad_id,
                                                                       pin=device.type == "cuda"))
             producer = Producer(ring, me.row, index, target, stop=stop, cursor_file=cursor_file, metrics=metrics)
             if ledger is not None:

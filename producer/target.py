@@ -11,96 +11,29 @@ leaves the model's own forward (masks, rotary embeddings, per-layer attention ty
 for every architecture.
 
 Packing. A packed batch is one row of concatenated sequences with positions restarting at 0 per
-sequence, so every sequence sees exactly the positions it would alone. Attention must not cross
-sequences: with sdpa/eager the model runs `packed_varlen_attention` (registered below), which on
-CUDA runs torch's varlen flash kernel over the whole pack and elsewhere runs each sequence through
-the very sdpa call an unpacked forward makes, so CPU features equal unpacked ones bit for bit.
-flash_attention_2/3 get `cu_seq_lens_*` and use their own varlen path. Padded batches (packing off)
-use the model's attention with a padding mask.
+sequence; producer/packing.py keeps every token mixer inside its sequence, and the conformance probe
+(producer/conformance.py) checks that it did for this very model before anything is published.
+Padded batches (target.packing = "padded", or "auto" when the probe fails) run the model's own
+attention with a padding mask.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedModel
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from .packing import packed_implementation, per_sequence, recurrent_mixers
 from .target_config import TargetConfig, TargetConfigError
 
 log = logging.getLogger(__name__)
 
-# No "flash" in the name: transformers treats any such name as a flash-attention kernel to import.
-PACKED_VARLEN = "packed_varlen"
-_FLASH = ("flash_attention_2", "flash_attention_3")
-
-try:
-    from torch.nn.attention.varlen import varlen_attn
-
-    # Its keywords moved between releases (is_causal -> window_size, enable_gqa added later).
-    _VARLEN_KEYWORDS = set(inspect.signature(varlen_attn).parameters)
-except ImportError:  # torch < 2.9
-    varlen_attn, _VARLEN_KEYWORDS = None, set()
-
 
 class _StopForward(Exception):
     """Raised by the deepest captured layer's hook: nothing after it is needed."""
-
-
-def packed_varlen_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    *,
-    cu_seq_lens_q: torch.Tensor,
-    max_length_q: int,
-    cu_seqlens_cpu: list[int],
-    scaling: float | None = None,
-    sliding_window: int | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """Causal attention within each packed sequence, none across. q/k/v: [1, heads, tokens, head_dim]."""
-    if _varlen_kernel_fits(query, sliding_window):
-        return _varlen_kernel(query, key, value, cu_seq_lens_q, max_length_q, scaling, sliding_window), None
-    outs = []
-    for start, end in zip(cu_seqlens_cpu[:-1], cu_seqlens_cpu[1:]):
-        mask = None
-        if sliding_window is not None and end - start > sliding_window:
-            i = torch.arange(end - start, device=query.device)
-            mask = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < sliding_window)
-        q, k, v = (t[:, :, start:end] for t in (query, key, value))
-        outs.append(sdpa_attention_forward(module, q, k, v, mask, scaling=scaling)[0])
-    return torch.cat(outs, dim=1), None
-
-
-def _varlen_kernel_fits(query: torch.Tensor, sliding_window: int | None) -> bool:
-    return (query.is_cuda and varlen_attn is not None and query.dtype in (torch.bfloat16, torch.float16)
-            and ("window_size" in _VARLEN_KEYWORDS or ("is_causal" in _VARLEN_KEYWORDS and sliding_window is None)))
-
-
-def _varlen_kernel(query, key, value, cu_seqlens, max_len, scaling, sliding_window) -> torch.Tensor:
-    """torch's flash varlen kernel over the whole pack: [tokens, heads, head_dim] in and out."""
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    options: dict = {"scale": scaling}
-    if "window_size" in _VARLEN_KEYWORDS:
-        options["window_size"] = (-1 if sliding_window is None else sliding_window - 1, 0)
-    else:
-        options["is_causal"] = True
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1 and "enable_gqa" in _VARLEN_KEYWORDS:
-        options["enable_gqa"] = True
-    elif groups > 1:  # head h reads kv head h // groups, as HF's repeat_kv lays them out
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **options).unsqueeze(0)
-
-
-AttentionInterface.register(PACKED_VARLEN, packed_varlen_attention)
 
 
 @dataclass
@@ -139,31 +72,41 @@ class TargetModel:
         self.config = model.config
         self.layer_ids = list(layer_ids)
         self.final_hidden = final_hidden
-        self.packed = packed
         layers = self.decoder.layers
         if max(self.layer_ids) > len(layers) - 2:
             raise TargetConfigError(f"layer ids {self.layer_ids} must lie in 0..{len(layers) - 2}")
         self.deepest = max(self.layer_ids)
         self._captured: dict[int, torch.Tensor] = {}
         self._active = False
+        self._spans: list[tuple[int, int]] | None = None  # set while a packed forward runs
         for layer_id in set(self.layer_ids):
             layers[layer_id].register_forward_hook(self._hook(layer_id))
-        if packed and model.config._attn_implementation not in _FLASH:
-            self.decoder.set_attn_implementation(PACKED_VARLEN)
+        for mixer in recurrent_mixers(layers).values():
+            per_sequence(mixer, lambda: self._spans)
+        # The model's own attention: what padded batches and the conformance probe's reference run.
+        self.attn_implementation = model.config._attn_implementation
+        self.packed = False
+        self.use_packing(packed)
         self.param = next(self.decoder.parameters())
+
+    def use_packing(self, packed: bool) -> None:
+        """Packed batches run packing-aware attention; padded ones (and each sequence alone) the model's own."""
+        self.decoder.set_attn_implementation(
+            packed_implementation(self.attn_implementation) if packed else self.attn_implementation)
+        self.packed = packed
 
     @classmethod
     def load(cls, cfg: TargetConfig, device: torch.device, *, packed: bool) -> TargetModel:
         """From a local directory only; the LM head is dropped with the wrapper (no logits, less memory)."""
         geometry = cfg.geometry()
         dtype = resolve_dtype(cfg.dtype, device)
-        model = AutoModelForCausalLM.from_pretrained(
-            cfg.path, dtype=dtype, attn_implementation=cfg.attn_implementation, local_files_only=True
-        )
+        attn = None if cfg.attn_implementation == "auto" else cfg.attn_implementation  # HF: sdpa, else eager
+        model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype, attn_implementation=attn,
+                                                     local_files_only=True)
         target = cls(model.to(device), list(geometry.layer_ids), final_hidden=cfg.ship_final_hidden, packed=packed)
         del model
-        log.info("target %s on %s (%s): layers %s of %d, %s batches%s", cfg.path, device, dtype,
-                 target.layer_ids, len(target.decoder.layers), "packed" if packed else "padded",
+        log.info("target %s (%s) on %s (%s, %s attention): layers %s of %d%s", cfg.path, target.config.model_type,
+                 device, dtype, target.attn_implementation, target.layer_ids, len(target.decoder.layers),
                  ", final hidden shipped" if cfg.ship_final_hidden else f", stops after layer {target.deepest}")
         return target
 
@@ -197,11 +140,15 @@ class TargetModel:
     def forward_packed(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                        cu_seqlens_cpu: list[int]) -> TargetOutput:
         """input_ids/position_ids [tokens] (positions restart at 0 per sequence), cu_seqlens [n + 1] int32."""
-        max_len = max(b - a for a, b in zip(cu_seqlens_cpu[:-1], cu_seqlens_cpu[1:]))
-        final = self._run(
-            input_ids=input_ids[None], position_ids=position_ids[None], cu_seq_lens_q=cu_seqlens,
-            cu_seq_lens_k=cu_seqlens, max_length_q=max_len, max_length_k=max_len, cu_seqlens_cpu=cu_seqlens_cpu,
-        )
+        self._spans = list(zip(cu_seqlens_cpu[:-1], cu_seqlens_cpu[1:]))
+        max_len = max(b - a for a, b in self._spans)
+        try:
+            final = self._run(
+                input_ids=input_ids[None], position_ids=position_ids[None], cu_seq_lens_q=cu_seqlens,
+                cu_seq_lens_k=cu_seqlens, max_length_q=max_len, max_length_k=max_len, cu_seqlens_cpu=cu_seqlens_cpu,
+            )
+        finally:
+            self._spans = None
         features = torch.cat([self._captured[i][0] for i in self.layer_ids], dim=-1)
         self._captured.clear()
         return TargetOutput(features, None if final is None else final[0])

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 TargetDtype = Literal["auto", "float32", "bfloat16"]
-AttnImplementation = Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"]
+AttnImplementation = Literal["auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3"]
+Packing = Literal["auto", "packed", "padded"]
 
 
 class TargetConfigError(ValueError):
@@ -65,9 +66,13 @@ class TargetConfig:
     ship_final_hidden: bool = False
     # The drafter's <|MASK|> row; must be a row of the target embedding. Only checked and fingerprinted here.
     mask_token_id: int | None = None
-    # For padded batches, and as the model's own attention. Packed batches with sdpa/eager run each
-    # sequence's attention separately (see producer/target.py); flash_attention_* use their varlen kernels.
-    attn_implementation: AttnImplementation = "sdpa"
+    # The model's own attention: padded batches and the conformance probe's reference run it; packed batches
+    # keep its semantics (producer/packing.py). "auto": HF's choice (sdpa where the model supports it, else eager).
+    attn_implementation: AttnImplementation = "auto"
+    # "packed": sequences concatenated without padding, refused at start unless the conformance probe shows
+    # features equal to each sequence's own forward; "auto": packed when the probe passes, padded (with a
+    # warning naming the first layer that differs) otherwise; "padded": no probe, padded batches.
+    packing: Packing = "auto"
     # Cursor files (<state_dir>/<run>/producer-<i>.json): where to resume when the ring is gone.
     state_dir: str = "~/.cache/dflash_ring/state"
 

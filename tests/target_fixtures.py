@@ -7,13 +7,12 @@ import random
 from pathlib import Path
 
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from dflash_ring.bench.target_shapes import FAMILIES, model_class, tiny_config
 from dflash_ring.producer.tiny_tokenizer import tiny_chat_tokenizer
 
-ARCHS = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM),
-         "mistral": (MistralConfig, MistralForCausalLM)}
+ARCHS = tuple(FAMILIES)
 WORDS = ("the quick brown fox jumps over the lazy dog drafter target hidden state ring shared memory "
          "capital France Paris explain speculative decoding numbers hello world thanks sure okay").split()
 
@@ -21,15 +20,12 @@ WORDS = ("the quick brown fox jumps over the lazy dog drafter target hidden stat
 def build_target(path: Path, arch: str, layers: int = 6, hidden: int = 64, seed: int = 0, **extra) -> Path:
     """A random-weight target with the tiny tokenizer beside it, as `save_pretrained` writes a real one."""
     tokenizer = tiny_chat_tokenizer(path)
-    config_cls, model_cls = ARCHS[arch]
-    config = config_cls(
-        vocab_size=len(tokenizer) + 8,  # spare rows, like Qwen3's: the first one can be the mask token
-        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=4096,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, **extra,
+    config = tiny_config(
+        arch, vocab_size=len(tokenizer) + 8,  # spare rows, like Qwen3's: the first one can be the mask token
+        hidden_size=hidden, num_hidden_layers=layers, pad_token_id=tokenizer.pad_token_id, **extra,
     )
     torch.manual_seed(seed)
-    model_cls(config).save_pretrained(path)
+    model_class(arch)(config).save_pretrained(path)
     return path
 
 

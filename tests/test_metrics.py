@@ -34,6 +34,7 @@ SUPERVISOR_NAMES = [
 TARGET_NAMES = [
     "dflash_ring_producer_blocked_seconds_total", "dflash_ring_d2h_copy_seconds", "dflash_ring_target_tokens_total",
     "dflash_ring_target_items_total", "dflash_ring_bad_rows_skipped_total", "dflash_ring_target_step_seconds",
+    "dflash_ring_target_packing_info", "dflash_ring_target_conformance_error",
 ]
 DRAFTER_NAMES = [
     "dflash_ring_consumer_wait_seconds_total", "dflash_ring_h2d_copy_seconds", "dflash_ring_drafter_tokens_total",
@@ -239,6 +240,8 @@ def test_every_process_serves_its_metrics_and_the_supervisor_matches_status(run,
         assert t.value("dflash_ring_target_step_seconds_count") == t.value("dflash_ring_target_items_total")
         assert t.value("dflash_ring_d2h_copy_seconds_count") == t.value("dflash_ring_target_items_total")
         assert t.value("dflash_ring_bad_rows_skipped_total") == 0
+        assert t.value("dflash_ring_target_packing_info", mode="packed", model_type="qwen3") == 1
+        assert 0 <= t.value("dflash_ring_target_conformance_error") < 1e-4  # the start-up probe passed
 
         # Quiet moment 2: the target stopped, the drafters have taken every ready item.
         target.send_signal(signal.SIGSTOP)

@@ -34,7 +34,7 @@ def reference_losses(config_path, order: list[int] | None = None) -> list[float]
     cfg = load_config(config_path)
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.path, local_files_only=True)
     data = load_tokenized(cfg.data, tokenizer)
-    target = TargetModel.load(cfg.target, torch.device("cpu"), packed=cfg.data.packing)
+    target = TargetModel.load(cfg.target, torch.device("cpu"), packed=cfg.target.packing != "padded")
     batches = list(ShardBatcher.from_config(data, cfg.data, rank=0, world_size=1).batches())
     if order is not None:
         batches = [batches[i] for i in order]

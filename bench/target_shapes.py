@@ -1,0 +1,124 @@
+"""Random-weight targets of every family we support, built from each family's own HF config class.
+
+One place names the families and the real shapes: the conformance tests build them tiny, `bench target
+--shape NAME` builds them at full size on the GPU. Nothing is downloaded; only the config classes of the
+installed transformers are used, so a family this transformers lacks is refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import transformers
+from transformers import PretrainedConfig
+
+# family -> (config class, causal-LM class): the text model as AutoModelForCausalLM loads it.
+FAMILIES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+    # The published Qwen3.5/3.6 checkpoints are the multimodal wrapper (text under text_config and
+    # model.language_model.*); AutoModelForCausalLM loads its text part.
+    "qwen3_5_vl": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+}
+
+
+def _layer_pattern(family: str, layers: int) -> dict[str, Any]:
+    """Each family's own layer mix, as its published configs lay it out."""
+    if family in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl"):  # 3 Gated DeltaNet : 1 full
+        return {"layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]}
+    if family == "gpt_oss":  # alternating, sliding first
+        return {"layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]}
+    if family == "gemma3":  # 5 sliding : 1 full
+        return {"layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]}
+    return {}
+
+
+def family_config(family: str, *, vocab_size: int, hidden_size: int, num_hidden_layers: int,
+                  num_attention_heads: int, num_key_value_heads: int, head_dim: int, intermediate_size: int,
+                  max_position_embeddings: int = 4096, **extra: Any) -> PretrainedConfig:
+    """A config of `family` with the given geometry; `extra` sets family keys (experts, windows, linear heads)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown target family {family!r}; known: {sorted(FAMILIES)}")
+    config_cls = getattr(transformers, FAMILIES[family][0], None)
+    if config_cls is None:
+        raise ValueError(f"transformers {transformers.__version__} has no {FAMILIES[family][0]} (family {family})")
+    text: dict[str, Any] = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, head_dim=head_dim,
+        intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False, **_layer_pattern(family, num_hidden_layers),
+    )
+    text.update(extra)
+    if family == "qwen3_5_vl":
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden_size)
+        return config_cls(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    return config_cls(**text)
+
+
+def model_class(family: str) -> type:
+    return getattr(transformers, FAMILIES[family][1])
+
+
+def _tiny_extra(family: str, hidden: int) -> dict[str, Any]:
+    linear = dict(linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                  linear_num_key_heads=2, linear_num_value_heads=4)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2)
+    return {
+        "mistral": dict(sliding_window=16),
+        "qwen3_moe": moe,
+        "gemma3": dict(sliding_window=16),
+        "gpt_oss": dict(sliding_window=16, num_local_experts=4, num_experts_per_tok=2),
+        "qwen3_next": dict(**linear, **moe, shared_expert_intermediate_size=hidden // 2),
+        "qwen3_5": linear,
+        "qwen3_5_vl": linear,
+        "qwen3_5_moe": dict(**linear, **moe, shared_expert_intermediate_size=hidden // 2),
+    }.get(family, {})
+
+
+def tiny_config(family: str, *, vocab_size: int, hidden_size: int = 64, num_hidden_layers: int = 6,
+                **extra: Any) -> PretrainedConfig:
+    """A CPU-sized member of `family`: every mechanism of the real one (windows shorter than test sequences)."""
+    keys = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4,
+                intermediate_size=2 * hidden_size, **_tiny_extra(family, hidden_size))
+    keys.update(extra)
+    return family_config(family, vocab_size=vocab_size, hidden_size=hidden_size,
+                         num_hidden_layers=num_hidden_layers, **keys)
+
+
+# Real shapes for `bench target --shape`: published configs' geometry, random weights.
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "tiny": ("qwen3", dict(hidden_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=32, intermediate_size=384, vocab_size=1024, max_position_embeddings=4096)),
+    "qwen3-8b": ("qwen3", dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                               head_dim=128, intermediate_size=12288, vocab_size=151936,
+                               max_position_embeddings=40960, rope_theta=1e6)),
+    # Qwen3.6-27B: 64 layers, 3 Gated DeltaNet : 1 gated full attention.
+    "qwen3.6-27b": ("qwen3_5", dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=24,
+                                    num_key_value_heads=4, head_dim=256, intermediate_size=17408, vocab_size=248320,
+                                    max_position_embeddings=262144, linear_conv_kernel_dim=4,
+                                    linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                                    linear_num_value_heads=48)),
+    "qwen3-30b-a3b": ("qwen3_moe", dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                                        num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                                        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                        vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6)),
+    "gpt-oss-20b": ("gpt_oss", dict(hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
+                                    num_key_value_heads=8, head_dim=64, intermediate_size=2880, num_local_experts=32,
+                                    num_experts_per_tok=4, sliding_window=128, vocab_size=201088,
+                                    max_position_embeddings=131072)),
+}
+
+
+def shape_config(name: str) -> PretrainedConfig:
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; known: {sorted(SHAPES)}")
+    family, keys = SHAPES[name]
+    return family_config(family, **keys)

@@ -1,0 +1,188 @@
+"""The conformance probe: does this model's packed forward give each sequence its own features?
+
+Run once per target process, after loading and before the first publish. A packed batch of
+sequences of different lengths (one longer than any sliding window the model uses) goes through
+the packed path; each sequence then goes alone through the model's own unmodified forward (its
+own attention implementation, no packing arguments). Every decoder layer up to the deepest
+captured one is compared, so an architecture nobody tested is judged by what it computes, not by
+its name. A packed path that raises counts as a failure too.
+
+The error of a token is ||packed - alone|| / ||alone|| on its hidden state; the tolerance depends
+on the dtype only (see TOLERANCE). Leaks across sequences, dropped sinks or windows give errors
+of 1e-2 and more on the tokens they touch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .target import TargetModel
+from .target_config import TargetConfigError
+
+log = logging.getLogger(__name__)
+
+# Per-token relative error allowed between packed and per-sequence features. float32: CPU GEMMs give
+# rows different roundings depending on how many rows a call has (measured up to ~3e-6 on tiny
+# targets); bfloat16/float16 on GPU: the varlen kernel against the per-sequence sdpa kernel
+# (docs/benchmarks.md records the probe's figures on the H200).
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+BASE_LENGTHS = (23, 97, 7, 64, 41)
+
+
+@dataclass
+class LayerCheck:
+    layer: int
+    kind: str  # the layer type from the config (full_attention, sliding_attention, linear_attention, ...)
+    max_error: float
+
+
+@dataclass
+class ProbeReport:
+    model_type: str
+    architecture: str
+    attn_implementation: str
+    dtype: str
+    device: str
+    lengths: list[int]
+    tolerance: float
+    layers: list[LayerCheck] = field(default_factory=list)
+    error: str | None = None  # the packed path raised this
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None and all(c.max_error <= self.tolerance for c in self.layers)
+
+    @property
+    def max_error(self) -> float | None:
+        return max((c.max_error for c in self.layers), default=None)
+
+    @property
+    def first_bad(self) -> LayerCheck | None:
+        return next((c for c in self.layers if not c.max_error <= self.tolerance), None)
+
+    def summary(self) -> str:
+        head = f"{self.model_type} ({self.architecture}, {self.attn_implementation} attention, {self.dtype})"
+        if self.error is not None:
+            return f"{head}: the packed forward raised {self.error}"
+        if self.passed:
+            return f"{head}: packed features equal each sequence's own forward (max error {self.max_error:.2e})"
+        bad = self.first_bad
+        return (f"{head}: packed features differ from each sequence's own forward from layer {bad.layer} "
+                f"({bad.kind}) on: error {bad.max_error:.2e} > tolerance {self.tolerance:.0e}")
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "passed": self.passed, "max_error": self.max_error,
+                "first_bad_layer": None if self.first_bad is None else self.first_bad.layer}
+
+    def table(self) -> str:
+        rows = [f"{c.layer:>5}  {c.kind:<20} {c.max_error:.2e}{'  <- differs' if c.max_error > self.tolerance else ''}"
+                for c in self.layers]
+        return "\n".join([f"{'layer':>5}  {'type':<20} max error (tolerance {self.tolerance:.0e})", *rows])
+
+
+def active_sliding_window(config) -> int | None:
+    """The window of the model's sliding layers, if any layer uses one (Qwen2/3 carry an unused one)."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not window:
+        return None
+    if types is not None:
+        return int(window) if "sliding_attention" in types else None
+    return int(window) if getattr(config, "use_sliding_window", True) else None
+
+
+def probe_lengths(config) -> list[int]:
+    """Sequences of different lengths; the second is longer than any window (capped at the model's limit)."""
+    window = active_sliding_window(config) or 0
+    longest = min(max(BASE_LENGTHS[1], window + 37), int(getattr(config, "max_position_embeddings", 1 << 30)))
+    return [BASE_LENGTHS[0], longest, *BASE_LENGTHS[2:]]
+
+
+def layer_kinds(config, count: int) -> list[str]:
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [str(t) for t in types[:count]]
+    return ["sliding_attention" if active_sliding_window(config) else "full_attention"] * count
+
+
+@torch.inference_mode()
+def probe(target: TargetModel, lengths: list[int] | None = None, seed: int = 0) -> ProbeReport:
+    """Packed against one-at-a-time on random ids; leaves the target in the packing mode it had."""
+    config = target.config
+    lengths = list(lengths or probe_lengths(config))
+    depth = target.deepest + 1
+    report = ProbeReport(
+        model_type=config.model_type, architecture=(config.architectures or [type(target.decoder).__name__])[0],
+        attn_implementation=target.attn_implementation, dtype=str(target.dtype).removeprefix("torch."),
+        device=str(target.device), lengths=lengths, tolerance=TOLERANCE.get(target.dtype, 1e-2),
+    )
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, int(config.vocab_size), (sum(lengths),), generator=generator)
+    bounds = torch.tensor([0, *lengths]).cumsum(0)
+    spans = list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
+    was_packed = target.packed
+    captured: dict[int, torch.Tensor] = {}
+    hooks = [layer.register_forward_hook(
+        lambda m, a, out, i=i: captured.__setitem__(i, out[0] if isinstance(out, tuple) else out), prepend=True)
+        for i, layer in enumerate(list(target.decoder.layers)[:depth])]
+    try:
+        target.use_packing(True)
+        device_ids = ids.to(target.device)
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(target.device)
+        try:
+            target.forward_packed(device_ids, positions, bounds.to(device=target.device, dtype=torch.int32),
+                                  bounds.tolist())
+        except Exception as e:  # noqa: BLE001 - any failure of the packed path is a finding, not a crash
+            report.error = f"{type(e).__name__}: {e}"
+            return report
+        packed = {i: captured[i][0] for i in range(depth)}
+        errors = torch.zeros(depth, dtype=torch.float64)
+        target.use_packing(False)
+        for a, b in spans:
+            captured.clear()
+            target._run(input_ids=device_ids[a:b][None])
+            target._captured.clear()
+            for i in range(depth):
+                errors[i] = max(errors[i], _max_token_error(packed[i][a:b], captured[i][0]))
+        kinds = layer_kinds(config, depth)
+        report.layers = [LayerCheck(i, kinds[i], float(errors[i])) for i in range(depth)]
+        return report
+    finally:
+        for h in hooks:
+            h.remove()
+        target._captured.clear()
+        target.use_packing(was_packed)
+
+
+def _max_token_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    scale = want.norm(dim=-1).clamp_min(1e-12)
+    return float(((got - want).norm(dim=-1) / scale).max())
+
+
+def choose_packing(target: TargetModel, mode: str) -> ProbeReport | None:
+    """Set the target's batch layout for `target.packing` = mode; refuse "packed" when the probe fails."""
+    if mode == "padded":
+        target.use_packing(False)
+        return None
+    report = probe(target)
+    if report.passed:
+        log.info("conformance probe: %s; packed batches", report.summary())
+        target.use_packing(True)
+        return report
+    if mode == "packed":
+        raise TargetConfigError(f"target.packing = \"packed\" refused: {report.summary()}. Set target.packing = "
+                                f"\"auto\" or \"padded\" to train on padded batches, or report the model type.")
+    log.warning("conformance probe: %s; using padded batches (target.packing = \"auto\")", report.summary())
+    target.use_packing(False)
+    return report
+
+
+def report_json(report: ProbeReport | None, mode: str, packed: bool) -> str:
+    body = {"packing": mode, "chosen": "packed" if packed else "padded",
+            "probe": None if report is None else report.to_json()}
+    return json.dumps(body, indent=2)

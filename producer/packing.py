@@ -1,0 +1,176 @@
+"""Packed batches kept exact: no token mixer ever sees across a sequence boundary.
+
+A packed batch is one row of concatenated sequences with positions restarting at 0 per sequence.
+Per-token parts (norms, MLPs, MoE routing, RoPE at the restarted positions) are exact by
+construction; the token mixers are not, and each kind is handled here:
+
+- Attention (full, sliding window, attention sinks): the model runs `packed_attention` through
+  HF's AttentionInterface. On CUDA it is torch's varlen flash kernel over the whole pack (sliding
+  windows as its window size; gpt-oss sinks applied exactly from the kernel's log-sum-exp:
+  out * sigmoid(lse - sink)). Elsewhere, and whenever the kernel cannot express the layer, each
+  sequence goes through the very attention function the unpacked model calls (sdpa or the model's
+  own eager function, sinks included), with the mask the unpacked model would build.
+- Recurrent mixers (Gated DeltaNet in Qwen3.5/3.6 and Qwen3-Next): their convolution and state
+  run over time, so each sequence runs through the module's own forward alone (state and
+  convolution start from zero, as for a sequence alone); whatever kernel HF picks for one sequence
+  (flash-linear-attention when installed) is used.
+
+Anything else (a new mixer, a new attention argument) is what the conformance probe
+(producer/conformance.py) exists to catch before a batch is published.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+
+    # Its keywords moved between releases (is_causal -> window_size, enable_gqa and return_aux added later).
+    _VARLEN_KEYWORDS = set(inspect.signature(varlen_attn).parameters)
+except ImportError:  # torch < 2.9
+    varlen_attn, _VARLEN_KEYWORDS = None, set()
+
+# No "flash" in the names: transformers treats any such name as a flash-attention kernel to import.
+PACKED = {"sdpa": "packed_varlen", "eager": "packed_varlen_eager"}
+FLASH = ("flash_attention_2", "flash_attention_3")
+# Keyword arguments the packed forward adds; stripped before a module sees one sequence.
+PACK_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "cu_seqlens_cpu")
+# Decoder-layer attributes holding a recurrent token mixer.
+RECURRENT_MIXERS = ("linear_attn",)
+
+
+def _sequence_mask(length: int, sliding_window: int | None, reference: str, like: torch.Tensor) -> torch.Tensor | None:
+    """The mask an unpadded forward of this one sequence builds: None (is_causal) unless a window bites."""
+    if reference == "sdpa" and (sliding_window is None or length <= sliding_window):
+        return None
+    i = torch.arange(length, device=like.device)
+    allowed = i[:, None] >= i[None, :]
+    if sliding_window is not None:
+        allowed &= i[:, None] - i[None, :] < sliding_window
+    if reference == "sdpa":
+        return allowed[None, None]
+    return torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill_(
+        ~allowed, torch.finfo(like.dtype).min)[None, None]
+
+
+def _reference_attention(module: nn.Module, reference: str) -> Callable:
+    """The function the unpacked model calls: sdpa, or the model file's own eager (gpt-oss's has the sinks)."""
+    if reference == "sdpa":
+        return sdpa_attention_forward
+    own = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if own is None:
+        raise TypeError(f"{type(module).__name__}: its model file has no eager_attention_forward")
+    return own
+
+
+def _varlen_kernel_fits(query: torch.Tensor, sliding_window: int | None, sinks: torch.Tensor | None) -> bool:
+    return (query.is_cuda and varlen_attn is not None and query.dtype in (torch.bfloat16, torch.float16)
+            and ("window_size" in _VARLEN_KEYWORDS or ("is_causal" in _VARLEN_KEYWORDS and sliding_window is None))
+            and (sinks is None or "return_aux" in _VARLEN_KEYWORDS))
+
+
+def _varlen_kernel(query, key, value, cu_seqlens, max_len, scaling, sliding_window, sinks) -> torch.Tensor:
+    """torch's flash varlen kernel over the whole pack: [tokens, heads, head_dim] in and out."""
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    options: dict = {"scale": scaling}
+    if "window_size" in _VARLEN_KEYWORDS:
+        options["window_size"] = (-1 if sliding_window is None else sliding_window - 1, 0)
+    else:
+        options["is_causal"] = True
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and "enable_gqa" in _VARLEN_KEYWORDS:
+        options["enable_gqa"] = True
+    elif groups > 1:  # head h reads kv head h // groups, as HF's repeat_kv lays them out
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    if sinks is None:
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **options).unsqueeze(0)
+    from torch.nn.attention.varlen import AuxRequest
+
+    out, lse = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, return_aux=AuxRequest(lse=True),
+                           **options)
+    # A sink is one more logit per head in the softmax's denominator: exp(lse) / (exp(lse) + exp(sink)).
+    lse = lse if lse.shape[0] == q.shape[0] else lse.transpose(0, 1)  # [tokens, heads]
+    keep = torch.sigmoid(lse.float() - sinks.float()[None, :])
+    return (out.float() * keep[..., None]).to(out.dtype).unsqueeze(0)
+
+
+def _packed_attention(reference: str) -> Callable:
+    def packed_attention(
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *,
+        cu_seq_lens_q: torch.Tensor,
+        max_length_q: int,
+        cu_seqlens_cpu: list[int],
+        scaling: float | None = None,
+        sliding_window: int | None = None,
+        s_aux: torch.Tensor | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        """Causal attention within each packed sequence, none across. q/k/v: [1, heads, tokens, head_dim]."""
+        if _varlen_kernel_fits(query, sliding_window, s_aux):
+            return _varlen_kernel(query, key, value, cu_seq_lens_q, max_length_q, scaling, sliding_window, s_aux), None
+        attend = _reference_attention(module, reference)
+        extra = {k: v for k, v in kwargs.items() if k not in PACK_KWARGS}
+        if s_aux is not None:
+            extra["s_aux"] = s_aux
+        outs = []
+        for start, end in zip(cu_seqlens_cpu[:-1], cu_seqlens_cpu[1:]):
+            q, k, v = (t[:, :, start:end] for t in (query, key, value))
+            mask = _sequence_mask(end - start, sliding_window, reference, query)
+            outs.append(attend(module, q, k, v, mask, scaling=scaling, sliding_window=sliding_window, **extra)[0])
+        return torch.cat(outs, dim=1), None
+
+    return packed_attention
+
+
+for _reference, _name in PACKED.items():
+    AttentionInterface.register(_name, _packed_attention(_reference))
+
+
+def packed_implementation(reference: str) -> str:
+    """The attention implementation a packed forward runs, for a model whose own one is `reference`."""
+    if reference in FLASH:
+        return reference  # HF's flash path reads cu_seq_lens_* itself
+    if reference not in PACKED:
+        raise ValueError(f"packed batches support attention implementations {sorted(PACKED) + list(FLASH)}, "
+                         f"not {reference!r}; set target.packing = \"padded\" or another target.attn_implementation")
+    return PACKED[reference]
+
+
+def per_sequence(mixer: nn.Module, bounds: Callable[[], list[tuple[int, int]] | None]) -> None:
+    """Make a recurrent mixer run each packed sequence alone, from a zero state, while `bounds()` is set."""
+    forward = mixer.forward
+
+    def forward_per_sequence(*args, **kwargs):
+        spans = bounds()
+        if spans is None:
+            return forward(*args, **kwargs)
+        if "hidden_states" in kwargs:
+            hidden = kwargs.pop("hidden_states")
+        else:
+            hidden, args = args[0], args[1:]
+        for name in PACK_KWARGS:
+            kwargs.pop(name, None)
+        if "attention_mask" in kwargs:
+            kwargs["attention_mask"] = None
+        return torch.cat([forward(hidden[:, a:b], *args, **kwargs) for a, b in spans], dim=1)
+
+    mixer.forward = forward_per_sequence
+
+
+def recurrent_mixers(layers: nn.ModuleList) -> dict[int, nn.Module]:
+    """Layer index -> its recurrent token mixer, for the families whose layers carry one."""
+    return {i: getattr(layer, name) for i, layer in enumerate(layers) for name in RECURRENT_MIXERS
+            if isinstance(getattr(layer, name, None), nn.Module)}
