@@ -1,6 +1,7 @@
 # Two commands on a fresh machine: `make run` (the embedded CPU default) and `make test`.
 # Each sets up .venv first. torch is pinned only here, inside our own venv, so CI and
 # newcomers get a known build quickly; a GPU host's own torch is used when DFLASH_TORCH=system.
+# constraints.txt pins every other package to the versions the suite was tested with.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,11 +9,11 @@ TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: setup deploy-tools run test bench-ring clean-venv
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(if $(filter system,$(DFLASH_TORCH)),--system-site-packages,) $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
 	touch $@
 
 setup: $(VENV)/.installed

@@ -85,6 +85,12 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--device", help="e.g. cuda:0 or cpu (default: target.device)")
     sp.set_defaults(func=cmd_target)
 
+    sp = with_config(sub.add_parser("check-target", help="the conformance probe alone: are packed features exact "
+                                                         "for this target, and which batch layout would it run"))
+    sp.add_argument("--device", help="e.g. cuda:0 or cpu (default: target.device)")
+    sp.add_argument("--json", action="store_true", help="print the report as JSON")
+    sp.set_defaults(func=cmd_check_target)
+
     sp = with_config(sub.add_parser("drafter", help="run drafter trainer J: claim ring items and train"))
     sp.add_argument("--index", type=int, required=True)
     sp.add_argument("--device", help="e.g. cuda:0 or cpu (default: train.device)")
@@ -247,6 +253,33 @@ def cmd_target(args: argparse.Namespace) -> int:
     from dflash_ring.producer.process import run_producer
 
     return run_producer(_config(args), args.index, args.device)
+
+
+def cmd_check_target(args: argparse.Namespace) -> int:
+    from dflash_ring.producer.conformance import choose_packing, report_json
+    from dflash_ring.producer.target import TargetModel, resolve_device
+    from dflash_ring.producer.target_config import TargetConfigError
+
+    cfg = _config(args).target
+    mode = cfg.packing
+    try:
+        target = TargetModel.load(cfg, resolve_device(args.device or cfg.device), packed=mode != "padded")
+        report = choose_packing(target, "auto" if mode == "packed" else mode)  # report first, refuse below
+    except (OSError, TargetConfigError) as e:
+        print(f"dflash-ring check-target: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(report_json(report, mode, target.packed))
+    else:
+        print(f"target {cfg.path}: layers {target.layer_ids} captured of {len(target.decoder.layers)}")
+        if report is not None:
+            print(f"probe: sequences of {report.lengths} tokens on {report.device}\n{report.table()}\n{report.summary()}")
+        print(f"target.packing = {mode!r}: {'packed' if target.packed else 'padded'} batches")
+    if mode == "packed" and not target.packed:
+        print("dflash-ring check-target: error: target.packing = \"packed\" would refuse to start: "
+              "set it to \"auto\" or \"padded\"", file=sys.stderr)
+        return 2
+    return 0
 
 
 def cmd_drafter(args: argparse.Namespace) -> int:

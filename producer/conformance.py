@@ -147,7 +147,7 @@ def probe(target: TargetModel, lengths: list[int] | None = None, seed: int = 0) 
             target._run(input_ids=device_ids[a:b][None])
             target._captured.clear()
             for i in range(depth):
-                errors[i] = max(errors[i], _max_token_error(packed[i][a:b], captured[i][0]))
+                errors[i] = max(errors[i], token_error(packed[i][a:b], captured[i][0]))
         kinds = layer_kinds(config, depth)
         report.layers = [LayerCheck(i, kinds[i], float(errors[i])) for i in range(depth)]
         return report
@@ -158,7 +158,8 @@ def probe(target: TargetModel, lengths: list[int] | None = None, seed: int = 0) 
         target.use_packing(was_packed)
 
 
-def _max_token_error(got: torch.Tensor, want: torch.Tensor) -> float:
+def token_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest ||got - want|| / ||want|| over tokens (rows)."""
     got, want = got.double(), want.double()
     scale = want.norm(dim=-1).clamp_min(1e-12)
     return float(((got - want).norm(dim=-1) / scale).max())

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_ring.bench.target_shapes import FAMILIES, model_class, tiny_config
+from dflash_ring.producer.conformance import token_error
 from dflash_ring.producer.tiny_tokenizer import tiny_chat_tokenizer
 
 ARCHS = tuple(FAMILIES)
@@ -17,15 +19,34 @@ WORDS = ("the quick brown fox jumps over the lazy dog drafter target hidden stat
          "capital France Paris explain speculative decoding numbers hello world thanks sure okay").split()
 
 
-def build_target(path: Path, arch: str, layers: int = 6, hidden: int = 64, seed: int = 0, **extra) -> Path:
-    """A random-weight target with the tiny tokenizer beside it, as `save_pretrained` writes a real one."""
+# Packed (or padded) against per-sequence features in float32: the largest per-token relative error
+# allowed. A CPU GEMM rounds a row differently depending on how many rows share the call (measured on
+# the tiny targets: up to ~2e-7 here; ~1e-7 to 1e-5 on other processors and BLAS builds), while a
+# leak across sequences, a dropped attention sink or a missed window gives 1e-2 and more.
+FEATURE_TOLERANCE = 1e-4
+
+
+def assert_same_features(got: list[torch.Tensor], want: list[torch.Tensor], tolerance: float = FEATURE_TOLERANCE):
+    errors = [token_error(g, w) for g, w in zip(got, want, strict=True)]
+    bad = [i for i, e in enumerate(errors) if not e <= tolerance]
+    assert not bad, f"sequences {bad} differ from their own forward: errors {[f'{errors[i]:.1e}' for i in bad]}"
+
+
+def build_target(path: Path, arch: str, layers: int = 6, hidden: int = 64, seed: int = 0,
+                 init: Callable[[torch.nn.Module], None] | None = None, **extra) -> Path:
+    """A random-weight target with the tiny tokenizer beside it, as `save_pretrained` writes a real one;
+    `init` may change the weights before saving (e.g. make a mechanism's effect large)."""
     tokenizer = tiny_chat_tokenizer(path)
     config = tiny_config(
         arch, vocab_size=len(tokenizer) + 8,  # spare rows, like Qwen3's: the first one can be the mask token
         hidden_size=hidden, num_hidden_layers=layers, pad_token_id=tokenizer.pad_token_id, **extra,
     )
     torch.manual_seed(seed)
-    model_class(arch)(config).save_pretrained(path)
+    model = model_class(arch)(config)
+    if init is not None:
+        with torch.no_grad():
+            init(model)
+    model.save_pretrained(path)
     return path
 
 

@@ -13,7 +13,7 @@ from dflash_ring.producer.batching import Batch, Cursor
 from dflash_ring.producer.process import CursorFile, prepare, run_target
 from dflash_ring.producer.target import TargetModel
 from dflash_ring.producer.target_config import TargetConfig, TargetConfigError
-from target_fixtures import build_target, reference_features, reference_final_hidden
+from target_fixtures import assert_same_features, build_target, reference_features, reference_final_hidden
 
 LENGTHS = [37, 8, 120, 64, 9, 200, 12]  # real samples are never shorter: the chat template alone is longer
 
@@ -46,15 +46,14 @@ def split(t: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_packed_features_equal_each_sequence_alone_bit_for_bit(targets, arch):
+def test_packed_features_equal_each_sequence_alone(targets, arch):
     target = TargetModel.load(TargetConfig(path=str(targets[arch]), num_draft_layers=2), torch.device("cpu"), packed=True)
     assert target.layer_ids == [1, 3] and target.dtype == torch.float32
     batch = packed_batch()
     out = run_target(target, prepare(batch, packed=True, pad_id=0, pin=False))
     assert out.features.shape == (batch.num_tokens, 2 * 64) and out.final_hidden is None
     expected = reference_features(targets[arch], sequences(batch), target.layer_ids)
-    for got, want in zip(split(out.features, batch), expected, strict=True):
-        assert torch.equal(got, want)  # a leak across packed sequences would change every later one
+    assert_same_features(split(out.features, batch), expected)  # a leak would change every later sequence
 
 
 def test_sliding_window_attention_stays_exact_when_packed(tmp_path):
@@ -64,7 +63,7 @@ def test_sliding_window_attention_stays_exact_when_packed(tmp_path):
     batch = packed_batch()
     out = run_target(target, prepare(batch, packed=True, pad_id=0, pin=False))
     expected = reference_features(path, sequences(batch), target.layer_ids)
-    assert all(torch.equal(a, b) for a, b in zip(split(out.features, batch), expected, strict=True))
+    assert_same_features(split(out.features, batch), expected)
 
 
 def test_padded_batches_match_to_rounding_and_keep_only_real_tokens(targets):
@@ -103,7 +102,7 @@ def test_forward_stops_after_the_deepest_captured_layer_and_never_computes_logit
         isinstance(m, torch.nn.Linear) and m.out_features == vocab for m in target.decoder.modules())
     # Features come in layer_ids order, not depth order.
     expected = reference_features(targets["llama"], sequences(batch), [2, 0])
-    assert all(torch.equal(a, b) for a, b in zip(split(out.features, batch), expected, strict=True))
+    assert_same_features(split(out.features, batch), expected)
 
 
 def test_shipping_the_final_hidden_runs_every_layer_and_matches_last_hidden_state(targets):
@@ -115,7 +114,7 @@ def test_shipping_the_final_hidden_runs_every_layer_and_matches_last_hidden_stat
     assert calls["norm"] == 1 and all(calls[f"layers.{i}"] == 1 for i in range(6))
     assert target.config.vocab_size not in widths
     expected = reference_final_hidden(targets["qwen3"], sequences(batch))
-    assert all(torch.equal(a, b) for a, b in zip(split(out.final_hidden, batch), expected, strict=True))
+    assert_same_features(split(out.final_hidden, batch), expected)
 
 
 def test_layer_ids_follow_the_dflash_rule_and_are_range_checked(targets, tmp_path):

@@ -20,7 +20,7 @@ from dflash_ring.common.membership import Membership
 from dflash_ring.common.ring import ConfigMismatchError, Ring
 from dflash_ring.producer.batching import ShardBatcher
 from dflash_ring.producer.pretokenized import TokenizedData, load_tokenized
-from target_fixtures import build_target, load_tokenizer, reference_features, reference_final_hidden, write_chat_rows
+from target_fixtures import assert_same_features, build_target, load_tokenizer, reference_features, reference_final_hidden, write_chat_rows
 
 ROWS = 48
 
@@ -134,10 +134,9 @@ def test_features_from_the_ring_equal_a_plain_forward_of_each_sequence_alone(run
         features += item.sequences("features")
         finals += item.sequences("final_hidden") if final else []
     expected = reference_features(world.targets[arch], ids, [1, 3])
-    mismatched = [k for k, (got, want) in enumerate(zip(features, expected, strict=True)) if not torch.equal(got, want)]
-    assert not mismatched, f"{len(mismatched)} of {len(ids)} sequences differ from their own forward"
+    assert_same_features(features, expected)
     if final:
-        assert all(torch.equal(a, b) for a, b in zip(finals, reference_final_hidden(world.targets[arch], ids), strict=True))
+        assert_same_features(finals, reference_final_hidden(world.targets[arch], ids))
     assert run.leftovers() == []
 
 

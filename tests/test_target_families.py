@@ -1,0 +1,175 @@
+"""Every target family, tiny and random, through the real loader: packed and padded features equal the
+model's own forward of each sequence alone, and the conformance probe guards what nobody tested."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from dflash_ring.bench.target_shapes import FAMILIES
+from dflash_ring.producer import packing
+from dflash_ring.producer.batching import Batch, Cursor
+from dflash_ring.producer.conformance import choose_packing, probe
+from dflash_ring.producer.process import prepare, run_target
+from dflash_ring.producer.target import TargetModel
+from dflash_ring.producer.target_config import TargetConfig, TargetConfigError
+from target_fixtures import FEATURE_TOLERANCE, assert_same_features, build_target, reference_features
+
+LENGTHS = [37, 8, 120, 64, 9, 200, 12]  # 120 and 200 run past the tiny families' 16-token windows
+
+
+def loud_sinks(model: torch.nn.Module) -> None:
+    """gpt-oss sinks start near 0; large ones make a dropped sink change features by far more than rounding."""
+    for name, p in model.named_parameters():
+        if name.endswith("sinks"):
+            p.uniform_(-1.0, 4.0)
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {f: build_target(root / f, f, init=loud_sinks if f == "gpt_oss" else None) for f in FAMILIES}
+
+
+def packed_batch(seed: int = 0) -> Batch:
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray(LENGTHS, dtype=np.int32)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return Batch(
+        input_ids=rng.integers(0, 400, cu[-1]).astype(np.int32), loss_mask=np.ones(cu[-1], np.uint8),
+        lengths=lengths, cu_seqlens=cu, sample_ids=np.arange(len(lengths), dtype=np.int64), epoch=0, position=0,
+        cursor=Cursor(0, 1), padding_fraction=0.0,
+    )
+
+
+def per_sequence(t: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
+    cu = batch.cu_seqlens
+    return [t[a:b] for a, b in zip(cu[:-1], cu[1:])]
+
+
+def load(path: Path, packed: bool, **keys) -> TargetModel:
+    return TargetModel.load(TargetConfig(path=str(path), num_draft_layers=3, **keys), torch.device("cpu"), packed=packed)
+
+
+@pytest.fixture(scope="module")
+def expected(targets) -> dict[str, list[torch.Tensor]]:
+    batch = packed_batch()
+    ids = [torch.from_numpy(s) for s in per_sequence(batch.input_ids, batch)]
+    return {f: reference_features(path, ids, load(path, False).layer_ids) for f, path in targets.items()}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_features_equal_the_models_own_forward_of_each_sequence(targets, expected, family, packed):
+    target = load(targets[family], packed)
+    batch = packed_batch()
+    out = run_target(target, prepare(batch, packed=packed, pad_id=0, pin=False))
+    assert out.features.shape == (batch.num_tokens, 3 * 64)
+    assert_same_features(per_sequence(out.features, batch), expected[family])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_probe_passes_every_supported_family_and_auto_packs(targets, family):
+    target = load(targets[family], True)
+    report = choose_packing(target, "auto")
+    assert report is not None and report.passed and target.packed, report.summary()
+    assert max(report.lengths) > 16  # past the tiny windows
+    assert len(report.layers) == target.deepest + 1 and report.max_error <= FEATURE_TOLERANCE
+
+
+def test_gpt_oss_sinks_matter_in_this_fixture(targets, expected):
+    """Without its sinks the packed path would be off by far more than the tolerance: the test above can fail."""
+    target = load(targets["gpt_oss"], True)
+    for layer in target.decoder.layers:
+        layer.self_attn.sinks.data.fill_(-1e4)  # a sink of -inf: the softmax of plain attention
+    batch = packed_batch()
+    out = run_target(target, prepare(batch, packed=True, pad_id=0, pin=False))
+    with pytest.raises(AssertionError, match="differ"):
+        assert_same_features(per_sequence(out.features, batch), expected["gpt_oss"], tolerance=1e-2)
+
+
+def leaky_attention(module, query, key, value, attention_mask, *, scaling=None, **kwargs):
+    """The classic packing bug: causal attention over the whole row, across sequence boundaries."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@pytest.fixture
+def broken_packing(monkeypatch):
+    AttentionInterface.register("leaky_test", leaky_attention)
+    monkeypatch.setattr("dflash_ring.producer.target.packed_implementation", lambda reference: "leaky_test")
+
+
+def test_the_probe_catches_a_broken_packed_path_and_names_the_first_layer(targets, broken_packing, caplog):
+    target = load(targets["qwen3"], True)
+    with pytest.raises(TargetConfigError, match=r"packed.*refused.*layer 0 \(full_attention\)"):
+        choose_packing(target, "packed")
+    with caplog.at_level(logging.WARNING):
+        report = choose_packing(target, "auto")
+    assert not report.passed and report.first_bad.layer == 0 and report.max_error > 1e-2
+    assert not target.packed and "qwen3" in caplog.text and "layer 0" in caplog.text and "padded" in caplog.text
+    # Falling back is exact: padded features of the same model equal the reference.
+    batch = packed_batch()
+    out = run_target(target, prepare(batch, packed=False, pad_id=0, pin=False))
+    ids = [torch.from_numpy(s) for s in per_sequence(batch.input_ids, batch)]
+    assert_same_features(per_sequence(out.features, batch), reference_features(targets["qwen3"], ids, target.layer_ids))
+
+
+def test_recurrent_layers_leak_without_per_sequence_state(targets, monkeypatch):
+    """Qwen3.5's Gated DeltaNet handed the whole pack: transformers either refuses (no flash-linear-attention)
+    or runs state across sequences; either way the probe says so, naming a linear-attention layer or the error."""
+    monkeypatch.setattr("dflash_ring.producer.target.recurrent_mixers", lambda layers: {})
+    target = load(targets["qwen3_5"], True)
+    report = probe(target)
+    assert not report.passed
+    assert report.error is not None or report.first_bad.kind == "linear_attention", report.summary()
+
+
+def test_padded_mode_skips_the_probe(targets):
+    target = load(targets["qwen3"], True)
+    assert choose_packing(target, "padded") is None and not target.packed
+
+
+def test_the_packed_attention_refuses_implementations_it_cannot_mirror():
+    with pytest.raises(ValueError, match="flex_attention"):
+        packing.packed_implementation("flex_attention")
+
+
+def check_target(config: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash_ring", "check-target", "--config", str(config), *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_check_target_reports_the_probe_as_json(targets, tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text(f'[target]\npath = "{targets["qwen3_5_vl"]}"\nnum_draft_layers = 3\npacking = "packed"\n')
+    out = check_target(config, "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert (report["packing"], report["chosen"], report["probe"]["passed"]) == ("packed", "packed", True)
+    assert [c["kind"] for c in report["probe"]["layers"]] == ["linear_attention"] * 3 + ["full_attention"]
+    assert report["probe"]["model_type"].startswith("qwen3_5")
+
+
+def test_check_target_of_a_directory_without_weights_is_one_clear_line(targets, tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(targets["qwen3"] / "config.json", bare / "config.json")
+    config = tmp_path / "run.toml"
+    config.write_text(f'[target]\npath = "{bare}"\n')
+    out = check_target(config)
+    assert out.returncode == 2 and out.stdout == ""
+    assert "Traceback" not in out.stderr and out.stderr.strip().splitlines()[-1].startswith(
+        "dflash-ring check-target: error:")
