@@ -16,6 +16,8 @@ from dflash_ring.common.liveness import live_lock_files
 from dflash_ring.common.ring import ConfigMismatchError, Ring, RingNotFound
 
 log = logging.getLogger("dflash_ring")
+# bench target --shape choices, named here so `--help` needs no transformers (bench/target_shapes.py holds them).
+SHAPE_NAMES = ("tiny", "qwen3-8b", "qwen3.6-27b", "qwen3-30b-a3b", "gpt-oss-20b")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,7 +122,9 @@ def _parser() -> argparse.ArgumentParser:
     bp.set_defaults(func=cmd_bench_ring)
     bp = bench.add_parser("target", help="target forward alone and into the ring: tokens/s, ratio, FLOP utilization")
     bp.add_argument("--json", action="store_true", help="print only the JSON report")
-    bp.add_argument("--tiny", action="store_true", help="a small shape (CPU smoke run) instead of Qwen3-8B's")
+    bp.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPE_NAMES),
+                    help="random-weight target of this shape (tiny: a CPU smoke run)")
+    bp.add_argument("--tiny", action="store_true", help="same as --shape tiny")
     bp.add_argument("--device", help="default: cuda if available, else cpu")
     bp.add_argument("--batches", type=int, default=0, help="timed batches per phase (0: 10, or 3 with --tiny)")
     bp.add_argument("--max-tokens", type=int, default=0, help="tokens per batch (0: 32768, or 2048 with --tiny)")
@@ -332,7 +336,7 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
 def cmd_bench_target(args: argparse.Namespace) -> int:
     from dflash_ring.bench.target import run_target_bench
 
-    report = run_target_bench(tiny=args.tiny, device=args.device, batches=args.batches, max_tokens=args.max_tokens,
+    report = run_target_bench(shape="tiny" if args.tiny else args.shape, device=args.device, batches=args.batches, max_tokens=args.max_tokens,
                               draft_layers=args.draft_layers, final_hidden=args.final_hidden, packed=not args.padded,
                               peak_flops=args.peak_tflops * 1e12, quiet=args.json)
     print(json.dumps(report, indent=2))

@@ -34,7 +34,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from dflash_ring.bench.target import QWEN3_8B, TINY, time_forward
+from dflash_ring.bench.target import time_forward
+from dflash_ring.bench.target_shapes import SHAPES
 from dflash_ring.common.config import load_config
 from dflash_ring.common.metrics import DRAFTER, SUPERVISOR, TARGET, port_of
 from dflash_ring.consumer.drafter_config import build_target_layer_ids
@@ -269,7 +270,7 @@ def run_pipeline_bench(*, tiny: bool = False, seconds: float = 90.0, warmup_step
     gpus = torch.cuda.device_count() if cuda else 0
     target_device = "cuda:0" if cuda else "cpu"
     drafter_device = "cuda:1" if gpus >= 2 else target_device
-    shape = QWEN3_8B if cuda else TINY
+    shape = SHAPES["qwen3-8b" if cuda else "tiny"][1]
     work = Path(workdir or tempfile.mkdtemp(prefix="dflash-bench-pipeline-"))
     work.mkdir(parents=True, exist_ok=True)
     for stale in ("checkpoints", "state", "locks"):  # a reused workdir keeps its target and data, not its run

@@ -1,14 +1,19 @@
 """`dflash-ring bench target`: the target forward alone, then the same forward feeding a real ring.
 
-One process, one random-weight model built from a config (Qwen3-8B's shape, or a tiny one for a
-CPU smoke run), one set of synthetic batches with a chat-like length distribution:
+One process, one random-weight model of a named shape (bench/target_shapes.py: Qwen3-8B, a
+Qwen3.6-27B-like hybrid, Qwen3-30B-A3B, gpt-oss-20b, or a tiny one for a CPU smoke run), one set of
+synthetic samples with a chat-like length distribution:
 
+  (0) the conformance probe on this device: packed against per-sequence features, max error;
   (a) forward: the loader thread and the truncated forward, outputs dropped;
   (b) into the ring: the production loop (producer/process.py: loader thread, forward, D2H on a
-      side stream into registered slots, publish) with a consumer thread releasing slots.
+      side stream into registered slots, publish) with a consumer thread releasing slots;
+  (c) the forward of the same samples in the other layout (padded when (a) is packed).
 
 b / a is what the ring costs the producer (1.0: nothing). MFU counts model FLOPs only: 2 x the
-parameters of the layers that run, plus causal attention, against a dense bf16 peak.
+parameters that run for a token (MoE: shared parts plus top-k of the experts), plus causal softmax
+attention over each sequence (sliding layers: within the window; linear-attention layers: their
+projections only), against a dense bf16 peak.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+import transformers
 
 from dflash_ring.common.config import load_config
 from dflash_ring.common.layout import Role
@@ -35,22 +40,21 @@ from dflash_ring.common.slot_format import ALIGN
 from dflash_ring.consumer.drafter_config import build_target_layer_ids
 from dflash_ring.producer.batching import Batch, ShardBatcher
 from dflash_ring.producer.pretokenized import TokenizedData
+from dflash_ring.producer.conformance import active_sliding_window, layer_kinds, probe
 from dflash_ring.producer.process import Loader, Producer, prepare, run_target, slot_tensors
 from dflash_ring.producer.target import TargetModel, resolve_device, resolve_dtype
 
-QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6)
-TINY = dict(hidden_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-            intermediate_size=384, vocab_size=1024, max_position_embeddings=4096)
+from .target_shapes import SHAPES, model_class, shape_config
+
 HEADER_BYTES = 64 * 1024
 
 
-def build_target(shape: dict[str, int], device: torch.device, dtype: torch.dtype, layer_ids: list[int], *,
+def build_target(shape: str, device: torch.device, dtype: torch.dtype, layer_ids: list[int], *,
                  final_hidden: bool, packed: bool) -> TargetModel:
-    """Random weights made on the device itself: no download, no host copy of 16 GB."""
-    config = Qwen3Config(**shape, tie_word_embeddings=False, attn_implementation="sdpa")
+    """Random weights made on the device itself: no download, no host copy of 16-60 GB."""
+    config = shape_config(shape)
     with torch.device(device):
-        model = Qwen3ForCausalLM._from_config(config, dtype=dtype)
+        model = model_class(SHAPES[shape][0])._from_config(config, dtype=dtype)
     return TargetModel(model, layer_ids, final_hidden=final_hidden, packed=packed)
 
 
@@ -76,16 +80,39 @@ def synthetic_batches(n: int, *, max_tokens: int, max_length: int, vocab: int, p
     raise RuntimeError(f"only {len(batches)} synthetic batches for the {n} asked")
 
 
+def active_parameters(target: TargetModel, run: int) -> float:
+    """Parameters one token uses in the first `run` layers: routed experts count top-k / experts."""
+    c = target.config
+    experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
+    share = c.num_experts_per_tok / experts if experts else 1.0
+    return sum(p.numel() * (share if ".experts." in f".{name}" else 1.0)
+               for layer in list(target.decoder.layers)[:run] for name, p in layer.named_parameters())
+
+
+def attention_pairs(lengths: np.ndarray, window: int | None) -> float:
+    """Query-key pairs of causal attention over sequences of these lengths, within a window if given."""
+    n = lengths.astype(np.float64)
+    if window is None:
+        return float((n * (n + 1) / 2).sum())
+    w = float(window)
+    inside = np.minimum(n, w)
+    return float((inside * (inside + 1) / 2 + np.maximum(n - w, 0) * w).sum())
+
+
 def model_flops(target: TargetModel, batches: list[Batch]) -> float:
-    """2 x parameters of the layers run per token, plus 2 x heads x head_dim x s(s+1) per causal sequence and layer."""
-    layers = target.decoder.layers
-    run = len(layers) if target.final_hidden else target.deepest + 1
-    params = sum(p.numel() for layer in list(layers)[:run] for p in layer.parameters())
+    """2 x active parameters per token, plus 4 x heads x head_dim per query-key pair of each softmax layer."""
+    run = len(target.decoder.layers) if target.final_hidden else target.deepest + 1
     c = target.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kinds = layer_kinds(c, run)
+    window = active_sliding_window(c)
     tokens = sum(b.num_tokens for b in batches)
-    pairs = sum(float((b.lengths.astype(np.float64) * (b.lengths + 1)).sum()) for b in batches)
-    return 2.0 * params * tokens + 2.0 * run * c.num_attention_heads * head_dim * pairs
+    attention = 0.0
+    for kind in kinds:
+        if kind in ("full_attention", "sliding_attention"):
+            size = window if kind == "sliding_attention" else None
+            attention += 4.0 * c.num_attention_heads * head_dim * sum(attention_pairs(b.lengths, size) for b in batches)
+    return 2.0 * active_parameters(target, run) * tokens + attention
 
 
 def _sync(device: torch.device) -> None:
@@ -159,44 +186,74 @@ def time_into_ring(target: TargetModel, warm: list[Batch], timed: list[Batch], m
     return elapsed, waited, slot_bytes
 
 
-def run_target_bench(*, tiny: bool = False, device: str | None = None, batches: int = 0, max_tokens: int = 0,
+def run_target_bench(*, shape: str = "qwen3-8b", device: str | None = None, batches: int = 0, max_tokens: int = 0,
                      draft_layers: int = 5, final_hidden: bool = False, packed: bool = True,
                      peak_flops: float = 989e12, quiet: bool = False) -> dict[str, Any]:
+    tiny = shape == "tiny"
     dev = resolve_device(device or "auto")
     dtype = resolve_dtype("auto", dev)
-    shape = TINY if tiny else QWEN3_8B
+    config = shape_config(shape)
+    text = config.get_text_config()
     batches = batches or (3 if tiny else 10)
     max_tokens = max_tokens or (2048 if tiny else 32768)
     max_length = min(max_tokens, 512 if tiny else 3072)
     warm_n = 1 if tiny else 2
-    layer_ids = build_target_layer_ids(shape["num_hidden_layers"], draft_layers)
+    layer_ids = build_target_layer_ids(text.num_hidden_layers, draft_layers)
+    t0 = time.perf_counter()
     target = build_target(shape, dev, dtype, layer_ids, final_hidden=final_hidden, packed=packed)
-    all_batches = synthetic_batches(warm_n + batches, max_tokens=max_tokens, max_length=max_length,
-                                    vocab=shape["vocab_size"], packed=packed)
-    warm, timed = all_batches[:warm_n], all_batches[warm_n:]
+    build_s = time.perf_counter() - t0
+
+    def say(line: str) -> None:
+        if not quiet:
+            print(f"  {shape}: {line}", flush=True)
+
+    say(f"built in {build_s:.1f}s; probing")
+    report = probe(target)
+    say(report.summary())
+
+    def samples(layout_packed: bool) -> tuple[list[Batch], list[Batch]]:
+        made = synthetic_batches(warm_n + batches, max_tokens=max_tokens, max_length=max_length,
+                                 vocab=text.vocab_size, packed=layout_packed)
+        return made[:warm_n], made[warm_n:]
+
+    warm, timed = samples(packed)
     tokens = sum(b.num_tokens for b in timed)
     padded = sum(round(b.num_tokens / (1.0 - b.padding_fraction)) for b in timed)
     forward_s = time_forward(target, warm, timed)
-    if not quiet:
-        print(f"  forward alone: {tokens / forward_s:,.0f} tokens/s", flush=True)
+    say(f"forward alone ({'packed' if packed else 'padded'}): {tokens / forward_s:,.0f} tokens/s")
     ring_s, waited_s, slot_bytes = time_into_ring(target, warm, timed, max_tokens, slots=4 if tiny else 3)
-    if not quiet:
-        print(f"  into the ring: {tokens / ring_s:,.0f} tokens/s", flush=True)
+    say(f"into the ring: {tokens / ring_s:,.0f} tokens/s")
+    # The other layout, same samples (the plans differ: padding counts against the token budget).
+    target.use_packing(not packed)
+    other_warm, other_timed = samples(not packed)
+    other_tokens = sum(b.num_tokens for b in other_timed)
+    other_s = time_forward(target, other_warm, other_timed)
+    target.use_packing(packed)
+    say(f"forward alone ({'padded' if packed else 'packed'}): {other_tokens / other_s:,.0f} tokens/s")
     flops = model_flops(target, timed)
     bytes_per_token = target.feature_width * dtype.itemsize + (target.hidden_size * dtype.itemsize if final_hidden
                                                                else 0) + 5
+    packed_rate, padded_rate = ((tokens / forward_s, other_tokens / other_s) if packed
+                                else (other_tokens / other_s, tokens / forward_s))
     return {
         "benchmark": "target",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                 "transformers": transformers.__version__,
                  "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"},
-        "method": "same process, model and batches: (a) loader + truncated forward; (b) the producer loop into a "
-                  "real ring (side-stream D2H into registered slots) with a consumer thread releasing slots; "
-                  "tokens/s over the timed batches after warm-up",
-        "model": {"shape": "tiny" if tiny else "qwen3-8b", **shape, "dtype": str(dtype).removeprefix("torch."),
-                  "layer_ids": layer_ids, "layers_run": len(target.decoder.layers) if final_hidden
-                  else target.deepest + 1, "final_hidden": final_hidden,
-                  "attention": target.config._attn_implementation},
+        "method": "same process, model and samples: (0) conformance probe; (a) loader + truncated forward; (b) the "
+                  "producer loop into a real ring (side-stream D2H into registered slots) with a consumer thread "
+                  "releasing slots; (c) forward of the same samples in the other layout; tokens/s over the timed "
+                  "batches after warm-up",
+        "model": {"shape": shape, "family": SHAPES[shape][0], "model_type": text.model_type,
+                  **{k: v for k, v in SHAPES[shape][1].items() if not isinstance(v, list)},
+                  "dtype": str(dtype).removeprefix("torch."), "layer_ids": layer_ids,
+                  "layers_run": len(target.decoder.layers) if final_hidden else target.deepest + 1,
+                  "final_hidden": final_hidden, "attention": target.config._attn_implementation,
+                  "build_s": round(build_s, 1)},
+        "probe": {"passed": report.passed, "max_error": report.max_error, "tolerance": report.tolerance,
+                  "first_bad_layer": None if report.first_bad is None else report.first_bad.layer,
+                  "error": report.error, "lengths": report.lengths},
         "batches": {"timed": len(timed), "warmup": warm_n, "max_tokens": max_tokens, "packed": packed,
                     "tokens": tokens, "mean_sequences": round(sum(len(b.lengths) for b in timed) / len(timed), 1),
                     "mean_length": round(tokens / sum(len(b.lengths) for b in timed), 1),
@@ -204,6 +261,8 @@ def run_target_bench(*, tiny: bool = False, device: str | None = None, batches: 
         "forward_tokens_per_s": round(tokens / forward_s, 1),
         "ring_tokens_per_s": round(tokens / ring_s, 1),
         "ratio_ring_over_forward": round(forward_s / ring_s, 3),
+        "layouts": {"packed_tokens_per_s": round(packed_rate, 1), "padded_tokens_per_s": round(padded_rate, 1),
+                    "ratio_packed_over_padded": round(packed_rate / padded_rate, 3)},
         "ring": {"slot_bytes": slot_bytes, "bytes_per_token": bytes_per_token,
                  "gb_per_s": round(tokens * bytes_per_token / ring_s / 1e9, 3), "wait_s": round(waited_s, 3)},
         "mfu": {"peak_flops": peak_flops, "flops_per_token": round(flops / tokens),

@@ -5,7 +5,33 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_ring.bench.target import run_target_bench
+import numpy as np
+
+from dflash_ring.bench.target import active_parameters, attention_pairs, run_target_bench
+from dflash_ring.bench.target_shapes import SHAPES
+from dflash_ring.cli import SHAPE_NAMES
+from dflash_ring.producer.target import TargetModel
+from dflash_ring.producer.target_config import TargetConfig
+
+
+def test_shapes_named_in_the_cli_are_the_benchs():
+    assert set(SHAPE_NAMES) == set(SHAPES)
+
+
+def test_moe_flops_count_only_the_routed_experts_a_token_uses(tmp_path):
+    from target_fixtures import build_target as save_target
+
+    target = TargetModel.load(TargetConfig(path=str(save_target(tmp_path / "moe", "qwen3_moe")), num_draft_layers=2),
+                              torch.device("cpu"), packed=True)
+    layer = target.decoder.layers[0]
+    experts = sum(p.numel() for n, p in layer.named_parameters() if ".experts." in f".{n}")
+    total = sum(p.numel() for p in layer.parameters())
+    assert 0 < experts < total
+    assert active_parameters(target, 1) == pytest.approx(total - experts + experts * 2 / 4)  # top-2 of 4
+
+
+def test_attention_pairs_respect_the_window():
+    assert attention_pairs(np.array([4]), None) == 10 and attention_pairs(np.array([4]), 2) == 1 + 2 + 2 + 2
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
@@ -13,11 +39,14 @@ def test_tiny_target_bench_reports_forward_and_ring_throughput(packed):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # CI has two cores; the bench adds a loader and a consumer thread
     try:
-        report = run_target_bench(tiny=True, batches=2, max_tokens=1024, draft_layers=2, packed=packed, quiet=True)
+        report = run_target_bench(shape="tiny", batches=2, max_tokens=1024, draft_layers=2, packed=packed, quiet=True)
     finally:
         torch.set_num_threads(threads)
     assert report["model"]["layer_ids"] == [1, 5] and report["model"]["layers_run"] == 6
     assert report["model"]["attention"] == ("packed_varlen" if packed else "sdpa")
+    assert report["probe"]["passed"] and report["probe"]["max_error"] < 1e-4
+    layouts = report["layouts"]
+    assert layouts["packed_tokens_per_s"] > 0 and layouts["padded_tokens_per_s"] > 0
     assert report["forward_tokens_per_s"] > 0 and report["ring_tokens_per_s"] > 0
     assert report["ratio_ring_over_forward"] > 0 and report["ring"]["wait_s"] >= 0
     assert report["batches"]["timed"] == 2
