@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -205,7 +206,7 @@ def run_target_bench(*, shape: str = "qwen3-8b", device: str | None = None, batc
 
     def say(line: str) -> None:
         if not quiet:
-            print(f"  {shape}: {line}", flush=True)
+            print(f"  {shape}: {line}", file=sys.stderr, flush=True)
 
     say(f"built in {build_s:.1f}s; probing")
     report = probe(target)

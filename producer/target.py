@@ -69,7 +69,7 @@ class TargetModel:
 
     def __init__(self, model: PreTrainedModel, layer_ids: list[int], *, final_hidden: bool, packed: bool):
         self.decoder = decoder_of(model).eval().requires_grad_(False)
-        self.config = model.config
+        self.config = model.config.get_text_config()  # multimodal wrappers: the language model's config
         self.layer_ids = list(layer_ids)
         self.final_hidden = final_hidden
         layers = self.decoder.layers
@@ -84,7 +84,7 @@ class TargetModel:
         for mixer in recurrent_mixers(layers).values():
             per_sequence(mixer, lambda: self._spans)
         # The model's own attention: what padded batches and the conformance probe's reference run.
-        self.attn_implementation = model.config._attn_implementation
+        self.attn_implementation = self.decoder.config._attn_implementation
         self.packed = False
         self.use_packing(packed)
         self.param = next(self.decoder.parameters())
