@@ -7,9 +7,11 @@ own attention implementation, no packing arguments). Every decoder layer up to t
 captured one is compared, so an architecture nobody tested is judged by what it computes, not by
 its name. A packed path that raises counts as a failure too.
 
-The error of a token is ||packed - alone|| / ||alone|| on its hidden state; the tolerance depends
-on the dtype only (see TOLERANCE). Leaks across sequences, dropped sinks or windows give errors
-of 1e-2 and more on the tokens they touch.
+The error of a sequence at a layer is ||packed - alone|| / ||alone|| over all its tokens' hidden
+states (relative RMS error): bf16 kernels differ by a few 1e-3 per token and up to ~5e-2 on single
+tokens deep in a real-shaped model, while a leak across sequences, a dropped sink or a missed window
+moves whole sequences (or every token past the window: the long sequence runs half a window past it)
+by 1e-1 and more. The tolerance depends on the dtype only (see TOLERANCE).
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ from .target_config import TargetConfigError
 
 log = logging.getLogger(__name__)
 
-# Per-token relative error allowed between packed and per-sequence features. float32: CPU GEMMs give
-# rows different roundings depending on how many rows a call has (measured up to ~3e-6 on tiny
-# targets); bfloat16/float16 on GPU: the varlen kernel against the per-sequence sdpa kernel
-# (docs/benchmarks.md records the probe's figures on the H200).
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+# Relative RMS error allowed between packed and per-sequence features of a sequence. float32: CPU GEMMs
+# round rows differently depending on how many rows a call has (measured up to ~2e-7 on the tiny
+# targets); bfloat16/float16 on GPU: the varlen kernel and other GEMM shapes against the per-sequence
+# forward (docs/benchmarks.md records the probe's figures on the H200).
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 BASE_LENGTHS = (23, 97, 7, 64, 41)
 
 
@@ -96,9 +98,10 @@ def active_sliding_window(config) -> int | None:
 
 
 def probe_lengths(config) -> list[int]:
-    """Sequences of different lengths; the second is longer than any window (capped at the model's limit)."""
+    """Sequences of different lengths; the second runs half a window past any window (capped at the model's limit)."""
     window = active_sliding_window(config) or 0
-    longest = min(max(BASE_LENGTHS[1], window + 37), int(getattr(config, "max_position_embeddings", 1 << 30)))
+    longest = min(max(BASE_LENGTHS[1], window + max(37, window // 2)),
+                  int(getattr(config, "max_position_embeddings", 1 << 30)))
     return [BASE_LENGTHS[0], longest, *BASE_LENGTHS[2:]]
 
 
@@ -147,7 +150,7 @@ def probe(target: TargetModel, lengths: list[int] | None = None, seed: int = 0) 
             target._run(input_ids=device_ids[a:b][None])
             target._captured.clear()
             for i in range(depth):
-                errors[i] = max(errors[i], token_error(packed[i][a:b], captured[i][0]))
+                errors[i] = max(errors[i], relative_error(packed[i][a:b], captured[i][0]))
         kinds = layer_kinds(config, depth)
         report.layers = [LayerCheck(i, kinds[i], float(errors[i])) for i in range(depth)]
         return report
@@ -158,11 +161,10 @@ def probe(target: TargetModel, lengths: list[int] | None = None, seed: int = 0) 
         target.use_packing(was_packed)
 
 
-def token_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """Largest ||got - want|| / ||want|| over tokens (rows)."""
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| over a whole sequence's hidden states (relative RMS error)."""
     got, want = got.double(), want.double()
-    scale = want.norm(dim=-1).clamp_min(1e-12)
-    return float(((got - want).norm(dim=-1) / scale).max())
+    return float((got - want).norm() / want.norm().clamp_min(1e-12))
 
 
 def choose_packing(target: TargetModel, mode: str) -> ProbeReport | None:

@@ -7,7 +7,7 @@ construction; the token mixers are not, and each kind is handled here:
 - Attention (full, sliding window, attention sinks): the model runs `packed_attention` through
   HF's AttentionInterface. On CUDA it is torch's varlen flash kernel over the whole pack (sliding
   windows as its window size; gpt-oss sinks applied exactly from the kernel's log-sum-exp:
-  out * sigmoid(lse - sink)). Elsewhere, and whenever the kernel cannot express the layer, each
+  out * sigmoid(lse - sink), full-attention layers). Elsewhere, and whenever the kernel cannot express the layer, each
   sequence goes through the very attention function the unpacked model calls (sdpa or the model's
   own eager function, sinks included), with the mask the unpacked model would build.
 - Recurrent mixers (Gated DeltaNet in Qwen3.5/3.6 and Qwen3-Next): their convolution and state
@@ -72,9 +72,11 @@ def _reference_attention(module: nn.Module, reference: str) -> Callable:
 
 
 def _varlen_kernel_fits(query: torch.Tensor, sliding_window: int | None, sinks: torch.Tensor | None) -> bool:
+    # Sinks need the kernel's log-sum-exp, checked on the H200 for full attention only: sliding layers with
+    # sinks (gpt-oss's even layers) run per sequence.
     return (query.is_cuda and varlen_attn is not None and query.dtype in (torch.bfloat16, torch.float16)
             and ("window_size" in _VARLEN_KEYWORDS or ("is_causal" in _VARLEN_KEYWORDS and sliding_window is None))
-            and (sinks is None or "return_aux" in _VARLEN_KEYWORDS))
+            and (sinks is None or ("return_aux" in _VARLEN_KEYWORDS and sliding_window is None)))
 
 
 def _varlen_kernel(query, key, value, cu_seqlens, max_len, scaling, sliding_window, sinks) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_ring.bench.target_shapes import FAMILIES, model_class, tiny_config
-from dflash_ring.producer.conformance import token_error
+from dflash_ring.producer.conformance import relative_error
 from dflash_ring.producer.tiny_tokenizer import tiny_chat_tokenizer
 
 ARCHS = tuple(FAMILIES)
@@ -19,15 +19,16 @@ WORDS = ("the quick brown fox jumps over the lazy dog drafter target hidden stat
          "capital France Paris explain speculative decoding numbers hello world thanks sure okay").split()
 
 
-# Packed (or padded) against per-sequence features in float32: the largest per-token relative error
-# allowed. A CPU GEMM rounds a row differently depending on how many rows share the call (measured on
-# the tiny targets: up to ~2e-7 here; ~1e-7 to 1e-5 on other processors and BLAS builds), while a
-# leak across sequences, a dropped attention sink or a missed window gives 1e-2 and more.
+# Packed (or padded) against per-sequence features in float32: the largest relative RMS error of a
+# sequence allowed (the probe's measure). A CPU GEMM rounds a row differently depending on how many
+# rows share the call (measured on the tiny targets: up to ~2e-7 here; ~1e-7 to 1e-5 on other
+# processors and BLAS builds), while a leak across sequences, a dropped attention sink or a missed
+# window gives 1e-2 and more.
 FEATURE_TOLERANCE = 1e-4
 
 
 def assert_same_features(got: list[torch.Tensor], want: list[torch.Tensor], tolerance: float = FEATURE_TOLERANCE):
-    errors = [token_error(g, w) for g, w in zip(got, want, strict=True)]
+    errors = [relative_error(g, w) for g, w in zip(got, want, strict=True)]
     bad = [i for i, e in enumerate(errors) if not e <= tolerance]
     assert not bad, f"sequences {bad} differ from their own forward: errors {[f'{errors[i]:.1e}' for i in bad]}"
 
