@@ -32,6 +32,12 @@ log = logging.getLogger(__name__)
 # targets); bfloat16/float16 on GPU: the varlen kernel and other GEMM shapes against the per-sequence
 # forward (docs/benchmarks.md records the probe's figures on the H200).
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+# Deep bf16 models (random real shapes on the H200: ~4e-2 by layer 30) and MoE routers (a near-tie routed
+# to another expert in one of two legitimate computations) differ from themselves by more: the model's
+# own padded forward of the same sequences measures that floor, and packed may differ by NOISE_FACTOR
+# times it, never more than CAP (a leak, a dropped sink or a missed window: 1e-1 and more).
+NOISE_FACTOR = 3.0
+CAP = {torch.float32: 1e-3, torch.bfloat16: 1e-1, torch.float16: 5e-2}
 BASE_LENGTHS = (23, 97, 7, 64, 41)
 
 
@@ -39,7 +45,9 @@ BASE_LENGTHS = (23, 97, 7, 64, 41)
 class LayerCheck:
     layer: int
     kind: str  # the layer type from the config (full_attention, sliding_attention, linear_attention, ...)
-    max_error: float
+    max_error: float  # packed against each sequence alone
+    noise_floor: float  # the model's own padded forward against each sequence alone
+    allowed: float  # max(dtype tolerance, NOISE_FACTOR x noise floor), at most CAP[dtype]
 
 
 @dataclass
@@ -56,7 +64,7 @@ class ProbeReport:
 
     @property
     def passed(self) -> bool:
-        return self.error is None and all(c.max_error <= self.tolerance for c in self.layers)
+        return self.error is None and all(c.max_error <= c.allowed for c in self.layers)
 
     @property
     def max_error(self) -> float | None:
@@ -64,7 +72,7 @@ class ProbeReport:
 
     @property
     def first_bad(self) -> LayerCheck | None:
-        return next((c for c in self.layers if not c.max_error <= self.tolerance), None)
+        return next((c for c in self.layers if not c.max_error <= c.allowed), None)
 
     def summary(self) -> str:
         head = f"{self.model_type} ({self.architecture}, {self.attn_implementation} attention, {self.dtype})"
@@ -74,16 +82,17 @@ class ProbeReport:
             return f"{head}: packed features equal each sequence's own forward (max error {self.max_error:.2e})"
         bad = self.first_bad
         return (f"{head}: packed features differ from each sequence's own forward from layer {bad.layer} "
-                f"({bad.kind}) on: error {bad.max_error:.2e} > tolerance {self.tolerance:.0e}")
+                f"({bad.kind}) on: error {bad.max_error:.2e} > allowed {bad.allowed:.2e} (the model's own padded "
+                f"forward differs by {bad.noise_floor:.2e})")
 
     def to_json(self) -> dict:
         return {**asdict(self), "passed": self.passed, "max_error": self.max_error,
                 "first_bad_layer": None if self.first_bad is None else self.first_bad.layer}
 
     def table(self) -> str:
-        rows = [f"{c.layer:>5}  {c.kind:<20} {c.max_error:.2e}{'  <- differs' if c.max_error > self.tolerance else ''}"
-                for c in self.layers]
-        return "\n".join([f"{'layer':>5}  {'type':<20} max error (tolerance {self.tolerance:.0e})", *rows])
+        rows = [f"{c.layer:>5}  {c.kind:<20} {c.max_error:.2e}   {c.noise_floor:.2e}   {c.allowed:.2e}"
+                f"{'  <- differs' if not c.max_error <= c.allowed else ''}" for c in self.layers]
+        return "\n".join([f"{'layer':>5}  {'type':<20} {'error':<10} {'padded':<10} allowed", *rows])
 
 
 def active_sliding_window(config) -> int | None:
@@ -143,16 +152,30 @@ def probe(target: TargetModel, lengths: list[int] | None = None, seed: int = 0) 
             report.error = f"{type(e).__name__}: {e}"
             return report
         packed = {i: captured[i][0] for i in range(depth)}
-        errors = torch.zeros(depth, dtype=torch.float64)
         target.use_packing(False)
-        for a, b in spans:
+        width = max(lengths)
+        rows = torch.zeros(len(lengths), width, dtype=torch.long)
+        mask = torch.zeros(len(lengths), width, dtype=torch.long)
+        for r, (a, b) in enumerate(spans):
+            rows[r, : b - a], mask[r, : b - a] = ids[a:b], 1
+        captured.clear()
+        target._run(input_ids=rows.to(target.device), attention_mask=mask.to(target.device),
+                    position_ids=(mask.cumsum(-1) - 1).clamp(min=0).to(target.device))
+        padded = {i: captured[i] for i in range(depth)}
+        errors = torch.zeros(depth, dtype=torch.float64)
+        floor = torch.zeros(depth, dtype=torch.float64)
+        for r, (a, b) in enumerate(spans):
             captured.clear()
             target._run(input_ids=device_ids[a:b][None])
-            target._captured.clear()
             for i in range(depth):
-                errors[i] = max(errors[i], relative_error(packed[i][a:b], captured[i][0]))
+                alone = captured[i][0]
+                errors[i] = max(errors[i], relative_error(packed[i][a:b], alone))
+                floor[i] = max(floor[i], relative_error(padded[i][r, : b - a], alone))
         kinds = layer_kinds(config, depth)
-        report.layers = [LayerCheck(i, kinds[i], float(errors[i])) for i in range(depth)]
+        cap = CAP.get(target.dtype, 1e-1)
+        report.layers = [LayerCheck(i, kinds[i], float(errors[i]), float(floor[i]),
+                                    min(cap, max(report.tolerance, NOISE_FACTOR * float(floor[i]))))
+                         for i in range(depth)]
         return report
     finally:
         for h in hooks:

@@ -6,10 +6,9 @@ construction; the token mixers are not, and each kind is handled here:
 
 - Attention (full, sliding window, attention sinks): the model runs `packed_attention` through
   HF's AttentionInterface. On CUDA it is torch's varlen flash kernel over the whole pack (sliding
-  windows as its window size; gpt-oss sinks applied exactly from the kernel's log-sum-exp:
-  out * sigmoid(lse - sink), full-attention layers). Elsewhere, and whenever the kernel cannot express the layer, each
-  sequence goes through the very attention function the unpacked model calls (sdpa or the model's
-  own eager function, sinks included), with the mask the unpacked model would build.
+  windows as its window size). Elsewhere, and for layers the kernel cannot express (gpt-oss's
+  sinks), each sequence goes through the very attention function the unpacked model calls (sdpa or
+  the model's own eager function, sinks included), with the mask the unpacked model would build.
 - Recurrent mixers (Gated DeltaNet in Qwen3.5/3.6 and Qwen3-Next): their convolution and state
   run over time, so each sequence runs through the module's own forward alone (state and
   convolution start from zero, as for a sequence alone); whatever kernel HF picks for one sequence
@@ -33,7 +32,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 try:
     from torch.nn.attention.varlen import varlen_attn
 
-    # Its keywords moved between releases (is_causal -> window_size, enable_gqa and return_aux added later).
+    # Its keywords moved between releases (is_causal -> window_size, enable_gqa added later).
     _VARLEN_KEYWORDS = set(inspect.signature(varlen_attn).parameters)
 except ImportError:  # torch < 2.9
     varlen_attn, _VARLEN_KEYWORDS = None, set()
@@ -72,14 +71,12 @@ def _reference_attention(module: nn.Module, reference: str) -> Callable:
 
 
 def _varlen_kernel_fits(query: torch.Tensor, sliding_window: int | None, sinks: torch.Tensor | None) -> bool:
-    # Sinks need the kernel's log-sum-exp, checked on the H200 for full attention only: sliding layers with
-    # sinks (gpt-oss's even layers) run per sequence.
-    return (query.is_cuda and varlen_attn is not None and query.dtype in (torch.bfloat16, torch.float16)
-            and ("window_size" in _VARLEN_KEYWORDS or ("is_causal" in _VARLEN_KEYWORDS and sliding_window is None))
-            and (sinks is None or ("return_aux" in _VARLEN_KEYWORDS and sliding_window is None)))
+    return (query.is_cuda and sinks is None and varlen_attn is not None
+            and query.dtype in (torch.bfloat16, torch.float16)
+            and ("window_size" in _VARLEN_KEYWORDS or ("is_causal" in _VARLEN_KEYWORDS and sliding_window is None)))
 
 
-def _varlen_kernel(query, key, value, cu_seqlens, max_len, scaling, sliding_window, sinks) -> torch.Tensor:
+def _varlen_kernel(query, key, value, cu_seqlens, max_len, scaling, sliding_window) -> torch.Tensor:
     """torch's flash varlen kernel over the whole pack: [tokens, heads, head_dim] in and out."""
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     options: dict = {"scale": scaling}
@@ -92,16 +89,7 @@ def _varlen_kernel(query, key, value, cu_seqlens, max_len, scaling, sliding_wind
         options["enable_gqa"] = True
     elif groups > 1:  # head h reads kv head h // groups, as HF's repeat_kv lays them out
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    if sinks is None:
-        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **options).unsqueeze(0)
-    from torch.nn.attention.varlen import AuxRequest
-
-    out, lse = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, return_aux=AuxRequest(lse=True),
-                           **options)
-    # A sink is one more logit per head in the softmax's denominator: exp(lse) / (exp(lse) + exp(sink)).
-    lse = lse if lse.shape[0] == q.shape[0] else lse.transpose(0, 1)  # [tokens, heads]
-    keep = torch.sigmoid(lse.float() - sinks.float()[None, :])
-    return (out.float() * keep[..., None]).to(out.dtype).unsqueeze(0)
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **options).unsqueeze(0)
 
 
 def _packed_attention(reference: str) -> Callable:
@@ -122,7 +110,7 @@ def _packed_attention(reference: str) -> Callable:
     ) -> tuple[torch.Tensor, None]:
         """Causal attention within each packed sequence, none across. q/k/v: [1, heads, tokens, head_dim]."""
         if _varlen_kernel_fits(query, sliding_window, s_aux):
-            return _varlen_kernel(query, key, value, cu_seq_lens_q, max_length_q, scaling, sliding_window, s_aux), None
+            return _varlen_kernel(query, key, value, cu_seq_lens_q, max_length_q, scaling, sliding_window), None
         attend = _reference_attention(module, reference)
         extra = {k: v for k, v in kwargs.items() if k not in PACK_KWARGS}
         if s_aux is not None:
