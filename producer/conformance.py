@@ -32,12 +32,13 @@ log = logging.getLogger(__name__)
 # targets); bfloat16/float16 on GPU: the varlen kernel and other GEMM shapes against the per-sequence
 # forward (docs/benchmarks.md records the probe's figures on the H200).
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
-# Deep bf16 models (random real shapes on the H200: ~4e-2 by layer 30) and MoE routers (a near-tie routed
-# to another expert in one of two legitimate computations) differ from themselves by more: the model's
-# own padded forward of the same sequences measures that floor, and packed may differ by NOISE_FACTOR
-# times it, never more than CAP (a leak, a dropped sink or a missed window: 1e-1 and more).
-NOISE_FACTOR = 3.0
-CAP = {torch.float32: 1e-3, torch.bfloat16: 1e-1, torch.float16: 5e-2}
+# Deep bf16 models and MoE routers differ from themselves by more than the dtype tolerance: a near-tie
+# routed to another expert in one of two legitimate computations, GEMMs of other shapes (random real
+# shapes on the H200: Qwen3-8B's own padded forward differs from one sequence alone by ~4e-2 at layer
+# 30, gpt-oss-20b's by up to 3e-1). The model's own padded forward of the same sequences measures that
+# floor per layer, and packed may differ by at most NOISE_FACTOR times it. A leak across sequences, a
+# dropped sink or a missed window shows where the floor is still low: from the first layers on.
+NOISE_FACTOR = 2.0
 BASE_LENGTHS = (23, 97, 7, 64, 41)
 
 
@@ -47,7 +48,7 @@ class LayerCheck:
     kind: str  # the layer type from the config (full_attention, sliding_attention, linear_attention, ...)
     max_error: float  # packed against each sequence alone
     noise_floor: float  # the model's own padded forward against each sequence alone
-    allowed: float  # max(dtype tolerance, NOISE_FACTOR x noise floor), at most CAP[dtype]
+    allowed: float  # max(dtype tolerance, NOISE_FACTOR x noise floor)
 
 
 @dataclass
@@ -172,10 +173,8 @@ def probe(target: TargetModel, lengths: list[int] | None = None, seed: int = 0) 
                 errors[i] = max(errors[i], relative_error(packed[i][a:b], alone))
                 floor[i] = max(floor[i], relative_error(padded[i][r, : b - a], alone))
         kinds = layer_kinds(config, depth)
-        cap = CAP.get(target.dtype, 1e-1)
         report.layers = [LayerCheck(i, kinds[i], float(errors[i]), float(floor[i]),
-                                    min(cap, max(report.tolerance, NOISE_FACTOR * float(floor[i]))))
-                         for i in range(depth)]
+                                    max(report.tolerance, NOISE_FACTOR * float(floor[i]))) for i in range(depth)]
         return report
     finally:
         for h in hooks:
