@@ -55,6 +55,11 @@ class DrafterConfig:
     sliding_window: int | None = None
     # Rows of [rows, vocab] logits alive at once in the loss; bounds peak memory.
     loss_chunk_tokens: int = 1024
+    # None -> derived from the target (drafter_mlp_width); set it to choose the drafter's MLP width.
+    intermediate_size: int | None = None
+    # None -> the target's RoPE (drafter_rope); set it for a plain RoPE of this base instead, e.g. for
+    # targets whose RoPE a fixed Qwen3 rotary cannot express (dynamic NTK, longrope).
+    rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         if self.loss_gamma is None:
@@ -75,6 +80,10 @@ class DrafterConfig:
             raise ValueError(f"loss_gamma must be a positive number, got {self.loss_gamma}")
         if self.kl_weight < 0 or self.loss_chunk_tokens < 1:
             raise ValueError("need kl_weight >= 0 and loss_chunk_tokens >= 1")
+        if (self.intermediate_size is not None and self.intermediate_size < 1) or (
+                self.rope_theta is not None and not self.rope_theta > 0):
+            raise ValueError(f"intermediate_size {self.intermediate_size} and rope_theta {self.rope_theta} "
+                             "must be positive when set")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         if unknown := set(self.layer_types) - set(ATTENTION_TYPES):
@@ -96,15 +105,89 @@ def target_text_config(target_config: Mapping[str, Any] | PretrainedConfig) -> d
     return dict(text) if text else config
 
 
-def _rope_keys(target: Mapping[str, Any]) -> dict[str, Any]:
-    """rope_theta/rope_scaling as published checkpoints spell them (transformers 5 nests them in rope_parameters)."""
+def _require(target: Mapping[str, Any], key: str) -> Any:
+    if target.get(key) is None:
+        raise ValueError(f"target config has no {key!r} (model_type {target.get('model_type')!r}): "
+                         "point target.path at the model's own config.json")
+    return target[key]
+
+
+def drafter_mlp_width(target: Mapping[str, Any]) -> int:
+    """The drafter is a dense Qwen3 stack; its MLP gets the width of the FFN the target runs per token.
+
+    Dense targets: their intermediate_size. MoE targets: top-k x expert width + shared expert width
+    (qwen3_moe, qwen3_next, qwen3_5_moe: moe_intermediate_size; gpt_oss, whose only width
+    intermediate_size is the expert's). For Qwen3-30B-A3B / Qwen3-Coder-30B-A3B this is 8 x 768 = 6144,
+    the dense intermediate_size of that config and, as we recall it (not verifiable offline), the width
+    of z-lab's Qwen3-Coder-30B-A3B-DFlash. Qwen3.5-MoE configs have no dense width at all, which is why
+    one rule for every MoE beats copying intermediate_size (which gpt-oss would give as one expert's).
+    DrafterConfig.intermediate_size overrides this.
+    """
+    experts = target.get("num_experts") or target.get("num_local_experts") or 0
+    if not experts:
+        return int(_require(target, "intermediate_size"))
+    expert_width = target.get("moe_intermediate_size") or _require(target, "intermediate_size")
+    return int(_require(target, "num_experts_per_tok") * expert_width
+               + (target.get("shared_expert_intermediate_size") or 0))
+
+
+# Rotary types a fixed Qwen3 rotary reproduces everywhere (HF, vLLM, SGLang). dynamic and longrope change
+# their frequencies with the sequence length at run time, which an exported drafter config cannot pin down.
+DRAFTER_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+# Keys of a target's rope that describe the target's own attention, not a rotary the drafter could share:
+# the drafter rotates its whole head_dim (Qwen3 layers have no partial rotary), and for text tokens
+# multimodal RoPE (Qwen3.5's mrope) equals 1-D RoPE, the three sections reading the same position.
+_TARGET_ONLY_ROPE_KEYS = ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
+
+
+def drafter_rope(target: Mapping[str, Any], rope_theta: float | None = None) -> dict[str, Any]:
+    """rope_theta/rope_scaling of the drafter, as published checkpoints spell them (top-level keys).
+
+    Taken from the target: the drafter's attention is its own (it never reuses the target's q/k), but a
+    base and scaling built for the target's context length suit the drafter's context too. Gemma3 has one
+    rope per layer type: the drafter takes the full-attention one (its layers read the whole context;
+    the sliding one's small base is tuned to a short window). Unrepresentable types are refused.
+    """
+    if rope_theta is not None:
+        return {"rope_theta": float(rope_theta), "rope_scaling": None}
     params = target.get("rope_parameters")
-    if not params:
-        return {"rope_theta": target["rope_theta"], "rope_scaling": target.get("rope_scaling")}
-    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    if scaling.get("rope_type", "default") == "default":
+    if not params:  # transformers 4 spelling
+        params = {"rope_theta": _require(target, "rope_theta"), **(target.get("rope_scaling") or {})}
+    if all(isinstance(v, Mapping) for v in params.values()):  # per layer type (Gemma3)
+        if "full_attention" not in params:
+            raise ValueError(f"target rope_parameters per layer type {sorted(params)} has no 'full_attention' "
+                             "entry to give the drafter; set drafter.rope_theta")
+        params = params["full_attention"]
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in DRAFTER_ROPE_TYPES:
+        raise ValueError(f"target rope_type {rope_type!r} is not representable by the drafter's fixed Qwen3 rotary "
+                         f"(supported: {', '.join(DRAFTER_ROPE_TYPES)}); set drafter.rope_theta for a plain RoPE")
+    scaling = {k: v for k, v in params.items() if k not in _TARGET_ONLY_ROPE_KEYS}
+    if rope_type == "default":
         scaling = None
-    return {"rope_theta": params["rope_theta"], "rope_scaling": scaling}
+    return {"rope_theta": float(_require(params, "rope_theta")), "rope_scaling": scaling}
+
+
+def drafter_geometry(cfg: DrafterConfig, target: Mapping[str, Any]) -> dict[str, Any]:
+    """Width, heads, MLP and RoPE of the drafter, from the target's text config (see drafter_mlp_width/_rope)."""
+    hidden, heads = int(_require(target, "hidden_size")), int(_require(target, "num_attention_heads"))
+    kv_heads = int(target.get("num_key_value_heads") or heads)  # absent in old Llama configs: no GQA
+    if heads % kv_heads:
+        raise ValueError(f"target has {heads} attention heads for {kv_heads} key/value heads: not a multiple")
+    return {
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": int(target.get("head_dim") or hidden // heads),
+        "intermediate_size": cfg.intermediate_size or drafter_mlp_width(target),
+        # A Qwen3 MLP is SwiGLU: vLLM's Qwen3 accepts only silu, and the drafter's MLP is trained from
+        # scratch, so the target's activation (Gemma's gelu, gpt-oss's clamped swiglu) is not copied.
+        "hidden_act": "silu",
+        "rms_norm_eps": float(target.get("rms_norm_eps") or 1e-6),
+        **drafter_rope(target, cfg.rope_theta),
+        "max_position_embeddings": int(_require(target, "max_position_embeddings")),
+        "vocab_size": int(_require(target, "vocab_size")),
+    }
 
 
 def drafter_hf_config(
@@ -116,12 +199,13 @@ def drafter_hf_config(
     if cfg.mask_token_id is None:
         raise ValueError("mask_token_id is unset; use the target's first unused embedding row (151669 for Qwen3)")
     target = target_text_config(target_config)
-    if not 0 <= cfg.mask_token_id < target["vocab_size"]:
+    if not 0 <= cfg.mask_token_id < _require(target, "vocab_size"):
         raise ValueError(f"mask_token_id {cfg.mask_token_id} is not a row of the target embedding")
-    num_target_layers = target["num_hidden_layers"]
-    head_dim = target.get("head_dim") or target["hidden_size"] // target["num_attention_heads"]
+    num_target_layers = int(_require(target, "num_hidden_layers"))
     config: dict[str, Any] = {
         "architectures": ["DFlashDraftModel"],
+        # transformers' AutoModel with trust_remote_code reads this; vLLM and SGLang ignore it.
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
         "model_type": "qwen3",
         "block_size": cfg.block_size,
         "num_target_layers": num_target_layers,
@@ -130,16 +214,7 @@ def drafter_hf_config(
             "target_layer_ids": cfg.resolved_target_layer_ids(num_target_layers),
         },
         "num_hidden_layers": cfg.num_hidden_layers,
-        "hidden_size": target["hidden_size"],
-        "num_attention_heads": target["num_attention_heads"],
-        "num_key_value_heads": target["num_key_value_heads"],
-        "head_dim": head_dim,
-        "intermediate_size": target["intermediate_size"],
-        "hidden_act": target.get("hidden_act", "silu"),
-        "rms_norm_eps": target["rms_norm_eps"],
-        **_rope_keys(target),
-        "max_position_embeddings": target["max_position_embeddings"],
-        "vocab_size": target["vocab_size"],
+        **drafter_geometry(cfg, target),
         "layer_types": list(cfg.layer_types),
         "sliding_window": cfg.sliding_window,
         "use_sliding_window": "sliding_attention" in cfg.layer_types,

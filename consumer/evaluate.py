@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 from dflash_ring.producer.chat_encoding import conversation_of, decode_json_row
 
 from .export import load_drafter
-from .model import DFlashDraftModel, FrozenTargetHead
+from .model import DFlashDraftModel, FrozenTargetHead, load_target_head
 
 DraftFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(committed ids [S + 1] ending with the anchor, target features [S, n*H]) -> B - 1 draft token ids."""
@@ -176,7 +176,9 @@ def evaluate_drafter(
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
     drafter = load_drafter(drafter_dir, device=device, dtype=torch.float32).eval()
     check_compatible(drafter, target)
-    head = FrozenTargetHead(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    # From the checkpoint, not target.get_input_embeddings().weight: the head also carries the family's
+    # embedding scale and logit softcap (Gemma3), which a bare weight would drop.
+    head = load_target_head(target_dir, dtype=torch.float32, device=device)
     draft = drafter_draft_fn(drafter, head)
     eos = eos_ids(target, tokenizer)
     generations = [

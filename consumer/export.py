@@ -1,4 +1,7 @@
-"""Write and read drafters in the public DFlash layout: config.json + model.safetensors.
+"""Write and read drafters in the public DFlash layout: config.json + model.safetensors + dflash.py.
+
+dflash.py is consumer/hf_dflash.py copied verbatim: config.json's auto_map points transformers'
+AutoModel (trust_remote_code) at it, so that path gives the real drafter, not a bare Qwen3Model.
 
 Export is atomic (temp dir in the same parent, fsync, rename) so a crash never
 leaves a half-written drafter where a server or a resume would pick it up.
@@ -25,6 +28,8 @@ from .model import DFlashDraftModel
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+MODEL_CODE_NAME = "dflash.py"  # what config.json's auto_map names ("dflash.DFlashDraftModel")
+MODEL_CODE_SOURCE = Path(__file__).with_name("hf_dflash.py")
 
 
 def _check_weights(state: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], source: str) -> None:
@@ -48,7 +53,6 @@ def _expected_state(config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         return DFlashDraftModel(qwen3_config(config)).state_dict()
 
 
-
 def export_drafter(
     model: DFlashDraftModel,
     drafter_config: DrafterConfig,
@@ -57,7 +61,7 @@ def export_drafter(
     *,
     dtype: torch.dtype = torch.bfloat16,
 ) -> Path:
-    """Write the drafter (weights only: the target's embed/lm_head are shared at serve time)."""
+    """Write the drafter (its weights and model code; the target's embed/lm_head are shared at serve time)."""
     out = Path(out_dir)
     if out.exists():
         raise FileExistsError(f"{out} exists; export never overwrites a drafter in place")
@@ -73,7 +77,8 @@ def export_drafter(
     try:
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_file(state, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
-        for path in (tmp / CONFIG_NAME, tmp / WEIGHTS_NAME, tmp):
+        (tmp / MODEL_CODE_NAME).write_bytes(MODEL_CODE_SOURCE.read_bytes())
+        for path in (tmp / CONFIG_NAME, tmp / WEIGHTS_NAME, tmp / MODEL_CODE_NAME, tmp):
             fsync(path)
         tmp.rename(out)
     except BaseException:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from .drafter_config import DrafterConfig
 from .model import Anchors, FrozenTargetHead
+from .target_head import softcap
 
 
 def position_weights(block_size: int, gamma: float, device: torch.device | None = None) -> torch.Tensor:
@@ -89,7 +90,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, row_weights, target_hidden, kl_weight, chunk):
+    def forward(ctx, hidden, weight, labels, row_weights, target_hidden, kl_weight, chunk, cap):
         needs_grad = ctx.needs_input_grad[0]
         grad = torch.empty_like(hidden) if needs_grad else None
         ce_sum = hidden.new_zeros((), dtype=torch.float32)
@@ -98,13 +99,16 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         terms = _terms_fn(hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            logits = F.linear(hidden[rows].to(weight.dtype), weight)
-            teacher = None if target_hidden is None else F.linear(target_hidden[rows].to(weight.dtype), weight)
+            logits = softcap(F.linear(hidden[rows].to(weight.dtype), weight), cap)
+            teacher = None if target_hidden is None else softcap(
+                F.linear(target_hidden[rows].to(weight.dtype), weight), cap)
             ce, kl, predictions[rows], d_logits = terms(logits, labels[rows], row_weights[rows], teacher,
                                                         kl_weight, needs_grad)
             ce_sum += ce
             kl_sum += kl
             if needs_grad:
+                if cap is not None:  # d(cap * tanh(z / cap))/dz = 1 - tanh^2, with tanh = capped / cap
+                    d_logits = d_logits * (1 - (logits.float() / cap) ** 2).to(d_logits.dtype)
                 grad[rows] = (d_logits @ weight).to(hidden.dtype)
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(ce_sum, kl_sum, predictions)
@@ -113,7 +117,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_loss, _d_ce, _d_kl, _d_predictions):
         (grad,) = ctx.saved_tensors
-        return grad * d_loss.to(grad.dtype), None, None, None, None, None, None
+        return grad * d_loss.to(grad.dtype), None, None, None, None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -172,6 +176,7 @@ def dflash_loss(
         teacher,
         cfg.kl_weight,
         cfg.loss_chunk_tokens,
+        head.logit_softcap,  # the target's final_logit_softcapping (Gemma), applied to draft and teacher alike
     )
     correct = torch.zeros_like(valid)
     correct[valid] = predictions == targets

@@ -9,15 +9,12 @@ block, and nothing else.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -25,9 +22,8 @@ from transformers import PretrainedConfig, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from .drafter_config import DrafterConfig, block_size_of, drafter_hf_config, qwen3_config
-
-EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
-LM_HEAD_KEYS = ("lm_head.weight",)
+# The frozen head lives in target_head.py; re-exported for callers that import it from here.
+from .target_head import EMBED_KEYS, LM_HEAD_KEYS, FrozenTargetHead, load_target_head  # noqa: F401
 
 
 def cu_seqlens_from_lengths(lengths: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -317,67 +313,6 @@ class DFlashDecoderLayer(nn.Module):
         # The fused context is not re-normed per layer (z-lab): only block tokens get input_layernorm.
         x = x + self.self_attn(self.input_layernorm(x), context, block_rope, context_rope, groups)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class FrozenTargetHead(nn.Module):
-    """The target's embed_tokens and lm_head: the drafter writes in the target's token space.
-
-    Kept out of the drafter so they are never trained nor shipped. Buffers,
-    not parameters, so an optimizer built from .parameters() cannot touch them.
-    """
-
-    def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None = None) -> None:
-        super().__init__()
-        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
-        # None = tied: a second buffer would be copied separately by .to().
-        untied = None if lm_head_weight is None else lm_head_weight.detach()
-        self.register_buffer("untied_lm_head_weight", untied, persistent=False)
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_weight if self.untied_lm_head_weight is None else self.untied_lm_head_weight
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.embed_weight)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.lm_head_weight
-        return F.linear(hidden.to(weight.dtype), weight)
-
-
-def _tensor_files(root: Path) -> dict[str, Path]:
-    """Which safetensors file holds each tensor, for single-file and sharded checkpoints."""
-    index = root / "model.safetensors.index.json"
-    if index.exists():
-        return {k: root / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-    single = root / "model.safetensors"
-    if not single.exists():
-        raise FileNotFoundError(f"{root}: no model.safetensors or model.safetensors.index.json")
-    with safe_open(single, framework="pt") as f:
-        return {k: single for k in f.keys()}
-
-
-def load_target_head(
-    target_dir: str | Path, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
-) -> FrozenTargetHead:
-    """Read only embed_tokens and lm_head from a target checkpoint (never the whole model)."""
-    root = Path(target_dir)
-    files = _tensor_files(root)
-
-    def read(key: str) -> torch.Tensor:
-        with safe_open(files[key], framework="pt", device=str(device)) as f:
-            tensor = f.get_tensor(key)
-        return tensor if dtype is None else tensor.to(dtype)
-
-    embed_key = next((k for k in EMBED_KEYS if k in files), None)
-    if embed_key is None:
-        raise KeyError(f"{root}: none of {EMBED_KEYS} in the checkpoint")
-    lm_head_key = next((k for k in LM_HEAD_KEYS if k in files), None)
-    if lm_head_key is None:
-        config = json.loads((root / "config.json").read_text())
-        if config.get("tie_word_embeddings") is False:
-            raise KeyError(f"{root}: no lm_head.weight although tie_word_embeddings is false")
-    return FrozenTargetHead(read(embed_key), None if lm_head_key is None else read(lm_head_key))
 
 
 class DFlashDraftModel(nn.Module):

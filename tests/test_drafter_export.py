@@ -96,11 +96,12 @@ def test_export_writes_the_public_dflash_format(tmp_path, target, drafter):
     target_config, _ = target
     cfg, model = drafter
     out = export_drafter(model, cfg, target_config, tmp_path / "drafter")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "dflash.py", "model.safetensors"]
     assert [p.name for p in tmp_path.iterdir()] == ["drafter"]  # no temp dir left behind
 
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}
     assert config["model_type"] == "qwen3"
     assert config["block_size"] == 4
     assert config["num_target_layers"] == 8
@@ -114,6 +115,7 @@ def test_export_writes_the_public_dflash_format(tmp_path, target, drafter):
         "num_key_value_heads": 2,
         "head_dim": 16,
         "intermediate_size": 128,
+        "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
         "rope_theta": 1e6,
         "rope_scaling": None,
