@@ -14,6 +14,7 @@ from dflash_ring.common.config import Config, ConfigError, default_runtime_root,
 from dflash_ring.common.layout import Counter, RingHeaderError
 from dflash_ring.common.liveness import live_lock_files
 from dflash_ring.common.ring import ConfigMismatchError, Ring, RingNotFound
+from dflash_ring.common.run_name import RunNameError, check_run_name
 
 log = logging.getLogger("dflash_ring")
 # bench target --shape choices, named here so `--help` needs no transformers (bench/target_shapes.py holds them).
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.func(args)
-    except (ConfigError, ConfigMismatchError, RingHeaderError, RingNotFound, RuntimeError, TimeoutError,
+    except (ConfigError, ConfigMismatchError, RingHeaderError, RingNotFound, RunNameError, RuntimeError, TimeoutError,
             MemoryError) as e:
         print(f"dflash-ring {args.command}: error: {e}", file=sys.stderr)
         return 2
@@ -165,7 +166,10 @@ def _config(args: argparse.Namespace) -> Config:
 
 
 def _run_and_lock_dir(args: argparse.Namespace) -> tuple[str, Path]:
+    """The run an operator command is about, and its lock directory; a RUN argument is checked like run.name."""
     cfg = _config(args)
+    if args.run is not None:
+        check_run_name(args.run, f"the RUN argument of `dflash-ring {args.command}`")
     if args.run and args.run != cfg.run.name:
         if cfg.run.run_dir:
             raise ConfigError(f"run {args.run!r} differs from the config's run.name {cfg.run.name!r}")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dflash_ring.common.config import RUN_NAME_RE
+from dflash_ring.common.run_name import is_valid as is_valid_run_name
 
 MAGIC = b"DFLRING\x01"
 LAYOUT_VERSION = 1
@@ -221,7 +221,7 @@ def read_identity(buf: memoryview, segment_bytes: int, segment_name: str) -> Ide
         name = run_name.rstrip(b"\0").decode()
     except UnicodeDecodeError:
         name = ""
-    if f"/dflash-ring.{name}" != segment_name or not RUN_NAME_RE.match(name):
+    if f"/dflash-ring.{name}" != segment_name or not is_valid_run_name(name):
         raise RingHeaderError(f"segment {segment_name} header names another run ({run_name!r:.60}). {fix}")
     return Identity(version, geo, created_ns, fingerprint, name, blob_len)
 

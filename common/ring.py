@@ -52,6 +52,7 @@ from dflash_ring.common.layout import (
     write_identity,
 )
 from dflash_ring.common.pinning import HostRegistration
+from dflash_ring.common.run_name import check_run_name
 from dflash_ring.common.slot_format import SlotFormatError, SlotHeader, SlotLayout, decode_header, encode_header, view
 
 SHM_DIR = "/dev/shm"
@@ -59,15 +60,16 @@ log = logging.getLogger(__name__)
 
 
 def segment_name(run: str) -> str:
-    return f"/dflash-ring.{run}"
+    return f"/dflash-ring.{check_run_name(run, 'the ring name')}"
 
 
 def replica_segment_name(run: str) -> str:
     """Where the drafter replicas of a run average their parameters (consumer/replicas.py)."""
-    return f"/dflash-ring.{run}.replicas"
+    return f"/dflash-ring.{check_run_name(run, 'the ring name')}.replicas"
 
 
 def semaphore_names(run: str) -> tuple[str, str]:
+    check_run_name(run, "the ring name")
     return f"/dflash-ring.{run}.ready", f"/dflash-ring.{run}.free"
 
 
