@@ -23,6 +23,7 @@ import random
 import time
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import atomics
@@ -51,11 +52,13 @@ from dflash_ring.common.layout import (
     read_identity,
     write_identity,
 )
+from dflash_ring.common.ownership import ForeignObjectError, check_private_fd, check_semaphore, semaphore_path
 from dflash_ring.common.pinning import HostRegistration
 from dflash_ring.common.run_name import check_run_name
 from dflash_ring.common.slot_format import SlotFormatError, SlotHeader, SlotLayout, decode_header, encode_header, view
 
 SHM_DIR = "/dev/shm"
+SHM_DIR_PATH = Path(SHM_DIR)
 log = logging.getLogger(__name__)
 
 
@@ -241,6 +244,14 @@ class Ring:
 
     @classmethod
     def _open(cls, name: str, shm: posix_ipc.SharedMemory) -> Ring:
+        run = name.removeprefix("/dflash-ring.")
+        fix = (f"If it is a stale run of yours, remove it as its owner with `dflash-ring clean {run}`; "
+               f"else choose another run.name")
+        try:
+            check_private_fd(shm.fd, f"shared-memory segment {name}", fix)
+        except ForeignObjectError:
+            shm.close_fd()
+            raise
         with mmap.mmap(shm.fd, min(shm.size, HEADER_BYTES), prot=mmap.PROT_READ) as head:
             buf = memoryview(head)
             try:
@@ -258,6 +269,12 @@ class Ring:
                 f"segment {name} has unreadable config fields ({e}): the header is damaged. Stop every process "
                 f"of this run, then remove it with `dflash-ring clean {identity.run_name}` and start again."
             ) from None
+        try:
+            for sem in semaphore_names(identity.run_name):  # /dev/shm is sticky: nobody can swap ours later
+                check_semaphore(sem, fix)
+        except ForeignObjectError:
+            shm.close_fd()
+            raise
         try:
             return cls(name, shm, identity, fields)
         except posix_ipc.ExistentialError:
@@ -305,7 +322,21 @@ class Ring:
 
     @staticmethod
     def unlink(run: str) -> list[str]:
-        """Remove the run's segment and semaphores (whatever exists); return what was removed."""
+        """Remove the run's segment and semaphores (whatever exists); return what was removed.
+
+        Another user's objects under the run's names are refused, not removed: as root this
+        would delete someone else's run, and as anyone else it fails halfway.
+        """
+        for path in [SHM_DIR_PATH / segment_name(run)[1:], SHM_DIR_PATH / replica_segment_name(run)[1:],
+                     *(semaphore_path(s) for s in semaphore_names(run))]:
+            try:
+                uid = path.stat().st_uid
+            except FileNotFoundError:
+                continue
+            if uid != os.geteuid():
+                raise ForeignObjectError(
+                    f"{path} belongs to uid {uid}, not to this user (uid {os.geteuid()}): not removing another "
+                    f"user's objects; its owner (or root, by hand) must remove it, or choose another run.name")
         removed = []
         for name, kind in [(segment_name(run), posix_ipc.unlink_shared_memory),
                            (replica_segment_name(run), posix_ipc.unlink_shared_memory)] + [

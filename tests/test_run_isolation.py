@@ -71,3 +71,70 @@ def test_every_way_a_run_name_comes_in_is_validated(tmp_path, runtime_root, how,
     line = one_line_error(out)
     assert "is not allowed" in line and "starting with a letter or digit" in line, line
     assert (victim / "precious.lock").exists()
+
+
+def _shm(run_name: str) -> Path:
+    return Path("/dev/shm") / f"dflash-ring.{run_name}"
+
+
+def test_a_segment_or_semaphore_others_could_touch_is_refused(run):
+    """Another user who creates the run's segment first (0666, or owned by them) never gets our workers."""
+    from dflash_ring.common.config import load_config
+    from dflash_ring.common.ownership import ForeignObjectError
+    from dflash_ring.common.ring import Ring
+
+    run.write_config(1, 1)
+    cfg = load_config(run.config)
+    Ring.create(cfg).close()
+    segment, sem = _shm(run.name), Path(f"/dev/shm/sem.dflash-ring.{run.name}.ready")
+    os.chmod(segment, 0o666)  # what `shm_open(..., 0666)` by someone else looks like
+    with pytest.raises(ForeignObjectError, match=r"segment /dflash-ring\.\S+ has mode 0666, wider than 0600"):
+        Ring.attach(cfg, timeout_s=0)
+    line = one_line_error(run.cli("status", "--config", str(run.config), check=False))
+    assert "mode 0666" in line and "not used" in line
+    sup = run.supervisor()  # adopting it is refused the same way
+    assert sup.wait(60) == 2 and "mode 0666" in sup.stderr.read()
+    os.chmod(segment, 0o600)
+    if os.geteuid() == 0:
+        os.chown(segment, 65534, 65534)
+        with pytest.raises(ForeignObjectError, match="belongs to uid 65534, not to this user"):
+            Ring.attach(cfg, timeout_s=0)
+        line = one_line_error(run.cli("clean", "--config", str(run.config), check=False))
+        assert "not removing another user's objects" in line and segment.exists()
+        os.chown(segment, 0, 0)
+    os.chmod(sem, 0o666)
+    with pytest.raises(ForeignObjectError, match=r"semaphore /dflash-ring\.\S+\.ready has mode 0666"):
+        Ring.attach(cfg, timeout_s=0)
+    os.chmod(sem, 0o600)
+    Ring.attach(cfg, timeout_s=0).close()  # ours and private again: accepted
+
+
+def test_lock_directory_parents_are_made_private_and_foreign_ones_refused(run):
+    """Missing parents are created 0700; a parent someone else owns or may write to is refused (/tmp fallback)."""
+    from dflash_ring.common.liveness import ensure_lock_dir
+    from dflash_ring.common.ownership import ForeignObjectError
+
+    deep = run.tmp / "a" / "b" / "locks"
+    ensure_lock_dir(deep)
+    for d in (run.tmp / "a", run.tmp / "a" / "b", deep):
+        assert d.stat().st_mode & 0o777 == 0o700, oct(d.stat().st_mode)
+    shared = run.tmp / "shared"
+    shared.mkdir(mode=0o777)
+    os.chmod(shared, 0o777)  # writable by all, not sticky: anyone could swap the lock directory
+    with pytest.raises(ForeignObjectError, match="others may write to it and it is not sticky"):
+        ensure_lock_dir(shared / "locks")
+    os.chmod(shared, 0o1777)  # like /tmp: fine
+    ensure_lock_dir(shared / "locks")
+    if os.geteuid() == 0:
+        squatted = run.tmp / "squatted"  # e.g. /tmp/dflash-ring-<uid> made first by another user
+        squatted.mkdir(mode=0o700)
+        os.chown(squatted, 65534, 65534)
+        with pytest.raises(ForeignObjectError, match="belongs to uid 65534"):
+            ensure_lock_dir(squatted / "run")
+        run.lock_dir = squatted / "run"
+        run.write_config(1, 1)
+        sup = run.supervisor()  # a real supervisor refuses it in one line, before creating anything
+        assert sup.wait(60) == 2
+        err = sup.stderr.read().strip().splitlines()
+        assert len(err) == 1 and "belongs to uid 65534" in err[0], err
+        assert not _shm(run.name).exists()
