@@ -208,6 +208,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     run, lock_dir = _run_and_lock_dir(args)
     with Ring.open(run) as ring:
         st = ring.status()
+        lock_dir = ring.lock_dir or lock_dir  # where its processes hold their locks, whatever our config says
     live = {p.stem for p in live_lock_files(lock_dir)}
     for row in st.rows:
         row["alive"] = f"{row['role']}-{row['index']}" in live

@@ -162,6 +162,9 @@ class Config:
         """
         fields = {
             "run.name": self.run.name,
+            # Where the run's processes hold their locks: liveness and the reaper look there, so a process
+            # with another run_dir would look dead to them. Recorded here, anyone can find the run's users.
+            "run.lock_dir": os.path.abspath(self.lock_dir()),
             "ring.slots": self.ring.slots,
             "ring.slot_bytes": self.ring.slot_bytes,
             "ring.slot_header_bytes": self.ring.slot_header_bytes,

@@ -283,6 +283,12 @@ class Ring:
                 f"Remove it with `dflash-ring clean {identity.run_name}`"
             ) from None
 
+    @property
+    def lock_dir(self) -> Path | None:
+        """The lock directory of the run's processes, as its creator recorded it (None: an older header)."""
+        d = self.fingerprint_fields.get("run.lock_dir")
+        return Path(d) if isinstance(d, str) and d.startswith("/") else None
+
     def check_config(self, cfg: Config) -> None:
         mine = cfg.fingerprint_fields()
         if fingerprint_digest(mine) == self.identity.fingerprint:

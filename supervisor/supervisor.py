@@ -23,7 +23,8 @@ from dflash_ring.common.liveness import LockFile, ensure_lock_dir, live_lock_fil
 from dflash_ring.common.metrics import SUPERVISOR, RingCollector, serve
 from dflash_ring.common.ring import ConfigMismatchError, Ring
 from dflash_ring.consumer.replica_group import serve_rendezvous
-from dflash_ring.supervisor.cleanup import remove_run
+from dflash_ring.common.ring_users import ring_users
+from dflash_ring.supervisor.cleanup import remove_run, users_of
 from dflash_ring.supervisor.reaper import reap
 
 log = logging.getLogger(__name__)
@@ -87,19 +88,24 @@ class Supervisor:
         return self.ring
 
     def _adopt_or_reclaim(self, run: str) -> Ring:
-        live = [p.name for p in live_lock_files(self.lock_dir) if p != self._lock.path]
+        """Adopt the run's ring if anything uses it (whoever's config that is), else refuse or reclaim it."""
         try:
             ring = Ring.open(run)
         except RingHeaderError as e:
+            live = users_of(run, self.lock_dir, ignore={self._lock.path})
             if live or not self.reclaim_stale:
                 raise SupervisorError(f"{e}" + (f" (live: {', '.join(live)})" if live else "")) from None
             ring = None
         if ring is not None:
+            dirs = [d for d in (ring.lock_dir, self.lock_dir) if d is not None]
+            live = ring_users(run, dirs, ignore={self._lock.path})
             try:
                 ring.check_config(self.cfg)
-            except ConfigMismatchError:
+            except ConfigMismatchError as e:
                 ring.close()
-                if live or not self.reclaim_stale:
+                if live:  # e.g. another config's run_dir: never ours to adopt or remove
+                    raise ConfigMismatchError(f"{e} The ring is in use by {', '.join(live)}") from None
+                if not self.reclaim_stale:
                     raise
                 ring = None
         if ring is not None and live:

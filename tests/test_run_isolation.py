@@ -138,3 +138,49 @@ def test_lock_directory_parents_are_made_private_and_foreign_ones_refused(run):
         err = sup.stderr.read().strip().splitlines()
         assert len(err) == 1 and "belongs to uid 65534" in err[0], err
         assert not _shm(run.name).exists()
+
+
+def test_a_ring_in_use_is_never_stale_to_another_config(run):
+    """Same run name, another run_dir: the second supervisor must not call the live ring stale nor remove it."""
+    import json
+    import signal
+
+    from conftest import wait_exit, wait_for
+
+    run.write_config(1, 1)
+    sup = run.supervisor()
+    consumer = run.worker("consumer", 0)
+    wait_for(lambda: (run.lock_dir / "consumer-0.lock").exists(), what="the consumer to join")
+    status = lambda cfg: json.loads(run.cli("status", "--config", str(cfg), "--json").stdout)
+    created = status(run.config)["created_ns"]
+    other = run.tmp / "other.toml"  # what `dflash-ring run` elsewhere, or a second operator, would use
+    other.write_text(run.config.read_text().replace(str(run.lock_dir), str(run.tmp / "other-locks")))
+
+    intruder = run.spawn("-m", "dflash_ring", "supervisor", "--config", str(other), "--reclaim-stale",
+                      "--set", "metrics.enabled=false")
+    assert wait_exit(intruder) == 2
+    err = intruder.stderr.read()
+    assert "run.lock_dir: ring has" in err and "in use by" in err and "consumer-0.lock" in err, err
+    line = one_line_error(run.cli("clean", "--config", str(other), check=False))
+    assert "is live" in line and "consumer-0.lock" in line
+    seen = status(other)  # status through the other config still finds the run's processes alive
+    assert seen["created_ns"] == created and all(r["alive"] for r in seen["rows"] if r["role"] == "consumer")
+
+    # A process that only maps the ring (attached, not joined: e.g. loading its model) keeps it in use too.
+    holder = run.spawn("-c", "import sys, time; from dflash_ring.common.ring import Ring; "
+                             f"r = Ring.open({run.name!r}); print('up', flush=True); time.sleep(600)",
+                       stdout=subprocess.PIPE)
+    assert holder.stdout.readline().strip() == "up"
+    for p in (sup, consumer):
+        p.send_signal(signal.SIGKILL)
+        wait_exit(p)
+    line = one_line_error(run.cli("clean", "--config", str(other), check=False))
+    assert f"pid {holder.pid}" in line, line
+    again = run.spawn("-m", "dflash_ring", "supervisor", "--config", str(other), "--reclaim-stale",
+                      "--set", "metrics.enabled=false")
+    assert wait_exit(again) == 2 and f"pid {holder.pid}" in again.stderr.read()
+    assert status(run.config)["created_ns"] == created
+    holder.kill()
+    wait_exit(holder)
+    out = run.cli("clean", "--config", str(run.config))  # now it is dead: removed
+    assert f"dflash-ring.{run.name}" in out.stdout and run.leftovers() == []
