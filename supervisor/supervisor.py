@@ -150,8 +150,8 @@ class Supervisor:
                 ring.set_flag(Counter.PRODUCERS_DONE, done)
                 if not ring.shutting_down and self._may_shut_down(ring, done, producers):
                     ring.set_flag(Counter.SHUTDOWN)
-                    log.info("shutdown: %d/%d producers done, ring empty, %d items consumed",
-                             done, producers, ring.counter(Counter.CONSUMED))
+                    log.info("shutdown: %d/%d producers done, ring empty, %d items produced, %d consumed",
+                             done, producers, ring.counter(Counter.PRODUCED), ring.counter(Counter.CONSUMED))
                 if ring.shutting_down or ring.draining:
                     self._notify_stopping()
                 if ring.shutting_down:
