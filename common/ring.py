@@ -540,9 +540,12 @@ class Ring:
     def claim(self, row: int, timeout_s: float | None = None) -> SlotReader | None:
         """Claim the oldest READY item, waiting while the ring is empty. None on shutdown or timeout.
 
-        An empty ring is never a reason to stop: only the supervisor's shutdown is.
+        An empty ring is never a reason to stop: only the supervisor's shutdown is. Once shutdown
+        is set nothing more is claimed (a normal end has an empty ring; `stop --now` means stop),
+        so what is READY then is exactly what goes untrained.
         """
-        return self._wait(lambda: self.try_claim(row), self._sem_ready, row, timeout_s)
+        return self._wait(lambda: None if self.shutting_down else self.try_claim(row), self._sem_ready, row,
+                          timeout_s)
 
     def release(self, r: SlotReader) -> None:
         """Hand a consumed slot back to the producers."""

@@ -161,9 +161,13 @@ class Supervisor:
                     if not others:
                         self._teardown(ring)
                         return 0
-                    if time.monotonic() - shutdown_at > self.cfg.supervisor.exit_timeout_s:
-                        log.error("still alive %.0fs after shutdown: %s; removing the ring anyway",
-                                  self.cfg.supervisor.exit_timeout_s, ", ".join(others))
+                    # A live process that still heartbeats is finishing its item or its checkpoint:
+                    # wait for it. Give up only on one silent for exit_timeout_s, or on a third signal.
+                    timeout = self.cfg.supervisor.exit_timeout_s
+                    if (time.monotonic() - shutdown_at > timeout and not self._others_progressing(ring, timeout)
+                            or self._signals > 2):
+                        log.error("still alive %.0fs after shutdown and silent: %s; removing the ring anyway "
+                                  "(their lock files stay)", time.monotonic() - shutdown_at, ", ".join(others))
                         self._teardown(ring)
                         return 1
                 time.sleep(self.cfg.supervisor.reap_interval_s)
@@ -187,6 +191,13 @@ class Supervisor:
         rows = ring.rows()
         return not ((rows["role"] == Role.PRODUCER) & (rows["status"] == RowStatus.RUNNING)).any()
 
+    @staticmethod
+    def _others_progressing(ring: Ring, within_s: float) -> bool:
+        """Whether a running producer or drafter heartbeated within the last within_s seconds."""
+        rows = ring.rows()
+        running = rows[1:][rows[1:]["status"] == RowStatus.RUNNING]
+        return bool(((time.time_ns() - running["heartbeat_ns"].astype("i8")) < within_s * 1e9).any())
+
     def _apply_stop_requests(self, ring: Ring) -> None:
         request = max(ring.counter(Counter.STOP_REQUEST), STOP_DRAIN if self._signals == 1 else 0,
                       STOP_NOW if self._signals > 1 else 0)
@@ -195,8 +206,9 @@ class Supervisor:
             ring.set_flag(Counter.DRAIN)
             ring.broadcast()
         if request >= STOP_NOW and not ring.shutting_down:
-            log.warning("immediate stop requested: %d ready item(s) will not be trained", ring.slot_counts()["ready"])
-            ring.set_flag(Counter.SHUTDOWN)
+            ring.set_flag(Counter.SHUTDOWN)  # from now on no item is claimed: what is ready stays untrained
+            log.warning("immediate stop requested: drafters finish the item they hold and exit; items still "
+                        "ready are not trained (counted when the run ends)")
 
     def _notify_stopping(self) -> None:
         """Once, when the run starts to drain or shut down: systemd then shows it as deactivating."""
@@ -212,6 +224,8 @@ class Supervisor:
 
     def _teardown(self, ring: Ring) -> None:
         complete = self.producers_done(ring) == self.cfg.topology.producers
+        if untrained := ring.slot_counts()["ready"]:
+            log.warning("%d ready item(s) were not trained (stopped at once)", untrained)
         if self._metrics is not None:
             self._metrics.detach()
         ring.close()

@@ -66,8 +66,10 @@ def consume(args: argparse.Namespace, ring: Ring, me: Membership, ledger) -> Non
         if args.hold_s and seen == args.hold_at:
             Path(args.marker).write_text(str(r.item))
             time.sleep(args.hold_s)  # the test kills us here, holding the slot
-        if args.work_s:
-            time.sleep(args.work_s)
+        deadline = time.monotonic() + args.work_s
+        while time.monotonic() < deadline:  # working, and saying so, as a drafter's loop does
+            me.heartbeat()
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
         item, deliveries = r.item, r.deliveries
         del data
         ring.release(r)
