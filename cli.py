@@ -14,6 +14,10 @@ from dflash_ring.common.config import Config, ConfigError, default_runtime_root,
 from dflash_ring.common.layout import Counter, RingHeaderError
 from dflash_ring.common.liveness import live_lock_files
 from dflash_ring.common.ring import ConfigMismatchError, Ring, RingNotFound
+from dflash_ring.common.output_dir import check_output_dir
+from dflash_ring.common.run_name import RunNameError, check_run_name
+from dflash_ring.producer.data_config import DataError
+from dflash_ring.producer.target_config import TargetConfigError
 
 log = logging.getLogger("dflash_ring")
 # bench target --shape choices, named here so `--help` needs no transformers (bench/target_shapes.py holds them).
@@ -30,10 +34,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.func(args)
-    except (ConfigError, ConfigMismatchError, RingHeaderError, RingNotFound, RuntimeError, TimeoutError,
-            MemoryError) as e:
-        print(f"dflash-ring {args.command}: error: {e}", file=sys.stderr)
+    except (ConfigError, ConfigMismatchError, RingHeaderError, RingNotFound, RunNameError, TargetConfigError,
+            DataError, RuntimeError, TimeoutError, MemoryError, OSError) as e:
+        # Bad input, a missing file, a refused ring: one line that says what and what to do, exit 2.
+        print(f"dflash-ring {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -165,7 +174,10 @@ def _config(args: argparse.Namespace) -> Config:
 
 
 def _run_and_lock_dir(args: argparse.Namespace) -> tuple[str, Path]:
+    """The run an operator command is about, and its lock directory; a RUN argument is checked like run.name."""
     cfg = _config(args)
+    if args.run is not None:
+        check_run_name(args.run, f"the RUN argument of `dflash-ring {args.command}`")
     if args.run and args.run != cfg.run.name:
         if cfg.run.run_dir:
             raise ConfigError(f"run {args.run!r} differs from the config's run.name {cfg.run.name!r}")
@@ -204,6 +216,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     run, lock_dir = _run_and_lock_dir(args)
     with Ring.open(run) as ring:
         st = ring.status()
+        lock_dir = ring.lock_dir or lock_dir  # where its processes hold their locks, whatever our config says
     live = {p.stem for p in live_lock_files(lock_dir)}
     for row in st.rows:
         row["alive"] = f"{row['role']}-{row['index']}" in live
@@ -253,10 +266,20 @@ def cmd_clean(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checked_index(cfg: Config, role: str, index: int) -> int:
+    """Before any loading: an index the run's topology has."""
+    n = cfg.topology.producers if role == "producers" else cfg.topology.consumers
+    if not 0 <= index < n:
+        raise ConfigError(f"--index {index} is out of range: topology.{role} = {n}, so the index is 0..{n - 1} "
+                          f"(raise topology.{role} in the config to add one)")
+    return index
+
+
 def cmd_target(args: argparse.Namespace) -> int:
     from dflash_ring.producer.process import run_producer
 
-    return run_producer(_config(args), args.index, args.device)
+    cfg = _config(args)
+    return run_producer(cfg, _checked_index(cfg, "producers", args.index), args.device)
 
 
 def cmd_check_target(args: argparse.Namespace) -> int:
@@ -289,11 +312,14 @@ def cmd_check_target(args: argparse.Namespace) -> int:
 def cmd_drafter(args: argparse.Namespace) -> int:
     from dflash_ring.consumer.process import run_drafter
 
-    return run_drafter(_config(args), args.index, args.device)
+    cfg = _config(args)
+    return run_drafter(cfg, _checked_index(cfg, "consumers", args.index), args.device)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from dflash_ring.consumer.checkpoint import export_checkpoint
+
+    check_output_dir(args.out_dir)  # before loading anything
 
     print(f"exported {export_checkpoint(args.checkpoint, args.out_dir)}")
     return 0

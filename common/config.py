@@ -18,12 +18,12 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_ring.common.run_name import RunNameError, check_run_name
 from dflash_ring.consumer.drafter_config import DrafterConfig
 from dflash_ring.consumer.train_config import TrainConfig
 from dflash_ring.producer.data_config import DataConfig
 from dflash_ring.producer.target_config import TargetConfig
 
-RUN_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,48}$")
 
 
 class ConfigError(ValueError):
@@ -115,8 +115,10 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def validate(self) -> None:
-        if not RUN_NAME_RE.match(self.run.name):
-            raise ConfigError(f"run.name {self.run.name!r} must be 1-48 of [A-Za-z0-9_.-]")
+        try:
+            check_run_name(self.run.name, "run.name")
+        except RunNameError as e:
+            raise ConfigError(str(e)) from None
         r = self.ring
         if r.slots < 1 or r.slots > 4096:
             raise ConfigError(f"ring.slots = {r.slots}: must be between 1 and 4096")
@@ -160,6 +162,9 @@ class Config:
         """
         fields = {
             "run.name": self.run.name,
+            # Where the run's processes hold their locks: liveness and the reaper look there, so a process
+            # with another run_dir would look dead to them. Recorded here, anyone can find the run's users.
+            "run.lock_dir": os.path.abspath(self.lock_dir()),
             "ring.slots": self.ring.slots,
             "ring.slot_bytes": self.ring.slot_bytes,
             "ring.slot_header_bytes": self.ring.slot_header_bytes,

@@ -3,7 +3,7 @@
     [ header: 8 KiB ][ process table ][ slot descriptors ][ payload 0 ][ payload 1 ] ...
 
 Header: identity (magic, layout version, run, config fingerprint, geometry) and
-64-bit counters, each on its own 64-byte line. Process table: one 128-byte row
+64-bit counters, each on its own 64-byte line. Process table: one 192-byte row
 per process (row 0 supervisor, then producers, then consumers). Slot descriptors:
 64 bytes each; the first word is the slot's state word, changed only by
 compare-and-swap. Payload areas are page-aligned so they can be pinned and
@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dflash_ring.common.config import RUN_NAME_RE
+from dflash_ring.common.run_name import is_valid as is_valid_run_name
 
 MAGIC = b"DFLRING\x01"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: 192-byte rows (count intents), pending_word, run.lock_dir
 PAGE = 4096
 HEADER_BYTES = 2 * PAGE
-ROW_BYTES = 128
+ROW_BYTES = 192
 DESC_BYTES = 64
 FINGERPRINT_BLOB_OFFSET = 1024
 FINGERPRINT_BLOB_MAX = HEADER_BYTES - FINGERPRINT_BLOB_OFFSET
@@ -94,13 +94,18 @@ ROW_DTYPE = np.dtype(
     {
         # planned_items: batches a producer will publish over the whole run (the trainers' LR schedule).
         # A producer's resume point lives here, beside its row, so it survives the producer:
-        # cursor is the committed (epoch, position); pending_item the item that committed it,
-        # and prev_cursor what to roll back to if that item's slot is reclaimed unpublished.
+        # cursor is the committed (epoch, position); pending_word the state word of the WRITING claim
+        # that committed it (generation included: a later claim of the same slot never matches it),
+        # and prev_cursor what to roll back to if that very claim is reclaimed unpublished.
+        # intent_*: a count about to change with a slot's CAS (see Ring._arm): if the process dies
+        # between the CAS and the count, whoever reclaims the row completes or drops the count.
+        # intent_slot is the slot + 1 (0: no intent), so a fresh zeroed row holds none.
         "names": ["role", "index", "pid", "heartbeat_ns", "started_ns", "items", "status", "restarts",
-                  "pending_item", "cursor", "prev_cursor", "has_cursor", "planned_items"],
+                  "pending_word", "cursor", "prev_cursor", "has_cursor", "planned_items",
+                  "intent_slot", "intent_word", "intent_items"],
         "formats": ["<u4", "<u4", "<u8", "<u8", "<u8", "<u8", "<u8", "<u8", "<u8", ("<i8", (2,)), ("<i8", (2,)),
-                    "<u8", "<u8"],
-        "offsets": [0, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 104],
+                    "<u8", "<u8", "<u8", "<u8", "<u8"],
+        "offsets": [0, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 104, 112, 120, 128],
         "itemsize": ROW_BYTES,
     }
 )
@@ -221,7 +226,7 @@ def read_identity(buf: memoryview, segment_bytes: int, segment_name: str) -> Ide
         name = run_name.rstrip(b"\0").decode()
     except UnicodeDecodeError:
         name = ""
-    if f"/dflash-ring.{name}" != segment_name or not RUN_NAME_RE.match(name):
+    if f"/dflash-ring.{name}" != segment_name or not is_valid_run_name(name):
         raise RingHeaderError(f"segment {segment_name} header names another run ({run_name!r:.60}). {fix}")
     return Identity(version, geo, created_ns, fingerprint, name, blob_len)
 

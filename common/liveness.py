@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from dflash_ring.common.layout import Role
+from dflash_ring.common.ownership import ensure_private_dir
 
 ROLE_NAMES = {Role.SUPERVISOR: "supervisor", Role.PRODUCER: "producer", Role.CONSUMER: "consumer"}
 
@@ -26,10 +27,8 @@ def lock_path(lock_dir: Path, role: Role, index: int) -> Path:
 
 
 def ensure_lock_dir(lock_dir: Path) -> None:
-    lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = lock_dir.stat()
-    if st.st_uid != os.geteuid():
-        raise PermissionError(f"lock directory {lock_dir} belongs to uid {st.st_uid}, not to this user")
+    """Create the lock directory (and missing parents) 0700; refuse one another user could swap."""
+    ensure_private_dir(lock_dir)
 
 
 class LockFile:

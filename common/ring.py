@@ -23,6 +23,7 @@ import random
 import time
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import atomics
@@ -32,6 +33,7 @@ import posix_ipc
 import torch
 
 from dflash_ring.common.config import Config, fingerprint_digest
+from dflash_ring.common.crash_points import crash_point
 from dflash_ring.common.layout import (
     DESC_DTYPE,
     FINGERPRINT_BLOB_OFFSET,
@@ -51,23 +53,27 @@ from dflash_ring.common.layout import (
     read_identity,
     write_identity,
 )
+from dflash_ring.common.ownership import ForeignObjectError, check_private_fd, check_semaphore, semaphore_path
 from dflash_ring.common.pinning import HostRegistration
+from dflash_ring.common.run_name import check_run_name
 from dflash_ring.common.slot_format import SlotFormatError, SlotHeader, SlotLayout, decode_header, encode_header, view
 
 SHM_DIR = "/dev/shm"
+SHM_DIR_PATH = Path(SHM_DIR)
 log = logging.getLogger(__name__)
 
 
 def segment_name(run: str) -> str:
-    return f"/dflash-ring.{run}"
+    return f"/dflash-ring.{check_run_name(run, 'the ring name')}"
 
 
 def replica_segment_name(run: str) -> str:
     """Where the drafter replicas of a run average their parameters (consumer/replicas.py)."""
-    return f"/dflash-ring.{run}.replicas"
+    return f"/dflash-ring.{check_run_name(run, 'the ring name')}.replicas"
 
 
 def semaphore_names(run: str) -> tuple[str, str]:
+    check_run_name(run, "the ring name")
     return f"/dflash-ring.{run}.ready", f"/dflash-ring.{run}.free"
 
 
@@ -239,6 +245,14 @@ class Ring:
 
     @classmethod
     def _open(cls, name: str, shm: posix_ipc.SharedMemory) -> Ring:
+        run = name.removeprefix("/dflash-ring.")
+        fix = (f"If it is a stale run of yours, remove it as its owner with `dflash-ring clean {run}`; "
+               f"else choose another run.name")
+        try:
+            check_private_fd(shm.fd, f"shared-memory segment {name}", fix)
+        except ForeignObjectError:
+            shm.close_fd()
+            raise
         with mmap.mmap(shm.fd, min(shm.size, HEADER_BYTES), prot=mmap.PROT_READ) as head:
             buf = memoryview(head)
             try:
@@ -257,12 +271,24 @@ class Ring:
                 f"of this run, then remove it with `dflash-ring clean {identity.run_name}` and start again."
             ) from None
         try:
+            for sem in semaphore_names(identity.run_name):  # /dev/shm is sticky: nobody can swap ours later
+                check_semaphore(sem, fix)
+        except ForeignObjectError:
+            shm.close_fd()
+            raise
+        try:
             return cls(name, shm, identity, fields)
         except posix_ipc.ExistentialError:
             raise RingHeaderError(
                 f"segment {name} exists but its semaphores do not: a half-removed run. "
                 f"Remove it with `dflash-ring clean {identity.run_name}`"
             ) from None
+
+    @property
+    def lock_dir(self) -> Path | None:
+        """The lock directory of the run's processes, as its creator recorded it (None: an older header)."""
+        d = self.fingerprint_fields.get("run.lock_dir")
+        return Path(d) if isinstance(d, str) and d.startswith("/") else None
 
     def check_config(self, cfg: Config) -> None:
         mine = cfg.fingerprint_fields()
@@ -303,7 +329,21 @@ class Ring:
 
     @staticmethod
     def unlink(run: str) -> list[str]:
-        """Remove the run's segment and semaphores (whatever exists); return what was removed."""
+        """Remove the run's segment and semaphores (whatever exists); return what was removed.
+
+        Another user's objects under the run's names are refused, not removed: as root this
+        would delete someone else's run, and as anyone else it fails halfway.
+        """
+        for path in [SHM_DIR_PATH / segment_name(run)[1:], SHM_DIR_PATH / replica_segment_name(run)[1:],
+                     *(semaphore_path(s) for s in semaphore_names(run))]:
+            try:
+                uid = path.stat().st_uid
+            except FileNotFoundError:
+                continue
+            if uid != os.geteuid():
+                raise ForeignObjectError(
+                    f"{path} belongs to uid {uid}, not to this user (uid {os.geteuid()}): not removing another "
+                    f"user's objects; its owner (or root, by hand) must remove it, or choose another run.name")
         removed = []
         for name, kind in [(segment_name(run), posix_ipc.unlink_shared_memory),
                            (replica_segment_name(run), posix_ipc.unlink_shared_memory)] + [
@@ -377,6 +417,12 @@ class Ring:
     # ---- counters and flags -------------------------------------------------
 
     def counter(self, c: Counter) -> int:
+        """A header counter; PRODUCED and CONSUMED are the sums of the producer and consumer rows' items."""
+        producers = int(self.fingerprint_fields["topology.producers"])
+        if c == Counter.PRODUCED:
+            return self._items_of_rows(1, producers)
+        if c == Counter.CONSUMED:
+            return self._items_of_rows(1 + producers, self.geometry.n_rows - 1 - producers)
         return self._counters[c].load()
 
     def increment(self, c: Counter) -> int:
@@ -413,6 +459,7 @@ class Ring:
                 continue
             mine = pack_state(word >> 24, row, SlotState.WRITING)
             if self._states[slot].cmpxchg_strong(expected=word, desired=mine):
+                crash_point("claimed")  # the descriptor still shows the slot's previous item here
                 item = self._counters[Counter.NEXT_ITEM].fetch_add(1)
                 d = self._desc[slot]
                 d["item"], d["claimed_ns"], d["deliveries"] = item, time.time_ns(), 0
@@ -428,8 +475,9 @@ class Ring:
     def publish(self, w: SlotWriter, row: int, cursor: tuple[int, int] | None = None) -> None:
         """Make the slot READY. With a cursor, the producer's resume point moves to it in the same step.
 
-        The cursor is recorded before the compare-and-swap, with the item that commits it;
-        if the producer dies before the CAS, the reaper rolls it back with the slot.
+        The cursor is recorded before the compare-and-swap, with the claim (state word, generation
+        included) that commits it; if the producer dies before the CAS, the reaper rolls it back
+        with the slot, and only for that very claim: never for a later claim of the same slot.
         """
         header = encode_header(SlotHeader(w.layout.specs, w.meta), self.geometry.slot_header_bytes)
         off = self.geometry.slot_offset(w.slot)
@@ -437,14 +485,16 @@ class Ring:
         if cursor is not None:
             r = self._rows[row]
             r["prev_cursor"] = r["cursor"] if r["has_cursor"] else (-1, -1)
-            r["pending_item"] = w.item
+            r["pending_word"] = w.word
             r["cursor"] = cursor
             r["has_cursor"] = 1
         ready = pack_state(w.word >> 24, row, SlotState.READY)
+        self._arm(row, w.slot, w.word)
         if not self._states[w.slot].cmpxchg_strong(expected=w.word, desired=ready):
+            self._disarm(row)
             raise SlotLostError(f"slot {w.slot} (item {w.item}) was reclaimed while this process wrote it")
-        self._counters[Counter.PRODUCED].fetch_add(1)
-        self._rows[row]["items"] += 1
+        crash_point("published")
+        self._count(row)
         self._hint(self._sem_ready)
 
     def abort(self, w: SlotWriter) -> None:
@@ -490,17 +540,23 @@ class Ring:
     def claim(self, row: int, timeout_s: float | None = None) -> SlotReader | None:
         """Claim the oldest READY item, waiting while the ring is empty. None on shutdown or timeout.
 
-        An empty ring is never a reason to stop: only the supervisor's shutdown is.
+        An empty ring is never a reason to stop: only the supervisor's shutdown is. Once shutdown
+        is set nothing more is claimed (a normal end has an empty ring; `stop --now` means stop),
+        so what is READY then is exactly what goes untrained.
         """
-        return self._wait(lambda: self.try_claim(row), self._sem_ready, row, timeout_s)
+        return self._wait(lambda: None if self.shutting_down else self.try_claim(row), self._sem_ready, row,
+                          timeout_s)
 
     def release(self, r: SlotReader) -> None:
         """Hand a consumed slot back to the producers."""
         free = pack_state((r.word >> 24) + 1, NO_OWNER, SlotState.FREE)
+        row = (r.word >> 8) & 0xFFFF
+        self._arm(row, r.slot, r.word)
         if not self._states[r.slot].cmpxchg_strong(expected=r.word, desired=free):
+            self._disarm(row)
             raise SlotLostError(f"slot {r.slot} (item {r.item}) was reclaimed while this process read it")
-        self._counters[Counter.CONSUMED].fetch_add(1)
-        self._rows[(r.word >> 8) & 0xFFFF]["items"] += 1
+        crash_point("released")
+        self._count(row)
         self._hint(self._sem_free)
 
     def requeue(self, r: SlotReader) -> None:
@@ -516,6 +572,7 @@ class Ring:
         The caller must hold the dead row's lock, so no successor runs meanwhile.
         """
         freed = redelivered = 0
+        self._settle(row)  # first: whether its last CAS happened is read from the slot words as they are
         for slot, word in enumerate(self._desc["state"].copy()):
             word = int(word)
             if (word >> 8) & 0xFFFF != row:
@@ -531,8 +588,8 @@ class Ring:
                 self._counters[c].fetch_add(1)
                 if c == Counter.RECLAIMED:
                     r = self._rows[row]
-                    if r["has_cursor"] and r["pending_item"] == self._desc[slot]["item"]:
-                        r["cursor"] = r["prev_cursor"]  # that batch was never published
+                    if r["has_cursor"] and r["pending_word"] == word:
+                        r["cursor"] = r["prev_cursor"]  # the claim that committed it was never published
                     freed += 1
                 else:
                     redelivered += 1
@@ -541,6 +598,42 @@ class Ring:
         if redelivered:
             self._hint(self._sem_ready)
         return freed, redelivered
+
+    # A row's `items` is the one count of what it published (producer) or released (consumer);
+    # PRODUCED and CONSUMED are their sums. Each count moves with a CAS in three steps, so that a
+    # death between the CAS and the count is repaired by whoever reclaims the row (_settle):
+    #   _arm: record (slot, the word the CAS expects, items + 1); the CAS; _count: items = that.
+
+    def _arm(self, row: int, slot: int, expected: int) -> None:
+        r = self._rows[row]
+        r["intent_word"] = expected
+        r["intent_items"] = r["items"] + 1
+        r["intent_slot"] = slot + 1  # last: armed only once the rest is in place
+
+    def _disarm(self, row: int) -> None:
+        self._rows[row]["intent_slot"] = 0
+
+    def _count(self, row: int) -> None:
+        r = self._rows[row]
+        r["items"] = r["intent_items"]  # an assignment, so completing it twice counts once
+        r["intent_slot"] = 0
+
+    def _settle(self, row: int) -> None:
+        """For a dead row (its lock held): complete its count if its CAS happened, else drop it.
+
+        The CAS happened iff the slot's word moved off the expected one: a WRITING or READING word
+        owned by the dead row changes only by its own CAS or by this reclaim, which comes after.
+        """
+        r = self._rows[row]
+        slot = int(r["intent_slot"]) - 1
+        if slot < 0:
+            return
+        if 0 <= slot < self.geometry.n_slots and int(self._desc[slot]["state"]) != int(r["intent_word"]):
+            r["items"] = r["intent_items"]
+        r["intent_slot"] = 0
+
+    def _items_of_rows(self, first: int, count: int) -> int:
+        return int(self._rows["items"][first : first + count].sum())
 
     def owned_slots(self) -> set[int]:
         """Rows that hold a WRITING or READING slot right now."""

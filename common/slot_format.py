@@ -145,7 +145,7 @@ def _check_entry(entry: Any, slot_bytes: int, header_bytes: int) -> TensorSpec:
     name, dtype, shape, offset = entry
     if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
         raise SlotFormatError(f"tensor name {name!r:.80} is not a short string")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:  # a list or map here is unhashable
         raise SlotFormatError(f"tensor {name!r} has unknown dtype {dtype!r:.40}")
     if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(
         type(s) is int and 0 <= s < 1 << 40 for s in shape

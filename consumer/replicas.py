@@ -29,6 +29,7 @@ from torch import nn
 
 from dflash_ring.common.layout import Role
 from dflash_ring.common.liveness import is_alive, lock_path
+from dflash_ring.common.ownership import ForeignObjectError, check_private_fd
 from dflash_ring.common.pinning import HostRegistration
 from dflash_ring.common.ring import replica_segment_name
 
@@ -48,6 +49,12 @@ class ReplicaAverager:
             shm = posix_ipc.SharedMemory(replica_segment_name(run), posix_ipc.O_CREX, mode=0o600, size=size)
         except posix_ipc.ExistentialError:  # a peer made it; never resize what it uses
             shm = posix_ipc.SharedMemory(replica_segment_name(run))
+        try:  # a peer's, so ours: anyone else's would read and steer our weights
+            check_private_fd(shm.fd, f"replica segment {replica_segment_name(run)}",
+                             f"Remove it as its owner with `dflash-ring clean {run}`, or choose another run.name")
+        except ForeignObjectError:
+            shm.close_fd()
+            raise
         if shm.size != size:
             shm.close_fd()
             raise RuntimeError(

@@ -1,7 +1,9 @@
 """Removing a run's leftovers: segment, semaphores and lock files.
 
-Liveness comes from the lock files alone, never from the segment's header,
-so a run whose header is damaged can still be judged dead and removed.
+Liveness never rests on the caller's config alone: a run is live while a lock is held in the
+lock directory its header records, or in the caller's, or while any process maps its segment
+(common/ring_users.py). A damaged header still leaves the other two, so a dead run with a
+damaged header can be judged dead and removed.
 """
 
 from __future__ import annotations
@@ -9,35 +11,59 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from dflash_ring.common.liveness import live_lock_files
-from dflash_ring.common.ring import Ring
+from dflash_ring.common.layout import RingHeaderError
+from dflash_ring.common.liveness import LockFile
+from dflash_ring.common.ring import Ring, RingNotFound
+from dflash_ring.common.ring_users import ring_users
 
 
 class RunIsLiveError(RuntimeError):
     pass
 
 
+def recorded_lock_dir(run: str) -> Path | None:
+    """The lock directory the run's ring header records, if the ring exists and its header is readable."""
+    try:
+        with Ring.open(run) as ring:
+            return ring.lock_dir
+    except (RingNotFound, RingHeaderError):
+        return None
+
+
+def users_of(run: str, lock_dir: Path, ignore: set[Path] = frozenset()) -> list[str]:
+    """Who uses the run's ring now: held locks (recorded lock directory and the caller's), then mappers."""
+    recorded = recorded_lock_dir(run)
+    return ring_users(run, [d for d in (recorded, lock_dir) if d is not None], ignore)
+
+
 def remove_run(run: str, lock_dir: Path, keep: Path | None = None) -> list[str]:
-    """Unlink the run's IPC objects and lock files (all but `keep`); return what was removed."""
+    """Unlink the run's IPC objects and the lock files nobody holds (all but `keep`); return what was removed."""
     removed = Ring.unlink(run)
     if lock_dir.is_dir():
         for p in sorted(lock_dir.glob("*.lock")):
-            if p != keep:
-                with contextlib.suppress(FileNotFoundError):
-                    p.unlink()
-                    removed.append(str(p))
+            if p == keep:
+                continue
+            lock = LockFile.try_acquire(p, create=False)  # held by us while unlinked: nobody takes it meanwhile
+            if lock is None:
+                continue  # a live process keeps its lock file, whatever happens
+            lock.release(unlink=True)
+            removed.append(str(p))
     return removed
 
 
 def clean(run: str, lock_dir: Path) -> list[str]:
-    """`dflash-ring clean`: remove a dead run, refuse a live one."""
-    live = live_lock_files(lock_dir)
+    """`dflash-ring clean`: remove a dead run, refuse a live one (whatever config the caller has)."""
+    recorded = recorded_lock_dir(run)
+    live = ring_users(run, [d for d in (recorded, lock_dir) if d is not None])
     if live:
         raise RunIsLiveError(
-            f"run {run!r} is live: {', '.join(p.stem for p in live)} still hold their locks in {lock_dir}. "
+            f"run {run!r} is live: in use by {', '.join(live)}. "
             f"Stop it with `dflash-ring stop {run}` (or `--now`), not clean"
         )
     removed = remove_run(run, lock_dir)
-    with contextlib.suppress(OSError):
-        lock_dir.rmdir()
+    if recorded is not None and recorded != Path(lock_dir).absolute():
+        removed += remove_run(run, recorded)
+    for d in {lock_dir, recorded} - {None}:
+        with contextlib.suppress(OSError):
+            d.rmdir()
     return removed

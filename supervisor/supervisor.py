@@ -23,7 +23,8 @@ from dflash_ring.common.liveness import LockFile, ensure_lock_dir, live_lock_fil
 from dflash_ring.common.metrics import SUPERVISOR, RingCollector, serve
 from dflash_ring.common.ring import ConfigMismatchError, Ring
 from dflash_ring.consumer.replica_group import serve_rendezvous
-from dflash_ring.supervisor.cleanup import remove_run
+from dflash_ring.common.ring_users import ring_users
+from dflash_ring.supervisor.cleanup import remove_run, users_of
 from dflash_ring.supervisor.reaper import reap
 
 log = logging.getLogger(__name__)
@@ -87,19 +88,24 @@ class Supervisor:
         return self.ring
 
     def _adopt_or_reclaim(self, run: str) -> Ring:
-        live = [p.name for p in live_lock_files(self.lock_dir) if p != self._lock.path]
+        """Adopt the run's ring if anything uses it (whoever's config that is), else refuse or reclaim it."""
         try:
             ring = Ring.open(run)
         except RingHeaderError as e:
+            live = users_of(run, self.lock_dir, ignore={self._lock.path})
             if live or not self.reclaim_stale:
                 raise SupervisorError(f"{e}" + (f" (live: {', '.join(live)})" if live else "")) from None
             ring = None
         if ring is not None:
+            dirs = [d for d in (ring.lock_dir, self.lock_dir) if d is not None]
+            live = ring_users(run, dirs, ignore={self._lock.path})
             try:
                 ring.check_config(self.cfg)
-            except ConfigMismatchError:
+            except ConfigMismatchError as e:
                 ring.close()
-                if live or not self.reclaim_stale:
+                if live:  # e.g. another config's run_dir: never ours to adopt or remove
+                    raise ConfigMismatchError(f"{e} The ring is in use by {', '.join(live)}") from None
+                if not self.reclaim_stale:
                     raise
                 ring = None
         if ring is not None and live:
@@ -144,8 +150,8 @@ class Supervisor:
                 ring.set_flag(Counter.PRODUCERS_DONE, done)
                 if not ring.shutting_down and self._may_shut_down(ring, done, producers):
                     ring.set_flag(Counter.SHUTDOWN)
-                    log.info("shutdown: %d/%d producers done, ring empty, %d items consumed",
-                             done, producers, ring.counter(Counter.CONSUMED))
+                    log.info("shutdown: %d/%d producers done, ring empty, %d items produced, %d consumed",
+                             done, producers, ring.counter(Counter.PRODUCED), ring.counter(Counter.CONSUMED))
                 if ring.shutting_down or ring.draining:
                     self._notify_stopping()
                 if ring.shutting_down:
@@ -155,9 +161,13 @@ class Supervisor:
                     if not others:
                         self._teardown(ring)
                         return 0
-                    if time.monotonic() - shutdown_at > self.cfg.supervisor.exit_timeout_s:
-                        log.error("still alive %.0fs after shutdown: %s; removing the ring anyway",
-                                  self.cfg.supervisor.exit_timeout_s, ", ".join(others))
+                    # A live process that still heartbeats is finishing its item or its checkpoint:
+                    # wait for it. Give up only on one silent for exit_timeout_s, or on a third signal.
+                    timeout = self.cfg.supervisor.exit_timeout_s
+                    if (time.monotonic() - shutdown_at > timeout and not self._others_progressing(ring, timeout)
+                            or self._signals > 2):
+                        log.error("still alive %.0fs after shutdown and silent: %s; removing the ring anyway "
+                                  "(their lock files stay)", time.monotonic() - shutdown_at, ", ".join(others))
                         self._teardown(ring)
                         return 1
                 time.sleep(self.cfg.supervisor.reap_interval_s)
@@ -181,6 +191,13 @@ class Supervisor:
         rows = ring.rows()
         return not ((rows["role"] == Role.PRODUCER) & (rows["status"] == RowStatus.RUNNING)).any()
 
+    @staticmethod
+    def _others_progressing(ring: Ring, within_s: float) -> bool:
+        """Whether a running producer or drafter heartbeated within the last within_s seconds."""
+        rows = ring.rows()
+        running = rows[1:][rows[1:]["status"] == RowStatus.RUNNING]
+        return bool(((time.time_ns() - running["heartbeat_ns"].astype("i8")) < within_s * 1e9).any())
+
     def _apply_stop_requests(self, ring: Ring) -> None:
         request = max(ring.counter(Counter.STOP_REQUEST), STOP_DRAIN if self._signals == 1 else 0,
                       STOP_NOW if self._signals > 1 else 0)
@@ -189,8 +206,9 @@ class Supervisor:
             ring.set_flag(Counter.DRAIN)
             ring.broadcast()
         if request >= STOP_NOW and not ring.shutting_down:
-            log.warning("immediate stop requested: %d ready item(s) will not be trained", ring.slot_counts()["ready"])
-            ring.set_flag(Counter.SHUTDOWN)
+            ring.set_flag(Counter.SHUTDOWN)  # from now on no item is claimed: what is ready stays untrained
+            log.warning("immediate stop requested: drafters finish the item they hold and exit; items still "
+                        "ready are not trained (counted when the run ends)")
 
     def _notify_stopping(self) -> None:
         """Once, when the run starts to drain or shut down: systemd then shows it as deactivating."""
@@ -206,6 +224,8 @@ class Supervisor:
 
     def _teardown(self, ring: Ring) -> None:
         complete = self.producers_done(ring) == self.cfg.topology.producers
+        if untrained := ring.slot_counts()["ready"]:
+            log.warning("%d ready item(s) were not trained (stopped at once)", untrained)
         if self._metrics is not None:
             self._metrics.detach()
         ring.close()

@@ -26,7 +26,9 @@ def value_of(producer: int, k: int) -> float:
 
 def produce(args: argparse.Namespace, ring: Ring, me: Membership, ledger) -> None:
     start = 0
-    if args.resume and Path(args.ledger).exists():
+    if args.ring_cursor and (cursor := ring.committed_cursor(me.row)) is not None:
+        start = cursor[1]  # exact resume from the cursor committed with the last publish
+    elif args.resume and Path(args.ledger).exists():
         # A restarted producer continues after the last item it published.
         lines = [ln.split() for ln in Path(args.ledger).read_text().splitlines() if ln.startswith("P ")]
         start = 1 + max((int(f[2]) for f in lines), default=-1)
@@ -41,11 +43,13 @@ def produce(args: argparse.Namespace, ring: Ring, me: Membership, ledger) -> Non
         if args.hold_s and k == args.hold_at:
             Path(args.marker).write_text(str(w.item))
             time.sleep(args.hold_s)  # the test kills us here, mid-write
-        ring.publish(w, me.row)
+        ring.publish(w, me.row, cursor=(0, k + 1) if args.ring_cursor else None)
         ledger.write(f"P {args.index} {k} {w.item}\n")
         ledger.flush()
         if args.delay_s:
             time.sleep(args.delay_s)
+    while args.wait_file and not Path(args.wait_file).exists():
+        time.sleep(0.05)  # the test looks at the live run first
     ring.set_row_status(me.row, RowStatus.DONE)
 
 
@@ -62,8 +66,10 @@ def consume(args: argparse.Namespace, ring: Ring, me: Membership, ledger) -> Non
         if args.hold_s and seen == args.hold_at:
             Path(args.marker).write_text(str(r.item))
             time.sleep(args.hold_s)  # the test kills us here, holding the slot
-        if args.work_s:
-            time.sleep(args.work_s)
+        deadline = time.monotonic() + args.work_s
+        while time.monotonic() < deadline:  # working, and saying so, as a drafter's loop does
+            me.heartbeat()
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
         item, deliveries = r.item, r.deliveries
         del data
         ring.release(r)
@@ -86,6 +92,8 @@ def main() -> int:
     p.add_argument("--hold-s", type=float, default=0.0)
     p.add_argument("--marker", default="")
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--ring-cursor", action="store_true", help="publish with a cursor; resume from the ring's")
+    p.add_argument("--wait-file", default="", help="producer: before marking DONE, wait for this file")
     args = p.parse_args()
     cfg = load_config(args.config)
     role = Role.PRODUCER if args.role == "producer" else Role.CONSUMER

@@ -177,3 +177,10 @@ def test_slot_layout_refuses_what_does_not_fit():
 def test_identity_of_a_too_small_segment_is_an_error():
     with pytest.raises(RingHeaderError, match="smaller than a ring header"):
         read_identity(memoryview(bytearray(16)), 16, "/x")
+
+
+def test_an_unhashable_dtype_is_a_slot_format_error():
+    """Found by the fuzz test above: a list where the dtype goes escaped as TypeError and killed the reader."""
+    body = msgpack.packb({"tensors": [["0", [], "", ""]], "meta": {}})
+    with pytest.raises(SlotFormatError, match="unknown dtype"):
+        decode_header(b"DFS1" + struct.pack("<I", len(body)) + body, 1 << 16, 4096)

@@ -1,0 +1,25 @@
+"""Deterministic crash points, for tests only: die exactly where a SIGKILL would hurt most.
+
+`DFLASH_RING_CRASH_AT=name[@n]` in a process's environment makes it SIGKILL itself the n-th
+time (default: the first) it passes `crash_point(name)`. Unset, a crash point is one string
+comparison. Names: "claimed" (a slot CASed to WRITING, its item not numbered yet),
+"published" and "released" (the slot's CAS done, its counts not yet updated).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+_NAME, _, _NTH = os.environ.get("DFLASH_RING_CRASH_AT", "").partition("@")
+_TARGET = int(_NTH or 1) if _NAME else 0
+_passed = 0
+
+
+def crash_point(name: str) -> None:
+    global _passed
+    if name != _NAME:
+        return
+    _passed += 1
+    if _passed == _TARGET:
+        os.kill(os.getpid(), signal.SIGKILL)

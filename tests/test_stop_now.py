@@ -1,0 +1,29 @@
+"""`stop --now` while a drafter is still working: honest counts, no live lock removed, exit 0."""
+
+from __future__ import annotations
+
+import re
+
+from conftest import wait_exit, wait_for
+
+
+def test_stop_now_with_a_busy_drafter_reports_what_was_left_and_exits_zero(run):
+    run.write_config(1, 1, slots=3)
+    # exit_timeout_s shorter than the drafter's item: a live drafter that heartbeats is waited for anyway.
+    sup = run.supervisor("--set", "supervisor.exit_timeout_s=1.0")
+    producer = run.worker("producer", 0, "--items", "100000")
+    consumer = run.worker("consumer", 0, "--work-s", "2.5")
+    wait_for(lambda: len(run.ledger_lines("C")) >= 1 and len(run.ledger_lines("P")) >= 4, timeout=60,
+             what="a full ring and a drafter mid-item")
+    stop = run.spawn("-m", "dflash_ring", "stop", "--config", str(run.config), "--now", "--timeout", "60")
+    assert wait_exit(consumer) == 0 and wait_exit(producer) == 0
+    assert wait_exit(stop) == 0, stop.stderr.read()
+    assert wait_exit(sup) == 0
+    err = sup.stderr.read()
+    finished = [ln for ln in err.splitlines() if "finished; removed" in ln]
+    assert finished and "consumer-0.lock" not in finished[0], "the supervisor removed the drafter's lock file"
+    published, trained = len(run.ledger_lines("P")), len(run.ledger_lines("C"))
+    assert "will not be trained" not in err
+    left = re.search(r"(\d+) ready item\(s\) were not trained", err)
+    assert left and int(left.group(1)) == published - trained >= 1, (published, trained, err)
+    assert run.leftovers() == []
