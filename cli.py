@@ -290,7 +290,7 @@ def cmd_check_target(args: argparse.Namespace) -> int:
     cfg = _config(args).target
     mode = cfg.packing
     try:
-        target = TargetModel.load(cfg, resolve_device(args.device or cfg.device), packed=mode != "padded")
+        target = TargetModel.load(cfg, resolve_device(args.device or cfg.device), packed=False)
         report = choose_packing(target, "auto" if mode == "packed" else mode)  # report first, refuse below
     except (OSError, TargetConfigError) as e:
         print(f"dflash-ring check-target: error: {e}", file=sys.stderr)

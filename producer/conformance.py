@@ -143,10 +143,10 @@ def probe(target: TargetModel, lengths: list[int] | None = None, seed: int = 0) 
         lambda m, a, out, i=i: captured.__setitem__(i, out[0] if isinstance(out, tuple) else out), prepend=True)
         for i, layer in enumerate(list(target.decoder.layers)[:depth])]
     try:
-        target.use_packing(True)
         device_ids = ids.to(target.device)
         positions = torch.cat([torch.arange(n) for n in lengths]).to(target.device)
         try:
+            target.use_packing(True)  # refuses attention implementations it cannot mirror
             target.forward_packed(device_ids, positions, bounds.to(device=target.device, dtype=torch.int32),
                                   bounds.tolist())
         except Exception as e:  # noqa: BLE001 - any failure of the packed path is a finding, not a crash

@@ -386,7 +386,7 @@ def run_producer(cfg: Config, index: int, device_name: str | None = None) -> int
         tokenizer = AutoTokenizer.from_pretrained(cfg.target.tokenizer or cfg.target.path, local_files_only=True)
         data = load_tokenized(cfg.data, tokenizer)
         metrics.bad_rows.inc(len(data.bad_rows))
-        target = TargetModel.load(cfg.target, device, packed=cfg.target.packing != "padded")
+        target = TargetModel.load(cfg.target, device, packed=False)
         probe = choose_packing(target, cfg.target.packing)  # before anything is published
         metrics.packing.labels("packed" if target.packed else "padded", target.config.model_type).set(1)
         metrics.conformance_error.set(float("nan") if probe is None or probe.max_error is None else probe.max_error)

@@ -173,3 +173,12 @@ def test_check_target_of_a_directory_without_weights_is_one_clear_line(targets, 
     assert out.returncode == 2 and out.stdout == ""
     assert "Traceback" not in out.stderr and out.stderr.strip().splitlines()[-1].startswith(
         "dflash-ring check-target: error:")
+
+
+def test_an_attention_implementation_packing_cannot_mirror_falls_back_or_refuses(targets):
+    target = load(targets["qwen3"], False)
+    target.attn_implementation = "flex_attention"  # as if loaded with target.attn_implementation it cannot mirror
+    with pytest.raises(TargetConfigError, match="flex_attention"):
+        choose_packing(target, "packed")
+    report = choose_packing(target, "auto")
+    assert report.error is not None and "flex_attention" in report.error and not target.packed
