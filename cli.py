@@ -16,8 +16,8 @@ from dflash_ring.common.liveness import live_lock_files
 from dflash_ring.common.ring import ConfigMismatchError, Ring, RingNotFound
 from dflash_ring.common.output_dir import check_output_dir
 from dflash_ring.common.run_name import RunNameError, check_run_name
-from dflash_ring.producer.data_config import DataError
-from dflash_ring.producer.target_config import TargetConfigError
+from dflash_ring.common.data_config import DataError
+from dflash_ring.common.target_config import TargetConfigError
 
 log = logging.getLogger("dflash_ring")
 # bench target --shape choices, named here so `--help` needs no transformers (bench/target_shapes.py holds them).
@@ -186,13 +186,13 @@ def _run_and_lock_dir(args: argparse.Namespace) -> tuple[str, Path]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from dflash_ring.supervisor.launcher import run
+    from dflash_ring.tools.launcher import run
 
     return run(args.config, args.set, args.workdir, evaluate=not args.no_eval)
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
-    from dflash_ring.supervisor.chaos import ChaosOptions, format_report, report_json, run_chaos
+    from dflash_ring.tools.chaos import ChaosOptions, format_report, report_json, run_chaos
 
     report = run_chaos(ChaosOptions(kills=args.kills, seconds=args.seconds, seed=args.seed, workdir=Path(args.workdir),
                                     config=args.config, overrides=args.set, epochs=args.epochs,
@@ -285,7 +285,7 @@ def cmd_target(args: argparse.Namespace) -> int:
 def cmd_check_target(args: argparse.Namespace) -> int:
     from dflash_ring.producer.conformance import choose_packing, report_json
     from dflash_ring.producer.target import TargetModel, resolve_device
-    from dflash_ring.producer.target_config import TargetConfigError
+    from dflash_ring.common.target_config import TargetConfigError
 
     cfg = _config(args).target
     mode = cfg.packing

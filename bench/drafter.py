@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dflash_ring.consumer.drafter_config import DrafterConfig
+from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.consumer.loss import dflash_loss
 from dflash_ring.consumer.model import FrozenTargetHead, build_drafter, cu_seqlens_from_lengths, sample_anchors
 

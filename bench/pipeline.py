@@ -38,11 +38,11 @@ from dflash_ring.bench.target import time_forward
 from dflash_ring.bench.target_shapes import SHAPES
 from dflash_ring.common.config import load_config
 from dflash_ring.common.metrics import DRAFTER, SUPERVISOR, TARGET, port_of
-from dflash_ring.consumer.drafter_config import build_target_layer_ids
+from dflash_ring.common.drafter_config import build_target_layer_ids
 from dflash_ring.producer.batching import ShardBatcher
 from dflash_ring.producer.pretokenized import load_tokenized
 from dflash_ring.producer.target import TargetModel
-from dflash_ring.producer.tiny_tokenizer import tiny_chat_tokenizer
+from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 
 WORDS = ("the model reads a block of tokens and drafts what comes next while the target checks every guess "
          "so that accepted tokens cost one forward pass instead of many").split()

@@ -38,7 +38,7 @@ from dflash_ring.common.layout import Role
 from dflash_ring.common.membership import Membership
 from dflash_ring.common.ring import Ring
 from dflash_ring.common.slot_format import ALIGN
-from dflash_ring.consumer.drafter_config import build_target_layer_ids
+from dflash_ring.common.drafter_config import build_target_layer_ids
 from dflash_ring.producer.batching import Batch, ShardBatcher
 from dflash_ring.producer.pretokenized import TokenizedData
 from dflash_ring.producer.conformance import active_sliding_window, layer_kinds, probe

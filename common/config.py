@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_ring.common.run_name import RunNameError, check_run_name
-from dflash_ring.consumer.drafter_config import DrafterConfig
-from dflash_ring.consumer.train_config import TrainConfig
-from dflash_ring.producer.data_config import DataConfig
-from dflash_ring.producer.target_config import TargetConfig
+from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.train_config import TrainConfig
+from dflash_ring.common.data_config import DataConfig
+from dflash_ring.common.target_config import TargetConfig
 
 
 

@@ -144,7 +144,7 @@ class CheckpointStore:
 
 def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """`dflash-ring export`: a training checkpoint (a step dir, or a checkpoint root) -> HF DFlash dir."""
-    from dflash_ring.consumer.drafter_config import DrafterConfig
+    from dflash_ring.common.drafter_config import DrafterConfig
     from dflash_ring.consumer.export import export_drafter
     from dflash_ring.consumer.model import build_drafter
 

@@ -18,7 +18,7 @@ from statistics import fmean
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from dflash_ring.producer.chat_encoding import conversation_of, decode_json_row
+from dflash_ring.common.chat_encoding import conversation_of, decode_json_row
 
 from .export import load_drafter
 from .model import DFlashDraftModel, FrozenTargetHead, load_target_head

@@ -23,7 +23,8 @@ from transformers import PretrainedConfig
 
 from dflash_ring.common.durable import fsync
 
-from .drafter_config import DrafterConfig, drafter_hf_config, qwen3_config
+from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.consumer.drafter_hf_config import drafter_hf_config, qwen3_config
 from .model import DFlashDraftModel
 
 CONFIG_NAME = "config.json"

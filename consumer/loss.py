@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .drafter_config import DrafterConfig
+from dflash_ring.common.drafter_config import DrafterConfig
 from .model import Anchors, FrozenTargetHead
 from .target_head import softcap
 

@@ -21,7 +21,8 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import PretrainedConfig, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from .drafter_config import DrafterConfig, block_size_of, drafter_hf_config, qwen3_config
+from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.consumer.drafter_hf_config import block_size_of, drafter_hf_config, qwen3_config
 # The frozen head lives in target_head.py; re-exported for callers that import it from here.
 from .target_head import EMBED_KEYS, LM_HEAD_KEYS, FrozenTargetHead, load_target_head  # noqa: F401
 

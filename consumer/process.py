@@ -31,7 +31,7 @@ from dflash_ring.common.metrics import DRAFTER, DrafterMetrics, serve
 from dflash_ring.common.ring import Ring, SlotReader
 from dflash_ring.common.slot_format import SlotFormatError
 from dflash_ring.consumer.checkpoint import CheckpointStore
-from dflash_ring.consumer.drafter_config import DrafterConfig
+from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.consumer.model import build_drafter, load_target_head
 from dflash_ring.consumer.replica_group import ReplicaGroup
 from dflash_ring.consumer.replicas import ReplicaAverager

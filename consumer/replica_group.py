@@ -63,23 +63,13 @@ from torch.distributed import AllreduceOptions, PrefixStore, ProcessGroupGloo, R
 from dflash_ring.common.config import Config, ConfigError, GroupConfig
 from dflash_ring.common.layout import Role
 from dflash_ring.common.liveness import is_alive, lock_path
+from dflash_ring.common.rendezvous import parse_rendezvous
 
 log = logging.getLogger(__name__)
 
 BUCKET = 16 << 20  # floats per all-reduce call (64 MiB)
 HEARTBEAT_S = 1.0
 RETRY_S = 10.0  # between attempts to reach a lost store
-
-
-def parse_rendezvous(address: str) -> tuple[str, int]:
-    host, _, port = address.removeprefix("tcp://").rpartition(":")
-    return host.strip("[]"), int(port)
-
-
-def serve_rendezvous(address: str) -> TCPStore:
-    """The store every host's leader meets at; keep the object alive as long as the group may form."""
-    _, port = parse_rendezvous(address)
-    return TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
 
 
 def fingerprint_fields(cfg: Config, drafter: Any, model: nn.Module) -> dict[str, Any]:

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from dflash_ring.consumer.checkpoint import Checkpoint
-from dflash_ring.consumer.drafter_config import DrafterConfig
+from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.consumer.loss import dflash_loss
 from dflash_ring.consumer.model import DFlashDraftModel, FrozenTargetHead, sample_anchors
-from dflash_ring.consumer.train_config import TrainConfig
+from dflash_ring.common.train_config import TrainConfig
 
 
 @dataclass

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .data_config import DataConfig
+from dflash_ring.common.data_config import DataConfig
 from .pretokenized import TokenizedData
 
 

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .target import TargetModel
-from .target_config import TargetConfigError
+from dflash_ring.common.target_config import TargetConfigError
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import datasets
 
-from .data_config import DataConfig, DataError
+from dflash_ring.common.data_config import DataConfig, DataError
 
 _SUFFIXES = {".json": "json", ".jsonl": "jsonl", ".parquet": "parquet", ".arrow": "arrow"}
 ROW_COLUMNS = ("messages", "prompt", "response")

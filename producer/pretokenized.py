@@ -24,8 +24,8 @@ from transformers import PreTrainedTokenizerBase
 
 from dflash_ring.common.durable import exclusive
 
-from .chat_encoding import BadRow, ChatEncoder, decode_json_row
-from .data_config import DataConfig, DataError
+from dflash_ring.common.chat_encoding import BadRow, ChatEncoder, decode_json_row
+from dflash_ring.common.data_config import DataConfig, DataError
 from .data_source import DataFiles, locate, open_dataset
 
 logger = logging.getLogger(__name__)

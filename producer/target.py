@@ -27,7 +27,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from .packing import packed_implementation, per_sequence, recurrent_mixers
-from .target_config import TargetConfig, TargetConfigError
+from dflash_ring.common.target_config import TargetConfig, TargetConfigError
 
 log = logging.getLogger(__name__)
 

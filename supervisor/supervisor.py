@@ -22,7 +22,7 @@ from dflash_ring.common.ledger import Ledger
 from dflash_ring.common.liveness import LockFile, ensure_lock_dir, live_lock_files, lock_path
 from dflash_ring.common.metrics import SUPERVISOR, RingCollector, serve
 from dflash_ring.common.ring import ConfigMismatchError, Ring
-from dflash_ring.consumer.replica_group import serve_rendezvous
+from dflash_ring.common.rendezvous import serve_rendezvous
 from dflash_ring.common.ring_users import ring_users
 from dflash_ring.supervisor.cleanup import remove_run, users_of
 from dflash_ring.supervisor.reaper import reap

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_ring.bench.target_shapes import FAMILIES, model_class, tiny_config
 from dflash_ring.producer.conformance import relative_error
-from dflash_ring.producer.tiny_tokenizer import tiny_chat_tokenizer
+from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 
 ARCHS = tuple(FAMILIES)
 WORDS = ("the quick brown fox jumps over the lazy dog drafter target hidden state ring shared memory "

@@ -10,7 +10,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash_ring.consumer.drafter_config import DrafterConfig, drafter_hf_config
+from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.consumer.drafter_hf_config import drafter_hf_config
 from dflash_ring.consumer.export import export_drafter, load_drafter
 from dflash_ring.consumer.model import Anchors, build_drafter, cu_seqlens_from_lengths, load_target_head
 

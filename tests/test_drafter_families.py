@@ -17,16 +17,12 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModel, AutoModelForCausalLM
 
 from dflash_ring.bench.target_shapes import shape_config
-from dflash_ring.consumer.drafter_config import (
-    DrafterConfig,
-    build_target_layer_ids,
-    drafter_hf_config,
-    drafter_rope,
-)
+from dflash_ring.common.drafter_config import DrafterConfig, build_target_layer_ids
+from dflash_ring.consumer.drafter_hf_config import drafter_hf_config, drafter_rope
 from dflash_ring.consumer.export import MODEL_CODE_SOURCE, export_drafter, load_drafter
 from dflash_ring.consumer.loss import dflash_loss
 from dflash_ring.consumer.model import Anchors, build_drafter, load_target_head
-from dflash_ring.consumer.train_config import TrainConfig
+from dflash_ring.common.train_config import TrainConfig
 from dflash_ring.consumer.trainer import DeviceBatch, Trainer
 
 from target_fixtures import ARCHS, build_target

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash_ring.consumer.drafter_config import DrafterConfig
+from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.consumer.loss import block_labels, dflash_loss, position_weights
 from dflash_ring.consumer.model import (
     Anchors,

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash_ring.consumer.drafter_config import DrafterConfig, build_target_layer_ids
+from dflash_ring.common.drafter_config import DrafterConfig, build_target_layer_ids
 from dflash_ring.consumer.model import (
     Anchors,
     FrozenTargetHead,

@@ -19,7 +19,7 @@ from test_pipeline import curves, cyclic_rows, pipeline_config
 from target_fixtures import build_target
 
 from dflash_ring.common.ring import Ring
-from dflash_ring.consumer.replica_group import serve_rendezvous
+from dflash_ring.common.rendezvous import serve_rendezvous
 
 WORKER = Path(__file__).with_name("replica_group_worker.py")
 

@@ -10,7 +10,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_ring.cli import main
-from dflash_ring.consumer.drafter_config import DrafterConfig
+from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.consumer.evaluate import (
     AcceptanceReport,
     Generation,
@@ -21,7 +21,7 @@ from dflash_ring.consumer.evaluate import (
 )
 from dflash_ring.consumer.export import export_drafter, load_drafter
 from dflash_ring.consumer.model import Anchors, FrozenTargetHead, build_drafter
-from dflash_ring.producer.tiny_tokenizer import tiny_chat_tokenizer
+from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 
 BLOCK, MAX_NEW, LAYER_IDS = 4, 24, [1, 2]
 PROMPTS = ([5, 17, 42, 9, 33, 120, 7], [3, 3, 3], list(range(60, 90)))

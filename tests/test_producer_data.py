@@ -13,10 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from dflash_ring.producer.chat_encoding import ChatEncoder
-from dflash_ring.producer.data_config import DataConfig, DataError
+from dflash_ring.common.chat_encoding import ChatEncoder
+from dflash_ring.common.data_config import DataConfig, DataError
 from dflash_ring.producer.pretokenized import load_tokenized
-from dflash_ring.producer.tiny_tokenizer import tiny_chat_tokenizer
+from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 
 CHAT = [
     {"role": "system", "content": "be nice"},

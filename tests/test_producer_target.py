@@ -12,7 +12,7 @@ from dflash_ring.common.config import ConfigError, load_config
 from dflash_ring.producer.batching import Batch, Cursor
 from dflash_ring.producer.process import CursorFile, prepare, run_target
 from dflash_ring.producer.target import TargetModel
-from dflash_ring.producer.target_config import TargetConfig, TargetConfigError
+from dflash_ring.common.target_config import TargetConfig, TargetConfigError
 from target_fixtures import assert_same_features, build_target, reference_features, reference_final_hidden
 
 LENGTHS = [37, 8, 120, 64, 9, 200, 12]  # real samples are never shorter: the chat template alone is longer

@@ -11,7 +11,7 @@ from dflash_ring.bench.target import active_parameters, attention_pairs, run_tar
 from dflash_ring.bench.target_shapes import SHAPES
 from dflash_ring.cli import SHAPE_NAMES
 from dflash_ring.producer.target import TargetModel
-from dflash_ring.producer.target_config import TargetConfig
+from dflash_ring.common.target_config import TargetConfig
 
 
 def test_shapes_named_in_the_cli_are_the_benchs():

@@ -22,7 +22,7 @@ from dflash_ring.producer.batching import Batch, Cursor
 from dflash_ring.producer.conformance import choose_packing, probe
 from dflash_ring.producer.process import prepare, run_target
 from dflash_ring.producer.target import TargetModel
-from dflash_ring.producer.target_config import TargetConfig, TargetConfigError
+from dflash_ring.common.target_config import TargetConfig, TargetConfigError
 from target_fixtures import FEATURE_TOLERANCE, assert_same_features, build_target, reference_features
 
 LENGTHS = [37, 8, 120, 64, 9, 200, 12]  # 120 and 200 run past the tiny families' 16-token windows

@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_ring.producer.chat_encoding import conversation_of
-from dflash_ring.producer.tiny_corpus import CorpusSpec, generate_corpus, prompt_of, write_jsonl
-from dflash_ring.producer.tiny_target import (
+from dflash_ring.common.chat_encoding import conversation_of
+from dflash_ring.embedded.tiny_corpus import CorpusSpec, generate_corpus, prompt_of, write_jsonl
+from dflash_ring.embedded.tiny_target import (
     HELDOUT_FILE,
     MARKER_NAME,
     TRAIN_FILE,

@@ -8,10 +8,10 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_ring.consumer.checkpoint import CheckpointStore, export_checkpoint
-from dflash_ring.consumer.drafter_config import DrafterConfig
+from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.consumer.export import load_drafter
 from dflash_ring.consumer.model import build_drafter, load_target_head
-from dflash_ring.consumer.train_config import TrainConfig
+from dflash_ring.common.train_config import TrainConfig
 from dflash_ring.consumer.trainer import DeviceBatch, Trainer, lr_at
 
 

@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_ring.common.durable import exclusive, fsync
 
-from .chat_encoding import ChatEncoder
+from dflash_ring.common.chat_encoding import ChatEncoder
 from .tiny_corpus import CorpusSpec, Row, corpus_texts, generate_corpus, write_jsonl
 from .tiny_tokenizer import QWEN_SPLIT_PATTERN, tiny_chat_tokenizer
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from dflash_ring.common.drafter_config import build_target_layer_ids, target_text_config
+
 TargetDtype = Literal["auto", "float32", "bfloat16"]
 AttnImplementation = Literal["auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3"]
 Packing = Literal["auto", "packed", "padded"]
@@ -94,8 +96,6 @@ class TargetConfig:
             raise TargetConfigError(f"target.path: {file} does not exist (a local HF model directory is needed)") from None
         except json.JSONDecodeError as e:
             raise TargetConfigError(f"target.path: {file} is not valid JSON: {e}") from None
-        from dflash_ring.consumer.drafter_config import target_text_config
-
         return target_text_config(config)
 
     def geometry(self) -> TargetGeometry:
@@ -112,8 +112,6 @@ class TargetConfig:
         return TargetGeometry(hidden, layers, vocab, ids, self.mask_token_id, self.ship_final_hidden)
 
     def resolved_layer_ids(self, num_hidden_layers: int) -> list[int]:
-        from dflash_ring.consumer.drafter_config import build_target_layer_ids
-
         ids = list(self.layer_ids) if self.layer_ids is not None else build_target_layer_ids(
             num_hidden_layers, self.num_draft_layers)
         # HF's hidden_states[L] is the final *normed* state, not layer L-1's output, so id L-1 would

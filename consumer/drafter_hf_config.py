@@ -1,4 +1,4 @@
-"""DFlash drafter hyper-parameters and the public (z-lab / SpecForge) HF config format.
+"""The drafter's Hugging Face config.json in the public (z-lab / SpecForge) DFlash format.
 
 The exported config.json must load unchanged in vLLM, SGLang and z-lab's
 `trust_remote_code` model, so every key written here follows the published
@@ -7,102 +7,13 @@ DFlash checkpoints (z-lab/Qwen3-8B-DFlash-b16, SpecForge configs/qwen3-8b-dflash
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import PretrainedConfig, Qwen3Config
 
-# Paper A.1: gamma for the exp(-(k-1)/gamma) position decay, per block size.
-PAPER_LOSS_GAMMA: dict[int, float] = {16: 7.0, 10: 5.0, 8: 4.0}
-
-ATTENTION_TYPES = ("full_attention", "sliding_attention")
-
-
-def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Target layers whose outputs feed the drafter: spread evenly over 1..L-3.
-
-    Must equal the rule in z-lab/SpecForge/SGLang, because serving stacks
-    recompute it from num_target_layers when dflash_config omits the list.
-    """
-    if num_target_layers < 1 or num_draft_layers < 1:
-        raise ValueError(f"need >= 1 target and draft layer, got {num_target_layers}, {num_draft_layers}")
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    span = end - start
-    # Small targets get repeated ids (e.g. [1, 1] for 4 layers): kept, as the reference rule does.
-    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
-
-
-@dataclass
-class DrafterConfig:
-    """What the trainer chooses; everything else is copied from the target's config."""
-
-    num_hidden_layers: int = 1
-    block_size: int = 16
-    num_anchors: int = 512
-    # None -> paper rule for block_size (B16->7, B10->5, B8->4); other sizes must set it.
-    loss_gamma: float | None = None
-    kl_weight: float = 0.0
-    mask_token_id: int | None = None
-    # None -> build_target_layer_ids(num_target_layers, num_hidden_layers).
-    target_layer_ids: list[int] | None = None
-    # None -> every layer "full_attention"; "sliding_attention" layers need sliding_window.
-    layer_types: list[str] | None = None
-    sliding_window: int | None = None
-    # Rows of [rows, vocab] logits alive at once in the loss; bounds peak memory.
-    loss_chunk_tokens: int = 1024
-    # None -> derived from the target (drafter_mlp_width); set it to choose the drafter's MLP width.
-    intermediate_size: int | None = None
-    # None -> the target's RoPE (drafter_rope); set it for a plain RoPE of this base instead, e.g. for
-    # targets whose RoPE a fixed Qwen3 rotary cannot express (dynamic NTK, longrope).
-    rope_theta: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.loss_gamma is None:
-            if self.block_size not in PAPER_LOSS_GAMMA:
-                raise ValueError(
-                    f"no paper loss_gamma for block_size={self.block_size} "
-                    f"(known: {PAPER_LOSS_GAMMA}); set loss_gamma explicitly"
-                )
-            self.loss_gamma = PAPER_LOSS_GAMMA[self.block_size]
-        if self.layer_types is None:
-            self.layer_types = ["full_attention"] * self.num_hidden_layers
-        self._validate()
-
-    def _validate(self) -> None:
-        if self.num_hidden_layers < 1 or self.block_size < 2 or self.num_anchors < 1:
-            raise ValueError("need num_hidden_layers >= 1, block_size >= 2, num_anchors >= 1")
-        if not (self.loss_gamma > 0 and math.isfinite(self.loss_gamma)):
-            raise ValueError(f"loss_gamma must be a positive number, got {self.loss_gamma}")
-        if self.kl_weight < 0 or self.loss_chunk_tokens < 1:
-            raise ValueError("need kl_weight >= 0 and loss_chunk_tokens >= 1")
-        if (self.intermediate_size is not None and self.intermediate_size < 1) or (
-                self.rope_theta is not None and not self.rope_theta > 0):
-            raise ValueError(f"intermediate_size {self.intermediate_size} and rope_theta {self.rope_theta} "
-                             "must be positive when set")
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
-        if unknown := set(self.layer_types) - set(ATTENTION_TYPES):
-            raise ValueError(f"unknown layer_types {sorted(unknown)}; expected {ATTENTION_TYPES}")
-        if "sliding_attention" in self.layer_types and (self.sliding_window or 0) < self.block_size:
-            raise ValueError("sliding_attention layers need sliding_window >= block_size")
-
-    def resolved_target_layer_ids(self, num_target_layers: int) -> list[int]:
-        ids = self.target_layer_ids or build_target_layer_ids(num_target_layers, self.num_hidden_layers)
-        if not all(0 <= i < num_target_layers for i in ids):
-            raise ValueError(f"target_layer_ids {ids} out of range for {num_target_layers} target layers")
-        return list(ids)
-
-
-def target_text_config(target_config: Mapping[str, Any] | PretrainedConfig) -> dict[str, Any]:
-    """The language-model part of a target config (multimodal targets nest it under text_config)."""
-    config = target_config.to_dict() if isinstance(target_config, PretrainedConfig) else dict(target_config)
-    text = config.get("text_config")
-    return dict(text) if text else config
+from dflash_ring.common.drafter_config import DrafterConfig, target_text_config
 
 
 def _require(target: Mapping[str, Any], key: str) -> Any:

@@ -8,7 +8,7 @@ drafters) with the ledger on (`run.ledger_dir`, common/ledger.py):
    signals go out at seeded random moments within `seconds`, to random targets, drafters and
    the supervisor: SIGKILL, or SIGTERM (a target or drafter then stops cleanly; the supervisor
    drains the run, after which the whole run is started again, as an operator would).
-   A restarter (supervisor/restarter.py) brings back every process that was signalled or exited
+   A restarter (tools/restarter.py) brings back every process that was signalled or exited
    non-zero, after a random delay, with the command it was started with (Restart=on-failure).
 
 Then it checks, from the ledgers and the file system, and reports:
@@ -55,7 +55,7 @@ from typing import Any
 from dflash_ring.common.config import Config, load_config
 from dflash_ring.common.ledger import read_ledger
 from dflash_ring.common.ring import Ring, RingNotFound
-from dflash_ring.supervisor.restarter import Restarter
+from dflash_ring.tools.restarter import Restarter
 
 # The embedded tiny default, made small enough per batch that a minute holds many items and kills.
 CHAOS_DEFAULTS = [
@@ -466,7 +466,7 @@ def _throughput(ledgers: dict[str, list[dict[str, Any]]], window: tuple[float, f
 # ---- the command ------------------------------------------------------------------------------------
 
 def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
-    from dflash_ring.supervisor.launcher import embedded_config
+    from dflash_ring.tools.launcher import embedded_config
 
     work = opts.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,7 @@ DEFAULT_CACHE = "~/.cache/dflash_ring"
 
 def embedded_config(workdir: Path, cache_dir: str = DEFAULT_CACHE) -> Path:
     """Write the embedded default's config: the tiny trained target, 1 producer, 2 drafters, CPU."""
-    from dflash_ring.producer.tiny_target import TRAIN_FILE, ensure_tiny_target, read_marker
+    from dflash_ring.embedded.tiny_target import TRAIN_FILE, ensure_tiny_target, read_marker
 
     target = ensure_tiny_target(Path(cache_dir).expanduser() / "tiny-target")
     mask = read_marker(target)["mask_token_id"]
@@ -240,7 +240,7 @@ def _compare_with_untrained(cfg: Config, exported: Path, console: Console) -> No
     from dflash_ring.consumer.export import export_drafter
     from dflash_ring.consumer.model import build_drafter
     from dflash_ring.consumer.process import resolve_drafter_config, target_config_dict
-    from dflash_ring.producer.tiny_target import HELDOUT_FILE
+    from dflash_ring.embedded.tiny_target import HELDOUT_FILE
 
     torch.set_num_threads(1)  # tiny models: threads only add overhead on a shared box
     heldout = Path(cfg.target.path) / HELDOUT_FILE

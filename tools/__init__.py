@@ -1,0 +1,1 @@
+"""Operator tools above the roles: the one-host launcher (`dflash-ring run`), the chaos soak and its restarter."""
