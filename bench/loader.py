@@ -20,6 +20,7 @@ import torch
 
 from dflash_ring.common.config import load_config
 from dflash_ring.common.ring import Ring
+from dflash_ring.common.slot_contract import HOST_TENSORS, item_tensors
 from dflash_ring.producer.batching import ShardBatcher
 from dflash_ring.producer.pretokenized import TokenizedData
 from dflash_ring.producer.process import prepare
@@ -47,9 +48,9 @@ def run_loader_bench(samples: int = 200_000, max_tokens: int = 32768, max_length
         for batch in batcher.batches():
             prepare(batch, packed=True, pad_id=0, pin=False)
             w = ring.try_acquire(1)
-            for name, dtype in (("input_ids", torch.int32), ("loss_mask", torch.uint8),
-                                ("cu_seqlens", torch.int32), ("sample_ids", torch.int64)):
-                w.tensor(name, dtype, getattr(batch, name).shape).copy_(torch.from_numpy(getattr(batch, name)))
+            for name, dtype, shape in item_tensors(batch.num_tokens, len(batch.lengths), 0, None, torch.float32):
+                if name in HOST_TENSORS:
+                    w.tensor(name, dtype, shape).copy_(torch.from_numpy(getattr(batch, name)))
             ring.abort(w)
             tokens += batch.num_tokens
             batches += 1

@@ -34,15 +34,16 @@ import torch
 import transformers
 
 from dflash_ring.common.config import load_config
+from dflash_ring.common.drafter_config import build_target_layer_ids
 from dflash_ring.common.layout import Role
 from dflash_ring.common.membership import Membership
 from dflash_ring.common.ring import Ring
+from dflash_ring.common.slot_contract import item_tensors
 from dflash_ring.common.slot_format import ALIGN
-from dflash_ring.common.drafter_config import build_target_layer_ids
 from dflash_ring.producer.batching import Batch, ShardBatcher
-from dflash_ring.producer.pretokenized import TokenizedData
 from dflash_ring.producer.conformance import active_sliding_window, layer_kinds, probe
-from dflash_ring.producer.process import Loader, Producer, prepare, run_target, slot_tensors
+from dflash_ring.producer.pretokenized import TokenizedData
+from dflash_ring.producer.process import Loader, Producer, prepare, run_target
 from dflash_ring.producer.target import TargetModel, resolve_device, resolve_dtype
 
 from .target_shapes import SHAPES, model_class, shape_config
@@ -153,7 +154,7 @@ def time_into_ring(target: TargetModel, warm: list[Batch], timed: list[Batch], m
                    slots: int) -> tuple[float, float, int]:
     """(seconds for the timed batches, seconds blocked on a full ring, slot bytes)."""
     hidden = target.hidden_size if target.final_hidden else None
-    specs = slot_tensors(max_tokens, max_tokens, target.feature_width, hidden, target.dtype)
+    specs = item_tensors(max_tokens, max_tokens, target.feature_width, hidden, target.dtype)
     slot_bytes = HEADER_BYTES + sum(-(-int(np.prod(s)) * d.itemsize // ALIGN) * ALIGN for _, d, s in specs)
     lock_dir = tempfile.mkdtemp(prefix="dflash-bench-target-")
     cfg = load_config(None, [

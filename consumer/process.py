@@ -23,15 +23,16 @@ import torch
 
 from dflash_ring.common import sd_notify
 from dflash_ring.common.config import Config
+from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.common.gpu_metrics import GpuCollector, device_uuid
 from dflash_ring.common.layout import Role
 from dflash_ring.common.ledger import Ledger, identity
 from dflash_ring.common.membership import Membership
 from dflash_ring.common.metrics import DRAFTER, DrafterMetrics, serve
 from dflash_ring.common.ring import Ring, SlotReader
+from dflash_ring.common.slot_contract import read_item
 from dflash_ring.common.slot_format import SlotFormatError
 from dflash_ring.consumer.checkpoint import CheckpointStore
-from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.consumer.model import build_drafter, load_target_head
 from dflash_ring.consumer.replica_group import ReplicaGroup
 from dflash_ring.consumer.replicas import ReplicaAverager
@@ -70,15 +71,15 @@ def pick_device(requested: str, index: int) -> torch.device:
 
 def to_device(r: SlotReader, device: torch.device, stream: torch.cuda.Stream | None) -> DeviceBatch:
     """Copy one slot's tensors to the device; returns once the copy has landed (the slot may then go)."""
-    t = r.tensors
+    t = read_item(r.tensors, r.meta)
     with torch.cuda.stream(stream) if stream is not None else _null():
         batch = DeviceBatch(
-            features=t["features"].to(device, non_blocking=True),
-            input_ids=t["input_ids"].to(device, dtype=torch.long, non_blocking=True),
-            loss_mask=t["loss_mask"].to(device, dtype=torch.bool, non_blocking=True),
-            cu_seqlens=t["cu_seqlens"].to(device, dtype=torch.long, non_blocking=True),
-            final_hidden=t["final_hidden"].to(device, non_blocking=True) if "final_hidden" in t else None,
-            meta=dict(r.meta),
+            features=t.features.to(device, non_blocking=True),
+            input_ids=t.input_ids.to(device, dtype=torch.long, non_blocking=True),
+            loss_mask=t.loss_mask.to(device, dtype=torch.bool, non_blocking=True),
+            cu_seqlens=t.cu_seqlens.to(device, dtype=torch.long, non_blocking=True),
+            final_hidden=None if t.final_hidden is None else t.final_hidden.to(device, non_blocking=True),
+            meta=t.meta,
         )
     if stream is not None:
         stream.synchronize()

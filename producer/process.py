@@ -44,7 +44,7 @@ from dflash_ring.common.ledger import Ledger
 from dflash_ring.common.membership import Membership
 from dflash_ring.common.metrics import TARGET, DeviceSpan, ProducerMetrics, serve
 from dflash_ring.common.ring import Ring, SlotWriter
-from dflash_ring.common.slot_format import SlotLayout
+from dflash_ring.common.slot_contract import FEATURES, FINAL_HIDDEN, HOST_TENSORS, META_KEYS, check_fits, item_tensors
 
 from .batching import Batch, Cursor, ShardBatcher
 from .conformance import choose_packing
@@ -58,31 +58,10 @@ LOG_EVERY_S = 30.0
 
 # ---- slot format --------------------------------------------------------------------------------
 
-def slot_tensors(num_tokens: int, num_sequences: int, width: int, hidden: int | None,
-                 dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """Every tensor of one item, in slot order. `hidden` is None unless the final state is shipped."""
-    specs = [
-        ("input_ids", torch.int32, (num_tokens,)),
-        ("loss_mask", torch.uint8, (num_tokens,)),
-        ("cu_seqlens", torch.int32, (num_sequences + 1,)),
-        ("sample_ids", torch.int64, (num_sequences,)),
-        ("features", dtype, (num_tokens, width)),
-    ]
-    if hidden is not None:
-        specs.append(("final_hidden", dtype, (num_tokens, hidden)))
-    return specs
-
-
 def check_slot_fits(cfg: Config, target: TargetModel) -> None:
-    """Fail at start, not at the first long batch, when the largest possible batch overflows a slot."""
-    tokens = cfg.data.max_tokens_per_batch
-    layout = SlotLayout(cfg.ring.slot_bytes, cfg.ring.slot_header_bytes)
     hidden = target.hidden_size if target.final_hidden else None
-    try:
-        for spec in slot_tensors(tokens, tokens, target.feature_width, hidden, target.dtype):
-            layout.add(*spec)
-    except ValueError as e:
-        raise RuntimeError(f"a full batch of data.max_tokens_per_batch = {tokens} tokens does not fit a slot: {e}") from None
+    check_fits(cfg.ring.slot_bytes, cfg.ring.slot_header_bytes, cfg.data.max_tokens_per_batch, target.feature_width,
+               hidden, target.dtype)
 
 
 # ---- loader -----------------------------------------------------------------------------------
@@ -185,12 +164,11 @@ class SlotFiller:
         f = out.features
         hidden = out.final_hidden.shape[1] if out.final_hidden is not None else None
         views = {name: w.tensor(name, dtype, shape) for name, dtype, shape in
-                 slot_tensors(batch.num_tokens, len(batch.lengths), f.shape[1], hidden, f.dtype)}
-        for name in ("input_ids", "loss_mask", "cu_seqlens", "sample_ids"):
+                 item_tensors(batch.num_tokens, len(batch.lengths), f.shape[1], hidden, f.dtype)}
+        for name in HOST_TENSORS:
             views[name].copy_(torch.from_numpy(getattr(batch, name)))
-        w.meta = {"producer": self.index, "epoch": batch.epoch, "position": batch.position,
-                  "num_tokens": batch.num_tokens, "num_sequences": len(batch.lengths)}
-        device_out = [("features", f)] + ([("final_hidden", out.final_hidden)] if hidden is not None else [])
+        w.meta = dict(zip(META_KEYS, (self.index, batch.epoch, batch.position, batch.num_tokens, len(batch.lengths))))
+        device_out = [(FEATURES, f)] + ([(FINAL_HIDDEN, out.final_hidden)] if hidden is not None else [])
         if self.stream is None:
             span = DeviceSpan(f.device)
             for name, t in device_out:
