@@ -192,7 +192,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
-    from dflash_ring.tools.chaos import ChaosOptions, format_report, report_json, run_chaos
+    from dflash_ring.tools.chaos import ChaosOptions, run_chaos
+    from dflash_ring.tools.chaos_report import format_report, report_json
 
     report = run_chaos(ChaosOptions(kills=args.kills, seconds=args.seconds, seed=args.seed, workdir=Path(args.workdir),
                                     config=args.config, overrides=args.set, epochs=args.epochs,

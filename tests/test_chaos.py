@@ -13,7 +13,7 @@ from conftest import wait_exit, wait_for
 from target_fixtures import build_target, load_tokenizer
 
 from dflash_ring.common.ledger import read_ledger
-from dflash_ring.tools.chaos import reconcile
+from dflash_ring.tools.reconcile import reconcile
 
 
 def _stderr_until(proc: subprocess.Popen, text: str, timeout: float) -> str:

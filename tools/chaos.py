@@ -11,7 +11,8 @@ drafters) with the ledger on (`run.ledger_dir`, common/ledger.py):
    A restarter (tools/restarter.py) brings back every process that was signalled or exited
    non-zero, after a random delay, with the command it was started with (Restart=on-failure).
 
-Then it checks, from the ledgers and the file system, and reports:
+Then it checks, from the ledgers (tools/reconcile.py) and the file system, and reports
+(tools/chaos_report.py):
 
 - every batch of every epoch (producer, epoch, position: the producers' plan) was handed to
   training, except those inside the documented loss windows below; none is missing;
@@ -38,7 +39,6 @@ Documented windows (what a kill may cost, by design, without a batch going missi
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -46,7 +46,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -55,6 +55,7 @@ from typing import Any
 from dflash_ring.common.config import Config, load_config
 from dflash_ring.common.ledger import read_ledger
 from dflash_ring.common.ring import Ring, RingNotFound
+from dflash_ring.tools.reconcile import read_ledgers, reconcile, throughput
 from dflash_ring.tools.restarter import Restarter
 
 # The embedded tiny default, made small enough per batch that a minute holds many items and kills.
@@ -117,134 +118,6 @@ def phase_overrides(base: list[str], name: str, directory: Path, epochs: int, ha
 
 
 # ---- the ledger, reconciled -------------------------------------------------------------------------
-
-def read_ledgers(directory: Path) -> tuple[dict[str, list[dict[str, Any]]], int]:
-    """Records per role file (e.g. 'drafter-1'), sorted by time; and how many lines were cut."""
-    out, cut = {}, 0
-    for path in sorted(directory.glob("*.jsonl")) if directory.is_dir() else []:
-        f = read_ledger(path)
-        cut += f.cut_lines
-        out[path.stem] = sorted(f.records, key=lambda r: r["t"])
-    return out, cut
-
-
-def _ident(r: dict[str, Any]) -> tuple[int, int, int]:
-    return int(r["producer"]), int(r["epoch"]), int(r["pos"])
-
-
-def reconcile(ledgers: dict[str, list[dict[str, Any]]], checkpoint_every: int, grad_accum: int) -> dict[str, Any]:
-    """What the producers planned against what the drafters took and trained."""
-    problems: list[str] = []
-    expected: set[tuple[int, int, int]] = set()
-    published: dict[tuple[int, int, int], set[int]] = defaultdict(set)
-    plans: dict[int, list[int]] = {}
-    for name, recs in ledgers.items():
-        if not name.startswith("producer-"):
-            continue
-        p = int(name.split("-")[1])
-        for r in recs:
-            if r["ev"] == "start":
-                if p in plans and plans[p] != r["plan"]:
-                    problems.append(f"producer {p} changed its plan between restarts: {plans[p]} -> {r['plan']}")
-                plans[p] = r["plan"]
-            elif r["ev"] == "pub":
-                published[(p, r["epoch"], r["pos"])].add(int(r["item"]))
-    for p, plan in plans.items():
-        expected |= {(p, e, pos) for e, n in enumerate(plan) for pos in range(n)}
-
-    got: dict[tuple[int, int, int], list[dict[str, Any]]] = defaultdict(list)
-    trained: dict[tuple[int, int, int], list[dict[str, Any]]] = defaultdict(list)
-    clean_exit: set[int] = set()
-    drafter_pids: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    for name, recs in ledgers.items():
-        if not name.startswith("drafter-"):
-            continue
-        for r in recs:
-            r = dict(r, drafter=name)
-            drafter_pids[r["pid"]].append(r)
-            if r["ev"] == "got":
-                got[_ident(r)].append(r)
-            elif r["ev"] == "train":
-                trained[_ident(r)].append(r)
-            elif r["ev"] == "exit":
-                clean_exit.add(r["pid"])
-    killed = {pid for pid in drafter_pids if pid not in clean_exit}
-
-    # Seen twice: only redelivery may explain it (same item, more deliveries, first holder killed untrained).
-    redelivered = sum(1 for rs in got.values() for r in rs if int(r["deliveries"]) > 1)
-    explained_dupes, unexplained = 0, []
-    trained_by = {k: {r["pid"] for r in rs} for k, rs in trained.items()}
-    for k, rs in got.items():
-        for first, later in zip(rs, rs[1:]):
-            if (first["item"] == later["item"] and later["deliveries"] > first["deliveries"]
-                    and first["pid"] in killed and first["pid"] not in trained_by.get(k, set())):
-                explained_dupes += 1
-            else:
-                unexplained.append({"batch": k, "records": [first, later]})
-    twice_trained = [{"batch": k, "records": rs} for k, rs in trained.items() if len(rs) > 1]
-    republished = [{"batch": k, "items": sorted(items)} for k, items in published.items() if len(items) > 1]
-
-    # Taken from the ring by a drafter that was killed before training it, and not redelivered.
-    lost_in_flight: list[tuple[int, int, int]] = []
-    in_flight_by_pid: Counter[int] = Counter()
-    for k, rs in got.items():
-        if k in trained:
-            continue
-        last = rs[-1]
-        if last["pid"] in killed:
-            lost_in_flight.append(k)
-            in_flight_by_pid[last["pid"]] += 1
-    over_window = {pid: n for pid, n in in_flight_by_pid.items() if n > 2}
-    if over_window:
-        problems.append(f"killed drafters lost more than 2 in-flight batches each: {over_window}")
-
-    # Trained by a killed drafter after its last checkpoint: the updates went with it.
-    uncheckpointed = 0
-    bound = checkpoint_every * grad_accum + 2
-    for pid in killed:
-        recs = drafter_pids[pid]
-        last_ckpt = max((r["t"] for r in recs if r["ev"] == "ckpt"), default=float("-inf"))
-        n = sum(1 for r in recs if r["ev"] == "train" and r["t"] > last_ckpt)
-        uncheckpointed += n
-        if n > bound:
-            problems.append(f"drafter pid {pid} trained {n} batches after its last checkpoint (bound {bound})")
-
-    missing = sorted(expected - set(trained) - set(lost_in_flight))
-    unexpected = sorted(set(trained) - expected)
-    seen_only = set(got) | set(published)
-    never_published = sorted(k for k in missing if k not in seen_only)
-    if missing:
-        problems.append(f"{len(missing)} planned batch(es) never trained, e.g. {missing[:5]} "
-                        f"({len(never_published)} of them never published)")
-    if unexpected:
-        problems.append(f"{len(unexpected)} trained batch(es) outside the producers' plan, e.g. {unexpected[:5]}")
-    if twice_trained:
-        problems.append(f"{len(twice_trained)} batch(es) trained twice, e.g. {twice_trained[:2]}")
-    if unexplained:
-        problems.append(f"{len(unexplained)} batch(es) taken twice without a redelivery, e.g. {unexplained[:2]}")
-    if republished:
-        problems.append(f"{len(republished)} batch(es) published twice, e.g. {republished[:3]}")
-    pub_records = sum(len(v) for v in published.values())
-    return {
-        "planned_batches": len(expected),
-        "plans": {str(p): plan for p, plan in sorted(plans.items())},
-        "published_records": pub_records,
-        "published_without_record": len({k for k in got if k not in published}),
-        "taken_by_drafters": len(got),
-        "trained_batches": len(trained),
-        "missing": len(missing),
-        "missing_examples": missing[:20],
-        "trained_twice": len(twice_trained),
-        "published_twice": len(republished),
-        "redelivered_items": redelivered,
-        "seen_twice_explained_by_redelivery": explained_dupes,
-        "seen_twice_unexplained": len(unexplained),
-        "lost_in_flight": len(lost_in_flight),
-        "trained_then_lost_with_crash": uncheckpointed,
-        "killed_drafter_incarnations": len(killed),
-        "problems": problems,
-    }
-
 
 def _percentile(values: list[float], q: float) -> float | None:
     if not values:
@@ -452,19 +325,6 @@ def _checkpoints(cfg: Config, out: Path) -> dict[str, Any]:
     return result
 
 
-def _throughput(ledgers: dict[str, list[dict[str, Any]]], window: tuple[float, float] | None) -> dict[str, Any]:
-    ts = sorted(r["t"] for name, recs in ledgers.items() if name.startswith("drafter-")
-                for r in recs if r["ev"] == "train")
-    if len(ts) < 2:
-        return {"trained": len(ts), "items_per_s": None}
-    lo, hi = (ts[0], ts[-1]) if window is None else (window[0], min(window[1], ts[-1]))
-    n = sum(1 for t in ts if lo <= t <= hi)
-    return {"trained": len(ts), "measured_over_s": round(hi - lo, 1), "items_in_span": n,
-            "items_per_s": round(n / (hi - lo), 2) if hi > lo else None}
-
-
-# ---- the command ------------------------------------------------------------------------------------
-
 def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
     from dflash_ring.tools.launcher import embedded_config
 
@@ -497,7 +357,7 @@ def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
         phase.execute(0, 0, deadline_s=900)
         ledgers, _ = read_ledgers(phase.ledger_dir())
         rec = reconcile(ledgers, phase.cfg.train.checkpoint_every_steps, phase.cfg.train.grad_accum)
-        thr = _throughput(ledgers, None)
+        thr = throughput(ledgers, None)
         base_rate = thr["items_per_s"]
         per_epoch = rec["planned_batches"]
         report["baseline"] = {"epochs": 1, "planned_batches": per_epoch, "trained": rec["trained_batches"],
@@ -523,7 +383,7 @@ def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
     wall = time.monotonic() - t0
     ledgers, cut = read_ledgers(phase.ledger_dir())
     rec = reconcile(ledgers, phase.cfg.train.checkpoint_every_steps, phase.cfg.train.grad_accum)
-    thr = _throughput(ledgers, phase.window)
+    thr = throughput(ledgers, phase.window)
     rec_times, unrecovered = recoveries(phase.kills, phase.restarter.spawns_wall(), ledgers)
     clean = _clean(phase.cfg_path, phase.sets)
     left = leftovers(phase.cfg)
@@ -580,31 +440,3 @@ def _fresh(d: Path) -> None:
     if d.exists():
         shutil.rmtree(d)
     d.mkdir(parents=True)
-
-
-def format_report(rep: dict[str, Any]) -> str:
-    c = rep["chaos"]
-    k, led, thr = c["kills"], c["ledger"], c["throughput"]
-    lines = [
-        f"chaos run, seed {rep['seed']}: {'PASSED' if rep['passed'] else 'FAILED'} ({rep['seconds_total']:.0f}s in all)",
-        f"  kills: {k['sent']} sent ({', '.join(f'{r} {n}' for r, n in k['by_role'].items())}); "
-        f"{', '.join(f'{r} {n}' for r, n in k['by_role_and_signal'].items())}",
-        f"  restarts {c['restarts']}, full restarts after a drain {c['full_restarts_after_drain']}, "
-        f"recoveries {c['recoveries']} (recovery p50 {c['recovery_s']['p50']}s, max {c['recovery_s']['max']}s), "
-        f"not recovered before the end {c['not_recovered_before_the_end']}",
-        f"  batches: planned {led['planned_batches']}, trained {led['trained_batches']}, missing {led['missing']}, "
-        f"trained twice {led['trained_twice']}, published twice {led['published_twice']}",
-        f"  redelivered {led['redelivered_items']} (seen twice, explained {led['seen_twice_explained_by_redelivery']}, "
-        f"unexplained {led['seen_twice_unexplained']}); lost in flight {led['lost_in_flight']}; "
-        f"trained then lost with a crash (un-checkpointed) {led['trained_then_lost_with_crash']}",
-        f"  throughput in the fault window {thr.get('items_per_s')} items/s vs {thr.get('baseline_items_per_s')} "
-        f"without faults: lost {thr.get('lost')}",
-        f"  hung: {c['hung'] or 'none'}; left after clean: {c['clean']['leftovers'] or 'nothing'}; "
-        "checkpoints: " + ", ".join(f"{n} step {v.get('step')}" for n, v in c["checkpoints"].items()),
-    ]
-    lines += [f"  FAILURE: {f}" for f in rep["failures"]]
-    return "\n".join(lines)
-
-
-def report_json(rep: dict[str, Any]) -> str:
-    return json.dumps(rep, indent=2, default=str)

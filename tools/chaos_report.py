@@ -1,0 +1,34 @@
+"""The chaos report, for people (`format_report`) and machines (`report_json`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def format_report(rep: dict[str, Any]) -> str:
+    c = rep["chaos"]
+    k, led, thr = c["kills"], c["ledger"], c["throughput"]
+    lines = [
+        f"chaos run, seed {rep['seed']}: {'PASSED' if rep['passed'] else 'FAILED'} ({rep['seconds_total']:.0f}s in all)",
+        f"  kills: {k['sent']} sent ({', '.join(f'{r} {n}' for r, n in k['by_role'].items())}); "
+        f"{', '.join(f'{r} {n}' for r, n in k['by_role_and_signal'].items())}",
+        f"  restarts {c['restarts']}, full restarts after a drain {c['full_restarts_after_drain']}, "
+        f"recoveries {c['recoveries']} (recovery p50 {c['recovery_s']['p50']}s, max {c['recovery_s']['max']}s), "
+        f"not recovered before the end {c['not_recovered_before_the_end']}",
+        f"  batches: planned {led['planned_batches']}, trained {led['trained_batches']}, missing {led['missing']}, "
+        f"trained twice {led['trained_twice']}, published twice {led['published_twice']}",
+        f"  redelivered {led['redelivered_items']} (seen twice, explained {led['seen_twice_explained_by_redelivery']}, "
+        f"unexplained {led['seen_twice_unexplained']}); lost in flight {led['lost_in_flight']}; "
+        f"trained then lost with a crash (un-checkpointed) {led['trained_then_lost_with_crash']}",
+        f"  throughput in the fault window {thr.get('items_per_s')} items/s vs {thr.get('baseline_items_per_s')} "
+        f"without faults: lost {thr.get('lost')}",
+        f"  hung: {c['hung'] or 'none'}; left after clean: {c['clean']['leftovers'] or 'nothing'}; "
+        "checkpoints: " + ", ".join(f"{n} step {v.get('step')}" for n, v in c["checkpoints"].items()),
+    ]
+    lines += [f"  FAILURE: {f}" for f in rep["failures"]]
+    return "\n".join(lines)
+
+
+def report_json(rep: dict[str, Any]) -> str:
+    return json.dumps(rep, indent=2, default=str)

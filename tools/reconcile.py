@@ -1,0 +1,153 @@
+"""Ledger reconciliation for `dflash-ring chaos`: what the producers planned against what the drafters
+took and trained, from the per-process ledgers (common/ledger.py). The windows it allows per kill
+are documented in tools/chaos.py."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+from dflash_ring.common.ledger import read_ledger
+
+
+def read_ledgers(directory: Path) -> tuple[dict[str, list[dict[str, Any]]], int]:
+    """Records per role file (e.g. 'drafter-1'), sorted by time; and how many lines were cut."""
+    out, cut = {}, 0
+    for path in sorted(directory.glob("*.jsonl")) if directory.is_dir() else []:
+        f = read_ledger(path)
+        cut += f.cut_lines
+        out[path.stem] = sorted(f.records, key=lambda r: r["t"])
+    return out, cut
+
+
+def _ident(r: dict[str, Any]) -> tuple[int, int, int]:
+    return int(r["producer"]), int(r["epoch"]), int(r["pos"])
+
+
+def reconcile(ledgers: dict[str, list[dict[str, Any]]], checkpoint_every: int, grad_accum: int) -> dict[str, Any]:
+    """What the producers planned against what the drafters took and trained."""
+    problems: list[str] = []
+    expected: set[tuple[int, int, int]] = set()
+    published: dict[tuple[int, int, int], set[int]] = defaultdict(set)
+    plans: dict[int, list[int]] = {}
+    for name, recs in ledgers.items():
+        if not name.startswith("producer-"):
+            continue
+        p = int(name.split("-")[1])
+        for r in recs:
+            if r["ev"] == "start":
+                if p in plans and plans[p] != r["plan"]:
+                    problems.append(f"producer {p} changed its plan between restarts: {plans[p]} -> {r['plan']}")
+                plans[p] = r["plan"]
+            elif r["ev"] == "pub":
+                published[(p, r["epoch"], r["pos"])].add(int(r["item"]))
+    for p, plan in plans.items():
+        expected |= {(p, e, pos) for e, n in enumerate(plan) for pos in range(n)}
+
+    got: dict[tuple[int, int, int], list[dict[str, Any]]] = defaultdict(list)
+    trained: dict[tuple[int, int, int], list[dict[str, Any]]] = defaultdict(list)
+    clean_exit: set[int] = set()
+    drafter_pids: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for name, recs in ledgers.items():
+        if not name.startswith("drafter-"):
+            continue
+        for r in recs:
+            r = dict(r, drafter=name)
+            drafter_pids[r["pid"]].append(r)
+            if r["ev"] == "got":
+                got[_ident(r)].append(r)
+            elif r["ev"] == "train":
+                trained[_ident(r)].append(r)
+            elif r["ev"] == "exit":
+                clean_exit.add(r["pid"])
+    killed = {pid for pid in drafter_pids if pid not in clean_exit}
+
+    # Seen twice: only redelivery may explain it (same item, more deliveries, first holder killed untrained).
+    redelivered = sum(1 for rs in got.values() for r in rs if int(r["deliveries"]) > 1)
+    explained_dupes, unexplained = 0, []
+    trained_by = {k: {r["pid"] for r in rs} for k, rs in trained.items()}
+    for k, rs in got.items():
+        for first, later in zip(rs, rs[1:]):
+            if (first["item"] == later["item"] and later["deliveries"] > first["deliveries"]
+                    and first["pid"] in killed and first["pid"] not in trained_by.get(k, set())):
+                explained_dupes += 1
+            else:
+                unexplained.append({"batch": k, "records": [first, later]})
+    twice_trained = [{"batch": k, "records": rs} for k, rs in trained.items() if len(rs) > 1]
+    republished = [{"batch": k, "items": sorted(items)} for k, items in published.items() if len(items) > 1]
+
+    # Taken from the ring by a drafter that was killed before training it, and not redelivered.
+    lost_in_flight: list[tuple[int, int, int]] = []
+    in_flight_by_pid: Counter[int] = Counter()
+    for k, rs in got.items():
+        if k in trained:
+            continue
+        last = rs[-1]
+        if last["pid"] in killed:
+            lost_in_flight.append(k)
+            in_flight_by_pid[last["pid"]] += 1
+    over_window = {pid: n for pid, n in in_flight_by_pid.items() if n > 2}
+    if over_window:
+        problems.append(f"killed drafters lost more than 2 in-flight batches each: {over_window}")
+
+    # Trained by a killed drafter after its last checkpoint: the updates went with it.
+    uncheckpointed = 0
+    bound = checkpoint_every * grad_accum + 2
+    for pid in killed:
+        recs = drafter_pids[pid]
+        last_ckpt = max((r["t"] for r in recs if r["ev"] == "ckpt"), default=float("-inf"))
+        n = sum(1 for r in recs if r["ev"] == "train" and r["t"] > last_ckpt)
+        uncheckpointed += n
+        if n > bound:
+            problems.append(f"drafter pid {pid} trained {n} batches after its last checkpoint (bound {bound})")
+
+    missing = sorted(expected - set(trained) - set(lost_in_flight))
+    unexpected = sorted(set(trained) - expected)
+    seen_only = set(got) | set(published)
+    never_published = sorted(k for k in missing if k not in seen_only)
+    if missing:
+        problems.append(f"{len(missing)} planned batch(es) never trained, e.g. {missing[:5]} "
+                        f"({len(never_published)} of them never published)")
+    if unexpected:
+        problems.append(f"{len(unexpected)} trained batch(es) outside the producers' plan, e.g. {unexpected[:5]}")
+    if twice_trained:
+        problems.append(f"{len(twice_trained)} batch(es) trained twice, e.g. {twice_trained[:2]}")
+    if unexplained:
+        problems.append(f"{len(unexplained)} batch(es) taken twice without a redelivery, e.g. {unexplained[:2]}")
+    if republished:
+        problems.append(f"{len(republished)} batch(es) published twice, e.g. {republished[:3]}")
+    pub_records = sum(len(v) for v in published.values())
+    return {
+        "planned_batches": len(expected),
+        "plans": {str(p): plan for p, plan in sorted(plans.items())},
+        "published_records": pub_records,
+        "published_without_record": len({k for k in got if k not in published}),
+        "taken_by_drafters": len(got),
+        "trained_batches": len(trained),
+        "missing": len(missing),
+        "missing_examples": missing[:20],
+        "trained_twice": len(twice_trained),
+        "published_twice": len(republished),
+        "redelivered_items": redelivered,
+        "seen_twice_explained_by_redelivery": explained_dupes,
+        "seen_twice_unexplained": len(unexplained),
+        "lost_in_flight": len(lost_in_flight),
+        "trained_then_lost_with_crash": uncheckpointed,
+        "killed_drafter_incarnations": len(killed),
+        "problems": problems,
+    }
+
+
+def throughput(ledgers: dict[str, list[dict[str, Any]]], window: tuple[float, float] | None) -> dict[str, Any]:
+    ts = sorted(r["t"] for name, recs in ledgers.items() if name.startswith("drafter-")
+                for r in recs if r["ev"] == "train")
+    if len(ts) < 2:
+        return {"trained": len(ts), "items_per_s": None}
+    lo, hi = (ts[0], ts[-1]) if window is None else (window[0], min(window[1], ts[-1]))
+    n = sum(1 for t in ts if lo <= t <= hi)
+    return {"trained": len(ts), "measured_over_s": round(hi - lo, 1), "items_in_span": n,
+            "items_per_s": round(n / (hi - lo), 2) if hi > lo else None}
+
+
+# ---- the command ------------------------------------------------------------------------------------
