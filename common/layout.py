@@ -64,6 +64,12 @@ class Role(enum.IntEnum):
     CONSUMER = 3
 
 
+# One vocabulary, mapped here only: code, rows and lock files say producer/consumer (the ring's roles);
+# what operators read (CLI, metrics, systemd units, logs, ledgers) says target/drafter (the processes).
+ROLE_NAME = {Role.SUPERVISOR: "supervisor", Role.PRODUCER: "producer", Role.CONSUMER: "consumer"}
+OPERATOR_NAME = {Role.SUPERVISOR: "supervisor", Role.PRODUCER: "target", Role.CONSUMER: "drafter"}
+
+
 class RowStatus(enum.IntEnum):
     EMPTY = 0
     RUNNING = 1

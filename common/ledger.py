@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_ring.common.config import Config
+from dflash_ring.common.layout import OPERATOR_NAME, Role
 
 
 class Ledger:
@@ -45,13 +46,14 @@ class Ledger:
         self._pid = os.getpid()
 
     @classmethod
-    def open(cls, cfg: Config, role: str, index: int) -> Ledger | None:
-        """This process's ledger, or None when `run.ledger_dir` is empty (the default)."""
+    def open(cls, cfg: Config, role: Role, index: int) -> Ledger | None:
+        """This process's ledger (<ledger_dir>/<target|drafter|supervisor>-<index>.jsonl), or None when
+        `run.ledger_dir` is empty (the default)."""
         if not cfg.run.ledger_dir:
             return None
         directory = Path(cfg.run.ledger_dir).expanduser()
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        return cls(directory / f"{role}-{index}.jsonl")
+        return cls(directory / f"{OPERATOR_NAME[role]}-{index}.jsonl")
 
     def write(self, ev: str, **fields: Any) -> None:
         line = json.dumps({"ev": ev, "pid": self._pid, "t": round(time.time(), 4), **fields},

@@ -16,14 +16,12 @@ import os
 import time
 from pathlib import Path
 
-from dflash_ring.common.layout import Role
+from dflash_ring.common.layout import ROLE_NAME, Role
 from dflash_ring.common.ownership import ensure_private_dir
-
-ROLE_NAMES = {Role.SUPERVISOR: "supervisor", Role.PRODUCER: "producer", Role.CONSUMER: "consumer"}
 
 
 def lock_path(lock_dir: Path, role: Role, index: int) -> Path:
-    return lock_dir / f"{ROLE_NAMES[role]}-{index}.lock"
+    return lock_dir / f"{ROLE_NAME[role]}-{index}.lock"
 
 
 def ensure_lock_dir(lock_dir: Path) -> None:

@@ -35,13 +35,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from dflash_ring.common.config import Config, MetricsConfig
-from dflash_ring.common.layout import Role
+from dflash_ring.common.layout import OPERATOR_NAME, ROLE_NAME, Role
 
 log = logging.getLogger(__name__)
 
-SUPERVISOR, TARGET, DRAFTER = "supervisor", "target", "drafter"
-# Ring rows name roles after the ring (producer, consumer); metrics after the processes.
-ROLE_LABEL = {Role.SUPERVISOR: SUPERVISOR, Role.PRODUCER: TARGET, Role.CONSUMER: DRAFTER}
+SUPERVISOR, TARGET, DRAFTER = (OPERATOR_NAME[r] for r in (Role.SUPERVISOR, Role.PRODUCER, Role.CONSUMER))
 PORT_OFFSET = {SUPERVISOR: 0, TARGET: 1, DRAFTER: 100}
 
 # Copies move 1 MiB to ~1.3 GiB (tens of microseconds to ~100 ms); steps take ~10 ms to seconds.
@@ -244,7 +242,7 @@ class RingCollector(Collector):
         beat = GaugeMetricFamily("dflash_ring_heartbeat_age_seconds", "Seconds since a process's last heartbeat",
                                  labels=["role", "index"])
         for row in st.rows:
-            labels = [ROLE_LABEL[Role[row["role"].upper()]], str(row["index"])]
+            labels = [OPERATOR_NAME[Role[row["role"].upper()]], str(row["index"])]
             starts.add_metric(labels, row["restarts"] + 1)
             beat.add_metric(labels, row["heartbeat_age_s"])
         yield starts
@@ -252,4 +250,4 @@ class RingCollector(Collector):
         yield GaugeMetricFamily("dflash_ring_consumers_live", "Drafters holding their lock now",
                                 value=sum(s.startswith("consumer-") for s in live))
         yield GaugeMetricFamily("dflash_ring_producers_live", "Targets holding their lock now",
-                                value=sum(s.startswith("producer-") for s in live))
+                                value=sum(s.startswith(f"{ROLE_NAME[Role.PRODUCER]}-") for s in live))

@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 import logging
 import queue
-import signal
 import threading
 import time
-from dataclasses import asdict, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +24,13 @@ import torch
 from dflash_ring.common import sd_notify
 from dflash_ring.common.config import Config
 from dflash_ring.common.drafter_config import DrafterConfig
-from dflash_ring.common.gpu_metrics import GpuCollector, device_uuid
+from dflash_ring.common.gpu_metrics import device_uuid
 from dflash_ring.common.layout import Role
 from dflash_ring.common.ledger import Ledger, identity
 from dflash_ring.common.membership import Membership
-from dflash_ring.common.metrics import DRAFTER, DrafterMetrics, serve
+from dflash_ring.common.metrics import DrafterMetrics
 from dflash_ring.common.ring import Ring, SlotReader
+from dflash_ring.common.role_process import role_process
 from dflash_ring.common.slot_contract import read_item
 from dflash_ring.common.slot_format import SlotFormatError
 from dflash_ring.consumer.checkpoint import CheckpointStore
@@ -152,102 +153,156 @@ class Prefetcher(threading.Thread):
         return batch
 
 
-def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
-    device = pick_device(device_name or cfg.train.device, index)
-    uuid = device_uuid(device)
-    registry = serve(cfg, DRAFTER, index, uuid)  # a taken port fails here, before any loading
-    if cfg.metrics.enabled:
-        registry.register(GpuCollector([uuid]))
-    metrics = DrafterMetrics(registry)
-    drafter_cfg = resolve_drafter_config(cfg)
-    target_config = target_config_dict(cfg.target.path)
-    head = load_target_head(cfg.target.path, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                            device=device)
-    torch.manual_seed(cfg.train.seed)  # the initial weights: reproducible, and equal across replicas
-    trainer = Trainer(build_drafter(drafter_cfg, target_config), head, drafter_cfg, cfg.train, device)
-    store = CheckpointStore(Path(cfg.train.checkpoint_dir) / f"drafter-{index}")
-    consumed: dict[str, list[int]] = {}
-    items = 0
-    if (ckpt := store.load_latest()) is not None:
-        trainer.restore(ckpt)
-        consumed, items = ckpt.info.get("consumed", {}), int(ckpt.info.get("items", 0))
-        log.info("resumed from %s (step %d)", ckpt.path, ckpt.step)
+@dataclass
+class Consumed:
+    """What this drafter has taken, saved with every checkpoint: items, and per producer the newest
+    (epoch, position) trained."""
 
-    stop = threading.Event()
+    by_producer: dict[str, list[int]] = field(default_factory=dict)
+    items: int = 0
 
-    def checkpoint() -> None:
-        info = {"consumed": consumed, "items": items, "drafter": asdict(drafter_cfg),
-                "target_config": target_config}
-        path = store.save(trainer.state(info), keep=cfg.train.keep_checkpoints)
-        if ledger is not None:
-            ledger.write("ckpt", step=trainer.step, items=items)
+    def add(self, meta: dict[str, Any]) -> None:
+        self.items += 1
+        producer = str(meta.get("producer", "?"))
+        mark = [int(meta.get("epoch", 0)), int(meta.get("position", 0))]
+        self.by_producer[producer] = max(self.by_producer.get(producer, mark), mark)
+
+
+class Averaging:
+    """Replica averaging every train.average_every_steps: with this host's replicas through shared memory,
+    then (this host's leader) with the other hosts' leaders through the group."""
+
+    def __init__(self, cfg: Config, index: int, model: torch.nn.Module, drafter_cfg: DrafterConfig):
+        self.every = cfg.train.average_every_steps
+        self.replicas, self.group = None, None
+        caught = 0
+        if cfg.topology.consumers > 1 and self.every:
+            self.replicas = ReplicaAverager(cfg.run.name, index, cfg.topology.consumers, model, cfg.lock_dir())
+            caught = self.replicas.catch_up()
+        if cfg.group.rendezvous and self.every:  # other hosts: this host's leader meets them
+            self.group = ReplicaGroup.from_config(cfg, index, model, drafter_cfg, fresh=caught == 0)
+            self.group.start()  # a restarted host takes the live hosts' weights before its first step
+
+    def after_step(self, step: int) -> None:
+        if not self.every or step % self.every:
+            return
+        if self.replicas is not None:
+            self.replicas.publish(step)
+            self.replicas.average()
+        if self.group is not None and self.group.sync(step) and self.replicas is not None:
+            self.replicas.publish(step)  # this host's other replicas take the group mean from here
+
+    def leave_group(self) -> None:
+        """At once on stop: a peer waiting on this host in a collective re-forms without it."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    def close(self, step: int) -> None:
+        self.leave_group()
+        if self.replicas is not None:
+            self.replicas.publish(step)  # a restarted or late peer catches up from here
+            self.replicas.close()
+
+
+class Checkpoints:
+    """The checkpoint policy: every train.checkpoint_every_steps, and once more at the end."""
+
+    def __init__(self, store: CheckpointStore, every: int, keep: int, state: Callable[[], dict[str, Any]],
+                 trainer: Trainer):
+        self.store, self.every, self.keep, self.state, self.trainer = store, every, keep, state, trainer
+        self.saved_at = trainer.step
+        self.ledger: Ledger | None = None
+
+    def save(self) -> None:
+        path = self.store.save(self.trainer.state(self.state()), keep=self.keep)
+        self.saved_at = self.trainer.step
+        if self.ledger is not None:
+            self.ledger.write("ckpt", step=self.trainer.step, items=self.state()["items"])
         log.info("checkpoint %s", path)
 
-    with Ring.attach(cfg, pin=True) as ring:
-        # Only now: while it waits for the ring this process holds nothing, so SIGTERM ends it at once
-        # (a handler set earlier left it deaf to `systemctl stop` for all of run.attach_timeout_s).
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        signal.signal(signal.SIGINT, lambda *_: stop.set())
-        me = Membership.join(ring, cfg, Role.CONSUMER, index)
-        if (ledger := Ledger.open(cfg, "drafter", index)) is not None:
-            ledger.write("start", step=trainer.step)
-        replicas, group, caught = None, None, 0
-        if cfg.topology.consumers > 1 and cfg.train.average_every_steps:
-            replicas = ReplicaAverager(cfg.run.name, index, cfg.topology.consumers, trainer.model, cfg.lock_dir())
-            caught = replicas.catch_up()
-        if cfg.group.rendezvous and cfg.train.average_every_steps:  # other hosts: this host's leader meets them
-            group = ReplicaGroup.from_config(cfg, index, trainer.model, drafter_cfg, fresh=caught == 0)
-            group.start()  # a restarted host takes the live hosts' weights before its first step
+    def after_step(self, step: int) -> None:
+        if step - self.saved_at >= self.every:
+            self.save()
+
+    def final(self) -> None:
+        if self.trainer.step != self.saved_at or self.store.load_latest() is None:
+            self.save()
+
+
+class DrafterLoop:
+    """Each batch from the ring: train, then what follows a step (metrics, averaging, log, checkpoint)."""
+
+    def __init__(self, trainer: Trainer, consumed: Consumed, averaging: Averaging, checkpoints: Checkpoints,
+                 metrics: DrafterMetrics, total_steps: Callable[[], int], wait_seconds: Callable[[], float],
+                 log_every: int, ledger: Ledger | None):
+        self.trainer, self.consumed, self.averaging, self.checkpoints = trainer, consumed, averaging, checkpoints
+        self.metrics, self.total_steps, self.wait_seconds = metrics, total_steps, wait_seconds
+        self.log_every, self.ledger = log_every, ledger
+        self.window = _Window()
+
+    def train(self, batch: DeviceBatch) -> None:
+        self.consumed.add(batch.meta)
+        total = self.total_steps()
+        m = self.trainer.train_step(batch, total)
+        if self.ledger is not None:
+            self.ledger.write("train", step=self.trainer.step, **identity(batch.meta))
+        self.metrics.tokens.inc(batch.num_tokens)
+        if m is None:  # accumulating gradients
+            return
+        _record(self.metrics, m)
+        self.window.add(m, self.wait_seconds())
+        self.averaging.after_step(m.step)
+        if m.step % self.log_every == 0:
+            log.info("%s", self.window.line(total))
+        self.checkpoints.after_step(m.step)
+
+
+def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
+    device = pick_device(device_name or cfg.train.device, index)
+    with role_process(cfg, Role.CONSUMER, index, device_uuid(device), pin=True) as proc:
+        metrics, ring = DrafterMetrics(proc.registry), proc.ring
+        drafter_cfg = resolve_drafter_config(cfg)
+        target_config = target_config_dict(cfg.target.path)
+        head = load_target_head(cfg.target.path, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                                device=device)
+        torch.manual_seed(cfg.train.seed)  # the initial weights: reproducible, and equal across replicas
+        trainer = Trainer(build_drafter(drafter_cfg, target_config), head, drafter_cfg, cfg.train, device)
+        store = CheckpointStore(Path(cfg.train.checkpoint_dir) / f"drafter-{index}")
+        consumed = Consumed()
+        if (ckpt := store.load_latest()) is not None:
+            trainer.restore(ckpt)
+            consumed = Consumed(ckpt.info.get("consumed", {}), int(ckpt.info.get("items", 0)))
+            log.info("resumed from %s (step %d)", ckpt.path, ckpt.step)
+        checkpoints = Checkpoints(store, cfg.train.checkpoint_every_steps, cfg.train.keep_checkpoints,
+                                  lambda: {"consumed": consumed.by_producer, "items": consumed.items,
+                                           "drafter": asdict(drafter_cfg), "target_config": target_config},
+                                  trainer)
+        me = proc.join("model loaded, ring attached")
+        checkpoints.ledger = proc.ledger
+        if proc.ledger is not None:
+            proc.ledger.write("start", step=trainer.step)
+        averaging = Averaging(cfg, index, trainer.model, drafter_cfg)
         log.info("drafter %d on %s: %d parameters, ring %s", index, device,
                  sum(p.numel() for p in trainer.model.parameters()), ring.name)
+        loop = DrafterLoop(trainer, consumed, averaging, checkpoints, metrics,
+                           lambda: cfg.train.total_steps or _estimated_steps(ring, cfg), lambda: ring.wait_seconds,
+                           cfg.train.log_every_steps, proc.ledger)
         prefetch = Prefetcher(ring, me.row, device, metrics)
-        prefetch.ledger = ledger
+        prefetch.ledger = proc.ledger
         prefetch.start()
-        sd_notify.ready(f"drafter {index}: model loaded, ring attached")
-        last_saved, window = trainer.step, _Window()
-        while (batch := _next(prefetch, stop, me)) is not None:
-            items += 1
-            producer = str(batch.meta.get("producer", "?"))
-            mark = [int(batch.meta.get("epoch", 0)), int(batch.meta.get("position", 0))]
-            consumed[producer] = max(consumed.get(producer, mark), mark)
-            total = cfg.train.total_steps or _estimated_steps(ring, cfg)
-            m = trainer.train_step(batch, total)
-            if ledger is not None:
-                ledger.write("train", step=trainer.step, **identity(batch.meta))
-            metrics.tokens.inc(batch.num_tokens)
-            if m is not None:
-                _record(metrics, m)
-                window.add(m, ring.wait_seconds)
-                if cfg.train.average_every_steps and m.step % cfg.train.average_every_steps == 0:
-                    if replicas is not None:
-                        replicas.publish(m.step)
-                        replicas.average()
-                    if group is not None and group.sync(m.step) and replicas is not None:
-                        replicas.publish(m.step)  # this host's other replicas take the group mean from here
-                if m.step % cfg.train.log_every_steps == 0:
-                    log.info("%s", window.line(total))
-                if m.step - last_saved >= cfg.train.checkpoint_every_steps:
-                    checkpoint()
-                    last_saved = trainer.step
+        while (batch := _next(prefetch, proc.stop, me)) is not None:
+            loop.train(batch)
         prefetch.stopping.set()
-        if group is not None:
-            group.close()  # at once: a peer waiting on this host in a collective re-forms without it
-        sd_notify.stopping()
+        averaging.leave_group()
         for batch in _leftovers(prefetch):  # released already: train it rather than lose it
-            trainer.train_step(batch, cfg.train.total_steps or _estimated_steps(ring, cfg))
-            items += 1
-            if ledger is not None:
-                ledger.write("train", step=trainer.step, **identity(batch.meta))
-        if replicas is not None:
-            replicas.publish(trainer.step)  # a restarted or late peer catches up from here
-            replicas.close()
-        if trainer.step != last_saved or store.load_latest() is None:
-            checkpoint()
-        log.info("drafter %d done: %d steps, %d items; %s", index, trainer.step, items,
-                 "stopped by signal" if stop.is_set() else "run finished")
-        if ledger is not None:
-            ledger.write("exit", step=trainer.step)
-        me.leave()
+            loop.train(batch)
+        averaging.close(trainer.step)
+        checkpoints.final()
+        log.info("drafter %d done: %d steps, %d items; %s", index, trainer.step, consumed.items,
+                 "stopped by signal" if proc.stop.is_set() else "run finished")
+        if proc.ledger is not None:
+            proc.ledger.write("exit", step=trainer.step)
     return 0
 
 

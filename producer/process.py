@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import queue
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -38,12 +37,12 @@ from transformers import AutoTokenizer
 
 from dflash_ring.common import sd_notify
 from dflash_ring.common.config import Config
-from dflash_ring.common.gpu_metrics import GpuCollector, device_uuid
+from dflash_ring.common.gpu_metrics import device_uuid
 from dflash_ring.common.layout import Role, RowStatus
 from dflash_ring.common.ledger import Ledger
-from dflash_ring.common.membership import Membership
-from dflash_ring.common.metrics import TARGET, DeviceSpan, ProducerMetrics, serve
+from dflash_ring.common.metrics import DeviceSpan, ProducerMetrics
 from dflash_ring.common.ring import Ring, SlotWriter
+from dflash_ring.common.role_process import role_process
 from dflash_ring.common.slot_contract import FEATURES, FINAL_HIDDEN, HOST_TENSORS, META_KEYS, check_fits, item_tensors
 
 from .batching import Batch, Cursor, ShardBatcher
@@ -346,21 +345,12 @@ def resume_point(ring: Ring, row: int, cursor_file: CursorFile) -> tuple[Cursor,
 
 def run_producer(cfg: Config, index: int, device_name: str | None = None) -> int:
     """Produce shard `index` of topology.producers; 0 when finished or stopped cleanly."""
-    stop = threading.Event()
     device = resolve_device(device_name or cfg.target.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    uuid = device_uuid(device)
-    registry = serve(cfg, TARGET, index, uuid)  # a taken port fails here, before minutes of loading
-    if cfg.metrics.enabled:
-        registry.register(GpuCollector([uuid]))
-    metrics = ProducerMetrics(registry)
     producers = cfg.topology.producers
-    with Ring.attach(cfg, pin=device.type == "cuda") as ring:  # a mismatched config fails before any loading
-        # Only now: while it waits for the ring this process holds nothing, so SIGTERM ends it at once
-        # (a handler set earlier left it deaf to `systemctl stop` for all of run.attach_timeout_s).
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+    with role_process(cfg, Role.PRODUCER, index, device_uuid(device), pin=device.type == "cuda") as proc:
+        metrics, ring = ProducerMetrics(proc.registry), proc.ring
         tokenizer = AutoTokenizer.from_pretrained(cfg.target.tokenizer or cfg.target.path, local_files_only=True)
         data = load_tokenized(cfg.data, tokenizer)
         metrics.bad_rows.inc(len(data.bad_rows))
@@ -373,11 +363,9 @@ def run_producer(cfg: Config, index: int, device_name: str | None = None) -> int
         state = Path(cfg.target.state_dir).expanduser() / cfg.run.name
         state.mkdir(parents=True, exist_ok=True)
         cursor_file = CursorFile(state / f"producer-{index}.json", plan_key(batcher))
-        me = Membership.join(ring, cfg, Role.PRODUCER, index)
+        me = proc.join("model loaded, ring attached")
         plan = [len(batcher.epoch_plan(e)) for e in range(cfg.data.epochs)]
         ring.set_planned_items(me.row, sum(plan))
-        ledger = Ledger.open(cfg, "producer", index)
-        sd_notify.ready(f"target {index}: model loaded, ring attached")
         loader = None
         try:
             start, source = resume_point(ring, me.row, cursor_file)
@@ -387,14 +375,15 @@ def run_producer(cfg: Config, index: int, device_name: str | None = None) -> int
             pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
             loader = Loader(batcher.batches(start), lambda b: prepare(b, packed=target.packed, pad_id=pad_id,
                                                                       pin=device.type == "cuda"))
-            producer = Producer(ring, me.row, index, target, stop=stop, cursor_file=cursor_file, metrics=metrics)
-            if ledger is not None:
-                ledger.write("start", plan=plan, resume=[start.epoch, start.position])
-                producer.ledger = ledger
+            producer = Producer(ring, me.row, index, target, stop=proc.stop, cursor_file=cursor_file,
+                                metrics=metrics)
+            if proc.ledger is not None:
+                proc.ledger.write("start", plan=plan, resume=[start.epoch, start.position])
+                producer.ledger = proc.ledger
             if producer.run(loader):
                 ring.set_row_status(me.row, RowStatus.DONE)
-                if ledger is not None:
-                    ledger.write("done")
+                if proc.ledger is not None:
+                    proc.ledger.write("done")
                 # Keep the end, not nothing: a run drained now and started again must not redo this shard.
                 # The supervisor removes the file once every shard is done (the run is complete).
                 cursor_file.save(Cursor(cfg.data.epochs, 0))
@@ -402,8 +391,6 @@ def run_producer(cfg: Config, index: int, device_name: str | None = None) -> int
             else:
                 log.info("stopped before the end of the shard (signal, drain or shutdown)")
         finally:
-            sd_notify.stopping()
             if loader is not None:
                 loader.close()
-            me.leave()
     return 0

@@ -80,7 +80,7 @@ class Supervisor:
         if self.cfg.group.serve and self._rendezvous is None:
             self._rendezvous = serve_rendezvous(self.cfg.group.rendezvous)
             log.info("serving the drafter replica group's rendezvous at %s", self.cfg.group.rendezvous)
-        if (ledger := Ledger.open(self.cfg, "supervisor", 0)) is not None:  # which ring: created or adopted
+        if (ledger := Ledger.open(self.cfg, Role.SUPERVISOR, 0)) is not None:  # which ring: created or adopted
             ledger.write("start", ring_created_ns=self.ring.identity.created_ns,
                          adoptions=self.ring.counter(Counter.SUPERVISOR_ADOPTIONS))
             ledger.close()

@@ -66,17 +66,17 @@ def test_ledger_reconciliation_tells_redelivery_and_in_flight_losses_from_missin
     d1 = [_rec("start", 30, 1, step=0), _rec("got", 30, 4, item=0, deliveries=2, **_batch(0, 0, 0)),
           _rec("train", 30, 5, step=1, **_batch(0, 0, 0)), _rec("got", 30, 6, item=2, deliveries=1, **_batch(0, 0, 2)),
           _rec("train", 30, 7, step=2, **_batch(0, 0, 2)), _rec("exit", 30, 8, step=2)]
-    rec = reconcile({"producer-0": producer, "drafter-0": d0, "drafter-1": d1}, checkpoint_every=10, grad_accum=1)
+    rec = reconcile({"target-0": producer, "drafter-0": d0, "drafter-1": d1}, checkpoint_every=10, grad_accum=1)
     assert rec["problems"] == [] and rec["missing"] == 0
     assert rec["redelivered_items"] == 1 and rec["seen_twice_explained_by_redelivery"] == 1
     assert rec["lost_in_flight"] == 1 and rec["trained_batches"] == 2
     # The same item taken twice by drafters that both lived, or trained twice: not explained.
     d1_twice = d1[:-1] + [_rec("got", 30, 9, item=5, deliveries=1, **_batch(0, 0, 2)),
                           _rec("train", 30, 10, step=3, **_batch(0, 0, 2)), _rec("exit", 30, 11, step=3)]
-    bad = reconcile({"producer-0": producer, "drafter-0": d0, "drafter-1": d1_twice}, 10, 1)
+    bad = reconcile({"target-0": producer, "drafter-0": d0, "drafter-1": d1_twice}, 10, 1)
     assert bad["trained_twice"] == 1 and bad["seen_twice_unexplained"] == 1 and bad["problems"]
     # A batch nobody took is missing, whatever else happened.
-    gone = reconcile({"producer-0": producer, "drafter-1": d1}, 10, 1)
+    gone = reconcile({"target-0": producer, "drafter-1": d1}, 10, 1)
     assert gone["missing"] == 1 and gone["missing_examples"] == [(0, 0, 1)]
 
 

@@ -191,7 +191,7 @@ class Phase:
     def _all_done(self) -> bool:
         """Every producer's last ledger record says its shard is done: the run is complete."""
         n = self.cfg.topology.producers
-        lasts = [read_ledger(p).records[-1:] for p in self.ledger_dir().glob("producer-*.jsonl")]
+        lasts = [read_ledger(p).records[-1:] for p in self.ledger_dir().glob("target-*.jsonl")]
         return len(lasts) == n and all(last and last[0]["ev"] == "done" for last in lasts)
 
     def _ring_flags(self) -> tuple[bool, bool] | None:

@@ -32,7 +32,7 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]], checkpoint_every: int, g
     published: dict[tuple[int, int, int], set[int]] = defaultdict(set)
     plans: dict[int, list[int]] = {}
     for name, recs in ledgers.items():
-        if not name.startswith("producer-"):
+        if not name.startswith("target-"):
             continue
         p = int(name.split("-")[1])
         for r in recs:
