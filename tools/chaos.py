@@ -129,7 +129,7 @@ def _percentile(values: list[float], q: float) -> float | None:
 def recoveries(kills: list[Kill], spawns: list[tuple[float, str, int]],
                ledgers: dict[str, list[dict[str, Any]]]) -> tuple[list[float], int]:
     """Seconds from each kill to its role's next incarnation doing work; and kills never recovered."""
-    work = {"supervisor": {"start"}, "producer": {"pub", "done"}, "drafter": {"train", "exit"}}
+    work = {"supervisor": {"start"}, "target": {"pub", "done"}, "drafter": {"train", "exit"}}
     first_work: dict[int, float] = {}
     for name, recs in ledgers.items():
         kinds = work[name.split("-")[0]]
