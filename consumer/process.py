@@ -32,7 +32,7 @@ from dflash_ring.common.metrics import DRAFTER, DrafterMetrics, serve
 from dflash_ring.common.ring import Ring, SlotReader
 from dflash_ring.common.slot_contract import read_item
 from dflash_ring.common.slot_format import SlotFormatError
-from dflash_ring.consumer.checkpoint import CheckpointStore
+from dflash_ring.consumer.checkpoint import CheckpointStore, check_same_shape
 from dflash_ring.consumer.model import build_drafter, load_target_head
 from dflash_ring.consumer.replica_group import ReplicaGroup
 from dflash_ring.consumer.replicas import ReplicaAverager
@@ -169,6 +169,7 @@ def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
     consumed: dict[str, list[int]] = {}
     items = 0
     if (ckpt := store.load_latest()) is not None:
+        check_same_shape(ckpt, trainer.model, asdict(drafter_cfg))
         trainer.restore(ckpt)
         consumed, items = ckpt.info.get("consumed", {}), int(ckpt.info.get("items", 0))
         log.info("resumed from %s (step %d)", ckpt.path, ckpt.step)
