@@ -96,7 +96,7 @@ def _malformed_data(tmp: Path, name: str) -> list[str]:
 
 
 def _tokenizer_without_chat_template(tmp: Path, name: str) -> list[str]:
-    from dflash_ring.producer.tiny_tokenizer import tiny_chat_tokenizer
+    from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
     from target_fixtures import write_chat_rows
 
     tiny_chat_tokenizer(tmp / "plain-tokenizer", chat_template="")
