@@ -2,7 +2,7 @@
 
 Every field has a default, an unknown key is an error that names it, and
 `--set section.key=value` overrides a field from the command line. The fields
-that two processes must agree on (ring geometry, topology) form the config
+that two processes must agree on (ring geometry, topology, drafter settings) form the config
 fingerprint stored in the ring header, so a mismatched process is refused.
 """
 
@@ -171,6 +171,8 @@ class Config:
             "topology.producers": self.topology.producers,
             "topology.consumers": self.topology.consumers,
         }
+        # Drafter replicas average their weights: replicas of another shape or objective must not join.
+        fields |= {f"drafter.{k}": v for k, v in dataclasses.asdict(self.drafter).items()}
         if self.target.path:
             try:
                 fields |= self.target.geometry().fingerprint_fields()

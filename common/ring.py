@@ -394,6 +394,14 @@ class Ring:
             return None
         return int(r["cursor"][0]), int(r["cursor"][1])
 
+    def cursor_plan(self, row: int) -> str:
+        """The data plan the row's committed cursor belongs to ('' if none was recorded)."""
+        return bytes(self._rows[row]["cursor_plan"]).decode("ascii", "replace")
+
+    def set_cursor_plan(self, row: int, plan: str) -> None:
+        """Only while the row has no committed cursor: the cursors it publishes from now on are of `plan`."""
+        self._rows[row]["cursor_plan"] = plan.encode("ascii")[:24]
+
     def set_planned_items(self, row: int, n: int) -> None:
         self._rows[row]["planned_items"] = n
 

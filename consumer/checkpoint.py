@@ -1,7 +1,7 @@
 """Atomic, pickle-free training checkpoints.
 
     checkpoint_dir/
-      step-00000200/  model.safetensors  optimizer.safetensors  state.safetensors  trainer.json
+      step-00000200/  model.safetensors  optimizer.safetensors  state.safetensors  trainer.json  manifest.json
       step-00000400/  ...
       latest          -> "step-00000400" (a file, replaced by rename)
 
@@ -10,10 +10,16 @@ renamed into place; only then does `latest` move. Resume takes the newest
 checkpoint that loads completely and refuses a partial one, falling back to
 the one before it (a crash mid-save, or a truncated file, costs one interval,
 never the run).
+
+manifest.json, written last inside the temporary directory (so the rename publishes it with the
+files), holds the sha256 of every other file: load refuses a checkpoint whose bytes changed since
+(a flipped bit in tensor data loads fine as safetensors and trains or exports NaNs). Checkpoints
+written before manifests existed load unverified, with a warning.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -33,6 +39,7 @@ log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 FILES = ("model.safetensors", "optimizer.safetensors", "state.safetensors", "trainer.json")
+MANIFEST = "manifest.json"
 
 
 class CheckpointError(RuntimeError):
@@ -87,6 +94,8 @@ class CheckpointStore:
         (tmp / "trainer.json").write_text(json.dumps(info, indent=1))
         for name in FILES:
             fsync(tmp / name)
+        (tmp / MANIFEST).write_text(json.dumps({"sha256": {n: _sha256(tmp / n) for n in FILES}}, indent=1))
+        fsync(tmp / MANIFEST)
         fsync(tmp)
         if final.exists():  # a checkpoint of the same step from before a crash: replace it
             shutil.rmtree(final)
@@ -100,8 +109,11 @@ class CheckpointStore:
         self._prune(keep)
         return final
 
-    def load_latest(self) -> Checkpoint | None:
-        """The newest checkpoint that loads completely; None if there is none at all."""
+    def load_latest(self, fall_back: bool = True) -> Checkpoint | None:
+        """The newest checkpoint that loads completely; None if there is none at all.
+
+        fall_back=False (export): a refused latest checkpoint is an error, not silently an older one.
+        """
         candidates = self._complete_dirs()
         latest = self.root / "latest"
         if latest.exists():
@@ -111,6 +123,10 @@ class CheckpointStore:
             try:
                 return self.load(path)
             except CheckpointError as e:
+                if not fall_back:
+                    raise CheckpointError(f"latest checkpoint {path} refused: {e}. To use an earlier one, name "
+                                          f"its directory (e.g. {candidates[1]})" if len(candidates) > 1 else
+                                          f"checkpoint {path} refused: {e}") from None
                 log.error("refusing checkpoint %s: %s; trying the one before it", path, e)
         return None
 
@@ -118,6 +134,7 @@ class CheckpointStore:
         missing = [n for n in FILES if not (path / n).is_file()]
         if missing:
             raise CheckpointError(f"missing {', '.join(missing)}")
+        self._verify(path)
         try:
             info = json.loads((path / "trainer.json").read_text())
             model = load_file(path / "model.safetensors")
@@ -126,6 +143,21 @@ class CheckpointStore:
         except (SafetensorError, OSError, ValueError, KeyError) as e:
             raise CheckpointError(f"unreadable ({type(e).__name__}: {e})") from None
         return Checkpoint(int(info.pop("step")), model, opt, tensors, info, path)
+
+    @staticmethod
+    def _verify(path: Path) -> None:
+        """Every file's sha256 against the manifest written with it; no manifest: an older checkpoint."""
+        try:
+            digests = json.loads((path / MANIFEST).read_text())["sha256"]
+        except FileNotFoundError:
+            log.warning("checkpoint %s has no %s (written before checksums): loading it unverified", path, MANIFEST)
+            return
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"unreadable {MANIFEST} ({type(e).__name__}: {e})") from None
+        for name in FILES:
+            if not isinstance(digests, dict) or digests.get(name) != _sha256(path / name):
+                raise CheckpointError(f"{path / name} does not match the sha256 in its {MANIFEST}: "
+                                      "the file is corrupted")
 
     def _complete_dirs(self) -> list[Path]:
         if not self.root.is_dir():
@@ -142,6 +174,29 @@ class CheckpointStore:
 
 
 
+def check_same_shape(ckpt: Checkpoint, model: torch.nn.Module, drafter: dict[str, Any]) -> None:
+    """Before a resume: a checkpoint of another drafter shape (e.g. layer count) is refused by field name."""
+    mine = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    theirs = {k: tuple(v.shape) for k, v in ckpt.model.items()}
+    if mine == theirs:
+        return
+    saved = ckpt.info.get("drafter") or {}
+    diffs = [f"drafter.{k} = {saved[k]!r} there, {v!r} here" for k, v in drafter.items() if k in saved and saved[k] != v]
+    if not diffs:
+        name = next(k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k))
+        diffs = [f"tensor {name} is {theirs.get(name, 'absent')} there, {mine.get(name, 'absent')} here"]
+    raise CheckpointError(f"checkpoint {ckpt.path} holds a drafter of another shape ({'; '.join(diffs)}): resume "
+                          f"with the settings it was trained with, or move {ckpt.path.parent} away to start afresh")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """`dflash-ring export`: a training checkpoint (a step dir, or a checkpoint root) -> HF DFlash dir."""
     from dflash_ring.common.drafter_config import DrafterConfig
@@ -150,7 +205,7 @@ def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike) 
 
     path = Path(ckpt_path)
     store = CheckpointStore(path.parent if STEP_DIR.match(path.name) else path)
-    ckpt = store.load(path) if STEP_DIR.match(path.name) else store.load_latest()
+    ckpt = store.load(path) if STEP_DIR.match(path.name) else store.load_latest(fall_back=False)
     if ckpt is None:
         raise CheckpointError(f"no complete checkpoint under {path}")
     drafter = DrafterConfig(**ckpt.info["drafter"])

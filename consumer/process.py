@@ -33,7 +33,7 @@ from dflash_ring.common.ring import Ring, SlotReader
 from dflash_ring.common.role_process import role_process
 from dflash_ring.common.slot_contract import read_item
 from dflash_ring.common.slot_format import SlotFormatError
-from dflash_ring.consumer.checkpoint import CheckpointStore
+from dflash_ring.consumer.checkpoint import CheckpointStore, check_same_shape
 from dflash_ring.consumer.model import build_drafter, load_target_head
 from dflash_ring.consumer.replica_group import ReplicaGroup
 from dflash_ring.consumer.replicas import ReplicaAverager
@@ -271,6 +271,7 @@ def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
         store = CheckpointStore(Path(cfg.train.checkpoint_dir) / f"drafter-{index}")
         consumed = Consumed()
         if (ckpt := store.load_latest()) is not None:
+            check_same_shape(ckpt, trainer.model, asdict(drafter_cfg))
             trainer.restore(ckpt)
             consumed = Consumed(ckpt.info.get("consumed", {}), int(ckpt.info.get("items", 0)))
             log.info("resumed from %s (step %d)", ckpt.path, ckpt.step)

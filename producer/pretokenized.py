@@ -191,17 +191,17 @@ def _materialize(table: pa.Table, out: Path) -> list[tuple[int, str]]:
 
 
 def _report(bad_rows: list[tuple[int, str]], num_rows: int, source: Path) -> None:
-    for index, reason in bad_rows[:_WARN_ROWS]:
-        logger.warning("skipping row %d of %s: %s", index, source, reason)
-    if len(bad_rows) > _WARN_ROWS:
-        logger.warning("... and %d more bad rows (all listed in the cache's meta.json)", len(bad_rows) - _WARN_ROWS)
-    if len(bad_rows) == num_rows:
+    if len(bad_rows) == num_rows:  # one error line, its examples in it: not a warning per row before it
         examples = "; ".join(f"row {i}: {r}" for i, r in bad_rows[:3])
         raise DataError(
             f"no usable row in {source}: all {num_rows} rows were skipped ({examples}). Each row needs "
             "'messages' (a list of {role, content} with at least one assistant turn) or non-empty "
             "'prompt' and 'response' strings, and an assistant reply starting within max_length tokens"
         )
+    for index, reason in bad_rows[:_WARN_ROWS]:
+        logger.warning("skipping row %d of %s: %s", index, source, reason)
+    if len(bad_rows) > _WARN_ROWS:
+        logger.warning("... and %d more bad rows (all listed in the cache's meta.json)", len(bad_rows) - _WARN_ROWS)
     if bad_rows:
         logger.warning("skipped %d of %d rows of %s", len(bad_rows), num_rows, source)
 

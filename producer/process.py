@@ -187,9 +187,10 @@ class SlotFiller:
 class CursorFile:
     """The last published cursor on disk, tagged with the plan it belongs to (a changed plan ignores it)."""
 
-    def __init__(self, path: Path, plan: str):
+    def __init__(self, path: Path, plan: str, description: str = ""):
         self.path = path
         self.plan = plan
+        self.description = description  # for people: which data and settings `plan` stands for
 
     def load(self) -> Cursor | None:
         try:
@@ -206,11 +207,20 @@ class CursorFile:
 
     def save(self, cursor: Cursor) -> None:
         tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(json.dumps({"epoch": cursor.epoch, "position": cursor.position, "plan": self.plan}))
+        tmp.write_text(json.dumps({"epoch": cursor.epoch, "position": cursor.position, "plan": self.plan,
+                                   "plan_description": self.description}))
         os.replace(tmp, self.path)
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
+
+    def description_of(self, plan: str) -> str:
+        """What the file says `plan` was (it names the previous plan until this producer first publishes)."""
+        try:
+            saved = json.loads(self.path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return ""
+        return str(saved.get("plan_description", "")) if saved.get("plan") == plan else ""
 
 
 @dataclass
@@ -335,9 +345,31 @@ def plan_key(batcher: ShardBatcher) -> str:
     return hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:24]
 
 
+def plan_description(batcher: ShardBatcher, data_path: str) -> str:
+    return (f"data {data_path} (tokenized {batcher.data.directory.name}), seed {batcher.seed}, max_tokens_per_batch "
+            f"{batcher.max_tokens}, {'packed' if batcher.packing else 'padded'}, bucket_window {batcher.bucket_window}, "
+            f"shard {batcher.rank} of {batcher.world_size}")
+
+
+class PlanMismatchError(RuntimeError):
+    """The ring row's resume point counts batches of another data plan: resuming there would skip or redo data."""
+
+
 def resume_point(ring: Ring, row: int, cursor_file: CursorFile) -> tuple[Cursor, str]:
+    """Where to start; the ring's cursor is checked against our plan exactly as the cursor file's is."""
     if (committed := ring.committed_cursor(row)) is not None:
+        theirs = ring.cursor_plan(row)
+        if theirs != cursor_file.plan:
+            run = ring.identity.run_name
+            what = cursor_file.description_of(theirs) or "its settings are not on this host"
+            raise PlanMismatchError(
+                f"the ring of run {run!r} holds this producer's resume point (epoch {committed[0]}, position "
+                f"{committed[1]}) of data plan {theirs or '<unrecorded>'} ({what}), but this producer's data "
+                f"plan is {cursor_file.plan} ({cursor_file.description}): finish the old run, or end it with "
+                f"`dflash-ring stop {run}` (or `dflash-ring clean {run}` if its processes are dead) before "
+                f"starting one with other data or batching, or restore the old data and data.* settings")
         return Cursor(*committed), "ring"
+    ring.set_cursor_plan(row, cursor_file.plan)  # before our first publish: the cursors to come are of our plan
     if (saved := cursor_file.load()) is not None:
         return saved, f"cursor file {cursor_file.path}"
     return Cursor(), "start"
@@ -362,7 +394,8 @@ def run_producer(cfg: Config, index: int, device_name: str | None = None) -> int
         batcher = ShardBatcher.from_config(data, cfg.data, rank=index, world_size=producers, packing=target.packed)
         state = Path(cfg.target.state_dir).expanduser() / cfg.run.name
         state.mkdir(parents=True, exist_ok=True)
-        cursor_file = CursorFile(state / f"producer-{index}.json", plan_key(batcher))
+        cursor_file = CursorFile(state / f"producer-{index}.json", plan_key(batcher),
+                                 plan_description(batcher, cfg.data.path))
         me = proc.join("model loaded, ring attached")
         plan = [len(batcher.epoch_plan(e)) for e in range(cfg.data.epochs)]
         ring.set_planned_items(me.row, sum(plan))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from dflash_ring.common.config import load_config
 from dflash_ring.common.ring import Ring
 
 NO_METRICS = ["--set", "metrics.enabled=false"]
+PROGRESS_BAR = re.compile(r"^\s*$|examples/s\]$")  # the data set reader's progress bars: not messages
 
 
 def _foreign_ring(tmp: Path, name: str) -> list[str]:
@@ -38,6 +40,69 @@ def _a_file(tmp: Path, name: str) -> list[str]:
     return []
 
 
+def _checkpoints(tmp: Path, layers: int = 1) -> tuple[Path, Path]:
+    """A tiny target and two real checkpoints of a `layers`-layer drafter trained on it."""
+    from dataclasses import asdict
+
+    from dflash_ring.consumer.checkpoint import CheckpointStore
+    from test_trainer_checkpoint import batch, make_trainer
+
+    trainer, _ = make_trainer(tmp)
+    store = CheckpointStore(tmp / "ckpt" / "drafter-0")
+    for step in range(2):
+        trainer.train_step(batch(step), 20)
+        store.save(trainer.state({"drafter": asdict(trainer.drafter), "target_config": {}}), keep=3)
+    return tmp / "target", store.root
+
+
+def _corrupted_checkpoint(tmp: Path, name: str) -> list[str]:
+    from test_trainer_checkpoint import flip_a_tensor_byte
+
+    _, root = _checkpoints(tmp)
+    flip_a_tensor_byte(root / "step-00000002" / "model.safetensors")
+    return []
+
+
+def _checkpoint_of_one_layer(tmp: Path, name: str) -> list[str]:
+    target, _ = _checkpoints(tmp)
+    return ["--set", f'target.path="{target}"', "--set", "target.mask_token_id=95",
+            "--set", f'train.checkpoint_dir="{tmp / "ckpt"}"', "--set", "drafter.num_hidden_layers=2"]
+
+
+def _ring_for_target(tmp: Path, name: str, data: Path, tokenizer: Path | None = None) -> list[str]:
+    """A tiny target, `data`, and a live ring for them, so `dflash-ring target` gets as far as its data."""
+    from target_fixtures import build_target
+
+    sets = [f'target.path="{build_target(tmp / "model", "qwen3", layers=4)}"', f'data.path="{data}"',
+            f'data.cache_dir="{tmp / "cache"}"', "ring.slots=1", "ring.slot_bytes=8192", "ring.slot_header_bytes=4096"]
+    if tokenizer is not None:
+        sets.append(f'target.tokenizer="{tokenizer}"')
+    Ring.create(load_config(None, [*sets, f"run.name={name}"])).close()
+    return [a for s in sets for a in ("--set", s)]
+
+
+def _missing_data(tmp: Path, name: str) -> list[str]:
+    return _ring_for_target(tmp, name, tmp / "nope.jsonl")
+
+
+def _empty_data(tmp: Path, name: str) -> list[str]:
+    (tmp / "empty.jsonl").write_text("")
+    return _ring_for_target(tmp, name, tmp / "empty.jsonl")
+
+
+def _malformed_data(tmp: Path, name: str) -> list[str]:
+    (tmp / "bad.jsonl").write_text('{"messages": "not a list"}\n{"prompt": ""}\n[1, 2]\n')
+    return _ring_for_target(tmp, name, tmp / "bad.jsonl")
+
+
+def _tokenizer_without_chat_template(tmp: Path, name: str) -> list[str]:
+    from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
+    from target_fixtures import write_chat_rows
+
+    tiny_chat_tokenizer(tmp / "plain-tokenizer", chat_template="")
+    return _ring_for_target(tmp, name, write_chat_rows(tmp / "chat.jsonl", 4), tokenizer=tmp / "plain-tokenizer")
+
+
 # (id, setup(tmp, run) -> extra args, argv with {run} and {tmp}, what the line must say)
 CASES = [
     ("status-invalid-name", None, ["status", ".."], "is not allowed"),
@@ -53,6 +118,17 @@ CASES = [
     ("drafter-no-target", None, ["drafter", "--index", "0", *NO_METRICS], "target.path is empty"),
     ("drafter-model-without-weights", _model_dir_without_weights, ["drafter", "--index", "0", *NO_METRICS],
      "no model.safetensors"),
+    ("export-corrupted-latest", _corrupted_checkpoint, ["export", "{tmp}/ckpt/drafter-0", "{tmp}/out"],
+     "step-00000002/model.safetensors does not match the sha256 in its manifest.json"),
+    ("export-corrupted-step", _corrupted_checkpoint, ["export", "{tmp}/ckpt/drafter-0/step-00000002", "{tmp}/out"],
+     "step-00000002/model.safetensors does not match the sha256 in its manifest.json"),
+    ("drafter-resume-other-layer-count", _checkpoint_of_one_layer, ["drafter", "--index", "0", *NO_METRICS],
+     "drafter.num_hidden_layers = 1 there, 2 here"),
+    ("target-missing-data", _missing_data, ["target", "--index", "0", *NO_METRICS], "nope.jsonl does not exist"),
+    ("target-empty-data", _empty_data, ["target", "--index", "0", *NO_METRICS], "has no rows"),
+    ("target-all-malformed-data", _malformed_data, ["target", "--index", "0", *NO_METRICS], "no usable row"),
+    ("target-tokenizer-without-chat-template", _tokenizer_without_chat_template,
+     ["target", "--index", "0", *NO_METRICS], "has no chat template"),
 ]
 
 
@@ -72,6 +148,6 @@ def test_bad_invocation_is_one_line_exit_2(tmp_path, case):
     finally:
         for p in Path("/dev/shm").glob(f"*dflash-ring.{name}*"):
             p.unlink()
-    lines = out.stderr.strip().splitlines()
+    lines = [ln for ln in out.stderr.strip().splitlines() if not PROGRESS_BAR.search(ln)]
     assert out.returncode == 2 and "Traceback" not in out.stderr and len(lines) == 1, (out.returncode, out.stderr)
     assert lines[0].startswith(f"dflash-ring {args[0]}: error: ") and says in lines[0], lines[0]

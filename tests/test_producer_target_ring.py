@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import wait_exit
+from conftest import wait_exit, wait_for
 from dflash_ring.common.config import Config, load_config
-from dflash_ring.common.layout import Role
+from dflash_ring.common.layout import Counter, Role
 from dflash_ring.common.membership import Membership
 from dflash_ring.common.ring import ConfigMismatchError, Ring
 from dflash_ring.producer.batching import ShardBatcher
@@ -230,3 +230,38 @@ def test_a_drained_run_started_again_does_not_redo_a_finished_shard(run, world):
     assert sorted(i.meta["position"] for i in second) == list(range(shard[1]))
     assert list((run.tmp / "state" / run.name).glob("producer-*.json")) == []  # run complete: no resume points
     assert run.leftovers() == []
+
+
+def test_a_producer_restarted_with_other_data_refuses_the_old_plans_ring_cursor(run, world):
+    """Issue 14 item 4: a producer restarted with another data set resumed from the ring row's cursor of the
+    old plan (the ring's record was trusted unconditionally, the cursor file was checked), published the
+    rest of the other data from the wrong position, and the run "finished". It must refuse, naming both."""
+    cfg = configure(run, world, slots=2, max_tokens=256)
+    other = write_chat_rows(run.tmp / "other.jsonl", ROWS, seed=1)
+    sup = run.supervisor()
+    first = producer(run, 0)
+    with Ring.attach(cfg) as ring:
+        row = ring.row_of(Role.PRODUCER, 0)
+        wait_for(lambda: ring.committed_cursor(row) is not None and ring.counter(Counter.PRODUCED) == 2,
+                 timeout=120, what="a full ring")  # nobody consumed yet: the producer waits, its cursor set
+        first.send_signal(signal.SIGKILL)
+        assert wait_exit(first) == -signal.SIGKILL
+        me = Membership.join(ring, cfg, Role.CONSUMER, 0)
+        again = run.spawn("-m", "dflash_ring", "target", "--config", str(run.config), "--index", "0",
+                          "--set", f'data.path="{other}"')
+        consumed, deadline = 0, time.monotonic() + 120
+        while again.poll() is None and time.monotonic() < deadline:  # before the fix it ran to "shard done"
+            if (r := ring.claim(me.row, timeout_s=0.2)) is not None:
+                ring.release(r)
+                consumed += 1
+                del r
+        me.leave()
+    err = again.stderr.read()
+    lines = err.strip().splitlines()
+    assert wait_exit(again) == 2 and "Traceback" not in err and "shard done" not in err, err[-3000:]
+    assert lines[-1].startswith("dflash-ring target: error: "), lines[-1]
+    assert f"data {world.data} (tokenized" in lines[-1] and f"data {other} (tokenized" in lines[-1], lines[-1]
+    assert f"dflash-ring stop {run.name}" in lines[-1], lines[-1]
+    assert consumed == 2  # the old plan's two items, nothing of the other data
+    assert run.cli("stop", "--config", str(run.config), "--now", "--timeout", "60").returncode == 0
+    wait_exit(sup)

@@ -61,6 +61,25 @@ def test_reclaim_stale_starts_fresh(run):
     assert "reclaimed stale run" in sup.stderr.read()
 
 
+def test_drafter_replicas_with_other_drafter_settings_are_refused_by_field_name(run):
+    """Issue 14 item 5: replicas with block_size 8 and 10 attached to one ring and averaged their weights
+    together silently. The drafter.* settings are part of the ring's fingerprint, checked at attach."""
+    run.write_config(1, 2, extra="[drafter]\nblock_size = 8\n")
+    sup = run.supervisor()
+    with Ring.attach(cfg_for(run)) as ring:  # a replica with the run's settings attaches
+        with pytest.raises(ConfigMismatchError) as e:
+            Ring.attach(cfg_for(run, **{"drafter.block_size": 10}), timeout_s=5)
+        msg = str(e.value)
+        assert "drafter.block_size: ring has 8, this process has 10" in msg, msg
+        assert "drafter.loss_gamma: ring has 4.0, this process has 5.0" in msg, msg
+        assert "ring.slots" not in msg and "topology" not in msg
+        with pytest.raises(ConfigMismatchError, match=r"drafter\.num_hidden_layers: ring has 1, this process has 2"):
+            Ring.attach(cfg_for(run, **{"drafter.num_hidden_layers": 2, "drafter.block_size": 8}), timeout_s=5)
+        del ring
+    sup.send_signal(signal.SIGTERM)
+    assert wait_exit(sup) == 0
+
+
 def test_mismatched_config_is_refused_naming_the_fields(run):
     run.write_config(1, 2, slots=4)
     with Ring.create(cfg_for(run)) as ring:

@@ -101,3 +101,39 @@ def test_lr_schedule_warms_up_then_decays():
     assert lrs[0] == 0.1 and lrs[9] == 1.0
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
     assert abs(lrs[-1] - 0.1) < 0.01
+
+
+def flip_a_tensor_byte(path) -> None:
+    """One bit of the last tensor's data: safetensors still loads the file, with a wrong value in it."""
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_bit_flipped_latest_checkpoint_is_refused_with_one_line_and_the_previous_one_used(tmp_path, caplog):
+    """Issue 14 item 6: checkpoints had no checksums, so flipped tensor bytes loaded (and exported) silently."""
+    trainer, _ = make_trainer(tmp_path)
+    store = CheckpointStore(tmp_path / "ckpt")
+    trainer.train_step(batch(0), 20)
+    first = store.save(trainer.state({}), keep=3)
+    trainer.train_step(batch(1), 20)
+    second = store.save(trainer.state({}), keep=3)
+    flip_a_tensor_byte(second / "model.safetensors")
+    with caplog.at_level("WARNING", logger="dflash_ring.consumer.checkpoint"):
+        loaded = store.load_latest()
+    assert loaded.path == first and loaded.step == 1
+    assert [r.levelname for r in caplog.records] == ["ERROR"]
+    assert str(second / "model.safetensors") in caplog.records[0].getMessage()
+    assert json.loads((second / "manifest.json").read_text())["sha256"].keys() == {
+        "model.safetensors", "optimizer.safetensors", "state.safetensors", "trainer.json"}
+
+
+def test_a_checkpoint_from_before_manifests_loads_with_a_warning(tmp_path, caplog):
+    trainer, _ = make_trainer(tmp_path)
+    store = CheckpointStore(tmp_path / "ckpt")
+    trainer.train_step(batch(0), 20)
+    path = store.save(trainer.state({}), keep=1)
+    (path / "manifest.json").unlink()
+    with caplog.at_level("WARNING", logger="dflash_ring.consumer.checkpoint"):
+        assert store.load_latest().path == path
+    assert "no manifest.json" in caplog.text and "unverified" in caplog.text
