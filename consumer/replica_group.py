@@ -167,6 +167,8 @@ class SignedStore(Store):
                 return value.encode()
             if (theirs := self._open(full, cur)) is not None:
                 return theirs
+            log.warning("replacing a value at %s not signed with this host's group secret (written by someone "
+                        "without it, or group.secret_file differs between hosts)", full)
             expected = cur
         raise _Unavailable(f"store key {full} keeps being overwritten with unsigned values")
 

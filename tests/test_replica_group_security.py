@@ -22,7 +22,7 @@ from conftest import wait_exit, wait_for
 from test_drafter_replica_group import common_rounds, free_port, leader, max_abs_diff, store, write_secret  # noqa: F401
 
 from dflash_ring.common.config import Config, ConfigError
-from dflash_ring.consumer.replica_group import parse_rendezvous, serve_rendezvous
+from dflash_ring.common.rendezvous import parse_rendezvous, serve_rendezvous
 
 
 def refused(host: str, port: int) -> bool:
@@ -129,10 +129,11 @@ def test_a_client_with_another_secret_cannot_join_or_change_the_group(run, store
     b = leader(run, store, "hostB", "--step-sleep", "0.05")
     wait_for(lambda: len(common_rounds(run, "hostA", "hostB")) >= 3, timeout=60, what="two hosts averaging")
     other = write_secret(run.tmp / "other.secret", b"another secret, not the group's!")
-    c = leader(run, store, "hostC", "--step-sleep", "0.05", "--steps", "400", secret=other)
+    c = leader(run, store, "hostC", "--step-sleep", "0.05", "--steps", "100", secret=other)
     assert wait_exit(c, 120) == 0, c.stderr.read()[-3000:]
     log_c = c.stderr.read()
     assert member_lines(log_c) == [] and not list((run.tmp / "out" / "hostC").glob("*")), log_c[-3000:]
+    assert "group.secret_file differs between hosts" in log_c
     after_c = len(common_rounds(run, "hostA", "hostB"))
     wait_for(lambda: len(common_rounds(run, "hostA", "hostB")) >= after_c + 3, timeout=90,
              what="hostA and hostB averaging again")
