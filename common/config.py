@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import os
 import re
+import stat
 import tomllib
 import types
 import typing
@@ -99,6 +100,38 @@ class GroupConfig:
     timeout_s: float = 300.0
     # This host's name in logs and errors; empty: <hostname>/<run.name>.
     host_name: str = ""
+    # Shared secret (same bytes on every host, a file of ours with mode 0600): every value the group writes
+    # to the store is signed with it, so a client without it can neither join nor change the group.
+    # Required with a rendezvous; make one with `head -c 32 /dev/urandom > F && chmod 600 F`.
+    secret_file: str = ""
+
+    def secret(self) -> bytes:
+        """The group secret; refused unless a regular file of ours no one else can read or write (why: it is
+        the group's only credential)."""
+        if not self.secret_file:
+            raise ConfigError("group.secret_file is not set: the replica group needs a shared secret file "
+                              "(same content on every host), e.g. `head -c 32 /dev/urandom > F && chmod 600 F`")
+        try:
+            fd = os.open(self.secret_file, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as e:
+            raise ConfigError(f"group.secret_file = {self.secret_file!r}: cannot open it ({e.strerror}); "
+                              "create it with `head -c 32 /dev/urandom > F && chmod 600 F`") from None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise ConfigError(f"group.secret_file = {self.secret_file!r} is not a regular file")
+            if st.st_uid != os.geteuid():
+                raise ConfigError(f"group.secret_file = {self.secret_file!r} belongs to uid {st.st_uid}, not to "
+                                  f"this user ({os.geteuid()}): use a file of your own")
+            if st.st_mode & 0o077:
+                raise ConfigError(f"group.secret_file = {self.secret_file!r} has mode "
+                                  f"{stat.S_IMODE(st.st_mode):04o}: others can read or write it; "
+                                  f"`chmod 600 {self.secret_file}`")
+            secret = f.read()
+        if len(secret.strip()) < 16:
+            raise ConfigError(f"group.secret_file = {self.secret_file!r} holds {len(secret.strip())} bytes: "
+                              "need at least 16, e.g. `head -c 32 /dev/urandom > F`")
+        return secret
 
 
 @dataclass
@@ -150,6 +183,8 @@ class Config:
             raise ConfigError(f"group.rendezvous = {g.rendezvous!r}: expected tcp://host:port")
         if g.serve and not g.rendezvous:
             raise ConfigError("group.serve = true needs group.rendezvous = \"tcp://host:port\" to listen on")
+        if g.rendezvous:
+            g.secret()  # here, so a missing or exposed secret stops the run at start, naming the setting
         if g.hosts < 0 or g.settle_s <= 0 or g.timeout_s <= 0:
             raise ConfigError(f"group: hosts = {g.hosts}, settle_s = {g.settle_s}, timeout_s = {g.timeout_s}: "
                               "need hosts >= 0 and positive times")

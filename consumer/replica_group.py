@@ -36,6 +36,19 @@ with its own `ProcessGroupGloo` (under the prefix `g<gen>/pg/`):
   first registered set, as JSON in the store, and refuses to train on a mismatch,
   naming the fields.
 
+Security (README "Security"): the store listens on the configured address only
+(`common/rendezvous.py` binds the socket itself), and every value this module or gloo
+writes to it is signed with the group secret (`group.secret_file`): HMAC-SHA256
+over the full key (which holds the generation) and the value (`SignedStore`).
+Reads verify and ignore unsigned or wrongly signed values, so a client without the
+secret cannot take a rank (a rank counts only with a signed host record), cannot
+squat the fingerprint (an unsigned one is replaced) and cannot hand gloo a peer
+address. The counters (`gen`, `joins`, `g<g>/count`) are plain integers the
+server adds to; someone who reaches the port can bump them, which only makes the
+group re-form or pause (hosts train alone), never changes weights. A member whose
+parameters are not finite is left out of that average (weight 0; it takes the
+others' mean), and a non-finite mean is never applied.
+
 Only tensors cross the wire (no pickle). Parameters are staged one at a time into
 one pinned host buffer and reduced there with gloo, so a GPU drafter's extra device
 memory is nil and no nccl group is needed. Caveats, as within a host: AdamW moments
@@ -46,6 +59,8 @@ each average (a collective), bounded by `group.timeout_s`.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import socket
@@ -58,7 +73,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed import AllreduceOptions, PrefixStore, ProcessGroupGloo, ReduceOp, TCPStore
+from torch.distributed import AllreduceOptions, ProcessGroupGloo, ReduceOp, Store, TCPStore
 
 from dflash_ring.common.config import Config, ConfigError, GroupConfig
 from dflash_ring.common.layout import Role
@@ -70,6 +85,92 @@ log = logging.getLogger(__name__)
 BUCKET = 16 << 20  # floats per all-reduce call (64 MiB)
 HEARTBEAT_S = 1.0
 RETRY_S = 10.0  # between attempts to reach a lost store
+
+
+class SignedStore(Store):
+    """A view of the store in which every value carries HMAC-SHA256(secret, key, value).
+
+    Why: TCPStore has no authentication, so anyone who reaches its port can write any
+    key. Values without a valid MAC are treated as absent. The MAC covers the full key
+    (prefix included: `g<gen>/...`), so a value cannot be replayed under another key or
+    generation. Given to gloo too, so the peer addresses it exchanges are verified.
+    Counters (`add`) stay plain integers: the server computes them.
+    """
+
+    MAC = 32
+
+    def __init__(self, inner: Store, secret: bytes, prefix: str = "", timeout_s: float = 30.0):
+        super().__init__()
+        self.inner, self.secret, self.prefix, self.timeout_s = inner, secret, prefix, timeout_s
+
+    def sub(self, prefix: str, timeout_s: float | None = None) -> SignedStore:
+        return SignedStore(self.inner, self.secret, self.prefix + prefix,
+                           self.timeout_s if timeout_s is None else timeout_s)
+
+    def _mac(self, full: str, value: bytes) -> bytes:
+        msg = b"dflash-ring/group/v1\0" + full.encode() + b"\0" + value
+        return hmac.new(self.secret, msg, hashlib.sha256).digest()
+
+    def _seal(self, full: str, value: bytes | str) -> bytes:
+        value = value.encode() if isinstance(value, str) else bytes(value)
+        return self._mac(full, value) + value
+
+    def _open(self, full: str, raw: bytes) -> bytes | None:
+        mac, value = raw[: self.MAC], raw[self.MAC :]
+        return value if len(raw) >= self.MAC and hmac.compare_digest(mac, self._mac(full, value)) else None
+
+    def read(self, key: str) -> bytes | None:
+        """The verified value at key now; None if absent or not signed with our secret."""
+        full = self.prefix + key
+        if not self.inner.check([full]):
+            return None
+        return self._open(full, self.inner.get(full))
+
+    # ---- the Store interface (what gloo calls: set, get, wait) ----
+
+    def set(self, key: str, value: bytes | str) -> None:
+        full = self.prefix + key
+        self.inner.set(full, self._seal(full, value))
+
+    def get(self, key: str, timeout_s: float | None = None) -> bytes:
+        """Waits for a validly signed value: a forged one may yet be replaced by the real one."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        while True:
+            value = self.read(key)
+            if value is not None:
+                return value
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"replica group store: no validly signed value at {self.prefix + key} "
+                                   "(missing, or written by someone without the group secret)")
+            time.sleep(0.02)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        for key in keys:
+            self.get(key, None if timeout is None else timeout.total_seconds())
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self.read(k) is not None for k in keys)
+
+    def add(self, key: str, value: int) -> int:
+        return int(self.inner.add(self.prefix + key, value))
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:  # plain: only the `gen` counter uses it
+        return self.inner.compare_set(self.prefix + key, expected, desired)
+
+    def claim(self, key: str, value: str) -> bytes:
+        """The first validly signed value at key, ours if there is none; an unsigned squatter's value is replaced."""
+        full, expected = self.prefix + key, b""
+        mine = self._seal(full, value)
+        for _ in range(100):
+            cur = self.inner.compare_set(full, expected, mine)
+            if cur == mine:
+                return value.encode()
+            if (theirs := self._open(full, cur)) is not None:
+                return theirs
+            log.warning("replacing a value at %s not signed with this host's group secret (written by someone "
+                        "without it, or group.secret_file differs between hosts)", full)
+            expected = cur
+        raise _Unavailable(f"store key {full} keeps being overwritten with unsigned values")
 
 
 def fingerprint_fields(cfg: Config, drafter: Any, model: nn.Module) -> dict[str, Any]:
@@ -98,7 +199,9 @@ class ReplicaGroup:
         self.params = list(model.parameters())
         n = sum(p.numel() for p in self.params)
         self._flat = torch.empty(n, dtype=torch.float32, pin_memory=self.params[0].is_cuda)
-        self.store: TCPStore | None = None
+        self.secret = group.secret()
+        self.store: SignedStore | None = None
+        self.hosts: list[str] = []
         self.pg: ProcessGroupGloo | None = None
         self.gen, self.rank, self.size, self.round = -1, 0, 0, 0
         self.averages = 0  # cross-host averages taken part in (size > 1)
@@ -141,10 +244,9 @@ class ReplicaGroup:
         averaged = False
         if self.size > 1:
             try:
-                flag = torch.tensor([float(changed)])
-                self.pg.allreduce([flag], _opts(ReduceOp.MAX)).wait()
-                changed = bool(flag[0] > 0)
-                self._average(1.0, float(self.size))
+                votes = self._vote(changed, self._stage(), live=True)
+                changed = bool(votes[0] > 0)
+                self._reduce(votes)
                 self.round += 1
                 self.averages += 1
                 averaged = True
@@ -179,8 +281,9 @@ class ReplicaGroup:
             if self.store is None:
                 host, port = parse_rendezvous(self.cfg.rendezvous)
                 first, self._connects = self._connects == 0, self._connects + 1
-                self.store = TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                      timeout=timedelta(seconds=min(self.cfg.timeout_s, 30.0 if first else 5.0)))
+                raw = TCPStore(host, port, is_master=False, wait_for_workers=False,
+                               timeout=timedelta(seconds=min(self.cfg.timeout_s, 30.0 if first else 5.0)))
+                self.store = SignedStore(raw, self.secret, timeout_s=self.cfg.settle_s + 10.0)
                 self._check_fingerprint()
             self._form()
             self._heal()
@@ -195,12 +298,12 @@ class ReplicaGroup:
 
     def _check_fingerprint(self) -> None:
         mine = json.dumps(self.fields, sort_keys=True)
-        first = self.store.compare_set("fingerprint", "", mine).decode()
+        first = self.store.claim("fingerprint", mine).decode()  # an unsigned (squatted) one does not count
         if first == mine:
-            self.store.compare_set("fingerprint_host", "", self.host)
+            self.store.claim("fingerprint_host", self.host)
             return
         theirs = json.loads(first)
-        by = self.store.get("fingerprint_host").decode() if self.store.check(["fingerprint_host"]) else "?"
+        by = (self.store.read("fingerprint_host") or b"?").decode()
         diff = [f"{k} = {self.fields.get(k, '<unset>')!r} here, {theirs.get(k, '<unset>')!r} on {by}"
                 for k in sorted(set(self.fields) | set(theirs)) if self.fields.get(k) != theirs.get(k)]
         self.close()
@@ -214,7 +317,7 @@ class ReplicaGroup:
             if time.monotonic() > deadline:
                 raise _Unavailable(f"no generation formed within {self.cfg.timeout_s:.0f}s")
             g = int(store.add("gen", 0))
-            if store.check([f"g{g}/size"]):  # closed: ask its members to re-form with us
+            if store.read(f"g{g}/size") is not None:  # closed (signed by a member): ask them to re-form with us
                 self._await_members(g, deadline)
                 continue
             joins = int(store.add("joins", 0))  # before taking a rank: any later join is seen at a sync
@@ -224,16 +327,16 @@ class ReplicaGroup:
                 store.compare_set("gen", str(g), str(g + 1))
                 continue
             store.set(f"g{g}/host{rank}", self.host)
-            try:
-                pg = ProcessGroupGloo(PrefixStore(f"g{g}/pg/", store), rank, size,
+            try:  # a rank counts only with a signed host record: one taken without the secret sinks g
+                hosts = [store.get(f"g{g}/host{r}").decode() for r in range(size)]
+                pg = ProcessGroupGloo(store.sub(f"g{g}/pg/", self.cfg.timeout_s), rank, size,
                                       timedelta(seconds=self.cfg.timeout_s)) if size > 1 else None
             except RuntimeError as e:
                 log.warning("generation %d did not connect (%s): next one", g, _first_line(e))
                 store.compare_set("gen", str(g), str(g + 1))
                 continue
             self.gen, self.rank, self.size, self.pg, self.round, self._joins_seen = g, rank, size, pg, 0, joins
-            hosts = [store.get(f"g{g}/host{r}").decode() if store.check([f"g{g}/host{r}"]) else "?"
-                     for r in range(size)]
+            self.hosts = hosts
             log.info("replica group generation %d: rank %d of %d (%s)", g, rank, size, ", ".join(hosts))
             self._start_heartbeat(g)
             return
@@ -252,25 +355,31 @@ class ReplicaGroup:
     def _await_size(self, g: int) -> int | None:
         """The size rank 0 closed g with; None if it never does (rank 0 died while forming)."""
         last, since = -1, time.monotonic()
-        while not self.store.check([f"g{g}/size"]):
+        while (size := self.store.read(f"g{g}/size")) is None:
             count = int(self.store.add(f"g{g}/count", 0))
             if count != last:
                 last, since = count, time.monotonic()
             if time.monotonic() - since > self.cfg.settle_s + 10.0:
                 return None
             time.sleep(0.05)
-        return int(self.store.get(f"g{g}/size"))
+        return int(size)
 
     def _await_members(self, g: int, deadline: float) -> None:
         """g is closed: wait for its members to re-form at their next average, or move on if none is alive."""
         store = self.store
         store.add("joins", 1)
-        beats, since = int(store.add(f"g{g}/hb", 0)), time.monotonic()
+        size = int(store.read(f"g{g}/size") or 0)
+
+        def beats() -> list[int]:  # signed per-rank counters: replaying an old value never looks like a beat
+            return [int(store.read(f"g{g}/hb{r}") or -1) for r in range(size)]
+
+        seen, since = beats(), time.monotonic()
         log.info("generation %d is running: waiting for its members to re-form with this host", g)
         while int(store.add("gen", 0)) == g:
             now = time.monotonic()
-            if int(store.add(f"g{g}/hb", 0)) != beats:
-                beats, since = int(store.add(f"g{g}/hb", 0)), now
+            latest = beats()
+            if any(b > s for b, s in zip(latest, seen)):
+                seen, since = [max(b, s) for b, s in zip(latest, seen)], now
             if now - since > 3 * HEARTBEAT_S + 1.0 or now > deadline:
                 log.info("generation %d has no live member: starting the next", g)
                 store.compare_set("gen", str(g), str(g + 1))
@@ -279,13 +388,15 @@ class ReplicaGroup:
 
     def _start_heartbeat(self, g: int) -> None:
         host, port = parse_rendezvous(self.cfg.rendezvous)
-        stop = threading.Event()
+        stop, rank = threading.Event(), self.rank
 
         def beat() -> None:
             try:
-                store = TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+                raw = TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+                store, n = SignedStore(raw, self.secret), 0
                 while not stop.wait(HEARTBEAT_S):
-                    store.add(f"g{g}/hb", 1)
+                    n += 1
+                    store.set(f"g{g}/hb{rank}", str(n))
             except RuntimeError:
                 pass  # the main thread finds out at its next store call
 
@@ -297,37 +408,69 @@ class ReplicaGroup:
 
     def _heal(self) -> None:
         """Right after forming: the mean over members with live weights (all members if none has)."""
-        weight = 0.0 if self.fresh else 1.0
         if self.size > 1:
-            live = torch.tensor([weight])
-            self.pg.allreduce([live], _opts(ReduceOp.SUM)).wait()
-            total = float(live[0])
-            if total == 0:
-                weight, total = 1.0, float(self.size)
-            self._average(weight, total)
+            votes = self._vote(False, self._stage(), live=not self.fresh)
+            mine = self._reduce(votes)
             self.averages += 1
-            if self.fresh and weight == 0:
-                log.info("caught up with the live hosts' weights (generation %d, %d live of %d)", self.gen,
-                         int(total), self.size)
+            if self.fresh and mine == 0 and votes[1 + self.rank] > 0:
+                live = int((votes[1 + self.size :] > 0).sum())
+                log.info("caught up with the live hosts' weights (generation %d, %d live of %d)", self.gen, live,
+                         self.size)
         self.fresh = False
 
     @torch.no_grad()
-    def _average(self, weight: float, total: float) -> None:
+    def _stage(self) -> bool:
+        """Copy the parameters into the host buffer; True if every value is finite."""
         flat, offset = self._flat, 0
         for p in self.params:  # one parameter at a time: no extra device memory
             flat[offset : offset + p.numel()].view_as(p).copy_(p.detach(), non_blocking=True)
             offset += p.numel()
         if self.params[0].is_cuda:
             torch.cuda.current_stream(self.params[0].device).synchronize()
-        if weight != 1.0:
-            flat.mul_(weight)
+        return _finite(flat)
+
+    def _vote(self, changed: bool, finite: bool, live: bool) -> torch.Tensor:
+        """One small all-reduce (max): [changed anywhere, finite per rank..., live weights per rank...]."""
+        votes = torch.zeros(1 + 2 * self.size)
+        votes[0] = float(changed)
+        votes[1 + self.rank] = float(finite)
+        votes[1 + self.size + self.rank] = float(live)
+        self.pg.allreduce([votes], _opts(ReduceOp.MAX)).wait()
+        return votes
+
+    @torch.no_grad()
+    def _reduce(self, votes: torch.Tensor) -> float:
+        """Average the staged buffer with weight 1 for finite, live members; returns this member's weight.
+
+        Why: one NaN or inf would poison every host's weights for good. A member with non-finite
+        parameters contributes zeros and takes the others' mean; every member decides from the same
+        votes, so all stay in step. A mean that is itself not finite (overflow) is not applied.
+        """
+        finite, live = votes[1 : 1 + self.size] > 0, votes[1 + self.size :] > 0
+        weights = (finite & live) if bool((finite & live).any()) else finite
+        for r in torch.nonzero(~finite).flatten().tolist():
+            name = self.hosts[r] if r < len(self.hosts) else "?"
+            log.warning("generation %d: %s (rank %d) has non-finite parameters: left out of this average%s",
+                        self.gen, name, r, " (this host: taking the others' mean)" if r == self.rank else "")
+        total = float(weights.sum())
+        if total == 0:
+            log.warning("generation %d: no member has finite parameters: nothing averaged", self.gen)
+            return 0.0
+        mine = float(weights[self.rank])
+        flat = self._flat
+        if mine == 0:
+            flat.zero_()  # not mul_(0): NaN * 0 is NaN
         for chunk in flat.split(BUCKET):
             self.pg.allreduce([chunk], _opts(ReduceOp.SUM)).wait()
         flat.div_(total)
+        if not _finite(flat):
+            log.warning("generation %d: the mean is not finite (overflow): not applied", self.gen)
+            return mine
         offset = 0
         for p in self.params:
             p.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
+        return mine
 
     # ---- failure ---------------------------------------------------------------------
 
@@ -346,6 +489,10 @@ class ReplicaGroup:
         self._teardown()
         self.store = None
         self._retry_at = time.monotonic() + RETRY_S
+
+
+def _finite(flat: torch.Tensor) -> bool:
+    return all(bool(torch.isfinite(chunk).all()) for chunk in flat.split(BUCKET))
 
 
 def _opts(op: ReduceOp) -> AllreduceOptions:

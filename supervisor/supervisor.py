@@ -67,6 +67,10 @@ class Supervisor:
         if self._metrics is None:  # before the ring exists: a taken port must not leave a ring behind
             self._metrics = RingCollector(self.lock_dir)
             serve(self.cfg, SUPERVISOR).register(self._metrics)
+        if self.cfg.group.serve and self._rendezvous is None:  # before the ring too: bound to its address only
+            self._rendezvous = serve_rendezvous(self.cfg.group.rendezvous)
+            log.info("serving the drafter replica group's rendezvous at %s (that address only; members sign with "
+                     "group.secret_file)", self.cfg.group.rendezvous)
         run = self.cfg.run.name
         if Ring.exists(run):
             self.ring = self._adopt_or_reclaim(run)
@@ -77,9 +81,6 @@ class Supervisor:
                      self.ring.name, self.cfg.ring.slots, self.cfg.ring.slot_bytes / 2**20,
                      self.cfg.topology.producers, self.cfg.topology.consumers)
         self.ring.take_row(0, Role.SUPERVISOR, 0)
-        if self.cfg.group.serve and self._rendezvous is None:
-            self._rendezvous = serve_rendezvous(self.cfg.group.rendezvous)
-            log.info("serving the drafter replica group's rendezvous at %s", self.cfg.group.rendezvous)
         if (ledger := Ledger.open(self.cfg, Role.SUPERVISOR, 0)) is not None:  # which ring: created or adopted
             ledger.write("start", ring_created_ns=self.ring.identity.created_ns,
                          adoptions=self.ring.counter(Counter.SUPERVISOR_ADOPTIONS))

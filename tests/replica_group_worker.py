@@ -25,11 +25,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("host")
     ap.add_argument("--rendezvous", required=True)
+    ap.add_argument("--secret", required=True)  # group.secret_file
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=10**9)
     ap.add_argument("--every", type=int, default=2)
     ap.add_argument("--block-size", type=int, default=4)  # stands for the drafter fields compared at rendezvous
     ap.add_argument("--step-sleep", type=float, default=0.02)
+    ap.add_argument("--nan-at", type=int, default=0)  # this step's parameters turn NaN just before the average
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"{args.host} %(levelname)s %(message)s")
     torch.manual_seed(sum(args.host.encode()))  # every host starts from different weights
@@ -37,7 +39,8 @@ def main() -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     locks = args.out / f"{args.host}.locks"
     locks.mkdir(parents=True, exist_ok=True)
-    group = ReplicaGroup(GroupConfig(rendezvous=args.rendezvous, hosts=2, settle_s=2.0, timeout_s=20.0),
+    group = ReplicaGroup(GroupConfig(rendezvous=args.rendezvous, hosts=2, settle_s=2.0, timeout_s=20.0,
+                                     secret_file=args.secret),
                          args.host, 0, model, locks, {"drafter.block_size": args.block_size}, fresh=True)
     dumps = args.out / args.host
     dumps.mkdir(exist_ok=True)
@@ -63,6 +66,10 @@ def main() -> int:
         tmp = args.out / f"{args.host}.step.tmp"
         tmp.write_text(f"{step} {float(loss):.5f}\n")
         os.replace(tmp, args.out / f"{args.host}.step")
+        if step == args.nan_at:
+            with torch.no_grad():
+                model[0].weight[0, 0] = float("nan")
+            print(f"injected NaN at step {step}", file=sys.stderr, flush=True)
         if step % args.every == 0 and group.sync(step):
             dump()
         if (args.out / "stop").exists():

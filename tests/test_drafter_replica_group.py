@@ -7,6 +7,7 @@ supervisors, producers and drafters (two hosts) train one model.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 from pathlib import Path
@@ -30,16 +31,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def write_secret(path: Path, content: bytes = b"0123456789abcdef0123456789abcdef") -> Path:
+    """group.secret_file: mode 0600 from the start (why: the group's only credential)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(content)
+    return path
+
+
 @pytest.fixture
-def store():
+def store(tmp_path):
+    """A rendezvous at 127.0.0.1 and the group secret at <tmp>/group.secret (what leader() passes)."""
+    write_secret(tmp_path / "group.secret")
     address = f"tcp://127.0.0.1:{free_port()}"
     server = serve_rendezvous(address)
     yield address
-    del server
+    server.close()
 
 
-def leader(run, store: str, host: str, *extra: str):
-    return run.spawn(str(WORKER), host, "--rendezvous", store, "--out", str(run.tmp / "out"), *extra)
+def leader(run, store: str, host: str, *extra: str, secret: Path | None = None):
+    return run.spawn(str(WORKER), host, "--rendezvous", store, "--out", str(run.tmp / "out"),
+                     "--secret", str(secret or run.tmp / "group.secret"), *extra)
 
 
 def step_of(run, host: str) -> int:
@@ -104,10 +116,11 @@ def test_a_host_with_another_drafter_config_is_refused_by_field(run, store):
     assert wait_exit(a, 60) == 0
 
 
-def host_config(run, target, data, port: int, serve: bool) -> None:
+def host_config(run, target, data, port: int, serve: bool, secret: Path) -> None:
     pipeline_config(run, target, data, extra=f"""
 [group]
 rendezvous = "tcp://127.0.0.1:{port}"
+secret_file = "{secret}"
 serve = {'true' if serve else 'false'}
 hosts = 2
 settle_s = 5.0
@@ -127,9 +140,10 @@ def test_two_hosts_with_their_own_rings_train_one_model(run):
     try:
         target = build_target(run.tmp / "target", "qwen3", layers=4)
         port = free_port()
+        secret = write_secret(run.tmp / "group.secret")  # the same bytes on both "hosts"
         hosts = [(run, True, 0), (other, False, 1)]
         for r, serve, seed in hosts:
-            host_config(r, target, cyclic_rows(r.tmp / "chat.jsonl", 96, seed=seed), port, serve)
+            host_config(r, target, cyclic_rows(r.tmp / "chat.jsonl", 96, seed=seed), port, serve, secret)
         drafters = []
         for r, _, _ in hosts:
             r.supervisor()
