@@ -260,8 +260,8 @@ class DrafterLoop:
 
 def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
     device = pick_device(device_name or cfg.train.device, index)
-    with role_process(cfg, Role.CONSUMER, index, device_uuid(device), pin=True) as proc:
-        metrics, ring = DrafterMetrics(proc.registry), proc.ring
+    with role_process(cfg, Role.CONSUMER, index, device_uuid(device)) as proc:
+        metrics = DrafterMetrics(proc.registry)
         drafter_cfg = resolve_drafter_config(cfg)
         target_config = target_config_dict(cfg.target.path)
         head = load_target_head(cfg.target.path, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
@@ -279,6 +279,7 @@ def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
                                   lambda: {"consumed": consumed.by_producer, "items": consumed.items,
                                            "drafter": asdict(drafter_cfg), "target_config": target_config},
                                   trainer)
+        ring = proc.attach(pin=True)  # after loading: a wrong model fails at once, not after a ring appears
         me = proc.join("model loaded, ring attached")
         checkpoints.ledger = proc.ledger
         if proc.ledger is not None:

@@ -381,8 +381,9 @@ def run_producer(cfg: Config, index: int, device_name: str | None = None) -> int
     if device.type == "cuda":
         torch.cuda.set_device(device)
     producers = cfg.topology.producers
-    with role_process(cfg, Role.PRODUCER, index, device_uuid(device), pin=device.type == "cuda") as proc:
-        metrics, ring = ProducerMetrics(proc.registry), proc.ring
+    with role_process(cfg, Role.PRODUCER, index, device_uuid(device)) as proc:
+        metrics = ProducerMetrics(proc.registry)
+        ring = proc.attach(pin=device.type == "cuda")  # a mismatched config fails before any loading
         tokenizer = AutoTokenizer.from_pretrained(cfg.target.tokenizer or cfg.target.path, local_files_only=True)
         data = load_tokenized(cfg.data, tokenizer)
         metrics.bad_rows.inc(len(data.bad_rows))
