@@ -120,6 +120,8 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-new-tokens", type=int, default=256)
     sp.add_argument("--limit", type=int, default=None, help="evaluate only the first K prompts")
     sp.add_argument("--device", default="cpu")
+    sp.add_argument("--threads", type=int, default=1,
+                    help="CPU threads for torch (default 1, as inside `run`: small forwards; 0: torch's default)")
     sp.add_argument("--json", action="store_true", help="print the report as JSON")
     sp.set_defaults(func=cmd_eval)
 
@@ -381,7 +383,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     try:
         report = evaluate_drafter(args.drafter, args.target, args.data, max_new_tokens=args.max_new_tokens,
-                                  limit=args.limit, device=args.device)
+                                  limit=args.limit, device=args.device, cpu_threads=args.threads or None)
     except (OSError, ValueError) as e:  # missing files, a drafter of another target, a malformed data row
         print(f"dflash-ring eval: error: {e}", file=sys.stderr)
         return 2
