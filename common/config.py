@@ -327,8 +327,10 @@ def dump_toml(cfg: Config, *, full: bool = False, header: str = "",
               comments: typing.Mapping[str, str] | None = None) -> str:
     """`cfg` as TOML that `load_config` reads back equal: the one writer of run configs.
 
-    By default only fields that differ from the defaults are written: a copied file then says
-    what this run chose and keeps following the code's defaults for the rest. `full` writes every
+    By default only fields that differ from the defaults, and that the section does not derive from
+    its other fields, are written: a copied file then says what this run chose and keeps following the
+    code's defaults for the rest (an edited num_hidden_layers is not contradicted by a stale
+    layer_types). `full` writes every
     field (None, which TOML cannot spell, is every optional field's default, so it is left out).
     `header` becomes leading comment lines; `comments` maps "section" or "section.key" to a
     comment line written above it.
@@ -338,14 +340,21 @@ def dump_toml(cfg: Config, *, full: bool = False, header: str = "",
     out = [f"# {line}".rstrip() for line in header.splitlines()]
     for section in dataclasses.fields(Config):
         value, default = getattr(cfg, section.name), getattr(defaults, section.name)
+        kept = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)
+                if getattr(value, f.name) is not None and (full or getattr(value, f.name) != getattr(default, f.name))}
+        if not full:  # leave out what the section derives from the rest (drafter.layer_types from its layers)
+            for name in reversed(list(kept)):
+                trial = {k: v for k, v in kept.items() if k != name}
+                try:
+                    if type(value)(**trial) == value:
+                        kept = trial
+                except (TypeError, ValueError):
+                    pass
         lines = []
-        for f in dataclasses.fields(value):
-            v = getattr(value, f.name)
-            if v is None or (not full and v == getattr(default, f.name)):
-                continue
-            if note := comments.get(f"{section.name}.{f.name}"):
+        for name, v in kept.items():
+            if note := comments.get(f"{section.name}.{name}"):
                 lines.append(f"# {note}")
-            lines.append(f"{f.name} = {_toml_value(v, f'{section.name}.{f.name}')}")
+            lines.append(f"{name} = {_toml_value(v, f'{section.name}.{name}')}")
         if not lines:
             continue
         if out:

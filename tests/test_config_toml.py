@@ -63,3 +63,15 @@ def test_defaults_write_an_empty_config(tmp_path):
     assert dump_toml(Config()) == "\n"
     (tmp_path / "c.toml").write_text(dump_toml(Config()))
     assert load_config(tmp_path / "c.toml") == Config()
+
+
+def test_derived_fields_are_left_out(tmp_path):
+    """drafter.layer_types follows num_hidden_layers: written, it would contradict an edited layer count."""
+    cfg = load_config(None, ["drafter.num_hidden_layers=3"])
+    text = dump_toml(cfg)
+    assert "layer_types" not in text and "num_hidden_layers = 3" in text
+    (tmp_path / "c.toml").write_text(text.replace("= 3", "= 4"))
+    assert load_config(tmp_path / "c.toml").drafter.layer_types == ["full_attention"] * 4
+    assert "layer_types" in dump_toml(load_config(None, ["drafter.num_hidden_layers=2",
+                                                          'drafter.layer_types=["sliding_attention", "full_attention"]',
+                                                          "drafter.sliding_window=64"]))
