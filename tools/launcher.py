@@ -114,12 +114,15 @@ class DrafterView:
     tokens: float = 0.0
     first_seen: tuple[float, float] | None = None  # (time, tokens) of the first scrape
     last_seen: tuple[float, float] | None = None
+    recent: list[tuple[float, float]] = field(default_factory=list)  # (time, tokens) over the last print interval
     recent_tps: float | None = None
 
     def update(self, now: float, sample: dict[str, float]) -> None:
         tokens = sample.get("dflash_ring_drafter_tokens_total", 0.0)
-        if self.last_seen is not None and now > self.last_seen[0]:
-            self.recent_tps = (tokens - self.last_seen[1]) / (now - self.last_seen[0])
+        # Over a print interval, not between two polls: a CPU step can take longer than a poll.
+        self.recent = [(t, n) for t, n in self.recent if now - t <= PRINT_EVERY_S] + [(now, tokens)]
+        if now > self.recent[0][0]:
+            self.recent_tps = (tokens - self.recent[0][1]) / (now - self.recent[0][0])
         self.first_seen = self.first_seen or (now, tokens)
         self.last_seen, self.tokens = (now, tokens), tokens
         self.step = int(sample.get("dflash_ring_drafter_step", self.step))
@@ -183,8 +186,8 @@ class Progress:
             rate = (self.consumed - self.first_item[1]) / dt
             if rate > 0 and self.planned:
                 eta = max(0.0, (self.planned - self.consumed) / rate)
-        if rate is not None:
-            parts.append(f"{rate:.1f}/s")
+        if rate is not None and self.consumed > self.first_item[1]:
+            parts.append(f"{rate:.2f}/s")
         parts.append(f"depth {self.depth}/{self.slots}")
         views = [self.drafters[j] for j in sorted(self.drafters)]
         if self.cfg.metrics.enabled and views:
@@ -342,6 +345,9 @@ def _compare_with_untrained(cfg: Config, exported: Path, con: Console) -> None:
     from dflash_ring.consumer.model import build_drafter
     from dflash_ring.consumer.process import resolve_drafter_config, target_config_dict
     from dflash_ring.embedded.tiny_target import HELDOUT_FILE
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars: `\r` fragments when piped
 
     heldout = Path(cfg.target.path) / HELDOUT_FILE
     untrained_dir = exported.parent / "drafter-untrained"
