@@ -10,10 +10,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+# Only light modules here: `--help` and argument errors must not wait for torch or transformers
+# (~1.5 s on a small box). The ring (torch, numpy) and every role are imported by the command that runs.
 from dflash_ring.common.config import Config, ConfigError, default_runtime_root, load_config
-from dflash_ring.common.layout import Counter, RingHeaderError
-from dflash_ring.common.liveness import live_lock_files
-from dflash_ring.common.ring import ConfigMismatchError, Ring, RingNotFound
 from dflash_ring.common.output_dir import check_output_dir
 from dflash_ring.common.run_name import RunNameError, check_run_name
 from dflash_ring.common.data_config import DataError
@@ -34,9 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.func(args)
-    except (ConfigError, ConfigMismatchError, RingHeaderError, RingNotFound, RunNameError, TargetConfigError,
-            DataError, RuntimeError, TimeoutError, MemoryError, OSError) as e:
+    except (ConfigError, RunNameError, TargetConfigError, DataError, RuntimeError, TimeoutError, MemoryError,
+            OSError) as e:
         # Bad input, a missing file, a refused ring: one line that says what and what to do, exit 2.
+        # The ring's own errors are among these (ConfigMismatchError and RingHeaderError are RuntimeErrors,
+        # RingNotFound an OSError), so naming them needs no import of the ring here.
         print(f"dflash-ring {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
 
@@ -119,6 +120,8 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-new-tokens", type=int, default=256)
     sp.add_argument("--limit", type=int, default=None, help="evaluate only the first K prompts")
     sp.add_argument("--device", default="cpu")
+    sp.add_argument("--threads", type=int, default=1,
+                    help="CPU threads for torch (default 1, as inside `run`: small forwards; 0: torch's default)")
     sp.add_argument("--json", action="store_true", help="print the report as JSON")
     sp.set_defaults(func=cmd_eval)
 
@@ -214,6 +217,9 @@ def cmd_supervisor(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from dflash_ring.common.liveness import live_lock_files
+    from dflash_ring.common.ring import Ring
+
     run, lock_dir = _run_and_lock_dir(args)
     with Ring.open(run) as ring:
         st = ring.status()
@@ -240,6 +246,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
+    from dflash_ring.common.layout import Counter
+    from dflash_ring.common.ring import Ring
     from dflash_ring.supervisor.supervisor import STOP_DRAIN, STOP_NOW
 
     run, _ = _run_and_lock_dir(args)
@@ -375,7 +383,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     try:
         report = evaluate_drafter(args.drafter, args.target, args.data, max_new_tokens=args.max_new_tokens,
-                                  limit=args.limit, device=args.device)
+                                  limit=args.limit, device=args.device, cpu_threads=args.threads or None)
     except (OSError, ValueError) as e:  # missing files, a drafter of another target, a malformed data row
         print(f"dflash-ring eval: error: {e}", file=sys.stderr)
         return 2

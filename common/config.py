@@ -321,3 +321,63 @@ def _coerce(value: typing.Any, hint: typing.Any, name: str) -> typing.Any:
     if not isinstance(value, hint):
         raise ConfigError(f"{name} = {value!r}: expected {hint.__name__}, got {type(value).__name__}")
     return value
+
+
+def dump_toml(cfg: Config, *, full: bool = False, header: str = "",
+              comments: typing.Mapping[str, str] | None = None) -> str:
+    """`cfg` as TOML that `load_config` reads back equal: the one writer of run configs.
+
+    By default only fields that differ from the defaults, and that the section does not derive from
+    its other fields, are written: a copied file then says what this run chose and keeps following the
+    code's defaults for the rest (an edited num_hidden_layers is not contradicted by a stale
+    layer_types). `full` writes every
+    field (None, which TOML cannot spell, is every optional field's default, so it is left out).
+    `header` becomes leading comment lines; `comments` maps "section" or "section.key" to a
+    comment line written above it.
+    """
+    comments = comments or {}
+    defaults = Config()
+    out = [f"# {line}".rstrip() for line in header.splitlines()]
+    for section in dataclasses.fields(Config):
+        value, default = getattr(cfg, section.name), getattr(defaults, section.name)
+        kept = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)
+                if getattr(value, f.name) is not None and (full or getattr(value, f.name) != getattr(default, f.name))}
+        if not full:  # leave out what the section derives from the rest (drafter.layer_types from its layers)
+            for name in reversed(list(kept)):
+                trial = {k: v for k, v in kept.items() if k != name}
+                try:
+                    if type(value)(**trial) == value:
+                        kept = trial
+                except (TypeError, ValueError):
+                    pass
+        lines = []
+        for name, v in kept.items():
+            if note := comments.get(f"{section.name}.{name}"):
+                lines.append(f"# {note}")
+            lines.append(f"{name} = {_toml_value(v, f'{section.name}.{name}')}")
+        if not lines:
+            continue
+        if out:
+            out.append("")
+        if note := comments.get(section.name):
+            out.append(f"# {note}")
+        out += [f"[{section.name}]", *lines]
+    return "\n".join(out) + "\n"
+
+
+def _toml_value(v: typing.Any, name: str) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return f"{v:_}" if abs(v) >= 100_000 else str(v)  # 8_388_608 reads better than 8388608
+    if isinstance(v, float):
+        return repr(v)  # shortest exact form; inf, -inf and nan are TOML's own spellings
+    if isinstance(v, str):
+        return '"' + "".join(_TOML_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 0x20 or c == "\x7f" else c)
+                             for c in v) + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x, name) for x in v) + "]"
+    raise ConfigError(f"{name} = {v!r}: a {type(v).__name__} cannot be written as TOML")
+
+
+_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}

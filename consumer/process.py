@@ -25,7 +25,7 @@ from dflash_ring.common import sd_notify
 from dflash_ring.common.config import Config
 from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.common.gpu_metrics import device_uuid
-from dflash_ring.common.layout import Role
+from dflash_ring.common.layout import Counter, Role
 from dflash_ring.common.ledger import Ledger, identity
 from dflash_ring.common.membership import Membership
 from dflash_ring.common.metrics import DrafterMetrics
@@ -287,11 +287,11 @@ def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
         averaging = Averaging(cfg, index, trainer.model, drafter_cfg)
         log.info("drafter %d on %s: %d parameters, ring %s", index, device,
                  sum(p.numel() for p in trainer.model.parameters()), ring.name)
-        loop = DrafterLoop(trainer, consumed, averaging, checkpoints, metrics,
-                           lambda: cfg.train.total_steps or _estimated_steps(ring, cfg), lambda: ring.wait_seconds,
-                           cfg.train.log_every_steps, proc.ledger)
         prefetch = Prefetcher(ring, me.row, device, metrics)
         prefetch.ledger = proc.ledger
+        loop = DrafterLoop(trainer, consumed, averaging, checkpoints, metrics,
+                           lambda: cfg.train.total_steps or _estimated_steps(ring, cfg, trainer, _prefetched(prefetch)),
+                           lambda: ring.wait_seconds, cfg.train.log_every_steps, proc.ledger)
         prefetch.start()
         while (batch := _next(prefetch, proc.stop, me)) is not None:
             loop.train(batch)
@@ -344,9 +344,31 @@ def _leftovers(prefetch: Prefetcher) -> list[DeviceBatch]:
             out.append(batch)
 
 
-def _estimated_steps(ring: Ring, cfg: Config) -> int:
-    consumers = cfg.topology.consumers
-    return max(1, ring.planned_items() // (consumers * cfg.train.grad_accum))
+def _prefetched(prefetch: Prefetcher) -> int:
+    """Batches taken from the ring and waiting to train (not the end-of-run None)."""
+    return sum(b is not None for b in list(prefetch.items.queue))
+
+
+def _estimated_steps(ring: Ring, cfg: Config, trainer: Trainer, pending: int) -> int:
+    """Optimizer steps this drafter will have taken at the run's end, counting the batch about to train.
+
+    Drafters take items as they come, so an even split of the plan (planned // consumers) was off by
+    however unevenly they got them: `step 170/167`, and an LR schedule that ended early. Instead: steps so
+    far, plus this batch, the one prefetched (`pending`) and an even share of the items no drafter has
+    taken yet. Re-estimated every step, it reaches the exact final step as the ring runs dry (who takes the
+    last few items is a race, so per drafter it cannot be known earlier). A producer that has not announced
+    its plan yet counts as planning what the others do.
+    """
+    rows = ring.rows()
+    plans = rows["planned_items"][rows["role"] == Role.PRODUCER]
+    announced = int((plans > 0).sum())
+    if announced == 0:
+        return max(1, trainer.step + 1)
+    planned = int(plans.sum()) * cfg.topology.producers // announced
+    left = max(0, planned - ring.counter(Counter.CONSUMED))
+    share = left // cfg.topology.consumers  # rounded down: the last few items race, the other drafters take them
+    micro = trainer._micro % cfg.train.grad_accum + 1 + pending + share  # micro-batches still to train
+    return max(trainer.step + 1, trainer.step + micro // cfg.train.grad_accum)
 
 
 class _Window:

@@ -151,3 +151,12 @@ def test_bad_invocation_is_one_line_exit_2(tmp_path, case):
     lines = [ln for ln in out.stderr.strip().splitlines() if not PROGRESS_BAR.search(ln)]
     assert out.returncode == 2 and "Traceback" not in out.stderr and len(lines) == 1, (out.returncode, out.stderr)
     assert lines[0].startswith(f"dflash-ring {args[0]}: error: ") and says in lines[0], lines[0]
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    """`dflash-ring --help` answers at once: parsing must not wait for torch or transformers."""
+    code = ("import sys\nfrom dflash_ring.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"

@@ -175,7 +175,10 @@ def test_evaluate_drafter_on_a_chat_file_and_cli(target_dir, drafter_dir, tmp_pa
         {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]},
     ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    threads = torch.get_num_threads()
     report = evaluate_drafter(drafter_dir, target_dir, data, max_new_tokens=12, limit=2)
+    assert torch.get_num_threads() == threads  # one thread while it ran (the default), the caller's after
+    assert evaluate_drafter(drafter_dir, target_dir, data, max_new_tokens=12, limit=2, cpu_threads=None) == report
     assert isinstance(report, AcceptanceReport)
     assert report.num_prompts == 2 and report.block_size == BLOCK
     assert sum(report.accepted_histogram) == report.rounds > 0
@@ -185,5 +188,5 @@ def test_evaluate_drafter_on_a_chat_file_and_cli(target_dir, drafter_dir, tmp_pa
     args = ["eval", "--drafter", str(drafter_dir), "--target", str(target_dir), "--data", str(data)]
     assert main([*args, "--max-new-tokens", "12", "--limit", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(asdict(report)))
-    assert main([*args, "--max-new-tokens", "4", "--limit", "1"]) == 0
+    assert main([*args, "--max-new-tokens", "4", "--limit", "1", "--threads", "2"]) == 0
     assert "tau" in capsys.readouterr().out

@@ -2,116 +2,224 @@
 
 The launcher is only a convenience over what systemd does per GPU in
 production: it starts each role with the same config file, prefixes their
-logs, shows progress read from the ring and the drafters' log lines, turns
-Ctrl-C into a drain (every drafter checkpoints), and ends with a summary and
-an exported drafter. With no config it runs the embedded default: a tiny
-trained target and its corpus, built on first use and cached, on the CPU.
+logs, shows progress read from the ring's rows and the processes' /metrics
+(never from log lines, which are for people), turns Ctrl-C into a drain
+(every drafter checkpoints), and ends with a summary and an exported drafter.
+With no config it runs the embedded default: a tiny trained target and its
+corpus, built on first use and cached, on the CPU.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
-from dflash_ring.common.config import Config, load_config
-from dflash_ring.common.metrics import check_ports_free, run_ports
+from dflash_ring.common.config import Config, dump_toml, load_config
+from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.layout import Role
+from dflash_ring.common.metrics import DRAFTER, check_ports_free, port_of, run_ports
 from dflash_ring.common.ring import Ring, RingNotFound
 
-STEP_LINE = re.compile(
-    r"step (?P<step>\d+)/(?P<total>\d+) loss (?P<loss>[\d.]+) .*accept_len (?P<accept>[\d.]+) .*tok/s (?P<tps>\d+)"
-)
 DEFAULT_CACHE = "~/.cache/dflash_ring"
+POLL_S, PRINT_EVERY_S = 2.0, 10.0
+# Child processes write lines into prefixed logs: progress bars there are only `\r` fragments, and the
+# launcher's own progress line says it all. HF_HUB_* also covers transformers' bars; TQDM_DISABLE the rest.
+QUIET_BARS = {"HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}
+
+
+def console() -> Console:
+    """stderr console; piped, rich would wrap every line at 80 columns, so it gets room and no wrapping."""
+    if sys.stderr.isatty():
+        return Console(stderr=True)
+    return Console(stderr=True, width=int(os.environ.get("COLUMNS") or 0) or 200, soft_wrap=True)
+
+
+def embedded_run_config(workdir: Path, target: Path, mask_token_id: int) -> Config:
+    """The embedded default as a Config: the tiny trained target, 1 producer, 2 drafters, CPU."""
+    from dflash_ring.embedded.tiny_target import TRAIN_FILE
+
+    d = Config()
+    cfg = Config(
+        run=replace(d.run, name="tiny", run_dir=str(workdir / "locks")),
+        ring=replace(d.ring, slots=4, slot_bytes=8 << 20, slot_header_bytes=64 << 10, wait_s=0.05),
+        topology=replace(d.topology, producers=1, consumers=2),
+        data=replace(d.data, path=str(target / TRAIN_FILE), max_length=256, max_tokens_per_batch=2048, epochs=3,
+                     cache_dir=str(workdir / "data-cache")),
+        target=replace(d.target, path=str(target), layer_ids=[1, 2], mask_token_id=mask_token_id,
+                       state_dir=str(workdir / "state"), device="cpu"),
+        drafter=DrafterConfig(num_hidden_layers=2, block_size=8, num_anchors=48),  # derives layer_types: no replace
+        train=replace(d.train, lr=3e-3, warmup_ratio=0.05, device="cpu", anchors_per_group=64,
+                      average_every_steps=10, checkpoint_dir=str(workdir / "checkpoints"),
+                      checkpoint_every_steps=100, log_every_steps=10),
+    )
+    cfg.validate()
+    return cfg
+
+
+EMBEDDED_HEADER = """The embedded default, written by `dflash-ring run`: copy it to start your own.
+Only the fields this run sets are here; every other field has its default (common/config.py).
+Metrics: /metrics on metrics.bind (127.0.0.1): supervisor port_base (9460), target i port_base + 1 + i,
+drafter j port_base + 100 + j."""
 
 
 def embedded_config(workdir: Path, cache_dir: str = DEFAULT_CACHE) -> Path:
-    """Write the embedded default's config: the tiny trained target, 1 producer, 2 drafters, CPU."""
-    from dflash_ring.embedded.tiny_target import TRAIN_FILE, ensure_tiny_target, read_marker
+    """Write the embedded default's config (building the tiny target on first use); returns its path."""
+    from dflash_ring.embedded.tiny_target import ensure_tiny_target, read_marker
 
     target = ensure_tiny_target(Path(cache_dir).expanduser() / "tiny-target")
-    mask = read_marker(target)["mask_token_id"]
+    cfg = embedded_run_config(workdir, target, read_marker(target)["mask_token_id"])
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "run.toml"
-    path.write_text(f"""# The embedded default: written by `dflash-ring run`; copy it to start your own.
-[run]
-name = "tiny"
-run_dir = "{workdir / 'locks'}"
-
-[ring]
-slots = 4
-slot_bytes = 8_388_608
-slot_header_bytes = 65536
-wait_s = 0.05
-
-[topology]
-producers = 1
-consumers = 2
-
-[data]
-path = "{target / TRAIN_FILE}"
-max_length = 256
-max_tokens_per_batch = 2048
-epochs = 3
-cache_dir = "{workdir / 'data-cache'}"
-
-[target]
-path = "{target}"
-layer_ids = [1, 2]
-mask_token_id = {mask}
-state_dir = "{workdir / 'state'}"
-device = "cpu"
-
-[drafter]
-num_hidden_layers = 2
-block_size = 8
-num_anchors = 48
-
-[train]
-lr = 3e-3
-warmup_ratio = 0.05
-device = "cpu"
-anchors_per_group = 64
-average_every_steps = 10
-checkpoint_dir = "{workdir / 'checkpoints'}"
-checkpoint_every_steps = 100
-log_every_steps = 10
-
-[metrics]
-# /metrics per process: supervisor port_base, target i port_base + 1 + i, drafter j port_base + 100 + j
-enabled = true
-bind = "127.0.0.1"
-port_base = 9460
-""")
+    path.write_text(dump_toml(cfg, header=EMBEDDED_HEADER, comments={
+        "target": "the tiny target lives in the cache; `dflash-ring eval --target` takes this path",
+        "target.layer_ids": "the target layers the drafter is fed",
+    }))
     return path
+
+
+def scrape(cfg: Config, role: str, index: int, timeout_s: float = 1.0) -> dict[str, float] | None:
+    """One process's unlabelled samples from its /metrics, e.g. {"dflash_ring_drafter_step": 120.0}; None if down."""
+    m = cfg.metrics
+    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(m.bind, m.bind)
+    host = f"[{host}]" if ":" in host else host
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port_of(m, role, index)}/metrics", timeout=timeout_s) as r:
+            text = r.read().decode()
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+
+
+@dataclass
+class DrafterView:
+    """What the launcher last saw of one drafter (its /metrics survive only as long as it does)."""
+
+    step: int = 0
+    items: int = 0
+    loss: float | None = None
+    accept: float | None = None
+    tokens: float = 0.0
+    first_seen: tuple[float, float] | None = None  # (time, tokens) of the first scrape
+    last_seen: tuple[float, float] | None = None
+    recent: list[tuple[float, float]] = field(default_factory=list)  # (time, tokens) over the last print interval
+    recent_tps: float | None = None
+
+    def update(self, now: float, sample: dict[str, float]) -> None:
+        tokens = sample.get("dflash_ring_drafter_tokens_total", 0.0)
+        # Over a print interval, not between two polls: a CPU step can take longer than a poll.
+        self.recent = [(t, n) for t, n in self.recent if now - t <= PRINT_EVERY_S] + [(now, tokens)]
+        if now > self.recent[0][0]:
+            self.recent_tps = (tokens - self.recent[0][1]) / (now - self.recent[0][0])
+        self.first_seen = self.first_seen or (now, tokens)
+        self.last_seen, self.tokens = (now, tokens), tokens
+        self.step = int(sample.get("dflash_ring_drafter_step", self.step))
+        if sample.get("dflash_ring_drafter_steps_total"):  # gauges read 0 until the first step
+            self.loss = sample.get("dflash_ring_drafter_loss")
+            self.accept = sample.get("dflash_ring_drafter_acceptance_length")
+
+    def mean_tps(self) -> float | None:
+        if self.first_seen is None or self.last_seen[0] <= self.first_seen[0]:
+            return None
+        return (self.last_seen[1] - self.first_seen[1]) / (self.last_seen[0] - self.first_seen[0])
 
 
 @dataclass
 class Progress:
-    started: float = field(default_factory=time.monotonic)
-    steps: dict[int, dict[str, float]] = field(default_factory=dict)
+    """The run's numbers from the ring (items, planned, depth, per-row items) and the drafters' /metrics."""
 
-    def record(self, drafter: int, line: str) -> None:
-        if m := STEP_LINE.search(line):
-            self.steps[drafter] = {k: float(v) for k, v in m.groupdict().items()}
+    cfg: Config
+    started: float = field(default_factory=time.monotonic)
+    ring_seen: bool = False
+    ring_gone: bool = False
+    consumed: int = 0
+    planned: int = 0
+    depth: int = 0
+    slots: int = 0
+    first_item: tuple[float, int] | None = None  # (time, consumed) when items first moved: the rate's origin
+    drafters: dict[int, DrafterView] = field(default_factory=dict)
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        try:
+            with Ring.open(self.cfg.run.name) as ring:
+                st, self.planned = ring.status(), ring.planned_items()
+        except (RingNotFound, OSError, RuntimeError):
+            self.ring_gone = self.ring_seen  # once seen, a missing ring means the supervisor removed it: done
+            st = None
+        if st is not None:
+            self.ring_seen = True
+            self.consumed, self.depth, self.slots = st.counters["consumed"], st.depth, st.n_slots
+            if self.first_item is None and self.consumed:
+                self.first_item = (now, self.consumed)
+            for row in st.rows:
+                if row["role"] == Role.CONSUMER.name.lower():
+                    self.drafters.setdefault(row["index"], DrafterView()).items = row["items"]
+        if self.cfg.metrics.enabled:
+            for j in range(self.cfg.topology.consumers):
+                if (sample := scrape(self.cfg, DRAFTER, j)) is not None:
+                    self.drafters.setdefault(j, DrafterView()).update(now, sample)
+
+    def line(self) -> str | None:
+        """One progress line; None once the run is over (nothing left to report)."""
+        if self.ring_gone:
+            return None
+        if not self.ring_seen:
+            return f"waiting for the ring ({time.monotonic() - self.started:.0f}s: supervisor starting, models loading)"
+        parts = [f"items {self.consumed}/{self.planned or '?'}"]
+        if self.planned:
+            parts[0] += f" {100 * self.consumed / self.planned:.0f}%"
+        rate = eta = None
+        if self.first_item is not None and (dt := time.monotonic() - self.first_item[0]) > 0:
+            rate = (self.consumed - self.first_item[1]) / dt
+            if rate > 0 and self.planned:
+                eta = max(0.0, (self.planned - self.consumed) / rate)
+        if rate is not None and self.consumed > self.first_item[1]:
+            parts.append(f"{rate:.2f}/s")
+        parts.append(f"depth {self.depth}/{self.slots}")
+        views = [self.drafters[j] for j in sorted(self.drafters)]
+        if self.cfg.metrics.enabled and views:
+            parts.append("steps " + ",".join(str(v.step) for v in views))
+            if losses := [v.loss for v in views if v.loss is not None]:
+                parts.append(f"loss {sum(losses) / len(losses):.3f}")
+            if accepts := [v.accept for v in views if v.accept is not None]:
+                parts.append(f"accept_len {sum(accepts) / len(accepts):.2f}")
+            if tps := [v.recent_tps for v in views if v.recent_tps is not None]:
+                parts.append(f"drafter tok/s {sum(tps):.0f}")
+        parts.append(f"ETA {eta:.0f}s" if eta is not None else "ETA ?")
+        return " ".join(parts)
+
+
+def final_state(checkpoint_dir: str | Path, index: int) -> dict[str, int] | None:
+    """A drafter's last checkpoint: the steps and items its own final line reports (its metrics are gone)."""
+    root = Path(checkpoint_dir) / f"drafter-{index}"
+    try:
+        info = json.loads((root / (root / "latest").read_text().strip() / "trainer.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return {"step": int(info["step"]), "items": int(info.get("items", 0))}
 
 
 class Launch:
     def __init__(self, cfg_path: Path, overrides: list[str], env: dict[str, str] | None = None):
-        self.env = dict(os.environ, **(env or {}))
+        self.env = dict(os.environ, **QUIET_BARS, **(env or {}))
         self.cfg_path = cfg_path
         self.overrides = overrides
         self.cfg: Config = load_config(cfg_path, overrides)
-        self.console = Console(stderr=True)
-        self.progress = Progress()
+        self.console = console()
+        self.progress = Progress(self.cfg)
         self.procs: dict[str, subprocess.Popen] = {}
         self._threads: list[threading.Thread] = []
 
@@ -126,12 +234,10 @@ class Launch:
         self._threads.append(t)
 
     def _forward(self, name: str, proc: subprocess.Popen) -> None:
-        drafter = int(name.split("-")[1]) if name.startswith("drafter-") else None
         for line in proc.stdout:
-            line = line.rstrip()
-            if drafter is not None:
-                self.progress.record(drafter, line)
-            print(f"{name:>10} | {line}", file=sys.stderr, flush=True)
+            line = line.rstrip("\n").rsplit("\r", 1)[-1].rstrip()  # a stray progress bar: its last state only
+            if line:
+                print(f"{name:>10} | {line}", file=sys.stderr, flush=True)
 
     def start(self) -> None:
         t = self.cfg.topology
@@ -144,24 +250,6 @@ class Launch:
             self._spawn(f"target-{i}", "target", "--index", str(i))
         for j in range(t.consumers):
             self._spawn(f"drafter-{j}", "drafter", "--index", str(j))
-
-    def status_line(self) -> str:
-        try:
-            with Ring.open(self.cfg.run.name) as ring:
-                st = ring.status()
-                planned = ring.planned_items()
-        except (RingNotFound, OSError, RuntimeError):
-            return "waiting for the ring"
-        c = st.counters
-        elapsed = time.monotonic() - self.progress.started
-        rate = c["consumed"] / elapsed if elapsed else 0.0
-        eta = (planned - c["consumed"]) / rate if rate and planned else float("nan")
-        steps = self.progress.steps.values()
-        loss = sum(s["loss"] for s in steps) / len(steps) if steps else float("nan")
-        accept = sum(s["accept"] for s in steps) / len(steps) if steps else float("nan")
-        tps = sum(s["tps"] for s in steps)
-        return (f"items {c['consumed']}/{planned or '?'} ({rate:.1f}/s) depth {st.depth}/{st.n_slots} "
-                f"drafter tok/s {tps:.0f} loss {loss:.3f} accept_len {accept:.2f} ETA {eta:.0f}s")
 
     def wait(self) -> int:
         """Wait for every process; Ctrl-C (or SIGTERM) drains the run through the supervisor."""
@@ -176,14 +264,18 @@ class Launch:
 
         old = signal.signal(signal.SIGINT, drain), signal.signal(signal.SIGTERM, drain)
         try:
-            last = 0.0
+            printed = polled = 0.0
             while any(p.poll() is None for p in self.procs.values()):
-                if time.monotonic() - last > 10:
-                    print(f"  progress | {self.status_line()}", file=sys.stderr, flush=True)
-                    last = time.monotonic()
+                now = time.monotonic()
+                if now - polled >= POLL_S:
+                    self.progress.poll()
+                    polled = now
+                    if now - printed >= PRINT_EVERY_S and (line := self.progress.line()) is not None:
+                        print(f"  progress | {line}", file=sys.stderr, flush=True)
+                        printed = now
                 if self.procs["supervisor"].poll() is not None and not stopping:
                     drain()  # the supervisor died: stop the rest rather than train blind
-                time.sleep(0.5)
+                time.sleep(0.2)
         finally:
             signal.signal(signal.SIGINT, old[0])
             signal.signal(signal.SIGTERM, old[1])
@@ -192,23 +284,35 @@ class Launch:
         return max(abs(p.returncode) for p in self.procs.values())
 
     def summary(self) -> Table:
-        table = Table(title=f"run {self.cfg.run.name}: {time.monotonic() - self.progress.started:.0f}s")
-        for col in ("process", "exit", "steps", "loss", "accept_len", "tok/s"):
+        """Steps and items from each drafter's last checkpoint (what its final line says); the rest as last seen."""
+        done = {j: final_state(self.cfg.train.checkpoint_dir, j) for j in range(self.cfg.topology.consumers)}
+        trained = sum(d["items"] for d in done.values() if d) if all(done.values()) else self.progress.consumed
+        table = Table(title=f"run {self.cfg.run.name}: {time.monotonic() - self.progress.started:.0f}s, "
+                            f"{trained} of {self.progress.planned or '?'} planned items trained")
+        for col in ("process", "exit", "steps", "items", "loss (last seen)", "accept_len (last seen)", "tok/s"):
             table.add_column(col)
         for name, proc in self.procs.items():
-            s = self.progress.steps.get(int(name.split("-")[1])) if name.startswith("drafter-") else None
-            table.add_row(name, str(proc.returncode), *(
-                [f"{s['step']:.0f}", f"{s['loss']:.4f}", f"{s['accept']:.2f}", f"{s['tps']:.0f}"] if s else ["", "", "", ""]))
+            cells = [""] * 5
+            if name.startswith("drafter-"):
+                j = int(name.split("-")[1])
+                v = self.progress.drafters.get(j, DrafterView())
+                done = final_state(self.cfg.train.checkpoint_dir, j)
+                tps = v.mean_tps()
+                cells = [str(done["step"]) if done else str(v.step), str(done["items"]) if done else str(v.items),
+                         f"{v.loss:.4f}" if v.loss is not None else "", f"{v.accept:.2f}" if v.accept is not None else "",
+                         f"{tps:.0f}" if tps is not None else ""]
+            table.add_row(name, str(proc.returncode), *cells)
         return table
 
 
 def run(config: str | None, overrides: list[str], workdir: str = "runs/tiny", evaluate: bool = True) -> int:
-    console = Console(stderr=True)
+    con = console()
     work = Path(workdir)
     embedded = config is None
     if embedded:
-        console.print("embedded default: tiny trained target (built and cached on first use), 1 target, 2 drafters, CPU")
+        con.print("embedded default: tiny trained target (built and cached on first use), 1 target, 2 drafters, CPU")
         cfg_path = embedded_config(work)
+        con.print(f"config: {cfg_path} (copy it to start your own); tiny target: {load_config(cfg_path).target.path}")
     else:
         cfg_path = Path(config)
     # Several CPU processes on a few cores: one thread each, or they thrash (a 20-30x slowdown seen here).
@@ -216,9 +320,9 @@ def run(config: str | None, overrides: list[str], workdir: str = "runs/tiny", ev
     out_dir = Path(launch.cfg.train.checkpoint_dir).parent / "drafter"
     launch.start()
     rc = launch.wait()
-    console.print(launch.summary())
+    con.print(launch.summary())
     if rc != 0:
-        console.print(f"[red]a process exited with {rc}: see its lines above[/]")
+        con.print(f"[red]a process exited with {rc}: see its lines above[/]")
         return rc
     from dflash_ring.consumer.checkpoint import export_checkpoint
 
@@ -226,13 +330,13 @@ def run(config: str | None, overrides: list[str], workdir: str = "runs/tiny", ev
         import shutil
         shutil.rmtree(out_dir)
     exported = export_checkpoint(Path(launch.cfg.train.checkpoint_dir) / "drafter-0", out_dir)
-    console.print(f"exported drafter: {exported}")
+    con.print(f"exported drafter: {exported}")
     if embedded and evaluate:
-        _compare_with_untrained(launch.cfg, exported, console)
+        _compare_with_untrained(launch.cfg, exported, con)
     return 0
 
 
-def _compare_with_untrained(cfg: Config, exported: Path, console: Console) -> None:
+def _compare_with_untrained(cfg: Config, exported: Path, con: Console) -> None:
     """Acceptance on held-out prompts, trained drafter against an untrained one of the same shape."""
     import torch
 
@@ -241,8 +345,10 @@ def _compare_with_untrained(cfg: Config, exported: Path, console: Console) -> No
     from dflash_ring.consumer.model import build_drafter
     from dflash_ring.consumer.process import resolve_drafter_config, target_config_dict
     from dflash_ring.embedded.tiny_target import HELDOUT_FILE
+    from transformers.utils import logging as hf_logging
 
-    torch.set_num_threads(1)  # tiny models: threads only add overhead on a shared box
+    hf_logging.disable_progress_bar()  # "Loading weights" bars: `\r` fragments when piped
+
     heldout = Path(cfg.target.path) / HELDOUT_FILE
     untrained_dir = exported.parent / "drafter-untrained"
     if not untrained_dir.exists():
@@ -257,4 +363,4 @@ def _compare_with_untrained(cfg: Config, exported: Path, console: Console) -> No
     for name, path in (("untrained", untrained_dir), ("trained", exported)):
         report = evaluate_drafter(path, cfg.target.path, heldout, limit=32, max_new_tokens=64)
         table.add_row(name, f"{report.tau:.2f}", str(report.rounds))
-    console.print(table)
+    con.print(table)

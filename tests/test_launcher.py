@@ -1,0 +1,79 @@
+"""`dflash-ring run` as a newcomer sees it: one config writer, progress from the ring and /metrics, a table
+that agrees with the drafters' own final lines, and logs free of progress-bar fragments."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import replace
+
+from conftest import free_port_base
+from target_fixtures import build_target, load_tokenizer
+from test_pipeline import cyclic_rows
+
+from dflash_ring.common.config import Config, dump_toml, load_config
+from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.tools.launcher import embedded_run_config
+
+DONE = re.compile(r"drafter-(\d) \| .*drafter \d done: (\d+) steps, (\d+) items")
+STEP = re.compile(r"drafter-(\d) \| .* step (\d+)/(\d+) loss")
+
+
+def test_embedded_config_is_written_by_the_one_writer_and_reads_back(tmp_path):
+    cfg = embedded_run_config(tmp_path / "work", tmp_path / "tiny-target", mask_token_id=642)
+    text = dump_toml(cfg, header="the embedded default")
+    (tmp_path / "run.toml").write_text(text)
+    assert load_config(tmp_path / "run.toml") == cfg
+    assert re.findall(r"^\[(\w+)\]$", text, re.M) == ["run", "ring", "data", "target", "drafter", "train"]
+    assert len(text.splitlines()) < 40  # what the run sets, not 80 lines of defaults
+    assert "layer_types" not in text  # derived from num_hidden_layers: an edited copy stays consistent
+
+
+def _launcher_config(tmp_path) -> Config:
+    target = build_target(tmp_path / "target", "qwen3", layers=4)
+    d = Config()
+    return Config(
+        run=replace(d.run, name=f"launch{os.getpid()}", run_dir=str(tmp_path / "locks"), attach_timeout_s=60),
+        ring=replace(d.ring, slots=4, slot_bytes=4 << 20, slot_header_bytes=64 << 10, wait_s=0.1),
+        supervisor=replace(d.supervisor, reap_interval_s=0.1, exit_timeout_s=60),
+        data=replace(d.data, path=str(cyclic_rows(tmp_path / "chat.jsonl", 96)), max_length=128,
+                     max_tokens_per_batch=512, epochs=5, cache_dir=str(tmp_path / "cache")),
+        target=replace(d.target, path=str(target), mask_token_id=len(load_tokenizer(target)),
+                       state_dir=str(tmp_path / "state"), device="cpu"),
+        drafter=DrafterConfig(num_hidden_layers=1, block_size=4, num_anchors=16, loss_gamma=2.0),
+        train=replace(d.train, lr=3e-3, warmup_ratio=0.1, device="cpu", average_every_steps=2,
+                      checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every_steps=5, log_every_steps=1),
+        metrics=replace(d.metrics, port_base=free_port_base()),
+    )
+
+
+def test_run_reports_exact_totals_and_clean_logs(tmp_path):
+    (tmp_path / "run.toml").write_text(dump_toml(_launcher_config(tmp_path)))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("COLUMNS", None)
+    out = subprocess.run([sys.executable, "-m", "dflash_ring", "run", "--config", str(tmp_path / "run.toml"),
+                          "--no-eval"], cwd=tmp_path, capture_output=True, text=True, timeout=540, env=env)
+    log = out.stderr
+    assert out.returncode == 0, log[-4000:]
+    assert "\r" not in log  # no progress-bar fragments from datasets or transformers
+    progress = [line for line in log.splitlines() if "progress |" in line]
+    assert any("items " in line for line in progress), log[-4000:]
+    assert not any("nan" in line for line in progress), progress
+    first_items = next(i for i, line in enumerate(progress) if "items " in line)
+    assert not any("waiting for the ring" in line for line in progress[first_items:]), progress
+    # Each drafter's planned total is exact: its last step line is step N/N with N its final step count,
+    # and no line ever counts past its total.
+    done = {int(m[1]): (int(m[2]), int(m[3])) for m in DONE.finditer(log)}
+    assert sorted(done) == [0, 1], log[-4000:]
+    for j, (steps, items) in done.items():
+        lines = [(int(m[2]), int(m[3])) for m in STEP.finditer(log) if int(m[1]) == j]
+        assert all(step <= total for step, total in lines), lines
+        assert lines[-1] == (steps, steps), (j, lines[-5:], steps)
+        # The summary table says the same, on one unwrapped line per process (piped: no 80-column wrap).
+        rows = [line for line in log.splitlines() if re.match(rf"\W*drafter-{j} [^|]", line)]
+        assert len(rows) == 1 and re.match(rf"\W*drafter-{j}\W+0\W+{steps}\W+{items}\W", rows[0]), rows
+    header = next(line for line in log.splitlines() if "process" in line and "exit" in line)
+    assert "accept_len (last seen)" in header and "tok/s" in header
+    print(log[log.index(header) - 400:])  # the table, for a reader of -s output
