@@ -367,7 +367,7 @@ def _estimated_steps(ring: Ring, cfg: Config, trainer: Trainer, pending: int) ->
     planned = int(plans.sum()) * cfg.topology.producers // announced
     left = max(0, planned - ring.counter(Counter.CONSUMED))
     share = left // cfg.topology.consumers  # rounded down: the last few items race, the other drafters take them
-    micro = trainer._micro % cfg.train.grad_accum + 1 + pending + share  # micro-batches still to train
+    micro = trainer.accumulated + 1 + pending + share  # micro-batches still to train
     return max(trainer.step + 1, trainer.step + micro // cfg.train.grad_accum)
 
 

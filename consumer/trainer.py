@@ -77,6 +77,11 @@ class Trainer:
         self.step = 0
         self._micro = 0
 
+    @property
+    def accumulated(self) -> int:
+        """Micro-batches already in the gradient of the optimizer step under way (0..grad_accum-1)."""
+        return self._micro % self.cfg.grad_accum
+
     def train_step(self, batch: DeviceBatch, total_steps: int) -> StepMetrics | None:
         """Forward, backward and (every grad_accum micro-batches) an optimizer step."""
         t0 = time.perf_counter()
