@@ -210,7 +210,7 @@ def _gpu_copy_cases(nbytes: int = 256 * 2**20, repeats: int = 10) -> dict[str, A
         out["unregistered_d2h_gb_per_s"] = rate(lambda: slot.copy_(gpu, non_blocking=True))
         t0 = time.perf_counter()
         from dflash_ring.common.pinning import HostRegistration
-        reg = HostRegistration(ring._bytes)
+        reg = HostRegistration(ring._tensor())
         out["register_s"] = round(time.perf_counter() - t0, 3)
         out["registered"] = reg.pinned
         out["slot_h2d_gb_per_s"] = rate(lambda: gpu.copy_(slot, non_blocking=True))

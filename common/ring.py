@@ -24,13 +24,12 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import atomics
 import msgpack
 import numpy as np
 import posix_ipc
-import torch
 
 from dflash_ring.common.config import Config, fingerprint_digest
 from dflash_ring.common.crash_points import crash_point
@@ -54,9 +53,11 @@ from dflash_ring.common.layout import (
     write_identity,
 )
 from dflash_ring.common.ownership import ForeignObjectError, check_private_fd, check_semaphore, semaphore_path
-from dflash_ring.common.pinning import HostRegistration
 from dflash_ring.common.run_name import check_run_name
 from dflash_ring.common.slot_format import SlotFormatError, SlotHeader, SlotLayout, decode_header, encode_header, view
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: `status`, `stop` and `clean` never load it
+    import torch
 
 SHM_DIR = "/dev/shm"
 SHM_DIR_PATH = Path(SHM_DIR)
@@ -160,10 +161,10 @@ class Ring:
             )
             for o in (geo.desc_offset + i * 64 for i in range(geo.n_slots))
         ]
-        self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._bytes = None  # a uint8 tensor over the mapping, made on first use (operator commands never need torch)
         # Atomic views must be closed while cffi is still alive, also when close() is never called.
         self._finalizer = weakref.finalize(self, contextlib.ExitStack.close, self._stack)
-        self._pin: HostRegistration | None = None
+        self._pin = None  # a HostRegistration (common/pinning.py) when the mapping is page-locked
         ready, free = semaphore_names(identity.run_name)
         self._sem_ready = posix_ipc.Semaphore(ready)
         self._sem_free = posix_ipc.Semaphore(free)
@@ -208,7 +209,9 @@ class Ring:
             ring.check_config(cfg)
             ring.wait_s = cfg.ring.wait_s
             if pin and cfg.ring.pin:
-                ring._pin = HostRegistration(ring._bytes)
+                from dflash_ring.common.pinning import HostRegistration
+
+                ring._pin = HostRegistration(ring._tensor())
         except BaseException:
             ring.close()
             raise
@@ -683,9 +686,16 @@ class Ring:
 
     # ---- internals ------------------------------------------------------------
 
+    def _tensor(self) -> torch.Tensor:
+        if self._bytes is None:
+            import torch
+
+            self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
+        return self._bytes
+
     def _slot_area(self, slot: int) -> torch.Tensor:
         off = self.geometry.slot_offset(slot)
-        return self._bytes[off : off + self.geometry.slot_bytes]
+        return self._tensor()[off : off + self.geometry.slot_bytes]
 
     def _hint(self, sem: posix_ipc.Semaphore) -> None:
         # Bounded, so hints never pile up beyond one per process.

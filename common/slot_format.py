@@ -15,10 +15,12 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
-import torch
+
+if TYPE_CHECKING:  # torch is imported where tensors are made, so `status`, `stop` and `clean` never load it
+    import torch
 
 PAYLOAD_MAGIC = b"DFS1"
 _PREFIX = struct.Struct("<4sI")
@@ -27,19 +29,21 @@ MAX_TENSORS = 64
 MAX_NDIM = 8
 MAX_NAME = 128
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# dtypes that may travel, by name, with their sizes in bytes.
+ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4,
+                            "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, name)
+
+
+def dtype_name(dtype: torch.dtype) -> str | None:
+    """The travelling name of a torch dtype, or None if it may not travel."""
+    name = str(dtype).removeprefix("torch.")
+    return name if name in ITEMSIZE else None
 
 
 class SlotFormatError(ValueError):
@@ -55,7 +59,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
 
 
 @dataclass
@@ -74,13 +78,13 @@ class SlotLayout:
         self._next = header_bytes
 
     def add(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> TensorSpec:
-        if dtype not in DTYPE_NAMES:
+        if (travelling := dtype_name(dtype)) is None:
             raise ValueError(f"tensor {name!r}: dtype {dtype} cannot travel through the ring")
         if any(s.name == name for s in self.specs):
             raise ValueError(f"tensor {name!r} added twice to one slot")
         if len(self.specs) >= MAX_TENSORS:
             raise ValueError(f"a slot holds at most {MAX_TENSORS} tensors")
-        spec = TensorSpec(name, DTYPE_NAMES[dtype], tuple(int(s) for s in shape), self._next)
+        spec = TensorSpec(name, travelling, tuple(int(s) for s in shape), self._next)
         end = spec.offset + spec.nbytes
         if end > self.slot_bytes:
             raise ValueError(
@@ -145,7 +149,7 @@ def _check_entry(entry: Any, slot_bytes: int, header_bytes: int) -> TensorSpec:
     name, dtype, shape, offset = entry
     if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
         raise SlotFormatError(f"tensor name {name!r:.80} is not a short string")
-    if not isinstance(dtype, str) or dtype not in DTYPES:  # a list or map here is unhashable
+    if not isinstance(dtype, str) or dtype not in ITEMSIZE:  # a list or map here is unhashable
         raise SlotFormatError(f"tensor {name!r} has unknown dtype {dtype!r:.40}")
     if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(
         type(s) is int and 0 <= s < 1 << 40 for s in shape
@@ -175,7 +179,9 @@ def _check_disjoint(specs: list[TensorSpec]) -> None:
 
 def view(slot: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     """A zero-copy tensor over the slot's bytes (slot is a uint8 tensor over the slot area)."""
-    dtype = DTYPES[spec.dtype]
+    import torch
+
+    dtype = torch_dtype(spec.dtype)
     if spec.nbytes == 0:
         return torch.empty(spec.shape, dtype=dtype)
     return slot[spec.offset : spec.offset + spec.nbytes].view(dtype).view(spec.shape)
