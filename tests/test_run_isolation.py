@@ -145,7 +145,7 @@ def test_a_ring_in_use_is_never_stale_to_another_config(run):
     import json
     import signal
 
-    from conftest import wait_exit, wait_for
+    from support import wait_exit, wait_for
 
     run.write_config(1, 1)
     sup = run.supervisor()
