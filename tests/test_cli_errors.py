@@ -132,6 +132,7 @@ CASES = [
 ]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_bad_invocation_is_one_line_exit_2(tmp_path, case):
     ident, setup, argv, says = case

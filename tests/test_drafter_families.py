@@ -47,7 +47,8 @@ def drafter_cfg(vocab: int) -> DrafterConfig:
                          sliding_window=8)
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+# qwen3 in the quick subset; the other families are `slow` (pytest -m "not processes and not slow").
+@pytest.fixture(scope="module", params=[a if a == "qwen3" else pytest.param(a, marks=pytest.mark.slow) for a in ARCHS])
 def family(request, tmp_path_factory):
     """(name, target dir, config.json, the target loaded by AutoModelForCausalLM in fp32)."""
     path = build_target(tmp_path_factory.mktemp(request.param), request.param, layers=LAYERS, hidden=HIDDEN)

@@ -143,6 +143,7 @@ def single_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow  # a learning run of many steps
 def test_learns_counting_rule_at_every_block_position(counting_setup, single_thread):
     target_config, head = counting_setup
     torch.manual_seed(0)

@@ -47,6 +47,7 @@ def runtime_root(tmp_path):
                 pass
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("how,name", [
     ("clean", "TRAVERSAL"), ("clean", ".."), ("status", "."), ("stop", "a/b"), ("status", ""),
     ("config", ".."), ("set", ".hidden"), ("config", "TRAVERSAL"),

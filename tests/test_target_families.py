@@ -24,6 +24,9 @@ from dflash_ring.producer.target import TargetModel
 from dflash_ring.common.target_config import TargetConfig, TargetConfigError
 from support import FEATURE_TOLERANCE, assert_same_features, build_target, packed_batch, reference_features
 
+# Every family's target is built once for the module (the `targets` fixture): the quick subset leaves it out.
+pytestmark = pytest.mark.slow
+
 LENGTHS = [37, 8, 120, 64, 9, 200, 12]  # 120 and 200 run past the tiny families' 16-token windows
 
 
@@ -140,6 +143,7 @@ def check_target(config: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.processes
 def test_check_target_reports_the_probe_as_json(targets, tmp_path):
     config = tmp_path / "run.toml"
     config.write_text(f'[target]\npath = "{targets["qwen3_5_vl"]}"\nnum_draft_layers = 3\npacking = "packed"\n')
@@ -151,6 +155,7 @@ def test_check_target_reports_the_probe_as_json(targets, tmp_path):
     assert report["probe"]["model_type"].startswith("qwen3_5")
 
 
+@pytest.mark.processes
 def test_check_target_of_a_directory_without_weights_is_one_clear_line(targets, tmp_path):
     bare = tmp_path / "bare"
     bare.mkdir()
