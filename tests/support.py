@@ -4,8 +4,8 @@ conftest.py holds only fixtures and hooks; the helpers live here so a test modul
 name (`from support import ...`) instead of reaching into conftest or another test module.
 
 - Runs: `Run` (one test's run: config, ledgers, processes), `wait_exit`, `wait_for`, `free_port_base`.
-- Run configs: `run_config` builds a `Config` as `load_config` does from `section.key=value` overrides;
-  `write_config` writes the same settings as TOML (`toml_text`) and checks the file reads back equal;
+- Run configs: `run_config` builds a `Config` through `load_config` from `section.key=value` overrides;
+  `write_config` writes it with the one writer (`dump_toml`) and checks that the file reads back equal;
   `pipeline_settings` is the pipeline tests' recipe (a tiny target and a one-layer drafter on the CPU).
 - Targets: `build_target` (any family, with the tiny tokenizer), `save_tiny_qwen3` / `tiny_qwen3_config`
   (the small Qwen3 the drafter tests use), reference features and `assert_same_features`.
@@ -16,7 +16,6 @@ name (`from support import ...`) instead of reaching into conftest or another te
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import re
@@ -33,7 +32,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_ring.bench.target_shapes import FAMILIES, model_class, tiny_config
-from dflash_ring.common.config import Config, load_config
+from dflash_ring.common.config import Config, dump_toml, load_config
 from dflash_ring.consumer.model import Anchors, cu_seqlens_from_lengths
 from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 from dflash_ring.producer.batching import Batch, Cursor
@@ -156,35 +155,26 @@ def merged(base: Mapping[str, Mapping[str, Any]], *changes: Mapping[str, Mapping
     return out
 
 
-def toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{value!r} has no TOML form here")
-        return repr(value)
-    if isinstance(value, (str, os.PathLike)):
-        return json.dumps(os.fspath(value))  # a JSON string is a TOML basic string
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    raise TypeError(f"no TOML form for {type(value).__name__}: {value!r}")
-
-
-def toml_text(sections: Mapping[str, Mapping[str, Any]]) -> str:
-    """Sections of settings as a run.toml: one [table] per section, one `key = value` per setting."""
-    return "".join(f"[{section}]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in keys.items())
-                   for section, keys in sections.items())
+def override(section: str, key: str, value: Any) -> str:
+    """`section.key=value` as `--set` takes it (the value in TOML: strings quoted, lists bracketed)."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if isinstance(value, (str, list, tuple)):
+        text = json.dumps(list(value) if isinstance(value, tuple) else value)  # JSON strings and lists are TOML too
+    else:
+        text = "true" if value is True else "false" if value is False else repr(value)
+    return f"{section}.{key}={text}"
 
 
 def run_config(sections: Mapping[str, Mapping[str, Any]]) -> Config:
     """The `Config` these settings make, read as `--set section.key=value` overrides over the defaults."""
-    return load_config(None, [f"{s}.{k}={toml_value(v)}" for s, keys in sections.items() for k, v in keys.items()])
+    return load_config(None, [override(s, k, v) for s, keys in sections.items() for k, v in keys.items()])
 
 
 def write_config(path: Path, sections: Mapping[str, Mapping[str, Any]]) -> Config:
-    """Write the settings as TOML; the file reads back as the same `Config` the overrides make."""
+    """The settings' `Config`, written by the one writer (`dump_toml`); the file reads back equal."""
     cfg = run_config(sections)
-    path.write_text(toml_text(sections))
+    path.write_text(dump_toml(cfg))
     assert load_config(path) == cfg, f"{path} does not read back as the config it was written from"
     return cfg
 
