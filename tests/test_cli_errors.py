@@ -154,6 +154,7 @@ def test_bad_invocation_is_one_line_exit_2(tmp_path, case):
     assert lines[0].startswith(f"dflash-ring {args[0]}: error: ") and says in lines[0], lines[0]
 
 
+@pytest.mark.processes
 def test_help_imports_neither_torch_nor_transformers():
     """`dflash-ring --help` answers at once: parsing must not wait for torch or transformers."""
     code = ("import sys\nfrom dflash_ring.cli import main\n"
