@@ -9,8 +9,7 @@ import sys
 
 import pytest
 
-from conftest import wait_exit, wait_for
-from target_fixtures import build_target, load_tokenizer
+from support import build_target, load_tokenizer, wait_exit, wait_for
 
 from dflash_ring.common.ledger import read_ledger
 from dflash_ring.tools.reconcile import reconcile
@@ -36,11 +35,10 @@ def test_sigterm_while_waiting_for_the_ring_ends_the_process(run, role):
     attach timeout for a ring that would never come, deaf to SIGTERM (systemctl stop hung)."""
     target = build_target(run.tmp / "target", "qwen3", layers=4)
     vocab = len(load_tokenizer(target))
-    run.write_config(1, 1, extra=f'[target]\npath = "{target}"\ndevice = "cpu"\nmask_token_id = {vocab}\n'
-                                 f'[train]\ndevice = "cpu"\n'
-                                 f'checkpoint_dir = "{run.tmp / "ckpt"}"\n')
-    run.config.write_text(run.config.read_text().replace("attach_timeout_s = 30", "attach_timeout_s = 600"))
-    proc = run.spawn("-m", "dflash_ring", role, "--config", str(run.config), "--index", "0")
+    run.write_config(1, 1, run={"attach_timeout_s": 600},
+                     target={"path": str(target), "device": "cpu", "mask_token_id": vocab},
+                     train={"device": "cpu", "checkpoint_dir": str(run.tmp / "ckpt")})
+    proc = run.role(role, 0)
     _stderr_until(proc, "waiting up to 600s for the ring", timeout=300)
     proc.send_signal(signal.SIGTERM)
     rc = wait_exit(proc, 120)  # well below the 600 s attach timeout (a deaf process would wait it out)
@@ -87,6 +85,7 @@ def test_ledger_reader_counts_a_line_cut_by_a_kill(tmp_path):
     assert len(f.records) == 1 and f.cut_lines == 1
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("seed", [11, 12])
 def test_chaos_minute_loses_nothing(tmp_path, seed):
     """A minute of random SIGKILL/SIGTERM across targets, drafters and the supervisor (CI's chaos run)."""

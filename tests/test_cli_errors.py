@@ -71,7 +71,7 @@ def _checkpoint_of_one_layer(tmp: Path, name: str) -> list[str]:
 
 def _ring_for_target(tmp: Path, name: str, data: Path, tokenizer: Path | None = None) -> list[str]:
     """A tiny target, `data`, and a live ring for them, so `dflash-ring target` gets as far as its data."""
-    from target_fixtures import build_target
+    from support import build_target
 
     sets = [f'target.path="{build_target(tmp / "model", "qwen3", layers=4)}"', f'data.path="{data}"',
             f'data.cache_dir="{tmp / "cache"}"', "ring.slots=1", "ring.slot_bytes=8192", "ring.slot_header_bytes=4096"]
@@ -97,7 +97,7 @@ def _malformed_data(tmp: Path, name: str) -> list[str]:
 
 def _tokenizer_without_chat_template(tmp: Path, name: str) -> list[str]:
     from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
-    from target_fixtures import write_chat_rows
+    from support import write_chat_rows
 
     tiny_chat_tokenizer(tmp / "plain-tokenizer", chat_template="")
     return _ring_for_target(tmp, name, write_chat_rows(tmp / "chat.jsonl", 4), tokenizer=tmp / "plain-tokenizer")
@@ -132,6 +132,7 @@ CASES = [
 ]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_bad_invocation_is_one_line_exit_2(tmp_path, case):
     ident, setup, argv, says = case
@@ -153,6 +154,7 @@ def test_bad_invocation_is_one_line_exit_2(tmp_path, case):
     assert lines[0].startswith(f"dflash-ring {args[0]}: error: ") and says in lines[0], lines[0]
 
 
+@pytest.mark.processes
 def test_help_imports_neither_torch_nor_transformers():
     """`dflash-ring --help` answers at once: parsing must not wait for torch or transformers."""
     code = ("import sys\nfrom dflash_ring.cli import main\n"

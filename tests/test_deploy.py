@@ -58,6 +58,7 @@ def installed_binary() -> str:
 # ---- systemd -----------------------------------------------------------------------------------
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("unit", ["dflash-ring-supervisor.service", "dflash-ring.target",
                                   "dflash-ring-target@0.service", "dflash-ring-drafter@6.service"])
 def test_units_pass_systemd_analyze_verify(tmp_path, unit):
@@ -98,6 +99,7 @@ def test_services_are_notify_watchdogged_restartable_and_part_of_the_target():
     assert "dflash-ring-supervisor.service" in one(target, "Unit", "Wants")
 
 
+@pytest.mark.processes
 def test_sysusers_snippet_creates_a_system_user(tmp_path):
     tool = require("systemd-sysusers", "apt-get install systemd")
     (tmp_path / "etc").mkdir()
@@ -144,6 +146,7 @@ def run_exec(unit: str, key: str, instance: str, extra_env: dict[str, str]) -> t
     return args, seen_env
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("unit,instance,first_gpu,index", [
     ("dflash-ring-target@.service", "3", None, 3),
     ("dflash-ring-drafter@.service", "5", None, 0),  # the env file's DFLASH_DRAFTER_FIRST_GPU=5
@@ -163,6 +166,7 @@ def test_instance_is_the_gpu_and_the_role_index_comes_from_the_env_file(unit, in
     assert env["CUDA_VISIBLE_DEVICES"] == instance and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
 
 
+@pytest.mark.processes
 def test_supervisor_execstop_ends_the_run_only_when_systemd_stops_a_live_supervisor():
     from dflash_ring.cli import _parser
 
@@ -186,16 +190,19 @@ def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
     return subprocess.run([tool, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
+@pytest.mark.processes
 def test_promtool_check_config():
     out = promtool("check", "config", str(PROMETHEUS / "prometheus.yml"))
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.processes
 def test_promtool_check_rules():
     out = promtool("check", "rules", str(RULES))
     assert out.returncode == 0 and "SUCCESS: 8 rules found" in out.stdout, out.stdout + out.stderr
 
 
+@pytest.mark.processes
 def test_promtool_test_rules():
     out = promtool("test", "rules", str(RULES.with_suffix(".test.yml")))
     assert out.returncode == 0 and "SUCCESS" in out.stdout, out.stdout + out.stderr
@@ -233,6 +240,7 @@ def test_scrape_config_follows_the_port_scheme():
 # ---- Grafana -----------------------------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_dashboard_panels_use_the_provisioned_datasource_and_parse(tmp_path):
     ds = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "datasources" / "dflash-ring.yml").read_text())
     assert [d["uid"] for d in ds["datasources"]] == [DATASOURCE_UID]

@@ -8,34 +8,22 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config
 
 from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.consumer.drafter_hf_config import drafter_hf_config
 from dflash_ring.consumer.export import export_drafter, load_drafter
 from dflash_ring.consumer.model import Anchors, build_drafter, cu_seqlens_from_lengths, load_target_head
+from support import save_tiny_qwen3
 
 HIDDEN, NUM_LAYERS = 64, 2
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        hidden_size=HIDDEN,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        vocab_size=256,
-        max_position_embeddings=512,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-        bos_token_id=1,
-        eos_token_id=2,
-    )
     path = tmp_path_factory.mktemp("target")
-    Qwen3ForCausalLM(config).save_pretrained(path)
+    save_tiny_qwen3(path, num_hidden_layers=8, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                    bos_token_id=1, eos_token_id=2)
     return json.loads((path / "config.json").read_text()), load_target_head(path)
 
 

@@ -1,6 +1,6 @@
 """The drafter for every target family: geometry from its config, its frozen head, training, export, reload.
 
-Each family's tiny random target is a real HF directory (tests/target_fixtures.build_target); the truth
+Each family's tiny random target is a real HF directory (tests/support.build_target); the truth
 for the head is the target's own forward (its first-layer input and its logits), and the features the
 drafter trains on are the target's real hidden states at the DFlash layer ids.
 """
@@ -25,7 +25,7 @@ from dflash_ring.consumer.model import Anchors, build_drafter, load_target_head
 from dflash_ring.common.train_config import TrainConfig
 from dflash_ring.consumer.trainer import DeviceBatch, Trainer
 
-from target_fixtures import ARCHS, build_target
+from support import ARCHS, build_target
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -47,7 +47,8 @@ def drafter_cfg(vocab: int) -> DrafterConfig:
                          sliding_window=8)
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+# qwen3 in the quick subset; the other families are `slow` (pytest -m "not processes and not slow").
+@pytest.fixture(scope="module", params=[a if a == "qwen3" else pytest.param(a, marks=pytest.mark.slow) for a in ARCHS])
 def family(request, tmp_path_factory):
     """(name, target dir, config.json, the target loaded by AutoModelForCausalLM in fp32)."""
     path = build_target(tmp_path_factory.mktemp(request.param), request.param, layers=LAYERS, hidden=HIDDEN)

@@ -7,25 +7,17 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.consumer.loss import block_labels, dflash_loss, position_weights
 from dflash_ring.consumer.model import (
-    Anchors,
     FrozenTargetHead,
     build_drafter,
     cu_seqlens_from_lengths,
     load_target_head,
     sample_anchors,
 )
-
-
-def anchors_from_local(lengths: list[int], local: list[list[int]]) -> Anchors:
-    cu = cu_seqlens_from_lengths(lengths)
-    positions = torch.tensor([cu[i].item() + a for i, seq in enumerate(local) for a in seq], dtype=torch.long)
-    counts = torch.tensor([len(seq) for seq in local])
-    return Anchors(positions=positions, cu_anchors=cu_seqlens_from_lengths(counts), cu_seqlens=cu)
+from support import anchors_from_local, save_tiny_qwen3
 
 
 def test_position_weights_decay_from_the_first_draft_position():
@@ -127,20 +119,9 @@ PERIOD, SEQ_LEN = 64, 32  # tokens count up mod PERIOD, so token[p + k] == (toke
 
 @pytest.fixture(scope="module")
 def counting_setup(tmp_path_factory):
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        vocab_size=256,
-        max_position_embeddings=512,
-        initializer_range=0.5,  # a well-spread random lm_head, so argmax margins grow quickly
-    )
     path = tmp_path_factory.mktemp("counting-target")
-    Qwen3ForCausalLM(config).save_pretrained(path)
+    # initializer_range: a well-spread random lm_head, so argmax margins grow quickly
+    config = save_tiny_qwen3(path, initializer_range=0.5).config
     return config, load_target_head(path)
 
 
@@ -162,6 +143,7 @@ def single_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow  # a learning run of many steps
 def test_learns_counting_rule_at_every_block_position(counting_setup, single_thread):
     target_config, head = counting_setup
     torch.manual_seed(0)

@@ -8,11 +8,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_ring.common.drafter_config import DrafterConfig, build_target_layer_ids
 from dflash_ring.consumer.model import (
-    Anchors,
     FrozenTargetHead,
     block_attention_mask,
     build_drafter,
@@ -20,8 +18,9 @@ from dflash_ring.consumer.model import (
     load_target_head,
     sample_anchors,
 )
+from support import anchors_from_local, save_tiny_qwen3, tiny_qwen3_config
 
-VOCAB, HIDDEN, MASK_ID = 256, 64, 255
+VOCAB, HIDDEN, MASK_ID = 256, 64, 255  # vocabulary and width of tiny_qwen3_config
 
 
 # The CPU runs flex_attention eagerly on purpose (the reference check of the GPU path), so its
@@ -29,39 +28,11 @@ VOCAB, HIDDEN, MASK_ID = 256, 64, 255
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
 
 
-def tiny_target_config(**overrides) -> Qwen3Config:
-    base = dict(
-        hidden_size=HIDDEN,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        vocab_size=VOCAB,
-        max_position_embeddings=512,
-    )
-    return Qwen3Config(**{**base, **overrides})
-
-
-def save_target(path, sharded: bool = False, **overrides) -> Qwen3ForCausalLM:
-    torch.manual_seed(0)
-    target = Qwen3ForCausalLM(tiny_target_config(**overrides))
-    target.save_pretrained(path, **({"max_shard_size": "40KB"} if sharded else {}))
-    return target
-
-
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("target")
-    save_target(path)
+    save_tiny_qwen3(path)
     return path
-
-
-def anchors_from_local(lengths: list[int], local: list[list[int]]) -> Anchors:
-    cu = cu_seqlens_from_lengths(lengths)
-    positions = torch.tensor([cu[i].item() + a for i, seq in enumerate(local) for a in seq], dtype=torch.long)
-    counts = torch.tensor([len(seq) for seq in local])
-    return Anchors(positions=positions, cu_anchors=cu_seqlens_from_lengths(counts), cu_seqlens=cu)
 
 
 # --- configuration -------------------------------------------------------------------------------
@@ -94,7 +65,7 @@ def test_sliding_layers_need_a_window():
 
 def test_parameter_names_are_the_public_ones():
     cfg = DrafterConfig(num_hidden_layers=2, block_size=4, loss_gamma=2.0, mask_token_id=MASK_ID)
-    model = build_drafter(cfg, tiny_target_config())
+    model = build_drafter(cfg, tiny_qwen3_config())
     per_layer = [
         "self_attn.q_proj.weight",
         "self_attn.k_proj.weight",
@@ -116,7 +87,7 @@ def test_parameter_names_are_the_public_ones():
 
 @pytest.mark.parametrize("variant", ["untied", "tied", "sharded"])
 def test_frozen_head_loads_only_embed_and_lm_head(tmp_path, variant):
-    target = save_target(tmp_path, tie_word_embeddings=variant == "tied", sharded=variant == "sharded")
+    target = save_tiny_qwen3(tmp_path, tie_word_embeddings=variant == "tied", sharded=variant == "sharded")
     if variant == "sharded":
         assert (tmp_path / "model.safetensors.index.json").exists()
     head = load_target_head(tmp_path)
@@ -279,7 +250,7 @@ def sliding_drafter(num_layers: int):
         layer_types=["sliding_attention"] * num_layers,
         sliding_window=6,
     )
-    return build_drafter(cfg, tiny_target_config()).eval()
+    return build_drafter(cfg, tiny_qwen3_config()).eval()
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "flex"])
@@ -319,7 +290,7 @@ def test_bfloat16_drafter_keeps_fp32_rope_and_tracks_fp32(setup):
     anchors = anchors_from_local(LENGTHS, LOCAL_ANCHORS)
     reference = draft_logits(model, head, context, input_ids, anchors)
     half = build_drafter(
-        DrafterConfig(num_hidden_layers=2, block_size=4, loss_gamma=2.0, mask_token_id=MASK_ID), tiny_target_config()
+        DrafterConfig(num_hidden_layers=2, block_size=4, loss_gamma=2.0, mask_token_id=MASK_ID), tiny_qwen3_config()
     )
     half.load_state_dict(model.state_dict())
     half.to(torch.bfloat16)
@@ -339,7 +310,7 @@ def test_flex_attention_matches_grouped_sdpa(target_dir, block_size, window):
     layer_types = ["full_attention", "sliding_attention"] if window else None
     cfg = DrafterConfig(num_hidden_layers=2, block_size=block_size, loss_gamma=2.0, mask_token_id=MASK_ID,
                         target_layer_ids=[1, 2], layer_types=layer_types, sliding_window=window)
-    model = build_drafter(cfg, tiny_target_config()).double()
+    model = build_drafter(cfg, tiny_qwen3_config()).double()
     head = load_target_head(target_dir, dtype=torch.float64)
     lengths = [150, 61, 300]
     local = [list(range(1, 149, 5)), [0, 7, 30, 59], list(range(3, 298, 11))]

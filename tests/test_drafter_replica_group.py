@@ -15,9 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from conftest import Run, wait_exit, wait_for
-from test_pipeline import curves, cyclic_rows, pipeline_config
-from target_fixtures import build_target
+from support import PIPELINE_RUN, Run, build_target, curves, cyclic_rows, pipeline_config, wait_exit, wait_for
 
 from dflash_ring.common.ring import Ring
 from dflash_ring.common.rendezvous import serve_rendezvous
@@ -117,20 +115,13 @@ def test_a_host_with_another_drafter_config_is_refused_by_field(run, store):
 
 
 def host_config(run, target, data, port: int, serve: bool, secret: Path) -> None:
-    pipeline_config(run, target, data, extra=f"""
-[group]
-rendezvous = "tcp://127.0.0.1:{port}"
-secret_file = "{secret}"
-serve = {'true' if serve else 'false'}
-hosts = 2
-settle_s = 5.0
-timeout_s = 30.0
-host_name = "{run.name}"
-[metrics]
-enabled = false
-""")
-    text = run.config.read_text().replace("consumers = 2", "consumers = 1").replace("epochs = 12", "epochs = 2")
-    run.config.write_text(text)
+    """One host's run: the pipeline's, with one drafter, two epochs and a group of two hosts; metrics off."""
+    pipeline_config(run, target, data, PIPELINE_RUN, {
+        "data": {"epochs": 2},
+        "group": {"rendezvous": f"tcp://127.0.0.1:{port}", "secret_file": str(secret), "serve": serve, "hosts": 2,
+                  "settle_s": 5.0, "timeout_s": 30.0, "host_name": run.name},
+        "metrics": {"enabled": False},
+    }, consumers=1)
 
 
 def test_two_hosts_with_their_own_rings_train_one_model(run):
@@ -147,8 +138,8 @@ def test_two_hosts_with_their_own_rings_train_one_model(run):
         drafters = []
         for r, _, _ in hosts:
             r.supervisor()
-            r.spawn("-m", "dflash_ring", "target", "--config", str(r.config), "--index", "0")
-            drafters.append(r.spawn("-m", "dflash_ring", "drafter", "--config", str(r.config), "--index", "0"))
+            r.role("target", 0)
+            drafters.append(r.role("drafter", 0))
         for p in [*drafters, *(p for r, _, _ in hosts for p in r.procs if p not in drafters)]:
             assert wait_exit(p, 240) == 0, p.stderr.read()[-3000:]
         logs = [d.stderr.read() for d in drafters]

@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
 from dflash_ring.cli import main
 from dflash_ring.common.drafter_config import DrafterConfig
@@ -22,6 +22,7 @@ from dflash_ring.consumer.evaluate import (
 from dflash_ring.consumer.export import export_drafter, load_drafter
 from dflash_ring.consumer.model import Anchors, FrozenTargetHead, build_drafter
 from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
+from support import save_tiny_qwen3
 
 BLOCK, MAX_NEW, LAYER_IDS = 4, 24, [1, 2]
 PROMPTS = ([5, 17, 42, 9, 33, 120, 7], [3, 3, 3], list(range(60, 90)))
@@ -31,23 +32,9 @@ PROMPTS = ([5, 17, 42, 9, 33, 120, 7], [3, 3, 3], list(range(60, 90)))
 def target_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("target")
     tokenizer = tiny_chat_tokenizer(path)
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        vocab_size=448,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    target = Qwen3ForCausalLM(config)
-    with torch.no_grad():  # sharper logits than the default init, so greedy argmaxes are not near-ties
-        target.lm_head.weight.mul_(20)
-    target.save_pretrained(path)
+    # A sharper lm_head than the default init, so greedy argmaxes are not near-ties.
+    save_tiny_qwen3(path, init=lambda target: target.lm_head.weight.mul_(20), vocab_size=448,
+                    tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id)
     return path
 
 

@@ -9,9 +9,9 @@ import subprocess
 import sys
 from dataclasses import replace
 
-from conftest import free_port_base
-from target_fixtures import build_target, load_tokenizer
-from test_pipeline import cyclic_rows
+import pytest
+
+from support import build_target, cyclic_rows, free_port_base, load_tokenizer
 
 from dflash_ring.common.config import Config, dump_toml, load_config
 from dflash_ring.common.drafter_config import DrafterConfig
@@ -49,6 +49,7 @@ def _launcher_config(tmp_path) -> Config:
     )
 
 
+@pytest.mark.processes
 def test_run_reports_exact_totals_and_clean_logs(tmp_path):
     (tmp_path / "run.toml").write_text(dump_toml(_launcher_config(tmp_path)))
     env = dict(os.environ, OMP_NUM_THREADS="1")

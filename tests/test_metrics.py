@@ -17,13 +17,12 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import wait_exit, wait_for
 from dflash_ring.cli import main as cli_main
 from dflash_ring.common.config import ConfigError, load_config
 from dflash_ring.common.gpu_metrics import GpuCollector, device_uuid
 from dflash_ring.common.metrics import run_ports
 from dflash_ring.common.ring import Ring
-from target_fixtures import build_target, load_tokenizer, write_chat_rows
+from support import build_target, pipeline_config, wait_exit, wait_for, write_chat_rows
 
 SUPERVISOR_NAMES = [
     "dflash_ring_capacity_slots", "dflash_ring_slots", "dflash_ring_depth_items", "dflash_ring_items_produced_total",
@@ -129,35 +128,16 @@ def stderr_on_failure(procs: dict[str, subprocess.Popen]):
         raise AssertionError(f"{type(e).__name__}: {e}{tails}") from e
 
 
-def pipeline_config(run, tmp: Path) -> None:
+def long_run_config(run) -> None:
     """Many epochs of a small set: the run outlasts the test, which ends it with a drain."""
-    target = build_target(tmp / "target", "qwen3", layers=4, hidden=32)
-    data = write_chat_rows(tmp / "chat.jsonl", 64)
-    vocab = len(load_tokenizer(target))
-    run.write_config(1, 2, slots=4, slot_bytes=1 << 20, extra=f"""
-[data]
-path = "{data}"
-max_length = 128
-max_tokens_per_batch = 256
-epochs = 500
-cache_dir = "{tmp / 'cache'}"
-[target]
-path = "{target}"
-mask_token_id = {vocab}
-state_dir = "{tmp / 'state'}"
-device = "cpu"
-[drafter]
-num_hidden_layers = 1
-block_size = 4
-loss_gamma = 2.0
-num_anchors = 8
-[train]
-device = "cpu"
-average_every_steps = 0
-checkpoint_dir = "{tmp / 'ckpt'}"
-checkpoint_every_steps = 100000
-log_every_steps = 100000
-""")
+    target = build_target(run.tmp / "target", "qwen3", layers=4, hidden=32)
+    data = write_chat_rows(run.tmp / "chat.jsonl", 64)
+    pipeline_config(run, target, data, {
+        "ring": {"slot_header_bytes": 4096},
+        "data": {"max_tokens_per_batch": 256, "epochs": 500},
+        "drafter": {"num_anchors": 8},
+        "train": {"average_every_steps": 0, "checkpoint_every_steps": 100000, "log_every_steps": 100000},
+    }, slot_bytes=1 << 20)
 
 
 def check_supervisor_matches_status(run, sup: Scrape) -> None:
@@ -184,14 +164,13 @@ def check_supervisor_matches_status(run, sup: Scrape) -> None:
 
 
 def test_every_process_serves_its_metrics_and_the_supervisor_matches_status(run, one_thread, notify_socket):
-    pipeline_config(run, run.tmp)
+    long_run_config(run)
     cfg = load_config(run.config)
     ports = run_ports(cfg)
     assert cfg.metrics.bind == "127.0.0.1"
     sup = run.supervisor()
-    target = run.spawn("-m", "dflash_ring", "target", "--config", str(run.config), "--index", "0")
-    drafters = [run.spawn("-m", "dflash_ring", "drafter", "--config", str(run.config), "--index", str(j))
-                for j in range(2)]
+    target = run.role("target", 0)
+    drafters = [run.role("drafter", j) for j in range(2)]
     procs = {"supervisor": sup, "target-0": target, "drafter-0": drafters[0], "drafter-1": drafters[1]}
     with stderr_on_failure(procs):
         # READY=1 from each role, once its model is loaded and the ring attached.

@@ -13,9 +13,7 @@ import json
 import torch
 from transformers import AutoTokenizer
 
-from conftest import wait_exit
-from target_fixtures import build_target, load_tokenizer
-from test_pipeline import curves, cyclic_rows
+from support import LEARNS, build_target, curves, cyclic_rows, pipeline_config, wait_exit
 
 from dflash_ring.common.config import load_config
 from dflash_ring.consumer.model import build_drafter, load_target_head
@@ -58,38 +56,13 @@ def reference_losses(config_path, order: list[int] | None = None) -> list[float]
 def test_pipeline_loss_curve_equals_in_process_reference(run):
     target = build_target(run.tmp / "target", "qwen3", layers=4)
     data = cyclic_rows(run.tmp / "chat.jsonl", 64, seed=3)
-    vocab = len(load_tokenizer(target))
-    run.write_config(1, 1, slots=3, slot_bytes=4 << 20, extra=f"""
-[data]
-path = "{data}"
-max_length = 128
-max_tokens_per_batch = 512
-epochs = 3
-cache_dir = "{run.tmp / 'cache'}"
-[target]
-path = "{target}"
-mask_token_id = {vocab}
-state_dir = "{run.tmp / 'state'}"
-device = "cpu"
-[drafter]
-num_hidden_layers = 1
-block_size = 4
-loss_gamma = 2.0
-num_anchors = 16
-[train]
-lr = 3e-3
-warmup_ratio = 0.1
-device = "cpu"
-total_steps = {STEPS}
-seed = 7
-checkpoint_dir = "{run.tmp / 'ckpt'}"
-checkpoint_every_steps = 1000
-log_every_steps = 1
-""")
-    run.config.write_text(run.config.read_text().replace("slot_header_bytes = 4096", "slot_header_bytes = 65536"))
+    pipeline_config(run, target, data, LEARNS, {
+        "data": {"epochs": 3},
+        "train": {"total_steps": STEPS, "seed": 7, "checkpoint_every_steps": 1000},
+    }, consumers=1, slots=3)
     sup = run.supervisor()
-    producer = run.spawn("-m", "dflash_ring", "target", "--config", str(run.config), "--index", "0")
-    drafter = run.spawn("-m", "dflash_ring", "drafter", "--config", str(run.config), "--index", "0")
+    producer = run.role("target", 0)
+    drafter = run.role("drafter", 0)
     for p in (producer, drafter, sup):
         assert wait_exit(p, 300) == 0, p.stderr.read()[-3000:]
     piped, _ = curves(drafter.stderr.read())

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -13,7 +12,7 @@ from dflash_ring.producer.batching import Batch, Cursor
 from dflash_ring.producer.process import CursorFile, prepare, run_target
 from dflash_ring.producer.target import TargetModel
 from dflash_ring.common.target_config import TargetConfig, TargetConfigError
-from target_fixtures import assert_same_features, build_target, reference_features, reference_final_hidden
+from support import assert_same_features, build_target, packed_batch, reference_features, reference_final_hidden
 
 LENGTHS = [37, 8, 120, 64, 9, 200, 12]  # real samples are never shorter: the chat template alone is longer
 
@@ -22,17 +21,6 @@ LENGTHS = [37, 8, 120, 64, 9, 200, 12]  # real samples are never shorter: the ch
 def targets(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("targets")
     return {arch: build_target(root / arch, arch) for arch in ("qwen3", "llama")}
-
-
-def packed_batch(seed: int = 0) -> Batch:
-    rng = np.random.default_rng(seed)
-    lengths = np.asarray(LENGTHS, dtype=np.int32)
-    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    return Batch(
-        input_ids=rng.integers(0, 400, cu[-1]).astype(np.int32), loss_mask=np.ones(cu[-1], np.uint8),
-        lengths=lengths, cu_seqlens=cu, sample_ids=np.arange(len(lengths), dtype=np.int64), epoch=0, position=0,
-        cursor=Cursor(0, 1), padding_fraction=0.0,
-    )
 
 
 def sequences(batch: Batch) -> list[torch.Tensor]:
@@ -49,7 +37,7 @@ def split(t: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
 def test_packed_features_equal_each_sequence_alone(targets, arch):
     target = TargetModel.load(TargetConfig(path=str(targets[arch]), num_draft_layers=2), torch.device("cpu"), packed=True)
     assert target.layer_ids == [1, 3] and target.dtype == torch.float32
-    batch = packed_batch()
+    batch = packed_batch(LENGTHS)
     out = run_target(target, prepare(batch, packed=True, pad_id=0, pin=False))
     assert out.features.shape == (batch.num_tokens, 2 * 64) and out.final_hidden is None
     expected = reference_features(targets[arch], sequences(batch), target.layer_ids)
@@ -60,7 +48,7 @@ def test_sliding_window_attention_stays_exact_when_packed(tmp_path):
     """Mistral-style sliding windows shorter than the sequences: the packed path must apply them too."""
     path = build_target(tmp_path / "mistral", "mistral", sliding_window=16)
     target = TargetModel.load(TargetConfig(path=str(path), num_draft_layers=2), torch.device("cpu"), packed=True)
-    batch = packed_batch()
+    batch = packed_batch(LENGTHS)
     out = run_target(target, prepare(batch, packed=True, pad_id=0, pin=False))
     expected = reference_features(path, sequences(batch), target.layer_ids)
     assert_same_features(split(out.features, batch), expected)
@@ -69,7 +57,7 @@ def test_sliding_window_attention_stays_exact_when_packed(tmp_path):
 def test_padded_batches_match_to_rounding_and_keep_only_real_tokens(targets):
     cfg = TargetConfig(path=str(targets["qwen3"]), num_draft_layers=2)
     target = TargetModel.load(cfg, torch.device("cpu"), packed=False)
-    batch = packed_batch()
+    batch = packed_batch(LENGTHS)
     out = run_target(target, prepare(batch, packed=False, pad_id=0, pin=False))
     assert out.features.shape[0] == batch.num_tokens
     expected = reference_features(targets["qwen3"], sequences(batch), target.layer_ids)
@@ -93,7 +81,7 @@ def test_forward_stops_after_the_deepest_captured_layer_and_never_computes_logit
     target = TargetModel.load(cfg, torch.device("cpu"), packed=True)
     vocab = target.config.vocab_size
     calls, widths = count_calls(target)
-    batch = packed_batch()
+    batch = packed_batch(LENGTHS)
     out = run_target(target, prepare(batch, packed=True, pad_id=0, pin=False))
     assert {k: v for k, v in calls.items() if k.startswith("layers.")} == {"layers.0": 1, "layers.1": 1, "layers.2": 1}
     assert "norm" not in calls  # nor layers 3..5
@@ -109,7 +97,7 @@ def test_shipping_the_final_hidden_runs_every_layer_and_matches_last_hidden_stat
     cfg = TargetConfig(path=str(targets["qwen3"]), num_draft_layers=2, ship_final_hidden=True)
     target = TargetModel.load(cfg, torch.device("cpu"), packed=True)
     calls, widths = count_calls(target)
-    batch = packed_batch()
+    batch = packed_batch(LENGTHS)
     out = run_target(target, prepare(batch, packed=True, pad_id=0, pin=False))
     assert calls["norm"] == 1 and all(calls[f"layers.{i}"] == 1 for i in range(6))
     assert target.config.vocab_size not in widths

@@ -19,7 +19,7 @@ def test_shapes_named_in_the_cli_are_the_benchs():
 
 
 def test_moe_flops_count_only_the_routed_experts_a_token_uses(tmp_path):
-    from target_fixtures import build_target as save_target
+    from support import build_target as save_target
 
     target = TargetModel.load(TargetConfig(path=str(save_target(tmp_path / "moe", "qwen3_moe")), num_draft_layers=2),
                               torch.device("cpu"), packed=True)

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import wait_exit, wait_for
 from dflash_ring.common.config import Config, load_config
 from dflash_ring.common.layout import Counter, Role
 from dflash_ring.common.membership import Membership
 from dflash_ring.common.ring import ConfigMismatchError, Ring
 from dflash_ring.producer.batching import ShardBatcher
 from dflash_ring.producer.pretokenized import TokenizedData, load_tokenized
-from target_fixtures import assert_same_features, build_target, load_tokenizer, reference_features, reference_final_hidden, write_chat_rows
+from support import (assert_same_features, build_target, load_tokenizer, reference_features, reference_final_hidden, wait_exit,
+                     wait_for, write_chat_rows)
 
 ROWS = 48
 
@@ -61,23 +61,19 @@ def one_thread(monkeypatch):
 
 
 def configure(run, world: World, arch: str = "qwen3", *, producers: int = 1, epochs: int = 1, slots: int = 4,
-              max_tokens: int = 512, target_extra: str = "") -> Config:
-    run.write_config(producers, 1, slots=slots, extra=(
-        f'[data]\npath = "{world.data}"\ncache_dir = "{world.cache}"\nmax_length = 256\n'
-        f"max_tokens_per_batch = {max_tokens}\nepochs = {epochs}\nseed = 3\n"
-        f'[target]\npath = "{world.targets[arch]}"\nnum_draft_layers = 2\nstate_dir = "{run.tmp / "state"}"\n'
-        f"{target_extra}"
-    ))
-    return load_config(run.config)
+              max_tokens: int = 512, **target: Any) -> Config:
+    """A run of `producers` targets of `arch` over the world's chat rows (`target`: more [target] settings)."""
+    return run.write_config(
+        producers, 1, slots=slots,
+        data={"path": str(world.data), "cache_dir": str(world.cache), "max_length": 256,
+              "max_tokens_per_batch": max_tokens, "epochs": epochs, "seed": 3},
+        target={"path": str(world.targets[arch]), "num_draft_layers": 2, "state_dir": str(run.tmp / "state"), **target},
+    )
 
 
 def tokenized(cfg: Config) -> TokenizedData:
     """Tokenized here first, so producers find the cache, and the test knows every sample."""
     return load_tokenized(cfg.data, load_tokenizer(Path(cfg.target.path)))
-
-
-def producer(run, index: int):
-    return run.spawn("-m", "dflash_ring", "target", "--config", str(run.config), "--index", str(index))
 
 
 def consume(cfg: Config, after_each=None) -> list[Item]:
@@ -108,9 +104,9 @@ def samples_of(data: TokenizedData) -> dict[int, tuple[np.ndarray, np.ndarray]]:
 
 @pytest.mark.parametrize("arch,final", [("qwen3", False), ("llama", True)])
 def test_features_from_the_ring_equal_a_plain_forward_of_each_sequence_alone(run, world, arch, final):
-    cfg = configure(run, world, arch, target_extra="ship_final_hidden = true\n" if final else "")
+    cfg = configure(run, world, arch, **({"ship_final_hidden": True} if final else {}))
     data = tokenized(cfg)
-    sup, prod = run.supervisor(), producer(run, 0)
+    sup, prod = run.supervisor(), run.role("target", 0)
     items = consume(cfg)
     finish(run, [prod, sup])
     assert items and all(set(i.meta) == {"producer", "epoch", "position", "num_tokens", "num_sequences"}
@@ -144,7 +140,7 @@ def test_three_producers_cover_the_data_exactly_once_per_epoch(run, world):
     cfg = configure(run, world, producers=3, epochs=2, max_tokens=384)
     data = tokenized(cfg)
     sup = run.supervisor()
-    procs = [producer(run, i) for i in range(3)]
+    procs = [run.role("target", i) for i in range(3)]
     items = consume(cfg)
     finish(run, procs + [sup])
     for epoch in (0, 1):
@@ -164,13 +160,13 @@ def test_interrupted_producer_restarts_with_exactly_the_remaining_batches(run, w
     plan = [(b.epoch, b.position, b.sample_ids.tolist()) for b in
             ShardBatcher.from_config(data, cfg.data, rank=0, world_size=1).batches()]
     sup = run.supervisor()
-    incarnations = [producer(run, 0)]
+    incarnations = [run.role("target", 0)]
 
     def interrupt(n: int) -> None:
         if n == 3:  # the ring is full behind this slow reader, so the producer is mid-run
             incarnations[0].send_signal(sig)
             assert wait_exit(incarnations[0]) == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
-            incarnations.append(producer(run, 0))
+            incarnations.append(run.role("target", 0))
         time.sleep(0.05)
 
     items = consume(cfg, after_each=interrupt)
@@ -212,7 +208,7 @@ def test_a_drained_run_started_again_does_not_redo_a_finished_shard(run, world):
     data = tokenized(cfg)
     shard = [len(ShardBatcher.from_config(data, cfg.data, rank=p, world_size=2).epoch_plan(0)) for p in (0, 1)]
     sup = run.supervisor()
-    p0 = producer(run, 0)
+    p0 = run.role("target", 0)
 
     def drain_once_shard_0_is_done(n: int) -> None:
         if n == shard[0]:  # producer 1 has not started: the drain ends the run with its shard untouched
@@ -223,7 +219,7 @@ def test_a_drained_run_started_again_does_not_redo_a_finished_shard(run, world):
     finish(run, [sup])
     assert len(first) == shard[0] and {i.meta["producer"] for i in first} == {0}
     sup = run.supervisor()  # the run started again, as a whole
-    procs = [producer(run, 0), producer(run, 1)]
+    procs = [run.role("target", 0), run.role("target", 1)]
     second = consume(cfg)
     finish(run, procs + [sup])
     assert [i.meta["producer"] for i in second].count(0) == 0  # nothing of the finished shard again
@@ -239,7 +235,7 @@ def test_a_producer_restarted_with_other_data_refuses_the_old_plans_ring_cursor(
     cfg = configure(run, world, slots=2, max_tokens=256)
     other = write_chat_rows(run.tmp / "other.jsonl", ROWS, seed=1)
     sup = run.supervisor()
-    first = producer(run, 0)
+    first = run.role("target", 0)
     with Ring.attach(cfg) as ring:
         row = ring.row_of(Role.PRODUCER, 0)
         wait_for(lambda: ring.committed_cursor(row) is not None and ring.counter(Counter.PRODUCED) == 2,

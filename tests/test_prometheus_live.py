@@ -32,10 +32,8 @@ from pathlib import Path
 
 import yaml
 
-from conftest import wait_exit
 from deploy_support import PROMETHEUS, RULES, dashboard, is_gpu_expr, panel_exprs, require
-from target_fixtures import build_target
-from test_pipeline import cyclic_rows, pipeline_config
+from support import PIPELINE_RUN, build_target, cyclic_rows, pipeline_config, wait_exit
 
 QUIET_WHEN_HEALTHY = {"ProcessDown", "RestartLoop", "SlotsReclaimed", "PipelineStalled", "NoTrainingProgress",
                       "GPUIdle"}
@@ -43,7 +41,7 @@ SPEED_DEPENDENT = {"DrafterStarved", "ProducersBlocked"}
 
 
 def wait_for(cond, timeout: float, what: str):
-    """conftest's wait_for at a pace a Prometheus API on a shared box does not mind (2 polls a second)."""
+    """support's wait_for at a pace a Prometheus API on a shared box does not mind (2 polls a second)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if got := cond():
@@ -149,21 +147,16 @@ def logs(run) -> str:
 
 
 def test_prometheus_scrapes_the_pipeline_evaluates_the_dashboard_and_fires_on_a_stopped_producer(run):
-    from dflash_ring.common.config import load_config
     from dflash_ring.common.metrics import run_ports
 
     require("prometheus", "apt-get install prometheus")
     target = build_target(run.tmp / "target", "qwen3", layers=4)
     data = cyclic_rows(run.tmp / "chat.jsonl", 96)
-    pipeline_config(run, target, data)
     # Long enough that the producer cannot finish its shard during the test; few log lines and checkpoints.
-    text = run.config.read_text()
-    for old, new in [("epochs = 12", "epochs = 10000"), ("checkpoint_every_steps = 5", "checkpoint_every_steps = 100000"),
-                     ("log_every_steps = 1", "log_every_steps = 50")]:
-        assert old in text
-        text = text.replace(old, new)
-    run.config.write_text(text)
-    ports = run_ports(load_config(run.config))
+    cfg = pipeline_config(run, target, data, PIPELINE_RUN, {
+        "data": {"epochs": 10000}, "train": {"checkpoint_every_steps": 100000, "log_every_steps": 50},
+    })
+    ports = run_ports(cfg)
     assert set(ports) == {"supervisor", "target-0", "drafter-0", "drafter-1"}
 
     sup = start(run, "supervisor")

@@ -18,7 +18,7 @@ import pytest
 from safetensors.torch import load_file
 from torch.distributed import TCPStore
 
-from conftest import wait_exit, wait_for
+from support import wait_exit, wait_for
 from test_drafter_replica_group import common_rounds, free_port, leader, max_abs_diff, store, write_secret  # noqa: F401
 
 from dflash_ring.common.config import Config, ConfigError

@@ -10,7 +10,7 @@ import json
 import signal
 from collections import Counter
 
-from conftest import wait_exit, wait_for
+from support import wait_exit, wait_for
 
 
 def crashing(run, monkeypatch, at: str, role: str, index: int, *extra: str):

@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import wait_exit, wait_for
+from support import wait_exit, wait_for
 
 
 def reconcile(run, producers: int, items: int) -> list[list[str]]:

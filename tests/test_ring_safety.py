@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from conftest import wait_exit, wait_for
+from support import wait_exit, wait_for
 from dflash_ring.common.config import ConfigError, load_config
 from dflash_ring.common.layout import HEADER_BYTES, RingHeaderError, read_identity
 from dflash_ring.common.ring import ConfigMismatchError, Ring, segment_name
@@ -64,7 +64,7 @@ def test_reclaim_stale_starts_fresh(run):
 def test_drafter_replicas_with_other_drafter_settings_are_refused_by_field_name(run):
     """Issue 14 item 5: replicas with block_size 8 and 10 attached to one ring and averaged their weights
     together silently. The drafter.* settings are part of the ring's fingerprint, checked at attach."""
-    run.write_config(1, 2, extra="[drafter]\nblock_size = 8\n")
+    run.write_config(1, 2, drafter={"block_size": 8})
     sup = run.supervisor()
     with Ring.attach(cfg_for(run)) as ring:  # a replica with the run's settings attaches
         with pytest.raises(ConfigMismatchError) as e:

@@ -47,6 +47,7 @@ def runtime_root(tmp_path):
                 pass
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("how,name", [
     ("clean", "TRAVERSAL"), ("clean", ".."), ("status", "."), ("stop", "a/b"), ("status", ""),
     ("config", ".."), ("set", ".hidden"), ("config", "TRAVERSAL"),
@@ -145,7 +146,7 @@ def test_a_ring_in_use_is_never_stale_to_another_config(run):
     import json
     import signal
 
-    from conftest import wait_exit, wait_for
+    from support import wait_exit, wait_for
 
     run.write_config(1, 1)
     sup = run.supervisor()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from conftest import wait_exit, wait_for
+from support import wait_exit, wait_for
 
 
 def test_stop_now_with_a_busy_drafter_reports_what_was_left_and_exits_zero(run):

@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,12 +17,15 @@ from transformers import AttentionInterface
 
 from dflash_ring.bench.target_shapes import FAMILIES
 from dflash_ring.producer import packing
-from dflash_ring.producer.batching import Batch, Cursor
+from dflash_ring.producer.batching import Batch
 from dflash_ring.producer.conformance import choose_packing, probe
 from dflash_ring.producer.process import prepare, run_target
 from dflash_ring.producer.target import TargetModel
 from dflash_ring.common.target_config import TargetConfig, TargetConfigError
-from target_fixtures import FEATURE_TOLERANCE, assert_same_features, build_target, reference_features
+from support import FEATURE_TOLERANCE, assert_same_features, build_target, packed_batch, reference_features
+
+# Every family's target is built once for the module (the `targets` fixture): the quick subset leaves it out.
+pytestmark = pytest.mark.slow
 
 LENGTHS = [37, 8, 120, 64, 9, 200, 12]  # 120 and 200 run past the tiny families' 16-token windows
 
@@ -41,17 +43,6 @@ def targets(tmp_path_factory) -> dict[str, Path]:
     return {f: build_target(root / f, f, init=loud_sinks if f == "gpt_oss" else None) for f in FAMILIES}
 
 
-def packed_batch(seed: int = 0) -> Batch:
-    rng = np.random.default_rng(seed)
-    lengths = np.asarray(LENGTHS, dtype=np.int32)
-    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    return Batch(
-        input_ids=rng.integers(0, 400, cu[-1]).astype(np.int32), loss_mask=np.ones(cu[-1], np.uint8),
-        lengths=lengths, cu_seqlens=cu, sample_ids=np.arange(len(lengths), dtype=np.int64), epoch=0, position=0,
-        cursor=Cursor(0, 1), padding_fraction=0.0,
-    )
-
-
 def per_sequence(t: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
     cu = batch.cu_seqlens
     return [t[a:b] for a, b in zip(cu[:-1], cu[1:])]
@@ -63,7 +54,7 @@ def load(path: Path, packed: bool, **keys) -> TargetModel:
 
 @pytest.fixture(scope="module")
 def expected(targets) -> dict[str, list[torch.Tensor]]:
-    batch = packed_batch()
+    batch = packed_batch(LENGTHS)
     ids = [torch.from_numpy(s) for s in per_sequence(batch.input_ids, batch)]
     return {f: reference_features(path, ids, load(path, False).layer_ids) for f, path in targets.items()}
 
@@ -72,7 +63,7 @@ def expected(targets) -> dict[str, list[torch.Tensor]]:
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
 def test_features_equal_the_models_own_forward_of_each_sequence(targets, expected, family, packed):
     target = load(targets[family], packed)
-    batch = packed_batch()
+    batch = packed_batch(LENGTHS)
     out = run_target(target, prepare(batch, packed=packed, pad_id=0, pin=False))
     assert out.features.shape == (batch.num_tokens, 3 * 64)
     assert_same_features(per_sequence(out.features, batch), expected[family])
@@ -92,7 +83,7 @@ def test_gpt_oss_sinks_matter_in_this_fixture(targets, expected):
     target = load(targets["gpt_oss"], True)
     for layer in target.decoder.layers:
         layer.self_attn.sinks.data.fill_(-1e4)  # a sink of -inf: the softmax of plain attention
-    batch = packed_batch()
+    batch = packed_batch(LENGTHS)
     out = run_target(target, prepare(batch, packed=True, pad_id=0, pin=False))
     with pytest.raises(AssertionError, match="differ"):
         assert_same_features(per_sequence(out.features, batch), expected["gpt_oss"], tolerance=1e-2)
@@ -121,7 +112,7 @@ def test_the_probe_catches_a_broken_packed_path_and_names_the_first_layer(target
     assert not report.passed and report.first_bad.layer == 0 and report.max_error > 1e-2
     assert not target.packed and "qwen3" in caplog.text and "layer 0" in caplog.text and "padded" in caplog.text
     # Falling back is exact: padded features of the same model equal the reference.
-    batch = packed_batch()
+    batch = packed_batch(LENGTHS)
     out = run_target(target, prepare(batch, packed=False, pad_id=0, pin=False))
     ids = [torch.from_numpy(s) for s in per_sequence(batch.input_ids, batch)]
     assert_same_features(per_sequence(out.features, batch), reference_features(targets["qwen3"], ids, target.layer_ids))
@@ -152,6 +143,7 @@ def check_target(config: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.processes
 def test_check_target_reports_the_probe_as_json(targets, tmp_path):
     config = tmp_path / "run.toml"
     config.write_text(f'[target]\npath = "{targets["qwen3_5_vl"]}"\nnum_draft_layers = 3\npacking = "packed"\n')
@@ -163,6 +155,7 @@ def test_check_target_reports_the_probe_as_json(targets, tmp_path):
     assert report["probe"]["model_type"].startswith("qwen3_5")
 
 
+@pytest.mark.processes
 def test_check_target_of_a_directory_without_weights_is_one_clear_line(targets, tmp_path):
     bare = tmp_path / "bare"
     bare.mkdir()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_ring.consumer.checkpoint import CheckpointStore, export_checkpoint
 from dflash_ring.common.drafter_config import DrafterConfig
@@ -13,15 +12,12 @@ from dflash_ring.consumer.export import load_drafter
 from dflash_ring.consumer.model import build_drafter, load_target_head
 from dflash_ring.common.train_config import TrainConfig
 from dflash_ring.consumer.trainer import DeviceBatch, Trainer, lr_at
+from support import save_tiny_qwen3
 
 
 def tiny_target(tmp_path):
-    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=96, max_position_embeddings=256,
-                      tie_word_embeddings=False)
-    torch.manual_seed(0)
     path = tmp_path / "target"
-    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    save_tiny_qwen3(path, vocab_size=96, max_position_embeddings=256, tie_word_embeddings=False)
     return path, json.loads((path / "config.json").read_text())
 
 

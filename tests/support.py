@@ -1,0 +1,356 @@
+"""What the tests share, in one place: runs of real processes, run configs, tiny targets and data.
+
+conftest.py holds only fixtures and hooks; the helpers live here so a test module imports them by
+name (`from support import ...`) instead of reaching into conftest or another test module.
+
+- Runs: `Run` (one test's run: config, ledgers, processes), `wait_exit`, `wait_for`, `free_port_base`.
+- Run configs: `run_config` builds a `Config` through `load_config` from `section.key=value` overrides;
+  `write_config` writes it with the one writer (`dump_toml`) and checks that the file reads back equal;
+  `pipeline_settings` is the pipeline tests' recipe (a tiny target and a one-layer drafter on the CPU).
+- Targets: `build_target` (any family, with the tiny tokenizer), `save_tiny_qwen3` / `tiny_qwen3_config`
+  (the small Qwen3 the drafter tests use), reference features and `assert_same_features`.
+- Data: `write_chat_rows`, `cyclic_rows` (learnable replies), `packed_batch`, `anchors_from_local`;
+  `curves` reads a drafter's loss and accuracy from its log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+from dflash_ring.bench.target_shapes import FAMILIES, model_class, tiny_config
+from dflash_ring.common.config import Config, dump_toml, load_config
+from dflash_ring.consumer.model import Anchors, cu_seqlens_from_lengths
+from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
+from dflash_ring.producer.batching import Batch, Cursor
+from dflash_ring.producer.conformance import relative_error
+
+WORKER = Path(__file__).with_name("ring_worker.py")
+
+
+# --- runs of real processes ------------------------------------------------------------------------
+
+
+class Run:
+    """One test's run: its config file, ledgers, and every process it started."""
+
+    def __init__(self, tmp: Path, name: str):
+        self.tmp = tmp
+        self.name = name
+        self.lock_dir = tmp / "locks"
+        self.config = tmp / "run.toml"
+        self.procs: list[subprocess.Popen] = []
+        self.metrics_base = free_port_base()
+
+    def settings(self, producers: int, consumers: int, slots: int = 4, slot_bytes: int = 1 << 20) -> dict:
+        """The run's own settings: its name and lock dir, a small ring, quick timeouts, free metrics ports."""
+        return {
+            "run": {"name": self.name, "run_dir": str(self.lock_dir), "attach_timeout_s": 30},
+            "ring": {"slots": slots, "slot_bytes": slot_bytes, "slot_header_bytes": 4096, "wait_s": 0.1},
+            "topology": {"producers": producers, "consumers": consumers},
+            "supervisor": {"reap_interval_s": 0.1, "exit_timeout_s": 30},
+            # Every process serves /metrics: a free base per run, so runs side by side never collide.
+            "metrics": {"port_base": self.metrics_base},
+        }
+
+    def write_config(self, producers: int, consumers: int, slots: int = 4, slot_bytes: int = 1 << 20,
+                     **sections: Mapping[str, Any]) -> Config:
+        """Write run.toml: the run's settings with `sections` ({"train": {"lr": 1e-3}, ...}) over them."""
+        return write_config(self.config, merged(self.settings(producers, consumers, slots, slot_bytes), sections))
+
+    def ledger(self, role: str, index: int) -> Path:
+        return self.tmp / f"{role}-{index}.ledger"
+
+    def spawn(self, *args: str, stdout=None) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, *args], cwd=self.tmp, stdout=stdout, stderr=subprocess.PIPE,
+                                text=True)
+        self.procs.append(proc)
+        return proc
+
+    def role(self, role: str, index: int, *extra: str) -> subprocess.Popen:
+        """`dflash-ring target|drafter --config run.toml --index i`."""
+        return self.spawn("-m", "dflash_ring", role, "--config", str(self.config), "--index", str(index), *extra)
+
+    def supervisor(self, *extra: str) -> subprocess.Popen:
+        return self.spawn("-m", "dflash_ring", "supervisor", "--config", str(self.config), *extra)
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        out = subprocess.run([sys.executable, "-m", "dflash_ring", *args], cwd=self.tmp, capture_output=True,
+                             text=True, timeout=120)
+        if check and out.returncode != 0:
+            raise AssertionError(f"dflash-ring {' '.join(args)} exited {out.returncode}: {out.stderr}")
+        return out
+
+    def worker(self, role: str, index: int, *extra: str) -> subprocess.Popen:
+        return self.spawn(str(WORKER), role, "--config", str(self.config), "--index", str(index),
+                          "--ledger", str(self.ledger(role, index)), *extra)
+
+    def ledger_lines(self, kind: str) -> list[list[str]]:
+        lines = []
+        for p in sorted(self.tmp.glob("*.ledger")):
+            lines += [ln.split() for ln in p.read_text().splitlines() if ln.startswith(kind + " ")]
+        return lines
+
+    def leftovers(self) -> list[str]:
+        found = [n for n in os.listdir("/dev/shm") if n.startswith(f"dflash-ring.{self.name}")]
+        found += [str(p) for p in self.lock_dir.glob("*")] if self.lock_dir.exists() else []
+        return found
+
+
+def free_port_base(span: int = 8) -> int:
+    """A metrics port base whose first ports (supervisor, targets) and drafter ports are all free."""
+    for _ in range(200):
+        base = random.randrange(10000, 32000)  # below Linux's ephemeral range (32768-60999)
+        try:
+            for port in [*range(base, base + span), *range(base + 100, base + 100 + span)]:
+                with socket.create_server(("127.0.0.1", port)):
+                    pass
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free metrics port base found on 127.0.0.1")
+
+
+def wait_exit(proc: subprocess.Popen, timeout: float = 60.0) -> int:
+    try:
+        rc = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"process {proc.args} did not exit within {timeout}s")
+    return rc
+
+
+def wait_for(cond, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+# --- run configs -----------------------------------------------------------------------------------
+
+
+def merged(base: Mapping[str, Mapping[str, Any]], *changes: Mapping[str, Mapping[str, Any]]) -> dict:
+    """Sections of settings, later keys over earlier ones, section by section."""
+    out = {section: dict(keys) for section, keys in base.items()}
+    for change in changes:
+        for section, keys in change.items():
+            out.setdefault(section, {}).update(keys)
+    return out
+
+
+def override(section: str, key: str, value: Any) -> str:
+    """`section.key=value` as `--set` takes it (the value in TOML: strings quoted, lists bracketed)."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if isinstance(value, (str, list, tuple)):
+        text = json.dumps(list(value) if isinstance(value, tuple) else value)  # JSON strings and lists are TOML too
+    else:
+        text = "true" if value is True else "false" if value is False else repr(value)
+    return f"{section}.{key}={text}"
+
+
+def run_config(sections: Mapping[str, Mapping[str, Any]]) -> Config:
+    """The `Config` these settings make, read as `--set section.key=value` overrides over the defaults."""
+    return load_config(None, [override(s, k, v) for s, keys in sections.items() for k, v in keys.items()])
+
+
+def write_config(path: Path, sections: Mapping[str, Mapping[str, Any]]) -> Config:
+    """The settings' `Config`, written by the one writer (`dump_toml`); the file reads back equal."""
+    cfg = run_config(sections)
+    path.write_text(dump_toml(cfg))
+    assert load_config(path) == cfg, f"{path} does not read back as the config it was written from"
+    return cfg
+
+
+def pipeline_settings(tmp: Path, target: Path, data: Path) -> dict:
+    """The pipeline tests' common ground: a tiny target on the CPU feeding one-layer drafters of block 4,
+    every step logged, with big slot headers (a batch of many rows carries many cursors)."""
+    return {
+        "ring": {"slot_header_bytes": 65536},
+        "data": {"path": str(data), "max_length": 128, "max_tokens_per_batch": 512, "cache_dir": str(tmp / "cache")},
+        "target": {"path": str(target), "mask_token_id": len(load_tokenizer(target)), "state_dir": str(tmp / "state"),
+                   "device": "cpu"},
+        "drafter": {"num_hidden_layers": 1, "block_size": 4, "loss_gamma": 2.0, "num_anchors": 16},
+        "train": {"device": "cpu", "checkpoint_dir": str(tmp / "ckpt"), "log_every_steps": 1},
+    }
+
+
+# A schedule fast enough for the tiny drafter to learn `cyclic_rows` within a test.
+LEARNS = {"train": {"lr": 3e-3, "warmup_ratio": 0.1}}
+# tests/test_pipeline.py's run, also under Prometheus and across hosts: twelve epochs of cyclic rows,
+# replicas averaging every 2 steps and checkpointing every 5.
+PIPELINE_RUN = merged(LEARNS, {"data": {"epochs": 12}, "train": {"average_every_steps": 2, "checkpoint_every_steps": 5}})
+
+
+def pipeline_config(run: Run, target: Path, data: Path, *layers: Mapping[str, Mapping[str, Any]], consumers: int = 2,
+                    slots: int = 4, slot_bytes: int = 4 << 20) -> Config:
+    """run.toml for a supervisor, one target and `consumers` drafters: `pipeline_settings`, then `layers` over it."""
+    return run.write_config(1, consumers, slots, slot_bytes, **merged(pipeline_settings(run.tmp, target, data), *layers))
+
+
+STEP = re.compile(r"step (\d+)/\d+ loss ([\d.]+) acc@1 ([\d.]+)")
+
+
+def curves(stderr: str) -> tuple[list[float], list[float]]:
+    """A drafter's logged loss and top-1 accuracy, step by step."""
+    steps = list(STEP.finditer(stderr))
+    return [float(m.group(2)) for m in steps], [float(m.group(3)) for m in steps]
+
+
+# --- targets ---------------------------------------------------------------------------------------
+
+
+ARCHS = tuple(FAMILIES)
+WORDS = ("the quick brown fox jumps over the lazy dog drafter target hidden state ring shared memory "
+         "capital France Paris explain speculative decoding numbers hello world thanks sure okay").split()
+
+
+# Packed (or padded) against per-sequence features in float32: the largest relative RMS error of a
+# sequence allowed (the probe's measure). A CPU GEMM rounds a row differently depending on how many
+# rows share the call (measured on the tiny targets: up to ~2e-7 here; ~1e-7 to 1e-5 on other
+# processors and BLAS builds), while a leak across sequences, a dropped attention sink or a missed
+# window gives 1e-2 and more.
+FEATURE_TOLERANCE = 1e-4
+
+
+def assert_same_features(got: list[torch.Tensor], want: list[torch.Tensor], tolerance: float = FEATURE_TOLERANCE):
+    errors = [relative_error(g, w) for g, w in zip(got, want, strict=True)]
+    bad = [i for i, e in enumerate(errors) if not e <= tolerance]
+    assert not bad, f"sequences {bad} differ from their own forward: errors {[f'{errors[i]:.1e}' for i in bad]}"
+
+
+def build_target(path: Path, arch: str, layers: int = 6, hidden: int = 64, seed: int = 0,
+                 init: Callable[[torch.nn.Module], None] | None = None, **extra) -> Path:
+    """A random-weight target with the tiny tokenizer beside it, as `save_pretrained` writes a real one;
+    `init` may change the weights before saving (e.g. make a mechanism's effect large)."""
+    tokenizer = tiny_chat_tokenizer(path)
+    config = tiny_config(
+        arch, vocab_size=len(tokenizer) + 8,  # spare rows, like Qwen3's: the first one can be the mask token
+        hidden_size=hidden, num_hidden_layers=layers, pad_token_id=tokenizer.pad_token_id, **extra,
+    )
+    torch.manual_seed(seed)
+    model = model_class(arch)(config)
+    if init is not None:
+        with torch.no_grad():
+            init(model)
+    model.save_pretrained(path)
+    return path
+
+
+def write_chat_rows(path: Path, rows: int, seed: int = 0) -> Path:
+    """Chat rows of varied length (a few dozen to ~150 tokens), some multi-turn, one per line."""
+    rng = random.Random(seed)
+
+    def text(lo: int, hi: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+    out = []
+    for i in range(rows):
+        messages = [{"role": "user", "content": text(3, 30)}, {"role": "assistant", "content": text(3, 60)}]
+        if i % 4 == 0:
+            messages += [{"role": "user", "content": text(2, 10)}, {"role": "assistant", "content": text(2, 20)}]
+        out.append({"messages": messages})
+    path.write_text("".join(json.dumps(r) + "\n" for r in out))
+    return path
+
+
+def reference_features(model_dir: Path, sequences: list[torch.Tensor], layer_ids: list[int]) -> list[torch.Tensor]:
+    """Each sequence alone through a plain HF forward with output_hidden_states: concat of hidden_states[l + 1]."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for ids in sequences:
+            hs = model(ids.long()[None], output_hidden_states=True).hidden_states
+            out.append(torch.cat([hs[i + 1][0] for i in layer_ids], dim=-1))
+    return out
+
+
+def reference_final_hidden(model_dir: Path, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return [model.model(ids.long()[None]).last_hidden_state[0] for ids in sequences]
+
+
+def load_tokenizer(model_dir: Path):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def tiny_qwen3_config(**overrides) -> Qwen3Config:
+    """The drafter tests' small Qwen3: 4 layers of width 64, 4 heads (2 for K/V) of 16, MLP 128, 256 tokens."""
+    base = dict(
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=256,
+        max_position_embeddings=512,
+    )
+    return Qwen3Config(**{**base, **overrides})
+
+
+def save_tiny_qwen3(path: Path, seed: int = 0, init: Callable[[torch.nn.Module], None] | None = None,
+                    sharded: bool = False, **overrides) -> Qwen3ForCausalLM:
+    """A random `tiny_qwen3_config` target (seeded) saved as an HF model directory (no tokenizer);
+    `init` may change the weights before saving, `sharded` saves it in many small shards."""
+    config = tiny_qwen3_config(**overrides)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    if init is not None:
+        with torch.no_grad():
+            init(model)
+    model.save_pretrained(path, **({"max_shard_size": "40KB"} if sharded else {}))
+    return model
+
+
+# --- data ------------------------------------------------------------------------------------------
+
+
+def cyclic_rows(path: Path, rows: int, seed: int = 0) -> Path:
+    """Replies that walk a fixed word cycle: each token determines the next, so a drafter can learn them."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(rows):
+            start = rng.randrange(len(WORDS))
+            reply = " ".join(WORDS[(start + i) % len(WORDS)] for i in range(24))
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"continue from {WORDS[start]}"},
+                                             {"role": "assistant", "content": reply}]}) + "\n")
+    return path
+
+
+def packed_batch(lengths: Iterable[int], seed: int = 0, vocab: int = 400) -> Batch:
+    """Random token ids for sequences of these lengths, packed into one batch as the producer builds it."""
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray(lengths, dtype=np.int32)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return Batch(
+        input_ids=rng.integers(0, vocab, cu[-1]).astype(np.int32), loss_mask=np.ones(cu[-1], np.uint8),
+        lengths=lengths, cu_seqlens=cu, sample_ids=np.arange(len(lengths), dtype=np.int64), epoch=0, position=0,
+        cursor=Cursor(0, 1), padding_fraction=0.0,
+    )
+
+
+def anchors_from_local(lengths: list[int], local: list[list[int]]) -> Anchors:
+    """Anchors given as positions within each sequence of a packed batch of these lengths."""
+    cu = cu_seqlens_from_lengths(lengths)
+    positions = torch.tensor([cu[i].item() + a for i, seq in enumerate(local) for a in seq], dtype=torch.long)
+    counts = torch.tensor([len(seq) for seq in local])
+    return Anchors(positions=positions, cu_anchors=cu_seqlens_from_lengths(counts), cu_seqlens=cu)
