@@ -172,12 +172,13 @@ class Progress:
                 if (sample := scrape(self.cfg, DRAFTER, j)) is not None:
                     self.drafters.setdefault(j, DrafterView()).update(now, sample)
 
-    def line(self) -> str | None:
-        """One progress line; None once the run is over (nothing left to report)."""
-        if self.ring_gone:
+    def line(self, final: bool = False) -> str | None:
+        """One progress line; None once the run is over, but for the `final` one (the last values seen)."""
+        if self.ring_gone and not final:
             return None
         if not self.ring_seen:
-            return f"waiting for the ring ({time.monotonic() - self.started:.0f}s: supervisor starting, models loading)"
+            return None if final else (f"waiting for the ring ({time.monotonic() - self.started:.0f}s: "
+                                       "supervisor starting, models loading)")
         parts = [f"items {self.consumed}/{self.planned or '?'}"]
         if self.planned:
             parts[0] += f" {100 * self.consumed / self.planned:.0f}%"
@@ -279,6 +280,8 @@ class Launch:
         finally:
             signal.signal(signal.SIGINT, old[0])
             signal.signal(signal.SIGTERM, old[1])
+        if (line := self.progress.line(final=True)) is not None:  # where the run ended, however short it was
+            print(f"  progress | {line}", file=sys.stderr, flush=True)
         for t in self._threads:
             t.join(timeout=5)
         return max(abs(p.returncode) for p in self.procs.values())
