@@ -3,7 +3,8 @@
 `DFLASH_RING_CRASH_AT=name[@n]` in a process's environment makes it SIGKILL itself the n-th
 time (default: the first) it passes `crash_point(name)`. Unset, a crash point is one string
 comparison. Names: "claimed" (a slot CASed to WRITING, its item not numbered yet),
-"published" and "released" (the slot's CAS done, its counts not yet updated).
+"published" and "released" (the slot's CAS done, its counts not yet updated), "trained" (a drafter's
+step on an item returned, its slot not yet released).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import numpy as np
 from dflash_ring.common.run_name import is_valid as is_valid_run_name
 
 MAGIC = b"DFLRING\x01"
-LAYOUT_VERSION = 3  # 2: 192-byte rows (count intents), pending_word, run.lock_dir; 3: cursor_plan
+LAYOUT_VERSION = 4  # 2: 192-byte rows (count intents), pending_word, run.lock_dir; 3: cursor_plan; 4: replayed
 PAGE = 4096
 HEADER_BYTES = 2 * PAGE
 ROW_BYTES = 192
@@ -108,12 +108,14 @@ ROW_DTYPE = np.dtype(
         # intent_slot is the slot + 1 (0: no intent), so a fresh zeroed row holds none.
         # cursor_plan: the data plan (producer/process.py plan_key) the cursor counts batches of, so a
         # producer restarted with other data or batching never resumes from a position of another plan.
+        # replayed: how many entries of the producer's replay list (batches a stopped run left untrained,
+        # common/resume_state.py) are published; it commits and rolls back with the cursor (prev_replayed).
         "names": ["role", "index", "pid", "heartbeat_ns", "started_ns", "items", "status", "restarts",
                   "pending_word", "cursor", "prev_cursor", "has_cursor", "planned_items",
-                  "intent_slot", "intent_word", "intent_items", "cursor_plan"],
+                  "intent_slot", "intent_word", "intent_items", "cursor_plan", "replayed", "prev_replayed"],
         "formats": ["<u4", "<u4", "<u8", "<u8", "<u8", "<u8", "<u8", "<u8", "<u8", ("<i8", (2,)), ("<i8", (2,)),
-                    "<u8", "<u8", "<u8", "<u8", "<u8", "S24"],
-        "offsets": [0, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 104, 112, 120, 128, 136],
+                    "<u8", "<u8", "<u8", "<u8", "<u8", "S24", "<u8", "<u8"],
+        "offsets": [0, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 104, 112, 120, 128, 136, 160, 168],
         "itemsize": ROW_BYTES,
     }
 )

@@ -397,6 +397,23 @@ class Ring:
             return None
         return int(r["cursor"][0]), int(r["cursor"][1])
 
+    def committed_replayed(self, row: int) -> int:
+        """How many entries of the producer's replay list its published batches have covered."""
+        return int(self._rows[row]["replayed"])
+
+    def settled_resume(self, row: int) -> tuple[tuple[int, int], int] | None:
+        """A dead producer's resume point ((epoch, position), replayed), its unpublished claim undone: what the
+        reaper would leave, without needing the row's lock file (whoever removes a dead ring calls this)."""
+        r = self._rows[row].copy()
+        if not r["has_cursor"]:
+            return None
+        cursor, replayed = r["cursor"], r["replayed"]
+        if int(r["pending_word"]) in {int(w) for w in self._desc["state"]}:  # its publish CAS never happened
+            cursor, replayed = r["prev_cursor"], r["prev_replayed"]
+        if cursor[0] < 0:
+            return None
+        return (int(cursor[0]), int(cursor[1])), int(replayed)
+
     def cursor_plan(self, row: int) -> str:
         """The data plan the row's committed cursor belongs to ('' if none was recorded)."""
         return bytes(self._rows[row]["cursor_plan"]).decode("ascii", "replace")
@@ -483,12 +500,14 @@ class Ring:
         """Claim a slot, waiting while the ring is full. None on drain, shutdown or timeout."""
         return self._wait(lambda: None if self.draining else self.try_acquire(row), self._sem_free, row, timeout_s)
 
-    def publish(self, w: SlotWriter, row: int, cursor: tuple[int, int] | None = None) -> None:
+    def publish(self, w: SlotWriter, row: int, cursor: tuple[int, int] | None = None, replayed: int = 0) -> None:
         """Make the slot READY. With a cursor, the producer's resume point moves to it in the same step.
 
-        The cursor is recorded before the compare-and-swap, with the claim (state word, generation
-        included) that commits it; if the producer dies before the CAS, the reaper rolls it back
-        with the slot, and only for that very claim: never for a later claim of the same slot.
+        The resume point is (cursor, replayed): the next batch of the plan, and how many entries of the
+        producer's replay list are published. It is recorded before the compare-and-swap, with the claim
+        (state word, generation included) that commits it; if the producer dies before the CAS, the
+        reaper rolls it back with the slot, and only for that very claim: never for a later claim of
+        the same slot.
         """
         header = encode_header(SlotHeader(w.layout.specs, w.meta), self.geometry.slot_header_bytes)
         off = self.geometry.slot_offset(w.slot)
@@ -496,8 +515,10 @@ class Ring:
         if cursor is not None:
             r = self._rows[row]
             r["prev_cursor"] = r["cursor"] if r["has_cursor"] else (-1, -1)
+            r["prev_replayed"] = r["replayed"]
             r["pending_word"] = w.word
             r["cursor"] = cursor
+            r["replayed"] = replayed
             r["has_cursor"] = 1
         ready = pack_state(w.word >> 24, row, SlotState.READY)
         self._arm(row, w.slot, w.word)
@@ -535,9 +556,7 @@ class Ring:
             item, deliveries = int(d["item"]), int(d["deliveries"])
             area = self._slot_area(slot)
             try:
-                geo = self.geometry
-                header = decode_header(self._mv[self.geometry.slot_offset(slot):][: geo.slot_header_bytes],
-                                       geo.slot_bytes, geo.slot_header_bytes)
+                header = self._header(slot)
             except SlotFormatError as e:
                 self._states[slot].cmpxchg_strong(
                     expected=mine, desired=pack_state((word >> 24) + 1, NO_OWNER, SlotState.FREE))
@@ -601,6 +620,7 @@ class Ring:
                     r = self._rows[row]
                     if r["has_cursor"] and r["pending_word"] == word:
                         r["cursor"] = r["prev_cursor"]  # the claim that committed it was never published
+                        r["replayed"] = r["prev_replayed"]
                     freed += 1
                 else:
                     redelivered += 1
@@ -653,6 +673,25 @@ class Ring:
         return {int(w >> 8) & 0xFFFF for w in states[held]}
 
     # ---- observation --------------------------------------------------------
+
+    def unfinished_items(self) -> tuple[list[dict[str, Any]], list[str]]:
+        """The metadata of every item published and not yet trained (READY, or READING by a holder that may
+        die); and a line for each such slot whose header cannot be read. Used by whoever removes the ring,
+        so that what it held is produced again (supervisor/unfinished.py)."""
+        metas, damaged = [], []
+        desc = self._desc.copy()
+        for slot in np.flatnonzero(np.isin(desc["state"] & 0xFF, (SlotState.READY, SlotState.READING))):
+            slot = int(slot)
+            try:
+                metas.append(dict(self._header(slot).meta))
+            except SlotFormatError as e:
+                damaged.append(f"slot {slot} (item {int(desc['item'][slot])}): {e}")
+        return metas, damaged
+
+    def _header(self, slot: int) -> SlotHeader:
+        geo = self.geometry
+        return decode_header(self._mv[geo.slot_offset(slot):][: geo.slot_header_bytes], geo.slot_bytes,
+                             geo.slot_header_bytes)
 
     def slot_counts(self) -> dict[str, int]:
         states = self._desc["state"] & 0xFF

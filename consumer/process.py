@@ -1,10 +1,13 @@
 """The drafter-trainer process: claim ring items, train on them, checkpoint, exit on shutdown.
 
 A prefetch thread claims the next item and copies it to the training device
-while the current step runs; the slot goes back to the producers as soon as
-its copy has landed, before the step that uses it. Only the supervisor's
-shutdown ends the loop, never an empty ring. SIGTERM finishes the current
-step, trains the one item already prefetched, checkpoints, and exits 0.
+while the current step runs. A slot goes back to the producers only once the
+step that used it has returned: a drafter killed at any moment leaves what it
+held READING, and the reaper hands it to another drafter (nothing in flight is
+lost; a drafter holds at most two slots, the one training and the one
+prefetched). Only the supervisor's shutdown ends the loop, never an empty ring.
+SIGTERM finishes the current step, trains the one item already prefetched,
+checkpoints, and exits 0.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 from dflash_ring.common import sd_notify
 from dflash_ring.common.config import Config
+from dflash_ring.common.crash_points import crash_point
 from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.common.gpu_metrics import device_uuid
 from dflash_ring.common.layout import Counter, Role
@@ -104,9 +108,10 @@ class _null:
 
 
 class Prefetcher(threading.Thread):
-    """Claims the next item, copies it to the device and releases its slot while the current step computes.
+    """Claims the next item and copies it to the device while the current step computes.
 
-    At most one item is prefetched ahead (`room`), so a drafter never sits on more than one slot.
+    At most one item is prefetched ahead (`room`). Its slot stays claimed until it is trained (`take`
+    hands out the reader with the batch, and the training loop releases it).
     """
 
     def __init__(self, ring: Ring, row: int, device: torch.device, metrics: DrafterMetrics | None = None):
@@ -114,7 +119,7 @@ class Prefetcher(threading.Thread):
         self.ring, self.row, self.device = ring, row, device
         self.metrics = metrics or DrafterMetrics()
         self.ledger: Ledger | None = None  # run.ledger_dir: one record per batch taken from the ring
-        self.items: queue.Queue[DeviceBatch | None] = queue.Queue()
+        self.items: queue.Queue[tuple[DeviceBatch, SlotReader] | None] = queue.Queue()
         self.room = threading.Semaphore(1)
         self.stopping = threading.Event()
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -138,19 +143,16 @@ class Prefetcher(threading.Thread):
             t0 = time.perf_counter()
             batch = to_device(r, self.device, self.stream)
             self.metrics.h2d.observe(time.perf_counter() - t0)  # to_device returns once the copy landed
-            if self.ledger is not None:  # before the release: a kill in between redelivers the slot
+            if self.ledger is not None:
                 self.ledger.write("got", item=r.item, deliveries=r.deliveries, **identity(r.meta))
-            self.ring.release(r)  # the copy has landed: producers may refill the slot now
-            self.metrics.items.inc()
-            del r
-            self.items.put(batch)
+            self.items.put((batch, r))
         self.items.put(None)
 
-    def take(self, timeout_s: float) -> DeviceBatch | None:
-        """The next batch (None at the end); raises queue.Empty on timeout."""
-        batch = self.items.get(timeout=timeout_s)
+    def take(self, timeout_s: float) -> tuple[DeviceBatch, SlotReader] | None:
+        """The next batch and the slot it came from (None at the end); raises queue.Empty on timeout."""
+        taken = self.items.get(timeout=timeout_s)
         self.room.release()
-        return batch
+        return taken
 
 
 @dataclass
@@ -235,18 +237,22 @@ class DrafterLoop:
 
     def __init__(self, trainer: Trainer, consumed: Consumed, averaging: Averaging, checkpoints: Checkpoints,
                  metrics: DrafterMetrics, total_steps: Callable[[], int], wait_seconds: Callable[[], float],
-                 log_every: int, ledger: Ledger | None):
+                 log_every: int, ledger: Ledger | None, release: Callable[[SlotReader], None]):
         self.trainer, self.consumed, self.averaging, self.checkpoints = trainer, consumed, averaging, checkpoints
         self.metrics, self.total_steps, self.wait_seconds = metrics, total_steps, wait_seconds
-        self.log_every, self.ledger = log_every, ledger
+        self.log_every, self.ledger, self.release = log_every, ledger, release
         self.window = _Window()
 
-    def train(self, batch: DeviceBatch) -> None:
+    def train(self, taken: tuple[DeviceBatch, SlotReader]) -> None:
+        batch, slot = taken
         self.consumed.add(batch.meta)
         total = self.total_steps()
         m = self.trainer.train_step(batch, total)
-        if self.ledger is not None:
+        if self.ledger is not None:  # before the release: a kill in between redelivers it (reconcile knows)
             self.ledger.write("train", step=self.trainer.step, **identity(batch.meta))
+        crash_point("trained")
+        self.release(slot)  # trained: only now may the producers refill the slot
+        self.metrics.items.inc()
         self.metrics.tokens.inc(batch.num_tokens)
         if m is None:  # accumulating gradients
             return
@@ -291,14 +297,14 @@ def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
         prefetch.ledger = proc.ledger
         loop = DrafterLoop(trainer, consumed, averaging, checkpoints, metrics,
                            lambda: cfg.train.total_steps or _estimated_steps(ring, cfg, trainer, _prefetched(prefetch)),
-                           lambda: ring.wait_seconds, cfg.train.log_every_steps, proc.ledger)
+                           lambda: ring.wait_seconds, cfg.train.log_every_steps, proc.ledger, ring.release)
         prefetch.start()
-        while (batch := _next(prefetch, proc.stop, me)) is not None:
-            loop.train(batch)
+        while (taken := _next(prefetch, proc.stop, me)) is not None:
+            loop.train(taken)
         prefetch.stopping.set()
         averaging.leave_group()
-        for batch in _leftovers(prefetch):  # released already: train it rather than lose it
-            loop.train(batch)
+        for taken in _leftovers(prefetch):  # claimed already: train it, as the stop promises
+            loop.train(taken)
         averaging.close(trainer.step)
         checkpoints.final()
         log.info("drafter %d done: %d steps, %d items; %s", index, trainer.step, consumed.items,
@@ -308,7 +314,7 @@ def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
     return 0
 
 
-def _next(prefetch: Prefetcher, stop: threading.Event, me: Membership) -> DeviceBatch | None:
+def _next(prefetch: Prefetcher, stop: threading.Event, me: Membership) -> tuple[DeviceBatch, SlotReader] | None:
     while not stop.is_set():
         me.heartbeat()
         sd_notify.watchdog()
@@ -331,7 +337,7 @@ def _record(metrics: DrafterMetrics, m: StepMetrics) -> None:
     metrics.lr.set(m.lr)
 
 
-def _leftovers(prefetch: Prefetcher) -> list[DeviceBatch]:
+def _leftovers(prefetch: Prefetcher) -> list[tuple[DeviceBatch, SlotReader]]:
     """Batches the prefetcher had taken when a stop came (at most one)."""
     prefetch.join()
     out = []

@@ -37,6 +37,9 @@ class Batch:
     cursor: Cursor  # where to resume once this batch is consumed
     # Share of padding if the batch were laid out as len(lengths) x max(lengths); 0 when packed.
     padding_fraction: float
+    # Entries of the producer's replay list published once this batch is (it commits with `cursor`).
+    replayed: int = 0
+    is_replay: bool = False  # produced again: a stopped run's ring held it untrained
 
     @property
     def num_tokens(self) -> int:
@@ -157,6 +160,15 @@ class ShardBatcher:
                 following = Cursor(epoch, index + 1) if index + 1 < len(plan) else Cursor(epoch + 1, 0)
                 yield self._batch(plan[index], epoch, index, following)
             position = 0
+
+    def batch_at(self, epoch: int, position: int) -> Batch:
+        """One batch of the plan by its coordinates: a batch a stopped run left untrained, produced again."""
+        plan = self.epoch_plan(epoch) if epoch >= 0 else []
+        if not 0 <= position < len(plan):
+            raise ValueError(f"batch (epoch {epoch}, position {position}) is not in this shard's plan "
+                             f"({len(plan)} batches in that epoch)")
+        following = Cursor(epoch, position + 1) if position + 1 < len(plan) else Cursor(epoch + 1, 0)
+        return self._batch(plan[position], epoch, position, following)
 
     def _batch(self, samples: np.ndarray, epoch: int, position: int, cursor: Cursor) -> Batch:
         starts = self.data.offsets[samples]

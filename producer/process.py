@@ -13,8 +13,10 @@ is synchronous and a batch is published as soon as it is written.
 Resume. `publish` commits the batch's cursor in the ring's process table, so a restarted producer
 continues after its last published batch (a batch whose slot was reclaimed unpublished is redone).
 The same cursor goes to a file in target.state_dir after each publish, for when the ring itself
-is gone; the ring's record wins. At the end of the shard it holds the end (a drained run started
-again must not redo a finished shard); the supervisor removes it once the whole run is complete.
+is gone; the ring's record wins. Whoever removes a ring first writes the items still in it into
+that file's replay list (common/resume_state.py), and a producer publishes those first: a run
+stopped at any moment loses nothing. At the end of the shard the file holds the end (a drained run
+started again must not redo a finished shard); the supervisor removes it once the run is complete.
 """
 
 from __future__ import annotations
@@ -22,13 +24,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, replace
 
 import numpy as np
 import posix_ipc
@@ -40,6 +40,7 @@ from dflash_ring.common.config import Config
 from dflash_ring.common.gpu_metrics import device_uuid
 from dflash_ring.common.layout import Role, RowStatus
 from dflash_ring.common.ledger import Ledger
+from dflash_ring.common.resume_state import CursorFile, ResumeState, cursor_path
 from dflash_ring.common.metrics import DeviceSpan, ProducerMetrics
 from dflash_ring.common.ring import Ring, SlotWriter
 from dflash_ring.common.role_process import role_process
@@ -184,45 +185,6 @@ class SlotFiller:
         return InFlight(w, batch, out, copied, span)
 
 
-class CursorFile:
-    """The last published cursor on disk, tagged with the plan it belongs to (a changed plan ignores it)."""
-
-    def __init__(self, path: Path, plan: str, description: str = ""):
-        self.path = path
-        self.plan = plan
-        self.description = description  # for people: which data and settings `plan` stands for
-
-    def load(self) -> Cursor | None:
-        try:
-            saved = json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return None
-        except (OSError, json.JSONDecodeError) as e:
-            log.warning("ignoring unreadable cursor file %s: %s", self.path, e)
-            return None
-        if saved.get("plan") != self.plan:
-            log.warning("ignoring cursor file %s: it belongs to another data set or batching plan", self.path)
-            return None
-        return Cursor(int(saved["epoch"]), int(saved["position"]))
-
-    def save(self, cursor: Cursor) -> None:
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(json.dumps({"epoch": cursor.epoch, "position": cursor.position, "plan": self.plan,
-                                   "plan_description": self.description}))
-        os.replace(tmp, self.path)
-
-    def remove(self) -> None:
-        self.path.unlink(missing_ok=True)
-
-    def description_of(self, plan: str) -> str:
-        """What the file says `plan` was (it names the previous plan until this producer first publishes)."""
-        try:
-            saved = json.loads(self.path.read_text())
-        except (OSError, json.JSONDecodeError):
-            return ""
-        return str(saved.get("plan_description", "")) if saved.get("plan") == plan else ""
-
-
 @dataclass
 class Stats:
     batches: int = 0
@@ -245,10 +207,11 @@ class Producer:
 
     def __init__(self, ring: Ring, row: int, index: int, target: TargetModel, *,
                  stop: threading.Event, cursor_file: CursorFile | None = None,
-                 metrics: ProducerMetrics | None = None):
+                 metrics: ProducerMetrics | None = None, replay: tuple[tuple[int, int], ...] = ()):
         self.ring, self.row, self.target = ring, row, target
         self.stop = stop
         self.cursor_file = cursor_file
+        self.replay = replay  # the replay list the batches' `replayed` counts refer to
         self.ledger: Ledger | None = None  # run.ledger_dir: one record per published batch
         self.metrics = metrics or ProducerMetrics()
         self.filler = SlotFiller(index, target.device)
@@ -306,12 +269,13 @@ class Producer:
     def _publish(self, f: InFlight) -> None:
         if f.copied is not None:
             f.copied.synchronize()
-        cursor = f.batch.cursor
-        self.ring.publish(f.writer, self.row, cursor=(cursor.epoch, cursor.position))
+        b = f.batch
+        self.ring.publish(f.writer, self.row, cursor=(b.cursor.epoch, b.cursor.position), replayed=b.replayed)
         if self.ledger is not None:
-            self.ledger.write("pub", item=f.writer.item, epoch=f.batch.epoch, pos=f.batch.position)
+            self.ledger.write("pub", item=f.writer.item, epoch=b.epoch, pos=b.position,
+                              **({"replay": True} if b.is_replay else {}))
         if self.cursor_file is not None:
-            self.cursor_file.save(cursor)
+            self.cursor_file.save(ResumeState(b.cursor.epoch, b.cursor.position, self.replay, b.replayed))
         self.ring.heartbeat(self.row)
         self.stats.add(f.batch)
         m = self.metrics
@@ -355,8 +319,13 @@ class PlanMismatchError(RuntimeError):
     """The ring row's resume point counts batches of another data plan: resuming there would skip or redo data."""
 
 
-def resume_point(ring: Ring, row: int, cursor_file: CursorFile) -> tuple[Cursor, str]:
-    """Where to start; the ring's cursor is checked against our plan exactly as the cursor file's is."""
+def resume_point(ring: Ring, row: int, cursor_file: CursorFile) -> tuple[ResumeState, str]:
+    """Where to start; the ring's cursor is checked against our plan exactly as the cursor file's is.
+
+    The replay list always comes from the file (only a ring's removal changes it); how much of it is
+    published comes from the ring while it holds our resume point.
+    """
+    saved = cursor_file.load()
     if (committed := ring.committed_cursor(row)) is not None:
         theirs = ring.cursor_plan(row)
         if theirs != cursor_file.plan:
@@ -368,11 +337,21 @@ def resume_point(ring: Ring, row: int, cursor_file: CursorFile) -> tuple[Cursor,
                 f"plan is {cursor_file.plan} ({cursor_file.description}): finish the old run, or end it with "
                 f"`dflash-ring stop {run}` (or `dflash-ring clean {run}` if its processes are dead) before "
                 f"starting one with other data or batching, or restore the old data and data.* settings")
-        return Cursor(*committed), "ring"
+        replay = saved.replay if saved is not None else ()
+        return ResumeState(*committed, replay, min(ring.committed_replayed(row), len(replay))), "ring"
     ring.set_cursor_plan(row, cursor_file.plan)  # before our first publish: the cursors to come are of our plan
-    if (saved := cursor_file.load()) is not None:
+    if saved is not None:
         return saved, f"cursor file {cursor_file.path}"
-    return Cursor(), "start"
+    return ResumeState(), "start"
+
+
+def resumed_batches(batcher: ShardBatcher, start: ResumeState) -> Iterator[Batch]:
+    """The replay list's pending entries, then the plan from the cursor; each carries what it commits."""
+    cursor = Cursor(start.epoch, start.position)
+    for j, (epoch, position) in enumerate(start.pending_replay, start=start.replayed):
+        yield replace(batcher.batch_at(epoch, position), cursor=cursor, replayed=j + 1, is_replay=True)
+    for batch in batcher.batches(cursor):
+        yield replace(batch, replayed=len(start.replay))
 
 
 def run_producer(cfg: Config, index: int, device_name: str | None = None) -> int:
@@ -393,10 +372,9 @@ def run_producer(cfg: Config, index: int, device_name: str | None = None) -> int
         metrics.conformance_error.set(float("nan") if probe is None or probe.max_error is None else probe.max_error)
         check_slot_fits(cfg, target)
         batcher = ShardBatcher.from_config(data, cfg.data, rank=index, world_size=producers, packing=target.packed)
-        state = Path(cfg.target.state_dir).expanduser() / cfg.run.name
-        state.mkdir(parents=True, exist_ok=True)
-        cursor_file = CursorFile(state / f"producer-{index}.json", plan_key(batcher),
-                                 plan_description(batcher, cfg.data.path))
+        path = cursor_path(cfg.target.state_dir, cfg.run.name, index)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        cursor_file = CursorFile(path, plan_key(batcher), plan_description(batcher, cfg.data.path))
         me = proc.join("model loaded, ring attached")
         plan = [len(batcher.epoch_plan(e)) for e in range(cfg.data.epochs)]
         ring.set_planned_items(me.row, sum(plan))
@@ -404,15 +382,18 @@ def run_producer(cfg: Config, index: int, device_name: str | None = None) -> int
         try:
             start, source = resume_point(ring, me.row, cursor_file)
             log.info("producer %d of %d: %d samples, %d epochs, %s features; resuming at epoch %d position %d "
-                     "(from the %s)", index, producers, len(data), cfg.data.epochs,
-                     resolve_dtype(cfg.target.dtype, device), start.epoch, start.position, source)
+                     "(from the %s)%s", index, producers, len(data), cfg.data.epochs,
+                     resolve_dtype(cfg.target.dtype, device), start.epoch, start.position, source,
+                     f", after {len(start.pending_replay)} batch(es) a stopped run left untrained"
+                     if start.pending_replay else "")
             pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-            loader = Loader(batcher.batches(start), lambda b: prepare(b, packed=target.packed, pad_id=pad_id,
-                                                                      pin=device.type == "cuda"))
+            loader = Loader(resumed_batches(batcher, start),
+                            lambda b: prepare(b, packed=target.packed, pad_id=pad_id, pin=device.type == "cuda"))
             producer = Producer(ring, me.row, index, target, stop=proc.stop, cursor_file=cursor_file,
-                                metrics=metrics)
+                                metrics=metrics, replay=start.replay)
             if proc.ledger is not None:
-                proc.ledger.write("start", plan=plan, resume=[start.epoch, start.position])
+                proc.ledger.write("start", plan=plan, resume=[start.epoch, start.position],
+                                  replay=[list(x) for x in start.pending_replay])
                 producer.ledger = proc.ledger
             if producer.run(loader):
                 ring.set_row_status(me.row, RowStatus.DONE)
@@ -420,7 +401,7 @@ def run_producer(cfg: Config, index: int, device_name: str | None = None) -> int
                     proc.ledger.write("done")
                 # Keep the end, not nothing: a run drained now and started again must not redo this shard.
                 # The supervisor removes the file once every shard is done (the run is complete).
-                cursor_file.save(Cursor(cfg.data.epochs, 0))
+                cursor_file.save(ResumeState(cfg.data.epochs, 0))
                 log.info("shard done")
             else:
                 log.info("stopped before the end of the shard (signal, drain or shutdown)")

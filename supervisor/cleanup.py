@@ -9,12 +9,16 @@ damaged header can be judged dead and removed.
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 
 from dflash_ring.common.layout import RingHeaderError
 from dflash_ring.common.liveness import LockFile
 from dflash_ring.common.ring import Ring, RingNotFound
 from dflash_ring.common.ring_users import ring_users
+from dflash_ring.supervisor.unfinished import save_unfinished
+
+log = logging.getLogger(__name__)
 
 
 class RunIsLiveError(RuntimeError):
@@ -51,8 +55,10 @@ def remove_run(run: str, lock_dir: Path, keep: Path | None = None) -> list[str]:
     return removed
 
 
-def clean(run: str, lock_dir: Path) -> list[str]:
-    """`dflash-ring clean`: remove a dead run, refuse a live one (whatever config the caller has)."""
+def clean(run: str, lock_dir: Path, state_dir: str) -> list[str]:
+    """`dflash-ring clean`: remove a dead run, refuse a live one (whatever config the caller has).
+
+    What the dead run's ring still held goes to its producers' replay lists under `state_dir` first."""
     recorded = recorded_lock_dir(run)
     live = ring_users(run, [d for d in (recorded, lock_dir) if d is not None])
     if live:
@@ -60,6 +66,13 @@ def clean(run: str, lock_dir: Path) -> list[str]:
             f"run {run!r} is live: in use by {', '.join(live)}. "
             f"Stop it with `dflash-ring stop {run}` (or `--now`), not clean"
         )
+    try:
+        with Ring.open(run) as ring:
+            save_unfinished(ring, state_dir)
+    except RingNotFound:
+        pass
+    except RingHeaderError as e:
+        log.error("%s: the items the ring held cannot be produced again", e)
     removed = remove_run(run, lock_dir)
     if recorded is not None and recorded != Path(lock_dir).absolute():
         removed += remove_run(run, recorded)

@@ -26,6 +26,7 @@ from dflash_ring.common.rendezvous import serve_rendezvous
 from dflash_ring.common.ring_users import ring_users
 from dflash_ring.supervisor.cleanup import remove_run, users_of
 from dflash_ring.supervisor.reaper import reap
+from dflash_ring.supervisor.unfinished import save_unfinished
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,10 @@ class Supervisor:
                 f"or start the supervisor with --reclaim-stale to discard it"
             )
         if ring is not None:
+            save_unfinished(ring, self.cfg.target.state_dir)  # what it held is produced again, not lost
             ring.close()
+        else:
+            log.error("the stale ring's header is unreadable: the items it held cannot be produced again")
         removed = Ring.unlink(run)
         log.warning("reclaimed stale run %r: removed %s", run, ", ".join(removed))
         return Ring.create(self.cfg)
@@ -182,6 +186,10 @@ class Supervisor:
         return int(((rows["role"] == Role.PRODUCER) & (rows["status"] == RowStatus.DONE)).sum())
 
     def _may_shut_down(self, ring: Ring, done: int, producers: int) -> bool:
+        if ring.draining and not self._live_others():
+            # Every process left during a drain (`systemctl stop` of the whole run): nobody will train what
+            # the ring holds now, so end here; the teardown hands it back to the producers' replay lists.
+            return True
         counts = ring.slot_counts()
         if counts["writing"] or counts["ready"] or counts["reading"]:
             return False
@@ -208,8 +216,8 @@ class Supervisor:
             ring.broadcast()
         if request >= STOP_NOW and not ring.shutting_down:
             ring.set_flag(Counter.SHUTDOWN)  # from now on no item is claimed: what is ready stays untrained
-            log.warning("immediate stop requested: drafters finish the item they hold and exit; items still "
-                        "ready are not trained (counted when the run ends)")
+            log.warning("immediate stop requested: drafters finish the items they hold and exit; items still "
+                        "ready go back to the producers' replay lists when the run ends")
 
     def _notify_stopping(self) -> None:
         """Once, when the run starts to drain or shut down: systemd then shows it as deactivating."""
@@ -224,9 +232,10 @@ class Supervisor:
         return [p.name for p in live_lock_files(self.lock_dir) if self._lock is None or p != self._lock.path]
 
     def _teardown(self, ring: Ring) -> None:
-        complete = self.producers_done(ring) == self.cfg.topology.producers
-        if untrained := ring.slot_counts()["ready"]:
-            log.warning("%d ready item(s) were not trained (stopped at once)", untrained)
+        held, damaged = ring.unfinished_items()
+        complete = self.producers_done(ring) == self.cfg.topology.producers and not held and not damaged
+        if not complete:  # stopped before the end: the resume points, with what the ring still holds
+            save_unfinished(ring, self.cfg.target.state_dir)
         if self._metrics is not None:
             self._metrics.detach()
         ring.close()

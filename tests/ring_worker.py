@@ -39,7 +39,7 @@ def produce(args: argparse.Namespace, ring: Ring, me: Membership, ledger) -> Non
         n = args.floats
         w.tensor("data", torch.float32, (n,)).fill_(value_of(args.index, k))
         w.tensor("ids", torch.int64, (2,)).copy_(torch.tensor([args.index, k]))
-        w.meta = {"producer": args.index, "k": k}
+        w.meta = {"producer": args.index, "k": k, "epoch": 0, "position": k}  # identity: (epoch 0, position k)
         if args.hold_s and k == args.hold_at:
             Path(args.marker).write_text(str(w.item))
             time.sleep(args.hold_s)  # the test kills us here, mid-write
@@ -61,7 +61,7 @@ def consume(args: argparse.Namespace, ring: Ring, me: Membership, ledger) -> Non
             return  # shutdown: the only reason a consumer stops
         producer, k = (int(x) for x in r.tensors["ids"])
         data = r.tensors["data"]
-        ok = (r.meta == {"producer": producer, "k": k}
+        ok = (r.meta == {"producer": producer, "k": k, "epoch": 0, "position": k}
               and bool((data == value_of(producer, k)).all()))
         if args.hold_s and seen == args.hold_at:
             Path(args.marker).write_text(str(r.item))

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from dflash_ring.common.config import ConfigError, load_config
-from dflash_ring.producer.batching import Batch, Cursor
-from dflash_ring.producer.process import CursorFile, prepare, run_target
+from dflash_ring.producer.batching import Batch
+from dflash_ring.common.resume_state import CursorFile, ResumeState
+from dflash_ring.producer.process import prepare, run_target
 from dflash_ring.producer.target import TargetModel
 from dflash_ring.common.target_config import TargetConfig, TargetConfigError
 from support import assert_same_features, build_target, packed_batch, reference_features, reference_final_hidden
@@ -137,8 +138,10 @@ def test_target_geometry_joins_the_config_fingerprint(targets, tmp_path):
 def test_cursor_file_round_trips_and_ignores_another_plan(tmp_path):
     f = CursorFile(tmp_path / "producer-0.json", plan="a")
     assert f.load() is None
-    f.save(Cursor(1, 7))
-    assert f.load() == Cursor(1, 7)
+    f.save(ResumeState(1, 7, ((0, 3), (1, 2)), 1), durable=True)
+    assert f.load() == ResumeState(1, 7, ((0, 3), (1, 2)), 1)
+    assert f.load().pending_replay == ((1, 2),)
+    assert oct(f.path.stat().st_mode & 0o777) == "0o600"
     assert CursorFile(f.path, plan="b").load() is None
     f.remove()
     assert not f.path.exists()

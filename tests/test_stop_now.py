@@ -6,12 +6,14 @@ import re
 
 from support import wait_exit, wait_for
 
+from dflash_ring.common.resume_state import CursorFile, cursor_path
+
 
 def test_stop_now_with_a_busy_drafter_reports_what_was_left_and_exits_zero(run):
-    run.write_config(1, 1, slots=3)
+    run.write_config(1, 1, slots=3, target={"state_dir": str(run.tmp / "state")})
     # exit_timeout_s shorter than the drafter's item: a live drafter that heartbeats is waited for anyway.
     sup = run.supervisor("--set", "supervisor.exit_timeout_s=1.0")
-    producer = run.worker("producer", 0, "--items", "100000")
+    producer = run.worker("producer", 0, "--items", "100000", "--ring-cursor")
     consumer = run.worker("consumer", 0, "--work-s", "2.5")
     wait_for(lambda: len(run.ledger_lines("C")) >= 1 and len(run.ledger_lines("P")) >= 4, timeout=60,
              what="a full ring and a drafter mid-item")
@@ -24,6 +26,12 @@ def test_stop_now_with_a_busy_drafter_reports_what_was_left_and_exits_zero(run):
     assert finished and "consumer-0.lock" not in finished[0], "the supervisor removed the drafter's lock file"
     published, trained = len(run.ledger_lines("P")), len(run.ledger_lines("C"))
     assert "will not be trained" not in err
-    left = re.search(r"(\d+) ready item\(s\) were not trained", err)
+    # What the ring still held is not dropped: it is the producer's replay list, produced first next time.
+    left = re.search(r"the ring held (\d+) untrained item\(s\)", err)
     assert left and int(left.group(1)) == published - trained >= 1, (published, trained, err)
+    saved = CursorFile(cursor_path(run.tmp / "state", run.name, 0), plan="").read()
+    assert saved is not None
+    untrained = sorted({int(p[2]) for p in run.ledger_lines("P")} - {int(c[3]) for c in run.ledger_lines("C")})
+    assert [pos for _, pos in saved[2].replay] == untrained and saved[2].replayed == 0
+    assert (saved[2].epoch, saved[2].position) == (0, published)  # the plan goes on after the last published
     assert run.leftovers() == []

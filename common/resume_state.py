@@ -1,0 +1,98 @@
+"""A producer's resume point on disk: where its plan goes on, and the batches a stopped run left untrained.
+
+While the ring lives it holds each producer's resume point, committed with every publish; this file
+holds it for when the ring is gone (a producer restarted into a new ring starts here). Whoever removes
+a ring (the supervisor at the end of a run, `clean`, the reclaim of a stale run) first writes the items
+still in it into their producer's replay list (supervisor/unfinished.py), so a run stopped at any moment
+and started again produces them again before going on: nothing published is lost with the ring.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ResumeState:
+    """Where a producer starts: the entries of `replay` from `replayed` on, then its plan from (epoch, position)."""
+
+    epoch: int = 0
+    position: int = 0
+    # (epoch, position) of batches published into a ring that was removed before they were trained.
+    replay: tuple[tuple[int, int], ...] = ()
+    replayed: int = 0  # how many entries of `replay` are published again
+
+    @property
+    def pending_replay(self) -> tuple[tuple[int, int], ...]:
+        return self.replay[self.replayed:]
+
+
+def cursor_path(state_dir: str | os.PathLike, run: str, index: int) -> Path:
+    return Path(state_dir).expanduser() / run / f"producer-{index}.json"
+
+
+class CursorFile:
+    """The resume point on disk, tagged with the data plan it belongs to (a changed plan ignores it)."""
+
+    def __init__(self, path: Path, plan: str, description: str = ""):
+        self.path = path
+        self.plan = plan
+        self.description = description  # for people: which data and settings `plan` stands for
+
+    def load(self) -> ResumeState | None:
+        saved = self.read()
+        if saved is None:
+            return None
+        plan, _, state = saved
+        if plan != self.plan:
+            log.warning("ignoring cursor file %s: it belongs to another data set or batching plan", self.path)
+            return None
+        return state
+
+    def read(self) -> tuple[str, str, ResumeState] | None:
+        """(plan, plan description, state) whatever the plan; None when absent or unreadable."""
+        try:
+            saved = json.loads(self.path.read_text())
+            state = ResumeState(int(saved["epoch"]), int(saved["position"]),
+                                tuple((int(e), int(p)) for e, p in saved.get("replay", [])),
+                                int(saved.get("replayed", 0)))
+            return str(saved.get("plan", "")), str(saved.get("plan_description", "")), state
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("ignoring unreadable cursor file %s: %s", self.path, e)
+            return None
+
+    def save(self, state: ResumeState, *, durable: bool = False) -> None:
+        """Replace the file atomically; `durable` also fsyncs it (the one copy left once the ring is gone)."""
+        body = json.dumps({"epoch": state.epoch, "position": state.position, "plan": self.plan,
+                           "plan_description": self.description, "replay": [list(x) for x in state.replay],
+                           "replayed": state.replayed})
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(body)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        if durable:
+            dfd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    def description_of(self, plan: str) -> str:
+        """What the file says `plan` was (it names the previous plan until this producer first publishes)."""
+        saved = self.read()
+        return saved[1] if saved is not None and saved[0] == plan else ""

@@ -1,0 +1,83 @@
+"""Before a ring is removed, what it still holds goes back to its producers as replay lists.
+
+Items READY in the ring (published, never claimed) and READING (claimed by a drafter that had not
+finished training on them) exist nowhere else: a producer resumes after its last *published* batch.
+So whoever removes a ring (the supervisor at the end, `clean`, the reclaim of a stale run) first
+writes each producer's resume point with those items as its replay list (common/resume_state.py),
+fsynced; the producer of the next run publishes them before going on. Only a host that loses
+/dev/shm without any of these running (a reboot) loses them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from dflash_ring.common.layout import Role
+from dflash_ring.common.resume_state import CursorFile, ResumeState, cursor_path
+from dflash_ring.common.ring import Ring
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Unfinished:
+    """What the ring held at its removal, and where it went."""
+
+    saved: dict[int, int] = field(default_factory=dict)  # producer index -> items added to its replay list
+    lost: list[str] = field(default_factory=list)  # items that could not be saved, and why
+
+    @property
+    def items(self) -> int:
+        return sum(self.saved.values())
+
+
+def save_unfinished(ring: Ring, state_dir: str) -> Unfinished:
+    """Write every producer's resume point, with the ring's untrained items added to its replay list.
+
+    Call only when no process of the run is alive (the ring is being removed)."""
+    out = Unfinished()
+    metas, damaged = ring.unfinished_items()
+    out.lost += [f"{d} (header unreadable: its batch cannot be produced again)" for d in damaged]
+    held: dict[int, set[tuple[int, int]]] = defaultdict(set)
+    for m in metas:
+        try:
+            held[int(m["producer"])].add((int(m["epoch"]), int(m["position"])))
+        except (KeyError, TypeError, ValueError):
+            out.lost.append(f"an item without a batch identity ({m})")
+    run = ring.identity.run_name
+    for row, r in enumerate(ring.rows()):
+        if r["role"] != Role.PRODUCER:
+            continue
+        index = int(r["index"])
+        items = held.pop(index, set())
+        resume = ring.settled_resume(row)
+        if resume is None:
+            if items:
+                out.lost.append(f"{len(items)} item(s) of producer {index}, which has no resume point in the ring")
+            continue
+        (epoch, position), replayed = resume
+        f = CursorFile(cursor_path(state_dir, run, index), ring.cursor_plan(row))
+        earlier: tuple[tuple[int, int], ...] = ()
+        if (old := f.read()) is not None:
+            plan, f.description, state = old
+            if plan == f.plan:
+                earlier = state.replay[replayed:]  # entries not yet published again: still owed
+            elif state.pending_replay:
+                out.lost.append(f"{len(state.pending_replay)} replay entries of producer {index} in {f.path}: "
+                                "they belong to another data plan")
+        replay = earlier + tuple(sorted(items - set(earlier)))
+        f.path.parent.mkdir(parents=True, exist_ok=True)
+        f.save(ResumeState(epoch, position, replay, 0), durable=True)
+        if items:
+            out.saved[index] = len(items)
+    for index, items in held.items():
+        out.lost.append(f"{len(items)} item(s) of producer {index}, which has no row in the ring")
+    if out.items:
+        log.warning("the ring held %d untrained item(s); written to the producers' replay lists (%s): "
+                    "they are produced again first when the run starts again", out.items,
+                    ", ".join(f"producer {i}: {n}" for i, n in sorted(out.saved.items())))
+    for line in out.lost:
+        log.error("lost with the ring: %s", line)
+    return out
