@@ -66,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--kills", type=int, default=12, help="signals to send (SIGKILL or SIGTERM)")
     sp.add_argument("--seconds", type=float, default=60.0, help="the window they are spread over")
     sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--whole-run-stops", type=int, default=0,
+                    help="also stop the whole run this many times in the window (stop --now, SIGTERM to every "
+                         "process, or SIGKILL to every process then clean), and start it again")
     sp.add_argument("--epochs", type=int, default=0, help="epochs of the chaos run (0: outlast the window)")
     sp.add_argument("--workdir", default="runs/chaos")
     sp.add_argument("--no-baseline", action="store_true", help="skip the run without faults")
@@ -200,7 +203,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
     report = run_chaos(ChaosOptions(kills=args.kills, seconds=args.seconds, seed=args.seed, workdir=Path(args.workdir),
                                     config=args.config, overrides=args.set, epochs=args.epochs,
-                                    baseline=not args.no_baseline))
+                                    baseline=not args.no_baseline, whole_run_stops=args.whole_run_stops))
     print(report_json(report) if args.json else format_report(report))
     return 0 if report["passed"] else 1
 

@@ -10,14 +10,16 @@ Cost: one small write per item or checkpoint, never per token.
 Records (`ev`, plus `pid` and `t`, wall-clock seconds):
 
     supervisor  start {adopted}                       after it created or adopted the ring
-    producer    start {plan: [batches per epoch], resume: [epoch, position]}
-                pub   {item, epoch, pos}              after `publish` committed the batch and its cursor
+    producer    start {plan: [batches per epoch], resume: [epoch, position], replay: [[epoch, position]...]}
+                pub   {item, epoch, pos[, replay]}    after `publish` committed the batch and its cursor;
+                                                      replay: a batch a removed ring held, produced again
                 done  {}                              shard finished
     drafter     start {step}                          after joining (step: the checkpoint resumed from)
                 got   {item, producer, epoch, pos, deliveries}
-                                                      the batch is copied out of its slot; written just
-                                                      before the slot is released
-                train {producer, epoch, pos, step}    `train_step` returned on that batch
+                                                      the batch is copied out of its slot (still claimed)
+                train {item, deliveries, producer, epoch, pos, step}
+                                                      `train_step` returned on that batch; written just
+                                                      before its slot is released
                 ckpt  {step, items}                   a checkpoint is durable
                 exit  {step}                          clean exit
 

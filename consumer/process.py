@@ -249,7 +249,8 @@ class DrafterLoop:
         total = self.total_steps()
         m = self.trainer.train_step(batch, total)
         if self.ledger is not None:  # before the release: a kill in between redelivers it (reconcile knows)
-            self.ledger.write("train", step=self.trainer.step, **identity(batch.meta))
+            self.ledger.write("train", step=self.trainer.step, item=slot.item, deliveries=slot.deliveries,
+                              **identity(batch.meta))
         crash_point("trained")
         self.release(slot)  # trained: only now may the producers refill the slot
         self.metrics.items.inc()

@@ -81,6 +81,12 @@ class Supervisor:
             log.info("created ring %s: %d slots x %.1f MiB, %d producer(s), %d consumer(s)",
                      self.ring.name, self.cfg.ring.slots, self.cfg.ring.slot_bytes / 2**20,
                      self.cfg.topology.producers, self.cfg.topology.consumers)
+        t = self.cfg.topology
+        if self.cfg.ring.slots < 2 * t.consumers + t.producers:
+            log.warning("ring.slots = %d: each drafter holds up to 2 slots until it has trained them (one training, "
+                        "one prefetched), so %d drafter(s) leave the %d producer(s) little room to run ahead; "
+                        "set ring.slots to at least %d", self.cfg.ring.slots, t.consumers, t.producers,
+                        2 * t.consumers + 2 * t.producers)
         self.ring.take_row(0, Role.SUPERVISOR, 0)
         if (ledger := Ledger.open(self.cfg, Role.SUPERVISOR, 0)) is not None:  # which ring: created or adopted
             ledger.write("start", ring_created_ns=self.ring.identity.created_ns,

@@ -200,7 +200,7 @@ PIPELINE_RUN = merged(LEARNS, {"data": {"epochs": 12}, "train": {"average_every_
 
 
 def pipeline_config(run: Run, target: Path, data: Path, *layers: Mapping[str, Mapping[str, Any]], consumers: int = 2,
-                    slots: int = 4, slot_bytes: int = 4 << 20) -> Config:
+                    slots: int = 8, slot_bytes: int = 4 << 20) -> Config:
     """run.toml for a supervisor, one target and `consumers` drafters: `pipeline_settings`, then `layers` over it."""
     return run.write_config(1, consumers, slots, slot_bytes, **merged(pipeline_settings(run.tmp, target, data), *layers))
 

@@ -10,27 +10,31 @@ drafters) with the ledger on (`run.ledger_dir`, common/ledger.py):
    drains the run, after which the whole run is started again, as an operator would).
    A restarter (tools/restarter.py) brings back every process that was signalled or exited
    non-zero, after a random delay, with the command it was started with (Restart=on-failure).
+   With `whole_run_stops`, the whole run is also stopped that many times at random moments, in one
+   of three ways (`stop --now`; SIGTERM to every process at once, as `systemctl stop` of the run's
+   target does; SIGKILL to every process, then `dflash-ring clean`), and started again once all
+   have exited. What the ring held then goes to the producers' replay lists (supervisor/unfinished.py).
 
 Then it checks, from the ledgers (tools/reconcile.py) and the file system, and reports
 (tools/chaos_report.py):
 
-- every batch of every epoch (producer, epoch, position: the producers' plan) was handed to
-  training, except those inside the documented loss windows below; none is missing;
-- no batch was trained twice; a batch seen twice by drafters is explained only by redelivery
-  (same item number, higher delivery count, the first holder killed before training it);
-- no producer published a batch twice (its cursor commits at publish);
+- every batch of every epoch (producer, epoch, position: the producers' plan) was trained exactly
+  once: a drafter releases a slot only after training on it, so a `train` record is undone only by
+  what befalls an unreleased slot (delivered again after its holder died, or produced again from a
+  replay list after the ring was removed); none is missing, none is lost in flight;
+- a batch seen twice by drafters is explained only by redelivery (same item number, higher delivery
+  count, the first holder killed) or by a replay between the two;
+- no producer published a batch twice other than as a replay (its cursor commits at publish);
 - every process exited within the timeout after the run (no hang); after `dflash-ring clean`
   no segment, semaphore or lock file of the run is left;
 - every drafter's final checkpoint loads and exports through `dflash-ring export`'s code.
 
 Documented windows (what a kill may cost, by design, without a batch going missing):
 
-- redelivery: a drafter killed between claiming a slot and releasing it (the copy out of the
-  slot) leaves the slot READING; the reaper, or its successor, makes it READY again and another
-  drafter takes it (deliveries + 1). Its `got` record may then appear twice.
-- in flight: a drafter releases a slot as soon as its copy has landed, before training on it.
-  A drafter SIGKILLed then loses up to two batches it took (one training, one prefetched): they
-  were consumed from the ring but never trained. Counted as `lost_in_flight`, at most 2 per kill.
+- redelivery: a drafter killed between claiming a slot and releasing it (after training on it)
+  leaves the slot READING; the reaper, or its successor, makes it READY again and another
+  drafter takes it (deliveries + 1). Its `got` and `train` records may then appear twice; the
+  first `train` is undone (its update went with the killed process). Nothing is lost in flight.
 - un-checkpointed updates: batches a killed drafter trained after its last checkpoint were
   trained, but those updates are rolled back when it resumes (its replicas keep theirs).
   Counted as `trained_then_lost_with_crash`, at most train.checkpoint_every_steps x
@@ -87,6 +91,10 @@ class ChaosOptions:
     baseline: bool = True
     restart_delay_s: tuple[float, float] = (0.5, 4.0)
     exit_timeout_s: float = 120.0
+    whole_run_stops: int = 0  # also stop the whole run this many times (RUN_STOP_MODES) and start it again
+
+
+RUN_STOP_MODES = ("stop-now", "sigterm-all", "sigkill-all")
 
 
 @dataclass
@@ -161,6 +169,7 @@ class Phase:
         self.kills: list[Kill] = []
         self.window: tuple[float, float] | None = None
         self.full_restarts = 0
+        self.run_stops: list[dict[str, Any]] = []
         self.hung: list[str] = []
         self.failures: list[str] = []
 
@@ -202,6 +211,34 @@ class Phase:
         except (RingNotFound, OSError, RuntimeError):
             return None
 
+    def stop_whole_run(self, mode: str, rng: random.Random) -> bool:
+        """Stop every process of the run at once (`mode`), wait for all to exit, and start the run again.
+        False when something hung."""
+        r, t0 = self.restarter, time.time()
+        if mode == "stop-now":
+            subprocess.Popen(_cli("stop", "--now", "--timeout", "300", "--config", str(self.cfg_path),
+                                  *[a for s in self.sets for a in ("--set", s)]),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        else:
+            sig = signal.SIGTERM if mode == "sigterm-all" else signal.SIGKILL
+            for name in r.alive():
+                r.signal(name, sig)
+        if not r.wait_all_exit(self.opts.exit_timeout_s + 60):
+            self.hung = r.alive()
+            self.failures.append(f"after a whole-run {mode}, still alive: {', '.join(self.hung)}")
+            return False
+        cleaned = None
+        if mode == "sigkill-all":
+            cleaned = _clean(self.cfg_path, self.sets)  # hands what the dead ring held to the replay lists
+            if cleaned.returncode != 0:
+                self.failures.append(f"`dflash-ring clean` after a whole-run SIGKILL failed: {cleaned.stderr[-300:]}")
+        self.run_stops.append({"t": round(t0, 2), "mode": mode, "stopped_in_s": round(time.time() - t0, 1)})
+        r.clear_pending()
+        time.sleep(rng.uniform(*self.opts.restart_delay_s))
+        for name in self.names():
+            r.start(name)
+        return True
+
     def execute(self, kills: int, seconds: float, deadline_s: float) -> None:
         rng = random.Random(self.opts.seed)
         r = self.restarter
@@ -225,6 +262,11 @@ class Phase:
                 at = sorted(rng.uniform(0, seconds) for _ in range(kills))
                 roles = _roles(kills, rng)
                 schedule = [(now + a, role, _signal_for(role, rng)) for a, role in zip(at, roles)]
+                stops = self.opts.whole_run_stops
+                modes = [RUN_STOP_MODES[i % len(RUN_STOP_MODES)] for i in range(stops)]
+                rng.shuffle(modes)
+                schedule += [(now + rng.uniform(0, seconds), "run", mode) for mode in modes]
+                schedule.sort()
             exited = r.poll(restart=not r.over)
             sup = exited.get("supervisor")
             if sup is not None and sup == 0:
@@ -257,6 +299,10 @@ class Phase:
                     # so that they do not all land in one burst when it is back.
                     lag = now + 0.5 - schedule[0][0]
                     schedule = [(t + lag, role, sig) for t, role, sig in schedule]
+                elif schedule[0][1] == "run":
+                    _, _, mode = schedule.pop(0)
+                    if not self.stop_whole_run(mode, rng):
+                        break
                 else:
                     _, role, sig = schedule.pop(0)
                     victim = r.pick(role, rng)
@@ -379,7 +425,8 @@ def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
     sets = phase_overrides(base_sets, f"chaos{opts.seed}", d, epochs, has_metrics)
     phase = Phase("chaos", cfg_path, sets, d, env, opts)
     t0 = time.monotonic()
-    phase.execute(opts.kills, opts.seconds, deadline_s=opts.seconds + max(600.0, 2 * opts.seconds))
+    phase.execute(opts.kills, opts.seconds,
+                  deadline_s=opts.seconds + max(600.0, 2 * opts.seconds) + 120 * opts.whole_run_stops)
     wall = time.monotonic() - t0
     ledgers, cut = read_ledgers(phase.ledger_dir())
     rec = reconcile(ledgers, phase.cfg.train.checkpoint_every_steps, phase.cfg.train.grad_accum)
@@ -401,6 +448,7 @@ def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
                   "by_role": {r: by_role.get(r, 0) for r in ("supervisor", "target", "drafter")},
                   "by_role_and_signal": dict(sorted(by_signal.items()))},
         "restarts": phase.restarter.restarts, "full_restarts_after_drain": phase.full_restarts,
+        "whole_run_stops": phase.run_stops,
         "recoveries": len(rec_times), "not_recovered_before_the_end": unrecovered,
         "recovery_s": {"p50": _percentile(rec_times, 0.5), "max": _percentile(rec_times, 1.0)},
         "throughput": {**thr, "baseline_items_per_s": base_rate,

@@ -16,10 +16,13 @@ def format_report(rep: dict[str, Any]) -> str:
         f"  restarts {c['restarts']}, full restarts after a drain {c['full_restarts_after_drain']}, "
         f"recoveries {c['recoveries']} (recovery p50 {c['recovery_s']['p50']}s, max {c['recovery_s']['max']}s), "
         f"not recovered before the end {c['not_recovered_before_the_end']}",
-        f"  batches: planned {led['planned_batches']}, trained {led['trained_batches']}, missing {led['missing']}, "
-        f"trained twice {led['trained_twice']}, published twice {led['published_twice']}",
-        f"  redelivered {led['redelivered_items']} (seen twice, explained {led['seen_twice_explained_by_redelivery']}, "
-        f"unexplained {led['seen_twice_unexplained']}); lost in flight {led['lost_in_flight']}; "
+        f"  whole-run stops and restarts: {len(c['whole_run_stops'])} "
+        f"({', '.join(s['mode'] for s in c['whole_run_stops']) or 'none'}); batches replayed {led['replayed_batches']}",
+        f"  batches: planned {led['planned_batches']}, trained exactly once {led['trained_exactly_once']}, "
+        f"missing {led['missing']}, trained twice {led['trained_twice']}, published twice {led['published_twice']}",
+        f"  redelivered {led['redelivered_items']} (seen twice, explained by redelivery or replay "
+        f"{led['seen_twice_explained_by_redelivery_or_replay']}, unexplained {led['seen_twice_unexplained']}); "
+        f"trains undone {led['trains_undone_by_redelivery_or_replay']}; lost in flight {led['lost_in_flight']}; "
         f"trained then lost with a crash (un-checkpointed) {led['trained_then_lost_with_crash']}",
         f"  throughput in the fault window {thr.get('items_per_s')} items/s vs {thr.get('baseline_items_per_s')} "
         f"without faults: lost {thr.get('lost')}",

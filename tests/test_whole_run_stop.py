@@ -1,0 +1,67 @@
+"""A whole run stopped at any moment and started again trains every planned batch exactly once.
+
+Issue 14 item 3: items READY in the ring, and items a drafter held, were never produced again after a
+whole-run stop (`stop --now`, `systemctl stop` of every unit, kill -9 of everything then `clean` or a
+reclaim), because a producer resumes after its last *published* batch. Now a drafter releases a slot
+only after training on it, and whoever removes the ring hands what it held to the producers' replay
+lists. Real processes: the supervisor, the tiny target and a drafter, with the ledger on.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from support import build_target, cyclic_rows, pipeline_config, wait_exit, wait_for
+
+from dflash_ring.common.ledger import read_ledger
+from dflash_ring.common.resume_state import CursorFile, cursor_path
+from dflash_ring.common.ring import Ring, RingNotFound
+from dflash_ring.tools.reconcile import read_ledgers, reconcile
+
+
+def _ready(name: str) -> int:
+    try:
+        with Ring.open(name) as ring:
+            return ring.slot_counts()["ready"]
+    except (RingNotFound, OSError):
+        return 0
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("mode", ["stop-now", "sigterm-all", "sigkill-then-clean", "sigkill-then-reclaim"])
+def test_a_run_stopped_whole_and_started_again_trains_every_batch_exactly_once(run, mode):
+    target = build_target(run.tmp / "target", "qwen3", layers=4)
+    data = cyclic_rows(run.tmp / "chat.jsonl", 96)
+    ledger = run.tmp / "ledger"
+    pipeline_config(run, target, data, {"run": {"ledger_dir": str(ledger)}, "data": {"epochs": 3},
+                                        "train": {"checkpoint_every_steps": 4}}, consumers=1, slots=6)
+    procs = [run.supervisor(), run.role("target", 0), run.role("drafter", 0)]
+    trained = lambda: sum(r["ev"] == "train" for r in read_ledger(ledger / "drafter-0.jsonl").records)  # noqa: E731
+    wait_for(lambda: (ledger / "drafter-0.jsonl").exists() and trained() >= 2 and _ready(run.name) >= 1,
+             timeout=300, what="training under way with items waiting in the ring")
+    if mode == "stop-now":
+        run.cli("stop", "--now", "--config", str(run.config), "--timeout", "120")
+    else:
+        for p in procs:
+            p.send_signal(signal.SIGTERM if mode == "sigterm-all" else signal.SIGKILL)
+    for p in procs:
+        wait_exit(p, 180)
+    sup_args: tuple[str, ...] = ()
+    if mode == "sigkill-then-clean":
+        run.cli("clean", "--config", str(run.config))
+    elif mode == "sigkill-then-reclaim":
+        sup_args = ("--reclaim-stale",)  # what `dflash-ring run` passes
+    if mode != "sigkill-then-reclaim":
+        saved = CursorFile(cursor_path(run.tmp / "state", run.name, 0), plan="").read()
+        assert saved is not None and saved[2].replay, f"{mode}: what the ring held is not in the replay list"
+    again = [run.supervisor(*sup_args), run.role("target", 0), run.role("drafter", 0)]
+    for p in again:
+        assert wait_exit(p, 600) == 0, p.stderr.read()[-3000:]
+    ledgers, _ = read_ledgers(ledger)
+    rec = reconcile(ledgers, checkpoint_every=4, grad_accum=1)
+    assert rec["problems"] == [], rec["problems"]
+    assert rec["replayed_batches"] >= 1 and rec["lost_in_flight"] == 0
+    assert rec["trained_exactly_once"] == rec["planned_batches"] > 0, rec
+    assert run.leftovers() == []
