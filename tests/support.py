@@ -343,7 +343,8 @@ def packed_batch(lengths: Iterable[int], seed: int = 0, vocab: int = 400) -> Bat
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     return Batch(
         input_ids=rng.integers(0, vocab, cu[-1]).astype(np.int32), loss_mask=np.ones(cu[-1], np.uint8),
-        lengths=lengths, cu_seqlens=cu, sample_ids=np.arange(len(lengths), dtype=np.int64), epoch=0, position=0,
+        lengths=lengths, cu_seqlens=cu, sample_ids=np.arange(len(lengths), dtype=np.int64),
+        source_ids=np.zeros(len(lengths), dtype=np.int32), epoch=0, position=0,
         cursor=Cursor(0, 1), padding_fraction=0.0,
     )
 
