@@ -86,7 +86,10 @@ class SourceData:
 
 def load_sources(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> list[SourceData]:
     """Every source of `cfg` (one for `data.path`), each tokenized and cached on its own as `load_tokenized` does."""
-    return [SourceData(s.name, s.path, s.weight, s.repeat, load_tokenized(sub, tokenizer)) for s, sub in cfg.mixture()]
+    mixture = cfg.mixture()
+    for _, sub in mixture:
+        locate(sub)  # a missing or unreadable source fails now, not after tokenizing the ones before it
+    return [SourceData(s.name, s.path, s.weight, s.repeat, load_tokenized(sub, tokenizer)) for s, sub in mixture]
 
 
 def load_tokenized(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TokenizedData:
