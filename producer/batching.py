@@ -49,6 +49,11 @@ class Batch:
     def num_tokens(self) -> int:
         return len(self.input_ids)
 
+    def trained_by_source(self, sources: int) -> np.ndarray:
+        """Loss-mask tokens of each source (index into ShardBatcher.sources) in this batch."""
+        return np.bincount(np.repeat(self.source_ids, self.lengths), weights=self.loss_mask,
+                           minlength=sources).astype(np.int64)
+
     def padded(self, pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(input_ids, attention_mask, loss_mask), each [num_sequences, max_length], right-padded."""
         rows, width = len(self.lengths), int(self.lengths.max())

@@ -207,8 +207,10 @@ class Producer:
 
     def __init__(self, ring: Ring, row: int, index: int, target: TargetModel, *,
                  stop: threading.Event, cursor_file: CursorFile | None = None,
-                 metrics: ProducerMetrics | None = None, replay: tuple[tuple[int, int], ...] = ()):
+                 metrics: ProducerMetrics | None = None, replay: tuple[tuple[int, int], ...] = (),
+                 source_names: tuple[str, ...] = ("data",)):
         self.ring, self.row, self.target = ring, row, target
+        self.source_names = source_names  # Batch.source_ids index these
         self.stop = stop
         self.cursor_file = cursor_file
         self.replay = replay  # the replay list the batches' `replayed` counts refer to
@@ -280,6 +282,8 @@ class Producer:
         self.stats.add(f.batch)
         m = self.metrics
         m.tokens.inc(f.batch.num_tokens)
+        for name, trained in zip(self.source_names, f.batch.trained_by_source(len(self.source_names)).tolist()):
+            m.source_trained.labels(name).inc(trained)
         if f.copy_span is not None:
             m.d2h.observe(f.copy_span.seconds())
         if f.target_span is not None:
@@ -407,7 +411,7 @@ def run_producer(cfg: Config, index: int, device_name: str | None = None) -> int
             loader = Loader(resumed_batches(batcher, start),
                             lambda b: prepare(b, packed=target.packed, pad_id=pad_id, pin=device.type == "cuda"))
             producer = Producer(ring, me.row, index, target, stop=proc.stop, cursor_file=cursor_file,
-                                metrics=metrics, replay=start.replay)
+                                metrics=metrics, replay=start.replay, source_names=tuple(s.name for s in sources))
             if proc.ledger is not None:
                 proc.ledger.write("start", plan=plan, resume=[start.epoch, start.position],
                                   replay=[list(x) for x in start.pending_replay])

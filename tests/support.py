@@ -156,14 +156,20 @@ def merged(base: Mapping[str, Mapping[str, Any]], *changes: Mapping[str, Mapping
 
 
 def override(section: str, key: str, value: Any) -> str:
-    """`section.key=value` as `--set` takes it (the value in TOML: strings quoted, lists bracketed)."""
+    """`section.key=value` as `--set` takes it (the value in TOML: strings quoted, lists bracketed, tables inline)."""
+    return f"{section}.{key}={toml_value(value)}"
+
+
+def toml_value(value: Any) -> str:
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
-    if isinstance(value, (str, list, tuple)):
-        text = json.dumps(list(value) if isinstance(value, tuple) else value)  # JSON strings and lists are TOML too
-    else:
-        text = "true" if value is True else "false" if value is False else repr(value)
-    return f"{section}.{key}={text}"
+    if isinstance(value, Mapping):  # [[data.sources]] entries, as inline tables
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a TOML string too
+    return "true" if value is True else "false" if value is False else repr(value)
 
 
 def run_config(sections: Mapping[str, Mapping[str, Any]]) -> Config:

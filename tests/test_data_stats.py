@@ -10,16 +10,24 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from dflash_ring.common.config import load_config
 from dflash_ring.common.data_config import DataError
+from dflash_ring.common.layout import Counter, Role
+from dflash_ring.common.membership import Membership
+from dflash_ring.common.ring import Ring
 from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 from dflash_ring.producer.data_stats import HISTOGRAM_EDGES, bucket_labels, data_stats, histogram, log_lines
+from dflash_ring.producer.batching import ShardBatcher
 from dflash_ring.producer.pretokenized import load_sources
+from support import build_target, load_tokenizer, wait_exit, wait_for, write_chat_rows
 
 CODE = [{"prompt": "write it", "response": "1" * 5}, {"prompt": "again", "response": "2" * 20},
         {"prompt": "more", "response": "3" * 40}, {"prompt": "no reply"}]  # the last is bad: skipped
@@ -140,3 +148,59 @@ def test_the_cli_prints_json_and_a_table(world):
     assert table.returncode == 0, table.stderr
     for word in ("code", "talk", "total", "% trained", "1-16", ">4096", "75.0", "25.0"):
         assert word in table.stdout, word
+
+
+def scrape(port: int, name: str) -> dict[str, float]:
+    """One labelled counter of a process's /metrics page, by its `source` label."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        families = text_string_to_metric_families(r.read().decode())
+    return {s.labels["source"]: s.value for f in families if f.name == name.removesuffix("_total")
+            for s in f.samples if s.name == name}
+
+
+@pytest.mark.processes
+def test_producers_of_a_mixture_log_its_composition_and_publish_exactly_its_plan(run, tmp_path, monkeypatch):
+    """Two real producers over a 3:1 mix (the small source repeating): each logs one line per source before it
+    publishes, the items are the batcher's plan (every drawn sample once across both), and the per-source
+    trained-token counter matches what was published."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # two producers on a small box
+    target = build_target(tmp_path / "model", "qwen3", layers=4)
+    code, chat = write_chat_rows(tmp_path / "code.jsonl", 40), write_chat_rows(tmp_path / "chat.jsonl", 12, seed=1)
+    cfg = run.write_config(
+        2, 1, slots=4,
+        data={"sources": [{"path": str(code), "weight": 3.0}, {"path": str(chat), "weight": 1.0, "repeat": True}],
+              "cache_dir": str(tmp_path / "cache"), "max_length": 256, "max_tokens_per_batch": 512, "seed": 3},
+        target={"path": str(target), "num_draft_layers": 2, "state_dir": str(tmp_path / "state"), "device": "cpu"},
+    )
+    sources = load_sources(cfg.data, load_tokenizer(target))  # tokenized here: the producers find the cache
+    batchers = [ShardBatcher.from_config(sources, cfg.data, rank=p, world_size=2) for p in (0, 1)]
+    sup, producers = run.supervisor(), [run.role("target", p) for p in (0, 1)]
+    items = []
+    with Ring.attach(cfg) as ring:
+        wait_for(lambda: ring.counter(Counter.PRODUCED) == 4, timeout=180, what="a full ring")
+        published = [scrape(cfg.metrics.port_base + 1 + p, "dflash_ring_target_trained_tokens_total") for p in (0, 1)]
+        me = Membership.join(ring, cfg, Role.CONSUMER, 0)
+        while (r := ring.claim(me.row, timeout_s=60)) is not None:
+            items.append((dict(r.meta), r.tensors["sample_ids"].tolist(), r.tensors["loss_mask"].sum().item()))
+            ring.release(r)
+            del r
+        me.leave()
+    for p in producers:
+        assert wait_exit(p, 60) == 0
+    assert wait_exit(sup, 60) == 0
+    plan = {(p, 0, i): b for p, batcher in enumerate(batchers) for i, b in enumerate(batcher.batches())}
+    assert sorted((m["producer"], m["epoch"], m["position"]) for m, _, _ in items) == sorted(plan)
+    for m, rows, trained in items:
+        batch = plan[m["producer"], m["epoch"], m["position"]]
+        assert rows == batch.sample_ids.tolist() and trained == int(batch.loss_mask.sum())
+    # The first four items were in the ring when the counters were read: their trained tokens by source.
+    first = [plan[m["producer"], m["epoch"], m["position"]] for m, _, _ in items[:4]]
+    by_source = sum(b.trained_by_source(2) for b in first)
+    assert {k: sum(p.get(k, 0) for p in published) for k in ("code", "chat")} == dict(zip(("code", "chat"),
+                                                                                            by_source.tolist()))
+    assert batchers[0].counts == [40, 13]  # code sets the epoch (40 rows = 3/4), chat's 12 rows give 13 (1/4)
+    for p in producers:
+        err = p.stderr.read()
+        lines = [ln for ln in err.splitlines() if "data source " in ln or "resuming at epoch" in ln]
+        assert "data source code (" in lines[0] and "data source chat (" in lines[1], err[-3000:]
+        assert "resuming at epoch" in lines[2] and len(lines) == 3, err[-3000:]
