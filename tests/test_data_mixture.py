@@ -13,11 +13,12 @@ import pytest
 from dflash_ring.common.config import ConfigError, dump_toml, load_config
 from dflash_ring.common.data_config import DataConfig, DataError
 from dflash_ring.common.layout import Role
+from dflash_ring.common.resume_state import CursorFile, ResumeState
 from dflash_ring.common.ring import Ring
 from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
-from dflash_ring.producer.batching import Batch, Cursor, ShardBatcher, epoch_counts
+from dflash_ring.producer.batching import Batch, ShardBatcher, epoch_counts
 from dflash_ring.producer.pretokenized import SourceData, TokenizedData, load_sources, load_tokenized
-from dflash_ring.producer.process import CursorFile, PlanMismatchError, plan_description, plan_key, resume_point
+from dflash_ring.producer.process import PlanMismatchError, plan_description, plan_key, resume_point
 
 BUDGET = 256
 
@@ -195,10 +196,10 @@ def test_a_resume_with_another_mix_is_refused_naming_both(tmp_path):
     try:
         with Ring.create(cfg) as ring:
             row = ring.row_of(Role.PRODUCER, 0)
-            assert resume_point(ring, row, old) == (Cursor(), "start")
+            assert resume_point(ring, row, old) == (ResumeState(), "start")
             ring.publish(ring.try_acquire(row), row, cursor=(0, 3))
-            old.save(Cursor(0, 3))
-            assert resume_point(ring, row, old) == (Cursor(0, 3), "ring")
+            old.save(ResumeState(0, 3))
+            assert resume_point(ring, row, old) == (ResumeState(0, 3), "ring")
             with pytest.raises(PlanMismatchError) as e:
                 resume_point(ring, row, new)
     finally:
