@@ -106,6 +106,13 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true", help="print the report as JSON")
     sp.set_defaults(func=cmd_check_target)
 
+    sp = sub.add_parser("data", help="the data a run trains on")
+    data = sp.add_subparsers(dest="data", required=True)
+    dp = with_config(data.add_parser("stats", help="per source and in total: rows, tokens, trained tokens, reply "
+                                                   "lengths and share of an epoch, after tokenization"))
+    dp.add_argument("--json", action="store_true", help="print the report as JSON")
+    dp.set_defaults(func=cmd_data_stats)
+
     sp = with_config(sub.add_parser("drafter", help="run drafter trainer J: claim ring items and train"))
     sp.add_argument("--index", type=int, required=True)
     sp.add_argument("--device", help="e.g. cuda:0 or cpu (default: train.device)")
@@ -318,6 +325,19 @@ def cmd_check_target(args: argparse.Namespace) -> int:
         print("dflash-ring check-target: error: target.packing = \"packed\" would refuse to start: "
               "set it to \"auto\" or \"padded\"", file=sys.stderr)
         return 2
+    return 0
+
+
+def cmd_data_stats(args: argparse.Namespace) -> int:
+    from dflash_ring.producer.data_stats import data_stats, print_table
+    from dflash_ring.producer.pretokenized import load_sources, target_tokenizer
+
+    cfg = _config(args)
+    stats = data_stats(load_sources(cfg.data, target_tokenizer(cfg.target)))  # the producer's tokenization and cache
+    if args.json:
+        print(stats.to_json())
+    else:
+        print_table(stats)
     return 0
 
 

@@ -290,6 +290,8 @@ def _build(cls: type, raw: typing.Any, where: str) -> typing.Any:
 
 
 def _coerce(value: typing.Any, hint: typing.Any, name: str) -> typing.Any:
+    if dataclasses.is_dataclass(hint):  # a table in a list of tables ([[data.sources]])
+        return _build(hint, value, name)
     origin = typing.get_origin(hint)
     if origin is typing.Literal:
         if value not in typing.get_args(hint):
@@ -339,30 +341,54 @@ def dump_toml(cfg: Config, *, full: bool = False, header: str = "",
     defaults = Config()
     out = [f"# {line}".rstrip() for line in header.splitlines()]
     for section in dataclasses.fields(Config):
-        value, default = getattr(cfg, section.name), getattr(defaults, section.name)
-        kept = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)
-                if getattr(value, f.name) is not None and (full or getattr(value, f.name) != getattr(default, f.name))}
-        if not full:  # leave out what the section derives from the rest (drafter.layer_types from its layers)
-            for name in reversed(list(kept)):
-                trial = {k: v for k, v in kept.items() if k != name}
-                try:
-                    if type(value)(**trial) == value:
-                        kept = trial
-                except (TypeError, ValueError):
-                    pass
+        value = getattr(cfg, section.name)
+        kept = _kept_fields(value, getattr(defaults, section.name), full)
+        tables = {name: kept.pop(name) for name, v in list(kept.items()) if _is_table_list(v)}
         lines = []
         for name, v in kept.items():
             if note := comments.get(f"{section.name}.{name}"):
                 lines.append(f"# {note}")
             lines.append(f"{name} = {_toml_value(v, f'{section.name}.{name}')}")
-        if not lines:
-            continue
-        if out:
-            out.append("")
-        if note := comments.get(section.name):
-            out.append(f"# {note}")
-        out += [f"[{section.name}]", *lines]
+        if lines:
+            if out:
+                out.append("")
+            if note := comments.get(section.name):
+                out.append(f"# {note}")
+            out += [f"[{section.name}]", *lines]
+        for name, entries in tables.items():  # after the section's own keys: TOML puts them in its table
+            for i, entry in enumerate(entries):
+                fields = _kept_fields(entry, None, full)
+                out += ["", f"[[{section.name}.{name}]]",
+                        *(f"{k} = {_toml_value(v, f'{section.name}.{name}[{i}].{k}')}" for k, v in fields.items())]
     return "\n".join(out) + "\n"
+
+
+def _kept_fields(value: typing.Any, default: typing.Any, full: bool) -> dict[str, typing.Any]:
+    """The fields of one table that `dump_toml` writes: all (bar None) when `full`, else those that differ from
+    `default` (from the type's own defaults where `default` is None) and that the table does not derive from
+    its other fields (drafter.layer_types from its layers, a source's name from its path)."""
+    kept = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if getattr(value, f.name) is not None}
+    if full:
+        return kept
+    for f in dataclasses.fields(value):
+        if default is not None:
+            same = getattr(default, f.name) == kept.get(f.name)
+        else:
+            same = f.default is not dataclasses.MISSING and f.default == kept.get(f.name)
+        if same:
+            kept.pop(f.name, None)
+    for name in reversed(list(kept)):
+        trial = {k: v for k, v in kept.items() if k != name}
+        try:
+            if type(value)(**trial) == value:
+                kept = trial
+        except (TypeError, ValueError):
+            pass
+    return kept
+
+
+def _is_table_list(v: typing.Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(dataclasses.is_dataclass(x) for x in v)
 
 
 def _toml_value(v: typing.Any, name: str) -> str:

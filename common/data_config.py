@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 DataFormat = Literal["auto", "json", "jsonl", "parquet", "arrow", "disk"]
@@ -14,14 +17,53 @@ class DataError(ValueError):
 
 
 @dataclass(frozen=True)
-class DataConfig:
-    """Settings for loading, tokenizing and batching one data set.
+class DataSource:
+    """One data set of a weighted mixture (a `[[data.sources]]` entry), tokenized and cached on its own.
 
-    Only `path`, `format`, `split`, `max_length` and `enable_thinking` change the tokenized
-    cache; the rest only change how batches are cut and ordered.
+    `weight` is the source's share of an epoch's rows (weights are relative: 3 and 1 give 75% and 25%).
     """
 
     path: str = ""
+    weight: float = 1.0
+    # Shown in logs, `dflash-ring data stats` and metrics; empty: the file or directory name without suffix.
+    name: str = ""
+    # True: rows are cycled (each pass reshuffled) when the weight asks for more rows than the source has;
+    # false: a row is used at most once per epoch, and the source bounds the epoch's size.
+    repeat: bool = False
+    format: DataFormat = "auto"
+    split: str = "train"
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise DataError("path is empty: every [[data.sources]] entry needs the data file or directory it reads")
+        if not (math.isfinite(self.weight) and self.weight > 0):
+            raise DataError(f"weight = {self.weight}: must be a positive number")
+        if self.format not in FORMATS:
+            raise DataError(f"format = {self.format!r}: use one of {', '.join(FORMATS)}")
+        if not self.name:
+            object.__setattr__(self, "name", Path(self.path).stem)  # frozen: set once, here
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Settings for loading, tokenizing and batching one data set (`path`) or a weighted mixture (`sources`).
+
+    Only the data files, `format`, `split`, `max_length` and `enable_thinking` change the tokenized
+    cache; the rest only change how batches are cut and ordered.
+
+    Epoch size of a mixture: the largest epoch in which no source with `repeat = false` runs out of rows at
+    its weight, i.e. min over those sources of rows / share (share = weight / sum of weights); if every
+    source repeats, the total number of rows. Each source gives floor(epoch x share) rows (a non-repeating
+    source at most all of its rows: the one that sets the size gives all of them); a source given no row
+    is an error, as is a source with no usable row. A source that gives fewer rows than it has gives a new
+    random subset each epoch; a repeating source asked for more gives whole passes plus a random subset.
+    Rows are counted after tokenization (bad and unreachable rows skipped). A single `path` is one source
+    and is batched exactly as before mixtures existed.
+    """
+
+    path: str = ""
+    # A weighted mixture instead of `path`: a list of DataSource tables ([[data.sources]] in TOML).
+    sources: list[DataSource] = field(default_factory=list)
     # "auto" guesses from the file suffix; "disk" is a directory written by `save_to_disk`.
     format: DataFormat = "auto"
     # A DatasetDict directory's split; for files, "train" (slices such as "train[:1000]" work).
@@ -51,3 +93,30 @@ class DataConfig:
                 f"DataConfig.max_tokens_per_batch={self.max_tokens_per_batch} is below "
                 f"max_length={self.max_length}: a full-length sample would fit no batch"
             )
+        if self.sources:
+            self._check_sources()
+
+    def _check_sources(self) -> None:
+        if self.path:
+            raise DataError(f"data.path = {self.path!r} and [[data.sources]] are both set: use one, data.path for "
+                            "a single data set or [[data.sources]] for a weighted mixture")
+        if self.format != "auto" or self.split != "train":
+            raise DataError("data.format and data.split apply to data.path: with [[data.sources]] set them in "
+                            "each source's entry")
+        seen: dict[str, int] = {}
+        for i, s in enumerate(self.sources):
+            if s.name in seen:
+                raise DataError(f"data.sources[{seen[s.name]}] and data.sources[{i}] are both named {s.name!r}: "
+                                "give each [[data.sources]] entry its own name")
+            seen[s.name] = i
+
+    def mixture(self) -> list[tuple[DataSource, DataConfig]]:
+        """Each source with the settings it is tokenized under; a single `path` is one source of weight 1,
+        tokenized under this very config (so its cache is the one it always had)."""
+        if not self.sources:
+            if not self.path:
+                raise DataError("data.path is empty: set it to a data file or directory, or list the sources of "
+                                "a mixture in [[data.sources]]")
+            return [(DataSource(path=self.path, format=self.format, split=self.split), self)]
+        return [(s, dataclasses.replace(self, path=s.path, format=s.format, split=s.split, sources=[]))
+                for s in self.sources]

@@ -150,6 +150,9 @@ class ProducerMetrics:
                               buckets=STEP_BUCKETS, registry=r)
         self.tokens = Counter("dflash_ring_target_tokens_total", "Tokens this target published", registry=r)
         self.items = Counter("dflash_ring_target_items_total", "Items (batches) this target published", registry=r)
+        self.source_trained = Counter("dflash_ring_target_trained_tokens_total",
+                                      "Trained (loss-mask) tokens this target published, by data source: the "
+                                      "mix the drafters actually see", ["source"], registry=r)
         self.bad_rows = Counter("dflash_ring_bad_rows_skipped_total",
                                 "Data set rows skipped as unusable at load (the whole set: each target "
                                 "reports the same rows; use max, not sum)", registry=r)

@@ -2,18 +2,21 @@
 
 Every producer computes the same global plan for an epoch from (seed, epoch) alone and takes
 every world_size-th batch of it, so the shards need no coordination, cover each sample exactly
-once per epoch, and a (epoch, position) cursor is enough to resume.
+once per epoch, and a (epoch, position) cursor is enough to resume. A weighted mixture draws each
+source's rows for the epoch (`epoch_counts`, `epoch_samples`) from (seed, epoch) too, then plans
+them as one data set.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from dflash_ring.common.data_config import DataConfig
-from .pretokenized import TokenizedData
+from dflash_ring.common.data_config import DataConfig, DataError
+from .pretokenized import SourceData, TokenizedData
 
 
 @dataclass(frozen=True, order=True)
@@ -31,7 +34,8 @@ class Batch:
     loss_mask: np.ndarray  # uint8, aligned with input_ids
     lengths: np.ndarray  # int32, per sequence
     cu_seqlens: np.ndarray  # int32, len(lengths) + 1, starts with 0 (flash-attention varlen layout)
-    sample_ids: np.ndarray  # int64, row index of each sequence in the source data set
+    sample_ids: np.ndarray  # int64, row index of each sequence in its source data set
+    source_ids: np.ndarray  # int32, each sequence's source: an index into ShardBatcher.sources
     epoch: int
     position: int  # index of this batch in this producer's list for the epoch
     cursor: Cursor  # where to resume once this batch is consumed
@@ -44,6 +48,11 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
+
+    def trained_by_source(self, sources: int) -> np.ndarray:
+        """Loss-mask tokens of each source (index into ShardBatcher.sources) in this batch."""
+        return np.bincount(np.repeat(self.source_ids, self.lengths), weights=self.loss_mask,
+                           minlength=sources).astype(np.int64)
 
     def padded(self, pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(input_ids, attention_mask, loss_mask), each [num_sequences, max_length], right-padded."""
@@ -61,8 +70,43 @@ def epoch_order(num_samples: int, seed: int, epoch: int) -> np.ndarray:
     Sorting raw PCG64 output rather than calling Generator.permutation: NumPy keeps bit-generator
     streams stable across releases but not Generator methods, and a resume must replay the order.
     """
-    keys = np.random.PCG64(np.random.SeedSequence([seed, epoch])).random_raw(num_samples)
+    return _permutation(num_samples, [seed, epoch])
+
+
+def _permutation(n: int, entropy: list[int]) -> np.ndarray:
+    keys = np.random.PCG64(np.random.SeedSequence(entropy)).random_raw(n)
     return np.argsort(keys, kind="stable")
+
+
+def epoch_counts(sizes: Sequence[int], weights: Sequence[float], repeat: Sequence[bool],
+                 names: Sequence[str]) -> list[int]:
+    """Rows each source gives every epoch, by the epoch-size rule in DataConfig's docstring."""
+    total = sum(weights)
+    limits = [n * total / w for n, w, r in zip(sizes, weights, repeat, strict=True) if not r]
+    size = min(limits) if limits else sum(sizes)
+    # The epsilon keeps float error from costing the limiting source its last row (n * total / w * w / total).
+    counts = [math.floor(size * w / total + 1e-9) for w in weights]
+    counts = [c if r else min(c, n) for c, n, r in zip(counts, sizes, repeat, strict=True)]
+    for c, n, w, name in zip(counts, sizes, weights, names, strict=True):
+        if c == 0:
+            raise DataError(f"data source {name!r} (weight {w:g}, {n} usable rows) gets no row in an epoch of "
+                            f"{sum(counts)} rows: raise its weight, or set repeat = true on the sources that "
+                            "limit the epoch")
+    return counts
+
+
+def epoch_samples(sizes: Sequence[int], counts: Sequence[int], *, seed: int, epoch: int) -> np.ndarray:
+    """The epoch's samples as indices into the sources laid end to end: every row of a source that gives
+    all of them (so a single source plans exactly as before mixtures), else a random subset from
+    (seed, epoch, source), after as many whole passes as a repeating source needs."""
+    parts, base = [], 0
+    for k, (n, count) in enumerate(zip(sizes, counts, strict=True)):
+        passes, rest = divmod(count, n)
+        parts += [base + np.arange(n)] * passes
+        if rest:
+            parts.append(base + np.sort(_permutation(n, [seed, epoch, 2, k])[:rest]))
+        base += n
+    return np.concatenate(parts)
 
 
 def plan_epoch(
@@ -97,7 +141,7 @@ class ShardBatcher:
 
     def __init__(
         self,
-        data: TokenizedData,
+        data: TokenizedData | Sequence[SourceData],
         *,
         rank: int,
         world_size: int,
@@ -109,19 +153,27 @@ class ShardBatcher:
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
-        self._lengths = data.lengths
+        if isinstance(data, TokenizedData):  # one data set, as the benchmarks and tests build it
+            data = [SourceData("data", str(data.directory), 1.0, False, data)]
+        self.sources = sources = tuple(data)
+        if not sources:
+            raise ValueError("no data source")
+        sizes = [len(s.data) for s in sources]
+        self.counts = epoch_counts(sizes, [s.weight for s in sources], [s.repeat for s in sources],
+                                   [s.name for s in sources])
+        self._bases = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self._lengths = np.concatenate([s.data.lengths for s in sources])
         longest = int(self._lengths.max())
         if longest > max_tokens_per_batch:
             raise ValueError(f"a {longest}-token sample exceeds max_tokens_per_batch={max_tokens_per_batch}")
-        self.data = data
         self.rank, self.world_size = rank, world_size
         self.max_tokens, self.epochs, self.seed = max_tokens_per_batch, epochs, seed
         self.packing, self.bucket_window = packing, bucket_window
         self._plan: tuple[int, list[np.ndarray]] | None = None
 
     @classmethod
-    def from_config(cls, data: TokenizedData, cfg: DataConfig, *, rank: int, world_size: int,
-                    packing: bool = True) -> ShardBatcher:
+    def from_config(cls, data: TokenizedData | Sequence[SourceData], cfg: DataConfig, *, rank: int,
+                    world_size: int, packing: bool = True) -> ShardBatcher:
         return cls(
             data,
             rank=rank,
@@ -134,17 +186,18 @@ class ShardBatcher:
         )
 
     def epoch_plan(self, epoch: int) -> list[np.ndarray]:
-        """This shard's batches for `epoch`, as sample indices into `data`."""
+        """This shard's batches for `epoch`, as sample indices into the sources laid end to end."""
         if self._plan is None or self._plan[0] != epoch:
+            chosen = epoch_samples(np.diff(self._bases), self.counts, seed=self.seed, epoch=epoch)
             plan = plan_epoch(
-                self._lengths,
+                self._lengths[chosen],
                 seed=self.seed,
                 epoch=epoch,
                 max_tokens=self.max_tokens,
                 packing=self.packing,
                 bucket_window=self.bucket_window,
             )
-            self._plan = (epoch, plan[self.rank :: self.world_size])
+            self._plan = (epoch, [chosen[b] for b in plan[self.rank :: self.world_size]])
         return self._plan[1]
 
     def batches(self, from_cursor: Cursor = Cursor()) -> Iterator[Batch]:
@@ -171,19 +224,35 @@ class ShardBatcher:
         return self._batch(plan[position], epoch, position, following)
 
     def _batch(self, samples: np.ndarray, epoch: int, position: int, cursor: Cursor) -> Batch:
-        starts = self.data.offsets[samples]
-        lengths = (self.data.offsets[samples + 1] - starts).astype(np.int32)
+        source_ids = (np.searchsorted(self._bases, samples, side="right") - 1).astype(np.int32)
+        local = samples - self._bases[source_ids]
+        present = np.unique(source_ids)
+        starts, row_ids = np.empty(len(samples), np.int64), np.empty(len(samples), np.int64)
+        for k in present:
+            mine, data = source_ids == k, self.sources[k].data
+            starts[mine], row_ids[mine] = data.offsets[local[mine]], data.row_ids[local[mine]]
+        lengths = self._lengths[samples].astype(np.int32)
         cu_seqlens = np.zeros(len(samples) + 1, dtype=np.int32)
         np.cumsum(lengths, out=cu_seqlens[1:])
-        # One fancy index per array instead of a per-sample slice loop.
+        # One fancy index per array and source instead of a per-sample slice loop.
         gather = np.repeat(starts - cu_seqlens[:-1], lengths) + np.arange(cu_seqlens[-1])
+        if len(present) == 1:
+            data = self.sources[present[0]].data
+            input_ids, loss_mask = data.tokens[gather], data.loss_mask[gather]
+        else:
+            input_ids, loss_mask = np.empty(len(gather), np.int32), np.empty(len(gather), np.uint8)
+            token_source = np.repeat(source_ids, lengths)
+            for k in present:
+                mine, data = token_source == k, self.sources[k].data
+                input_ids[mine], loss_mask[mine] = data.tokens[gather[mine]], data.loss_mask[gather[mine]]
         padded = len(samples) * int(lengths.max())
         return Batch(
-            input_ids=np.asarray(self.data.tokens[gather], dtype=np.int32),
-            loss_mask=np.asarray(self.data.loss_mask[gather], dtype=np.uint8),
+            input_ids=np.asarray(input_ids, dtype=np.int32),
+            loss_mask=np.asarray(loss_mask, dtype=np.uint8),
             lengths=lengths,
             cu_seqlens=cu_seqlens,
-            sample_ids=self.data.row_ids[samples].astype(np.int64),
+            sample_ids=row_ids,
+            source_ids=source_ids,
             epoch=epoch,
             position=position,
             cursor=cursor,

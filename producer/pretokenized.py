@@ -20,12 +20,13 @@ import datasets
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from dflash_ring.common.durable import exclusive
 
 from dflash_ring.common.chat_encoding import BadRow, ChatEncoder, decode_json_row
 from dflash_ring.common.data_config import DataConfig, DataError
+from dflash_ring.common.target_config import TargetConfig
 from .data_source import DataFiles, locate, open_dataset
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,33 @@ class TokenizedData:
     @property
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
+
+
+def target_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerBase:
+    """The tokenizer (and chat template) every sample is encoded with: the target's own, from disk only."""
+    if not (cfg.tokenizer or cfg.path):
+        raise DataError("target.path is empty: the data is tokenized with the target's tokenizer and chat template; "
+                        "set target.path (or target.tokenizer) to its local directory")
+    return AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.path, local_files_only=True)
+
+
+@dataclass(frozen=True)
+class SourceData:
+    """One source of the data plan, tokenized: a single `data.path` is one source of weight 1."""
+
+    name: str
+    path: str
+    weight: float
+    repeat: bool
+    data: TokenizedData
+
+
+def load_sources(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> list[SourceData]:
+    """Every source of `cfg` (one for `data.path`), each tokenized and cached on its own as `load_tokenized` does."""
+    mixture = cfg.mixture()
+    for _, sub in mixture:
+        locate(sub)  # a missing or unreadable source fails now, not after tokenizing the ones before it
+    return [SourceData(s.name, s.path, s.weight, s.repeat, load_tokenized(sub, tokenizer)) for s, sub in mixture]
 
 
 def load_tokenized(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TokenizedData:

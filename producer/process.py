@@ -33,7 +33,6 @@ from dataclasses import dataclass, replace
 import numpy as np
 import posix_ipc
 import torch
-from transformers import AutoTokenizer
 
 from dflash_ring.common import sd_notify
 from dflash_ring.common.config import Config
@@ -48,7 +47,8 @@ from dflash_ring.common.slot_contract import FEATURES, FINAL_HIDDEN, HOST_TENSOR
 
 from .batching import Batch, Cursor, ShardBatcher
 from .conformance import choose_packing
-from .pretokenized import load_tokenized
+from .data_stats import data_stats, log_lines
+from .pretokenized import load_sources, target_tokenizer
 from .target import TargetModel, TargetOutput, resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -207,8 +207,10 @@ class Producer:
 
     def __init__(self, ring: Ring, row: int, index: int, target: TargetModel, *,
                  stop: threading.Event, cursor_file: CursorFile | None = None,
-                 metrics: ProducerMetrics | None = None, replay: tuple[tuple[int, int], ...] = ()):
+                 metrics: ProducerMetrics | None = None, replay: tuple[tuple[int, int], ...] = (),
+                 source_names: tuple[str, ...] = ("data",)):
         self.ring, self.row, self.target = ring, row, target
+        self.source_names = source_names  # Batch.source_ids index these
         self.stop = stop
         self.cursor_file = cursor_file
         self.replay = replay  # the replay list the batches' `replayed` counts refer to
@@ -280,6 +282,8 @@ class Producer:
         self.stats.add(f.batch)
         m = self.metrics
         m.tokens.inc(f.batch.num_tokens)
+        for name, trained in zip(self.source_names, f.batch.trained_by_source(len(self.source_names)).tolist()):
+            m.source_trained.labels(name).inc(trained)
         if f.copy_span is not None:
             m.d2h.observe(f.copy_span.seconds())
         if f.target_span is not None:
@@ -303,14 +307,28 @@ class Producer:
 # ---- the process ------------------------------------------------------------------------------
 
 def plan_key(batcher: ShardBatcher) -> str:
-    """Everything that fixes which batches a cursor position means (not the epoch count: runs may grow)."""
-    settings = [batcher.data.directory.name, batcher.seed, batcher.max_tokens, batcher.packing,
+    """Everything that fixes which batches a cursor position means (not the epoch count: runs may grow).
+
+    One source keeps the key it had before mixtures (its weight and repeat flag change nothing); a mixture's
+    key holds each source's tokenized data, weight and repeat flag, in order."""
+    if len(batcher.sources) == 1:
+        data: object = batcher.sources[0].data.directory.name
+    else:
+        data = [[s.data.directory.name, s.weight, s.repeat] for s in batcher.sources]
+    settings = [data, batcher.seed, batcher.max_tokens, batcher.packing,
                 batcher.bucket_window, batcher.rank, batcher.world_size]
     return hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:24]
 
 
-def plan_description(batcher: ShardBatcher, data_path: str) -> str:
-    return (f"data {data_path} (tokenized {batcher.data.directory.name}), seed {batcher.seed}, max_tokens_per_batch "
+def plan_description(batcher: ShardBatcher) -> str:
+    if len(batcher.sources) == 1:
+        s = batcher.sources[0]
+        data = f"data {s.path} (tokenized {s.data.directory.name})"
+    else:
+        data = "data mixture " + ", ".join(
+            f"{s.name} = {s.path} weight {s.weight:g}{' repeat' if s.repeat else ''} (tokenized {s.data.directory.name})"
+            for s in batcher.sources)
+    return (f"{data}, seed {batcher.seed}, max_tokens_per_batch "
             f"{batcher.max_tokens}, {'packed' if batcher.packing else 'padded'}, bucket_window {batcher.bucket_window}, "
             f"shard {batcher.rank} of {batcher.world_size}")
 
@@ -363,26 +381,29 @@ def run_producer(cfg: Config, index: int, device_name: str | None = None) -> int
     with role_process(cfg, Role.PRODUCER, index, device_uuid(device)) as proc:
         metrics = ProducerMetrics(proc.registry)
         ring = proc.attach(pin=device.type == "cuda")  # a mismatched config fails before any loading
-        tokenizer = AutoTokenizer.from_pretrained(cfg.target.tokenizer or cfg.target.path, local_files_only=True)
-        data = load_tokenized(cfg.data, tokenizer)
-        metrics.bad_rows.inc(len(data.bad_rows))
+        tokenizer = target_tokenizer(cfg.target)
+        sources = load_sources(cfg.data, tokenizer)
+        metrics.bad_rows.inc(sum(len(s.data.bad_rows) for s in sources))
+        composition = data_stats(sources)  # before anything is published: what this run trains on
+        for line in log_lines(composition):
+            log.info("%s", line)
         target = TargetModel.load(cfg.target, device, packed=False)
         probe = choose_packing(target, cfg.target.packing)  # before anything is published
         metrics.packing.labels("packed" if target.packed else "padded", target.config.model_type).set(1)
         metrics.conformance_error.set(float("nan") if probe is None or probe.max_error is None else probe.max_error)
         check_slot_fits(cfg, target)
-        batcher = ShardBatcher.from_config(data, cfg.data, rank=index, world_size=producers, packing=target.packed)
+        batcher = ShardBatcher.from_config(sources, cfg.data, rank=index, world_size=producers, packing=target.packed)
         path = cursor_path(cfg.target.state_dir, cfg.run.name, index)
         path.parent.mkdir(parents=True, exist_ok=True)
-        cursor_file = CursorFile(path, plan_key(batcher), plan_description(batcher, cfg.data.path))
+        cursor_file = CursorFile(path, plan_key(batcher), plan_description(batcher))
         me = proc.join("model loaded, ring attached")
         plan = [len(batcher.epoch_plan(e)) for e in range(cfg.data.epochs)]
         ring.set_planned_items(me.row, sum(plan))
         loader = None
         try:
             start, source = resume_point(ring, me.row, cursor_file)
-            log.info("producer %d of %d: %d samples, %d epochs, %s features; resuming at epoch %d position %d "
-                     "(from the %s)%s", index, producers, len(data), cfg.data.epochs,
+            log.info("producer %d of %d: %d samples an epoch, %d epochs, %s features; resuming at epoch %d "
+                     "position %d (from the %s)%s", index, producers, composition.total.epoch_rows, cfg.data.epochs,
                      resolve_dtype(cfg.target.dtype, device), start.epoch, start.position, source,
                      f", after {len(start.pending_replay)} batch(es) a stopped run left untrained"
                      if start.pending_replay else "")
@@ -390,7 +411,7 @@ def run_producer(cfg: Config, index: int, device_name: str | None = None) -> int
             loader = Loader(resumed_batches(batcher, start),
                             lambda b: prepare(b, packed=target.packed, pad_id=pad_id, pin=device.type == "cuda"))
             producer = Producer(ring, me.row, index, target, stop=proc.stop, cursor_file=cursor_file,
-                                metrics=metrics, replay=start.replay)
+                                metrics=metrics, replay=start.replay, source_names=tuple(s.name for s in sources))
             if proc.ledger is not None:
                 proc.ledger.write("start", plan=plan, resume=[start.epoch, start.position],
                                   replay=[list(x) for x in start.pending_replay])

@@ -156,14 +156,20 @@ def merged(base: Mapping[str, Mapping[str, Any]], *changes: Mapping[str, Mapping
 
 
 def override(section: str, key: str, value: Any) -> str:
-    """`section.key=value` as `--set` takes it (the value in TOML: strings quoted, lists bracketed)."""
+    """`section.key=value` as `--set` takes it (the value in TOML: strings quoted, lists bracketed, tables inline)."""
+    return f"{section}.{key}={toml_value(value)}"
+
+
+def toml_value(value: Any) -> str:
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
-    if isinstance(value, (str, list, tuple)):
-        text = json.dumps(list(value) if isinstance(value, tuple) else value)  # JSON strings and lists are TOML too
-    else:
-        text = "true" if value is True else "false" if value is False else repr(value)
-    return f"{section}.{key}={text}"
+    if isinstance(value, Mapping):  # [[data.sources]] entries, as inline tables
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a TOML string too
+    return "true" if value is True else "false" if value is False else repr(value)
 
 
 def run_config(sections: Mapping[str, Mapping[str, Any]]) -> Config:
@@ -343,7 +349,8 @@ def packed_batch(lengths: Iterable[int], seed: int = 0, vocab: int = 400) -> Bat
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     return Batch(
         input_ids=rng.integers(0, vocab, cu[-1]).astype(np.int32), loss_mask=np.ones(cu[-1], np.uint8),
-        lengths=lengths, cu_seqlens=cu, sample_ids=np.arange(len(lengths), dtype=np.int64), epoch=0, position=0,
+        lengths=lengths, cu_seqlens=cu, sample_ids=np.arange(len(lengths), dtype=np.int64),
+        source_ids=np.zeros(len(lengths), dtype=np.int32), epoch=0, position=0,
         cursor=Cursor(0, 1), padding_fraction=0.0,
     )
 

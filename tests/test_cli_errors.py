@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,27 @@ def _tokenizer_without_chat_template(tmp: Path, name: str) -> list[str]:
     return _ring_for_target(tmp, name, write_chat_rows(tmp / "chat.jsonl", 4), tokenizer=tmp / "plain-tokenizer")
 
 
+def _mix(body: str) -> typing.Callable[[Path, str], list[str]]:
+    """A setup writing {tmp}/mix.toml: `body` after a [data] section, {tmp} in it replaced."""
+    def setup(tmp: Path, name: str) -> list[str]:
+        (tmp / "mix.toml").write_text(f'[data]\ncache_dir = "{tmp / "cache"}"\n' + body.replace("{tmp}", str(tmp)))
+        return []
+    return setup
+
+
+def _mix_with_a_bad_source(tmp: Path, name: str) -> list[str]:
+    from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
+    from support import write_chat_rows
+
+    tiny_chat_tokenizer(tmp / "tok")
+    write_chat_rows(tmp / "good.jsonl", 4)
+    (tmp / "bad.jsonl").write_text('{"prompt": "no reply"}\n')
+    return _mix('[[data.sources]]\npath = "{tmp}/bad.jsonl"\n[[data.sources]]\npath = "{tmp}/good.jsonl"\n'
+                '[target]\ntokenizer = "{tmp}/tok"\n')(tmp, name)
+
+
+DATA_STATS = ["data", "stats", "--config", "{tmp}/mix.toml"]
+
 # (id, setup(tmp, run) -> extra args, argv with {run} and {tmp}, what the line must say)
 CASES = [
     ("status-invalid-name", None, ["status", ".."], "is not allowed"),
@@ -129,6 +151,15 @@ CASES = [
     ("target-all-malformed-data", _malformed_data, ["target", "--index", "0", *NO_METRICS], "no usable row"),
     ("target-tokenizer-without-chat-template", _tokenizer_without_chat_template,
      ["target", "--index", "0", *NO_METRICS], "has no chat template"),
+    ("mix-path-and-sources", _mix('path = "{tmp}/a.jsonl"\n[[data.sources]]\npath = "{tmp}/b.jsonl"\n'),
+     DATA_STATS, "data.path = '{tmp}/a.jsonl' and [[data.sources]] are both set"),
+    ("mix-bad-weight", _mix('[[data.sources]]\npath = "a.jsonl"\n[[data.sources]]\npath = "b.jsonl"\nweight = 0\n'),
+     DATA_STATS, "[data.sources[1]]: weight = 0.0: must be a positive number"),
+    ("mix-duplicate-name", _mix('[[data.sources]]\npath = "x/a.jsonl"\n[[data.sources]]\npath = "b.jsonl"\n'
+                                'name = "a"\n'), DATA_STATS, "data.sources[0] and data.sources[1] are both named 'a'"),
+    ("mix-unknown-key", _mix('[[data.sources]]\npath = "a.jsonl"\nrepeats = true\n'), DATA_STATS,
+     "unknown config key 'repeats' in [data.sources[0]]"),
+    ("mix-source-without-usable-rows", _mix_with_a_bad_source, DATA_STATS, "no usable row in {tmp}/bad.jsonl"),
 ]
 
 
@@ -151,7 +182,7 @@ def test_bad_invocation_is_one_line_exit_2(tmp_path, case):
             p.unlink()
     lines = [ln for ln in out.stderr.strip().splitlines() if not PROGRESS_BAR.search(ln)]
     assert out.returncode == 2 and "Traceback" not in out.stderr and len(lines) == 1, (out.returncode, out.stderr)
-    assert lines[0].startswith(f"dflash-ring {args[0]}: error: ") and says in lines[0], lines[0]
+    assert lines[0].startswith(f"dflash-ring {args[0]}: error: ") and says.format(tmp=tmp_path) in lines[0], lines[0]
 
 
 @pytest.mark.processes

@@ -25,6 +25,10 @@ def _changed(value: typing.Any, hint: typing.Any) -> typing.Any:
     if hint is str:
         return 'a "b" \\c\td\né\x7f'
     (item,) = typing.get_args(hint)
+    if dataclasses.is_dataclass(item):  # a list of tables ([[data.sources]]): every field of each changed
+        hints = typing.get_type_hints(item)
+        return [item(**{f.name: _changed(getattr(item(path=path), f.name), hints[f.name])
+                        for f in dataclasses.fields(item)} | {"path": path}) for path in ("a.jsonl", "b/c d.jsonl")]
     return [item(1), item(2)] if item is not str else ["x", 'y"']
 
 
