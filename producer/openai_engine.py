@@ -12,6 +12,18 @@ Each request carries the model, the chat, `max_tokens`, `temperature`, `top_p`, 
 (templates without the switch ignore it; `transformers serve` refuses unknown top-level fields
 with 422 but takes this one).
 
+Servers differ (checked against `transformers serve` of transformers 5.24, the one the tests run):
+- `transformers serve` generates one request at a time, sets `seed` with a process-wide
+  `torch.manual_seed` (so with several requests in flight the seeds may interleave: sampled replies
+  are then not reproducible row by row, greedy ones are), and samples only when the model's
+  generation_config.json says `do_sample: true` (Qwen3's does; otherwise a temperature > 0 is
+  ignored and replies are greedy). vLLM and SGLang seed each request on its own.
+- A server with a reasoning parser (vLLM `--reasoning-parser`) returns the thinking apart from the
+  reply; this engine refuses that (one clear error) rather than guess how to join them: run the
+  server without one, so replies come back as the target wrote them.
+- `max_tokens` is sent (vLLM, SGLang and `transformers serve` take it; `max_completion_tokens` is
+  the newer OpenAI name for the same bound).
+
 Failures, in three kinds:
 - Unreachable or unavailable server: a connection error, a timeout (`timeout_s`), 408, 429, 502,
   503 or 504. That server is put aside for a while (exponential, capped at `backoff_cap_s`) and
@@ -144,6 +156,8 @@ class OpenAIEngine:
 
     def generate(self, prompts: Sequence[Prompt], settings: GenerationSettings) -> Iterator[Reply]:
         """One Reply per prompt as each arrives, at most `concurrency` requests in flight."""
+        if not prompts:
+            return
         model = self.model()
         pending = iter(prompts)
         in_flight: set[Future] = set()

@@ -15,7 +15,9 @@ refused with 400, a message without a role is a 500, and requests are generated 
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -133,7 +135,14 @@ def stop_server(server: Server) -> None:
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Path:
-    return ensure_tiny_target(tmp_path_factory.mktemp("targets"), RECIPE)
+    """The built target, copied, with `do_sample: true` in its generation config as Qwen3 ships it:
+    `transformers serve` samples only then (a request's temperature 0 still turns sampling off)."""
+    built = ensure_tiny_target(tmp_path_factory.mktemp("targets"), RECIPE)
+    path = tmp_path_factory.mktemp("served") / "tiny-target"
+    shutil.copytree(built, path)
+    config = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**config, "do_sample": True}, indent=2))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -199,11 +208,16 @@ def reference(target):
         inputs = tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True,
                                                enable_thinking=settings.enable_thinking, return_tensors="pt",
                                                return_dict=True)
+        if settings.temperature > 0:  # as the server does: its torch seed set to the request's, then generate
+            torch.manual_seed(prompt_seed(settings.seed, prompt.index))
+            sampling = {"do_sample": True, "temperature": settings.temperature, "top_p": settings.top_p}
+        else:
+            sampling = {"do_sample": False}
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
             with torch.inference_mode():
-                out = model.generate(**inputs, max_new_tokens=settings.max_new_tokens, do_sample=False)
+                out = model.generate(**inputs, max_new_tokens=settings.max_new_tokens, **sampling)
         finally:
             torch.set_num_threads(threads)
         generated = out[0, inputs["input_ids"].shape[1]:]
@@ -228,6 +242,23 @@ def test_greedy_replies_equal_in_process_generate(server, reference, target):
     assert got == want
     assert {r.finish_reason for r in got.values()} == {"stop"}, "the trained target ends its replies itself"
     assert all(r.text and r.completion_tokens > 5 for r in got.values())
+
+
+@pytest.mark.processes
+def test_sampled_replies_follow_each_prompts_seed(server, reference):
+    """temperature > 0: each request carries `prompt_seed(seed, index)`, and the server's replies equal an
+    in-process sampled generate seeded with it (one request in flight: `transformers serve` seeds its
+    process-wide generator per request, so only then is the seed its own)."""
+    sampled = replace(GREEDY, temperature=1.0, top_p=0.95, seed=5)
+    ps = prompts()
+    got = collect(engine([server.base_url], concurrency=1), ps, sampled)
+    assert got == {p.index: reference(p, sampled) for p in ps}
+    again = collect(engine([server.base_url], concurrency=1), ps, sampled)
+    assert again == got, "the same seed samples the same replies"
+    other = collect(engine([server.base_url], concurrency=1), ps, replace(sampled, seed=6))
+    greedy = {p.index: reference(p) for p in ps}
+    assert any(other[i].text != got[i].text for i in got), "another seed samples other replies"
+    assert any(got[i].text != greedy[i].text for i in got), "sampling at temperature 1 is not greedy"
 
 
 @pytest.mark.processes
@@ -316,7 +347,9 @@ def test_fails_over_from_a_server_that_stopped_answering(server, second_server, 
     answered by the other."""
     os.killpg(second_server.proc.pid, signal.SIGSTOP)
     try:
-        eng = engine([second_server.base_url, server.base_url], retries=0, concurrency=2, timeout_s=1.0,
+        # timeout 3 s and a retry: the live server, generating one request at a time on a shared 2-core box,
+        # must not time out itself.
+        eng = engine([second_server.base_url, server.base_url], retries=1, concurrency=2, timeout_s=3.0,
                      backoff_base_s=1.0)
         sent = count_sends(eng)
         started = time.monotonic()
@@ -325,8 +358,9 @@ def test_fails_over_from_a_server_that_stopped_answering(server, second_server, 
     finally:
         os.killpg(second_server.proc.pid, signal.SIGCONT)
     assert got == {p.index: reference(p) for p in prompts()}
-    assert 1 <= sent.count(second_server.base_url) <= 3, sent
-    assert took < 30, took
+    # Tried first by requests in its turn until it had timed out once, then put aside (1 s, 2 s, ...).
+    assert 1 <= sent.count(second_server.base_url) <= 4, sent
+    assert took < 60, took
 
 
 @pytest.mark.processes
