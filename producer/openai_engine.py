@@ -29,7 +29,8 @@ Failures, in three kinds:
   503 or 504. That server is put aside for a while (exponential, capped at `backoff_cap_s`) and
   the request fails over at once to the next URL; once every URL failed in a round, the request
   waits 1 s, 2 s, 4 s, ... (capped at 30 s) and tries again, `retries` times. If it still fails,
-  `ServerUnavailableError` (a RuntimeError: the CLI prints one line and exits 2) names the URLs
+  `ServerUnavailableError` (an `OpenAIEngineError`, a RuntimeError: the CLI prints one line and
+  exits 2) names the URLs
   and the last failure: the job stops instead of writing a data set of errors.
 - A server error about this request (any other 5xx): retried the same way, then the row gets an
   error Reply with the server's text: the server is up, only this row fails.
@@ -65,11 +66,15 @@ UNAVAILABLE_STATUSES = frozenset({408, 429, 502, 503, 504})
 _ERROR_TEXT_CHARS = 500  # of a server's error body kept in a Reply
 
 
-class ServerUnavailableError(RuntimeError):
+class OpenAIEngineError(RuntimeError):
+    """The job cannot go on with these servers (a RuntimeError: the CLI prints it on one line, exit 2)."""
+
+
+class ServerUnavailableError(OpenAIEngineError):
     """No server answered after every retry: the URLs tried and the last failure."""
 
 
-class EngineClosedError(RuntimeError):
+class EngineClosedError(OpenAIEngineError):
     """The engine was closed while requests were still waiting to be retried."""
 
 
@@ -193,11 +198,14 @@ class OpenAIEngine:
         with self._model_lock:
             if not self._model:
                 answer = self._call("GET", "/models", None)
+                if answer.status != 200:
+                    raise OpenAIEngineError(
+                        f"openai engine: GET {answer.url}/models answered HTTP {answer.status}: {_snippet(answer.body)}")
                 models = answer.body.get("data") if isinstance(answer.body, dict) else None
-                if answer.status != 200 or not models or not isinstance(models[0], dict) or "id" not in models[0]:
-                    raise ServerUnavailableError(
-                        f"openai engine: {answer.url}/models answered HTTP {answer.status} without a model "
-                        f"({_snippet(answer.body)}): set regenerate.model")
+                if not models or not isinstance(models[0], dict) or "id" not in models[0]:
+                    raise OpenAIEngineError(
+                        f"openai engine: GET {answer.url}/models lists no model ({_snippet(answer.body)}): "
+                        "set regenerate.model")
                 self._model = str(models[0]["id"])
                 log.info("openai engine: using model %s, the first that %s lists", self._model, answer.url)
             return self._model
@@ -233,7 +241,7 @@ class OpenAIEngine:
             return _error(prompt, f"unreadable answer from {answer.url} ({type(e).__name__}: {e}): {_snippet(answer.body)}")
         if reasoning:
             # The server split the reply (a reasoning parser): what the model wrote cannot be put back exactly.
-            raise ServerUnavailableError(
+            raise OpenAIEngineError(
                 f"openai engine: {answer.url} returns the reasoning apart from the reply (a reasoning parser is on): "
                 "start the server without one, so replies come back exactly as the target wrote them")
         if finish not in ("stop", "length"):
