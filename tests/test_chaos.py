@@ -106,11 +106,13 @@ def test_ledger_reader_counts_a_line_cut_by_a_kill(tmp_path):
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("seed", [11, 12])
-def test_chaos_minute_loses_nothing(tmp_path, seed):
-    """A minute of random SIGKILL/SIGTERM across targets, drafters and the supervisor (CI's chaos run)."""
+@pytest.mark.parametrize("seed,stops", [(11, 3), (12, 1)])
+def test_chaos_minute_loses_nothing(tmp_path, seed, stops):
+    """A minute of random SIGKILL/SIGTERM across targets, drafters and the supervisor, and whole-run stops
+    (stop --now, SIGTERM to all, SIGKILL to all then clean) each followed by a restart (CI's chaos run)."""
     out = subprocess.run([sys.executable, "-m", "dflash_ring", "chaos", "--kills", "12", "--seconds", "60",
-                          "--seed", str(seed), "--workdir", str(tmp_path / "chaos"), "--json"],
+                          "--seed", str(seed), "--whole-run-stops", str(stops), "--workdir", str(tmp_path / "chaos"),
+                          "--json"],
                          capture_output=True, text=True, timeout=1500)
     assert out.stdout, out.stderr[-5000:]
     rep = json.loads(out.stdout)
@@ -123,6 +125,7 @@ def test_chaos_minute_loses_nothing(tmp_path, seed):
     assert led["planned_batches"] > 0 and led["missing"] == 0
     assert led["trained_twice"] == 0 and led["published_twice"] == 0 and led["seen_twice_unexplained"] == 0
     assert led["lost_in_flight"] == 0 and led["trained_exactly_once"] == led["planned_batches"]
+    assert len(c["whole_run_stops"]) == stops, c["whole_run_stops"]
     assert c["hung"] == [] and c["clean"]["rc"] == 0 and c["clean"]["leftovers"] == []
     assert all("step" in v and "exported" in v for v in c["checkpoints"].values()), c["checkpoints"]
     assert c["recoveries"] + c["not_recovered_before_the_end"] == kills["sent"]
