@@ -122,6 +122,9 @@ def _parser() -> argparse.ArgumentParser:
     sp = with_config(sub.add_parser("regenerate", help="the target's own replies to the prompts of data.path, written "
                                                        "as a data set (regenerate.output); resumes where it stopped"))
     sp.add_argument("--device", help="hf engine: e.g. cuda:0 or cpu (default: target.device)")
+    sp.add_argument("--threads", type=int, default=1,
+                    help="CPU threads for torch (default 1: on a shared CPU more threads can be many times slower; "
+                         "0: torch's default)")
     sp.add_argument("--json", action="store_true", help="print the summary as JSON")
     sp.set_defaults(func=cmd_regenerate)
 
@@ -356,6 +359,9 @@ def cmd_drafter(args: argparse.Namespace) -> int:
 
 
 def cmd_regenerate(args: argparse.Namespace) -> int:
+    import datasets
+    import torch
+    import transformers
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from dflash_ring.common.metrics import REGENERATE, RegenerateMetrics, serve
@@ -364,6 +370,10 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     check_settings(cfg)  # before the metrics port, the data set or the model
+    datasets.disable_progress_bars()  # the one progress display is ours
+    transformers.utils.logging.disable_progress_bar()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     metrics = RegenerateMetrics(serve(cfg, REGENERATE))
     bar = Progress(TextColumn("regenerating"), BarColumn(), MofNCompleteColumn(), TextColumn("rows"),
                    TextColumn("{task.fields[rate]}"), TextColumn("ETA"), TimeRemainingColumn(),

@@ -13,13 +13,14 @@ import os
 from collections.abc import Iterator, Sequence
 
 import torch
-from transformers import AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
+from transformers import (AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 
 from dflash_ring.common.chat_encoding import eos_ids
 from dflash_ring.common.target_config import TargetConfig, TargetConfigError
 
 from .generation import GenerationSettings, Prompt, Reply, prompt_seed
-from .target import load_causal_lm, resolve_device
+from .target import check_weights, load_causal_lm, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +51,8 @@ class SeededSampler(LogitsProcessor):
 class HfEngine:
     """Generation with an in-process Hugging Face model and its tokenizer's chat template."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer, *, batch_tokens: int, batch_size: int):
-        if not tokenizer.chat_template:
-            raise TargetConfigError(f"the target tokenizer {tokenizer.name_or_path} has no chat template, so prompts "
-                                    "cannot be rendered: set target.tokenizer to a tokenizer directory that has one "
-                                    "(chat_template in tokenizer_config.json, or chat_template.jinja)")
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, batch_tokens: int,
+                 batch_size: int):
         self.eos = sorted(eos_ids(model, tokenizer))
         if not self.eos:
             raise TargetConfigError("neither the target's generation_config.json nor its tokenizer names an EOS "
@@ -70,9 +68,11 @@ class HfEngine:
 
     @classmethod
     def load(cls, cfg: TargetConfig, device: str, *, batch_tokens: int, batch_size: int) -> HfEngine:
-        """The target with its LM head, and its tokenizer, from local directories only."""
+        """The target with its LM head, and its tokenizer (first: it is refused without a chat template before
+        the model is read), from local directories only."""
+        check_weights(cfg)
+        tokenizer = chat_tokenizer(os.path.expanduser(cfg.tokenizer or cfg.path))
         model = load_causal_lm(cfg, resolve_device(device))
-        tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(cfg.tokenizer or cfg.path), local_files_only=True)
         engine = cls(model, tokenizer, batch_tokens=batch_tokens, batch_size=batch_size)
         log.info("hf engine: %s (%s) on %s (%s), EOS ids %s", cfg.path, model.config.model_type, model.device,
                  model.dtype, engine.eos)
@@ -129,6 +129,16 @@ class HfEngine:
         del self.model
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def chat_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """The target's tokenizer, refused (one line) without a chat template: prompts could not be rendered."""
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if not tokenizer.chat_template:
+        raise TargetConfigError(f"the target tokenizer {path} has no chat template, so prompts cannot be rendered: "
+                                "set target.tokenizer to a tokenizer directory that has one (chat_template in "
+                                "tokenizer_config.json, or chat_template.jinja)")
+    return tokenizer
 
 
 def length_batches(encoded: list[tuple[Prompt, list[int]]], batch_tokens: int,

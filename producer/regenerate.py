@@ -177,6 +177,10 @@ def regenerate(cfg: Config, *, device: str | None = None, metrics: RegenerateMet
         if resumed:
             log.info("resuming %s: %d of %d shards finished (%d of %d rows)", out, resumed, shards, done, rows)
         warned = sum(len(rec.bad_rows) for rec in output.records.values())
+        # Bad rows are warned about once the source is known to hold a usable row: a source of nothing but
+        # bad rows gets one error line with examples instead of a warning per row before it.
+        usable = any(rec.rows > len(rec.bad_rows) for rec in output.records.values())
+        unwarned: list[list[Any]] = []
         engine: Engine | None = None
         try:
             for k in range(shards):
@@ -184,9 +188,13 @@ def regenerate(cfg: Config, *, device: str | None = None, metrics: RegenerateMet
                     continue
                 first, last = k * r.shard_rows, min(rows, (k + 1) * r.shard_rows)
                 prompts, bad = shard_prompts(batch_rows(ds[first:last], json_rows), json_rows, first)
-                for index, why in bad[: max(0, _WARN_ROWS - warned)]:
-                    log.warning("skipping row %d of %s: %s", index, data.root, why)
-                warned += len(bad)
+                unwarned += bad
+                usable = usable or bool(prompts)
+                if usable:
+                    for index, why in unwarned[: max(0, _WARN_ROWS - warned)]:
+                        log.warning("skipping row %d of %s: %s", index, data.root, why)
+                    warned += len(unwarned)
+                    unwarned = []
                 replies: dict[int, Reply] = {}
                 if prompts:
                     engine = engine or _opened(cfg, device, len(output.records))
@@ -200,19 +208,24 @@ def regenerate(cfg: Config, *, device: str | None = None, metrics: RegenerateMet
                 metrics.rows_done.set(done)
                 if progress:
                     progress(done, rows)
-                log.info("shard %d/%d written: %d replies of %d rows (%d truncated dropped, %d unusable, %d errors, "
-                         "%d bad rows); %d/%d rows, %s", k + 1, shards, record.written, record.rows,
-                         len(record.truncated_dropped), len(record.unusable), len(record.errors),
-                         len(record.bad_rows), done, rows, _rate_text(done - before, time.monotonic() - started,
-                                                                      rows - done))
+                if usable:  # a source of only bad rows: one error line at the end, no progress lines before
+                    log.info("shard %d/%d written: %d replies of %d rows (%d truncated dropped, %d unusable, %d errors, "
+                             "%d bad rows); %d/%d rows, %s", k + 1, shards, record.written, record.rows,
+                             len(record.truncated_dropped), len(record.unusable), len(record.errors),
+                             len(record.bad_rows), done, rows, _rate_text(done - before, time.monotonic() - started,
+                                                                          rows - done))
         finally:
             if engine is not None:
                 engine.close()
         summary = _summary(output, data, rows, shards, resumed, done - before, time.monotonic() - started)
-    if summary.written + summary.truncated_dropped + summary.unusable + summary.errors == 0:
-        raise DataError(f"no usable row in {data.root}: all {rows} rows were skipped (listed in {out / STATE_DIR}). "
-                        "Each row needs 'messages' (a list of {role, content} whose reply follows a user turn) or a "
-                        "non-empty 'prompt'")
+    if summary.bad_rows == rows:
+        bad = [b for k in sorted(output.records) for b in output.records[k].bad_rows]
+        examples = "; ".join(f"row {i}: {why}" for i, why in bad[:3])
+        raise DataError(f"no usable row in {data.root}: all {rows} rows were skipped ({examples}; all listed in "
+                        f"{out / STATE_DIR}). Each row needs 'messages' (a list of {{role, content}} whose reply "
+                        "follows a user turn) or a non-empty 'prompt'")
+    if warned > _WARN_ROWS:
+        log.warning("... and %d more bad rows (all listed in %s)", warned - _WARN_ROWS, out / STATE_DIR)
     return summary
 
 

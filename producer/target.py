@@ -60,14 +60,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
-def load_causal_lm(cfg: TargetConfig, device: torch.device) -> PreTrainedModel:
-    """The whole causal LM (head included) from a local directory of safetensors weights, on `device` in
-    eval mode: nothing is downloaded and nothing is unpickled, and a directory without weights is named."""
+def check_weights(cfg: TargetConfig) -> Path:
+    """The model directory, refused by name unless it has a config.json and safetensors weights (a cheap check,
+    so a missing file is reported before anything slow is loaded)."""
     root = Path(cfg.path).expanduser()
     cfg.model_config()  # a missing path or config.json: its own clear error
     if not any((root / name).is_file() for name in WEIGHT_FILES):
         raise TargetConfigError(f"target.path = {cfg.path}: no model.safetensors or model.safetensors.index.json "
                                 "there (a local HF model directory with safetensors weights is needed)")
+    return root
+
+
+def load_causal_lm(cfg: TargetConfig, device: torch.device) -> PreTrainedModel:
+    """The whole causal LM (head included) from a local directory of safetensors weights, on `device` in
+    eval mode: nothing is downloaded and nothing is unpickled, and a directory without weights is named."""
+    root = check_weights(cfg)
     attn = None if cfg.attn_implementation == "auto" else cfg.attn_implementation  # HF: sdpa, else eager
     model = AutoModelForCausalLM.from_pretrained(str(root), dtype=resolve_dtype(cfg.dtype, device),
                                                  attn_implementation=attn, local_files_only=True, use_safetensors=True)
