@@ -171,6 +171,7 @@ def _regenerated_once(tmp: Path, name: str) -> list[str]:
     regenerate(load_config(None, args[1::2]))
     return args
 
+
 # (id, setup(tmp, run) -> extra args, argv with {run} and {tmp}, what the line must say)
 CASES = [
     ("status-invalid-name", None, ["status", ".."], "is not allowed"),
