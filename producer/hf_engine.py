@@ -9,17 +9,17 @@ share its batch, so a resumed shard draws the same replies (up to the rounding p
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator, Sequence
 
 import torch
-from transformers import (AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel,
+from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel,
                           PreTrainedTokenizerBase)
 
 from dflash_ring.common.chat_encoding import eos_ids
 from dflash_ring.common.target_config import TargetConfig, TargetConfigError
 
 from .generation import GenerationSettings, Prompt, Reply, prompt_seed
+from .pretokenized import target_tokenizer
 from .target import check_weights, load_causal_lm, resolve_device
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class HfEngine:
         """The target with its LM head, and its tokenizer (first: it is refused without a chat template before
         the model is read), from local directories only."""
         check_weights(cfg)
-        tokenizer = chat_tokenizer(os.path.expanduser(cfg.tokenizer or cfg.path))
+        tokenizer = chat_tokenizer(cfg)
         model = load_causal_lm(cfg, resolve_device(device))
         engine = cls(model, tokenizer, batch_tokens=batch_tokens, batch_size=batch_size)
         log.info("hf engine: %s (%s) on %s (%s), EOS ids %s", cfg.path, model.config.model_type, model.device,
@@ -131,13 +131,14 @@ class HfEngine:
             torch.cuda.empty_cache()
 
 
-def chat_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    """The target's tokenizer, refused (one line) without a chat template: prompts could not be rendered."""
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+def chat_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerBase:
+    """The target's tokenizer (the one its data is encoded with), refused in one line without a chat template:
+    prompts could not be rendered."""
+    tokenizer = target_tokenizer(cfg)
     if not tokenizer.chat_template:
-        raise TargetConfigError(f"the target tokenizer {path} has no chat template, so prompts cannot be rendered: "
-                                "set target.tokenizer to a tokenizer directory that has one (chat_template in "
-                                "tokenizer_config.json, or chat_template.jinja)")
+        raise TargetConfigError(f"the target tokenizer {cfg.tokenizer or cfg.path} has no chat template, so prompts "
+                                "cannot be rendered: set target.tokenizer to a tokenizer directory that has one "
+                                "(chat_template in tokenizer_config.json, or chat_template.jinja)")
     return tokenizer
 
 

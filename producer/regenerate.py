@@ -144,6 +144,10 @@ def check_settings(cfg: Config) -> None:
     r = cfg.regenerate
     if not r.output:
         raise RegenerateConfigError("regenerate.output is empty: set it to the directory the replies are written to")
+    if cfg.data.sources:
+        raise RegenerateConfigError("regenerate reads one data set, data.path, and [[data.sources]] is set: "
+                                    "regenerate each source into its own regenerate.output, then list those "
+                                    "outputs in [[data.sources]]")
     if r.engine == "hf" and not cfg.target.path:
         raise RegenerateConfigError("regenerate.engine = \"hf\" runs the target in this process: set target.path "
                                     "to its local model directory")

@@ -222,6 +222,9 @@ CASES = [
      "has no chat template"),
     ("regenerate-resume-other-settings", _regenerated_once,
      ["regenerate", "--set", "regenerate.temperature=0.5", *NO_METRICS], "regenerate.temperature = 0.0 there, 0.5 here"),
+    ("regenerate-a-mixture", _mix('[[data.sources]]\npath = "a.jsonl"\n'),
+     ["regenerate", "--config", "{tmp}/mix.toml", "--set", "regenerate.output=out", *NO_METRICS],
+     "regenerate reads one data set, data.path, and [[data.sources]] is set"),
     ("regenerate-metrics-port-past-65535", _regenerate,
      ["regenerate", "--set", "metrics.port_base=65400"], "past 65535"),
 ]
