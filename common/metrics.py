@@ -73,8 +73,7 @@ def _port_error(m: MetricsConfig, who: str, port: int, e: OSError) -> MetricsPor
         return MetricsPortError(
             f"metrics port {port} on {m.bind} (for {who}) is already in use, by another run or program. "
             f"Ports are metrics.port_base ({m.port_base}) + 0 supervisor, + 1 + i target i, + 100 + j drafter j, "
-            f"+ 200 regenerate: "
-            f"choose a free base with `--set metrics.port_base=N` (or port_base in [metrics]), "
+            f"+ 200 regenerate: choose a free base with `--set metrics.port_base=N` (or port_base in [metrics]), "
             f"or turn metrics off with `--set metrics.enabled=false`"
         )
     return MetricsPortError(f"cannot serve metrics for {who} on {m.bind}:{port} ({e}): check metrics.bind "
@@ -104,15 +103,16 @@ def serve(cfg: Config, role: str, index: int = 0, uuid: str = "") -> CollectorRe
         return registry
     for c in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
         registry.register(c)
-    Gauge("dflash_ring_process_info", "This process: role (supervisor|target|drafter|regenerate), index, run and GPU UUID "
-          "(empty on the CPU); always 1", ["role", "index", "run", "UUID"],
+    Gauge("dflash_ring_process_info", "This process: role (supervisor|target|drafter|regenerate), index, run "
+          "and GPU UUID (empty on the CPU); always 1", ["role", "index", "run", "UUID"],
           registry=registry).labels(role, str(index), cfg.run.name, uuid).set(1)
     m = cfg.metrics
     port = port_of(m, role, index)
     who = role if role in (SUPERVISOR, REGENERATE) else f"{role} {index}"
     if port > 65535:
         raise MetricsPortError(f"metrics port of {who} would be {port} (metrics.port_base {m.port_base} + "
-                               f"{PORT_OFFSET[role]}), past 65535: lower metrics.port_base or set metrics.enabled = false")
+                               f"{PORT_OFFSET[role]}), past 65535: lower metrics.port_base or set "
+                               "metrics.enabled = false")
     try:
         start_http_server(port, addr=m.bind, registry=registry)
     except OSError as e:

@@ -213,8 +213,8 @@ def regenerate(cfg: Config, *, device: str | None = None, metrics: RegenerateMet
                 if progress:
                     progress(done, rows)
                 if usable:  # a source of only bad rows: one error line at the end, no progress lines before
-                    log.info("shard %d/%d written: %d replies of %d rows (%d truncated dropped, %d unusable, %d errors, "
-                             "%d bad rows); %d/%d rows, %s", k + 1, shards, record.written, record.rows,
+                    log.info("shard %d/%d written: %d replies of %d rows (%d truncated dropped, %d unusable, "
+                             "%d errors, %d bad rows); %d/%d rows, %s", k + 1, shards, record.written, record.rows,
                              len(record.truncated_dropped), len(record.unusable), len(record.errors),
                              len(record.bad_rows), done, rows, _rate_text(done - before, time.monotonic() - started,
                                                                           rows - done))
