@@ -16,6 +16,7 @@ from dflash_ring.common.config import Config, ConfigError, default_runtime_root,
 from dflash_ring.common.output_dir import check_output_dir
 from dflash_ring.common.run_name import RunNameError, check_run_name
 from dflash_ring.common.data_config import DataError
+from dflash_ring.common.regenerate_config import RegenerateConfigError
 from dflash_ring.common.target_config import TargetConfigError
 
 log = logging.getLogger("dflash_ring")
@@ -33,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.func(args)
-    except (ConfigError, RunNameError, TargetConfigError, DataError, RuntimeError, TimeoutError, MemoryError,
-            OSError) as e:
+    except (ConfigError, RunNameError, TargetConfigError, DataError, RegenerateConfigError, RuntimeError,
+            TimeoutError, MemoryError, OSError) as e:
         # Bad input, a missing file, a refused ring: one line that says what and what to do, exit 2.
         # The ring's own errors are among these (ConfigMismatchError and RingHeaderError are RuntimeErrors,
         # RingNotFound an OSError), so naming them needs no import of the ring here.
@@ -117,6 +118,15 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--index", type=int, required=True)
     sp.add_argument("--device", help="e.g. cuda:0 or cpu (default: train.device)")
     sp.set_defaults(func=cmd_drafter)
+
+    sp = with_config(sub.add_parser("regenerate", help="the target's own replies to the prompts of data.path, written "
+                                                       "as a data set (regenerate.output); resumes where it stopped"))
+    sp.add_argument("--device", help="hf engine: e.g. cuda:0 or cpu (default: target.device)")
+    sp.add_argument("--threads", type=int, default=1,
+                    help="CPU threads for torch (default 1: on a shared CPU more threads can be many times slower; "
+                         "0: torch's default)")
+    sp.add_argument("--json", action="store_true", help="print the summary as JSON")
+    sp.set_defaults(func=cmd_regenerate)
 
     sp = sub.add_parser("export", help="write a training checkpoint as an HF DFlash drafter directory")
     sp.add_argument("checkpoint", help="a step-N directory, or a checkpoint root (its latest)")
@@ -346,6 +356,52 @@ def cmd_drafter(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     return run_drafter(cfg, _checked_index(cfg, "consumers", args.index), args.device)
+
+
+def cmd_regenerate(args: argparse.Namespace) -> int:
+    import datasets
+    import torch
+    import transformers
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from dflash_ring.common.metrics import REGENERATE, RegenerateMetrics, serve
+    from dflash_ring.producer.regenerate import check_settings, format_summary, regenerate, summary_json
+    from dflash_ring.tools.launcher import console
+
+    cfg = _config(args)
+    check_settings(cfg)  # before the metrics port, the data set or the model
+    datasets.disable_progress_bars()  # the one progress display is ours
+    transformers.utils.logging.disable_progress_bar()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    metrics = RegenerateMetrics(serve(cfg, REGENERATE))
+    bar = Progress(TextColumn("regenerating"), BarColumn(), MofNCompleteColumn(), TextColumn("rows"),
+                   TextColumn("{task.fields[rate]}"), TextColumn("ETA"), TimeRemainingColumn(),
+                   console=console(), disable=not sys.stderr.isatty())
+    tasks: list = []
+
+    def progress(done: int, total: int) -> None:
+        if not tasks:  # created at the first report, so rows finished by earlier starts do not count as speed
+            tasks.append(bar.add_task("rows", total=total, completed=done, rate=""))
+            return
+        speed = bar.tasks[0].speed
+        bar.update(tasks[0], completed=done, rate=f"{speed:.1f} rows/s" if speed else "")
+
+    handlers = [h for h in logging.getLogger().handlers if isinstance(h, logging.StreamHandler)]
+    try:
+        with bar:
+            for h in handlers:  # log lines above the bar, not through it
+                h.setStream(sys.stderr)
+            summary = regenerate(cfg, device=args.device, metrics=metrics, progress=progress)
+    except KeyboardInterrupt:
+        print("dflash-ring regenerate: interrupted; finished shards are kept: run the same command again to resume",
+              file=sys.stderr)
+        return 130
+    finally:
+        for h in handlers:
+            h.setStream(sys.__stderr__)
+    print(summary_json(summary) if args.json else format_summary(summary))
+    return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:

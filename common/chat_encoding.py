@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash_ring.common.data_config import DataError
 
@@ -29,8 +29,12 @@ class BadRow(ValueError):
     """A row that cannot become a training sample; its message is the reason shown to the user."""
 
 
-def conversation_of(row: Any) -> list[dict[str, Any]]:
-    """Validate a row of either shape (chat `messages`, or `prompt`/`response`) into messages."""
+def conversation_of(row: Any, *, reply_required: bool = True) -> list[dict[str, Any]]:
+    """Validate a row of either shape (chat `messages`, or `prompt`/`response`) into messages.
+
+    `reply_required=False` also takes prompt-only rows (a `prompt` without `response`, a chat without an
+    assistant turn): what `regenerate` answers, where the reply is the target's to write.
+    """
     if not isinstance(row, Mapping):
         raise BadRow(f"row is not an object (got {type(row).__name__})")
     messages = row.get("messages")
@@ -38,10 +42,13 @@ def conversation_of(row: Any) -> list[dict[str, Any]]:
         prompt, response = row.get("prompt"), row.get("response")
         if prompt is None and response is None:
             raise BadRow("no 'messages' and no 'prompt'/'response'")
-        for name, value in (("prompt", prompt), ("response", response)):
+        turns = [("prompt", "user", prompt)]
+        if response is not None or reply_required:
+            turns.append(("response", "assistant", response))
+        for name, _, value in turns:
             if not isinstance(value, str) or not value.strip():
                 raise BadRow(f"'{name}' is not a non-empty string")
-        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+        messages = [{"role": role, "content": value} for _, role, value in turns]
     if not isinstance(messages, Sequence) or isinstance(messages, str):
         raise BadRow(f"'messages' is not a list (got {type(messages).__name__})")
     if not messages:
@@ -60,9 +67,21 @@ def conversation_of(row: Any) -> list[dict[str, Any]]:
         _check_text(content, i)
         # None-valued keys come from Arrow's union of struct fields; templates treat absent and None alike.
         out.append({k: v for k, v in message.items() if v is not None})
-    if not any(m["role"] == "assistant" for m in out):
+    if reply_required and not any(m["role"] == "assistant" for m in out):
         raise BadRow("no assistant turn")
     return out
+
+
+def prompt_of(row: Any) -> list[dict[str, Any]]:
+    """The chat a reply is generated for: the conversation before its last turn when that is an assistant
+    reply, else (a prompt-only row) the whole conversation; either way it must end with a user turn."""
+    messages = conversation_of(row, reply_required=False)
+    if messages[-1]["role"] == "assistant":
+        messages = messages[:-1]
+    if not messages or messages[-1]["role"] != "user":
+        before = f"a {messages[-1]['role']} turn" if messages else "nothing"
+        raise BadRow(f"the reply to regenerate follows {before}, not a user turn")
+    return messages
 
 
 def _check_text(text: str, index: int) -> None:
@@ -72,6 +91,15 @@ def _check_text(text: str, index: int) -> None:
         raise BadRow(f"message {index} is not valid Unicode ({e.reason})") from e
     if "\ufffd" in text:
         raise BadRow(f"message {index} has undecodable bytes (U+FFFD)")
+
+
+def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Every id that ends a reply: the generation config may list several (Qwen3: <|im_end|>, <|endoftext|>)."""
+    configured = model.generation_config.eos_token_id
+    ids = set(configured if isinstance(configured, list) else [] if configured is None else [configured])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
 
 
 def decode_json_row(text: str) -> Any:

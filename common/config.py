@@ -24,7 +24,7 @@ from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.common.train_config import TrainConfig
 from dflash_ring.common.data_config import DataConfig
 from dflash_ring.common.target_config import TargetConfig
-
+from dflash_ring.common.regenerate_config import RegenerateConfig
 
 
 class ConfigError(ValueError):
@@ -74,9 +74,10 @@ class MetricsConfig:
     """Each process serves Prometheus /metrics on bind:port, so one scrape config covers a host.
 
     Ports: supervisor = port_base, target (producer) i = port_base + 1 + i,
-    drafter j = port_base + 100 + j. Fixed offsets let the scrape config and the
-    systemd units name every port without asking the run. The default bind is
-    loopback: metrics say nothing secret, but exposure is the operator's choice.
+    drafter j = port_base + 100 + j, `dflash-ring regenerate` = port_base + 200. Fixed
+    offsets let the scrape config and the systemd units name every port without asking
+    the run. The default bind is loopback: metrics say nothing secret, but exposure is the
+    operator's choice.
     """
 
     enabled: bool = True
@@ -146,6 +147,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     group: GroupConfig = field(default_factory=GroupConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    # `dflash-ring regenerate` only: not in the fingerprint (no ring process reads it).
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
 
     def validate(self) -> None:
         try:

@@ -3,7 +3,8 @@
 The names are a contract with deploy/ (alert rules, dashboard), so they live in one module:
 prefix dflash_ring_, base units (seconds, bytes), counters end in _total, ratios are 0-1.
 
-Ports (MetricsConfig): supervisor port_base, target i port_base + 1 + i, drafter j port_base + 100 + j.
+Ports (MetricsConfig): supervisor port_base, target i port_base + 1 + i, drafter j port_base + 100 + j,
+`dflash-ring regenerate` port_base + 200.
 Hot paths count per item or per optimizer step, never per token.
 
 The supervisor's ring numbers are read from the ring at scrape time (RingCollector), so a scrape
@@ -40,7 +41,8 @@ from dflash_ring.common.layout import OPERATOR_NAME, ROLE_NAME, Role
 log = logging.getLogger(__name__)
 
 SUPERVISOR, TARGET, DRAFTER = (OPERATOR_NAME[r] for r in (Role.SUPERVISOR, Role.PRODUCER, Role.CONSUMER))
-PORT_OFFSET = {SUPERVISOR: 0, TARGET: 1, DRAFTER: 100}
+REGENERATE = "regenerate"  # not a ring role: the offline job that writes the target's replies
+PORT_OFFSET = {SUPERVISOR: 0, TARGET: 1, DRAFTER: 100, REGENERATE: 200}
 
 # Copies move 1 MiB to ~1.3 GiB (tens of microseconds to ~100 ms); steps take ~10 ms to seconds.
 COPY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -54,7 +56,7 @@ class MetricsPortError(RuntimeError):
 
 
 def port_of(m: MetricsConfig, role: str, index: int = 0) -> int:
-    return m.port_base + PORT_OFFSET[role] + (0 if role == SUPERVISOR else index)
+    return m.port_base + PORT_OFFSET[role] + (0 if role in (SUPERVISOR, REGENERATE) else index)
 
 
 def run_ports(cfg: Config) -> dict[str, int]:
@@ -70,8 +72,8 @@ def _port_error(m: MetricsConfig, who: str, port: int, e: OSError) -> MetricsPor
     if e.errno == errno.EADDRINUSE:
         return MetricsPortError(
             f"metrics port {port} on {m.bind} (for {who}) is already in use, by another run or program. "
-            f"Ports are metrics.port_base ({m.port_base}) + 0 supervisor, + 1 + i target i, + 100 + j drafter j: "
-            f"choose a free base with `--set metrics.port_base=N` (or port_base in [metrics]), "
+            f"Ports are metrics.port_base ({m.port_base}) + 0 supervisor, + 1 + i target i, + 100 + j drafter j, "
+            f"+ 200 regenerate: choose a free base with `--set metrics.port_base=N` (or port_base in [metrics]), "
             f"or turn metrics off with `--set metrics.enabled=false`"
         )
     return MetricsPortError(f"cannot serve metrics for {who} on {m.bind}:{port} ({e}): check metrics.bind "
@@ -94,18 +96,23 @@ def serve(cfg: Config, role: str, index: int = 0, uuid: str = "") -> CollectorRe
     """This process's registry, served on its port when metrics are enabled (a private one otherwise).
 
     Carries dflash_ring_process_info{role,index,run,UUID} = 1 and the standard process_* metrics.
+    A port past 65535 (port_base too high for this role's offset) is refused by name.
     """
     registry = CollectorRegistry()
     if not cfg.metrics.enabled:
         return registry
     for c in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
         registry.register(c)
-    Gauge("dflash_ring_process_info", "This process: role (supervisor|target|drafter), index, run and GPU UUID "
-          "(empty on the CPU); always 1", ["role", "index", "run", "UUID"],
+    Gauge("dflash_ring_process_info", "This process: role (supervisor|target|drafter|regenerate), index, run "
+          "and GPU UUID (empty on the CPU); always 1", ["role", "index", "run", "UUID"],
           registry=registry).labels(role, str(index), cfg.run.name, uuid).set(1)
     m = cfg.metrics
     port = port_of(m, role, index)
-    who = role if role == SUPERVISOR else f"{role} {index}"
+    who = role if role in (SUPERVISOR, REGENERATE) else f"{role} {index}"
+    if port > 65535:
+        raise MetricsPortError(f"metrics port of {who} would be {port} (metrics.port_base {m.port_base} + "
+                               f"{PORT_OFFSET[role]}), past 65535: lower metrics.port_base or set "
+                               "metrics.enabled = false")
     try:
         start_http_server(port, addr=m.bind, registry=registry)
     except OSError as e:
@@ -188,6 +195,34 @@ class DrafterMetrics:
         self.lr = Gauge("dflash_ring_drafter_learning_rate", "Learning rate of the last step", registry=r)
         self.step_number = Gauge("dflash_ring_drafter_step", "Optimizer step reached (survives restarts)",
                                  registry=r)
+
+
+class RegenerateMetrics:
+    """`dflash-ring regenerate`'s numbers, updated per reply (this start only; the job's totals are in its records)."""
+
+    OUTCOMES = ("complete", "truncated_kept", "truncated_dropped", "unusable", "error", "bad_row")
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = registry if registry is not None else CollectorRegistry()
+        self.prompts = Counter("dflash_ring_regenerate_prompts_total",
+                               "Source rows by outcome: complete and truncated_kept replies are written; "
+                               "truncated_dropped (hit max_new_tokens, keep_truncated off), unusable (a reply the data "
+                               "loader would refuse), error (the engine failed the prompt) and bad_row are skipped",
+                               ["outcome"], registry=r)
+        self.generated_tokens = Counter("dflash_ring_regenerate_generated_tokens_total",
+                                        "Tokens the engine generated (kept or not)", registry=r)
+        self.prompt_tokens = Counter("dflash_ring_regenerate_prompt_tokens_total",
+                                     "Prompt tokens the engine read", registry=r)
+        self.errors = Counter("dflash_ring_regenerate_errors_total",
+                              "Engine failures: reply (one prompt failed, skipped) or abort (the job stopped)",
+                              ["kind"], registry=r)
+        self.rows_done = Gauge("dflash_ring_regenerate_rows_done",
+                               "Source rows in finished shards, earlier starts included", registry=r)
+        self.rows_total = Gauge("dflash_ring_regenerate_rows", "Source rows of the job", registry=r)
+        for outcome in self.OUTCOMES:
+            self.prompts.labels(outcome)
+        for kind in ("reply", "abort"):
+            self.errors.labels(kind)
 
 
 class RingCollector(Collector):

@@ -18,7 +18,7 @@ from statistics import fmean
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from dflash_ring.common.chat_encoding import conversation_of, decode_json_row
+from dflash_ring.common.chat_encoding import conversation_of, decode_json_row, eos_ids
 
 from .export import load_drafter
 from .model import DFlashDraftModel, FrozenTargetHead, load_target_head
@@ -120,15 +120,6 @@ def summarize(generations: Sequence[Generation], block_size: int) -> AcceptanceR
         rounds=sum(histogram),
         tokens_generated=sum(len(g.tokens) for g in generations),
     )
-
-
-def eos_ids(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
-    """Every id that ends a reply: the generation config may list several (Qwen3: <|im_end|>, <|endoftext|>)."""
-    configured = target.generation_config.eos_token_id
-    ids = set(configured if isinstance(configured, list) else [] if configured is None else [configured])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
 
 
 def chat_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: int | None = None) -> list[list[int]]:

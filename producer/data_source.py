@@ -13,6 +13,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import datasets
 
@@ -70,6 +71,11 @@ def open_dataset(data: DataFiles, cfg: DataConfig) -> tuple[datasets.Dataset, bo
     files = [str(f) for f in data.files]
     ds = datasets.load_dataset(data.format, data_files=files, split=cfg.split, cache_dir=str(hf_cache))
     return _row_columns(ds, data.root), False
+
+
+def batch_rows(batch: dict[str, list[Any]], json_rows: bool) -> list[Any]:
+    """The rows of a slice of `open_dataset`'s data set: JSON texts still to be decoded, or row dicts."""
+    return batch["text"] if json_rows else [dict(zip(batch, vals, strict=True)) for vals in zip(*batch.values())]
 
 
 def _detect_format(root: Path) -> str:

@@ -27,7 +27,7 @@ from dflash_ring.common.durable import exclusive
 from dflash_ring.common.chat_encoding import BadRow, ChatEncoder, decode_json_row
 from dflash_ring.common.data_config import DataConfig, DataError
 from dflash_ring.common.target_config import TargetConfig
-from .data_source import DataFiles, locate, open_dataset
+from .data_source import DataFiles, batch_rows, locate, open_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
 
 def _encode_batch(batch: dict[str, list[Any]], *, encoder: ChatEncoder, json_rows: bool) -> dict[str, list[Any]]:
     """datasets.map body: a bad row becomes an empty sample carrying its reason, never an exception."""
-    rows = batch["text"] if json_rows else [dict(zip(batch, vals, strict=True)) for vals in zip(*batch.values())]
+    rows = batch_rows(batch, json_rows)
     out: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "bad": []}
     for raw in rows:
         try:

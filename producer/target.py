@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -54,6 +55,30 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def check_weights(cfg: TargetConfig) -> Path:
+    """The model directory, refused by name unless it has a config.json and safetensors weights (a cheap check,
+    so a missing file is reported before anything slow is loaded)."""
+    root = Path(cfg.path).expanduser()
+    cfg.model_config()  # a missing path or config.json: its own clear error
+    if not any((root / name).is_file() for name in WEIGHT_FILES):
+        raise TargetConfigError(f"target.path = {cfg.path}: no model.safetensors or model.safetensors.index.json "
+                                "there (a local HF model directory with safetensors weights is needed)")
+    return root
+
+
+def load_causal_lm(cfg: TargetConfig, device: torch.device) -> PreTrainedModel:
+    """The whole causal LM (head included) from a local directory of safetensors weights, on `device` in
+    eval mode: nothing is downloaded and nothing is unpickled, and a directory without weights is named."""
+    root = check_weights(cfg)
+    attn = None if cfg.attn_implementation == "auto" else cfg.attn_implementation  # HF: sdpa, else eager
+    model = AutoModelForCausalLM.from_pretrained(str(root), dtype=resolve_dtype(cfg.dtype, device),
+                                                 attn_implementation=attn, local_files_only=True, use_safetensors=True)
+    return model.to(device).eval().requires_grad_(False)
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
@@ -99,14 +124,11 @@ class TargetModel:
     def load(cls, cfg: TargetConfig, device: torch.device, *, packed: bool) -> TargetModel:
         """From a local directory only; the LM head is dropped with the wrapper (no logits, less memory)."""
         geometry = cfg.geometry()
-        dtype = resolve_dtype(cfg.dtype, device)
-        attn = None if cfg.attn_implementation == "auto" else cfg.attn_implementation  # HF: sdpa, else eager
-        model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype, attn_implementation=attn,
-                                                     local_files_only=True)
-        target = cls(model.to(device), list(geometry.layer_ids), final_hidden=cfg.ship_final_hidden, packed=packed)
+        model = load_causal_lm(cfg, device)
+        target = cls(model, list(geometry.layer_ids), final_hidden=cfg.ship_final_hidden, packed=packed)
         del model
         log.info("target %s (%s) on %s (%s, %s attention): layers %s of %d%s", cfg.path, target.config.model_type,
-                 device, dtype, target.attn_implementation, target.layer_ids, len(target.decoder.layers),
+                 device, target.dtype, target.attn_implementation, target.layer_ids, len(target.decoder.layers),
                  ", final hidden shipped" if cfg.ship_final_hidden else f", stops after layer {target.deepest}")
         return target
 

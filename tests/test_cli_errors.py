@@ -125,6 +125,53 @@ def _mix_with_a_bad_source(tmp: Path, name: str) -> list[str]:
 
 DATA_STATS = ["data", "stats", "--config", "{tmp}/mix.toml"]
 
+
+def _regenerate(tmp: Path, name: str = "", *, data: Path | None = None, tokenizer: Path | None = None,
+                weights: bool = True) -> list[str]:
+    """A tiny target (or a model directory without weights), chat rows (or `data`), and an output directory:
+    `dflash-ring regenerate` gets as far as its input allows."""
+    from support import build_target, write_chat_rows
+
+    if weights:
+        sets = [f'target.path="{build_target(tmp / "model", "qwen3", layers=2)}"']
+    else:
+        sets = _model_dir_without_weights(tmp, name)[1::2]
+    sets += [f'data.path="{data or write_chat_rows(tmp / "chat.jsonl", 3)}"', f'data.cache_dir="{tmp / "cache"}"',
+             f'regenerate.output="{tmp / "out"}"', "regenerate.max_new_tokens=2"]
+    if tokenizer is not None:
+        sets.append(f'target.tokenizer="{tokenizer}"')
+    return [a for s in sets for a in ("--set", s)]
+
+
+def _regenerate_missing_data(tmp: Path, name: str) -> list[str]:
+    return _regenerate(tmp, data=tmp / "nope.jsonl")
+
+
+def _regenerate_malformed_data(tmp: Path, name: str) -> list[str]:
+    (tmp / "bad.jsonl").write_text('{"messages": "not a list"}\n{"prompt": ""}\n[1, 2]\n')
+    return _regenerate(tmp, data=tmp / "bad.jsonl")
+
+
+def _regenerate_without_weights(tmp: Path, name: str) -> list[str]:
+    return _regenerate(tmp, weights=False)
+
+
+def _regenerate_tokenizer_without_chat_template(tmp: Path, name: str) -> list[str]:
+    from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
+
+    tiny_chat_tokenizer(tmp / "plain-tokenizer", chat_template="")
+    return _regenerate(tmp, tokenizer=tmp / "plain-tokenizer")
+
+
+def _regenerated_once(tmp: Path, name: str) -> list[str]:
+    """A finished regenerate job (greedy) in the output directory."""
+    from dflash_ring.producer.regenerate import regenerate
+
+    args = _regenerate(tmp)
+    regenerate(load_config(None, args[1::2]))
+    return args
+
+
 # (id, setup(tmp, run) -> extra args, argv with {run} and {tmp}, what the line must say)
 CASES = [
     ("status-invalid-name", None, ["status", ".."], "is not allowed"),
@@ -160,6 +207,26 @@ CASES = [
     ("mix-unknown-key", _mix('[[data.sources]]\npath = "a.jsonl"\nrepeats = true\n'), DATA_STATS,
      "unknown config key 'repeats' in [data.sources[0]]"),
     ("mix-source-without-usable-rows", _mix_with_a_bad_source, DATA_STATS, "no usable row in {tmp}/bad.jsonl"),
+    ("regenerate-no-output", None, ["regenerate", *NO_METRICS], "regenerate.output is empty"),
+    ("regenerate-bad-setting", None, ["regenerate", "--set", "regenerate.shard_rows=0"],
+     "regenerate.shard_rows = 0: must be at least 1"),
+    ("regenerate-bad-engine", None, ["regenerate", "--set", "regenerate.engine=vllm"],
+     "regenerate.engine = 'vllm': expected one of 'hf', 'openai'"),
+    ("regenerate-no-target", None, ["regenerate", "--set", "regenerate.output=out", *NO_METRICS],
+     "set target.path"),
+    ("regenerate-missing-data", _regenerate_missing_data, ["regenerate", *NO_METRICS], "nope.jsonl does not exist"),
+    ("regenerate-all-rows-bad", _regenerate_malformed_data, ["regenerate", *NO_METRICS], "no usable row"),
+    ("regenerate-model-without-weights", _regenerate_without_weights, ["regenerate", *NO_METRICS],
+     "no model.safetensors or model.safetensors.index.json"),
+    ("regenerate-tokenizer-without-chat-template", _regenerate_tokenizer_without_chat_template,
+     ["regenerate", *NO_METRICS], "has no chat template"),
+    ("regenerate-resume-other-settings", _regenerated_once, ["regenerate", "--set", "regenerate.temperature=0.5",
+                                                             *NO_METRICS], "regenerate.temperature = 0.0 there, 0.5 here"),
+    ("regenerate-a-mixture", _mix('[[data.sources]]\npath = "a.jsonl"\n'),
+     ["regenerate", "--config", "{tmp}/mix.toml", "--set", "regenerate.output=out", *NO_METRICS],
+     "regenerate reads one data set, data.path, and [[data.sources]] is set"),
+    ("regenerate-metrics-port-past-65535", _regenerate,
+     ["regenerate", "--set", "metrics.port_base=65400"], "past 65535"),
 ]
 
 

@@ -1,0 +1,377 @@
+"""`dflash-ring regenerate` (issue 15 item 1): the target's own replies to a data set's prompts, as a data set.
+
+The target is a tiny random Qwen3 with the tiny tokenizer, loaded through the real loader; its head is set so
+that it writes words (random weights would write byte fragments no data loader accepts) and sometimes its EOS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dflash_ring.common.chat_encoding import BadRow, prompt_of
+from dflash_ring.common.metrics import RegenerateMetrics
+from dflash_ring.common.target_config import TargetConfig
+from dflash_ring.embedded.tiny_tokenizer import QWEN3_STYLE_CHAT_TEMPLATE, tiny_chat_tokenizer
+from dflash_ring.producer.generation import GenerationSettings, Prompt
+from dflash_ring.producer.hf_engine import HfEngine, length_batches
+from dflash_ring.producer.pretokenized import load_tokenized
+from dflash_ring.producer.regenerate import STATE_DIR, RegenerateError, regenerate
+from support import WORDS, build_target, run_config, wait_exit, write_config
+
+MAX_NEW = 12
+
+
+def _words_and_eos(path: Path):
+    """Logits only for whole-word tokens (each row paired with its negation, so one of them always beats the
+    zeroed rest), and EOS wherever " jum" would win (this seed writes it in about half the replies): replies
+    are words, and some end before MAX_NEW."""
+
+    def init(model: torch.nn.Module) -> None:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        head = model.get_output_embeddings().weight
+        words = sorted(i for tok, i in tokenizer.get_vocab().items() if tok.startswith("Ġ") and tok[1:].isalpha())
+        rows = head[words].clone()
+        head.zero_()
+        half = len(words) // 2
+        shuffled = [words[i] for i in torch.randperm(len(words), generator=torch.Generator().manual_seed(1))]
+        head[shuffled[:half]] = rows[:half] * 4
+        head[shuffled[half : 2 * half]] = -rows[:half] * 4
+        head[tokenizer.eos_token_id] = head[tokenizer.convert_tokens_to_ids("Ġjum")] * 1.1
+
+    return init
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("regen") / "model"
+    return build_target(path, "qwen3", layers=2, hidden=64, seed=3, init=_words_and_eos(path))
+
+
+def chat_rows(n: int, seed: int = 0) -> list[dict]:
+    """Distinct prompts (row i says "row i"), some multi-turn, some prompt/response and prompt-only rows."""
+    rng = random.Random(seed)
+
+    def text(lo: int, hi: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+    rows = []
+    for i in range(n):
+        if i % 5 == 1:
+            rows.append({"prompt": f"row {i}: {text(2, 12)}", "response": text(2, 8)})
+        elif i % 5 == 3:
+            rows.append({"messages": [{"role": "system", "content": "be brief"},
+                                      {"role": "user", "content": f"row {i}: {text(2, 20)}"},
+                                      {"role": "assistant", "content": text(2, 8)},
+                                      {"role": "user", "content": text(1, 6)},
+                                      {"role": "assistant", "content": text(2, 8)}]})
+        elif i % 5 == 4:
+            rows.append({"messages": [{"role": "user", "content": f"row {i}: {text(2, 30)}"}]})  # prompt only
+        else:
+            rows.append({"messages": [{"role": "user", "content": f"row {i}: {text(2, 30)}"},
+                                      {"role": "assistant", "content": text(2, 10)}]})
+    return rows
+
+
+BAD_LINES = ['{"messages": "not a list"}', "[1, 2]", "not json at all",
+             '{"messages": [{"role": "assistant", "content": "no question"}]}']
+
+
+def write_rows(path: Path, rows: list, bad_at: dict[int, str] | None = None) -> Path:
+    """jsonl of `rows`, with raw lines `bad_at` {position: line} put in among them."""
+    lines = [json.dumps(r) for r in rows]
+    for at, line in sorted((bad_at or {}).items()):
+        lines.insert(at, line)
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def settings(tmp: Path, target: Path, data: Path, **regen) -> dict:
+    return {"data": {"path": str(data), "cache_dir": str(tmp / "cache")},
+            "target": {"path": str(target), "device": "cpu"},
+            "metrics": {"enabled": False},
+            "regenerate": {"output": str(tmp / "out"), "max_new_tokens": MAX_NEW, "shard_rows": 4, **regen}}
+
+
+def output_rows(out: Path) -> list[dict]:
+    return [json.loads(line) for p in sorted(out.glob("shard-*.jsonl")) for line in p.read_text().splitlines()]
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((out / STATE_DIR).glob("shard-*.json"))]
+
+
+def row_of(row: dict) -> int:
+    """The source row a written row answers (each prompt starts with "row i:")."""
+    first_user = next(m for m in row["messages"] if m["role"] == "user")
+    return int(first_user["content"].split(":")[0].removeprefix("row "))
+
+
+# --- prompts ---------------------------------------------------------------------------------------
+
+
+def test_the_prompt_is_the_chat_before_its_last_reply():
+    u, a = ({"role": "user", "content": "q"}, {"role": "assistant", "content": "r"})
+    assert prompt_of({"messages": [u, a, u, a]}) == [u, a, u]
+    assert prompt_of({"messages": [u, a, u]}) == [u, a, u]  # prompt only: the whole chat
+    assert prompt_of({"prompt": "q", "response": "r"}) == [u]
+    assert prompt_of({"prompt": "q"}) == [u]
+    for bad, says in (({"messages": [a]}, "follows nothing"), ({"messages": [u, a, a]}, "follows a assistant turn"),
+                      ({"messages": [{"role": "system", "content": "s"}]}, "follows a system turn"),
+                      ({"prompt": ""}, "'prompt' is not a non-empty string"), ({"response": "r"}, "'prompt'")):
+        with pytest.raises(BadRow, match=says):
+            prompt_of(bad)
+
+
+def test_length_batches_respect_both_limits_and_are_sorted():
+    encoded = [(Prompt(i, ()), [0] * n) for i, n in enumerate([5, 30, 7, 7, 12, 3, 40, 9, 9, 9])]
+    batches = list(length_batches(encoded, batch_tokens=40, batch_size=3))
+    assert sorted(p.index for b in batches for p, _ in b) == list(range(10))
+    flat = [(len(ids), p.index) for b in batches for p, ids in b]
+    assert flat == sorted(flat)
+    for b in batches:
+        assert len(b) <= 3 and (len(b) == 1 or len(b) * max(len(ids) for _, ids in b) <= 40), b
+    assert [[p.index for p, _ in b] for b in batches] == [[5, 0, 2], [3, 7, 8], [9, 4], [1], [6]]
+
+
+# --- the hf engine ---------------------------------------------------------------------------------
+
+
+def _prompts(n: int) -> list[Prompt]:
+    return [Prompt(i, tuple(prompt_of(row))) for i, row in enumerate(chat_rows(n))]
+
+
+def test_hf_engine_greedy_equals_generate_prompt_by_prompt(target):
+    engine = HfEngine.load(TargetConfig(path=str(target)), "cpu", batch_tokens=160, batch_size=3)
+    prompts = _prompts(10)
+    greedy = GenerationSettings(max_new_tokens=MAX_NEW, temperature=0.0, top_p=1.0, seed=0, enable_thinking=False)
+    replies = {r.index: r for r in engine.generate(prompts, greedy)}
+    assert sorted(replies) == list(range(10))
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    eos = tokenizer.eos_token_id
+    for p in prompts:
+        ids = tokenizer.apply_chat_template(list(p.messages), add_generation_prompt=True, enable_thinking=False,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+        out = model.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=eos,
+                             pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
+        stopped = eos in out
+        text = tokenizer.decode(out[: out.index(eos)] if stopped else out, skip_special_tokens=True)
+        got = replies[p.index]
+        assert (got.text, got.finish_reason) == (text, "stop" if stopped else "length"), p.index
+        assert got.prompt_tokens == ids.shape[1]
+        assert got.completion_tokens == (out.index(eos) + 1 if stopped else MAX_NEW)
+    reasons = {r.finish_reason for r in replies.values()}
+    assert reasons == {"stop", "length"}, reasons  # the target ends some replies, and the limit cuts others
+    assert all(r.text.strip() for r in replies.values())
+
+
+def test_sampling_is_seeded_per_prompt_whatever_the_batch(target):
+    prompts = _prompts(8)
+    sample = GenerationSettings(max_new_tokens=MAX_NEW, temperature=1.5, top_p=0.9, seed=7, enable_thinking=False)
+
+    def texts(batch_size: int, prompts=prompts, settings=sample) -> dict[int, str]:
+        engine = HfEngine.load(TargetConfig(path=str(target)), "cpu", batch_tokens=4096, batch_size=batch_size)
+        return {r.index: r.text for r in engine.generate(prompts, settings)}
+
+    alone, together = texts(1), texts(8)
+    assert alone == together
+    assert texts(4, prompts[3:5]) == {i: alone[i] for i in (3, 4)}  # a resumed shard's prompts draw the same
+    other_seed = texts(8, settings=dataclasses.replace(sample, seed=8))
+    greedy = texts(8, settings=dataclasses.replace(sample, temperature=0.0))
+    assert sum(other_seed[i] != alone[i] for i in alone) >= 4
+    assert sum(greedy[i] != alone[i] for i in alone) >= 4
+
+
+def test_a_template_that_fails_on_a_prompt_is_that_prompt_s_error(tmp_path, target):
+    template = ("{%- for m in messages %}{%- if 'FAIL' in m.content %}{{ raise_exception('cannot render FAIL') }}"
+                "{%- endif %}{%- endfor %}" + QWEN3_STYLE_CHAT_TEMPLATE)
+    tiny_chat_tokenizer(tmp_path / "tok", chat_template=template)
+    engine = HfEngine.load(TargetConfig(path=str(target), tokenizer=str(tmp_path / "tok")), "cpu",
+                           batch_tokens=4096, batch_size=8)
+    prompts = [Prompt(0, ({"role": "user", "content": "hello"},)), Prompt(1, ({"role": "user", "content": "FAIL"},))]
+    replies = {r.index: r for r in engine.generate(prompts, GenerationSettings(4, 0.0, 1.0, 0, False))}
+    assert replies[1].finish_reason == "error" and "cannot render FAIL" in replies[1].error
+    assert replies[0].finish_reason in ("stop", "length") and replies[0].text
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused(tmp_path, target):
+    tiny_chat_tokenizer(tmp_path / "plain", chat_template="")
+    with pytest.raises(ValueError, match="has no chat template"):
+        HfEngine.load(TargetConfig(path=str(target), tokenizer=str(tmp_path / "plain")), "cpu",
+                      batch_tokens=4096, batch_size=8)
+
+
+# --- the job ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_the_output_is_a_data_set_with_prompts_unchanged_and_bad_rows_counted(tmp_path, target, fmt):
+    rows = chat_rows(14)
+    if fmt == "jsonl":
+        data = write_rows(tmp_path / "src.jsonl", rows, {2: BAD_LINES[0], 6: BAD_LINES[1], 9: BAD_LINES[2]})
+        bad_at = [2, 6, 9]
+    else:  # chats only, and bad rows as Arrow can hold them: no user turn before the reply
+        rows = [{"messages": r.get("messages") or [{"role": "user", "content": r["prompt"]}]} for r in rows]
+        rows[5] = {"messages": [{"role": "assistant", "content": "no question"}]}
+        rows[6] = {"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "x"}]}
+        data = tmp_path / "src.parquet"
+        datasets.Dataset.from_list(rows).to_parquet(str(data))
+        bad_at = [5, 6]
+    metrics = RegenerateMetrics()
+    summary = regenerate(run_config(settings(tmp_path, target, data)), metrics=metrics)
+
+    good = [r for r in rows if "row " in json.dumps(r)]
+    total = len(good) + len(bad_at)
+    assert (summary.rows, summary.bad_rows, summary.shards) == (total, len(bad_at), -(-total // 4))
+    assert summary.written == len(good) and summary.errors == summary.unusable == summary.truncated_dropped == 0
+    assert summary.complete > 0 and summary.truncated_kept > 0
+    assert metrics.prompts.labels("bad_row")._value.get() == len(bad_at)
+    assert metrics.prompts.labels("complete")._value.get() == summary.complete
+    assert metrics.generated_tokens._value.get() == summary.completion_tokens > 0
+    assert metrics.rows_done._value.get() == total
+
+    written = output_rows(tmp_path / "out")
+    assert [row_of(w) for w in written] == [row_of({"messages": prompt_of(r)}) for r in good]
+    for w, source in zip(written, good, strict=True):  # the prompt side exactly as it was
+        assert w["messages"][:-1] == prompt_of(source)
+        assert w["messages"][-1]["role"] == "assistant" and w["messages"][-1]["content"].strip()
+    assert [i for rec in records(tmp_path / "out") for i, _ in rec["bad_rows"]] == bad_at
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    loaded = load_tokenized(run_config({"data": {"path": str(tmp_path / "out"),
+                                                 "cache_dir": str(tmp_path / "cache")}}).data, tokenizer)
+    assert (loaded.num_rows, len(loaded), loaded.bad_rows) == (summary.written, summary.written, ())
+
+
+def test_truncated_replies_are_dropped_and_counted_when_not_kept(tmp_path, target):
+    data = write_rows(tmp_path / "src.jsonl", chat_rows(10))
+    kept = regenerate(run_config(settings(tmp_path, target, data)))
+    dropped = regenerate(run_config(settings(tmp_path, target, data, keep_truncated=False, output=str(tmp_path / "d"))))
+    assert kept.truncated_kept > 0 and dropped.truncated_dropped == kept.truncated_kept
+    assert dropped.written == kept.complete == dropped.complete
+    assert len(output_rows(tmp_path / "d")) == dropped.written
+    assert sorted(i for rec in records(tmp_path / "d") for i in rec["truncated_dropped"]) == sorted(
+        row_of(r) for r in output_rows(tmp_path / "out") if r not in output_rows(tmp_path / "d"))
+
+
+def test_a_finished_job_is_left_alone_and_a_resume_with_other_settings_is_refused(tmp_path, target):
+    data = write_rows(tmp_path / "src.jsonl", chat_rows(6))
+    first = regenerate(run_config(settings(tmp_path, target, data)))
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").glob("shard-*.jsonl")}
+    again = regenerate(run_config(settings(tmp_path, target, data, batch_size=2)))  # throughput settings may change
+    assert (again.shards_resumed, again.rows_this_start, again.written) == (first.shards, 0, first.written)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").glob("shard-*.jsonl")} == before
+
+    with pytest.raises(RegenerateError, match=r"regenerate.temperature = 0.0 there, 0.7 here"):
+        regenerate(run_config(settings(tmp_path, target, data, temperature=0.7)))
+    with open(data, "a") as f:
+        f.write(json.dumps(chat_rows(7)[6]) + "\n")
+    with pytest.raises(RegenerateError, match=r"data.rows = 6 there, 7 here"):
+        regenerate(run_config(settings(tmp_path, target, data)))
+    other = write_rows(tmp_path / "other.jsonl", chat_rows(6, seed=1))
+    with pytest.raises(RegenerateError, match=rf"data.path = '{data}' there, '{other}' here"):
+        regenerate(run_config(settings(tmp_path, target, other)))
+
+
+def test_an_output_directory_of_other_files_is_refused(tmp_path, target):
+    data = write_rows(tmp_path / "src.jsonl", chat_rows(3))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.jsonl").write_text("{}\n")
+    with pytest.raises(RegenerateError, match="already holds 'mine.jsonl'"):
+        regenerate(run_config(settings(tmp_path, target, data)))
+
+
+# --- real processes: crashes, restarts, the command line -------------------------------------------
+
+
+def _cli(tmp: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "dflash_ring", "regenerate", "--config", str(tmp / "regen.toml"),
+                             *extra], cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 180) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return proc.returncode, out, err
+
+
+@pytest.mark.processes
+def test_killed_at_any_moment_a_restart_gives_each_usable_prompt_exactly_once(tmp_path, target):
+    rows = chat_rows(36)
+    data = write_rows(tmp_path / "src.jsonl", rows, {4: BAD_LINES[2], 17: BAD_LINES[3]})
+    usable = len(rows)
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    write_config(ref / "regen.toml", settings(ref, target, data))
+    rc, out, err = _finish(_cli(ref, "--json"))
+    assert rc == 0, err
+    reference = json.loads(out)
+    assert (reference["written"], reference["bad_rows"], reference["shards"]) == (usable, 2, 10)
+    want = {p.name: p.read_bytes() for p in (ref / "out").glob("shard-*.jsonl")}
+
+    write_config(tmp_path / "regen.toml", settings(tmp_path, target, data))
+    out_dir = tmp_path / "out"
+    # After shard 2's file is written and synced, before its rename: the next start writes it again.
+    rc, _, err = _finish(_cli(tmp_path, env={"DFLASH_RING_CRASH_AT": "regenerate.shard_written@3"}))
+    assert rc == -signal.SIGKILL, err
+    assert (out_dir / ".shard-00002.jsonl.tmp").exists() and not (out_dir / "shard-00002.jsonl").exists()
+    assert [r["shard"] for r in records(out_dir)] == [0, 1]
+    # After shard 4 is renamed into place, before its record: a shard file nobody counted yet.
+    rc, _, err = _finish(_cli(tmp_path, env={"DFLASH_RING_CRASH_AT": "regenerate.shard_renamed@3"}))
+    assert rc == -signal.SIGKILL, err
+    assert (out_dir / "shard-00004.jsonl").exists() and [r["shard"] for r in records(out_dir)] == [0, 1, 2, 3]
+    # At a random moment while shards are being written (after a random shard, a random few ms later).
+    rng = random.Random(os.getpid())
+    proc, target_records = _cli(tmp_path), rng.randint(5, 8)
+    deadline = time.monotonic() + 120
+    while len(list((out_dir / STATE_DIR).glob("shard-*.json"))) < target_records and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(rng.uniform(0, 0.03))
+    proc.send_signal(signal.SIGKILL)
+    assert _finish(proc)[0] == -signal.SIGKILL, "the job ended before the kill: nothing was tested"
+    rc, out, err = _finish(_cli(tmp_path, "--json"))
+    assert rc == 0, err
+    summary = json.loads(out)
+    assert 5 <= summary["shards_resumed"] < 10 and summary["written"] == usable and summary["bad_rows"] == 2
+
+    indices = [row_of(r) for r in output_rows(out_dir)]
+    assert sorted(indices) == list(range(usable)), "every usable prompt exactly once"
+    assert {p.name: p.read_bytes() for p in out_dir.glob("shard-*.jsonl")} == want
+    assert sorted(p.name for p in out_dir.iterdir()) == [STATE_DIR, *sorted(want)]  # no leftovers
+
+
+@pytest.mark.processes
+def test_an_engine_failure_is_one_line_and_keeps_finished_shards(tmp_path, target):
+    """A real engine failure mid-job: on the meta device the target loads but cannot produce a token."""
+    rows = chat_rows(6)
+    data = write_rows(tmp_path / "src.jsonl", rows, {0: BAD_LINES[0], 1: BAD_LINES[1], 2: BAD_LINES[2],
+                                                      3: BAD_LINES[3]})  # shard 0: bad rows only
+    write_config(tmp_path / "regen.toml", settings(tmp_path, target, data))
+    rc, _, err = _finish(_cli(tmp_path, "--device", "meta"))
+    lines = err.strip().splitlines()
+    assert rc == 2 and "Traceback" not in err, err
+    assert lines[-1].startswith("dflash-ring regenerate: error: the engine failed on shard 1 (rows 4-7)"), lines[-1]
+    assert "The 1 finished shards are kept" in lines[-1]
+    assert [(r["shard"], len(r["bad_rows"])) for r in records(tmp_path / "out")] == [(0, 4)]
+    rc, out, err = _finish(_cli(tmp_path, "--json"))
+    assert rc == 0, err
+    summary = json.loads(out)
+    assert (summary["shards_resumed"], summary["written"], summary["bad_rows"]) == (1, 6, 4)
