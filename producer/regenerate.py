@@ -136,7 +136,9 @@ def open_engine(cfg: Config, device: str | None) -> Engine:
 
         return HfEngine.load(cfg.target, device or cfg.target.device, batch_tokens=r.batch_tokens,
                              batch_size=r.batch_size)
-    raise RegenerateConfigError(f"regenerate.engine = {r.engine!r} is not available in this build; use \"hf\"")
+    from .openai_engine import OpenAIEngine
+
+    return OpenAIEngine(r)
 
 
 def check_settings(cfg: Config) -> None:
@@ -148,6 +150,9 @@ def check_settings(cfg: Config) -> None:
         raise RegenerateConfigError("regenerate reads one data set, data.path, and [[data.sources]] is set: "
                                     "regenerate each source into its own regenerate.output, then list those "
                                     "outputs in [[data.sources]]")
+    if r.engine == "openai" and not r.base_urls:
+        raise RegenerateConfigError("regenerate.engine = \"openai\" needs regenerate.base_urls, e.g. "
+                                    "[\"http://127.0.0.1:8000/v1\"] (the server's OpenAI-compatible API)")
     if r.engine == "hf" and not cfg.target.path:
         raise RegenerateConfigError("regenerate.engine = \"hf\" runs the target in this process: set target.path "
                                     "to its local model directory")

@@ -467,3 +467,27 @@ def test_no_base_url_is_a_config_error():
 def test_backoff_doubles_from_the_base_up_to_the_cap():
     assert [backoff_delay(a, 1.0, 30.0) for a in range(7)] == [1, 2, 4, 8, 16, 30, 30]
     assert backoff_delay(1000, 1.0, 30.0) == 30
+
+
+@pytest.mark.processes
+def test_the_regenerate_command_through_the_server_writes_what_the_hf_engine_writes(server, target, tmp_path):
+    """`dflash-ring regenerate` end to end with `engine = "openai"` against the served target, and again with
+    `engine = "hf"` in process on the same prompts: the same data set, byte for byte (greedy)."""
+    rows = [{"messages": chat + [{"role": "assistant", "content": "the corpus reply"}]} for chat in CHATS]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    outputs = {}
+    for name in ("openai", "hf"):
+        sets = [f'data.path="{data}"', f'data.cache_dir="{tmp_path / "cache"}"', f'target.path="{target}"',
+                'target.device="cpu"', "metrics.enabled=false", f'regenerate.engine="{name}"',
+                f'regenerate.output="{tmp_path / name}"', "regenerate.max_new_tokens=48", "regenerate.shard_rows=3",
+                f'regenerate.base_urls=["{closed_url()}", "{server.base_url}"]', "regenerate.retries=1"]
+        out = subprocess.run([sys.executable, "-m", "dflash_ring", "regenerate", "--json",
+                              *[a for s in sets for a in ("--set", s)]],
+                             capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        assert out.returncode == 0, out.stderr[-3000:]
+        outputs[name] = [p.read_bytes() for p in sorted((tmp_path / name).glob("shard-*.jsonl"))]
+    assert len(outputs["openai"]) == 3 and outputs["openai"] == outputs["hf"]
+    written = [json.loads(line) for shard in outputs["openai"] for line in shard.decode().splitlines()]
+    assert [r["messages"][:-1] for r in written] == CHATS  # the prompt side unchanged
+    assert all(r["messages"][-1]["content"] != "the corpus reply" for r in written)
