@@ -79,6 +79,9 @@ def test_ledger_reconciliation_counts_each_batch_trained_once_through_redelivery
     assert rec["trained_exactly_once"] == rec["planned_batches"] == 4
     assert rec["trains_undone_by_redelivery_or_replay"] == 1 and rec["replayed_batches"] == 1
     assert rec["redelivered_items"] == 1 and rec["seen_twice_explained_by_redelivery_or_replay"] == 1
+    # Ledger files come in any order (here the redelivered drafter's before the killed one's): time decides.
+    swapped = reconcile({"target-0": producer + replay, "drafter-0": d1, "drafter-1": d0, "drafter-2": d2}, 10, 1)
+    assert swapped["problems"] == [] and swapped["seen_twice_explained_by_redelivery_or_replay"] == 1
     # A train of a batch later replayed is undone too: its ring was removed before the slot was released.
     held = d2[:1] + [_rec("got", 40, 12, item=3, deliveries=1, **_batch(0, 0, 3)),
                      _rec("train", 40, 13, step=4, item=3, deliveries=1, **_batch(0, 0, 3))] + d2[1:]

@@ -75,6 +75,8 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]], checkpoint_every: int, g
             elif r["ev"] == "exit":
                 clean_exit.add(r["pid"])
     killed = {pid for pid in drafter_pids if pid not in clean_exit}
+    for rs in (*got.values(), *trained.values()):
+        rs.sort(key=lambda r: r["t"])  # gathered file by file: put each batch's records in time order
 
     def undone(t: dict[str, Any], k: tuple[int, int, int]) -> bool:
         """The trained slot was never released: delivered again later, or published again as a replay."""
