@@ -22,7 +22,8 @@ STEP = re.compile(r"drafter-(\d) \| .* step (\d+)/(\d+) loss")
 
 
 def test_embedded_config_is_written_by_the_one_writer_and_reads_back(tmp_path):
-    cfg = embedded_run_config(tmp_path / "work", tmp_path / "tiny-target", mask_token_id=642)
+    cfg = embedded_run_config(tmp_path / "work", tmp_path / "tiny-target", mask_token_id=642,
+                              data=tmp_path / "replies")
     text = dump_toml(cfg, header="the embedded default")
     (tmp_path / "run.toml").write_text(text)
     assert load_config(tmp_path / "run.toml") == cfg

@@ -47,16 +47,14 @@ def console() -> Console:
     return Console(stderr=True, width=int(os.environ.get("COLUMNS") or 0) or 200, soft_wrap=True)
 
 
-def embedded_run_config(workdir: Path, target: Path, mask_token_id: int) -> Config:
-    """The embedded default as a Config: the tiny trained target, 1 producer, 2 drafters, CPU."""
-    from dflash_ring.embedded.tiny_target import TRAIN_FILE
-
+def embedded_run_config(workdir: Path, target: Path, mask_token_id: int, data: Path) -> Config:
+    """The embedded default as a Config: the tiny trained target, 1 producer, 2 drafters, CPU, trained on `data`."""
     d = Config()
     cfg = Config(
         run=replace(d.run, name="tiny", run_dir=str(workdir / "locks")),
-        ring=replace(d.ring, slots=4, slot_bytes=8 << 20, slot_header_bytes=64 << 10, wait_s=0.05),
+        ring=replace(d.ring, slots=8, slot_bytes=8 << 20, slot_header_bytes=64 << 10, wait_s=0.05),
         topology=replace(d.topology, producers=1, consumers=2),
-        data=replace(d.data, path=str(target / TRAIN_FILE), max_length=256, max_tokens_per_batch=2048, epochs=3,
+        data=replace(d.data, path=str(data), max_length=256, max_tokens_per_batch=2048, epochs=3,
                      cache_dir=str(workdir / "data-cache")),
         target=replace(d.target, path=str(target), layer_ids=[1, 2], mask_token_id=mask_token_id,
                        state_dir=str(workdir / "state"), device="cpu"),
@@ -76,17 +74,37 @@ drafter j port_base + 100 + j."""
 
 
 def embedded_config(workdir: Path, cache_dir: str = DEFAULT_CACHE) -> Path:
-    """Write the embedded default's config (building the tiny target on first use); returns its path."""
-    from dflash_ring.embedded.tiny_target import ensure_tiny_target, read_marker
+    """Write the embedded default's config (building the tiny target and its regenerated replies on first
+    use); returns its path."""
+    from dflash_ring.embedded.tiny_replies import ensure_tiny_replies
+    from dflash_ring.embedded.tiny_target import TRAIN_FILE, ensure_tiny_target, read_marker
 
-    target = ensure_tiny_target(Path(cache_dir).expanduser() / "tiny-target")
-    cfg = embedded_run_config(workdir, target, read_marker(target)["mask_token_id"])
+    cache = Path(cache_dir).expanduser()
+    target = ensure_tiny_target(cache / "tiny-target")
+    replies = ensure_tiny_replies(target, target / TRAIN_FILE, cache, workdir)
+    cfg = embedded_run_config(workdir, target, read_marker(target)["mask_token_id"], replies)
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "run.toml"
     path.write_text(dump_toml(cfg, header=EMBEDDED_HEADER, comments={
+        "data.path": "the tiny corpus's prompts with the tiny target's own replies (regenerate.toml makes them)",
         "target": "the tiny target lives in the cache; `dflash-ring eval --target` takes this path",
         "target.layer_ids": "the target layers the drafter is fed",
     }))
+    return path
+
+
+def corpus_replies_config(run_cfg: Path, workdir: Path) -> Path:
+    """The embedded run again, on the corpus's own replies: the comparison `dflash-ring run` prints."""
+    from dflash_ring.embedded.tiny_target import TRAIN_FILE
+
+    cfg = load_config(run_cfg)
+    d = workdir / "corpus-replies"
+    cfg = replace(cfg, run=replace(cfg.run, name="tiny-corpus", run_dir=str(d / "locks")),
+                  data=replace(cfg.data, path=str(Path(cfg.target.path) / TRAIN_FILE)),
+                  target=replace(cfg.target, state_dir=str(d / "state")),
+                  train=replace(cfg.train, checkpoint_dir=str(d / "checkpoints")))
+    path = workdir / "corpus-replies.toml"
+    path.write_text(dump_toml(cfg, header="The embedded default on the tiny corpus's own replies, for comparison."))
     return path
 
 
@@ -318,6 +336,24 @@ def run(config: str | None, overrides: list[str], workdir: str = "runs/tiny", ev
         con.print(f"config: {cfg_path} (copy it to start your own); tiny target: {load_config(cfg_path).target.path}")
     else:
         cfg_path = Path(config)
+    trained = _train_and_export(cfg_path, overrides, embedded, con)
+    if isinstance(trained, int):
+        return trained
+    cfg, exported, steps = trained
+    if embedded and evaluate:
+        con.print("the same run on the corpus's own replies, for comparison:")
+        other = _train_and_export(corpus_replies_config(cfg_path, work), overrides, embedded, con)
+        if isinstance(other, int):
+            return other
+        _compare(cfg, {"trained on the target's regenerated replies": (exported, steps),
+                       "trained on the corpus's replies": other[1:]}, con)
+    return 0
+
+
+def _train_and_export(cfg_path: Path, overrides: list[str], embedded: bool,
+                      con: Console) -> tuple[Config, Path, int] | int:
+    """One whole run, then drafter 0's last checkpoint exported beside the checkpoints (drafter/); the exit
+    code if a process failed."""
     # Several CPU processes on a few cores: one thread each, or they thrash (a 20-30x slowdown seen here).
     launch = Launch(cfg_path, overrides, env={"OMP_NUM_THREADS": "1"} if embedded else None)
     out_dir = Path(launch.cfg.train.checkpoint_dir).parent / "drafter"
@@ -334,13 +370,12 @@ def run(config: str | None, overrides: list[str], workdir: str = "runs/tiny", ev
         shutil.rmtree(out_dir)
     exported = export_checkpoint(Path(launch.cfg.train.checkpoint_dir) / "drafter-0", out_dir)
     con.print(f"exported drafter: {exported}")
-    if embedded and evaluate:
-        _compare_with_untrained(launch.cfg, exported, con)
-    return 0
+    done = final_state(launch.cfg.train.checkpoint_dir, 0)
+    return launch.cfg, exported, done["step"] if done else 0
 
 
-def _compare_with_untrained(cfg: Config, exported: Path, con: Console) -> None:
-    """Acceptance on held-out prompts, trained drafter against an untrained one of the same shape."""
+def _compare(cfg: Config, trained: dict[str, tuple[Path, int]], con: Console) -> None:
+    """Acceptance on held-out prompts: the trained drafters against an untrained one of the same shape."""
     import torch
 
     from dflash_ring.consumer.evaluate import evaluate_drafter
@@ -353,7 +388,7 @@ def _compare_with_untrained(cfg: Config, exported: Path, con: Console) -> None:
     hf_logging.disable_progress_bar()  # "Loading weights" bars: `\r` fragments when piped
 
     heldout = Path(cfg.target.path) / HELDOUT_FILE
-    untrained_dir = exported.parent / "drafter-untrained"
+    untrained_dir = Path(cfg.train.checkpoint_dir).parent / "drafter-untrained"
     if not untrained_dir.exists():
         torch.manual_seed(0)
         drafter_cfg = resolve_drafter_config(cfg)
@@ -361,9 +396,10 @@ def _compare_with_untrained(cfg: Config, exported: Path, con: Console) -> None:
                        target_config_dict(cfg.target.path), untrained_dir)
     table = Table(title="acceptance length on held-out prompts (greedy, lossless)")
     table.add_column("drafter")
+    table.add_column("steps")
     table.add_column("tau (mean accepted + 1)")
     table.add_column("rounds")
-    for name, path in (("untrained", untrained_dir), ("trained", exported)):
-        report = evaluate_drafter(path, cfg.target.path, heldout, limit=32, max_new_tokens=64)
-        table.add_row(name, f"{report.tau:.2f}", str(report.rounds))
+    for name, (path, steps) in {"untrained": (untrained_dir, 0), **trained}.items():
+        report = evaluate_drafter(path, cfg.target.path, heldout, limit=100, max_new_tokens=64)
+        table.add_row(name, str(steps), f"{report.tau:.2f}", str(report.rounds))
     con.print(table)
