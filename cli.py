@@ -174,6 +174,16 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--port-base", type=int, default=19460, help="metrics ports of the bench's processes")
     bp.add_argument("--kill-drafter", action="store_true", help="after the window: SIGKILL the drafter, restart it")
     bp.set_defaults(func=cmd_bench_pipeline)
+    bp = bench.add_parser("regenerate", help="the regenerate hf engine's generated tokens/s vs plain model.generate")
+    bp.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
+    bp.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPE_NAMES),
+                    help="random-weight target of this shape (tiny: a CPU smoke run)")
+    bp.add_argument("--device", help="default: cuda if available, else cpu")
+    bp.add_argument("--prompts", type=int, default=256)
+    bp.add_argument("--max-new-tokens", type=int, default=128)
+    bp.add_argument("--batch-size", type=int, default=64)
+    bp.add_argument("--batch-tokens", type=int, default=16384)
+    bp.set_defaults(func=cmd_bench_regenerate)
     bp = bench.add_parser("loader", help="one core: token arrays -> batches in the slot format, vs the target rate")
     bp.add_argument("--json", action="store_true")
     bp.add_argument("--samples", type=int, default=200_000)
@@ -427,6 +437,15 @@ def cmd_bench_drafter(args: argparse.Namespace) -> int:
                                        attention=args.attention, loss_chunk=args.loss_chunk,
                                        check=not args.no_check, profile=args.profile,
                                        compile=not args.no_compile), indent=2))
+    return 0
+
+
+def cmd_bench_regenerate(args: argparse.Namespace) -> int:
+    from dflash_ring.bench.regenerate import run_regenerate_bench
+
+    print(json.dumps(run_regenerate_bench(shape=args.shape, device=args.device, prompts=args.prompts,
+                                          max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                                          batch_tokens=args.batch_tokens), indent=2))
     return 0
 
 

@@ -53,3 +53,14 @@ def test_tiny_target_bench_reports_forward_and_ring_throughput(packed):
     assert (report["batches"]["padding_fraction"] == 0.0) == packed
     assert report["ring"]["bytes_per_token"] == 2 * 128 * 4 + 5
     assert 0 < report["mfu"]["forward"] < 1 and report["mfu"]["peak_flops"] == 989e12
+
+
+def test_regenerate_bench_runs_both_paths_on_the_same_prompts():
+    """`dflash-ring bench regenerate --shape tiny` in-process: every reply runs to max_new_tokens on both paths."""
+    from dflash_ring.bench.regenerate import run_regenerate_bench
+
+    rep = run_regenerate_bench(shape="tiny", device="cpu", prompts=8, max_new_tokens=4, batch_size=4,
+                               median_words=20, max_words=60)
+    assert rep["engine"]["finish_length"] == 8
+    assert rep["engine"]["generated_tokens"] == rep["baseline_model_generate"]["generated_tokens"] == 32
+    assert rep["ratio_engine_over_baseline"] > 0
