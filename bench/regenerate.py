@@ -58,7 +58,7 @@ def silence(model: transformers.PreTrainedModel, vocab_kept: int, stop_ids: list
     head = model.get_output_embeddings().weight
     with torch.no_grad():
         head[vocab_kept:].zero_()
-        head[stop_ids].zero_()
+        head[stop_ids] = 0  # (indexing with a list copies: assign, do not zero_() the copy)
 
 
 def _sync(device: torch.device) -> None:
@@ -113,6 +113,7 @@ def run_regenerate_bench(*, shape: str = "qwen3-8b", device: str | None = None, 
                    "finish_length": sum(r.finish_reason == "length" for r in replies)},
         "baseline_model_generate": {"seconds": round(baseline_s, 2), "generated_tokens": baseline_tokens,
                                     "tokens_per_s": round(baseline_tokens / baseline_s, 1)},
+        "all_replies_full_length": all(r.finish_reason == "length" for r in replies),
         "ratio_engine_over_baseline": round((engine_tokens / engine_s) / (baseline_tokens / baseline_s), 3),
         "peak_memory_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 1) if dev.type == "cuda" else None,
     }

@@ -64,3 +64,13 @@ def test_regenerate_bench_runs_both_paths_on_the_same_prompts():
     assert rep["engine"]["finish_length"] == 8
     assert rep["engine"]["generated_tokens"] == rep["baseline_model_generate"]["generated_tokens"] == 32
     assert rep["ratio_engine_over_baseline"] > 0
+
+
+def test_regenerate_bench_silences_the_head_rows_it_must():
+    """Ids the tokenizer lacks and the end tokens can never be generated (their head rows are zero)."""
+    from dflash_ring.bench.regenerate import build_model, silence
+
+    model = build_model("tiny", torch.device("cpu"), torch.float32)
+    silence(model, 300, [5, 7])
+    head = model.get_output_embeddings().weight.detach()
+    assert not head[[5, 7]].any() and not head[300:].any() and head[6].any()
