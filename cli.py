@@ -182,7 +182,7 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--prompts", type=int, default=256)
     bp.add_argument("--max-new-tokens", type=int, default=128)
     bp.add_argument("--batch-size", type=int, default=64)
-    bp.add_argument("--batch-tokens", type=int, default=16384)
+    bp.add_argument("--batch-tokens", type=int, default=65536)
     bp.set_defaults(func=cmd_bench_regenerate)
     bp = bench.add_parser("loader", help="one core: token arrays -> batches in the slot format, vs the target rate")
     bp.add_argument("--json", action="store_true")

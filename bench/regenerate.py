@@ -67,7 +67,7 @@ def _sync(device: torch.device) -> None:
 
 
 def run_regenerate_bench(*, shape: str = "qwen3-8b", device: str | None = None, prompts: int = 256,
-                         max_new_tokens: int = 128, batch_size: int = 64, batch_tokens: int = 16384,
+                         max_new_tokens: int = 128, batch_size: int = 64, batch_tokens: int = 65536,
                          median_words: int = 150, max_words: int = 1500) -> dict[str, Any]:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

@@ -33,8 +33,9 @@ class RegenerateConfig:
     keep_truncated: bool = True
     # Rows per output shard; a shard is written whole (temp file, fsync, rename) and then recorded as done.
     shard_rows: int = 256
-    # hf engine: prompt tokens per generation batch (prompts are bucketed by length).
-    batch_tokens: int = 16384
+    # hf engine: padded prompt tokens per generation batch (prompts are bucketed by length). Room for a full
+    # batch_size of prompts is what makes bucketing pay (docs/benchmarks.md: x1.40 at 65536 vs x1.01 at 16384).
+    batch_tokens: int = 65536
     # hf engine: most prompts per generation batch.
     batch_size: int = 64
     # openai engine: one or more base URLs (e.g. "http://127.0.0.1:8000/v1"); requests are spread over them.
