@@ -223,10 +223,22 @@ class Phase:
             sig = signal.SIGTERM if mode == "sigterm-all" else signal.SIGKILL
             for name in r.alive():
                 r.signal(name, sig)
-        if not r.wait_all_exit(self.opts.exit_timeout_s + 60):
-            self.hung = r.alive()
-            self.failures.append(f"after a whole-run {mode}, still alive: {', '.join(self.hung)}")
-            return False
+        deadline = time.monotonic() + self.opts.exit_timeout_s + 60
+        while r.alive():
+            # A process started again (after an earlier kill) that has not joined waits for a ring that is going
+            # away, holding nothing: stop it, as `systemctl stop` would.
+            joined = self._joined()
+            for name in r.alive():
+                if r.procs[name].pid not in joined and r.procs[name].pid not in r.stopped_late[name]:
+                    r.stop_unjoined(joined)
+                    break
+            if time.monotonic() > deadline:
+                self.hung = r.alive()
+                self.failures.append(f"after a whole-run {mode}, still alive: {', '.join(self.hung)}")
+                return False
+            r.poll(restart=False)
+            time.sleep(0.2)
+        r.poll(restart=False)
         cleaned = None
         if mode == "sigkill-all":
             cleaned = _clean(self.cfg_path, self.sets)  # hands what the dead ring held to the replay lists
