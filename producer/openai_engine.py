@@ -34,8 +34,10 @@ Failures, in three kinds:
   and the last failure: the job stops instead of writing a data set of errors.
 - A server error about this request (any other 5xx): retried the same way, then the row gets an
   error Reply with the server's text: the server is up, only this row fails.
-- Refused (any other 4xx: a bad model name, a prompt over the context length): not retried; an
-  error Reply with the server's text.
+- Refused for every row (401, 403, 404: a wrong key, URL path or model): `ServerRefusedError`, the
+  job stops; finished shards stay and a corrected command goes on from there.
+- Refused for this row (any other 4xx: a prompt over the context length; `transformers serve`'s
+  400 for another model name): not retried; an error Reply with the server's text.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ log = logging.getLogger(__name__)
 
 # Statuses that say the server (not the request) cannot answer now: retried, then fatal.
 UNAVAILABLE_STATUSES = frozenset({408, 429, 502, 503, 504})
+REFUSING_STATUSES = frozenset({401, 403, 404})  # the key, the URL or the model: wrong for every row
 _ERROR_TEXT_CHARS = 500  # of a server's error body kept in a Reply
 
 
@@ -72,6 +75,11 @@ class OpenAIEngineError(RuntimeError):
 
 class ServerUnavailableError(OpenAIEngineError):
     """No server answered after every retry: the URLs tried and the last failure."""
+
+
+class ServerRefusedError(OpenAIEngineError):
+    """401, 403 or 404 on a chat request: a wrong key, URL or model refuses every row alike, so the job stops
+    rather than record each row as an error (a finished shard is never asked again)."""
 
 
 class EngineClosedError(OpenAIEngineError):
@@ -227,6 +235,11 @@ class OpenAIEngine:
 
     def _reply(self, model: str, prompt: Prompt, settings: GenerationSettings) -> Reply:
         answer = self._call("POST", "/chat/completions", self.request_body(model, prompt, settings))
+        if answer.status in REFUSING_STATUSES:
+            raise ServerRefusedError(
+                f"openai engine: HTTP {answer.status} from {answer.url}/chat/completions: {_snippet(answer.body)}; "
+                "every request would be refused alike: check regenerate.api_key_env (401/403), the base URL "
+                "(it ends with /v1) and regenerate.model (404)")
         if answer.status != 200:
             return _error(prompt, f"HTTP {answer.status} from {answer.url}: {_snippet(answer.body)}")
         try:

@@ -35,7 +35,8 @@ from dflash_ring.common.regenerate_config import RegenerateConfig, RegenerateCon
 from dflash_ring.embedded.tiny_corpus import CorpusSpec
 from dflash_ring.embedded.tiny_target import TinyTargetRecipe, ensure_tiny_target
 from dflash_ring.producer.generation import GenerationSettings, Prompt, Reply, prompt_seed
-from dflash_ring.producer.openai_engine import OpenAIEngine, ServerUnavailableError, backoff_delay
+from dflash_ring.producer.openai_engine import (OpenAIEngine, ServerRefusedError, ServerUnavailableError,
+                                                backoff_delay)
 from support import free_port_base
 
 # The embedded recipe, small: ~5 s on one core, and trained enough to end its replies with <|im_end|>
@@ -491,3 +492,15 @@ def test_the_regenerate_command_through_the_server_writes_what_the_hf_engine_wri
     written = [json.loads(line) for shard in outputs["openai"] for line in shard.decode().splitlines()]
     assert [r["messages"][:-1] for r in written] == CHATS  # the prompt side unchanged
     assert all(r["messages"][-1]["content"] != "the corpus reply" for r in written)
+
+
+@pytest.mark.processes
+def test_a_url_or_key_refused_for_every_row_stops_the_job(server):
+    """404 (here: the base URL without /v1) would refuse every row alike: one clear error, not a data set of
+    per-row errors (a finished shard is never asked again)."""
+    eng = engine([server.base_url.removesuffix("/v1")], model="named", retries=0)
+    try:
+        with pytest.raises(ServerRefusedError, match="404.*/v1"):
+            list(eng.generate(prompts()[:2], GREEDY))
+    finally:
+        eng.close()
