@@ -372,7 +372,9 @@ def _estimated_steps(ring: Ring, cfg: Config, trainer: Trainer, pending: int) ->
     if announced == 0:
         return max(1, trainer.step + 1)
     planned = int(plans.sum()) * cfg.topology.producers // announced
-    left = max(0, planned - ring.counter(Counter.CONSUMED))
+    # Released (trained) items are counted; claimed ones (READING: this batch, the prefetched ones, and what other
+    # drafters are training) will be trained by their holders, so they are not shared out again.
+    left = max(0, planned - ring.counter(Counter.CONSUMED) - ring.slot_counts()["reading"])
     share = left // cfg.topology.consumers  # rounded down: the last few items race, the other drafters take them
     micro = trainer.accumulated + 1 + pending + share  # micro-batches still to train
     return max(trainer.step + 1, trainer.step + micro // cfg.train.grad_accum)

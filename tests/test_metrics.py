@@ -148,7 +148,7 @@ def check_supervisor_matches_status(run, sup: Scrape) -> None:
     with contextlib.redirect_stdout(out):  # `dflash-ring status --json`, run here: a process would only add start-up
         assert cli_main(["status", "--config", str(run.config), "--json"]) == 0
     cli = json.loads(out.getvalue())
-    assert sup.value("dflash_ring_capacity_slots") == st.n_slots == 4
+    assert sup.value("dflash_ring_capacity_slots") == st.n_slots == 8  # pipeline_config's ring
     for state, n in st.slots_by_state.items():
         assert sup.value("dflash_ring_slots", state=state) == n == cli["slots_by_state"][state]
     assert sup.value("dflash_ring_depth_items") == st.depth == cli["depth"]

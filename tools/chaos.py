@@ -227,7 +227,8 @@ class Phase:
         while r.alive():
             # A process started again (after an earlier kill) that has not joined waits for a ring that is going
             # away, holding nothing: stop it, as `systemctl stop` would.
-            joined = self._joined()
+            # Not the supervisor: a stop request waits for one (systemd restarts it; so does the restarter here).
+            joined = self._joined() | {r.procs["supervisor"].pid}
             for name in r.alive():
                 if r.procs[name].pid not in joined and r.procs[name].pid not in r.stopped_late[name]:
                     r.stop_unjoined(joined)
