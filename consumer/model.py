@@ -148,11 +148,27 @@ class FlexLayout:
     tile lists name only the context tiles between a tile's first sequence start
     and its last anchor, plus the tiles of its own blocks, so the kernel computes
     about what the mask lets through, with no per-sequence split and no dense mask.
+
+    Context tiles that every row of a query tile may see whole (after the latest sequence start and
+    before the earliest anchor of the tile's blocks: most of them) are listed as full tiles, on which
+    the kernel skips the mask function; only the edge tiles and the block tiles evaluate it.
+    Sliding-window masks list no full tiles (a window cuts every row at another key).
     """
 
     num_queries: int  # real block-token rows; the rest up to a tile is padding
     context_len: int  # padded context length: block keys start here
     masks: dict[int | None, BlockMask]  # by sliding window (None = full attention)
+
+
+def _tile_rows(slot: torch.Tensor, ranges: list[tuple[torch.Tensor, torch.Tensor]],
+               kv_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query tile, the kv tiles of consecutive ranges [lo, lo + count): (counts, index rows) for BlockMask."""
+    rows = torch.zeros_like(slot.expand(len(ranges[0][0]), -1))
+    begin = torch.zeros_like(ranges[0][1])
+    for lo, count in ranges:
+        rows = torch.where(slot >= begin[:, None], lo[:, None] + slot - begin[:, None], rows)
+        begin = begin + count
+    return begin.to(torch.int32), rows.clamp(max=kv_tiles - 1).to(torch.int32)
 
 
 def flex_layout(anchors: Anchors, context_len: int, block_size: int, windows: set[int | None]) -> FlexLayout:
@@ -168,15 +184,23 @@ def flex_layout(anchors: Anchors, context_len: int, block_size: int, windows: se
         ctx_lo, ctx_hi = start[first] // FLEX_TILE, (anchor[last] + FLEX_TILE - 1) // FLEX_TILE
     else:
         ctx_lo = ctx_hi = torch.zeros_like(tiles)
-    n_ctx = (ctx_hi - ctx_lo).clamp(min=0)
+    ctx_hi = torch.maximum(ctx_hi, ctx_lo)
     blk_lo = (t_pad + first * block_size) // FLEX_TILE
     blk_hi = torch.maximum((t_pad + (last + 1) * block_size + FLEX_TILE - 1) // FLEX_TILE, blk_lo + 1)
-    n_blk = blk_hi - blk_lo
     kv_tiles = (t_pad + q_len) // FLEX_TILE
+    if n:  # the tile's blocks first..last (padding rows act as the last block, as in the mask below)
+        span = (first[:, None] + torch.arange(FLEX_TILE // block_size + 2, device=dev)[None]).minimum(last[:, None])
+        full_lo = (start[span].amax(1) + FLEX_TILE - 1) // FLEX_TILE
+        full_hi = anchor[span].amin(1) // FLEX_TILE
+        whole = full_hi > full_lo
+        full_lo, full_hi = torch.where(whole, full_lo, ctx_hi), torch.where(whole, full_hi, ctx_hi)
+    else:
+        full_lo = full_hi = ctx_hi
     slot = torch.arange(kv_tiles, device=dev)[None, :]  # BlockMask reads the kv tile count off this width
-    indices = torch.where(slot < n_ctx[:, None], ctx_lo[:, None] + slot, blk_lo[:, None] + slot - n_ctx[:, None])
-    indices = indices.clamp(max=kv_tiles - 1).to(torch.int32)
-    counts = (n_ctx + n_blk).to(torch.int32)
+    n_blk = blk_hi - blk_lo
+    partial = _tile_rows(slot, [(ctx_lo, full_lo - ctx_lo), (full_hi, ctx_hi - full_hi), (blk_lo, n_blk)], kv_tiles)
+    full = _tile_rows(slot, [(full_lo, full_hi - full_lo)], kv_tiles)
+    every_tile_partial = _tile_rows(slot, [(ctx_lo, ctx_hi - ctx_lo), (blk_lo, n_blk)], kv_tiles)
     safe_anchor = anchor if n else anchor.new_zeros(1)
     safe_start = start if n else start.new_zeros(1)
     last_block = max(n - 1, 0)
@@ -195,11 +219,15 @@ def flex_layout(anchors: Anchors, context_len: int, block_size: int, windows: se
             return torch.where(kv_idx < t_pad, ctx_ok, blk_ok)
         return mask_mod
 
-    masks = {
-        w: BlockMask.from_kv_blocks(counts[None, None], indices[None, None], BLOCK_SIZE=FLEX_TILE,
-                                    mask_mod=rule(w), seq_lengths=(q_len, t_pad + q_len))
-        for w in windows
-    }
+    def block_mask(window: int | None) -> BlockMask:
+        (counts, indices), (full_counts, full_indices) = (partial, full) if window is None else (every_tile_partial,
+                                                                                                 (None, None))
+        return BlockMask.from_kv_blocks(counts[None, None], indices[None, None],
+                                        None if full_counts is None else full_counts[None, None],
+                                        None if full_indices is None else full_indices[None, None],
+                                        BLOCK_SIZE=FLEX_TILE, mask_mod=rule(window), seq_lengths=(q_len, t_pad + q_len))
+
+    masks = {w: block_mask(w) for w in windows}
     return FlexLayout(num_queries=rows, context_len=t_pad, masks=masks)
 
 

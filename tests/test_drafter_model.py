@@ -11,10 +11,12 @@ from hypothesis import strategies as st
 
 from dflash_ring.common.drafter_config import DrafterConfig, build_target_layer_ids
 from dflash_ring.consumer.model import (
+    FLEX_TILE,
     FrozenTargetHead,
     block_attention_mask,
     build_drafter,
     cu_seqlens_from_lengths,
+    flex_layout,
     load_target_head,
     sample_anchors,
 )
@@ -321,3 +323,38 @@ def test_flex_attention_matches_grouped_sdpa(target_dir, block_size, window):
         sdpa = model(context, input_ids, anchors, head, attention="sdpa", anchors_per_group=7)
         flex = model(context, input_ids, anchors, head, attention="flex")
     torch.testing.assert_close(flex, sdpa, rtol=1e-9, atol=1e-9)
+
+
+def _tiles(counts: torch.Tensor | None, indices: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor:
+    listed = torch.zeros(shape, dtype=torch.int32)
+    if counts is not None:
+        for q, (n, row) in enumerate(zip(counts[0, 0].tolist(), indices[0, 0].tolist())):
+            for kv in row[:n]:
+                listed[q, kv] += 1
+    return listed
+
+
+@settings(max_examples=40, deadline=None)
+@given(block_size=st.sampled_from([4, 10, 16]), window=st.sampled_from([None, 13]),
+       lengths=st.lists(st.integers(1, 400), min_size=1, max_size=4), seed=st.integers(0, 2**16))
+def test_flex_tile_lists_cover_the_mask_and_full_tiles_are_whole(block_size, window, lengths, seed):
+    """The kernel evaluates the mask only on partial tiles and runs full tiles unmasked: every key a query
+    may see must lie in a listed tile, each tile listed once, and a full tile must be allowed throughout."""
+    g = torch.Generator().manual_seed(seed)
+    local = [sorted(torch.randperm(n, generator=g)[: torch.randint(0, n + 1, (1,), generator=g).item()].tolist())
+             for n in lengths]
+    anchors = anchors_from_local(lengths, local)
+    layout = flex_layout(anchors, sum(lengths), block_size, {window})
+    mask = layout.masks[window]
+    q_len, kv_len = mask.seq_lengths
+    allowed = mask.mask_mod(0, 0, torch.arange(q_len)[:, None], torch.arange(kv_len)[None, :])
+    tiles = allowed.unflatten(0, (-1, FLEX_TILE)).unflatten(2, (-1, FLEX_TILE))  # [q tile, row, kv tile, key]
+    shape = (tiles.shape[0], tiles.shape[2])
+    partial = _tiles(mask.kv_num_blocks, mask.kv_indices, shape)
+    full = _tiles(mask.full_kv_num_blocks, mask.full_kv_indices, shape)
+    assert int((partial + full).max()) <= 1, "a tile listed twice"
+    seen = tiles.any(dim=3).any(dim=1)
+    assert not (seen & (partial + full == 0)).any(), "a key the mask allows lies in no listed tile"
+    assert bool(tiles.all(dim=3).all(dim=1)[full == 1].all()), "a full tile holds a masked key"
+    if window is None and max(lengths) > 3 * FLEX_TILE and sum(map(len, local)) > 50:
+        assert int(full.sum()) > 0  # long sequences with many anchors: most context tiles run unmasked
