@@ -164,6 +164,8 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--final-hidden", action="store_true", help="also ship the final hidden state")
     bp.add_argument("--padded", action="store_true", help="padded batches instead of packed ones")
     bp.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H200: 989)")
+    bp.add_argument("--no-compile", action="store_true",
+                    help="eager layers only (default on a GPU: eager as the same-run baseline, then compiled layers)")
     bp.set_defaults(func=cmd_bench_target)
     bp = bench.add_parser("pipeline", help="random-weight target + drafter as real processes vs the target alone")
     bp.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
@@ -198,6 +200,8 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--no-check", action="store_true", help="skip the flex-vs-sdpa gradient comparison (GPU)")
     bp.add_argument("--profile", action="store_true", help="add the top GPU kernels of two steps")
     bp.add_argument("--no-compile", action="store_true", help="run the decoder layers eagerly")
+    bp.add_argument("--compile-cache", default="",
+                    help="persistent compile cache root (run.compile_cache_dir); run twice to see a warm start")
     bp.set_defaults(func=cmd_bench_drafter)
     return p
 
@@ -436,7 +440,7 @@ def cmd_bench_drafter(args: argparse.Namespace) -> int:
     print(json.dumps(run_drafter_bench(args.tiny, args.steps, anchors_per_group=args.anchors_per_group,
                                        attention=args.attention, loss_chunk=args.loss_chunk,
                                        check=not args.no_check, profile=args.profile,
-                                       compile=not args.no_compile), indent=2))
+                                       compile=not args.no_compile, compile_cache=args.compile_cache), indent=2))
     return 0
 
 
@@ -471,7 +475,7 @@ def cmd_bench_target(args: argparse.Namespace) -> int:
 
     report = run_target_bench(shape="tiny" if args.tiny else args.shape, device=args.device, batches=args.batches, max_tokens=args.max_tokens,
                               draft_layers=args.draft_layers, final_hidden=args.final_hidden, packed=not args.padded,
-                              peak_flops=args.peak_tflops * 1e12, quiet=args.json)
+                              peak_flops=args.peak_tflops * 1e12, compile=not args.no_compile, quiet=args.json)
     print(json.dumps(report, indent=2))
     return 0
 

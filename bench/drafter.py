@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import platform
 import time
+from dataclasses import asdict
 from datetime import datetime, timezone
 from typing import Any
 
 import torch
 
+from dflash_ring.common.compile_cache import use_compile_cache
 from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.consumer.loss import dflash_loss
 from dflash_ring.consumer.model import FrozenTargetHead, build_drafter, cu_seqlens_from_lengths, sample_anchors
@@ -63,7 +65,7 @@ def _top_kernels(prof, n: int = 15) -> list[list]:
 def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int = 4, seq_len: int = 3072,
                       anchors: int = 512, anchors_per_group: int = 64, attention: str = "auto",
                       loss_chunk: int = 1024, check: bool = True, profile: bool = False, compile: bool = True,
-                      peak_flops: float = H200_BF16_PEAK) -> dict:
+                      compile_cache: str = "", peak_flops: float = H200_BF16_PEAK) -> dict:
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     attention = attention if attention != "auto" else ("flex" if cuda else "sdpa")
@@ -91,11 +93,13 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int = 4, seq_len
             torch.cuda.synchronize()
         return time.perf_counter()
 
+    compile = compile and cuda and attention == "flex"
+    cache = use_compile_cache(compile_cache, "bench-drafter", {"drafter": asdict(drafter), "target": target,
+                                                               "attention": attention}) if compile else None
     grad_err = None
     if check and cuda:  # flex has no CPU backward
         ctx, ids, mask = host.to(dev), ids_host.to(dev), mask_host.to(dev)
         grad_err = _grad_check(model, head, drafter, ctx, ids, mask, sample_anchors(mask, cu, anchors, gen), cuda)
-    compile = compile and cuda and attention == "flex"
     if compile:
         model.compile_layers()
 
@@ -146,6 +150,7 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int = 4, seq_len
         "loss_chunk_tokens": loss_chunk,
         "compiled_layers": compile,
         "warmup_s": round(compile_s, 1),
+        "compile_cache": None if cache is None else str(cache),
         "flex_vs_sdpa_grad_rel_err": None if grad_err is None else round(grad_err, 5),
         "step_split_s": {k: round(v, 4) for k, v in mean.items()},
         "sync_s": 0.0,  # one replica: no collective in the step

@@ -10,7 +10,9 @@ synthetic samples with a chat-like length distribution:
       side stream into registered slots, publish) with a consumer thread releasing slots;
   (c) the forward of the same samples in the other layout (padded when (a) is packed).
 
-b / a is what the ring costs the producer (1.0: nothing). MFU counts model FLOPs only: 2 x the
+On a GPU (a) runs twice: eager layers first (the baseline), then compiled layers (target.compile, what
+the producer runs), whose features on the first timed batch are compared with the eager ones; (b) and
+(c) then run compiled. b / a (compiled) is what the ring costs the producer (1.0: nothing). MFU counts model FLOPs only: 2 x the
 parameters that run for a token (MoE: shared parts plus top-k of the experts), plus causal softmax
 attention over each sequence (sliding layers: within the window; linear-attention layers: their
 projections only), against a dense bf16 peak.
@@ -126,6 +128,35 @@ def _loader(batches: list[Batch], target: TargetModel, device: torch.device) -> 
     return Loader(iter(batches), lambda b: prepare(b, packed=target.packed, pad_id=0, pin=device.type == "cuda"))
 
 
+def _features(target: TargetModel, batch: Batch) -> torch.Tensor:
+    prep = next(iter(_loader([batch], target, target.device)))
+    out = run_target(target, prep).features.clone()
+    _sync(target.device)
+    return out
+
+
+def _fp32_features(target: TargetModel, batch: Batch) -> torch.Tensor:
+    """The same batch through the same weights in float32 (eager; per-sequence attention off the bf16-only
+    varlen kernel): the reference both bf16 paths are measured against. Parameters only: buffers such as
+    RoPE's inv_freq are float32 already, and a round trip of the module would leave them bf16."""
+    params = list(target.decoder.parameters())
+    dtype = params[0].dtype
+    for p in params:
+        p.data = p.data.float()
+    try:
+        return _features(target, batch)
+    finally:
+        for p in params:
+            p.data = p.data.to(dtype)  # bf16 -> fp32 -> bf16 is exact
+
+
+def _rel_l2(got: torch.Tensor, want: torch.Tensor, layer: int | None, width: int) -> float:
+    if layer is not None:
+        got, want = (t[:, layer * width:(layer + 1) * width] for t in (got, want))
+    want = want.float()
+    return float(f"{((got.float() - want).norm() / want.norm()).item():.4g}")
+
+
 def time_forward(target: TargetModel, warm: list[Batch], timed: list[Batch]) -> float:
     for prep in _loader(warm, target, target.device):
         run_target(target, prep)
@@ -190,7 +221,7 @@ def time_into_ring(target: TargetModel, warm: list[Batch], timed: list[Batch], m
 
 def run_target_bench(*, shape: str = "qwen3-8b", device: str | None = None, batches: int = 0, max_tokens: int = 0,
                      draft_layers: int = 5, final_hidden: bool = False, packed: bool = True,
-                     peak_flops: float = 989e12, quiet: bool = False) -> dict[str, Any]:
+                     peak_flops: float = 989e12, compile: bool = True, quiet: bool = False) -> dict[str, Any]:
     tiny = shape == "tiny"
     dev = resolve_device(device or "auto")
     dtype = resolve_dtype("auto", dev)
@@ -224,6 +255,28 @@ def run_target_bench(*, shape: str = "qwen3-8b", device: str | None = None, batc
     # Warm with the timed batches too: Triton kernels (flash-linear-attention) compile per shape seen.
     forward_s = time_forward(target, warm + timed, timed)
     say(f"forward alone ({'packed' if packed else 'padded'}): {tokens / forward_s:,.0f} tokens/s")
+    compiled = None
+    if compile and dev.type == "cuda" and packed:
+        eager_s, eager = forward_s, _features(target, timed[0])
+        reference = _fp32_features(target, timed[0])
+        t0 = time.perf_counter()
+        layers = target.compile_layers()
+        forward_s = time_forward(target, warm + timed, timed)
+        warm_s = time.perf_counter() - t0 - forward_s
+        fused = _features(target, timed[0])
+        width = target.hidden_size
+        compiled = {"layers": len(layers), "warmup_s": round(warm_s, 1),
+                    "eager_tokens_per_s": round(tokens / eager_s, 1),
+                    "ratio_compiled_over_eager": round(eager_s / forward_s, 3),
+                    "rel_l2_vs_fp32_per_layer": {
+                        "layer_ids": target.layer_ids,
+                        "eager_bf16": [_rel_l2(eager, reference, i, width) for i in range(len(target.layer_ids))],
+                        "compiled_bf16": [_rel_l2(fused, reference, i, width) for i in range(len(target.layer_ids))]},
+                    "rel_l2_compiled_vs_eager": _rel_l2(fused, eager, None, width)}
+        del eager, reference, fused
+        say(f"compiled layers: {tokens / forward_s:,.0f} tokens/s ({compiled['ratio_compiled_over_eager']}x eager); "
+            f"error against fp32 per captured layer: eager {compiled['rel_l2_vs_fp32_per_layer']['eager_bf16']}, "
+            f"compiled {compiled['rel_l2_vs_fp32_per_layer']['compiled_bf16']}")
     ring_s, waited_s, slot_bytes = time_into_ring(target, warm, timed, max_tokens, slots=4 if tiny else 3)
     say(f"into the ring: {tokens / ring_s:,.0f} tokens/s")
     # The other layout, same samples (the plans differ: padding counts against the token budget).
@@ -260,6 +313,7 @@ def run_target_bench(*, shape: str = "qwen3-8b", device: str | None = None, batc
                     "mean_length": round(tokens / sum(len(b.lengths) for b in timed), 1),
                     "padding_fraction": round(1.0 - tokens / padded, 4)},
         "forward_tokens_per_s": round(tokens / forward_s, 1),
+        "compiled": compiled,
         "ring_tokens_per_s": round(tokens / ring_s, 1),
         "ratio_ring_over_forward": round(forward_s / ring_s, 3),
         "layouts": {"packed_tokens_per_s": round(packed_rate, 1), "padded_tokens_per_s": round(padded_rate, 1),
@@ -267,5 +321,6 @@ def run_target_bench(*, shape: str = "qwen3-8b", device: str | None = None, batc
         "ring": {"slot_bytes": slot_bytes, "bytes_per_token": bytes_per_token,
                  "gb_per_s": round(tokens * bytes_per_token / ring_s / 1e9, 3), "wait_s": round(waited_s, 3)},
         "mfu": {"peak_flops": peak_flops, "flops_per_token": round(flops / tokens),
-                "forward": float(f"{flops / forward_s / peak_flops:.4g}"), "ring": float(f"{flops / ring_s / peak_flops:.4g}")},
+                "forward": float(f"{flops / forward_s / peak_flops:.4g}"), "ring": float(f"{flops / ring_s / peak_flops:.4g}"),
+                "eager_forward": None if compiled is None else float(f"{flops / eager_s / peak_flops:.4g}")},
     }

@@ -42,6 +42,9 @@ class RunConfig:
     # Empty: off. Else every process appends what it committed, consumed and trained to
     # <ledger_dir>/<role>-<index>.jsonl (common/ledger.py), e.g. for `dflash-ring chaos`.
     ledger_dir: str = ""
+    # torch.compile caches (common/compile_cache.py), one directory per role and model config, so a restarted
+    # process skips compiling; empty: torch's defaults under /tmp.
+    compile_cache_dir: str = "~/.cache/dflash_ring/compile"
 
 
 @dataclass

@@ -50,7 +50,7 @@ def check_semaphore(name: str, fix: str) -> None:
     check_private(st, f"semaphore {name}", fix)
 
 
-def ensure_private_dir(path: Path) -> None:
+def ensure_private_dir(path: Path, what: str = "lock directory", setting: str = "run.run_dir") -> None:
     """Create path and its missing parents mode 0700; refuse it if anyone else could swap or read it.
 
     Every existing ancestor must belong to root or to this user and, unless sticky, not be
@@ -62,28 +62,28 @@ def ensure_private_dir(path: Path) -> None:
     while not p.exists():
         missing.append(p)
         p = p.parent
-    fix = f"Remove it (it may need root) or set run.run_dir to a directory of your own"
+    fix = f"Remove it (it may need root) or set {setting} to a directory of your own"
     for ancestor in reversed(path.parents):
         if ancestor in missing:
             break
-        _check_ancestor(ancestor, fix)
+        _check_ancestor(ancestor, what, fix)
     for d in reversed(missing):
         try:
             os.mkdir(d, 0o700)
         except FileExistsError:
             pass
-        _check_own_dir(d, "lock-directory parent" if d != path else "lock directory", fix)
-    _check_own_dir(path, "lock directory", fix)
+        _check_own_dir(d, f"{what} parent" if d != path else what, fix)
+    _check_own_dir(path, what, fix)
 
 
-def _check_ancestor(d: Path, fix: str) -> None:
+def _check_ancestor(d: Path, what: str, fix: str) -> None:
     st = os.stat(d)
     if st.st_uid not in (0, os.geteuid()):
-        raise ForeignObjectError(f"lock-directory parent {d} belongs to uid {st.st_uid}, not to this user "
-                                 f"(uid {os.geteuid()}) or root: its owner could replace the lock directory. {fix}")
+        raise ForeignObjectError(f"{what} parent {d} belongs to uid {st.st_uid}, not to this user "
+                                 f"(uid {os.geteuid()}) or root: its owner could replace the {what}. {fix}")
     if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-        raise ForeignObjectError(f"lock-directory parent {d} has mode {stat.S_IMODE(st.st_mode):04o}: others may "
-                                 f"write to it and it is not sticky, so they could replace the lock directory. {fix}")
+        raise ForeignObjectError(f"{what} parent {d} has mode {stat.S_IMODE(st.st_mode):04o}: others may "
+                                 f"write to it and it is not sticky, so they could replace the {what}. {fix}")
 
 
 def _check_own_dir(d: Path, what: str, fix: str) -> None:

@@ -75,6 +75,9 @@ class TargetConfig:
     # features equal to each sequence's own forward; "auto": packed when the probe passes, padded (with a
     # warning naming the first layer that differs) otherwise; "padded": no probe, padded batches.
     packing: Packing = "auto"
+    # torch.compile each decoder layer on a GPU for packed batches (fuses norms, RoPE, SiLU and residual adds
+    # around the matmuls; the first batches compile, later starts load from run.compile_cache_dir).
+    compile: bool = True
     # Cursor files (<state_dir>/<run>/producer-<i>.json): where to resume when the ring is gone.
     state_dir: str = "~/.cache/dflash_ring/state"
 

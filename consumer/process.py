@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from dflash_ring.common import sd_notify
+from dflash_ring.common.compile_cache import use_compile_cache
 from dflash_ring.common.config import Config
 from dflash_ring.common.crash_points import crash_point
 from dflash_ring.common.drafter_config import DrafterConfig
@@ -273,6 +274,10 @@ def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
         target_config = target_config_dict(cfg.target.path)
         head = load_target_head(cfg.target.path, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                                 device=device)
+        if cfg.train.compile and device.type == "cuda":
+            use_compile_cache(cfg.run.compile_cache_dir, "drafter",
+                              {"drafter": asdict(drafter_cfg), "target": target_config,
+                               "attention": cfg.train.attention_for("cuda")})
         torch.manual_seed(cfg.train.seed)  # the initial weights: reproducible, and equal across replicas
         trainer = Trainer(build_drafter(drafter_cfg, target_config), head, drafter_cfg, cfg.train, device)
         store = CheckpointStore(Path(cfg.train.checkpoint_dir) / f"drafter-{index}")

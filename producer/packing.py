@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from torch import nn
@@ -41,7 +43,25 @@ except ImportError:  # torch < 2.9
 PACKED = {"sdpa": "packed_varlen", "eager": "packed_varlen_eager"}
 FLASH = ("flash_attention_2", "flash_attention_3")
 # Keyword arguments the packed forward adds; stripped before a module sees one sequence.
-PACK_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "cu_seqlens_cpu")
+PACK_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+# The packed sequences' [start, end) spans on the host, for the per-sequence paths. A context variable, not a
+# forward argument: a Python list among a compiled layer's inputs is guarded element by element, so every
+# new batch shape would compile the layer again.
+_SPANS: ContextVar[list[tuple[int, int]] | None] = ContextVar("packed_spans", default=None)
+
+
+@contextmanager
+def packed_spans(spans: list[tuple[int, int]]) -> Iterator[None]:
+    """While a packed forward runs: where each sequence lies in the pack."""
+    token = _SPANS.set(spans)
+    try:
+        yield
+    finally:
+        _SPANS.reset(token)
+
+
+def current_spans() -> list[tuple[int, int]] | None:
+    return _SPANS.get()
 # Decoder-layer attributes holding a recurrent token mixer.
 RECURRENT_MIXERS = ("linear_attn",)
 
@@ -92,6 +112,17 @@ def _varlen_kernel(query, key, value, cu_seqlens, max_len, scaling, sliding_wind
     return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **options).unsqueeze(0)
 
 
+@torch._dynamo.disable  # a Python loop over the pack's sequences: never traced into a compiled layer
+def _per_sequence_attention(module, query, key, value, reference, scaling, sliding_window, extra) -> torch.Tensor:
+    attend = _reference_attention(module, reference)
+    outs = []
+    for start, end in current_spans():
+        q, k, v = (t[:, :, start:end] for t in (query, key, value))
+        mask = _sequence_mask(end - start, sliding_window, reference, query)
+        outs.append(attend(module, q, k, v, mask, scaling=scaling, sliding_window=sliding_window, **extra)[0])
+    return torch.cat(outs, dim=1)
+
+
 def _packed_attention(reference: str) -> Callable:
     def packed_attention(
         module: nn.Module,
@@ -102,7 +133,6 @@ def _packed_attention(reference: str) -> Callable:
         *,
         cu_seq_lens_q: torch.Tensor,
         max_length_q: int,
-        cu_seqlens_cpu: list[int],
         scaling: float | None = None,
         sliding_window: int | None = None,
         s_aux: torch.Tensor | None = None,
@@ -111,16 +141,10 @@ def _packed_attention(reference: str) -> Callable:
         """Causal attention within each packed sequence, none across. q/k/v: [1, heads, tokens, head_dim]."""
         if _varlen_kernel_fits(query, sliding_window, s_aux):
             return _varlen_kernel(query, key, value, cu_seq_lens_q, max_length_q, scaling, sliding_window), None
-        attend = _reference_attention(module, reference)
         extra = {k: v for k, v in kwargs.items() if k not in PACK_KWARGS}
         if s_aux is not None:
             extra["s_aux"] = s_aux
-        outs = []
-        for start, end in zip(cu_seqlens_cpu[:-1], cu_seqlens_cpu[1:]):
-            q, k, v = (t[:, :, start:end] for t in (query, key, value))
-            mask = _sequence_mask(end - start, sliding_window, reference, query)
-            outs.append(attend(module, q, k, v, mask, scaling=scaling, sliding_window=sliding_window, **extra)[0])
-        return torch.cat(outs, dim=1), None
+        return _per_sequence_attention(module, query, key, value, reference, scaling, sliding_window, extra), None
 
     return packed_attention
 
@@ -139,12 +163,12 @@ def packed_implementation(reference: str) -> str:
     return PACKED[reference]
 
 
-def per_sequence(mixer: nn.Module, bounds: Callable[[], list[tuple[int, int]] | None]) -> None:
-    """Make a recurrent mixer run each packed sequence alone, from a zero state, while `bounds()` is set."""
+def per_sequence(mixer: nn.Module) -> None:
+    """Make a recurrent mixer run each packed sequence alone, from a zero state, while a packed forward runs."""
     forward = mixer.forward
 
     def forward_per_sequence(*args, **kwargs):
-        spans = bounds()
+        spans = current_spans()
         if spans is None:
             return forward(*args, **kwargs)
         if "hidden_states" in kwargs:

@@ -35,6 +35,7 @@ import posix_ipc
 import torch
 
 from dflash_ring.common import sd_notify
+from dflash_ring.common.compile_cache import use_compile_cache
 from dflash_ring.common.config import Config
 from dflash_ring.common.gpu_metrics import device_uuid
 from dflash_ring.common.layout import Role, RowStatus
@@ -392,6 +393,11 @@ def run_producer(cfg: Config, index: int, device_name: str | None = None) -> int
         metrics.packing.labels("packed" if target.packed else "padded", target.config.model_type).set(1)
         metrics.conformance_error.set(float("nan") if probe is None or probe.max_error is None else probe.max_error)
         check_slot_fits(cfg, target)
+        if cfg.target.compile and device.type == "cuda" and target.packed:
+            use_compile_cache(cfg.run.compile_cache_dir, "target",
+                              {"model": target.config.to_dict(), "layers": target.layer_ids, "dtype": str(target.dtype),
+                               "final_hidden": target.final_hidden})
+            log.info("compiled decoder layers %s (first batches compile)", target.compile_layers())
         batcher = ShardBatcher.from_config(sources, cfg.data, rank=index, world_size=producers, packing=target.packed)
         path = cursor_path(cfg.target.state_dir, cfg.run.name, index)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from .packing import packed_implementation, per_sequence, recurrent_mixers
+from .packing import packed_implementation, packed_spans, per_sequence, recurrent_mixers
 from dflash_ring.common.target_config import TargetConfig, TargetConfigError
 
 log = logging.getLogger(__name__)
@@ -103,11 +103,11 @@ class TargetModel:
         self.deepest = max(self.layer_ids)
         self._captured: dict[int, torch.Tensor] = {}
         self._active = False
-        self._spans: list[tuple[int, int]] | None = None  # set while a packed forward runs
         for layer_id in set(self.layer_ids):
             layers[layer_id].register_forward_hook(self._hook(layer_id))
-        for mixer in recurrent_mixers(layers).values():
-            per_sequence(mixer, lambda: self._spans)
+        self._recurrent = recurrent_mixers(layers)
+        for mixer in self._recurrent.values():
+            per_sequence(mixer)
         # The model's own attention: what padded batches and the conformance probe's reference run.
         self.attn_implementation = self.decoder.config._attn_implementation
         self.packed = False
@@ -131,6 +131,18 @@ class TargetModel:
                  device, target.dtype, target.attn_implementation, target.layer_ids, len(target.decoder.layers),
                  ", final hidden shipped" if cfg.ship_final_hidden else f", stops after layer {target.deepest}")
         return target
+
+    def compile_layers(self, backend: str = "inductor") -> list[int]:
+        """torch.compile the forward of each decoder layer that runs (one graph per layer kind, any token count),
+        fusing the norms, RoPE, SiLU and residual adds around the matmuls. The capture hooks stay outside the
+        compiled forward, so truncation and capture work as in eager. Layers with a recurrent mixer stay eager:
+        they loop over the pack's sequences in Python. Returns the compiled layer ids."""
+        depth = len(self.decoder.layers) if self.final_hidden else self.deepest + 1
+        compiled = [i for i in range(depth) if i not in self._recurrent]
+        for i in compiled:
+            layer = self.decoder.layers[i]
+            layer.forward = torch.compile(layer.forward, backend=backend, dynamic=True)
+        return compiled
 
     @property
     def device(self) -> torch.device:
@@ -162,15 +174,13 @@ class TargetModel:
     def forward_packed(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                        cu_seqlens_cpu: list[int]) -> TargetOutput:
         """input_ids/position_ids [tokens] (positions restart at 0 per sequence), cu_seqlens [n + 1] int32."""
-        self._spans = list(zip(cu_seqlens_cpu[:-1], cu_seqlens_cpu[1:]))
-        max_len = max(b - a for a, b in self._spans)
-        try:
+        spans = list(zip(cu_seqlens_cpu[:-1], cu_seqlens_cpu[1:]))
+        max_len = max(b - a for a, b in spans)
+        with packed_spans(spans):
             final = self._run(
                 input_ids=input_ids[None], position_ids=position_ids[None], cu_seq_lens_q=cu_seqlens,
-                cu_seq_lens_k=cu_seqlens, max_length_q=max_len, max_length_k=max_len, cu_seqlens_cpu=cu_seqlens_cpu,
+                cu_seq_lens_k=cu_seqlens, max_length_q=max_len, max_length_k=max_len,
             )
-        finally:
-            self._spans = None
         features = torch.cat([self._captured[i][0] for i in self.layer_ids], dim=-1)
         self._captured.clear()
         return TargetOutput(features, None if final is None else final[0])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,41 @@ def test_padded_batches_match_to_rounding_and_keep_only_real_tokens(targets):
     expected = reference_features(targets["qwen3"], sequences(batch), target.layer_ids)
     for got, want in zip(split(out.features, batch), expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.processes)])  # cc runs
+def test_compiled_layers_keep_features_truncation_and_one_graph_for_any_pack(targets, backend):
+    """target.compile: the capture hooks stay outside the compiled forward (features and the early stop work
+    as in eager) and batches with other token and sequence counts reuse the compiled graphs: the spans travel
+    outside the layer's inputs, where a Python list would be guarded element by element."""
+    from torch._dynamo.utils import counters
+
+    if backend == "inductor" and shutil.which("cc") is None:
+        pytest.skip("Inductor on the CPU needs a C compiler")
+    torch._dynamo.reset()
+    cfg = TargetConfig(path=str(targets["qwen3"]), layer_ids=[3, 1])
+    eager = TargetModel.load(cfg, torch.device("cpu"), packed=True)
+    compiled = TargetModel.load(cfg, torch.device("cpu"), packed=True)
+    assert compiled.compile_layers(backend) == [0, 1, 2, 3]  # layers 4 and 5 never run
+    calls: dict[str, int] = {}
+    for name, module in compiled.decoder.named_children():
+        for i, sub in enumerate(module) if name == "layers" else [(None, module)]:
+            key = name if i is None else f"layers.{i}"
+            sub.register_forward_pre_hook(lambda m, a, key=key: calls.__setitem__(key, calls.get(key, 0) + 1))
+    packs = [LENGTHS, [5, 300, 17], [64] * 9, [33]]
+    for i, lengths in enumerate(packs):
+        batch = packed_batch(lengths)
+        want = run_target(eager, prepare(batch, packed=True, pad_id=0, pin=False)).features
+        got = run_target(compiled, prepare(batch, packed=True, pad_id=0, pin=False)).features
+        if backend == "aot_eager":
+            assert torch.equal(got, want)
+        else:  # fused float32 kernels round differently
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        if i == 1:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs  # no recompiles after the first two packs
+    assert {k: v for k, v in calls.items() if k.startswith("layers.")} == {f"layers.{i}": len(packs) for i in range(4)}
+    assert "norm" not in calls
 
 
 def count_calls(target: TargetModel) -> tuple[dict[str, int], list[int]]:
