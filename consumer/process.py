@@ -279,7 +279,9 @@ def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
                               {"drafter": asdict(drafter_cfg), "target": target_config,
                                "attention": cfg.train.attention_for("cuda")})
         torch.manual_seed(cfg.train.seed)  # the initial weights: reproducible, and equal across replicas
-        trainer = Trainer(build_drafter(drafter_cfg, target_config), head, drafter_cfg, cfg.train, device)
+        with torch.device(device):  # initialised where it trains: an 8B-wide drafter takes ~10 s on a CPU
+            model = build_drafter(drafter_cfg, target_config)
+        trainer = Trainer(model, head, drafter_cfg, cfg.train, device)
         store = CheckpointStore(Path(cfg.train.checkpoint_dir) / f"drafter-{index}")
         consumed = Consumed()
         if (ckpt := store.load_latest()) is not None:
