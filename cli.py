@@ -203,7 +203,23 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--compile-cache", default="",
                     help="persistent compile cache root (run.compile_cache_dir); run twice to see a warm start")
     bp.set_defaults(func=cmd_bench_drafter)
+    bp = bench.add_parser("checkpoint", help="a checkpoint's cost to the training step: in the step vs in the "
+                                             "background")
+    bp.add_argument("--tiny", action="store_true", help="a small shape (CPU smoke run)")
+    bp.add_argument("--every", type=_at_least_one, default=100,
+                    help="steps between checkpoints (costs are reported as a fraction of this many steps)")
+    bp.add_argument("--steps", type=_at_least_one, default=10, help="baseline steps before and after the checkpoints")
+    bp.add_argument("--dir", default=None, help="where to write the checkpoints (a fresh directory in it, removed "
+                                               "after; default: the system's temporary directory)")
+    bp.set_defaults(func=cmd_bench_checkpoint)
     return p
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -441,6 +457,13 @@ def cmd_bench_drafter(args: argparse.Namespace) -> int:
                                        attention=args.attention, loss_chunk=args.loss_chunk,
                                        check=not args.no_check, profile=args.profile,
                                        compile=not args.no_compile, compile_cache=args.compile_cache), indent=2))
+    return 0
+
+
+def cmd_bench_checkpoint(args: argparse.Namespace) -> int:
+    from dflash_ring.bench.checkpoint import run_checkpoint_bench
+
+    print(json.dumps(run_checkpoint_bench(args.tiny, args.every, args.steps, args.dir), indent=2))
     return 0
 
 

@@ -6,7 +6,8 @@ comparison. Names: "claimed" (a slot CASed to WRITING, its item not numbered yet
 "published" and "released" (the slot's CAS done, its counts not yet updated), "trained" (a drafter's
 step on an item returned, its slot not yet released); `regenerate`'s "regenerate.shard_written" (a shard's
 temporary file synced, not yet renamed) and "regenerate.shard_renamed" (the shard file in place, its record
-not yet written).
+not yet written); "checkpoint.written" (a drafter checkpoint's files synced in its temporary directory, in the
+background writer's thread when checkpoints are asynchronous; no manifest yet, not renamed).
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ Records (`ev`, plus `pid` and `t`, wall-clock seconds):
                 train {item, deliveries, producer, epoch, pos, step}
                                                       `train_step` returned on that batch; written just
                                                       before its slot is released
-                ckpt  {step, items}                   a checkpoint is durable
+                ckpt  {step, items, snapshot_t}       a checkpoint is durable; snapshot_t: when its state was
+                                                      taken (written in the background, it lands later)
                 exit  {step}                          clean exit
 
 A batch's identity is (producer, epoch, pos): pos is its index in that producer's list for the

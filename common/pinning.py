@@ -1,4 +1,4 @@
-"""Page-lock the ring mapping for the GPU, so copies to and from a slot run at PCIe speed.
+"""Page-lock the ring mapping (and a checkpoint snapshot's buffer) for the GPU, so copies run at PCIe speed.
 
 Each process registers its own mapping once (cudaHostRegister is per process):
 ~48 ms per GB when the pages are already touched, and it lifts H2D from ~7 to
@@ -24,7 +24,7 @@ class HostRegistration:
             return
         rc = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), _PORTABLE)
         if int(rc) != 0:
-            log.warning("cudaHostRegister of %d bytes failed (error %s): ring copies will be unpinned",
+            log.warning("cudaHostRegister of %d bytes failed (error %s): copies to and from them will be unpinned",
                         tensor.numel(), int(rc))
             return
         self._ptr = tensor.data_ptr()

@@ -32,6 +32,9 @@ class TrainConfig:
     checkpoint_dir: str = "runs/default/checkpoints"
     checkpoint_every_steps: int = 200
     keep_checkpoints: int = 3
+    # Copy the state to host memory in the step and write the checkpoint on a thread (consumer/async_checkpoint.py);
+    # false: write it in the step. A kill mid-write loses up to two intervals of updates instead of one.
+    async_checkpoints: bool = True
     log_every_steps: int = 10
 
     def attention_for(self, device_type: str) -> str:

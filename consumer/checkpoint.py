@@ -15,6 +15,9 @@ manifest.json, written last inside the temporary directory (so the rename publis
 files), holds the sha256 of every other file: load refuses a checkpoint whose bytes changed since
 (a flipped bit in tensor data loads fine as safetensors and trains or exports NaNs). Checkpoints
 written before manifests existed load unverified, with a warning.
+
+`save` is the one writer, whether the drafter calls it in its step or a background thread calls it on a
+host snapshot (consumer/async_checkpoint.py): the files are the same either way.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from dflash_ring.common.crash_points import crash_point
 from dflash_ring.common.durable import fsync
 
 log = logging.getLogger(__name__)
@@ -57,12 +61,13 @@ class Checkpoint:
 
 
 def optimizer_to_flat(state_dict: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """torch optimizer state -> (tensors for safetensors, JSON-able rest)."""
+    """torch optimizer state -> (tensors for safetensors, JSON-able rest). The tensors stay where they are
+    (a snapshot copies them to host memory itself)."""
     tensors, scalars = {}, {}
     for idx, per_param in state_dict["state"].items():
         for key, value in per_param.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{idx}.{key}"] = value.detach().cpu().contiguous()
+                tensors[f"{idx}.{key}"] = value.detach()
             else:
                 scalars[f"{idx}.{key}"] = value
     return tensors, {"param_groups": state_dict["param_groups"], "scalars": scalars}
@@ -88,12 +93,13 @@ class CheckpointStore:
         tmp.mkdir()
         opt_tensors, opt_rest = optimizer_to_flat(ckpt.optimizer)
         save_file({k: v.detach().cpu().contiguous() for k, v in ckpt.model.items()}, tmp / "model.safetensors")
-        save_file(opt_tensors, tmp / "optimizer.safetensors")
+        save_file({k: v.cpu().contiguous() for k, v in opt_tensors.items()}, tmp / "optimizer.safetensors")
         save_file({k: v.cpu().contiguous() for k, v in ckpt.tensors.items()}, tmp / "state.safetensors")
         info = dict(ckpt.info, step=ckpt.step, optimizer=opt_rest)
         (tmp / "trainer.json").write_text(json.dumps(info, indent=1))
         for name in FILES:
             fsync(tmp / name)
+        crash_point("checkpoint.written")  # every file synced, nothing published: the previous checkpoint stands
         (tmp / MANIFEST).write_text(json.dumps({"sha256": {n: _sha256(tmp / n) for n in FILES}}, indent=1))
         fsync(tmp / MANIFEST)
         fsync(tmp)

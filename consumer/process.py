@@ -38,6 +38,7 @@ from dflash_ring.common.ring import Ring, SlotReader
 from dflash_ring.common.role_process import role_process
 from dflash_ring.common.slot_contract import read_item
 from dflash_ring.common.slot_format import SlotFormatError
+from dflash_ring.consumer.async_checkpoint import BackgroundWriter, HostSnapshot
 from dflash_ring.consumer.checkpoint import CheckpointStore, check_same_shape
 from dflash_ring.consumer.model import build_drafter, load_target_head
 from dflash_ring.consumer.replica_group import ReplicaGroup
@@ -209,28 +210,68 @@ class Averaging:
 
 
 class Checkpoints:
-    """The checkpoint policy: every train.checkpoint_every_steps, and once more at the end."""
+    """The checkpoint policy: every train.checkpoint_every_steps, and once more at the end.
+
+    With train.async_checkpoints (the default) a checkpoint costs the step only a copy of the state into host
+    memory (`HostSnapshot`); a thread writes it while training goes on (`BackgroundWriter`), and its `ckpt`
+    ledger record and log line come once it is durable. The consumed items and high-water marks are taken
+    in the same call as the weights, so a resumed drafter's state is one moment's.
+
+    A checkpoint that comes due while the previous one is still being written waits for it rather than
+    being skipped: a SIGKILL then loses at most two intervals of updates (since the last durable snapshot,
+    plus the one being written: the bound `reconcile` checks), where skipping would stretch that without
+    limit on a disk slower than the interval. The wait is logged: checkpoint_every_steps is shorter than a
+    write takes. The final checkpoint, and any write in flight, are durable before `final` returns.
+    """
 
     def __init__(self, store: CheckpointStore, every: int, keep: int, state: Callable[[], dict[str, Any]],
-                 trainer: Trainer):
+                 trainer: Trainer, background: bool = True):
         self.store, self.every, self.keep, self.state, self.trainer = store, every, keep, state, trainer
-        self.saved_at = trainer.step
+        self.saved_at = trainer.step  # the step of the newest checkpoint taken (durable once `wait` returns)
         self.ledger: Ledger | None = None
+        self.snapshot = HostSnapshot() if background else None
+        self.writer = BackgroundWriter(store, keep) if background else None
 
     def save(self) -> None:
-        path = self.store.save(self.trainer.state(self.state()), keep=self.keep)
-        self.saved_at = self.trainer.step
+        info = self.state()
+        taken_t = time.time()
+        ckpt = self.trainer.state(info)
+        step, items = ckpt.step, info["items"]
+        if self.writer is None:
+            self._durable(self.store.save(ckpt, keep=self.keep), step, items, taken_t)
+        else:
+            busy, t0 = self.writer.busy, time.perf_counter()
+            self.writer.wait()  # the buffer is free only once the previous write is done (raises if it failed)
+            if busy:
+                log.warning("checkpoint at step %d waited %.1f s for the write of step %d: a write takes longer than "
+                            "train.checkpoint_every_steps = %d steps", step, time.perf_counter() - t0,
+                            self.saved_at, self.every)
+            host = self.snapshot.take(ckpt)
+            self.trainer.hold_updates(self.snapshot.copied)
+            self.writer.start(host, self.snapshot.copied, lambda path: self._durable(path, step, items, taken_t))
+        self.saved_at = step
+
+    def _durable(self, path: Path, step: int, items: int, taken_t: float) -> None:
         if self.ledger is not None:
-            self.ledger.write("ckpt", step=self.trainer.step, items=self.state()["items"])
+            self.ledger.write("ckpt", step=step, items=items, snapshot_t=round(taken_t, 4))
         log.info("checkpoint %s", path)
 
     def after_step(self, step: int) -> None:
+        if self.writer is not None:
+            self.writer.check()  # a failed background write stops the drafter now, as a failed save in the step did
         if step - self.saved_at >= self.every:
             self.save()
 
+    def wait(self) -> None:
+        """Until the checkpoint being written is durable (raises if its write failed)."""
+        if self.writer is not None:
+            self.writer.wait()
+
     def final(self) -> None:
+        self.wait()
         if self.trainer.step != self.saved_at or self.store.load_latest() is None:
             self.save()
+            self.wait()
 
 
 class DrafterLoop:
@@ -292,7 +333,7 @@ def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
         checkpoints = Checkpoints(store, cfg.train.checkpoint_every_steps, cfg.train.keep_checkpoints,
                                   lambda: {"consumed": consumed.by_producer, "items": consumed.items,
                                            "drafter": asdict(drafter_cfg), "target_config": target_config},
-                                  trainer)
+                                  trainer, background=cfg.train.async_checkpoints)
         ring = proc.attach(pin=True)  # after loading: a wrong model fails at once, not after a ring appears
         me = proc.join("model loaded, ring attached")
         checkpoints.ledger = proc.ledger

@@ -76,6 +76,7 @@ class Trainer:
         self.anchor_rng = torch.Generator(device=device).manual_seed(train.seed)
         self.step = 0
         self._micro = 0
+        self._hold: torch.cuda.Event | None = None
 
     @property
     def accumulated(self) -> int:
@@ -105,6 +106,9 @@ class Trainer:
             group["lr"] = lr
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        if self._hold is not None:  # a checkpoint snapshot still copying these weights and moments out
+            torch.cuda.current_stream(self.device).wait_event(self._hold)
+            self._hold = None
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -115,7 +119,14 @@ class Trainer:
             step_s=time.perf_counter() - t0,
         )
 
+    def hold_updates(self, copied: torch.cuda.Event | None) -> None:
+        """The next optimizer step waits, on the device and not the host, until `copied` has passed: a checkpoint
+        snapshot's copy of the weights and moments overlaps the next forward and backward, never their update.
+        (Replica averaging writes the weights only after an optimizer step, so it waits too.)"""
+        self._hold = copied
+
     def state(self, info: dict[str, Any]) -> Checkpoint:
+        """The state to checkpoint, by reference: the live weights and optimizer state, fresh RNG states."""
         tensors = {"rng.torch": torch.get_rng_state(), "rng.anchors": self.anchor_rng.get_state()}
         if self.device.type == "cuda":
             tensors["rng.cuda"] = torch.cuda.get_rng_state(self.device)

@@ -101,6 +101,24 @@ def test_ledger_reconciliation_counts_each_batch_trained_once_through_redelivery
     assert gone["missing"] == 1 and gone["missing_examples"] == [(0, 0, 3)]
 
 
+def test_updates_a_killed_drafter_loses_count_from_when_its_last_durable_checkpoint_was_taken():
+    """A checkpoint written in the background becomes durable (its `ckpt` record) after later batches trained:
+    they are not in it and die with a kill. So a kill mid-write can lose up to two intervals (bound 2 x every + 2)."""
+    producer = [_rec("start", 10, 0, plan=[8], resume=[0, 0])]
+    producer += [_rec("pub", 10, 1 + k, item=k, epoch=0, pos=k) for k in range(8)]
+    drafter = [_rec("start", 20, 1, step=0)]
+    for k in range(8):  # trains batch k at t = 10 + k (and releases it), then is killed: no exit record
+        drafter += [_rec("got", 20, 9.5 + k, item=k, deliveries=1, **_batch(0, 0, k)),
+                    _rec("train", 20, 10 + k, step=k + 1, item=k, deliveries=1, **_batch(0, 0, k))]
+    drafter.append(_rec("ckpt", 20, 14.5, step=2, items=2, snapshot_t=11.2))  # step 2's state, durable 3 steps on
+    ledgers = {"target-0": producer, "drafter-0": sorted(drafter, key=lambda r: r["t"])}
+    rec = reconcile(ledgers, checkpoint_every=3, grad_accum=1)
+    assert rec["trained_then_lost_with_crash"] == 6 and rec["problems"] == []  # batches 2..7; bound 8
+    assert rec["trained_exactly_once"] == 8
+    over = reconcile(ledgers, checkpoint_every=1, grad_accum=1)
+    assert over["problems"] == ["drafter pid 20 trained 6 batches after its last checkpoint (bound 4)"]
+
+
 def test_ledger_reader_counts_a_line_cut_by_a_kill(tmp_path):
     path = tmp_path / "drafter-0.jsonl"
     path.write_text(json.dumps(_rec("start", 1, 0.0, step=0)) + "\n" + '{"ev":"train","pid":1,"t":1.0,"produ')

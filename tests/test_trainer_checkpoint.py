@@ -1,18 +1,25 @@
-"""Trainer durability: bitwise checkpoint round trips, refusal of partial checkpoints, export."""
+"""Trainer durability: bitwise checkpoint round trips, refusal of partial checkpoints, export, and checkpoints
+written in the background (the same files as in the step, errors raised on the training thread)."""
 
 from __future__ import annotations
 
 import json
+import re
+import signal
 
+import pytest
 import torch
 
-from dflash_ring.consumer.checkpoint import CheckpointStore, export_checkpoint
+from dflash_ring.consumer.async_checkpoint import BackgroundWriter, HostSnapshot
+from dflash_ring.consumer.checkpoint import FILES, CheckpointError, CheckpointStore, export_checkpoint
+from dflash_ring.consumer.process import Checkpoints
 from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.consumer.export import load_drafter
 from dflash_ring.consumer.model import build_drafter, load_target_head
 from dflash_ring.common.train_config import TrainConfig
 from dflash_ring.consumer.trainer import DeviceBatch, Trainer, lr_at
-from support import save_tiny_qwen3
+from dflash_ring.tools.reconcile import read_ledgers, reconcile
+from support import build_target, cyclic_rows, pipeline_config, save_tiny_qwen3, wait_exit
 
 
 def tiny_target(tmp_path):
@@ -133,3 +140,90 @@ def test_a_checkpoint_from_before_manifests_loads_with_a_warning(tmp_path, caplo
     with caplog.at_level("WARNING", logger="dflash_ring.consumer.checkpoint"):
         assert store.load_latest().path == path
     assert "no manifest.json" in caplog.text and "unverified" in caplog.text
+
+
+def test_a_background_checkpoint_is_the_same_files_as_one_written_in_the_step(tmp_path):
+    """The snapshot holds the step's state, consumed items included, however the drafter moves on before the
+    write: the files are byte for byte those of a checkpoint written in the step at the same moment."""
+    trainer, target_config = make_trainer(tmp_path)
+    for s in range(3):
+        trainer.train_step(batch(s), 20)
+    consumed = {"0": [0, 2]}
+    info = {"consumed": consumed, "items": 3, "target_config": target_config}
+    in_step = CheckpointStore(tmp_path / "in-step").save(trainer.state(info), keep=1)
+    snapshot, durable = HostSnapshot(), []
+    host = snapshot.take(trainer.state(info))
+    trainer.train_step(batch(3), 20)  # weights, moments, RNG and consumed items all move on before the write
+    consumed["0"] = [0, 3]
+    writer = BackgroundWriter(CheckpointStore(tmp_path / "background"), keep=1)
+    writer.start(host, snapshot.copied, durable.append)
+    writer.wait()
+    assert [p.name for p in durable] == [in_step.name] == ["step-00000003"]
+    for name in FILES:
+        assert (durable[0] / name).read_bytes() == (in_step / name).read_bytes(), name
+    assert CheckpointStore(tmp_path / "background").load_latest().info["consumed"] == {"0": [0, 2]}
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_checkpoints_one_after_another_each_hold_their_own_step(tmp_path, background):
+    """In the background the snapshot buffer is reused: a checkpoint due while the previous one is written waits."""
+    trainer, _ = make_trainer(tmp_path)
+    store = CheckpointStore(tmp_path / "ckpt")
+    checkpoints = Checkpoints(store, every=1, keep=10, state=lambda: {"items": trainer.step}, trainer=trainer,
+                              background=background)
+    weights = {}
+    for s in range(4):
+        trainer.train_step(batch(s), 20)
+        weights[trainer.step] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        checkpoints.after_step(trainer.step)
+    checkpoints.final()
+    steps = sorted(int(p.name[5:]) for p in (tmp_path / "ckpt").glob("step-*"))
+    assert steps == [1, 2, 3, 4]
+    for step in steps:
+        ckpt = store.load(tmp_path / "ckpt" / f"step-{step:08d}")
+        assert ckpt.info["items"] == step
+        for name, value in weights[step].items():
+            assert torch.equal(ckpt.model[name], value), (step, name)
+
+
+def test_a_failed_background_write_is_raised_on_the_training_thread(tmp_path):
+    trainer, _ = make_trainer(tmp_path)
+    root = tmp_path / "ckpt"
+    root.write_text("")  # a file where the checkpoint directory should be: the write fails
+    checkpoints = Checkpoints(CheckpointStore(root), every=1, keep=1, state=lambda: {"items": 1}, trainer=trainer)
+    trainer.train_step(batch(0), 20)
+    checkpoints.after_step(1)  # the step only takes the snapshot; the write fails on the writer's thread
+    with pytest.raises(CheckpointError, match=f"writing checkpoint step-00000001 under {root} failed"):
+        checkpoints.final()
+
+
+def test_a_drafter_killed_mid_background_write_resumes_from_the_checkpoint_before(run, monkeypatch):
+    """Real processes: the drafter SIGKILLs itself from its writer thread once the second checkpoint's files are
+    synced (crash point "checkpoint.written"), while its training thread goes on. The first checkpoint stays the
+    one to resume from; the restarted drafter goes on from it, and its final checkpoint is durable at exit 0."""
+    target = build_target(run.tmp / "target", "qwen3", layers=4)
+    data = cyclic_rows(run.tmp / "chat.jsonl", 96)
+    ledger = run.tmp / "ledger"
+    pipeline_config(run, target, data, {"run": {"ledger_dir": str(ledger)}, "data": {"epochs": 2},
+                                        "train": {"checkpoint_every_steps": 3, "average_every_steps": 0}}, consumers=1)
+    procs = [run.supervisor(), run.role("target", 0)]
+    monkeypatch.setenv("DFLASH_RING_CRASH_AT", "checkpoint.written@2")
+    drafter = run.role("drafter", 0)
+    monkeypatch.delenv("DFLASH_RING_CRASH_AT")
+    assert wait_exit(drafter, 300) == -signal.SIGKILL, drafter.stderr.read()[-3000:]
+    root = run.tmp / "ckpt" / "drafter-0"
+    assert [p.name for p in root.glob(".tmp-step-*")] == [f".tmp-step-00000006-{drafter.pid}"]  # killed mid-write
+    assert (root / "latest").read_text().strip() == "step-00000003"
+    assert CheckpointStore(root).load_latest().step == 3
+
+    again = run.role("drafter", 0)
+    for p in (*procs, again):
+        assert wait_exit(p, 300) == 0, p.stderr.read()[-3000:]
+    log = again.stderr.read()
+    assert f"resumed from {root / 'step-00000003'} (step 3)" in log, log[-3000:]
+    done = int(re.search(r"drafter 0 done: (\d+) steps", log).group(1))
+    assert CheckpointStore(root).load_latest().step == done > 6
+    assert list(root.glob(".tmp-step-*")) == []  # the killed writer's leftovers are cleared
+    rec = reconcile(read_ledgers(ledger)[0], checkpoint_every=3, grad_accum=1)
+    assert rec["problems"] == [], rec["problems"]
+    assert rec["trained_exactly_once"] == rec["planned_batches"] > 0, rec

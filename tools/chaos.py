@@ -37,8 +37,9 @@ Documented windows (what a kill may cost, by design, without a batch going missi
   first `train` is undone (its update went with the killed process). Nothing is lost in flight.
 - un-checkpointed updates: batches a killed drafter trained after its last checkpoint were
   trained, but those updates are rolled back when it resumes (its replicas keep theirs).
-  Counted as `trained_then_lost_with_crash`, at most train.checkpoint_every_steps x
-  train.grad_accum + 2 per kill.
+  Counted as `trained_then_lost_with_crash`, at most 2 x train.checkpoint_every_steps x
+  train.grad_accum + 2 per kill (a kill while a checkpoint is written in the background loses the
+  interval before it too).
 """
 
 from __future__ import annotations

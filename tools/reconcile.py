@@ -112,12 +112,14 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]], checkpoint_every: int, g
         problems.append(f"{len(lost_in_flight)} batch(es) taken by a drafter and never trained, e.g. "
                         f"{lost_in_flight[:5]}")
 
-    # Trained by a killed drafter after its last checkpoint: the updates went with it.
+    # Trained by a killed drafter after the state of its last durable checkpoint was taken: the updates went with
+    # it. A checkpoint written in the background may still be in flight when the next interval ends (the next one
+    # waits for it): a kill mid-write loses up to two intervals.
     uncheckpointed = 0
-    bound = checkpoint_every * grad_accum + 2
+    bound = 2 * checkpoint_every * grad_accum + 2
     for pid in killed:
         recs = drafter_pids[pid]
-        last_ckpt = max((r["t"] for r in recs if r["ev"] == "ckpt"), default=float("-inf"))
+        last_ckpt = max((r.get("snapshot_t", r["t"]) for r in recs if r["ev"] == "ckpt"), default=float("-inf"))
         n = sum(1 for r in recs if r["ev"] == "train" and r["t"] > last_ckpt)
         uncheckpointed += n
         if n > bound:

@@ -1,0 +1,177 @@
+"""`dflash-ring bench checkpoint`: what a checkpoint costs the training step, written in the step against
+written in the background (train.async_checkpoints), measured in one run.
+
+The drafter (the Qwen3-8B shape of `bench drafter` on a GPU, `--tiny` or no GPU: a small one) trains
+through the drafter process's own Trainer and checkpoint policy (consumer/process.py `Checkpoints`),
+one host-to-device batch copy per step as the prefetcher does. In order:
+
+1. steps without a checkpoint: the baseline step time;
+2. a checkpoint written in the step: all of its time is on the critical path;
+3. the background snapshot's host buffer allocated (and page-locked on a GPU): once per process, reported
+   alone; then the snapshot copy synchronized at its end, what the step would pay if it waited for the copy
+   instead of holding only the next optimizer step until it has passed;
+4. a background checkpoint: the time `save` takes in the step, then training steps until the write is
+   durable. Their excess over the baseline (the copy the next optimizer step waits for, the writer's
+   CPU, memory and PCIe traffic) is added to the critical path;
+5. steps after the write: the baseline again, to show drift.
+
+Each checkpoint's critical path is reported as a fraction of `--every` baseline steps (2% is the goal).
+The checkpoints go to a fresh directory under `--dir` (removed at the end); its filesystem is reported:
+a tmpfs there measures memory, not a disk.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+import safetensors
+import torch
+
+from dflash_ring.bench.drafter import QWEN3_8B, TINY
+from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.train_config import TrainConfig
+from dflash_ring.consumer.checkpoint import CheckpointStore
+from dflash_ring.consumer.model import FrozenTargetHead, build_drafter, cu_seqlens_from_lengths
+from dflash_ring.consumer.process import Checkpoints
+from dflash_ring.consumer.trainer import DeviceBatch, Trainer
+
+
+def run_checkpoint_bench(tiny: bool = False, every: int = 100, steps: int = 10, directory: str | None = None) -> dict:
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    big = cuda and not tiny
+    target = QWEN3_8B if big else TINY
+    seqs, seq_len, anchors = (4, 3072, 512) if big else (2, 256, 32)
+    h, vocab = target["hidden_size"], target["vocab_size"]
+    drafter = DrafterConfig(num_hidden_layers=5, block_size=16, num_anchors=anchors, mask_token_id=vocab - 1)
+    torch.manual_seed(0)
+    model = build_drafter(drafter, target)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    head = FrozenTargetHead(torch.randn(vocab, h, dtype=dtype, device=dev) * 0.02,
+                            torch.randn(vocab, h, dtype=dtype, device=dev) * 0.02)
+    trainer = Trainer(model, head, drafter, TrainConfig(total_steps=100_000), dev)
+    n_ctx = len(model.target_layer_ids)
+    tokens = seqs * seq_len
+    features = torch.randn(tokens, n_ctx * h, dtype=dtype)
+    features = features.pin_memory() if cuda else features
+    ids = torch.randint(0, vocab - 1, (tokens,))
+    mask = torch.arange(tokens) % seq_len >= seq_len // 4  # a prompt quarter in every sample
+    cu = cu_seqlens_from_lengths([seq_len] * seqs)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        batch = DeviceBatch(features.to(dev, non_blocking=True), ids.to(dev), mask.to(dev), cu.to(dev),
+                            meta={"producer": 0, "epoch": 0, "position": trainer.step})
+        trainer.train_step(batch, 100_000)  # returns the loss as a float: the step has finished on the device
+        return time.perf_counter() - t0
+
+    def state() -> dict:
+        return {"consumed": {"0": [0, trainer.step]}, "items": trainer.step, "drafter": asdict(drafter),
+                "target_config": target}
+
+    root = Path(tempfile.mkdtemp(prefix="bench-checkpoint-", dir=directory))
+    try:
+        warmup_s = sum(step() for _ in range(4 if big else 2))  # the first steps compile; the moments appear
+        before = [step() for _ in range(steps)]
+
+        in_step = Checkpoints(CheckpointStore(root / "in-step"), every, 1, state, trainer, background=False)
+        t0 = time.perf_counter()
+        in_step.save()
+        sync_s = time.perf_counter() - t0
+        nbytes = _bytes(root / "in-step")
+        shutil.rmtree(root / "in-step")  # one checkpoint on the disk at a time
+
+        background = Checkpoints(CheckpointStore(root / "background"), every, 1, state, trainer)
+        snapshot = background.snapshot
+        first_s = _synchronized_snapshot(snapshot, trainer)  # allocates and page-locks the buffer
+        synchronized_s = _synchronized_snapshot(snapshot, trainer)
+        started, t0 = time.time(), time.perf_counter()
+        background.save()
+        snapshot_s = time.perf_counter() - t0
+        during = []
+        while background.writer.busy:
+            during.append(step())
+        background.wait()
+        # Until `latest` moved (its mtime; the loop above sees the end only at a step boundary).
+        write_s = (root / "background" / "latest").stat().st_mtime - started
+        assert _bytes(root / "background") == nbytes
+        after = [step() for _ in range(steps)]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    base = statistics.fmean(before + after)
+    interval = every * base
+    interference = sum(during) - len(during) * base
+    async_s = snapshot_s + interference
+    return {
+        "benchmark": "checkpoint",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "safetensors": safetensors.__version__,
+        "shape": {"hidden": h, "draft_layers": drafter.num_hidden_layers, "seqs": seqs, "seq_len": seq_len,
+                  "anchors_per_seq": anchors, "vocab": vocab,
+                  "parameters": sum(p.numel() for p in model.parameters())},
+        "directory": str(root.parent),
+        "filesystem": _filesystem(root.parent),
+        "checkpoint_bytes": nbytes,
+        "host_buffer_bytes": snapshot.nbytes,
+        "every_steps": every,
+        "warmup_s": round(warmup_s, 1),
+        "step_s": {"baseline": round(base, 4), "before": round(statistics.fmean(before), 4),
+                   "after": round(statistics.fmean(after), 4),
+                   "stdev": round(statistics.stdev(before + after), 4) if len(before + after) > 1 else 0.0,
+                   "during_background_write": round(statistics.fmean(during), 4) if during else None},
+        "in_step": {
+            "critical_path_s": round(sync_s, 3),
+            "write_gb_per_s": round(nbytes / sync_s / 1e9, 2),
+            "fraction_of_interval": round(sync_s / interval, 5),
+        },
+        "background": {
+            "first_snapshot_s": round(first_s, 3),  # once per process: the host buffer is allocated and pinned
+            "snapshot_synchronized_s": round(synchronized_s, 3),
+            "snapshot_s": round(snapshot_s, 4),
+            "write_s": round(write_s, 2),
+            "write_gb_per_s": round(nbytes / write_s / 1e9, 2),
+            "steps_during_write": len(during),
+            "interference_s": round(interference, 3),
+            "critical_path_s": round(async_s, 3),
+            "fraction_of_interval": round(async_s / interval, 5),
+        },
+        "background_vs_in_step_critical_path": round(async_s / sync_s, 4),
+    }
+
+
+def _synchronized_snapshot(snapshot, trainer: Trainer) -> float:
+    """A snapshot taken and waited for (nothing written): its copy's full time on the host."""
+    t0 = time.perf_counter()
+    snapshot.take(trainer.state({}))
+    if snapshot.copied is not None:
+        snapshot.copied.synchronize()
+    return time.perf_counter() - t0
+
+
+def _bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+def _filesystem(path: Path) -> str:
+    """The type and device of the mount holding `path` (from /proc/mounts; 'unknown' elsewhere)."""
+    try:
+        mounts = [line.split()[:3] for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return "unknown"
+    real = os.path.realpath(path)
+    inside = [m for m in mounts if real == m[1] or real.startswith(m[1].rstrip("/") + "/")]
+    if not inside:
+        return "unknown"
+    device, mount, kind = max(inside, key=lambda m: len(m[1]))
+    return f"{kind} {device} on {mount}"
