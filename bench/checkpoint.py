@@ -53,7 +53,8 @@ def run_checkpoint_bench(tiny: bool = False, every: int = 100, steps: int = 10, 
     h, vocab = target["hidden_size"], target["vocab_size"]
     drafter = DrafterConfig(num_hidden_layers=5, block_size=16, num_anchors=anchors, mask_token_id=vocab - 1)
     torch.manual_seed(0)
-    model = build_drafter(drafter, target)
+    with torch.device(dev):  # initialised where it trains, as the drafter process does
+        model = build_drafter(drafter, target)
     dtype = torch.bfloat16 if cuda else torch.float32
     head = FrozenTargetHead(torch.randn(vocab, h, dtype=dtype, device=dev) * 0.02,
                             torch.randn(vocab, h, dtype=dtype, device=dev) * 0.02)
