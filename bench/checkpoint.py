@@ -13,7 +13,9 @@ one host-to-device batch copy per step as the prefetcher does. In order:
 4. a background checkpoint: the time `save` takes in the step, then training steps until the write is
    durable. Their excess over the baseline (the copy the next optimizer step waits for, the writer's
    CPU, memory and PCIe traffic) is added to the critical path;
-5. steps after the write: the baseline again, to show drift.
+5. steps after the write: the baseline again, to show drift; then the background checkpoint is loaded and
+   checked against the state cloned just before it was taken (`background_checkpoint_matches_its_step`: on
+   a GPU this is the check of the side-stream copy and of the optimizer step held until it has passed).
 
 Each checkpoint's critical path is reported as a fraction of `--every` baseline steps (2% is the goal).
 The checkpoints go to a fresh directory under `--dir` (removed at the end); its filesystem is reported:
@@ -38,7 +40,7 @@ import torch
 from dflash_ring.bench.drafter import QWEN3_8B, TINY
 from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.common.train_config import TrainConfig
-from dflash_ring.consumer.checkpoint import CheckpointStore
+from dflash_ring.consumer.checkpoint import Checkpoint, CheckpointStore, optimizer_to_flat
 from dflash_ring.consumer.model import FrozenTargetHead, build_drafter, cu_seqlens_from_lengths
 from dflash_ring.consumer.process import Checkpoints
 from dflash_ring.consumer.trainer import DeviceBatch, Trainer
@@ -94,6 +96,7 @@ def run_checkpoint_bench(tiny: bool = False, every: int = 100, steps: int = 10, 
         snapshot = background.snapshot
         first_s = _synchronized_snapshot(snapshot, trainer)  # allocates and page-locks the buffer
         synchronized_s = _synchronized_snapshot(snapshot, trainer)
+        expected = _state_tensors(trainer.state({}))  # on the device: checked against what was written
         started, t0 = time.time(), time.perf_counter()
         background.save()
         snapshot_s = time.perf_counter() - t0
@@ -105,6 +108,8 @@ def run_checkpoint_bench(tiny: bool = False, every: int = 100, steps: int = 10, 
         write_s = (root / "background" / "latest").stat().st_mtime - started
         assert _bytes(root / "background") == nbytes
         after = [step() for _ in range(steps)]
+        written = _state_tensors(CheckpointStore(root / "background").load_latest(fall_back=False))
+        same = written.keys() == expected.keys() and all(torch.equal(written[k], v.cpu()) for k, v in expected.items())
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -123,6 +128,8 @@ def run_checkpoint_bench(tiny: bool = False, every: int = 100, steps: int = 10, 
                   "parameters": sum(p.numel() for p in model.parameters())},
         "directory": str(root.parent),
         "filesystem": _filesystem(root.parent),
+        # The background checkpoint holds the state of its step, though training went on during the copy and write.
+        "background_checkpoint_matches_its_step": same,
         "checkpoint_bytes": nbytes,
         "host_buffer_bytes": snapshot.nbytes,
         "every_steps": every,
@@ -158,6 +165,13 @@ def _synchronized_snapshot(snapshot, trainer: Trainer) -> float:
     if snapshot.copied is not None:
         snapshot.copied.synchronize()
     return time.perf_counter() - t0
+
+
+def _state_tensors(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+    """The weights and optimizer moments of a checkpoint, cloned."""
+    moments, _ = optimizer_to_flat(ckpt.optimizer)
+    return {**{f"model.{k}": v.detach().clone() for k, v in ckpt.model.items()},
+            **{f"optimizer.{k}": v.clone() for k, v in moments.items()}}
 
 
 def _bytes(directory: Path) -> int:
