@@ -12,9 +12,12 @@ the one before it (a crash mid-save, or a truncated file, costs one interval,
 never the run).
 
 manifest.json, written last inside the temporary directory (so the rename publishes it with the
-files), holds the sha256 of every other file: load refuses a checkpoint whose bytes changed since
-(a flipped bit in tensor data loads fine as safetensors and trains or exports NaNs). Checkpoints
-written before manifests existed load unverified, with a warning.
+files), holds the sha256 of every 64 MiB chunk of every other file: load refuses a checkpoint whose bytes
+changed since (a flipped bit in tensor data loads fine as safetensors and trains or exports NaNs). Chunks,
+not whole files, so that all cores hash at once: a restarted 8B-shaped drafter verifies its 12.6 GB in
+about a second instead of spending ~8 s on one core before it can train. Manifests of whole-file digests
+(earlier versions) still verify; checkpoints written before manifests existed load unverified, with a
+warning.
 
 `save` is the one writer, whether the drafter calls it in its step or a background thread calls it on a
 host snapshot (consumer/async_checkpoint.py): the files are the same either way.
@@ -28,6 +31,7 @@ import logging
 import os
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +48,7 @@ log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 FILES = ("model.safetensors", "optimizer.safetensors", "state.safetensors", "trainer.json")
 MANIFEST = "manifest.json"
+CHUNK_BYTES = 64 << 20
 
 
 class CheckpointError(RuntimeError):
@@ -100,7 +105,8 @@ class CheckpointStore:
         for name in FILES:
             fsync(tmp / name)
         crash_point("checkpoint.written")  # every file synced, nothing published: the previous checkpoint stands
-        (tmp / MANIFEST).write_text(json.dumps({"sha256": {n: _sha256(tmp / n) for n in FILES}}, indent=1))
+        (tmp / MANIFEST).write_text(json.dumps({"chunk_bytes": CHUNK_BYTES,
+                                                "sha256_chunks": _chunk_digests([tmp / n for n in FILES])}, indent=1))
         fsync(tmp / MANIFEST)
         fsync(tmp)
         if final.exists():  # a checkpoint of the same step from before a crash: replace it
@@ -152,16 +158,21 @@ class CheckpointStore:
 
     @staticmethod
     def _verify(path: Path) -> None:
-        """Every file's sha256 against the manifest written with it; no manifest: an older checkpoint."""
+        """Every file against the digests in the manifest written with it; no manifest: an older checkpoint."""
         try:
-            digests = json.loads((path / MANIFEST).read_text())["sha256"]
+            manifest = json.loads((path / MANIFEST).read_text())
+            chunked = "sha256_chunks" in manifest
+            digests = manifest["sha256_chunks"] if chunked else manifest["sha256"]
+            if chunked and manifest["chunk_bytes"] != CHUNK_BYTES:
+                raise ValueError(f"chunk_bytes {manifest['chunk_bytes']}, this version hashes {CHUNK_BYTES}")
         except FileNotFoundError:
             log.warning("checkpoint %s has no %s (written before checksums): loading it unverified", path, MANIFEST)
             return
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"unreadable {MANIFEST} ({type(e).__name__}: {e})") from None
+        actual = _chunk_digests([path / n for n in FILES]) if chunked else {n: _sha256(path / n) for n in FILES}
         for name in FILES:
-            if not isinstance(digests, dict) or digests.get(name) != _sha256(path / name):
+            if not isinstance(digests, dict) or digests.get(name) != actual[name]:
                 raise CheckpointError(f"{path / name} does not match the sha256 in its {MANIFEST}: "
                                       "the file is corrupted")
 
@@ -193,6 +204,21 @@ def check_same_shape(ckpt: Checkpoint, model: torch.nn.Module, drafter: dict[str
         diffs = [f"tensor {name} is {theirs.get(name, 'absent')} there, {mine.get(name, 'absent')} here"]
     raise CheckpointError(f"checkpoint {ckpt.path} holds a drafter of another shape ({'; '.join(diffs)}): resume "
                           f"with the settings it was trained with, or move {ckpt.path.parent} away to start afresh")
+
+
+def _chunk_digests(paths: list[Path]) -> dict[str, list[str]]:
+    """sha256 of each CHUNK_BYTES of each file, on a thread per core (pread and hashlib release the GIL)."""
+    def digest(path: Path, offset: int) -> str:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return hashlib.sha256(os.pread(fd, CHUNK_BYTES, offset)).hexdigest()
+        finally:
+            os.close(fd)
+
+    jobs = {p: range(0, max(p.stat().st_size, 1), CHUNK_BYTES) for p in paths}
+    with ThreadPoolExecutor(max_workers=min(32, os.cpu_count() or 1)) as pool:
+        futures = {p: [pool.submit(digest, p, offset) for offset in offsets] for p, offsets in jobs.items()}
+        return {p.name: [f.result() for f in fs] for p, fs in futures.items()}
 
 
 def _sha256(path: Path) -> str:

@@ -127,8 +127,37 @@ def test_bit_flipped_latest_checkpoint_is_refused_with_one_line_and_the_previous
     assert loaded.path == first and loaded.step == 1
     assert [r.levelname for r in caplog.records] == ["ERROR"]
     assert str(second / "model.safetensors") in caplog.records[0].getMessage()
-    assert json.loads((second / "manifest.json").read_text())["sha256"].keys() == {
+    assert json.loads((second / "manifest.json").read_text())["sha256_chunks"].keys() == {
         "model.safetensors", "optimizer.safetensors", "state.safetensors", "trainer.json"}
+
+
+def test_chunked_digests_catch_a_flip_in_any_chunk_and_whole_file_manifests_still_verify(tmp_path, monkeypatch):
+    """Chunks are hashed on all cores at load (restart time); a flip in the middle of a many-chunk file is
+    refused all the same, and a manifest of whole-file digests (written by earlier versions) still verifies."""
+    from dflash_ring.consumer import checkpoint as module
+
+    monkeypatch.setattr(module, "CHUNK_BYTES", 4096)
+    trainer, _ = make_trainer(tmp_path)
+    store = CheckpointStore(tmp_path / "ckpt")
+    trainer.train_step(batch(0), 20)
+    path = store.save(trainer.state({}), keep=3)
+    manifest = json.loads((path / "manifest.json").read_text())
+    size = (path / "optimizer.safetensors").stat().st_size
+    assert len(manifest["sha256_chunks"]["optimizer.safetensors"]) == -(-size // 4096) > 3
+    assert store.load(path).step == 1
+    whole = {"sha256": {n: module._sha256(path / n) for n in FILES}}
+    (path / "manifest.json").write_text(json.dumps(whole))
+    assert store.load(path).step == 1
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    data = bytearray((path / "optimizer.safetensors").read_bytes())
+    data[size // 2] ^= 0x01  # inside a middle chunk
+    (path / "optimizer.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="optimizer.safetensors does not match"):
+        store.load(path)
+    manifest["chunk_bytes"] = 8192
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="chunk_bytes 8192"):
+        store.load(path)
 
 
 def test_a_checkpoint_from_before_manifests_loads_with_a_warning(tmp_path, caplog):
