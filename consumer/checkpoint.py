@@ -121,10 +121,11 @@ class CheckpointStore:
         self._prune(keep)
         return final
 
-    def load_latest(self, fall_back: bool = True) -> Checkpoint | None:
+    def load_latest(self, fall_back: bool = True, device: torch.device | str = "cpu") -> Checkpoint | None:
         """The newest checkpoint that loads completely; None if there is none at all.
 
         fall_back=False (export): a refused latest checkpoint is an error, not silently an older one.
+        device: where the weights and optimizer moments go (a resuming drafter: its GPU, without a host copy).
         """
         candidates = self._complete_dirs()
         latest = self.root / "latest"
@@ -133,7 +134,7 @@ class CheckpointStore:
             candidates.sort(key=lambda p: (p.name != name, -int(STEP_DIR.match(p.name).group(1))))
         for path in candidates:
             try:
-                return self.load(path)
+                return self.load(path, device)
             except CheckpointError as e:
                 if not fall_back:
                     raise CheckpointError(f"latest checkpoint {path} refused: {e}. To use an earlier one, name "
@@ -142,16 +143,17 @@ class CheckpointStore:
                 log.error("refusing checkpoint %s: %s; trying the one before it", path, e)
         return None
 
-    def load(self, path: Path) -> Checkpoint:
+    def load(self, path: Path, device: torch.device | str = "cpu") -> Checkpoint:
         missing = [n for n in FILES if not (path / n).is_file()]
         if missing:
             raise CheckpointError(f"missing {', '.join(missing)}")
         self._verify(path)
         try:
             info = json.loads((path / "trainer.json").read_text())
-            model = load_file(path / "model.safetensors")
-            opt = optimizer_from_flat(load_file(path / "optimizer.safetensors"), info.pop("optimizer"))
-            tensors = load_file(path / "state.safetensors")
+            model = load_file(path / "model.safetensors", device=str(device))
+            opt = optimizer_from_flat(load_file(path / "optimizer.safetensors", device=str(device)),
+                                      info.pop("optimizer"))
+            tensors = load_file(path / "state.safetensors")  # RNG states: host tensors by torch's contract
         except (SafetensorError, OSError, ValueError, KeyError) as e:
             raise CheckpointError(f"unreadable ({type(e).__name__}: {e})") from None
         return Checkpoint(int(info.pop("step")), model, opt, tensors, info, path)

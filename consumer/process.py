@@ -325,7 +325,7 @@ def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
         trainer = Trainer(model, head, drafter_cfg, cfg.train, device)
         store = CheckpointStore(Path(cfg.train.checkpoint_dir) / f"drafter-{index}")
         consumed = Consumed()
-        if (ckpt := store.load_latest()) is not None:
+        if (ckpt := store.load_latest(device=device)) is not None:
             check_same_shape(ckpt, trainer.model, asdict(drafter_cfg))
             trainer.restore(ckpt)
             consumed = Consumed(ckpt.info.get("consumed", {}), int(ckpt.info.get("items", 0)))
