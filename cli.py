@@ -236,9 +236,14 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
 
 def cmd_supervisor(args: argparse.Namespace) -> int:
+    from dflash_ring.common.startup import Startup
     from dflash_ring.supervisor.supervisor import Supervisor
 
-    sup = Supervisor(_config(args), reclaim_stale=args.reclaim_stale)
+    startup = Startup("supervisor")
+    startup.mark("imports")
+    cfg = _config(args)
+    startup.mark("config")
+    sup = Supervisor(cfg, startup, reclaim_stale=args.reclaim_stale)
     try:
         sup.start()
         return sup.run()
@@ -315,10 +320,14 @@ def _checked_index(cfg: Config, role: str, index: int) -> int:
 
 
 def cmd_target(args: argparse.Namespace) -> int:
+    from dflash_ring.common.startup import Startup
     from dflash_ring.producer.process import run_producer
 
+    startup = Startup(f"target {args.index}")
+    startup.mark("imports")
     cfg = _config(args)
-    return run_producer(cfg, _checked_index(cfg, "producers", args.index), args.device)
+    startup.mark("config")
+    return run_producer(cfg, _checked_index(cfg, "producers", args.index), args.device, startup)
 
 
 def cmd_check_target(args: argparse.Namespace) -> int:
@@ -362,10 +371,14 @@ def cmd_data_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_drafter(args: argparse.Namespace) -> int:
+    from dflash_ring.common.startup import Startup
     from dflash_ring.consumer.process import run_drafter
 
+    startup = Startup(f"drafter {args.index}")
+    startup.mark("imports")
     cfg = _config(args)
-    return run_drafter(cfg, _checked_index(cfg, "consumers", args.index), args.device)
+    startup.mark("config")
+    return run_drafter(cfg, _checked_index(cfg, "consumers", args.index), args.device, startup)
 
 
 def cmd_regenerate(args: argparse.Namespace) -> int:

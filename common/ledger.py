@@ -22,6 +22,8 @@ Records (`ev`, plus `pid` and `t`, wall-clock seconds):
                                                       before its slot is released
                 ckpt  {step, items}                   a checkpoint is durable
                 exit  {step}                          clean exit
+    every role  startup {phases: {name: seconds}, total}
+                                                      its first useful work is done (common/startup.py)
 
 A batch's identity is (producer, epoch, pos): pos is its index in that producer's list for the
 epoch, the same coordinates as its resume cursor. `read_ledger` parses tolerantly: a line cut by

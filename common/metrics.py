@@ -121,6 +121,13 @@ def serve(cfg: Config, role: str, index: int = 0, uuid: str = "") -> CollectorRe
     return registry
 
 
+def startup_gauge(registry: CollectorRegistry) -> Gauge:
+    """Start-up phases of this process (common/startup.py names them per role)."""
+    return Gauge("dflash_ring_startup_seconds", "Seconds each start-up phase of this process took, from its exec "
+                 "to its first useful work (supervisor: ring created or adopted; target: first publish; drafter: "
+                 "first step); the phases sum to the whole start-up", ["phase"], registry=registry)
+
+
 class DeviceSpan:
     """Times device work without a sync: CUDA events on a GPU (read once the work is known done), else the clock."""
 

@@ -43,6 +43,7 @@ from dflash_ring.common.resume_state import CursorFile, ResumeState, cursor_path
 from dflash_ring.common.metrics import DeviceSpan, ProducerMetrics
 from dflash_ring.common.ring import Ring, SlotWriter
 from dflash_ring.common.role_process import role_process
+from dflash_ring.common.startup import Startup
 from dflash_ring.common.slot_contract import FEATURES, FINAL_HIDDEN, HOST_TENSORS, META_KEYS, check_fits, item_tensors
 
 from .batching import Batch, Cursor, ShardBatcher
@@ -215,6 +216,7 @@ class Producer:
         self.cursor_file = cursor_file
         self.replay = replay  # the replay list the batches' `replayed` counts refer to
         self.ledger: Ledger | None = None  # run.ledger_dir: one record per published batch
+        self.startup: Startup | None = None  # finished by the first publish
         self.metrics = metrics or ProducerMetrics()
         self.filler = SlotFiller(index, target.device)
         self.stats = Stats()
@@ -276,6 +278,8 @@ class Producer:
         if self.ledger is not None:
             self.ledger.write("pub", item=f.writer.item, epoch=b.epoch, pos=b.position,
                               **({"replay": True} if b.is_replay else {}))
+        if self.startup is not None:
+            self.startup.finish("first_publish", self.ledger)  # resume point, loader, first forward and copy
         if self.cursor_file is not None:
             self.cursor_file.save(ResumeState(b.cursor.epoch, b.cursor.position, self.replay, b.replayed))
         self.ring.heartbeat(self.row)
@@ -372,23 +376,27 @@ def resumed_batches(batcher: ShardBatcher, start: ResumeState) -> Iterator[Batch
         yield replace(batch, replayed=len(start.replay))
 
 
-def run_producer(cfg: Config, index: int, device_name: str | None = None) -> int:
+def run_producer(cfg: Config, index: int, device_name: str | None, startup: Startup) -> int:
     """Produce shard `index` of topology.producers; 0 when finished or stopped cleanly."""
     device = resolve_device(device_name or cfg.target.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     producers = cfg.topology.producers
-    with role_process(cfg, Role.PRODUCER, index, device_uuid(device)) as proc:
+    with role_process(cfg, Role.PRODUCER, index, device_uuid(device), startup) as proc:
         metrics = ProducerMetrics(proc.registry)
         ring = proc.attach(pin=device.type == "cuda")  # a mismatched config fails before any loading
+        startup.mark("attach")  # metrics port, and the wait for the supervisor's ring
         tokenizer = target_tokenizer(cfg.target)
         sources = load_sources(cfg.data, tokenizer)
         metrics.bad_rows.inc(sum(len(s.data.bad_rows) for s in sources))
         composition = data_stats(sources)  # before anything is published: what this run trains on
         for line in log_lines(composition):
             log.info("%s", line)
+        startup.mark("data")  # tokenizer, tokenized data (cached after the first start), its statistics
         target = TargetModel.load(cfg.target, device, packed=False)
+        startup.mark("model")
         probe = choose_packing(target, cfg.target.packing)  # before anything is published
+        startup.mark("probe")
         metrics.packing.labels("packed" if target.packed else "padded", target.config.model_type).set(1)
         metrics.conformance_error.set(float("nan") if probe is None or probe.max_error is None else probe.max_error)
         check_slot_fits(cfg, target)
@@ -397,6 +405,7 @@ def run_producer(cfg: Config, index: int, device_name: str | None = None) -> int
         path.parent.mkdir(parents=True, exist_ok=True)
         cursor_file = CursorFile(path, plan_key(batcher), plan_description(batcher))
         me = proc.join("model loaded, ring attached")
+        startup.mark("join")  # the batch plan, and the row (waits for a dead predecessor's lock)
         plan = [len(batcher.epoch_plan(e)) for e in range(cfg.data.epochs)]
         ring.set_planned_items(me.row, sum(plan))
         loader = None
@@ -416,6 +425,7 @@ def run_producer(cfg: Config, index: int, device_name: str | None = None) -> int
                 proc.ledger.write("start", plan=plan, resume=[start.epoch, start.position],
                                   replay=[list(x) for x in start.pending_replay])
                 producer.ledger = proc.ledger
+            producer.startup = startup
             if producer.run(loader):
                 ring.set_row_status(me.row, RowStatus.DONE)
                 if proc.ledger is not None:

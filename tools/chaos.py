@@ -134,6 +134,10 @@ def _percentile(values: list[float], q: float) -> float | None:
     return round(values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))], 2)
 
 
+def _p50_max(values: list[float]) -> dict[str, float | None]:
+    return {"p50": _percentile(values, 0.5), "max": _percentile(values, 1.0)}
+
+
 def recoveries(kills: list[Kill], spawns: list[tuple[float, str, int]],
                ledgers: dict[str, list[dict[str, Any]]]) -> tuple[list[float], int]:
     """Seconds from each kill to its role's next incarnation doing work; and kills never recovered."""
@@ -154,6 +158,23 @@ def recoveries(kills: list[Kill], spawns: list[tuple[float, str, int]],
         else:
             times.append(done - k.t)
     return times, unrecovered
+
+
+def startup_phases(ledgers: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per role: how many starts reached their first useful work, and p50/max of each start-up phase and the total
+    (the `startup` ledger records, common/startup.py)."""
+    by_role: dict[str, list[dict[str, Any]]] = {}
+    for name, recs in ledgers.items():
+        by_role.setdefault(name.split("-")[0], []).extend(r for r in recs if r["ev"] == "startup")
+    out = {}
+    for role, recs in sorted(by_role.items()):
+        phases: dict[str, list[float]] = {}
+        for r in recs:
+            for phase, s in r["phases"].items():
+                phases.setdefault(phase, []).append(s)
+        out[role] = {"starts": len(recs), "total_s": _p50_max([r["total"] for r in recs]),
+                     "phases_s": {phase: _p50_max(xs) for phase, xs in phases.items()}}
+    return out
 
 
 # ---- one phase: start, (kill,) wait, check -------------------------------------------------------------
@@ -463,7 +484,8 @@ def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
         "restarts": phase.restarter.restarts, "full_restarts_after_drain": phase.full_restarts,
         "whole_run_stops": phase.run_stops,
         "recoveries": len(rec_times), "not_recovered_before_the_end": unrecovered,
-        "recovery_s": {"p50": _percentile(rec_times, 0.5), "max": _percentile(rec_times, 1.0)},
+        "recovery_s": _p50_max(rec_times),
+        "startup": startup_phases(ledgers),
         "throughput": {**thr, "baseline_items_per_s": base_rate,
                        "lost": round(1 - chaos_rate / base_rate, 3) if chaos_rate and base_rate else None},
         "ledger": {k: v for k, v in rec.items() if k != "problems"},

@@ -26,6 +26,9 @@ def format_report(rep: dict[str, Any]) -> str:
         f"trained then lost with a crash (un-checkpointed) {led['trained_then_lost_with_crash']}",
         f"  throughput in the fault window {thr.get('items_per_s')} items/s vs {thr.get('baseline_items_per_s')} "
         f"without faults: lost {thr.get('lost')}",
+        *(f"  start-up of {role} ({st['starts']} starts): p50 {st['total_s']['p50']}s, max {st['total_s']['max']}s; "
+          + ", ".join(f"{p} {v['p50']}/{v['max']}s" for p, v in st["phases_s"].items())
+          for role, st in c["startup"].items()),
         f"  hung: {c['hung'] or 'none'}; left after clean: {c['clean']['leftovers'] or 'nothing'}; "
         "checkpoints: " + ", ".join(f"{n} step {v.get('step')}" for n, v in c["checkpoints"].items()),
     ]
