@@ -278,8 +278,6 @@ class Producer:
         if self.ledger is not None:
             self.ledger.write("pub", item=f.writer.item, epoch=b.epoch, pos=b.position,
                               **({"replay": True} if b.is_replay else {}))
-        if self.startup is not None:
-            self.startup.finish("first_publish", self.ledger)  # resume point, loader, first forward and copy
         if self.cursor_file is not None:
             self.cursor_file.save(ResumeState(b.cursor.epoch, b.cursor.position, self.replay, b.replayed))
         self.ring.heartbeat(self.row)
@@ -292,7 +290,9 @@ class Producer:
             m.d2h.observe(f.copy_span.seconds())
         if f.target_span is not None:
             m.step.observe(f.target_span.seconds())
-        m.items.inc()  # last: once it matches the ring's count, the item's other numbers are in
+        m.items.inc()  # once it matches the ring's count, the item's other numbers are in
+        if self.startup is not None:  # last: a scrape that shows it shows this item's numbers too
+            self.startup.finish("first_publish", self.ledger)  # resume point, loader, first forward and copy
         if time.monotonic() - self._logged > LOG_EVERY_S:
             self._log()
 
