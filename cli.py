@@ -165,14 +165,18 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--padded", action="store_true", help="padded batches instead of packed ones")
     bp.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H200: 989)")
     bp.set_defaults(func=cmd_bench_target)
-    bp = bench.add_parser("pipeline", help="random-weight target + drafter as real processes vs the target alone")
+    bp = bench.add_parser("pipeline", help="random-weight target + drafter as real processes vs each alone; "
+                                                 "the balanced topology; with kills, restart times")
     bp.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
     bp.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke run)")
     bp.add_argument("--seconds", type=float, default=90.0, help="steady-state window measured")
     bp.add_argument("--warmup-steps", type=int, default=0, help="drafter steps before the window (0: 8, tiny 3)")
     bp.add_argument("--workdir", help="where the target, data and logs go (default: a new temporary directory)")
     bp.add_argument("--port-base", type=int, default=19460, help="metrics ports of the bench's processes")
-    bp.add_argument("--kill-drafter", action="store_true", help="after the window: SIGKILL the drafter, restart it")
+    bp.add_argument("--kill-drafter", action="store_true",
+                    help="after the window: SIGKILL the drafter, restart it; its start-up and everyone's tokens/s")
+    bp.add_argument("--kill-target", action="store_true",
+                    help="after the window (and a drafter kill): SIGKILL the target, restart it; likewise")
     bp.set_defaults(func=cmd_bench_pipeline)
     bp = bench.add_parser("regenerate", help="the regenerate hf engine's generated tokens/s vs plain model.generate")
     bp.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
@@ -474,7 +478,8 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
     from dflash_ring.bench.pipeline import run_pipeline_bench
 
     report = run_pipeline_bench(tiny=args.tiny, seconds=args.seconds, warmup_steps=args.warmup_steps,
-                                workdir=args.workdir, port_base=args.port_base, kill_drafter=args.kill_drafter)
+                                workdir=args.workdir, port_base=args.port_base, kill_drafter=args.kill_drafter,
+                                kill_target=args.kill_target)
     print(json.dumps(report, indent=2))
     return 0
 
