@@ -167,14 +167,18 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--no-compile", action="store_true",
                     help="eager layers only (default on a GPU: eager as the same-run baseline, then compiled layers)")
     bp.set_defaults(func=cmd_bench_target)
-    bp = bench.add_parser("pipeline", help="random-weight target + drafter as real processes vs the target alone")
+    bp = bench.add_parser("pipeline", help="random-weight target + drafter as real processes vs each alone; "
+                                                 "the balanced topology; with kills, restart times")
     bp.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
     bp.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke run)")
     bp.add_argument("--seconds", type=float, default=90.0, help="steady-state window measured")
     bp.add_argument("--warmup-steps", type=int, default=0, help="drafter steps before the window (0: 8, tiny 3)")
     bp.add_argument("--workdir", help="where the target, data and logs go (default: a new temporary directory)")
     bp.add_argument("--port-base", type=int, default=19460, help="metrics ports of the bench's processes")
-    bp.add_argument("--kill-drafter", action="store_true", help="after the window: SIGKILL the drafter, restart it")
+    bp.add_argument("--kill-drafter", action="store_true",
+                    help="after the window: SIGKILL the drafter, restart it; its start-up and everyone's tokens/s")
+    bp.add_argument("--kill-target", action="store_true",
+                    help="after the window (and a drafter kill): SIGKILL the target, restart it; likewise")
     bp.set_defaults(func=cmd_bench_pipeline)
     bp = bench.add_parser("regenerate", help="the regenerate hf engine's generated tokens/s vs plain model.generate")
     bp.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
@@ -256,9 +260,14 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
 
 def cmd_supervisor(args: argparse.Namespace) -> int:
+    from dflash_ring.common.startup import Startup
     from dflash_ring.supervisor.supervisor import Supervisor
 
-    sup = Supervisor(_config(args), reclaim_stale=args.reclaim_stale)
+    startup = Startup("supervisor")
+    startup.mark("imports")
+    cfg = _config(args)
+    startup.mark("config")
+    sup = Supervisor(cfg, startup, reclaim_stale=args.reclaim_stale)
     try:
         sup.start()
         return sup.run()
@@ -335,10 +344,14 @@ def _checked_index(cfg: Config, role: str, index: int) -> int:
 
 
 def cmd_target(args: argparse.Namespace) -> int:
+    from dflash_ring.common.startup import Startup
     from dflash_ring.producer.process import run_producer
 
+    startup = Startup(f"target {args.index}")
+    startup.mark("imports")
     cfg = _config(args)
-    return run_producer(cfg, _checked_index(cfg, "producers", args.index), args.device)
+    startup.mark("config")
+    return run_producer(cfg, _checked_index(cfg, "producers", args.index), args.device, startup)
 
 
 def cmd_check_target(args: argparse.Namespace) -> int:
@@ -382,10 +395,14 @@ def cmd_data_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_drafter(args: argparse.Namespace) -> int:
+    from dflash_ring.common.startup import Startup
     from dflash_ring.consumer.process import run_drafter
 
+    startup = Startup(f"drafter {args.index}")
+    startup.mark("imports")
     cfg = _config(args)
-    return run_drafter(cfg, _checked_index(cfg, "consumers", args.index), args.device)
+    startup.mark("config")
+    return run_drafter(cfg, _checked_index(cfg, "consumers", args.index), args.device, startup)
 
 
 def cmd_regenerate(args: argparse.Namespace) -> int:
@@ -488,7 +505,8 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
     from dflash_ring.bench.pipeline import run_pipeline_bench
 
     report = run_pipeline_bench(tiny=args.tiny, seconds=args.seconds, warmup_steps=args.warmup_steps,
-                                workdir=args.workdir, port_base=args.port_base, kill_drafter=args.kill_drafter)
+                                workdir=args.workdir, port_base=args.port_base, kill_drafter=args.kill_drafter,
+                                kill_target=args.kill_target)
     print(json.dumps(report, indent=2))
     return 0
 

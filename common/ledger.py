@@ -23,6 +23,8 @@ Records (`ev`, plus `pid` and `t`, wall-clock seconds):
                 ckpt  {step, items, snapshot_t}       a checkpoint is durable; snapshot_t: when its state was
                                                       taken (written in the background, it lands later)
                 exit  {step}                          clean exit
+    every role  startup {phases: {name: seconds}, total}
+                                                      its first useful work is done (common/startup.py)
 
 A batch's identity is (producer, epoch, pos): pos is its index in that producer's list for the
 epoch, the same coordinates as its resume cursor. `read_ledger` parses tolerantly: a line cut by

@@ -19,8 +19,8 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from prometheus_client import (
     GC_COLLECTOR,
     PLATFORM_COLLECTOR,
@@ -37,6 +37,9 @@ from prometheus_client.registry import Collector
 
 from dflash_ring.common.config import Config, MetricsConfig
 from dflash_ring.common.layout import OPERATOR_NAME, ROLE_NAME, Role
+
+if TYPE_CHECKING:  # the supervisor serves metrics without torch (a second of its start-up on a small box)
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -121,10 +124,19 @@ def serve(cfg: Config, role: str, index: int = 0, uuid: str = "") -> CollectorRe
     return registry
 
 
+def startup_gauge(registry: CollectorRegistry) -> Gauge:
+    """Start-up phases of this process (common/startup.py names them per role)."""
+    return Gauge("dflash_ring_startup_seconds", "Seconds each start-up phase of this process took, from its exec "
+                 "to its first useful work (supervisor: ring created or adopted; target: first publish; drafter: "
+                 "first step); the phases sum to the whole start-up", ["phase"], registry=registry)
+
+
 class DeviceSpan:
     """Times device work without a sync: CUDA events on a GPU (read once the work is known done), else the clock."""
 
     def __init__(self, device: torch.device, stream: torch.cuda.Stream | None = None):
+        import torch
+
         self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         if device.type == "cuda":
             self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))

@@ -6,8 +6,6 @@ from __future__ import annotations
 import socket
 from datetime import timedelta
 
-from torch.distributed import TCPStore
-
 from dflash_ring.common.config import ConfigError
 
 
@@ -25,6 +23,8 @@ class Rendezvous:
     """
 
     def __init__(self, address: str):
+        from torch.distributed import TCPStore  # here: a supervisor that serves no group starts without torch
+
         host, port = parse_rendezvous(address)
         try:
             family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]

@@ -29,14 +29,16 @@ from dflash_ring.common.ledger import Ledger
 from dflash_ring.common.membership import Membership
 from dflash_ring.common.metrics import serve
 from dflash_ring.common.ring import Ring
+from dflash_ring.common.startup import Startup
 
 
 class RoleProcess:
     """What a target or drafter process holds for its lifetime; made by `role_process`."""
 
     def __init__(self, cfg: Config, role: Role, index: int, registry: CollectorRegistry,
-                 stack: contextlib.ExitStack):
+                 stack: contextlib.ExitStack, startup: Startup):
         self.cfg, self.role, self.index, self.registry = cfg, role, index, registry
+        self.startup = startup
         self.stop = threading.Event()
         self.ring: Ring | None = None
         self.member: Membership | None = None
@@ -68,9 +70,10 @@ class RoleProcess:
 
 
 @contextmanager
-def role_process(cfg: Config, role: Role, index: int, gpu_uuid: str) -> Iterator[RoleProcess]:
+def role_process(cfg: Config, role: Role, index: int, gpu_uuid: str, startup: Startup) -> Iterator[RoleProcess]:
     registry = serve(cfg, OPERATOR_NAME[role], index, gpu_uuid)
     if cfg.metrics.enabled:
         registry.register(GpuCollector([gpu_uuid]))
+    startup.export(registry)
     with contextlib.ExitStack() as stack:
-        yield RoleProcess(cfg, role, index, registry, stack)
+        yield RoleProcess(cfg, role, index, registry, stack, startup)

@@ -19,10 +19,10 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import PretrainedConfig, Qwen3Config
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.consumer.drafter_hf_config import block_size_of, drafter_hf_config, qwen3_config
+from dflash_ring.consumer.qwen3_blocks import Qwen3MLP, Qwen3RMSNorm, rope_frequencies, rotate_half
 # The frozen head lives in target_head.py; re-exported for callers that import it from here.
 from .target_head import EMBED_KEYS, LM_HEAD_KEYS, FrozenTargetHead, load_target_head  # noqa: F401
 
@@ -362,9 +362,8 @@ class DFlashDraftModel(nn.Module):
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         # A plain fp32 tensor, not a buffer (HF's inv_freq is an nn.Buffer, which would re-register):
         # model.to(bfloat16) must not round the RoPE frequencies, serving stacks keep them in fp32.
-        rotary = Qwen3RotaryEmbedding(config)
-        self._inv_freq = torch.empty_like(rotary.inv_freq, dtype=torch.float32).copy_(rotary.inv_freq)
-        self._rope_scaling = rotary.attention_scaling
+        inv_freq, self._rope_scaling = rope_frequencies(config)
+        self._inv_freq = inv_freq.to(torch.float32)
         self._windows = {layer.self_attn.sliding_window for layer in self.layers}
         for module in self.modules():
             if isinstance(module, nn.Linear):

@@ -37,6 +37,7 @@ from dflash_ring.common.metrics import DrafterMetrics
 from dflash_ring.common.ring import Ring, SlotReader
 from dflash_ring.common.role_process import role_process
 from dflash_ring.common.slot_contract import read_item
+from dflash_ring.common.startup import Startup
 from dflash_ring.common.slot_format import SlotFormatError
 from dflash_ring.consumer.async_checkpoint import BackgroundWriter, HostSnapshot
 from dflash_ring.consumer.checkpoint import CheckpointStore, check_same_shape
@@ -307,9 +308,9 @@ class DrafterLoop:
         self.checkpoints.after_step(m.step)
 
 
-def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
+def run_drafter(cfg: Config, index: int, device_name: str | None, startup: Startup) -> int:
     device = pick_device(device_name or cfg.train.device, index)
-    with role_process(cfg, Role.CONSUMER, index, device_uuid(device)) as proc:
+    with role_process(cfg, Role.CONSUMER, index, device_uuid(device), startup) as proc:
         metrics = DrafterMetrics(proc.registry)
         drafter_cfg = resolve_drafter_config(cfg)
         target_config = target_config_dict(cfg.target.path)
@@ -323,6 +324,7 @@ def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
         with torch.device(device):  # initialised where it trains: an 8B-wide drafter takes ~10 s on a CPU
             model = build_drafter(drafter_cfg, target_config)
         trainer = Trainer(model, head, drafter_cfg, cfg.train, device)
+        startup.mark("model")  # metrics port, the target's frozen head, the drafter built on its device
         store = CheckpointStore(Path(cfg.train.checkpoint_dir) / f"drafter-{index}")
         consumed = Consumed()
         if (ckpt := store.load_latest(device=device)) is not None:
@@ -330,16 +332,19 @@ def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
             trainer.restore(ckpt)
             consumed = Consumed(ckpt.info.get("consumed", {}), int(ckpt.info.get("items", 0)))
             log.info("resumed from %s (step %d)", ckpt.path, ckpt.step)
+        startup.mark("checkpoint")
         checkpoints = Checkpoints(store, cfg.train.checkpoint_every_steps, cfg.train.keep_checkpoints,
                                   lambda: {"consumed": consumed.by_producer, "items": consumed.items,
                                            "drafter": asdict(drafter_cfg), "target_config": target_config},
                                   trainer, background=cfg.train.async_checkpoints)
         ring = proc.attach(pin=True)  # after loading: a wrong model fails at once, not after a ring appears
+        startup.mark("attach")
         me = proc.join("model loaded, ring attached")
         checkpoints.ledger = proc.ledger
         if proc.ledger is not None:
             proc.ledger.write("start", step=trainer.step)
         averaging = Averaging(cfg, index, trainer.model, drafter_cfg)
+        startup.mark("join")  # the row (waits for a dead predecessor's lock), the replicas' weights caught up
         log.info("drafter %d on %s: %d parameters, ring %s", index, device,
                  sum(p.numel() for p in trainer.model.parameters()), ring.name)
         prefetch = Prefetcher(ring, me.row, device, metrics)
@@ -349,7 +354,9 @@ def run_drafter(cfg: Config, index: int, device_name: str | None = None) -> int:
                            lambda: ring.wait_seconds, cfg.train.log_every_steps, proc.ledger, ring.release)
         prefetch.start()
         while (taken := _next(prefetch, proc.stop, me)) is not None:
+            startup.mark("first_item")  # waited for and copied out of the ring
             loop.train(taken)
+            startup.finish("first_step", proc.ledger)  # the first training step (compiles, when it does)
         prefetch.stopping.set()
         averaging.leave_group()
         for taken in _leftovers(prefetch):  # claimed already: train it, as the stop promises

@@ -13,11 +13,12 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import datasets
+from typing import TYPE_CHECKING, Any
 
 from dflash_ring.common.data_config import DataConfig, DataError
+
+if TYPE_CHECKING:  # imported where a data set is opened: a producer whose tokenized cache is there never needs it
+    import datasets
 
 _SUFFIXES = {".json": "json", ".jsonl": "jsonl", ".parquet": "parquet", ".arrow": "arrow"}
 ROW_COLUMNS = ("messages", "prompt", "response")
@@ -52,6 +53,8 @@ def locate(cfg: DataConfig) -> DataFiles:
 
 def open_dataset(data: DataFiles, cfg: DataConfig) -> tuple[datasets.Dataset, bool]:
     """The rows, and whether they are JSON texts (a "text" column) still to be parsed one by one."""
+    import datasets
+
     hf_cache = Path(cfg.cache_dir).expanduser() / "hf"
     if data.format == "disk":
         return _load_disk(data.root, cfg.split), False
@@ -137,6 +140,8 @@ def _as_json_lines(path: Path, cache: Path) -> Path:
 
 
 def _load_disk(root: Path, split: str) -> datasets.Dataset:
+    import datasets
+
     loaded = datasets.load_from_disk(str(root))
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:

@@ -14,12 +14,9 @@ import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from dflash_ring.common.durable import exclusive
@@ -29,19 +26,15 @@ from dflash_ring.common.data_config import DataConfig, DataError
 from dflash_ring.common.target_config import TargetConfig
 from .data_source import DataFiles, batch_rows, locate, open_dataset
 
+if TYPE_CHECKING:
+    import pyarrow as pa
+
 logger = logging.getLogger(__name__)
 
 # Bump when tokenization or the cache layout changes, so old caches are not reused.
 CACHE_VERSION = 1
 _ARRAYS = ("tokens", "loss_mask", "offsets", "row_ids")
 _WARN_ROWS = 100  # rows warned about one by one; the rest are counted, and all are in meta.json
-_FEATURES = datasets.Features(
-    {
-        "input_ids": datasets.List(datasets.Value("int32")),
-        "loss_mask": datasets.List(datasets.Value("uint8")),
-        "bad": datasets.Value("string"),
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -155,6 +148,9 @@ def _encode_batch(batch: dict[str, list[Any]], *, encoder: ChatEncoder, json_row
 
 
 def _build(cfg: DataConfig, encoder: ChatEncoder, data: DataFiles, key: str, final: Path) -> None:
+    # datasets and pyarrow only here: a start that finds its data tokenized (every restart) never loads them.
+    import datasets
+
     ds, json_rows = open_dataset(data, cfg)
     if len(ds) == 0:
         raise DataError(f"data set {data.root} has no rows")
@@ -170,7 +166,9 @@ def _build(cfg: DataConfig, encoder: ChatEncoder, data: DataFiles, key: str, fin
             batch_size=256,
             num_proc=min(cfg.num_proc, len(ds)) if cfg.num_proc > 1 else None,
             remove_columns=ds.column_names,
-            features=_FEATURES,
+            features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
+                                        "loss_mask": datasets.List(datasets.Value("uint8")),
+                                        "bad": datasets.Value("string")}),
             cache_file_name=str(tmp / "map.arrow"),
             load_from_cache_file=False,
             new_fingerprint=key,
@@ -198,6 +196,8 @@ def _build(cfg: DataConfig, encoder: ChatEncoder, data: DataFiles, key: str, fin
 
 def _materialize(table: pa.Table, out: Path) -> list[tuple[int, str]]:
     """Stream the mapped columns into flat .npy files chunk by chunk, so peak memory stays one chunk."""
+    import pyarrow.compute as pc
+
     lengths = pc.list_value_length(table.column("input_ids")).to_numpy()
     # Every kept sample has at least one assistant token, so empty means skipped.
     good = lengths > 0

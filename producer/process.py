@@ -44,6 +44,7 @@ from dflash_ring.common.resume_state import CursorFile, ResumeState, cursor_path
 from dflash_ring.common.metrics import DeviceSpan, ProducerMetrics
 from dflash_ring.common.ring import Ring, SlotWriter
 from dflash_ring.common.role_process import role_process
+from dflash_ring.common.startup import Startup
 from dflash_ring.common.slot_contract import FEATURES, FINAL_HIDDEN, HOST_TENSORS, META_KEYS, check_fits, item_tensors
 
 from .batching import Batch, Cursor, ShardBatcher
@@ -216,6 +217,7 @@ class Producer:
         self.cursor_file = cursor_file
         self.replay = replay  # the replay list the batches' `replayed` counts refer to
         self.ledger: Ledger | None = None  # run.ledger_dir: one record per published batch
+        self.startup: Startup | None = None  # finished by the first publish
         self.metrics = metrics or ProducerMetrics()
         self.filler = SlotFiller(index, target.device)
         self.stats = Stats()
@@ -289,7 +291,9 @@ class Producer:
             m.d2h.observe(f.copy_span.seconds())
         if f.target_span is not None:
             m.step.observe(f.target_span.seconds())
-        m.items.inc()  # last: once it matches the ring's count, the item's other numbers are in
+        m.items.inc()  # once it matches the ring's count, the item's other numbers are in
+        if self.startup is not None:  # last: a scrape that shows it shows this item's numbers too
+            self.startup.finish("first_publish", self.ledger)  # resume point, loader, first forward and copy
         if time.monotonic() - self._logged > LOG_EVERY_S:
             self._log()
 
@@ -373,23 +377,27 @@ def resumed_batches(batcher: ShardBatcher, start: ResumeState) -> Iterator[Batch
         yield replace(batch, replayed=len(start.replay))
 
 
-def run_producer(cfg: Config, index: int, device_name: str | None = None) -> int:
+def run_producer(cfg: Config, index: int, device_name: str | None, startup: Startup) -> int:
     """Produce shard `index` of topology.producers; 0 when finished or stopped cleanly."""
     device = resolve_device(device_name or cfg.target.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     producers = cfg.topology.producers
-    with role_process(cfg, Role.PRODUCER, index, device_uuid(device)) as proc:
+    with role_process(cfg, Role.PRODUCER, index, device_uuid(device), startup) as proc:
         metrics = ProducerMetrics(proc.registry)
         ring = proc.attach(pin=device.type == "cuda")  # a mismatched config fails before any loading
+        startup.mark("attach")  # metrics port, and the wait for the supervisor's ring
         tokenizer = target_tokenizer(cfg.target)
         sources = load_sources(cfg.data, tokenizer)
         metrics.bad_rows.inc(sum(len(s.data.bad_rows) for s in sources))
         composition = data_stats(sources)  # before anything is published: what this run trains on
         for line in log_lines(composition):
             log.info("%s", line)
+        startup.mark("data")  # tokenizer, tokenized data (cached after the first start), its statistics
         target = TargetModel.load(cfg.target, device, packed=False)
+        startup.mark("model")
         probe = choose_packing(target, cfg.target.packing)  # before anything is published
+        startup.mark("probe")
         metrics.packing.labels("packed" if target.packed else "padded", target.config.model_type).set(1)
         metrics.conformance_error.set(float("nan") if probe is None or probe.max_error is None else probe.max_error)
         check_slot_fits(cfg, target)
@@ -403,6 +411,7 @@ def run_producer(cfg: Config, index: int, device_name: str | None = None) -> int
         path.parent.mkdir(parents=True, exist_ok=True)
         cursor_file = CursorFile(path, plan_key(batcher), plan_description(batcher))
         me = proc.join("model loaded, ring attached")
+        startup.mark("join")  # the batch plan, and the row (waits for a dead predecessor's lock)
         plan = [len(batcher.epoch_plan(e)) for e in range(cfg.data.epochs)]
         ring.set_planned_items(me.row, sum(plan))
         loader = None
@@ -422,6 +431,7 @@ def run_producer(cfg: Config, index: int, device_name: str | None = None) -> int
                 proc.ledger.write("start", plan=plan, resume=[start.epoch, start.position],
                                   replay=[list(x) for x in start.pending_replay])
                 producer.ledger = proc.ledger
+            producer.startup = startup
             if producer.run(loader):
                 ring.set_row_status(me.row, RowStatus.DONE)
                 if proc.ledger is not None:

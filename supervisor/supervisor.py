@@ -23,6 +23,7 @@ from dflash_ring.common.liveness import LockFile, ensure_lock_dir, live_lock_fil
 from dflash_ring.common.metrics import SUPERVISOR, RingCollector, serve
 from dflash_ring.common.ring import ConfigMismatchError, Ring
 from dflash_ring.common.rendezvous import serve_rendezvous
+from dflash_ring.common.startup import Startup
 from dflash_ring.common.ring_users import ring_users
 from dflash_ring.supervisor.cleanup import remove_run, users_of
 from dflash_ring.supervisor.reaper import reap
@@ -43,9 +44,10 @@ class StaleRunError(SupervisorError):
 
 
 class Supervisor:
-    def __init__(self, cfg: Config, reclaim_stale: bool = False):
+    def __init__(self, cfg: Config, startup: Startup, reclaim_stale: bool = False):
         self.cfg = cfg
         self.reclaim_stale = reclaim_stale
+        self.startup = startup
         self.lock_dir = cfg.lock_dir()
         self.ring: Ring | None = None
         self._lock: LockFile | None = None
@@ -67,7 +69,9 @@ class Supervisor:
         self._lock.write_pid()
         if self._metrics is None:  # before the ring exists: a taken port must not leave a ring behind
             self._metrics = RingCollector(self.lock_dir)
-            serve(self.cfg, SUPERVISOR).register(self._metrics)
+            registry = serve(self.cfg, SUPERVISOR)
+            registry.register(self._metrics)
+            self.startup.export(registry)
         if self.cfg.group.serve and self._rendezvous is None:  # before the ring too: bound to its address only
             self._rendezvous = serve_rendezvous(self.cfg.group.rendezvous)
             log.info("serving the drafter replica group's rendezvous at %s (that address only; members sign with "
@@ -88,9 +92,12 @@ class Supervisor:
                         "set ring.slots to at least %d", self.cfg.ring.slots, t.consumers, t.producers,
                         2 * t.consumers + 2 * t.producers)
         self.ring.take_row(0, Role.SUPERVISOR, 0)
-        if (ledger := Ledger.open(self.cfg, Role.SUPERVISOR, 0)) is not None:  # which ring: created or adopted
+        ledger = Ledger.open(self.cfg, Role.SUPERVISOR, 0)
+        if ledger is not None:  # which ring: created or adopted
             ledger.write("start", ring_created_ns=self.ring.identity.created_ns,
                          adoptions=self.ring.counter(Counter.SUPERVISOR_ADOPTIONS))
+        self.startup.finish("ring", ledger)  # lock, metrics port, ring created or adopted, row taken
+        if ledger is not None:
             ledger.close()
         self._metrics.attach(self.ring)
         return self.ring

@@ -12,6 +12,7 @@ import pytest
 from support import build_target, load_tokenizer, wait_exit, wait_for
 
 from dflash_ring.common.ledger import read_ledger
+from dflash_ring.common.startup import DRAFTER_PHASES, SUPERVISOR_PHASES, TARGET_PHASES
 from dflash_ring.tools.reconcile import reconcile
 
 
@@ -150,4 +151,10 @@ def test_chaos_minute_loses_nothing(tmp_path, seed, stops):
     assert c["hung"] == [] and c["clean"]["rc"] == 0 and c["clean"]["leftovers"] == []
     assert all("step" in v and "exported" in v for v in c["checkpoints"].values()), c["checkpoints"]
     assert c["recoveries"] + c["not_recovered_before_the_end"] == kills["sent"]
+    # Every role's start-up, phase by phase in its order, from the processes' `startup` ledger records.
+    phases = {"supervisor": SUPERVISOR_PHASES, "target": TARGET_PHASES, "drafter": DRAFTER_PHASES}
+    for role, names in phases.items():
+        st = c["startup"][role]
+        assert st["starts"] >= 1 and list(st["phases_s"]) == list(names), (role, st)
+        assert st["total_s"]["p50"] > 0 and st["phases_s"]["imports"]["max"] > 0, (role, st)
     assert rep["baseline"]["missing"] == 0 and rep["baseline"]["items_per_s"]

@@ -1,4 +1,5 @@
-"""DFlash drafter: layer-id rule, parameter names, frozen target head loading, anchors and the block mask."""
+"""DFlash drafter: layer-id rule, parameter names, its Qwen3 blocks against transformers', frozen target head
+loading, anchors and the block mask."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from transformers import Qwen3Config
+from transformers.models.qwen3 import modeling_qwen3
+
 from dflash_ring.common.drafter_config import DrafterConfig, build_target_layer_ids
+from dflash_ring.consumer import qwen3_blocks
 from dflash_ring.consumer.model import (
     FLEX_TILE,
     FrozenTargetHead,
@@ -38,6 +43,33 @@ def target_dir(tmp_path_factory):
 
 
 # --- configuration -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "default", "rope_theta": 1e6},
+    {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+    {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 1024},
+    {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 1024},
+])
+def test_qwen3_blocks_equal_transformers_qwen3(rope):
+    """The drafter's own RMSNorm, MLP, rotate_half and RoPE frequencies (kept out of modeling_qwen3 for start-up
+    time) have transformers' parameter names and give its results bit for bit."""
+    config = Qwen3Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=4096, rope_parameters=rope)
+    torch.manual_seed(0)
+    x = torch.randn(5, 64)
+    for ours, theirs in ((qwen3_blocks.Qwen3MLP(config), modeling_qwen3.Qwen3MLP(config)),
+                         (qwen3_blocks.Qwen3RMSNorm(64, eps=1e-6), modeling_qwen3.Qwen3RMSNorm(64, eps=1e-6))):
+        with torch.no_grad():
+            for p in ours.parameters():
+                p.normal_()
+        theirs.load_state_dict(ours.state_dict())  # strict: the same names and shapes
+        assert torch.equal(ours(x), theirs(x)), type(ours).__name__
+    assert torch.equal(qwen3_blocks.rotate_half(x), modeling_qwen3.rotate_half(x))
+    inv_freq, scaling = qwen3_blocks.rope_frequencies(config)
+    rotary = modeling_qwen3.Qwen3RotaryEmbedding(config)
+    assert torch.equal(inv_freq, rotary.inv_freq) and scaling == rotary.attention_scaling
 
 
 def test_build_target_layer_ids_matches_published_drafters():

@@ -28,17 +28,18 @@ SUPERVISOR_NAMES = [
     "dflash_ring_capacity_slots", "dflash_ring_slots", "dflash_ring_depth_items", "dflash_ring_items_produced_total",
     "dflash_ring_items_consumed_total", "dflash_ring_items_redelivered_total", "dflash_ring_items_reclaimed_total",
     "dflash_ring_producers_done", "dflash_ring_producers_expected", "dflash_ring_process_starts_total",
-    "dflash_ring_consumers_live", "dflash_ring_producers_live",
+    "dflash_ring_consumers_live", "dflash_ring_producers_live", "dflash_ring_startup_seconds",
 ]
 TARGET_NAMES = [
     "dflash_ring_producer_blocked_seconds_total", "dflash_ring_d2h_copy_seconds", "dflash_ring_target_tokens_total",
     "dflash_ring_target_items_total", "dflash_ring_bad_rows_skipped_total", "dflash_ring_target_step_seconds",
-    "dflash_ring_target_packing_info", "dflash_ring_target_conformance_error",
+    "dflash_ring_target_packing_info", "dflash_ring_target_conformance_error", "dflash_ring_startup_seconds",
 ]
 DRAFTER_NAMES = [
     "dflash_ring_consumer_wait_seconds_total", "dflash_ring_h2d_copy_seconds", "dflash_ring_drafter_tokens_total",
     "dflash_ring_drafter_steps_total", "dflash_ring_drafter_step_seconds", "dflash_ring_drafter_loss",
     "dflash_ring_drafter_accuracy", "dflash_ring_drafter_acceptance_length", "dflash_ring_drafter_learning_rate",
+    "dflash_ring_startup_seconds",
 ]
 HISTOGRAMS = {"dflash_ring_d2h_copy_seconds", "dflash_ring_target_step_seconds", "dflash_ring_h2d_copy_seconds",
               "dflash_ring_drafter_step_seconds"}

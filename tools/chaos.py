@@ -135,9 +135,13 @@ def _percentile(values: list[float], q: float) -> float | None:
     return round(values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))], 2)
 
 
+def _p50_max(values: list[float]) -> dict[str, float | None]:
+    return {"p50": _percentile(values, 0.5), "max": _percentile(values, 1.0)}
+
+
 def recoveries(kills: list[Kill], spawns: list[tuple[float, str, int]],
-               ledgers: dict[str, list[dict[str, Any]]]) -> tuple[list[float], int]:
-    """Seconds from each kill to its role's next incarnation doing work; and kills never recovered."""
+               ledgers: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, list[float]], int]:
+    """Seconds from each kill to its role's next incarnation doing work, by role; and kills never recovered."""
     work = {"supervisor": {"start"}, "target": {"pub", "done"}, "drafter": {"train", "exit"}}
     first_work: dict[int, float] = {}
     for name, recs in ledgers.items():
@@ -145,7 +149,8 @@ def recoveries(kills: list[Kill], spawns: list[tuple[float, str, int]],
         for r in recs:
             if r["ev"] in kinds and r["pid"] not in first_work:
                 first_work[r["pid"]] = r["t"]
-    times, unrecovered = [], 0
+    times: dict[str, list[float]] = {}
+    unrecovered = 0
     for k in kills:
         nxt = [(t, pid) for t, name, pid in spawns if name == k.name and t >= k.t]
         done = min((first_work[pid] for _, pid in nxt if pid in first_work and first_work[pid] >= k.t),
@@ -153,8 +158,25 @@ def recoveries(kills: list[Kill], spawns: list[tuple[float, str, int]],
         if done is None:
             unrecovered += 1
         else:
-            times.append(done - k.t)
+            times.setdefault(k.role, []).append(done - k.t)
     return times, unrecovered
+
+
+def startup_phases(ledgers: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per role: how many starts reached their first useful work, and p50/max of each start-up phase and the total
+    (the `startup` ledger records, common/startup.py)."""
+    by_role: dict[str, list[dict[str, Any]]] = {}
+    for name, recs in ledgers.items():
+        by_role.setdefault(name.split("-")[0], []).extend(r for r in recs if r["ev"] == "startup")
+    out = {}
+    for role, recs in sorted(by_role.items()):
+        phases: dict[str, list[float]] = {}
+        for r in recs:
+            for phase, s in r["phases"].items():
+                phases.setdefault(phase, []).append(s)
+        out[role] = {"starts": len(recs), "total_s": _p50_max([r["total"] for r in recs]),
+                     "phases_s": {phase: _p50_max(xs) for phase, xs in phases.items()}}
+    return out
 
 
 # ---- one phase: start, (kill,) wait, check -------------------------------------------------------------
@@ -463,8 +485,10 @@ def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
                   "by_role_and_signal": dict(sorted(by_signal.items()))},
         "restarts": phase.restarter.restarts, "full_restarts_after_drain": phase.full_restarts,
         "whole_run_stops": phase.run_stops,
-        "recoveries": len(rec_times), "not_recovered_before_the_end": unrecovered,
-        "recovery_s": {"p50": _percentile(rec_times, 0.5), "max": _percentile(rec_times, 1.0)},
+        "recoveries": sum(map(len, rec_times.values())), "not_recovered_before_the_end": unrecovered,
+        "recovery_s": _p50_max([t for times in rec_times.values() for t in times]),
+        "recovery_s_by_role": {role: _p50_max(times) for role, times in sorted(rec_times.items())},
+        "startup": startup_phases(ledgers),
         "throughput": {**thr, "baseline_items_per_s": base_rate,
                        "lost": round(1 - chaos_rate / base_rate, 3) if chaos_rate and base_rate else None},
         "ledger": {k: v for k, v in rec.items() if k != "problems"},
