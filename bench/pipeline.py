@@ -162,6 +162,8 @@ def _standalone(cfg: Config, device: torch.device, batches: int,
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.path, local_files_only=True)
     data = load_tokenized(cfg.data, tokenizer)
     target = TargetModel.load(cfg.target, device, packed=True)
+    if cfg.target.compile and device.type == "cuda":  # as the producer runs it (the warm-up batches compile)
+        target.compile_layers()
     it = ShardBatcher.from_config(data, cfg.data, rank=0, world_size=1).batches()
     plan = [next(it) for _ in range(max(batches + 2, sum(drafter_steps)))]
     seconds = time_forward(target, plan[:2], plan[2:batches + 2])
@@ -253,6 +255,7 @@ class PipelineRun:
     def __init__(self, cfg_path: Path, target_device: str, drafter_device: str, work: Path):
         self.cfg_path = cfg_path
         cfg = load_config(cfg_path)
+        self.latest_checkpoint = Path(cfg.train.checkpoint_dir) / "drafter-0" / "latest"
         self.ports = {role: port_of(cfg.metrics, role, 0) for role in (SUPERVISOR, TARGET, DRAFTER)}
         self.base = [sys.executable, "-m", "dflash_ring"]
         self.logs = {role: open(work / f"{role}.log", "w") for role in self.ports}
@@ -284,6 +287,8 @@ class PipelineRun:
         """SIGKILL `role`, start it again at once (Restart=on-failure), wait for its first work; what everyone saw."""
         other = TARGET if role == DRAFTER else DRAFTER
         other_pid = self.procs[other].pid
+        if role == DRAFTER:  # a restart that resumes: its checkpoint load is part of what is measured
+            _wait_for(self.latest_checkpoint.exists, KILL_TIMEOUT_S, "a durable drafter checkpoint", self.procs)
         pre = self.sample()
         t_pre = time.monotonic()
         self.procs[role].kill()
