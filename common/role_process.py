@@ -36,9 +36,8 @@ class RoleProcess:
     """What a target or drafter process holds for its lifetime; made by `role_process`."""
 
     def __init__(self, cfg: Config, role: Role, index: int, registry: CollectorRegistry,
-                 stack: contextlib.ExitStack, startup: Startup):
+                 stack: contextlib.ExitStack):
         self.cfg, self.role, self.index, self.registry = cfg, role, index, registry
-        self.startup = startup
         self.stop = threading.Event()
         self.ring: Ring | None = None
         self.member: Membership | None = None
@@ -76,4 +75,4 @@ def role_process(cfg: Config, role: Role, index: int, gpu_uuid: str, startup: St
         registry.register(GpuCollector([gpu_uuid]))
     startup.export(registry)
     with contextlib.ExitStack() as stack:
-        yield RoleProcess(cfg, role, index, registry, stack, startup)
+        yield RoleProcess(cfg, role, index, registry, stack)

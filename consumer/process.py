@@ -37,8 +37,8 @@ from dflash_ring.common.metrics import DrafterMetrics
 from dflash_ring.common.ring import Ring, SlotReader
 from dflash_ring.common.role_process import role_process
 from dflash_ring.common.slot_contract import read_item
-from dflash_ring.common.startup import Startup
 from dflash_ring.common.slot_format import SlotFormatError
+from dflash_ring.common.startup import Startup
 from dflash_ring.consumer.async_checkpoint import BackgroundWriter, HostSnapshot
 from dflash_ring.consumer.checkpoint import CheckpointStore, check_same_shape
 from dflash_ring.consumer.model import build_drafter, load_target_head

@@ -44,8 +44,8 @@ from dflash_ring.common.resume_state import CursorFile, ResumeState, cursor_path
 from dflash_ring.common.metrics import DeviceSpan, ProducerMetrics
 from dflash_ring.common.ring import Ring, SlotWriter
 from dflash_ring.common.role_process import role_process
-from dflash_ring.common.startup import Startup
 from dflash_ring.common.slot_contract import FEATURES, FINAL_HIDDEN, HOST_TENSORS, META_KEYS, check_fits, item_tensors
+from dflash_ring.common.startup import Startup
 
 from .batching import Batch, Cursor, ShardBatcher
 from .conformance import choose_packing
