@@ -3,8 +3,12 @@
 Every transport does the same work per item: the producer copies a source
 tensor into the transport, the consumer copies it out into a private buffer.
 Throughput is bytes moved per second from the first put to the last get;
-per-item overhead is measured separately with 4 KiB items. Ratios compare
-our ring to each peer measured in the same invocation.
+per-item overhead is measured separately with 4 KiB items, as wall time and as
+the CPU time of the producer and consumer processes (which a machine shared
+with other work disturbs far less). Ratios compare our ring to each peer
+measured in the same invocation. The peers: multiprocessing.Queue,
+torch.multiprocessing's queue, and iceoryx2's zero-copy publish/subscribe
+(when the optional `bench` extra is installed).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ def _ring_config(run: str, producers: int, consumers: int, nbytes: int, lock_dir
     ])
 
 
-def _ring_producer(cfg_args, index, items, nbytes, ready, start):
+def _ring_producer(cfg_args, index, items, nbytes, ready, start, cpu):
     cfg = _ring_config(*cfg_args)
     torch.set_num_threads(1)
     src = torch.full((nbytes,), index, dtype=torch.uint8)
@@ -44,15 +48,17 @@ def _ring_producer(cfg_args, index, items, nbytes, ready, start):
         me = Membership.join(ring, cfg, Role.PRODUCER, index)
         ready.put(index)
         start.wait()
+        c0 = time.process_time()
         for _ in range(items):
             w = ring.acquire(me.row)
             w.tensor("x", torch.uint8, (nbytes,)).copy_(src)
             ring.publish(w, me.row)
             del w
+        cpu.put(time.process_time() - c0)
         me.leave()
 
 
-def _ring_consumer(cfg_args, index, nbytes, ready, start, done):
+def _ring_consumer(cfg_args, index, nbytes, ready, start, done, cpu):
     cfg = _ring_config(*cfg_args)
     torch.set_num_threads(1)
     dst = torch.empty(nbytes, dtype=torch.uint8)
@@ -60,86 +66,110 @@ def _ring_consumer(cfg_args, index, nbytes, ready, start, done):
         me = Membership.join(ring, cfg, Role.CONSUMER, index)
         ready.put(index)
         start.wait()
+        c0 = time.process_time()
+        last = time.monotonic()
         while (r := ring.claim(me.row)) is not None:
             dst.copy_(r.tensors["x"])
             ring.release(r)
             del r
-        done.put(time.monotonic())
+            last = time.monotonic()  # the last get; the shutdown that ends the loop comes later
+        cpu.put(time.process_time() - c0)
+        done.put(last)
         me.leave()
 
 
-def _mpq_producer(q, index, items, nbytes, ready, start, sent):
+def _mpq_producer(q, index, items, nbytes, ready, start, cpu, sent):
     src = np.full(nbytes, index, dtype=np.uint8)
     ready.put(index)
     start.wait()
+    c0 = time.process_time()
     for _ in range(items):
         q.put(src.copy())
     q.close()
     q.join_thread()  # every item is in the pipe before the sentinels go in behind them
+    cpu.put(time.process_time() - c0)
     sent.put(index)
 
 
-def _mpq_consumer(q, index, nbytes, ready, start, done):
+def _mpq_consumer(q, index, nbytes, ready, start, done, cpu):
     dst = np.empty(nbytes, dtype=np.uint8)
     ready.put(index)
     start.wait()
+    c0 = time.process_time()
     while (a := q.get()) is not None:
         np.copyto(dst, a)
+    cpu.put(time.process_time() - c0)
     done.put(time.monotonic())
 
 
-def _tmp_producer(q, index, items, nbytes, ready, start, sent, finish):
+def _tmp_producer(q, index, items, nbytes, ready, start, cpu, sent, finish):
     torch.set_num_threads(1)
     src = torch.full((nbytes,), index, dtype=torch.uint8)
     ready.put(index)
     start.wait()
+    c0 = time.process_time()
     for _ in range(items):
         q.put(src.clone().share_memory_())
     q.close()
     q.join_thread()
+    cpu.put(time.process_time() - c0)
     sent.put(index)
     finish.wait()  # a shared tensor's sender must outlive its receivers (torch.multiprocessing docs)
 
 
-def _tmp_consumer(q, index, nbytes, ready, start, done):
+def _tmp_consumer(q, index, nbytes, ready, start, done, cpu):
     torch.set_num_threads(1)
     dst = torch.empty(nbytes, dtype=torch.uint8)
     ready.put(index)
     start.wait()
+    c0 = time.process_time()
     while (t := q.get()) is not None:
         dst.copy_(t)
         del t
+    cpu.put(time.process_time() - c0)
     done.put(time.monotonic())
 
 
-def _measure(transport: str, pairs: int, items: int, nbytes: int) -> float:
-    """Seconds to move pairs*items items of nbytes from pairs producers to pairs consumers."""
+def measure(transport: str, pairs: int, items: int, nbytes: int) -> tuple[float, float]:
+    """Wall seconds to move pairs*items items of nbytes from pairs producers to pairs consumers,
+    and the CPU seconds those processes spent doing it."""
     ctx = mp.get_context("spawn")
-    ready, done, sent, start, finish = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+    ready, done, sent, cpu, start, finish = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
     total = pairs * items
-    ring = None
+    ring = services = None
     if transport == "ring":
         run = f"bench-{os.getpid()}"
         lock_dir = f"/tmp/dflash-ring-bench-{os.getpid()}"
         cfg_args = (run, pairs, pairs, nbytes, lock_dir)
         Ring.unlink(run)
         ring = Ring.create(_ring_config(*cfg_args))
-        prod = [ctx.Process(target=_ring_producer, args=(cfg_args, i, items, nbytes, ready, start)) for i in range(pairs)]
-        cons = [ctx.Process(target=_ring_consumer, args=(cfg_args, i, nbytes, ready, start, done)) for i in range(pairs)]
+        prod = [ctx.Process(target=_ring_producer, args=(cfg_args, i, items, nbytes, ready, start, cpu))
+                for i in range(pairs)]
+        cons = [ctx.Process(target=_ring_consumer, args=(cfg_args, i, nbytes, ready, start, done, cpu))
+                for i in range(pairs)]
+    elif transport == "iceoryx2":
+        from dflash_ring.bench import iceoryx2_peer
+
+        services = iceoryx2_peer.Services(f"dflash-ring-bench-{os.getpid()}-{time.monotonic_ns()}", pairs, nbytes)
+        prod = [ctx.Process(target=iceoryx2_peer.producer,
+                            args=(services.spec(i), items, ready, start, cpu, finish)) for i in range(pairs)]
+        cons = [ctx.Process(target=iceoryx2_peer.consumer,
+                            args=(services.spec(i), items, ready, start, done, cpu)) for i in range(pairs)]
     else:
         q = (torch.multiprocessing.get_context("spawn") if transport == "torch_mp_queue" else ctx).Queue(maxsize=4)
         if transport == "torch_mp_queue":
             pf, cf, extra = _tmp_producer, _tmp_consumer, (sent, finish)
         else:
             pf, cf, extra = _mpq_producer, _mpq_consumer, (sent,)
-        prod = [ctx.Process(target=pf, args=(q, i, items, nbytes, ready, start, *extra)) for i in range(pairs)]
-        cons = [ctx.Process(target=cf, args=(q, i, nbytes, ready, start, done)) for i in range(pairs)]
+        prod = [ctx.Process(target=pf, args=(q, i, items, nbytes, ready, start, cpu, *extra)) for i in range(pairs)]
+        cons = [ctx.Process(target=cf, args=(q, i, nbytes, ready, start, done, cpu)) for i in range(pairs)]
     procs = prod + cons
-    for p in procs:
-        p.start()
     try:
-        for _ in procs:
-            ready.get(timeout=120)
+        for group in (prod, cons):  # producers first: an iceoryx2 subscriber connects to its publisher
+            for p in group:
+                p.start()
+            for _ in group:
+                ready.get(timeout=120)
         t0 = time.monotonic()
         start.set()
         if ring is not None:
@@ -147,18 +177,19 @@ def _measure(transport: str, pairs: int, items: int, nbytes: int) -> float:
                 time.sleep(0.005)
             ring.set_flag(Counter.SHUTDOWN)
             ring.broadcast()
-        else:
+        elif services is None:
             for _ in prod:
                 sent.get(timeout=600)
             for _ in cons:  # FIFO queue: each consumer's sentinel comes after every item
                 q.put(None)
         t1 = max(done.get(timeout=600) for _ in cons)
+        cpu_s = sum(cpu.get(timeout=60) for _ in procs)
         finish.set()
         for p in procs:
             p.join(timeout=60)
         if any(p.exitcode != 0 for p in procs):
             raise RuntimeError(f"{transport}: a worker failed: exit codes {[p.exitcode for p in procs]}")
-        return t1 - t0
+        return t1 - t0, cpu_s
     finally:
         for p in procs:
             if p.is_alive():
@@ -168,20 +199,14 @@ def _measure(transport: str, pairs: int, items: int, nbytes: int) -> float:
             Ring.unlink(ring.identity.run_name)
             import shutil
             shutil.rmtree(lock_dir, ignore_errors=True)
+        if services is not None:
+            services.close()
 
 
 def _items_for(nbytes: int, requested: int) -> int:
     if requested:
         return requested
     return max(4, min(200, int(2e9 // 2 // max(nbytes, 1))))  # ~1 GB per producer, 4-200 items
-
-
-def _iceoryx2_note() -> str:
-    try:
-        import iceoryx2  # noqa: F401
-    except ImportError:
-        return "iceoryx2 Python bindings not installed: not measured"
-    return "iceoryx2 installed but its tensor benchmark is not implemented: not measured"
 
 
 def _gpu_copy_cases(nbytes: int = 256 * 2**20, repeats: int = 10) -> dict[str, Any]:
@@ -227,6 +252,11 @@ def _gpu_copy_cases(nbytes: int = 256 * 2**20, repeats: int = 10) -> dict[str, A
 
 def run_ring_bench(sizes_mb: list[float], items: int = 0, quiet: bool = False) -> dict[str, Any]:
     transports = ["ring", "mp_queue_numpy", "torch_mp_queue"]
+    try:
+        from dflash_ring.bench.iceoryx2_peer import NOTE as iceoryx2_note
+        transports.append("iceoryx2")
+    except ImportError:  # an optional extra: pip install '.[bench]'
+        iceoryx2_note = "iceoryx2 not installed (extra `bench`): not measured"
     cases = []
     for pairs in (1, 2):
         for size in sizes_mb + [TINY_BYTES / MB]:
@@ -234,9 +264,10 @@ def run_ring_bench(sizes_mb: list[float], items: int = 0, quiet: bool = False) -
             n = _items_for(nbytes, items) if nbytes > TINY_BYTES else 500
             row: dict[str, Any] = {"topology": f"{pairs}->{pairs}", "item_bytes": nbytes, "items": pairs * n}
             for t in transports:
-                secs = _measure(t, pairs, n, nbytes)
+                secs, cpu_s = measure(t, pairs, n, nbytes)
                 row[t] = {"gb_per_s": round(pairs * n * nbytes / secs / 1e9, 3),
-                          "us_per_item": round(secs / (pairs * n) * 1e6, 1)}
+                          "us_per_item": round(secs / (pairs * n) * 1e6, 1),
+                          "cpu_us_per_item": round(cpu_s / (pairs * n) * 1e6, 1)}
                 if not quiet:
                     print(f"  {row['topology']} {nbytes:>10} B {t:<16} {row[t]}", flush=True)
             row["ratio_ring_over"] = {
@@ -249,8 +280,9 @@ def run_ring_bench(sizes_mb: list[float], items: int = 0, quiet: bool = False) -
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
                  "torch": torch.__version__},
         "method": "P producers copy a source tensor in, P consumers copy it out to a private buffer; "
-                  "GB/s = bytes moved / wall time from first put to last get; 4 KiB rows give per-item overhead",
-        "iceoryx2": _iceoryx2_note(),
+                  "GB/s = bytes moved / wall time from first put to last get; cpu_us_per_item = CPU time of "
+                  "the producer and consumer processes per item; 4 KiB rows give per-item overhead",
+        "iceoryx2": iceoryx2_note,
         "cases": cases,
         "gpu_copies": _gpu_copy_cases() if torch.cuda.is_available() else "no CUDA device: not measured",
     }
