@@ -153,6 +153,17 @@ class Config:
     # `dflash-ring regenerate` only: not in the fingerprint (no ring process reads it).
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
 
+    def __post_init__(self) -> None:
+        """The producers ship the target's final hidden state exactly when the drafter's objective reads it,
+        unless target.ship_final_hidden says otherwise (refused when the objective needs it)."""
+        needed = self.drafter.needs_target_logits
+        if self.target.ship_final_hidden is None:
+            self.target = dataclasses.replace(self.target, ship_final_hidden=needed)
+        elif needed and not self.target.ship_final_hidden:
+            raise ConfigError(f"drafter.kl_weight = {self.drafter.kl_weight} and drafter.label = "
+                              f"{self.drafter.label!r} read the target's distribution, but target.ship_final_hidden "
+                              "= false: remove that key (it then follows the drafter) or set it to true")
+
     def validate(self) -> None:
         try:
             check_run_name(self.run.name, "run.name")

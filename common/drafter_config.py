@@ -9,12 +9,32 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 # Paper A.1: gamma for the exp(-(k-1)/gamma) position decay, per block size.
 PAPER_LOSS_GAMMA: dict[int, float] = {16: 7.0, 10: 5.0, 8: 4.0}
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
+
+Objective = Literal["ce", "dpace"]
+LabelSource = Literal["data", "target_argmax"]
+
+# Named recipes: one line (`drafter.recipe = "ddtree"`) for the settings below; a key set explicitly wins.
+# paper:  the DFlash paper's Qwen3-8B drafter: 5 full-attention layers, B16, 512 anchors, position-decayed CE.
+# dpace:  the paper's drafter with D-PACE position weights (arXiv 2605.18810; the default objective of
+#         NVIDIA Model-Optimizer and vLLM speculators).
+# ddtree: the recipe of the pipeline this project replaces (`ddtree-g10-bs32-a1024-swa-kl15-cap01`): B32,
+#         1024 anchors, gamma 10, 4 sliding-window layers (2048) + 1 full, soft KL 0.15, CAP 0.1.
+RECIPES: dict[str, dict[str, Any]] = {
+    "paper": {"num_hidden_layers": 5, "block_size": 16, "num_anchors": 512, "loss": "ce", "kl_weight": 0.0,
+              "cap_weight": 0.0},
+    "dpace": {"num_hidden_layers": 5, "block_size": 16, "num_anchors": 512, "loss": "dpace", "dpace_alpha": 0.5,
+              "kl_weight": 0.0, "cap_weight": 0.0},
+    "ddtree": {"num_hidden_layers": 5, "block_size": 32, "num_anchors": 1024, "loss": "ce", "loss_gamma": 10.0,
+               "kl_weight": 0.15, "cap_weight": 0.1, "sliding_window": 2048},
+}
+# A recipe's layer pattern, for however many layers the drafter has (ddtree: all sliding but the last).
+RECIPE_LAYER_TYPES = {"ddtree": lambda n: ["sliding_attention"] * (n - 1) + ["full_attention"]}
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -35,14 +55,30 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
 
 @dataclass
 class DrafterConfig:
-    """What the trainer chooses; everything else is copied from the target's config."""
+    """What the trainer chooses; everything else is copied from the target's config.
 
-    num_hidden_layers: int = 1
-    block_size: int = 16
-    num_anchors: int = 512
-    # None -> paper rule for block_size (B16->7, B10->5, B8->4); other sizes must set it.
+    A field left None takes the recipe's value, else its default; the constructor resolves them all, so
+    the fingerprint, checkpoints and the export record the values trained with, never just a recipe name.
+    """
+
+    # None, or a name in RECIPES whose settings fill the fields not set explicitly.
+    recipe: str | None = None
+    num_hidden_layers: int | None = None  # default 1
+    block_size: int | None = None  # default 16
+    num_anchors: int | None = None  # default 512
+    # None -> paper rule for block_size (B16->7, B10->5, B8->4); other sizes must set it for loss "ce".
     loss_gamma: float | None = None
-    kl_weight: float = 0.0
+    # "ce": CE weighted by the position decay exp(-(k-1)/gamma), normalised by the weights' sum (the paper).
+    # "dpace": D-PACE weights from the drafter's own detached acceptance (consumer/loss.py), normalised by
+    # the number of supervised positions.
+    loss: Objective | None = None  # default "ce"
+    dpace_alpha: float | None = None  # default 0.5: q~ = (1 - alpha) q + alpha
+    # Soft KL to the target's distribution, through the frozen head on the shipped final hidden state.
+    kl_weight: float | None = None  # default 0
+    # CAP: -cap_weight * mean over blocks of the expected accepted length / (B - 1), gradients through it.
+    cap_weight: float | None = None  # default 0
+    # What each position is trained to predict: the data's token, or the target's own greedy next token.
+    label: LabelSource | None = None  # default "data"
     mask_token_id: int | None = None
     # None -> build_target_layer_ids(num_target_layers, num_hidden_layers).
     target_layer_ids: list[int] | None = None
@@ -58,7 +94,12 @@ class DrafterConfig:
     rope_theta: float | None = None
 
     def __post_init__(self) -> None:
-        if self.loss_gamma is None:
+        if self.recipe is not None and self.recipe not in RECIPES:
+            raise ValueError(f"recipe {self.recipe!r} is not one of {', '.join(map(repr, RECIPES))}")
+        for name, value in {**_DEFAULTS, **RECIPES.get(self.recipe, {})}.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        if self.loss_gamma is None and (self.block_size in PAPER_LOSS_GAMMA or self.loss == "ce"):
             if self.block_size not in PAPER_LOSS_GAMMA:
                 raise ValueError(
                     f"no paper loss_gamma for block_size={self.block_size} "
@@ -66,16 +107,25 @@ class DrafterConfig:
                 )
             self.loss_gamma = PAPER_LOSS_GAMMA[self.block_size]
         if self.layer_types is None:
-            self.layer_types = ["full_attention"] * self.num_hidden_layers
+            pattern = RECIPE_LAYER_TYPES.get(self.recipe, lambda n: ["full_attention"] * n)
+            self.layer_types = pattern(self.num_hidden_layers)
         self._validate()
 
     def _validate(self) -> None:
         if self.num_hidden_layers < 1 or self.block_size < 2 or self.num_anchors < 1:
             raise ValueError("need num_hidden_layers >= 1, block_size >= 2, num_anchors >= 1")
-        if not (self.loss_gamma > 0 and math.isfinite(self.loss_gamma)):
+        if self.loss_gamma is not None and not (self.loss_gamma > 0 and math.isfinite(self.loss_gamma)):
             raise ValueError(f"loss_gamma must be a positive number, got {self.loss_gamma}")
-        if self.kl_weight < 0 or self.loss_chunk_tokens < 1:
-            raise ValueError("need kl_weight >= 0 and loss_chunk_tokens >= 1")
+        for name in ("kl_weight", "cap_weight"):
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if not 0 <= self.dpace_alpha <= 1:
+            raise ValueError(f"dpace_alpha must lie in [0, 1], got {self.dpace_alpha}")
+        if self.loss not in ("ce", "dpace") or self.label not in ("data", "target_argmax"):
+            raise ValueError(f"loss {self.loss!r} must be 'ce' or 'dpace', label {self.label!r} 'data' or "
+                             "'target_argmax'")
+        if self.loss_chunk_tokens < 1:
+            raise ValueError("need loss_chunk_tokens >= 1")
         if (self.intermediate_size is not None and self.intermediate_size < 1) or (
                 self.rope_theta is not None and not self.rope_theta > 0):
             raise ValueError(f"intermediate_size {self.intermediate_size} and rope_theta {self.rope_theta} "
@@ -87,11 +137,21 @@ class DrafterConfig:
         if "sliding_attention" in self.layer_types and (self.sliding_window or 0) < self.block_size:
             raise ValueError("sliding_attention layers need sliding_window >= block_size")
 
+    @property
+    def needs_target_logits(self) -> bool:
+        """The objective reads the target's distribution (KL, or its argmax as the label): the producers must
+        ship the final hidden state."""
+        return self.kl_weight > 0 or self.label == "target_argmax"
+
     def resolved_target_layer_ids(self, num_target_layers: int) -> list[int]:
         ids = self.target_layer_ids or build_target_layer_ids(num_target_layers, self.num_hidden_layers)
         if not all(0 <= i < num_target_layers for i in ids):
             raise ValueError(f"target_layer_ids {ids} out of range for {num_target_layers} target layers")
         return list(ids)
+
+
+_DEFAULTS: dict[str, Any] = {"num_hidden_layers": 1, "block_size": 16, "num_anchors": 512, "loss": "ce",
+                             "dpace_alpha": 0.5, "kl_weight": 0.0, "cap_weight": 0.0, "label": "data"}
 
 
 def target_text_config(target_config: Any) -> dict[str, Any]:

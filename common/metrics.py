@@ -203,7 +203,15 @@ class DrafterMetrics:
         self.accuracy = Gauge("dflash_ring_drafter_accuracy",
                               "Top-1 accuracy of the last step, mean over block positions (0-1)", registry=r)
         self.acceptance = Gauge("dflash_ring_drafter_acceptance_length",
-                                "Expected acceptance length of the last step's blocks", registry=r)
+                                "Teacher-forced acceptance length of the last step's blocks (accepted prefix + 1)",
+                                registry=r)
+        self.acceptance_prob = Gauge("dflash_ring_drafter_probabilistic_acceptance_length",
+                                     "Probabilistic acceptance length of the last step's blocks: 1 + expected "
+                                     "accepted drafts under the drafter's own distribution (what CAP optimises)",
+                                     registry=r)
+        self.position_accuracy = Gauge("dflash_ring_drafter_position_accuracy",
+                                       "Top-1 accuracy of the last step at each block position (1..B-1)",
+                                       ["position"], registry=r)
         self.lr = Gauge("dflash_ring_drafter_learning_rate", "Learning rate of the last step", registry=r)
         self.step_number = Gauge("dflash_ring_drafter_step", "Optimizer step reached (survives restarts)",
                                  registry=r)

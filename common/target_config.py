@@ -64,8 +64,9 @@ class TargetConfig:
     dtype: TargetDtype = "auto"
     # "auto": cuda if available, else cpu; `dflash-ring target --device cuda:N` overrides it.
     device: str = "auto"
-    # Also ship the final normed hidden state [tokens, hidden], for a KL loss through the frozen LM head.
-    ship_final_hidden: bool = False
+    # Also ship the final normed hidden state [tokens, hidden], for a KL loss or target-argmax labels through the
+    # frozen LM head. None: shipped exactly when the run's drafter objective needs it (common/config.py).
+    ship_final_hidden: bool | None = None
     # The drafter's <|MASK|> row; must be a row of the target embedding. Only checked and fingerprinted here.
     mask_token_id: int | None = None
     # The model's own attention: padded batches and the conformance probe's reference run it; packed batches
@@ -112,7 +113,7 @@ class TargetConfig:
             raise TargetConfigError(
                 f"target.mask_token_id = {self.mask_token_id} is not a row of the {vocab}-row target embedding"
             )
-        return TargetGeometry(hidden, layers, vocab, ids, self.mask_token_id, self.ship_final_hidden)
+        return TargetGeometry(hidden, layers, vocab, ids, self.mask_token_id, bool(self.ship_final_hidden))
 
     def resolved_layer_ids(self, num_hidden_layers: int) -> list[int]:
         ids = list(self.layer_ids) if self.layer_ids is not None else build_target_layer_ids(

@@ -79,6 +79,9 @@ def drafter_rope(target: Mapping[str, Any], rope_theta: float | None = None) -> 
     return {"rope_theta": float(_require(params, "rope_theta")), "rope_scaling": scaling}
 
 
+TRAINING_KEYS = ("recipe", "loss", "loss_gamma", "dpace_alpha", "kl_weight", "cap_weight", "label", "num_anchors")
+
+
 def drafter_geometry(cfg: DrafterConfig, target: Mapping[str, Any]) -> dict[str, Any]:
     """Width, heads, MLP and RoPE of the drafter, from the target's text config (see drafter_mlp_width/_rope)."""
     hidden, heads = int(_require(target, "hidden_size")), int(_require(target, "num_attention_heads"))
@@ -133,6 +136,9 @@ def drafter_hf_config(
         "attention_dropout": 0.0,
         "tie_word_embeddings": False,
         "dtype": str(dtype).removeprefix("torch."),
+        # How it was trained (the resolved recipe): serving stacks ignore it, a reader of the export need not
+        # find the run's config to know the objective.
+        "dflash_training": {key: getattr(cfg, key) for key in TRAINING_KEYS},
     }
     for key in ("bos_token_id", "eos_token_id"):
         if target.get(key) is not None:

@@ -390,6 +390,9 @@ def _record(metrics: DrafterMetrics, m: StepMetrics) -> None:
     acc = m.accuracy_per_position
     metrics.accuracy.set(sum(acc) / len(acc) if acc else 0.0)
     metrics.acceptance.set(m.accept_len)
+    metrics.acceptance_prob.set(m.accept_len_prob)
+    for position, accuracy in enumerate(acc, start=1):
+        metrics.position_accuracy.labels(str(position)).set(accuracy)
     metrics.lr.set(m.lr)
 
 
@@ -451,7 +454,8 @@ class _Window:
         m, dt = self.last, time.perf_counter() - self.t0
         acc = m.accuracy_per_position
         text = (f"step {m.step}/{total} loss {m.loss:.4f} acc@1 {acc[0]:.3f} acc@last {acc[-1]:.3f} "
-                f"accept_len {m.accept_len:.2f} lr {m.lr:.2e} tok/s {self.tokens / dt:.0f} "
+                f"accept_len {m.accept_len:.2f} accept_len_prob {m.accept_len_prob:.2f} lr {m.lr:.2e} "
+                f"grad_norm {m.grad_norm:.3g} tok/s {self.tokens / dt:.0f} "
                 f"ring_wait {self.wait - self.wait0:.1f}s")
         self.t0, self.tokens, self.wait0 = time.perf_counter(), 0, self.wait
         return text

@@ -40,11 +40,14 @@ class DeviceBatch:
 class StepMetrics:
     step: int
     loss: float
-    ce: float
+    ce: float  # the loss's terms (consumer/loss.py): weighted CE, weighted KL, CAP's mean A / (B - 1)
     kl: float
+    cap: float
     accuracy_per_position: list[float]
-    accept_len: float
+    accept_len: float  # teacher-forced: mean accepted prefix + 1
+    accept_len_prob: float  # probabilistic: 1 + expected accepted drafts under the drafter's distribution
     lr: float
+    grad_norm: float  # total gradient norm before clipping
     tokens: int
     step_s: float
 
@@ -96,7 +99,7 @@ class Trainer:
                                 attention=self.cfg.attention_for(self.device.type),
                                 anchors_per_group=self.cfg.anchors_per_group)
             out = dflash_loss(hidden, anchors, batch.input_ids, batch.loss_mask, self.head, self.drafter,
-                              target_hidden=batch.final_hidden if self.drafter.kl_weight > 0 else None)
+                              target_hidden=batch.final_hidden if self.drafter.needs_target_logits else None)
         (out.loss / self.cfg.grad_accum).backward()
         self._micro += 1
         if self._micro % self.cfg.grad_accum:
@@ -104,8 +107,9 @@ class Trainer:
         lr = lr_at(self.step, total_steps, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if self.cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        # The norm is computed either way (it is logged); clipping to inf leaves the gradient as it is.
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                   self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf)
         if self._hold is not None:  # a checkpoint snapshot still copying these weights and moments out
             torch.cuda.current_stream(self.device).wait_event(self._hold)
             self._hold = None
@@ -113,9 +117,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return StepMetrics(
-            step=self.step, loss=float(out.loss.detach()), ce=float(out.ce), kl=float(out.kl),
+            step=self.step, loss=float(out.loss.detach()), ce=float(out.ce), kl=float(out.kl), cap=float(out.cap),
             accuracy_per_position=[round(float(a), 4) for a in out.accuracy_per_position],
-            accept_len=float(out.accept_len), lr=lr, tokens=batch.num_tokens,
+            accept_len=float(out.accept_len), accept_len_prob=float(out.accept_len_prob), lr=lr,
+            grad_norm=float(grad_norm), tokens=batch.num_tokens,
             step_s=time.perf_counter() - t0,
         )
 

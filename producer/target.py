@@ -125,7 +125,7 @@ class TargetModel:
         """From a local directory only; the LM head is dropped with the wrapper (no logits, less memory)."""
         geometry = cfg.geometry()
         model = load_causal_lm(cfg, device)
-        target = cls(model, list(geometry.layer_ids), final_hidden=cfg.ship_final_hidden, packed=packed)
+        target = cls(model, list(geometry.layer_ids), final_hidden=bool(cfg.ship_final_hidden), packed=packed)
         del model
         log.info("target %s (%s) on %s (%s, %s attention): layers %s of %d%s", cfg.path, target.config.model_type,
                  device, target.dtype, target.attn_implementation, target.layer_ids, len(target.decoder.layers),

@@ -12,10 +12,11 @@ from dflash_ring.common.config import Config, dump_toml, load_config
 def _changed(value: typing.Any, hint: typing.Any) -> typing.Any:
     """A value of the field's type that differs from its default (strings that need escaping)."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if args and typing.get_origin(hint) not in (list, typing.Literal):  # X | None: a value of X
+        hint = args[0]
+        args = list(typing.get_args(hint))
     if typing.get_origin(hint) is typing.Literal:
         return next(a for a in args if a != value)
-    if args and typing.get_origin(hint) is not list:  # X | None: a value of X
-        hint = args[0]
     if hint is bool:
         return not value
     if hint is int:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_ring.common.drafter_config import DrafterConfig
-from dflash_ring.consumer.loss import block_labels, dflash_loss, position_weights
+from dflash_ring.consumer.loss import accept_products, block_labels, dflash_loss, dpace_weights, position_weights
 from dflash_ring.consumer.model import (
     FrozenTargetHead,
     build_drafter,
@@ -110,6 +110,149 @@ def test_no_anchors_gives_zero_loss():
     out = dflash_loss(hidden, anchors, torch.zeros(4, dtype=torch.long), torch.ones(4), head, cfg)
     assert out.loss.item() == 0.0 and out.accept_len.item() == 0.0
     out.loss.backward()
+
+
+# --- D-PACE, CAP and target-argmax labels -----------------------------------------------------------
+
+
+def test_dpace_weights_equal_a_hand_computed_example():
+    # Block 1: q = 0.6, (masked), 0.2 -> q~ = 0.8, 1 (masked counts as 1), 0.6; C = 0.8, 0.8, 0.48;
+    # w_1 = C_1 + C_3 = 1.28 (C_2 is masked out of the sum), w_3 = C_3 = 0.48, w_2 = 0 (not supervised).
+    # Block 2: q = 0.5, 0.4, 0.5 -> q~ = 0.75, 0.7, 0.75; C = 0.75, 0.525, 0.39375; w = suffix sums.
+    q = torch.tensor([[0.6, 0.3, 0.2], [0.5, 0.4, 0.5]])
+    valid = torch.tensor([[True, False, True], [True, True, True]])
+    w = dpace_weights(-q.log(), valid, alpha=0.5)
+    c = [0.75, 0.525, 0.39375]
+    torch.testing.assert_close(w, torch.tensor([[1.28, 0.0, 0.48], [sum(c), c[1] + c[2], c[2]]]))
+    # alpha = 1: every q~ is 1 and w_k counts the supervised positions from k on.
+    torch.testing.assert_close(dpace_weights(-q.log(), valid, alpha=1.0), torch.tensor([[2.0, 0, 1], [3, 2, 1]]))
+
+
+def test_accept_products_end_at_an_unsupervised_position():
+    q = torch.tensor([[0.6, 0.3, 0.2], [0.5, 0.4, 0.5]])
+    valid = torch.tensor([[True, False, True], [True, True, True]])
+    products = accept_products(-q.log(), valid)
+    torch.testing.assert_close(products, torch.tensor([[0.6, 0.0, 0.0], [0.5, 0.2, 0.1]]))
+
+
+def two_token_fixture(q_label):
+    """Blocks whose drafter probability of each label is exactly q_label[n][k] (vocab 2, identity head):
+    logits (log q, log(1 - q)) with label token 0 everywhere."""
+    q = torch.tensor(q_label)
+    n, k = q.shape
+    hidden = torch.zeros(n, k + 1, 2)
+    hidden[:, 1:, 0], hidden[:, 1:, 1] = q.log(), (1 - q).log()
+    return hidden, FrozenTargetHead(torch.eye(2), torch.eye(2))
+
+
+def test_loss_terms_equal_hand_computed_values():
+    # Two blocks of B = 4 in one sequence of 9 tokens, all labels token 0; position 2 of the first block is
+    # prompt (loss_mask 0), the second block runs past the sequence end after two positions.
+    hidden, head = two_token_fixture([[0.6, 0.3, 0.2], [0.5, 0.4, 0.9]])
+    input_ids = torch.zeros(9, dtype=torch.long)
+    loss_mask = torch.ones(9, dtype=torch.bool)
+    loss_mask[3] = False
+    anchors = anchors_from_local([9], [[1, 6]])  # labels at 2, (3), 4 | 7, 8, (9: past the end)
+    ce = -torch.tensor([0.6, 0.2, 0.5, 0.4]).log()  # supervised positions, in order
+
+    cfg = DrafterConfig(block_size=4, loss_gamma=1.0, cap_weight=0.5)
+    out = dflash_loss(hidden, anchors, input_ids, loss_mask, head, cfg)
+    decay = torch.tensor([1.0, math.exp(-2), 1.0, math.exp(-1)])  # positions k = 1, 3 | 1, 2
+    expected_ce = (decay * ce).sum() / decay.sum()
+    a = torch.tensor([0.6, 0.5 + 0.5 * 0.4])  # expected accepted length per block (the first ends at k = 2)
+    expected_cap = a.sum() / (2 * 3)
+    torch.testing.assert_close(out.ce, expected_ce)
+    torch.testing.assert_close(out.cap, expected_cap)
+    torch.testing.assert_close(out.loss, expected_ce - 0.5 * expected_cap)
+    torch.testing.assert_close(out.accept_len_prob, 1 + a.mean())
+    torch.testing.assert_close(out.block_accept_prob, 1 + a)
+
+    cfg = DrafterConfig(block_size=4, loss="dpace", dpace_alpha=0.5)
+    out = dflash_loss(hidden, anchors, input_ids, loss_mask, head, cfg)
+    smoothed = 0.5 * torch.tensor([0.6, 0.2, 0.5, 0.4]) + 0.5  # 0.8, 0.6 | 0.75, 0.7
+    w = torch.tensor([0.8 + 0.8 * 0.6, 0.8 * 0.6, 0.75 + 0.75 * 0.7, 0.75 * 0.7])
+    torch.testing.assert_close(smoothed[0] * smoothed[1], w[1])
+    torch.testing.assert_close(out.loss, (w * ce).sum() / 4)  # normalised by the 4 supervised positions
+    torch.testing.assert_close(out.block_loss_sum, torch.stack([(w * ce)[:2].sum(), (w * ce)[2:].sum()]))
+    torch.testing.assert_close(out.block_weight_sum, torch.tensor([2.0, 2.0]))
+
+
+def reference_loss(hidden, anchors, input_ids, loss_mask, head, cfg, target_hidden=None):
+    """Every objective written out on full [N, B-1, V] logits, differentiated by autograd."""
+    block = hidden.shape[1]
+    labels = block_labels(anchors, input_ids, loss_mask, block)
+    valid = labels.valid[:, 1:]
+    log_q = F.log_softmax(head.logits(hidden[:, 1:]).float(), dim=-1)
+    tokens, kl = labels.tokens[:, 1:], torch.zeros(valid.shape)
+    if target_hidden is not None:
+        teacher = (anchors.positions[:, None] + torch.arange(block - 1)).clamp(max=len(input_ids) - 1)
+        log_p = F.log_softmax(head.logits(target_hidden[teacher]).float(), dim=-1)
+        if cfg.label == "target_argmax":
+            tokens = log_p.argmax(-1)
+        kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    ce = -log_q.gather(-1, tokens[..., None]).squeeze(-1)
+    if cfg.loss == "ce":
+        w = position_weights(block, cfg.loss_gamma)[1:] * valid
+        normaliser = w.sum()
+    else:
+        smoothed = torch.where(valid, (1 - cfg.dpace_alpha) * torch.exp(-ce.detach()) + cfg.dpace_alpha, 1.0)
+        reach = torch.cumprod(smoothed, 1) * valid
+        w = reach.flip(1).cumsum(1).flip(1) * valid
+        normaliser = valid.sum()
+    main = (w * (ce + cfg.kl_weight * kl) * valid).sum() / normaliser
+    products = torch.cumprod(torch.where(valid, torch.exp(-ce), 0.0), dim=1)
+    return main - cfg.cap_weight * products.sum() / (max(anchors.num_blocks, 1) * (block - 1))
+
+
+OBJECTIVES = [
+    {"loss": "ce", "cap_weight": 0.3},
+    {"loss": "ce", "kl_weight": 0.5, "cap_weight": 0.3},
+    {"loss": "dpace", "dpace_alpha": 0.3},
+    {"loss": "dpace", "kl_weight": 0.5, "cap_weight": 0.3},
+    {"label": "target_argmax"},
+    {"loss": "dpace", "label": "target_argmax", "kl_weight": 0.2, "cap_weight": 1.0},
+]
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_every_objective_equals_its_unchunked_reference(objective):
+    torch.manual_seed(1)
+    vocab, hidden_size, block = 40, 8, 5
+    head = FrozenTargetHead(torch.randn(vocab, hidden_size), torch.randn(vocab, hidden_size), logit_softcap=None)
+    lengths = [13, 9]
+    input_ids = torch.randint(0, vocab, (22,))
+    loss_mask = torch.rand(22) > 0.2
+    anchors = sample_anchors(torch.ones(22, dtype=torch.bool), cu_seqlens_from_lengths(lengths), 6, torch.Generator())
+    hidden = torch.randn(anchors.num_blocks, block, hidden_size, requires_grad=True)
+    cfg = DrafterConfig(block_size=block, loss_gamma=3.0, **objective)
+    target_hidden = torch.randn(22, hidden_size) if cfg.needs_target_logits else None
+    reference = reference_loss(hidden, anchors, input_ids, loss_mask, head, cfg, target_hidden)
+    (reference_grad,) = torch.autograd.grad(reference, hidden)
+    for chunk in (1, 7, 10_000):  # a block per chunk, a few blocks per chunk, all at once
+        chunked = DrafterConfig(block_size=block, loss_gamma=3.0, loss_chunk_tokens=chunk, **objective)
+        out = dflash_loss(hidden, anchors, input_ids, loss_mask, head, chunked, target_hidden)
+        (grad,) = torch.autograd.grad(out.loss, hidden)
+        torch.testing.assert_close(out.loss.detach(), reference.detach())
+        torch.testing.assert_close(grad, reference_grad)
+
+
+def test_target_argmax_labels_are_the_targets_greedy_tokens():
+    # Identity head: the target's argmax at packed position p is argmax(target_hidden[p]), which is the
+    # label of block position k for the anchor at p - k + 1; data tokens are all 0 and never the argmax.
+    vocab = block = 4
+    head = FrozenTargetHead(torch.eye(vocab), torch.eye(vocab))
+    greedy = torch.tensor([1, 2, 3, 1, 2, 3, 1, 2])
+    target_hidden = F.one_hot(greedy, vocab).float() * 5
+    input_ids = torch.zeros(8, dtype=torch.long)
+    anchors = anchors_from_local([8], [[0, 3]])
+    hidden = torch.zeros(2, block, vocab)
+    hidden[:, 1:] = F.one_hot(torch.stack([greedy[0:3], greedy[3:6]]), vocab).float()  # the drafter agrees
+    cfg = DrafterConfig(block_size=block, loss_gamma=1.0, label="target_argmax")
+    out = dflash_loss(hidden, anchors, input_ids, torch.ones(8, dtype=torch.bool), head, cfg, target_hidden)
+    assert out.accept_len.item() == 4.0 and out.correct_per_position.tolist() == [2, 2, 2]
+    data = dflash_loss(hidden, anchors, input_ids, torch.ones(8, dtype=torch.bool), head,
+                       DrafterConfig(block_size=block, loss_gamma=1.0))
+    assert data.accept_len.item() == 1.0  # against the data tokens every draft misses
 
 
 # --- learning a deterministic rule ------------------------------------------------------------------
