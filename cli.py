@@ -198,6 +198,11 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--json", action="store_true")
     bp.add_argument("--tiny", action="store_true", help="a small shape (CPU smoke run)")
     bp.add_argument("--steps", type=int, default=5)
+    bp.add_argument("--shape", default="qwen3-8b", help="target shape (bench/target_shapes.py): qwen3-8b, qwen3.6-27b")
+    bp.add_argument("--recipe", default="paper", help="drafter.recipe: paper, dpace, ddtree")
+    bp.add_argument("--seqs", type=int, default=4, help="samples per step")
+    bp.add_argument("--seq-len", type=int, default=3072, help="tokens per sample")
+    bp.add_argument("--anchors", type=int, default=None, help="anchors per sample (default: the recipe's)")
     bp.add_argument("--anchors-per-group", type=int, default=64, help="blocks per SDPA call (--attention sdpa)")
     bp.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto")
     bp.add_argument("--loss-chunk", type=int, default=1024, help="rows of [rows, vocab] logits at once")
@@ -470,7 +475,9 @@ def cmd_bench_loader(args: argparse.Namespace) -> int:
 def cmd_bench_drafter(args: argparse.Namespace) -> int:
     from dflash_ring.bench.drafter import run_drafter_bench
 
-    print(json.dumps(run_drafter_bench(args.tiny, args.steps, anchors_per_group=args.anchors_per_group,
+    print(json.dumps(run_drafter_bench(args.tiny, args.steps, seqs=args.seqs, seq_len=args.seq_len,
+                                       anchors=args.anchors, shape=args.shape, recipe=args.recipe,
+                                       anchors_per_group=args.anchors_per_group,
                                        attention=args.attention, loss_chunk=args.loss_chunk,
                                        check=not args.no_check, profile=args.profile,
                                        compile=not args.no_compile, compile_cache=args.compile_cache), indent=2))

@@ -1,10 +1,11 @@
 """`dflash-ring bench drafter`: one drafter training step, timed phase by phase, with its FLOP utilization.
 
-The drafter is built from a config (no download): by default Qwen3-8B-shaped
-(5 layers, hidden 4096, B=16, 512 anchors per sequence, 4 x 3072-token
-samples). Model FLOPs count what the step must compute: the drafter layers
-and fc forward + backward, attention over the keys each block may see, and the
-frozen lm_head in the loss (forward, plus the gradient to the hidden states).
+The drafter is built from a config (no download) for a target shape of bench/target_shapes.py and a
+named recipe: by default the paper's (5 layers, B=16, 512 anchors per sequence) on a Qwen3-8B-shaped
+target with 4 x 3072-token samples. Model FLOPs count what the step must compute: the drafter layers
+and fc forward + backward, attention over the keys each block may see in each layer (sliding-window
+layers see at most their window), and the frozen lm_head in the loss (the draft's logits, their gradient
+to the hidden states, and the target's logits where the objective reads them: KL, target-argmax labels).
 """
 
 from __future__ import annotations
@@ -17,41 +18,65 @@ from typing import Any
 
 import torch
 
+from dflash_ring.bench.target_shapes import SHAPES, shape_config, tiny_config
 from dflash_ring.common.compile_cache import use_compile_cache
-from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.drafter_config import DrafterConfig, target_text_config
 from dflash_ring.consumer.loss import dflash_loss
-from dflash_ring.consumer.model import FrozenTargetHead, build_drafter, cu_seqlens_from_lengths, sample_anchors
+from dflash_ring.consumer.model import Anchors, FrozenTargetHead, build_drafter, cu_seqlens_from_lengths, sample_anchors
 
-QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                intermediate_size=12288, vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
-                max_position_embeddings=40960)
-TINY = dict(QWEN3_8B, hidden_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=32, intermediate_size=256, vocab_size=512)
 H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s (spec sheet)
 
 
-def step_flops(cfg: dict[str, Any], n_layers: int, n_ctx_layers: int, tokens: int, blocks: int, block: int,
-               visible_keys: float) -> float:
+def bench_target(shape: str, tiny: bool) -> dict[str, Any]:
+    """The target's text config: the real shape, or (tiny, or no GPU) a small member of the same family."""
+    if shape not in SHAPES or shape == "tiny":
+        raise ValueError(f"unknown shape {shape!r}; known: {sorted(set(SHAPES) - {'tiny'})}")
+    family = SHAPES[shape][0]
+    config = tiny_config(family, vocab_size=512, hidden_size=128, num_hidden_layers=8) if tiny else shape_config(shape)
+    return target_text_config(config)
+
+
+def visible_keys(anchors: Anchors, block: int, window: int | None) -> float:
+    """Mean keys a block-token query attends to in a layer (context before its anchor, within the window for
+    sliding layers, plus its own block: all of it, or the causal part in a sliding layer)."""
+    before = (anchors.positions - anchors.seq_bounds()[0]).float()[:, None]
+    if window is None:
+        return float(before.mean()) + block
+    k = torch.arange(block, device=before.device).float()[None, :]
+    return float((torch.minimum(before, (window - 1 - k).clamp_min(0)) + k + 1).mean())
+
+
+def step_flops(cfg: dict[str, Any], drafter: DrafterConfig, n_ctx_layers: int, tokens: int, anchors: Anchors,
+               supervised: int) -> float:
     h, hd = cfg["hidden_size"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    block_tokens = blocks * block
-    per_layer_block = 2 * block_tokens * (h * q + 2 * h * kv + q * h + 3 * h * cfg["intermediate_size"])
+    block = drafter.block_size
+    block_tokens = anchors.num_blocks * block
+    per_layer_block = 2 * block_tokens * (h * q + 2 * h * kv + q * h + 3 * h * drafter_mlp(cfg, drafter))
     per_layer_ctx = 2 * tokens * (2 * h * kv)
-    attention = 2 * 2 * block_tokens * visible_keys * q
+    attention = sum(2 * 2 * block_tokens * visible_keys(anchors, block, drafter.sliding_window if kind ==
+                                                        "sliding_attention" else None) * q
+                    for kind in drafter.layer_types)
     fc = 2 * tokens * n_ctx_layers * h * h
-    trainable_fwd = n_layers * (per_layer_block + per_layer_ctx + attention) + fc
-    head = 2 * blocks * (block - 1) * h * cfg["vocab_size"]
-    return 3 * trainable_fwd + 2 * head
+    trainable_fwd = drafter.num_hidden_layers * (per_layer_block + per_layer_ctx) + attention + fc
+    head = 2 * supervised * h * cfg["vocab_size"]  # one [rows, H] x [H, vocab] product
+    return 3 * trainable_fwd + head * (3 if drafter.needs_target_logits else 2)
 
 
-def _grad_check(model, head, drafter, ctx, ids, mask, anchors, cuda: bool) -> float:
+def drafter_mlp(cfg: dict[str, Any], drafter: DrafterConfig) -> int:
+    from dflash_ring.consumer.drafter_hf_config import drafter_geometry
+
+    return drafter_geometry(drafter, cfg)["intermediate_size"]
+
+
+def _grad_check(model, head, drafter, ctx, ids, mask, anchors, teacher, cuda: bool) -> float:
     """Max over parameters of |g_flex - g_sdpa| / |g_sdpa| for one step: the fused path must train the same model."""
     grads = {}
     for attention in ("sdpa", "flex"):
         model.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
             hidden = model(ctx, ids, anchors, head, attention=attention)
-            dflash_loss(hidden, anchors, ids, mask, head, drafter).loss.backward()
+            dflash_loss(hidden, anchors, ids, mask, head, drafter, teacher).loss.backward()
         grads[attention] = [p.grad.float().clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     return max(float((f - s_).norm() / s_.norm().clamp_min(1e-30)) for f, s_ in zip(grads["flex"], grads["sdpa"]))
@@ -63,17 +88,19 @@ def _top_kernels(prof, n: int = 15) -> list[list]:
 
 
 def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int = 4, seq_len: int = 3072,
-                      anchors: int = 512, anchors_per_group: int = 64, attention: str = "auto",
+                      anchors: int | None = None, anchors_per_group: int = 64, attention: str = "auto",
                       loss_chunk: int = 1024, check: bool = True, profile: bool = False, compile: bool = True,
-                      compile_cache: str = "", peak_flops: float = H200_BF16_PEAK) -> dict:
+                      compile_cache: str = "", peak_flops: float = H200_BF16_PEAK, shape: str = "qwen3-8b",
+                      recipe: str = "paper") -> dict:
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     attention = attention if attention != "auto" else ("flex" if cuda else "sdpa")
-    target = TINY if tiny or not cuda else QWEN3_8B
+    target = bench_target(shape, tiny or not cuda)
     if not cuda:
         seqs, seq_len, anchors, steps = 2, 256, 32, 2
-    drafter = DrafterConfig(num_hidden_layers=5, block_size=16, num_anchors=anchors,
-                            mask_token_id=target["vocab_size"] - 1, loss_chunk_tokens=loss_chunk)
+    drafter = DrafterConfig(recipe=recipe, num_anchors=anchors, mask_token_id=target["vocab_size"] - 1,
+                            loss_chunk_tokens=loss_chunk)
+    anchors = drafter.num_anchors
     model = build_drafter(drafter, target).to(dev)
     n_ctx = len(model.target_layer_ids)
     h, vocab = target["hidden_size"], target["vocab_size"]
@@ -81,7 +108,12 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int = 4, seq_len
                             torch.randn(vocab, h, dtype=torch.bfloat16, device=dev) * 0.02)
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, fused=cuda)
     tokens = seqs * seq_len
-    host = torch.randn(tokens, n_ctx * h, dtype=torch.bfloat16).pin_memory() if cuda else torch.randn(tokens, n_ctx * h)
+
+    def host_tensor(width: int) -> torch.Tensor:
+        return torch.randn(tokens, width, dtype=torch.bfloat16).pin_memory() if cuda else torch.randn(tokens, width)
+
+    host = host_tensor(n_ctx * h)
+    final_host = host_tensor(h) if drafter.needs_target_logits else None  # the shipped final hidden state
     ids_host = torch.randint(0, vocab - 1, (tokens,))
     mask_host = torch.ones(tokens, dtype=torch.bool)
     mask_host[torch.arange(tokens) % seq_len < seq_len // 4] = False  # prompt quarter of every sample
@@ -99,7 +131,9 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int = 4, seq_len
     grad_err = None
     if check and cuda:  # flex has no CPU backward
         ctx, ids, mask = host.to(dev), ids_host.to(dev), mask_host.to(dev)
-        grad_err = _grad_check(model, head, drafter, ctx, ids, mask, sample_anchors(mask, cu, anchors, gen), cuda)
+        teacher = None if final_host is None else final_host.to(dev)
+        grad_err = _grad_check(model, head, drafter, ctx, ids, mask, sample_anchors(mask, cu, anchors, gen), teacher,
+                               cuda)
     if compile:
         model.compile_layers()
 
@@ -107,11 +141,12 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int = 4, seq_len
         t0 = sync()
         ctx = host.to(dev, non_blocking=True)
         ids, mask = ids_host.to(dev, non_blocking=True), mask_host.to(dev, non_blocking=True)
+        teacher = None if final_host is None else final_host.to(dev, non_blocking=True)
         t1 = sync()
         a = sample_anchors(mask, cu, anchors, gen)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
             hidden = model(ctx, ids, a, head, attention=attention, anchors_per_group=anchors_per_group)
-            out = dflash_loss(hidden, a, ids, mask, head, drafter)
+            out = dflash_loss(hidden, a, ids, mask, head, drafter, teacher)
         t2 = sync()
         out.loss.backward()
         t3 = sync()
@@ -119,7 +154,7 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int = 4, seq_len
         opt.step()
         opt.zero_grad(set_to_none=True)
         t4 = sync()
-        step.anchors = a
+        step.anchors, step.supervised = a, int(out.num_valid_tokens)
         return t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0
 
     compile_s = sum(step()[-1] for _ in range(4))  # warm-up; the first steps compile (flex, layers, loss)
@@ -129,19 +164,21 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int = 4, seq_len
             phases[k].append(v)
     a = step.anchors
     blocks = a.num_blocks
-    visible = float((a.positions - a.seq_bounds()[0]).float().mean()) + drafter.block_size
     top = None
     if profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             step(), step()
         top = _top_kernels(prof)
     mean = {k: sum(v) / len(v) for k, v in phases.items()}
-    flops = step_flops(target, drafter.num_hidden_layers, n_ctx, tokens, blocks, drafter.block_size, visible)
+    flops = step_flops(target, drafter, n_ctx, tokens, a, step.supervised)
     report = {
         "benchmark": "drafter",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu",
         "torch": torch.__version__,
+        "target_shape": shape if cuda and not tiny else f"{shape} (tiny: same family, hidden {h})",
+        "recipe": {k: v for k, v in asdict(drafter).items()
+                   if k in ("recipe", "loss", "kl_weight", "cap_weight", "label", "layer_types", "sliding_window")},
         "shape": {"hidden": h, "draft_layers": drafter.num_hidden_layers, "target_layers_fed": n_ctx,
                   "block_size": drafter.block_size, "anchors_per_seq": anchors, "seqs": seqs, "seq_len": seq_len,
                   "blocks_per_step": blocks, "vocab": vocab},
@@ -155,6 +192,7 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int = 4, seq_len
         "step_split_s": {k: round(v, 4) for k, v in mean.items()},
         "sync_s": 0.0,  # one replica: no collective in the step
         "tokens_per_s": round(tokens / mean["step_s"], 1),
+        "block_positions_per_s": round(blocks * drafter.block_size / mean["step_s"], 1),
         "model_tflop_per_step": round(flops / 1e12, 2),
         "achieved_tflop_per_s": round(flops / mean["step_s"] / 1e12, 1),
         "peak_tflop_per_s": round(peak_flops / 1e12, 1),

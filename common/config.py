@@ -318,13 +318,13 @@ def _coerce(value: typing.Any, hint: typing.Any, name: str) -> typing.Any:
         args = typing.get_args(hint)
         if value is None and type(None) in args:
             return None
-        for arg in args:
-            if arg is type(None):
-                continue
+        options = [arg for arg in args if arg is not type(None)]
+        for arg in options:
             try:
                 return _coerce(value, arg, name)
-            except ConfigError:
-                pass
+            except ConfigError as e:
+                if len(options) == 1:  # X | None: X's own message
+                    raise e from None
         raise ConfigError(f"{name} = {value!r}: expected {hint}")
     if origin is list:
         (item,) = typing.get_args(hint)

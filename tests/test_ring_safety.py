@@ -75,6 +75,13 @@ def test_drafter_replicas_with_other_drafter_settings_are_refused_by_field_name(
         assert "ring.slots" not in msg and "topology" not in msg
         with pytest.raises(ConfigMismatchError, match=r"drafter\.num_hidden_layers: ring has 1, this process has 2"):
             Ring.attach(cfg_for(run, **{"drafter.num_hidden_layers": 2, "drafter.block_size": 8}), timeout_s=5)
+        # Same shape, another objective (issue 21): the recipe's resolved fields are named.
+        with pytest.raises(ConfigMismatchError) as e:
+            Ring.attach(cfg_for(run, **{"drafter.recipe": "dpace", "drafter.num_hidden_layers": 1,
+                                        "drafter.block_size": 8, "drafter.num_anchors": 512}), timeout_s=5)
+        msg = str(e.value)
+        assert "drafter.loss: ring has 'ce', this process has 'dpace'" in msg, msg
+        assert "drafter.recipe: ring has None, this process has 'dpace'" in msg, msg
         del ring
     sup.send_signal(signal.SIGTERM)
     assert wait_exit(sup) == 0
