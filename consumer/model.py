@@ -152,7 +152,8 @@ class FlexLayout:
     Context tiles that every row of a query tile may see whole (after the latest sequence start and
     before the earliest anchor of the tile's blocks: most of them) are listed as full tiles, on which
     the kernel skips the mask function; only the edge tiles and the block tiles evaluate it.
-    Sliding-window masks list no full tiles (a window cuts every row at another key).
+    Sliding-window masks list only the tiles inside the window of some row, and as full those inside the
+    window of every row.
     """
 
     num_queries: int  # real block-token rows; the rest up to a tile is padding
@@ -188,19 +189,30 @@ def flex_layout(anchors: Anchors, context_len: int, block_size: int, windows: se
     blk_lo = (t_pad + first * block_size) // FLEX_TILE
     blk_hi = torch.maximum((t_pad + (last + 1) * block_size + FLEX_TILE - 1) // FLEX_TILE, blk_lo + 1)
     kv_tiles = (t_pad + q_len) // FLEX_TILE
-    if n:  # the tile's blocks first..last (padding rows act as the last block, as in the mask below)
-        span = (first[:, None] + torch.arange(FLEX_TILE // block_size + 2, device=dev)[None]).minimum(last[:, None])
-        full_lo = (start[span].amax(1) + FLEX_TILE - 1) // FLEX_TILE
-        full_hi = anchor[span].amin(1) // FLEX_TILE
-        whole = full_hi > full_lo
-        full_lo, full_hi = torch.where(whole, full_lo, ctx_hi), torch.where(whole, full_hi, ctx_hi)
-    else:
-        full_lo = full_hi = ctx_hi
     slot = torch.arange(kv_tiles, device=dev)[None, :]  # BlockMask reads the kv tile count off this width
     n_blk = blk_hi - blk_lo
-    partial = _tile_rows(slot, [(ctx_lo, full_lo - ctx_lo), (full_hi, ctx_hi - full_hi), (blk_lo, n_blk)], kv_tiles)
-    full = _tile_rows(slot, [(full_lo, full_hi - full_lo)], kv_tiles)
-    every_tile_partial = _tile_rows(slot, [(ctx_lo, ctx_hi - ctx_lo), (blk_lo, n_blk)], kv_tiles)
+    # the tile's blocks first..last (padding rows act as the last block, as in the mask below)
+    span = (first[:, None] + torch.arange(FLEX_TILE // block_size + 2, device=dev)[None]).minimum(last[:, None])
+
+    def tile_lists(window: int | None):
+        """(partial, full) kv tiles per query tile. A window moves both lower edges up: no row sees a key at or
+        before anchor - window (offset 0, the loosest), and every row sees a key from anchor + B - window on
+        (the last offset of the tile's latest anchor), so the tiles a window cuts off are not listed at all."""
+        lo = ctx_lo
+        if not n:
+            full_lo = full_hi = ctx_hi
+        else:
+            lowest = start[span].amax(1)
+            if window is not None:
+                lo = torch.maximum(start[first], anchor[first] - window + 1) // FLEX_TILE
+                lowest = torch.maximum(lowest, anchor[span].amax(1) + block_size - window)
+            full_lo = (lowest + FLEX_TILE - 1) // FLEX_TILE
+            full_hi = anchor[span].amin(1) // FLEX_TILE
+            whole = full_hi > full_lo
+            full_lo, full_hi = torch.where(whole, full_lo, ctx_hi), torch.where(whole, full_hi, ctx_hi)
+        partial = _tile_rows(slot, [(lo, full_lo - lo), (full_hi, ctx_hi - full_hi), (blk_lo, n_blk)], kv_tiles)
+        return partial, _tile_rows(slot, [(full_lo, full_hi - full_lo)], kv_tiles)
+
     safe_anchor = anchor if n else anchor.new_zeros(1)
     safe_start = start if n else start.new_zeros(1)
     last_block = max(n - 1, 0)
@@ -220,12 +232,10 @@ def flex_layout(anchors: Anchors, context_len: int, block_size: int, windows: se
         return mask_mod
 
     def block_mask(window: int | None) -> BlockMask:
-        (counts, indices), (full_counts, full_indices) = (partial, full) if window is None else (every_tile_partial,
-                                                                                                 (None, None))
-        return BlockMask.from_kv_blocks(counts[None, None], indices[None, None],
-                                        None if full_counts is None else full_counts[None, None],
-                                        None if full_indices is None else full_indices[None, None],
-                                        BLOCK_SIZE=FLEX_TILE, mask_mod=rule(window), seq_lengths=(q_len, t_pad + q_len))
+        (counts, indices), (full_counts, full_indices) = tile_lists(window)
+        return BlockMask.from_kv_blocks(counts[None, None], indices[None, None], full_counts[None, None],
+                                        full_indices[None, None], BLOCK_SIZE=FLEX_TILE, mask_mod=rule(window),
+                                        seq_lengths=(q_len, t_pad + q_len))
 
     masks = {w: block_mask(w) for w in windows}
     return FlexLayout(num_queries=rows, context_len=t_pad, masks=masks)

@@ -367,7 +367,7 @@ def _tiles(counts: torch.Tensor | None, indices: torch.Tensor | None, shape: tup
 
 
 @settings(max_examples=40, deadline=None)
-@given(block_size=st.sampled_from([4, 10, 16]), window=st.sampled_from([None, 13]),
+@given(block_size=st.sampled_from([4, 10, 16]), window=st.sampled_from([None, 13, 150, 300]),
        lengths=st.lists(st.integers(1, 400), min_size=1, max_size=4), seed=st.integers(0, 2**16))
 def test_flex_tile_lists_cover_the_mask_and_full_tiles_are_whole(block_size, window, lengths, seed):
     """The kernel evaluates the mask only on partial tiles and runs full tiles unmasked: every key a query
@@ -388,6 +388,16 @@ def test_flex_tile_lists_cover_the_mask_and_full_tiles_are_whole(block_size, win
     seen = tiles.any(dim=3).any(dim=1)
     assert not (seen & (partial + full == 0)).any(), "a key the mask allows lies in no listed tile"
     assert bool(tiles.all(dim=3).all(dim=1)[full == 1].all()), "a full tile holds a masked key"
+
+
+def test_a_window_lists_only_the_tiles_inside_it_and_most_of_them_full():
+    """ddtree's sliding layers: a late block in a long sequence attends to its window, not its whole context."""
+    anchors = anchors_from_local([4096], [list(range(3500, 3600, 3))])
+    masks = flex_layout(anchors, 4096, 32, {None, 2048}).masks
+    windowed, whole = masks[2048], masks[None]
+    listed = int(windowed.kv_num_blocks.sum() + windowed.full_kv_num_blocks.sum())
+    assert listed < 0.65 * int(whole.kv_num_blocks.sum() + whole.full_kv_num_blocks.sum())
+    assert int(windowed.full_kv_num_blocks.sum()) >= 3 * int(windowed.kv_num_blocks.sum())
 
 
 def test_long_context_tiles_run_unmasked():
