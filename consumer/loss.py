@@ -83,32 +83,35 @@ def _logit_grad(log_q: torch.Tensor, label: torch.Tensor, p: torch.Tensor | None
 
 def _chunk_terms(logits: torch.Tensor, label: torch.Tensor, teacher_logits: torch.Tensor | None,
                  label_from_teacher: bool, a: torch.Tensor | None, k: torch.Tensor | None):
-    """Per-row CE and KL, the draft's top-1, the label used and, when the coefficients a, k are known
-    already, d(loss)/d(logits) of one row chunk (fp32 inside).
+    """Per-row CE and KL, the draft's top-1, the label used, the rows' log-normalisers and, when the
+    coefficients a, k are known already, d(loss)/d(logits) of one row chunk (fp32 inside).
 
     One function so that on a GPU torch.compile fuses the softmax, gather, argmax and gradient into a
     pass or two over the [rows, vocab] chunk instead of one per op.
     """
-    log_q = F.log_softmax(logits.float(), dim=-1)
-    predictions = log_q.argmax(dim=-1)
-    p = None
-    kl = torch.zeros_like(log_q[:, 0])
+    lse_q = torch.logsumexp(logits.float(), dim=-1)
+    log_q = logits.float() - lse_q[:, None]
+    predictions = logits.argmax(dim=-1)
+    p, lse_p = None, torch.zeros_like(lse_q)
+    kl = torch.zeros_like(lse_q)
     if teacher_logits is not None:
-        log_p = F.log_softmax(teacher_logits.float(), dim=-1)
+        lse_p = torch.logsumexp(teacher_logits.float(), dim=-1)
+        log_p = teacher_logits.float() - lse_p[:, None]
         if label_from_teacher:
-            label = log_p.argmax(dim=-1)
+            label = teacher_logits.argmax(dim=-1)
         p = log_p.exp()
         kl = (p * (log_p - log_q)).sum(dim=-1)
     ce = -log_q.gather(1, label[:, None]).squeeze(1)
     d_logits = None if a is None else _logit_grad(log_q, label, p, a, k).to(logits.dtype)
-    return ce, kl, predictions, label, d_logits
+    return ce, kl, predictions, label, lse_q, lse_p, d_logits
 
 
-def _chunk_grad(logits: torch.Tensor, label: torch.Tensor, teacher_logits: torch.Tensor | None,
-                a: torch.Tensor, k: torch.Tensor | None) -> torch.Tensor:
-    """d(loss)/d(logits) of one chunk once its coefficients are known (they depend on its CE: D-PACE, CAP)."""
-    p = None if teacher_logits is None else F.softmax(teacher_logits.float(), dim=-1)
-    return _logit_grad(F.log_softmax(logits.float(), dim=-1), label, p, a, k).to(logits.dtype)
+def _chunk_grad(logits: torch.Tensor, label: torch.Tensor, teacher_logits: torch.Tensor | None, lse_q: torch.Tensor,
+                lse_p: torch.Tensor, a: torch.Tensor, k: torch.Tensor | None) -> torch.Tensor:
+    """d(loss)/d(logits) of one chunk once its coefficients are known (they depend on its CE: D-PACE, CAP):
+    one elementwise pass, the softmax normalisers coming from the first."""
+    p = None if teacher_logits is None else torch.exp(teacher_logits.float() - lse_p[:, None])
+    return _logit_grad(logits.float() - lse_q[:, None], label, p, a, k).to(logits.dtype)
 
 
 _compiled: dict[str, object] = {}
@@ -157,7 +160,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 F.linear(target_hidden[rows].to(weight.dtype), weight), plan.cap)
             w = decay[rows] if cfg.loss == "ce" else None
             a = w / plan.normaliser if fixed and needs_grad else None
-            ce, kl, predictions[rows], used[rows], d_logits = terms(
+            ce, kl, predictions[rows], used[rows], lse_q, lse_p, d_logits = terms(
                 logits, labels[rows], teacher, cfg.label == "target_argmax", a,
                 None if a is None else a * cfg.kl_weight)
             ce_grid = torch.zeros(grid.shape, device=ce.device).masked_scatter(grid, ce.detach())
@@ -172,7 +175,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 # d(-cap_scale * sum A)/d(CE_j) = cap_scale * sum_{k>=j} P_k: the positions j gates.
                 gated = products.flip(1).cumsum(1).flip(1)[grid]
                 a = w / plan.normaliser + cap_scale * gated
-                d_logits = second(logits, used[rows], teacher, a, w / plan.normaliser * cfg.kl_weight)
+                d_logits = second(logits, used[rows], teacher, lse_q, lse_p, a, w / plan.normaliser * cfg.kl_weight)
             if plan.cap is not None:  # d(cap * tanh(z / cap))/dz = 1 - tanh^2, with tanh = capped / cap
                 d_logits = d_logits * (1 - (logits.float() / plan.cap) ** 2).to(d_logits.dtype)
             grad[rows] = (d_logits @ weight).to(hidden.dtype)

@@ -243,6 +243,13 @@ def flex_layout(anchors: Anchors, context_len: int, block_size: int, windows: se
 
 _compiled_flex = None
 
+# Triton tile sizes of the flex kernels by head dim, where Inductor's defaults were measured slower on the H200
+# (docs/benchmarks.md, issue 21): at head dim 256 (Qwen3.6-27B's width) a 128 x 64 forward tile with 8 warps and
+# 2 stages, which the backward kernel shares, ran a 2048-window layer of the ddtree recipe in 4.7 + 36.9 ms against
+# 7.4 + 47.4 ms with the defaults. Head dim 128 (Qwen3-8B) keeps the defaults.
+FLEX_KERNEL_OPTIONS: dict[int, dict[str, int]] = {256: {"BLOCK_M": 128, "BLOCK_N": 64, "num_stages": 2,
+                                                        "num_warps": 8}}
+
 
 def _flex_attention(q, k, v, block_mask: BlockMask) -> torch.Tensor:
     """Compiled on CUDA (fused kernel, built once per process); eager elsewhere (tests on CPU)."""
@@ -250,7 +257,8 @@ def _flex_attention(q, k, v, block_mask: BlockMask) -> torch.Tensor:
     if q.is_cuda:
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention, dynamic=True)
-        return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+        return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True,
+                              kernel_options=FLEX_KERNEL_OPTIONS.get(q.shape[-1]))
     return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 

@@ -278,6 +278,7 @@ def test_dashboard_covers_the_operations_questions():
                  "dflash_ring_producer_blocked_seconds_total", "dflash_ring_drafter_loss",
                  "dflash_ring_drafter_accuracy", "dflash_ring_drafter_acceptance_length",
                  "dflash_ring_drafter_learning_rate", "dflash_ring_gpu_utilization_ratio",
+                 "dflash_ring_drafter_probabilistic_acceptance_length", "dflash_ring_drafter_position_accuracy",
                  "dflash_ring_process_starts_total", "dflash_ring_items_redelivered_total"]:
         assert name in used, f"no dashboard panel shows {name}"
 
@@ -304,7 +305,10 @@ def exported_names(tmp_path: Path) -> set[str]:
         collector = RingCollector(tmp_path / "locks")
         collector.attach(ring)
         registry.register(collector)
-        names = {s.name for family in registry.collect() for s in family.samples}
+        families = list(registry.collect())
+        names = {s.name for family in families for s in family.samples}
+        # A labelled gauge has no sample until its first label value (per block position): its name counts.
+        names |= {family.name for family in families if family.type == "gauge"}
         collector.detach()
     finally:
         ring.close()
