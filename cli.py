@@ -142,6 +142,9 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--device", default="cpu")
     sp.add_argument("--threads", type=int, default=1,
                     help="CPU threads for torch (default 1, as inside `run`: small forwards; 0: torch's default)")
+    sp.add_argument("--tree-budget", type=_budgets, default=(), metavar="N[,N...]",
+                    help="also verify DDTree draft trees of N draft nodes per round (e.g. 16,64,256), on the same "
+                         "prompts; their tau is reported next to the chain's")
     sp.add_argument("--json", action="store_true", help="print the report as JSON")
     sp.set_defaults(func=cmd_eval)
 
@@ -229,6 +232,16 @@ def _at_least_one(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _budgets(text: str) -> tuple[int, ...]:
+    try:
+        budgets = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated node counts such as 16,64,256, got {text!r}")
+    if bad := [b for b in budgets if b < 1]:
+        raise argparse.ArgumentTypeError(f"a tree budget counts draft nodes and must be at least 1, got {bad}")
+    return budgets
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -533,7 +546,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     try:
         report = evaluate_drafter(args.drafter, args.target, args.data, max_new_tokens=args.max_new_tokens,
-                                  limit=args.limit, device=args.device, cpu_threads=args.threads or None)
+                                  limit=args.limit, device=args.device, cpu_threads=args.threads or None,
+                                  tree_budgets=args.tree_budget)
     except (OSError, ValueError) as e:  # missing files, a drafter of another target, a malformed data row
         print(f"dflash-ring eval: error: {e}", file=sys.stderr)
         return 2
