@@ -77,8 +77,9 @@ def target_features(hidden_states: Sequence[torch.Tensor], target_layer_ids: Seq
 def cache_argument(model: PreTrainedModel) -> str:
     """The name of forward's KV-cache argument: `cache` from transformers 5.2x, `past_key_values` before.
 
-    Neither version refuses the other's name: 5.17 passes an unknown `cache=` down its **kwargs unread
-    and decodes every forward without its prefix, so the name is read from the signature, never assumed."""
+    Neither version refuses the other's name: 5.17 passes an unknown `cache=` down its **kwargs unread and
+    builds a cache of its own, so ours stays empty and every forward runs without its prefix (the chain eval
+    then failed in `crop`). The name is read from the signature, never assumed."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
