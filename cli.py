@@ -215,6 +215,16 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--compile-cache", default="",
                     help="persistent compile cache root (run.compile_cache_dir); run twice to see a warm start")
     bp.set_defaults(func=cmd_bench_drafter)
+    bp = bench.add_parser("recipes", help="the embedded default trained with each recipe: chain and tree tau on the "
+                                          "same held-out prompts, two seeds (CPU, ~1 h)")
+    bp.add_argument("--workdir", default="runs/bench-recipes", help="where the runs and recipes.jsonl go")
+    bp.add_argument("--variants", default="paper,dpace,ddtree,paper+target_argmax",
+                    help="comma-separated: paper, dpace, ddtree, paper+target_argmax")
+    bp.add_argument("--seeds", default="0,1", help="comma-separated train/data seeds")
+    bp.add_argument("--tree-budget", type=_budgets, default=(16, 64, 256), metavar="N[,N...]")
+    bp.add_argument("--prompts", type=_at_least_one, default=100, help="held-out prompts evaluated")
+    bp.add_argument("--max-new-tokens", type=_at_least_one, default=64)
+    bp.set_defaults(func=cmd_bench_recipes)
     bp = bench.add_parser("checkpoint", help="a checkpoint's cost to the training step: in the step vs in the "
                                              "background")
     bp.add_argument("--tiny", action="store_true", help="a small shape (CPU smoke run)")
@@ -527,6 +537,25 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
     report = run_pipeline_bench(tiny=args.tiny, seconds=args.seconds, warmup_steps=args.warmup_steps,
                                 workdir=args.workdir, port_base=args.port_base, kill_drafter=args.kill_drafter,
                                 kill_target=args.kill_target)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def cmd_bench_recipes(args: argparse.Namespace) -> int:
+    from dflash_ring.bench.recipes import run_recipes_bench
+
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        print(f"dflash-ring bench recipes: error: --seeds takes comma-separated integers, got {args.seeds!r}",
+              file=sys.stderr)
+        return 2
+    try:
+        report = run_recipes_bench(args.workdir, variants=args.variants.split(","), seeds=seeds,
+                                   budgets=args.tree_budget, prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+    except ValueError as e:
+        print(f"dflash-ring bench recipes: error: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(report, indent=2))
     return 0
 
