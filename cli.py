@@ -142,6 +142,9 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--device", default="cpu")
     sp.add_argument("--threads", type=int, default=1,
                     help="CPU threads for torch (default 1, as inside `run`: small forwards; 0: torch's default)")
+    sp.add_argument("--tree-budget", type=_budgets, default=(), metavar="N[,N...]",
+                    help="also verify DDTree draft trees of N draft nodes per round (e.g. 16,64,256), on the same "
+                         "prompts; their tau is reported next to the chain's")
     sp.add_argument("--json", action="store_true", help="print the report as JSON")
     sp.set_defaults(func=cmd_eval)
 
@@ -212,6 +215,16 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--compile-cache", default="",
                     help="persistent compile cache root (run.compile_cache_dir); run twice to see a warm start")
     bp.set_defaults(func=cmd_bench_drafter)
+    bp = bench.add_parser("recipes", help="the embedded default trained with each recipe: chain and tree tau on the "
+                                          "same held-out prompts, two seeds (CPU, ~1 h)")
+    bp.add_argument("--workdir", default="runs/bench-recipes", help="where the runs and recipes.jsonl go")
+    bp.add_argument("--variants", default="paper,dpace,ddtree,paper+target_argmax",
+                    help="comma-separated: paper, dpace, ddtree, paper+target_argmax")
+    bp.add_argument("--seeds", default="0,1", help="comma-separated train/data seeds")
+    bp.add_argument("--tree-budget", type=_budgets, default=(16, 64, 256), metavar="N[,N...]")
+    bp.add_argument("--prompts", type=_at_least_one, default=100, help="held-out prompts evaluated")
+    bp.add_argument("--max-new-tokens", type=_at_least_one, default=64)
+    bp.set_defaults(func=cmd_bench_recipes)
     bp = bench.add_parser("checkpoint", help="a checkpoint's cost to the training step: in the step vs in the "
                                              "background")
     bp.add_argument("--tiny", action="store_true", help="a small shape (CPU smoke run)")
@@ -229,6 +242,16 @@ def _at_least_one(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _budgets(text: str) -> tuple[int, ...]:
+    try:
+        budgets = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated node counts such as 16,64,256, got {text!r}")
+    if bad := [b for b in budgets if b < 1]:
+        raise argparse.ArgumentTypeError(f"a tree budget counts draft nodes and must be at least 1, got {bad}")
+    return budgets
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -518,6 +541,25 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_recipes(args: argparse.Namespace) -> int:
+    from dflash_ring.bench.recipes import run_recipes_bench
+
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        print(f"dflash-ring bench recipes: error: --seeds takes comma-separated integers, got {args.seeds!r}",
+              file=sys.stderr)
+        return 2
+    try:
+        report = run_recipes_bench(args.workdir, variants=args.variants.split(","), seeds=seeds,
+                                   budgets=args.tree_budget, prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+    except ValueError as e:
+        print(f"dflash-ring bench recipes: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2))
+    return 0
+
+
 def cmd_bench_target(args: argparse.Namespace) -> int:
     from dflash_ring.bench.target import run_target_bench
 
@@ -533,7 +575,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     try:
         report = evaluate_drafter(args.drafter, args.target, args.data, max_new_tokens=args.max_new_tokens,
-                                  limit=args.limit, device=args.device, cpu_threads=args.threads or None)
+                                  limit=args.limit, device=args.device, cpu_threads=args.threads or None,
+                                  tree_budgets=args.tree_budget)
     except (OSError, ValueError) as e:  # missing files, a drafter of another target, a malformed data row
         print(f"dflash-ring eval: error: {e}", file=sys.stderr)
         return 2

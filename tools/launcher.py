@@ -336,13 +336,13 @@ def run(config: str | None, overrides: list[str], workdir: str = "runs/tiny", ev
         con.print(f"config: {cfg_path} (copy it to start your own); tiny target: {load_config(cfg_path).target.path}")
     else:
         cfg_path = Path(config)
-    trained = _train_and_export(cfg_path, overrides, embedded, con)
+    trained = train_and_export(cfg_path, overrides, embedded, con)
     if isinstance(trained, int):
         return trained
     cfg, exported, steps = trained
     if embedded and evaluate:
         con.print("the same run on the corpus's own replies, for comparison:")
-        other = _train_and_export(corpus_replies_config(cfg_path, work), overrides, embedded, con)
+        other = train_and_export(corpus_replies_config(cfg_path, work), overrides, embedded, con)
         if isinstance(other, int):
             return other
         _compare(cfg, {"trained on the target's regenerated replies": (exported, steps),
@@ -350,7 +350,7 @@ def run(config: str | None, overrides: list[str], workdir: str = "runs/tiny", ev
     return 0
 
 
-def _train_and_export(cfg_path: Path, overrides: list[str], embedded: bool,
+def train_and_export(cfg_path: Path, overrides: list[str], embedded: bool,
                       con: Console) -> tuple[Config, Path, int] | int:
     """One whole run, then drafter 0's last checkpoint exported beside the checkpoints (drafter/); the exit
     code if a process failed."""

@@ -1,0 +1,111 @@
+"""`dflash-ring bench recipes`: the embedded default's tiny run trained with each recipe, evaluated alike.
+
+Every variant is the embedded default (`dflash-ring run`: the tiny trained target, 1 target process, 2
+drafters, CPU, the target's regenerated replies) with one recipe on top, on the tiny run's drafter geometry
+(2 layers, B=8, 48 anchors, set explicitly by the embedded config, so a recipe brings its objective only:
+loss, position weights, KL, CAP, layer pattern). Each trained drafter (drafter 0's last checkpoint,
+exported) is evaluated on the same held-out prompts by chain verification and by tree verification at each
+budget. Every variant runs once per seed (train.seed and data.seed), so the spread between seeds is the
+run-to-run noise the differences between recipes must exceed.
+
+Ratios are against the `paper` variant of the same seed, in the same bench run. Results are appended to
+`<workdir>/recipes.jsonl` as each run finishes, so an interrupted bench keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from statistics import fmean
+from typing import Any
+
+# variant -> its `--set` overrides on the embedded config.
+VARIANTS: dict[str, list[str]] = {
+    "paper": ["drafter.recipe=paper"],
+    "dpace": ["drafter.recipe=dpace"],
+    "ddtree": ["drafter.recipe=ddtree"],
+    "paper+target_argmax": ["drafter.recipe=paper", "drafter.label=target_argmax"],
+}
+BASELINE = "paper"
+
+
+def run_recipes_bench(workdir: str | Path, variants: Sequence[str] = tuple(VARIANTS), seeds: Sequence[int] = (0, 1),
+                      budgets: Sequence[int] = (16, 64, 256), prompts: int = 100, max_new_tokens: int = 64) -> dict:
+    from dflash_ring.consumer.evaluate import evaluate_drafter
+    from dflash_ring.embedded.tiny_target import HELDOUT_FILE
+    from dflash_ring.tools.launcher import console, embedded_config, train_and_export
+
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        raise ValueError(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    work = Path(workdir)
+    cfg_path = embedded_config(work)  # builds (or finds cached) the tiny target and its regenerated replies
+    results = work / "recipes.jsonl"
+    con = console()
+    runs = []
+    for seed in seeds:  # every variant of a seed before the next seed: a partial bench still compares them
+        for variant in variants:
+            run_dir = work / f"{variant.replace('+', '-')}-seed{seed}"
+            overrides = [
+                *VARIANTS[variant], f"train.seed={seed}", f"data.seed={seed}",
+                f"run.name=bench-recipes-{variant.replace('+', '-')}-{seed}", f"run.run_dir={run_dir / 'locks'}",
+                f"train.checkpoint_dir={run_dir / 'checkpoints'}", f"target.state_dir={run_dir / 'state'}",
+                "metrics.enabled=false",  # nothing listens: benches beside other runs cannot collide on ports
+            ]
+            started = time.monotonic()
+            trained = train_and_export(cfg_path, overrides, True, con)
+            if isinstance(trained, int):
+                raise RuntimeError(f"the {variant} run (seed {seed}) failed with exit code {trained}")
+            cfg, exported, steps = trained
+            train_s = time.monotonic() - started
+            started = time.monotonic()
+            report = evaluate_drafter(exported, cfg.target.path, Path(cfg.target.path) / HELDOUT_FILE, limit=prompts,
+                                      max_new_tokens=max_new_tokens, tree_budgets=budgets)
+            run = {
+                "variant": variant, "seed": seed, "overrides": VARIANTS[variant], "steps": steps,
+                "drafter": {k: getattr(cfg.drafter, k) for k in ("recipe", "num_hidden_layers", "block_size",
+                                                                 "num_anchors", "loss", "loss_gamma", "kl_weight",
+                                                                 "cap_weight", "label", "layer_types")},
+                "train_s": round(train_s, 1), "eval_s": round(time.monotonic() - started, 1),
+                "chain_tau": report.tau, "chain_rounds": report.rounds,
+                "tree_tau": {str(t.budget): t.tau for t in report.trees},
+                "tree_same_tokens_as_chain": {str(t.budget): t.same_tokens_as_chain for t in report.trees},
+                "tokens_generated": report.tokens_generated,
+            }
+            with results.open("a") as f:
+                f.write(json.dumps(run) + "\n")
+            runs.append(run)
+    return {
+        "bench": "recipes",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(), "machine": platform.machine(),
+        "prompts": prompts, "max_new_tokens": max_new_tokens, "budgets": list(budgets), "seeds": list(seeds),
+        "baseline": BASELINE,
+        "table": summarize_runs(runs, budgets),
+        "runs": runs,
+    }
+
+
+def summarize_runs(runs: Sequence[dict[str, Any]], budgets: Sequence[int]) -> list[dict[str, Any]]:
+    """Per variant: each figure's mean and its spread (max - min) over seeds, and the mean over seeds of its
+    ratio to the baseline variant's figure of the same seed (where that seed's baseline ran)."""
+    figures = ["chain_tau", *(f"tree_tau_{b}" for b in budgets)]
+
+    def value(run: dict[str, Any], figure: str) -> float:
+        return run["chain_tau"] if figure == "chain_tau" else run["tree_tau"][figure.removeprefix("tree_tau_")]
+
+    baseline = {r["seed"]: r for r in runs if r["variant"] == BASELINE}
+    table = []
+    for variant in dict.fromkeys(r["variant"] for r in runs):
+        mine = [r for r in runs if r["variant"] == variant]
+        row: dict[str, Any] = {"variant": variant, "seeds": [r["seed"] for r in mine]}
+        for figure in figures:
+            values = [value(r, figure) for r in mine]
+            ratios = [value(r, figure) / value(baseline[r["seed"]], figure) for r in mine if r["seed"] in baseline]
+            row[figure] = {"mean": round(fmean(values), 3), "spread": round(max(values) - min(values), 3),
+                           **({"vs_baseline": round(fmean(ratios), 3)} if ratios else {})}
+        table.append(row)
+    return table
