@@ -391,7 +391,8 @@ def cmd_data_stats(args: argparse.Namespace) -> int:
     from dflash_ring.producer.pretokenized import load_sources, target_tokenizer
 
     cfg = _config(args)
-    stats = data_stats(load_sources(cfg.data, target_tokenizer(cfg.target)))  # the producer's tokenization and cache
+    sources = load_sources(cfg.data, target_tokenizer(cfg.target))  # the producer's tokenization and cache
+    stats = data_stats(sources, cfg.data.eval_fraction, cfg.data.seed)
     if args.json:
         print(stats.to_json())
     else:

@@ -413,7 +413,9 @@ class Ring:
         """Only while the row has no committed cursor: the cursors it publishes from now on are of `plan`."""
         self._rows[row]["cursor_plan"] = plan.encode("ascii")[:24]
 
-    def set_planned_items(self, row: int, n: int) -> None:
+    def set_planned_items(self, row: int, n: int, evals: int = 0) -> None:
+        """A producer's plan: `n` items over the run, `evals` of them evaluation items."""
+        self._rows[row]["planned_eval_items"] = evals
         self._rows[row]["planned_items"] = n
 
     def planned_items(self) -> int:
