@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -12,6 +13,7 @@ DataFormat = Literal["auto", "json", "jsonl", "parquet", "arrow", "disk"]
 FORMATS: tuple[str, ...] = ("auto", "json", "jsonl", "parquet", "arrow", "disk")
 # Source names label Prometheus series and travel in every item's meta: their number and length stay bounded.
 MAX_SOURCES, MAX_SOURCE_NAME = 16, 64
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # valid in a metric label, a tracker key and a file name alike
 
 
 class DataError(ValueError):
@@ -50,14 +52,18 @@ class DataSource:
             raise DataError(f"format = {self.format!r}: use one of {', '.join(FORMATS)}")
         if not self.name:
             object.__setattr__(self, "name", source_name(self.path))  # frozen: set once, here
+        if not _NAME.fullmatch(self.name):
+            raise DataError(f"name = {self.name!r}: a source name labels metrics and tracker series, so it may hold "
+                            "only letters, digits, '_', '.' and '-'; set another name")
         if len(self.name) > MAX_SOURCE_NAME:
             raise DataError(f"name = {self.name[:MAX_SOURCE_NAME]!r}...: a source name labels metrics and travels with "
                             f"every item, so it is at most {MAX_SOURCE_NAME} characters; set a shorter name")
 
 
 def source_name(path: str) -> str:
-    """A source's default name: its file or directory name without the suffix."""
-    return Path(path).stem
+    """A source's default name: its file or directory name without the suffix, other characters than
+    letters, digits, '_', '.' and '-' as '_', cut to MAX_SOURCE_NAME."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", Path(path).stem)[:MAX_SOURCE_NAME] or "data"
 
 
 @dataclass(frozen=True)

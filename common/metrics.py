@@ -215,6 +215,38 @@ class DrafterMetrics:
         self.lr = Gauge("dflash_ring_drafter_learning_rate", "Learning rate of the last step", registry=r)
         self.step_number = Gauge("dflash_ring_drafter_step", "Optimizer step reached (survives restarts)",
                                  registry=r)
+        # Per data source (the configured names, at most data.MAX_SOURCES, and "other"), split "train" (the
+        # steps of the last log window) or "eval" (the held-out items of the last evaluation report).
+        by_source = ["source", "split"]
+        self.source_loss = Gauge("dflash_ring_drafter_source_loss", "Loss over the blocks of one data source's "
+                                 "sequences (train: last log window; eval: last evaluation report)", by_source,
+                                 registry=r)
+        self.source_accuracy = Gauge("dflash_ring_drafter_source_accuracy", "Top-1 accuracy over one data source's "
+                                     "blocks (0-1)", by_source, registry=r)
+        self.source_acceptance = Gauge("dflash_ring_drafter_source_acceptance_length", "Teacher-forced acceptance "
+                                       "length of one data source's blocks", by_source, registry=r)
+        self.source_tokens = Counter("dflash_ring_drafter_source_tokens_total", "Supervised (loss-mask) tokens "
+                                     "this drafter trained (train) or evaluated (eval), by data source", by_source,
+                                     registry=r)
+        self.eval_items = Counter("dflash_ring_drafter_eval_items_total", "Held-out items this drafter evaluated "
+                                  "(never trained)", registry=r)
+
+    def publish_sources(self, record: dict[str, float]) -> None:
+        """A record's per-source keys (`source/<name>/<what>`, `eval/source/<name>/<what>`) into the labelled
+        series: the same numbers the log line and the trackers get."""
+        gauges = {"loss": self.source_loss, "accuracy": self.source_accuracy, "accept_len": self.source_acceptance}
+        for key, value in record.items():
+            if key.startswith("source/"):
+                split, rest = "train", key.removeprefix("source/")
+            elif key.startswith("eval/source/"):
+                split, rest = "eval", key.removeprefix("eval/source/")
+            else:
+                continue
+            name, _, what = rest.rpartition("/")
+            if what in gauges:
+                gauges[what].labels(name, split).set(value)
+            elif what == "tokens":
+                self.source_tokens.labels(name, split).inc(value)
 
 
 class RegenerateMetrics:
