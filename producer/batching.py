@@ -104,7 +104,7 @@ def epoch_samples(sizes: Sequence[int], counts: Sequence[int], *, seed: int, epo
     (seed, epoch, source), after as many whole passes as a repeating source needs."""
     parts, base = [], 0
     for k, (n, count) in enumerate(zip(sizes, counts, strict=True)):
-        passes, rest = divmod(count, n)
+        passes, rest = divmod(count, n) if count else (0, 0)  # 0: a held-out source gives no training row
         parts += [base + np.arange(n)] * passes
         if rest:
             parts.append(base + np.sort(_permutation(n, [seed, epoch, 2, k])[:rest]))
