@@ -43,21 +43,12 @@ class DataSource:
     def __post_init__(self) -> None:
         if not self.path:
             raise DataError("path is empty: every [[data.sources]] entry needs the data file or directory it reads")
-        if self.eval and self.repeat:
-            raise DataError("eval = true and repeat = true: a held-out source gives each of its rows once an epoch; "
-                            "drop repeat")
         if not (math.isfinite(self.weight) and self.weight > 0):
             raise DataError(f"weight = {self.weight}: must be a positive number")
         if self.format not in FORMATS:
             raise DataError(f"format = {self.format!r}: use one of {', '.join(FORMATS)}")
         if not self.name:
             object.__setattr__(self, "name", source_name(self.path))  # frozen: set once, here
-        if not _NAME.fullmatch(self.name):
-            raise DataError(f"name = {self.name!r}: a source name labels metrics and tracker series, so it may hold "
-                            "only letters, digits, '_', '.' and '-'; set another name")
-        if len(self.name) > MAX_SOURCE_NAME:
-            raise DataError(f"name = {self.name[:MAX_SOURCE_NAME]!r}...: a source name labels metrics and travels with "
-                            f"every item, so it is at most {MAX_SOURCE_NAME} characters; set a shorter name")
 
 
 def source_name(path: str) -> str:
@@ -141,6 +132,13 @@ class DataConfig:
                             "least one source eval = false")
         seen: dict[str, int] = {}
         for i, s in enumerate(self.sources):
+            if not _NAME.fullmatch(s.name) or len(s.name) > MAX_SOURCE_NAME:
+                raise DataError(f"data.sources[{i}] name = {s.name[:MAX_SOURCE_NAME]!r}: a source name labels metrics "
+                                f"and tracker series and travels with every item, so it is 1 to {MAX_SOURCE_NAME} "
+                                "letters, digits, '_', '.' or '-'; set another name")
+            if s.eval and s.repeat:
+                raise DataError(f"data.sources[{i}] ({s.name}) has eval = true and repeat = true: a held-out source "
+                                "gives each of its rows once an epoch; drop repeat")
             if s.name in seen:
                 raise DataError(f"data.sources[{seen[s.name]}] and data.sources[{i}] are both named {s.name!r}: "
                                 "give each [[data.sources]] entry its own name")

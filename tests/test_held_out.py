@@ -75,7 +75,7 @@ def test_the_split_is_part_of_the_plan_and_refused_when_wrong():
     for sets, says in ((["data.eval_fraction=1.0"], "must be at least 0 and below 1"),
                        (['data.sources=[{path="a.jsonl", eval=true}]'], "nothing is left to train on"),
                        (['data.sources=[{path="a.jsonl"}, {path="b.jsonl", eval=true, repeat=true}]'], "drop repeat"),
-                       (['data.sources=[{path="a.jsonl", name="my code"}]'], "only letters, digits"),
+                       (['data.sources=[{path="a.jsonl", name="my code"}]'], "1 to 64 letters, digits"),
                        (["train.eval_every_steps=0"], "eval_every_steps = 0")):
         with pytest.raises(ConfigError, match=says):
             load_config(None, sets)
