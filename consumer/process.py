@@ -492,7 +492,8 @@ def _estimated_steps(ring: Ring, cfg: Config, trainer: Trainer, pending: int) ->
     # Released (trained) items are counted; claimed ones (READING: this batch, the prefetched ones, and what other
     # drafters are training) will be trained by their holders, so they are not shared out again.
     left = max(0, planned - ring.counter(Counter.CONSUMED) - ring.slot_counts()["reading"])
-    share = int(left * training_share) // cfg.topology.consumers  # rounded down: the last few items race, the other drafters take them
+    # Rounded down: the last few items race, the other drafters take them.
+    share = int(left * training_share) // cfg.topology.consumers
     micro = trainer.accumulated + 1 + pending + share  # micro-batches still to train
     return max(trainer.step + 1, trainer.step + micro // cfg.train.grad_accum)
 

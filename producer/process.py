@@ -398,7 +398,8 @@ def run_producer(cfg: Config, index: int, device_name: str | None, startup: Star
         tokenizer = target_tokenizer(cfg.target)
         sources = load_sources(cfg.data, tokenizer)
         metrics.bad_rows.inc(sum(len(s.data.bad_rows) for s in sources))
-        composition = data_stats(sources, cfg.data.eval_fraction, cfg.data.seed)  # before anything is published: what this run trains on
+        # Before anything is published: what this run trains on.
+        composition = data_stats(sources, cfg.data.eval_fraction, cfg.data.seed)
         for line in log_lines(composition):
             log.info("%s", line)
         startup.mark("data")  # tokenizer, tokenized data (cached after the first start), its statistics

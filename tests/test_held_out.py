@@ -24,8 +24,8 @@ from test_data_mixture import BUDGET, mixture
 
 
 def batches_of(sources, world: int, epochs: int, fraction: float, seed: int = 5):
-    return [b for r in range(world) for b in ShardBatcher(sources, rank=r, world_size=world, max_tokens_per_batch=BUDGET,
-                                                          epochs=epochs, seed=seed, eval_fraction=fraction).batches()]
+    return [b for r in range(world) for b in ShardBatcher(sources, rank=r, world_size=world, epochs=epochs, seed=seed,
+                                                          max_tokens_per_batch=BUDGET, eval_fraction=fraction).batches()]
 
 
 def rows(batches, e: int) -> Tally:

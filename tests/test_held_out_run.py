@@ -15,7 +15,7 @@ from dflash_ring.tools.reconcile import read_ledgers, reconcile
 from support import build_target, merged, pipeline_settings, wait_exit, wait_for, write_chat_rows
 from test_metrics import try_scrape
 
-SOURCE = re.compile(r"(?:^|; |by source: )([A-Za-z0-9_.-]+): (?:loss \S+ acc \S+ accept_len \S+ \(\d+ blocks, |no block \()"
+SOURCE = re.compile(r"(?:^|; )([A-Za-z0-9_.-]+): (?:loss \S+ acc \S+ accept_len \S+ \(\d+ blocks, |no block \()"
                     r"(\d+) tokens\)")
 
 
@@ -31,7 +31,8 @@ def train_tokens_logged(log: str) -> Tally:
 
 def test_a_mixture_reports_per_source_and_evaluates_held_out_items_exactly_once_through_a_kill(run, monkeypatch):
     target = build_target(run.tmp / "target", "qwen3", layers=4, hidden=32)
-    code, chat = write_chat_rows(run.tmp / "code.jsonl", 60, seed=1), write_chat_rows(run.tmp / "chat.jsonl", 40, seed=2)
+    code = write_chat_rows(run.tmp / "code.jsonl", 60, seed=1)
+    chat = write_chat_rows(run.tmp / "chat.jsonl", 40, seed=2)
     settings = merged(pipeline_settings(run.tmp, target, code), {
         "run": {"ledger_dir": str(run.tmp / "ledger")},
         "data": {"sources": [{"path": str(code), "weight": 3.0}, {"path": str(chat), "weight": 1.0}],
