@@ -24,8 +24,9 @@ from test_data_mixture import BUDGET, mixture
 
 
 def batches_of(sources, world: int, epochs: int, fraction: float, seed: int = 5):
-    return [b for r in range(world) for b in ShardBatcher(sources, rank=r, world_size=world, epochs=epochs, seed=seed,
-                                                          max_tokens_per_batch=BUDGET, eval_fraction=fraction).batches()]
+    shards = [ShardBatcher(sources, rank=r, world_size=world, epochs=epochs, seed=seed, max_tokens_per_batch=BUDGET,
+                           eval_fraction=fraction) for r in range(world)]
+    return [b for shard in shards for b in shard.batches()]
 
 
 def rows(batches, e: int) -> Tally:
