@@ -408,7 +408,8 @@ def run_drafter(cfg: Config, index: int, device_name: str | None, startup: Start
         while (taken := _next(prefetch, proc.stop, me)) is not None:
             startup.mark("first_item")  # waited for and copied out of the ring
             loop.take(taken)
-            startup.finish("first_step", proc.ledger)  # the first training step (compiles, when it does)
+            if not taken[0].is_eval:  # a held-out item first is not the first step
+                startup.finish("first_step", proc.ledger)  # the first training step (compiles, when it does)
         prefetch.stopping.set()
         averaging.leave_group()
         for taken in _leftovers(prefetch):  # claimed already: train it, as the stop promises

@@ -18,6 +18,7 @@ from dflash_ring.consumer.trainer import DeviceBatch, Trainer
 from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.common.train_config import TrainConfig
 from dflash_ring.producer.batching import ShardBatcher, held_out
+from dflash_ring.producer.data_stats import data_stats
 from dflash_ring.producer.process import plan_key
 from support import save_tiny_qwen3
 from test_data_mixture import BUDGET, mixture
@@ -55,6 +56,10 @@ def test_held_out_rows_are_fixed_by_seed_and_row_evaluated_once_an_epoch_and_nev
     assert rows([b for b in batches_of(sources, 1, 2, 0.1) if b.eval], 1) == Tally(want)
     assert {(int(s), int(r)) for b in batches_of(sources, 3, 1, 0.1, seed=6) if b.eval
             for s, r in zip(b.source_ids, b.sample_ids)} != want  # another seed holds out other rows
+    # `dflash-ring data stats` counts the same split: held-out rows apart, the epoch's rows the training ones.
+    stats = data_stats(sources, 0.1, 5)
+    assert [s.eval_rows for s in stats.sources] == [sum(s == k for s, _ in want) for k in range(3)]
+    assert [s.epoch_rows for s in stats.sources] == plan.counts
     # Spread through the epoch, not bunched at one end: each third of a producer's epoch holds some.
     positions, n = plan.eval_positions(0), len(plan.epoch_plan(0))
     assert all(any(i * n // 3 <= p < (i + 1) * n // 3 for p in positions) for i in range(3))

@@ -67,7 +67,8 @@ def test_a_mixture_reports_per_source_and_evaluates_held_out_items_exactly_once_
 
     for p in (*procs, again):
         assert wait_exit(p, 300) == 0, p.stderr.read()[-3000:]
-    logs = first.stderr.read() + again.stderr.read()
+    resumed = again.stderr.read()
+    logs = first.stderr.read() + resumed
 
     # The ledger: every held-out batch evaluated exactly once (the killed drafter's evaluation undone by the
     # redelivery), never trained; every other batch trained exactly once.
@@ -95,4 +96,10 @@ def test_a_mixture_reports_per_source_and_evaluates_held_out_items_exactly_once_
     assert abs(plan.counts[0] - 3 * plan.counts[1]) < 3  # the weights split the training rows 3:1
     assert train_tokens_logged(logs) == planned, logs[-3000:]
     assert "eval at step" in logs and "held-out items" in logs
+    # Held-out items take no step: the LR schedule's estimate of the run's steps counts training items only,
+    # from the first step after the restart to the last (a third of the items are held out here).
+    steps = [(int(a), int(b)) for a, b in re.findall(r"step (\d+)/(\d+) loss", resumed)]
+    final = steps[-1][0]
+    assert final == steps[-1][1] == rec["trained_batches"] - rec["trained_then_lost_with_crash"], steps
+    assert all(abs(total - final) <= 2 for _, total in steps), steps
     assert run.leftovers() == []
