@@ -187,8 +187,9 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]], checkpoint_every: int, g
 
 
 def throughput(ledgers: dict[str, list[dict[str, Any]]], window: tuple[float, float] | None) -> dict[str, Any]:
+    """Items the drafters got through (trained, or evaluated if held out) per second."""
     ts = sorted(r["t"] for name, recs in ledgers.items() if name.startswith("drafter-")
-                for r in recs if r["ev"] == "train")
+                for r in recs if r["ev"] in ("train", "eval"))
     if len(ts) < 2:
         return {"trained": len(ts), "items_per_s": None}
     lo, hi = (ts[0], ts[-1]) if window is None else (window[0], min(window[1], ts[-1]))
