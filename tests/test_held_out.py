@@ -20,8 +20,9 @@ from dflash_ring.common.train_config import TrainConfig
 from dflash_ring.producer.batching import ShardBatcher, held_out
 from dflash_ring.producer.data_stats import data_stats
 from dflash_ring.producer.process import plan_key
-from support import save_tiny_qwen3
-from test_data_mixture import BUDGET, mixture
+from support import mixture, save_tiny_qwen3
+
+BUDGET = 256
 
 
 def batches_of(sources, world: int, epochs: int, fraction: float, seed: int = 5):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import signal
+import urllib.request
 from collections import Counter as Tally
 
 from dflash_ring.common.config import load_config
@@ -12,11 +13,26 @@ from dflash_ring.common.metrics import run_ports
 from dflash_ring.producer.batching import ShardBatcher
 from dflash_ring.producer.pretokenized import load_sources, target_tokenizer
 from dflash_ring.tools.reconcile import read_ledgers, reconcile
+from prometheus_client.parser import text_string_to_metric_families
+
 from support import build_target, merged, pipeline_settings, wait_exit, wait_for, write_chat_rows
-from test_metrics import try_scrape
 
 SOURCE = re.compile(r"(?:^|; )([A-Za-z0-9_.-]+): (?:loss \S+ acc \S+ accept_len \S+ \(\d+ blocks, |no block \()"
                     r"(\d+) tokens\)")
+
+
+def scrape(port: int) -> dict[str, list] | None:
+    """The drafter's /metrics, parsed by prometheus_client's own parser: samples by name (None while down)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append(s)
+    return out
 
 
 def train_tokens_logged(log: str) -> Tally:
@@ -53,17 +69,16 @@ def test_a_mixture_reports_per_source_and_evaluates_held_out_items_exactly_once_
     port = run_ports(load_config(run.config))["drafter-0"]
 
     def labelled():
-        s = try_scrape(port)
-        if s is None:
-            return None
-        seen = {(x.labels["source"], x.labels["split"]) for x in s.samples.get("dflash_ring_drafter_source_loss", [])}
+        s = scrape(port)
+        seen = {(x.labels["source"], x.labels["split"]) for x in (s or {}).get("dflash_ring_drafter_source_loss", [])}
         return s if {("code", "train"), ("chat", "train"), ("code", "eval")} <= seen else None
 
-    scrape = wait_for(labelled, timeout=300, what="per-source series on the drafter's /metrics")
-    assert {x.labels["source"] for x in scrape.samples["dflash_ring_drafter_source_acceptance_length"]} <= {
-        "code", "chat"}  # bounded: the configured names only
-    assert all(x.value >= 1 for x in scrape.samples["dflash_ring_drafter_source_acceptance_length"])
-    assert scrape.value("dflash_ring_drafter_source_tokens_total", source="code", split="train") > 0
+    samples = wait_for(labelled, timeout=300, what="per-source series on the drafter's /metrics")
+    accept = samples["dflash_ring_drafter_source_acceptance_length"]
+    assert {x.labels["source"] for x in accept} <= {"code", "chat"}  # bounded: the configured names only
+    assert all(x.value >= 1 for x in accept)
+    assert [x.value for x in samples["dflash_ring_drafter_source_tokens_total"]
+            if x.labels == {"source": "code", "split": "train"}][0] > 0
 
     for p in (*procs, again):
         assert wait_exit(p, 300) == 0, p.stderr.read()[-3000:]
