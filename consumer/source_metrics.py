@@ -2,10 +2,11 @@
 
 Built from DFlashLoss's per-block tensors: block i belongs to sequence
 repeat_interleave(arange(S), cu_anchors.diff())[i], and that sequence to the item's source_ids entry.
-Everything is kept as sums (weighted CE and its weights, hits and supervised positions, accept lengths
-and blocks), so micro-batches, steps and windows add up exactly and a figure is one ratio at the end:
-a source's loss over a window is sum(w * CE) / sum(w) over its blocks in that window, exactly what the
-same loss gives on those blocks alone.
+Everything is kept as sums (the blocks' weighted loss and weights, hits and supervised positions, accept
+lengths and blocks), so micro-batches, steps and windows add up exactly and a figure is one ratio at the
+end: a source's loss over a window is sum(block_loss_sum) / sum(block_weight_sum) over its blocks in that
+window, exactly what the objective (its CE and KL terms; CAP is a whole-batch term) gives on those blocks
+alone.
 
 Labels are the configured source names (data.source_names(), at most data.MAX_SOURCES): an item that
 names another source (a producer of another configuration) is counted under OTHER, said once per name,
@@ -34,7 +35,7 @@ class SourceStats:
 
     blocks: int = 0
     tokens: int = 0  # supervised (loss-mask) tokens of the source's sequences, anchored or not
-    loss_sum: float = 0.0  # sum of w_k * CE_k over the blocks' supervised positions (raw position weights)
+    loss_sum: float = 0.0  # DFlashLoss.block_loss_sum summed: w_k * (CE_k + kl_weight * KL_k), raw weights
     weight_sum: float = 0.0
     correct: int = 0
     valid: int = 0
