@@ -191,10 +191,10 @@ def throughput(ledgers: dict[str, list[dict[str, Any]]], window: tuple[float, fl
     ts = sorted(r["t"] for name, recs in ledgers.items() if name.startswith("drafter-")
                 for r in recs if r["ev"] in ("train", "eval"))
     if len(ts) < 2:
-        return {"trained": len(ts), "items_per_s": None}
+        return {"items_done": len(ts), "items_per_s": None}
     lo, hi = (ts[0], ts[-1]) if window is None else (window[0], min(window[1], ts[-1]))
     n = sum(1 for t in ts if lo <= t <= hi)
-    return {"trained": len(ts), "measured_over_s": round(hi - lo, 1), "items_in_span": n,
+    return {"items_done": len(ts), "measured_over_s": round(hi - lo, 1), "items_in_span": n,
             "items_per_s": round(n / (hi - lo), 2) if hi > lo else None}
 
 
