@@ -179,12 +179,12 @@ def test_prometheus_scrapes_the_pipeline_evaluates_the_dashboard_and_fires_on_a_
                  timeout=400, what="both drafters to step and the ring to move items")
         wait_for(lambda: len(prom.query("count_over_time(dflash_ring_drafter_loss[1m]) > 5")) == 2,
                  timeout=60, what="a few scrapes of the drafters")
-        # Per-source series come with each logged step's record (train.log_every_steps): one source here, the
-        # data file's name, on both drafters.
-        by_source = wait_for(lambda: len(prom.query('dflash_ring_drafter_source_loss{split="train"}')) == 2
-                             and prom.query('dflash_ring_drafter_source_loss{split="train"}'),
-                             timeout=300, what="per-source series of both drafters")
-        assert {r["metric"]["source"] for r in by_source} == {"chat"}
+        # Per-source series, with a `source` label: one source here, the data file's name, on both drafters (a few
+        # scrapes of each, so that the per-source rates have two samples).
+        wait_for(lambda: len(prom.query('count_over_time(dflash_ring_drafter_source_tokens_total{split="train"}[1m])'
+                                        ' > 2')) == 2, timeout=300, what="per-source series of both drafters")
+        by_source = prom.query('dflash_ring_drafter_source_loss{split="train"}')
+        assert len(by_source) == 2 and {r["metric"]["source"] for r in by_source} == {"chat"}, by_source
 
         # Every panel query parses; all but the GPU panels return series on this CPU run.
         empty, gpu = [], []
