@@ -215,6 +215,22 @@ class DrafterMetrics:
         self.lr = Gauge("dflash_ring_drafter_learning_rate", "Learning rate of the last step", registry=r)
         self.step_number = Gauge("dflash_ring_drafter_step", "Optimizer step reached (survives restarts)",
                                  registry=r)
+        self.grad_norm = Gauge("dflash_ring_drafter_grad_norm", "Gradient norm of the last step, before clipping",
+                               registry=r)
+        # The step record's keys (consumer/step_record.py) each gauge shows.
+        self.gauges = {"loss": self.loss, "accuracy/mean": self.accuracy, "accept_len": self.acceptance,
+                       "accept_len_prob": self.acceptance_prob, "lr": self.lr, "grad_norm": self.grad_norm}
+
+    def publish(self, step: int, step_s: float, record: dict[str, float]) -> None:
+        """One optimizer step: its record (consumer/step_record.py) into the gauges, its time and number."""
+        self.steps.inc()
+        self.step.observe(step_s)
+        self.step_number.set(step)
+        for key, gauge in self.gauges.items():
+            gauge.set(record[key])
+        for key, value in record.items():
+            if key.startswith("accuracy/pos_"):
+                self.position_accuracy.labels(key.removeprefix("accuracy/pos_")).set(value)
 
 
 class RegenerateMetrics:

@@ -44,7 +44,9 @@ from dflash_ring.consumer.checkpoint import CheckpointStore, check_same_shape
 from dflash_ring.consumer.model import build_drafter, load_target_head
 from dflash_ring.consumer.replica_group import ReplicaGroup
 from dflash_ring.consumer.replicas import ReplicaAverager
-from dflash_ring.consumer.trainer import DeviceBatch, StepMetrics, Trainer
+from dflash_ring.consumer.step_record import RingReading, Window, log_line, step_scalars
+from dflash_ring.consumer.tracking import Tracking
+from dflash_ring.consumer.trainer import DeviceBatch, Trainer
 
 log = logging.getLogger(__name__)
 
@@ -276,15 +278,17 @@ class Checkpoints:
 
 
 class DrafterLoop:
-    """Each batch from the ring: train, then what follows a step (metrics, averaging, log, checkpoint)."""
+    """Each batch from the ring: train, then what follows a step (its record to the metrics, the log and the
+    trackers; averaging; checkpoint)."""
 
     def __init__(self, trainer: Trainer, consumed: Consumed, averaging: Averaging, checkpoints: Checkpoints,
-                 metrics: DrafterMetrics, total_steps: Callable[[], int], wait_seconds: Callable[[], float],
-                 log_every: int, ledger: Ledger | None, release: Callable[[SlotReader], None]):
+                 metrics: DrafterMetrics, tracking: Tracking, total_steps: Callable[[], int],
+                 read_ring: Callable[[], RingReading], log_every: int, ledger: Ledger | None,
+                 release: Callable[[SlotReader], None]):
         self.trainer, self.consumed, self.averaging, self.checkpoints = trainer, consumed, averaging, checkpoints
-        self.metrics, self.total_steps, self.wait_seconds = metrics, total_steps, wait_seconds
+        self.metrics, self.tracking, self.total_steps = metrics, tracking, total_steps
         self.log_every, self.ledger, self.release = log_every, ledger, release
-        self.window = _Window()
+        self.window = Window(read_ring)
 
     def train(self, taken: tuple[DeviceBatch, SlotReader]) -> None:
         batch, slot = taken
@@ -298,19 +302,27 @@ class DrafterLoop:
         self.release(slot)  # trained: only now may the producers refill the slot
         self.metrics.items.inc()
         self.metrics.tokens.inc(batch.num_tokens)
+        self.window.add(batch.num_tokens)
         if m is None:  # accumulating gradients
             return
-        _record(self.metrics, m)
-        self.window.add(m, self.wait_seconds())
+        record = step_scalars(m, self.window.stats())
+        self.metrics.publish(m.step, m.step_s, record)
         self.averaging.after_step(m.step)
         if m.step % self.log_every == 0:
-            log.info("%s", self.window.line(total))
+            log.info("%s", log_line(m.step, total, record))
+            self.emit(m.step, record)
+            self.window.restart()
         self.checkpoints.after_step(m.step)
+
+    def emit(self, step: int, record: dict[str, float]) -> None:
+        """A logged step's record to the run's record file and the trackers (evaluation records too)."""
+        self.tracking.emit(step, record)
 
 
 def run_drafter(cfg: Config, index: int, device_name: str | None, startup: Startup) -> int:
     device = pick_device(device_name or cfg.train.device, index)
-    with role_process(cfg, Role.CONSUMER, index, device_uuid(device), startup) as proc:
+    with role_process(cfg, Role.CONSUMER, index, device_uuid(device), startup) as proc, \
+            Tracking(cfg, index) as tracking:  # a tracker that cannot start fails here, before the model loads
         metrics = DrafterMetrics(proc.registry)
         drafter_cfg = resolve_drafter_config(cfg)
         target_config = target_config_dict(cfg.target.path)
@@ -349,9 +361,11 @@ def run_drafter(cfg: Config, index: int, device_name: str | None, startup: Start
                  sum(p.numel() for p in trainer.model.parameters()), ring.name)
         prefetch = Prefetcher(ring, me.row, device, metrics)
         prefetch.ledger = proc.ledger
-        loop = DrafterLoop(trainer, consumed, averaging, checkpoints, metrics,
+        loop = DrafterLoop(trainer, consumed, averaging, checkpoints, metrics, tracking,
                            lambda: cfg.train.total_steps or _estimated_steps(ring, cfg, trainer, _prefetched(prefetch)),
-                           lambda: ring.wait_seconds, cfg.train.log_every_steps, proc.ledger, ring.release)
+                           lambda: RingReading(ring.wait_seconds, ring.counter(Counter.PRODUCED),
+                                               ring.slot_counts()["ready"]),
+                           cfg.train.log_every_steps, proc.ledger, ring.release)
         prefetch.start()
         while (taken := _next(prefetch, proc.stop, me)) is not None:
             startup.mark("first_item")  # waited for and copied out of the ring
@@ -379,21 +393,6 @@ def _next(prefetch: Prefetcher, stop: threading.Event, me: Membership) -> tuple[
         except queue.Empty:
             continue
     return None
-
-
-def _record(metrics: DrafterMetrics, m: StepMetrics) -> None:
-    """One optimizer step's numbers into the drafter's metrics."""
-    metrics.steps.inc()
-    metrics.step.observe(m.step_s)
-    metrics.step_number.set(m.step)
-    metrics.loss.set(m.loss)
-    acc = m.accuracy_per_position
-    metrics.accuracy.set(sum(acc) / len(acc) if acc else 0.0)
-    metrics.acceptance.set(m.accept_len)
-    metrics.acceptance_prob.set(m.accept_len_prob)
-    for position, accuracy in enumerate(acc, start=1):
-        metrics.position_accuracy.labels(str(position)).set(accuracy)
-    metrics.lr.set(m.lr)
 
 
 def _leftovers(prefetch: Prefetcher) -> list[tuple[DeviceBatch, SlotReader]]:
@@ -436,26 +435,3 @@ def _estimated_steps(ring: Ring, cfg: Config, trainer: Trainer, pending: int) ->
     share = left // cfg.topology.consumers  # rounded down: the last few items race, the other drafters take them
     micro = trainer.accumulated + 1 + pending + share  # micro-batches still to train
     return max(trainer.step + 1, trainer.step + micro // cfg.train.grad_accum)
-
-
-class _Window:
-    """Rolling numbers for one log line."""
-
-    def __init__(self) -> None:
-        self.t0, self.tokens, self.wait0 = time.perf_counter(), 0, 0.0
-        self.last: StepMetrics | None = None
-        self.wait = 0.0
-
-    def add(self, m: StepMetrics, wait_s: float) -> None:
-        self.tokens += m.tokens
-        self.last, self.wait = m, wait_s
-
-    def line(self, total: int) -> str:
-        m, dt = self.last, time.perf_counter() - self.t0
-        acc = m.accuracy_per_position
-        text = (f"step {m.step}/{total} loss {m.loss:.4f} acc@1 {acc[0]:.3f} acc@last {acc[-1]:.3f} "
-                f"accept_len {m.accept_len:.2f} accept_len_prob {m.accept_len_prob:.2f} lr {m.lr:.2e} "
-                f"grad_norm {m.grad_norm:.3g} tok/s {self.tokens / dt:.0f} "
-                f"ring_wait {self.wait - self.wait0:.1f}s")
-        self.t0, self.tokens, self.wait0 = time.perf_counter(), 0, self.wait
-        return text

@@ -2,7 +2,8 @@
 gauges, the trackers and the run's record file.
 
 Keys are "/"-separated names (`loss`, `accuracy/pos_3`, `ring/depth`; per data source `source/<name>/loss`;
-evaluation records `eval/...`). The log line, `DrafterMetrics.publish` and the trackers all read this dict
+evaluation records `eval/...`), and no key is also the start of another (`accuracy` beside `accuracy/pos_1`):
+MLflow's file store keeps each key as a path, so one would have to be a file and a directory at once. The log line, `DrafterMetrics.publish` and the trackers all read this dict
 and nothing else, so a number added here reaches every one of them (trackers log whatever keys it has).
 """
 
@@ -60,7 +61,7 @@ def step_scalars(m: StepMetrics, w: WindowStats) -> dict[str, float]:
     acc = m.accuracy_per_position
     return {
         "loss": m.loss, "ce": m.ce, "kl": m.kl, "cap": m.cap,
-        "accuracy": sum(acc) / len(acc) if acc else 0.0,
+        "accuracy/mean": sum(acc) / len(acc) if acc else 0.0,
         **{f"accuracy/pos_{k}": a for k, a in enumerate(acc, 1)},  # pos_1: the first token after the anchor
         "accept_len": m.accept_len, "accept_len_prob": m.accept_len_prob,
         "lr": m.lr, "grad_norm": m.grad_norm, "step_s": m.step_s,
@@ -75,6 +76,6 @@ def log_line(step: int, total: int, r: dict[str, float]) -> str:
     last = max((k for k in r if k.startswith("accuracy/pos_")), key=lambda k: int(k.rsplit("_", 1)[1]), default=None)
     acc1, acc_last = r.get("accuracy/pos_1", 0.0), r[last] if last else 0.0
     return (f"step {step}/{total} loss {r['loss']:.4f} acc@1 {acc1:.3f} acc@last {acc_last:.3f} "
-            f"accept_len {r['accept_len']:.2f} (prob {r['accept_len_prob']:.2f}) lr {r['lr']:.2e} "
-            f"grad_norm {r['grad_norm']:.3f} tok/s {r['tokens_per_s']:.0f} ring_wait {r['ring/wait_s']:.1f}s "
+            f"accept_len {r['accept_len']:.2f} accept_len_prob {r['accept_len_prob']:.2f} lr {r['lr']:.2e} "
+            f"grad_norm {r['grad_norm']:.3g} tok/s {r['tokens_per_s']:.0f} ring_wait {r['ring/wait_s']:.1f}s "
             f"depth {r['ring/depth']:.0f} producers {r['producers/items_per_s']:.2f} items/s")
