@@ -364,7 +364,7 @@ def run_drafter(cfg: Config, index: int, device_name: str | None, startup: Start
         loop = DrafterLoop(trainer, consumed, averaging, checkpoints, metrics, tracking,
                            lambda: cfg.train.total_steps or _estimated_steps(ring, cfg, trainer, _prefetched(prefetch)),
                            lambda: RingReading(ring.wait_seconds, ring.counter(Counter.PRODUCED),
-                                               ring.slot_counts()["ready"]),
+                                               ring.produced_tokens(), ring.slot_counts()["ready"]),
                            cfg.train.log_every_steps, proc.ledger, ring.release)
         prefetch.start()
         while (taken := _next(prefetch, proc.stop, me)) is not None:

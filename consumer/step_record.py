@@ -22,6 +22,7 @@ class RingReading:
 
     wait_s: float  # seconds this drafter has waited on an empty ring since it started
     produced: int  # items every producer has published (the ring's counter, the producers' rows summed)
+    produced_tokens: int  # their tokens
     depth: int  # ready items no drafter has claimed yet
 
 
@@ -33,6 +34,7 @@ class WindowStats:
     tokens: int  # tokens this drafter trained on
     wait_s: float  # of those seconds, waiting on an empty ring
     produced: int  # items the producers published
+    produced_tokens: int  # their tokens
     depth: int  # the ring now
 
 
@@ -53,7 +55,7 @@ class Window:
         now = self.read_ring()
         return WindowStats(seconds=max(time.perf_counter() - self.t0, 1e-9), tokens=self.tokens,
                            wait_s=now.wait_s - self.first.wait_s, produced=now.produced - self.first.produced,
-                           depth=now.depth)
+                           produced_tokens=now.produced_tokens - self.first.produced_tokens, depth=now.depth)
 
 
 def step_scalars(m: StepMetrics, w: WindowStats) -> dict[str, float]:
@@ -67,7 +69,7 @@ def step_scalars(m: StepMetrics, w: WindowStats) -> dict[str, float]:
         "lr": m.lr, "grad_norm": m.grad_norm, "step_s": m.step_s,
         "tokens_per_s": w.tokens / w.seconds,
         "ring/depth": float(w.depth), "ring/wait_s": w.wait_s,
-        "producers/items_per_s": w.produced / w.seconds,
+        "producers/items_per_s": w.produced / w.seconds, "producers/tokens_per_s": w.produced_tokens / w.seconds,
     }
 
 
@@ -78,4 +80,5 @@ def log_line(step: int, total: int, r: dict[str, float]) -> str:
     return (f"step {step}/{total} loss {r['loss']:.4f} acc@1 {acc1:.3f} acc@last {acc_last:.3f} "
             f"accept_len {r['accept_len']:.2f} accept_len_prob {r['accept_len_prob']:.2f} lr {r['lr']:.2e} "
             f"grad_norm {r['grad_norm']:.3g} tok/s {r['tokens_per_s']:.0f} ring_wait {r['ring/wait_s']:.1f}s "
-            f"depth {r['ring/depth']:.0f} producers {r['producers/items_per_s']:.2f} items/s")
+            f"depth {r['ring/depth']:.0f} producers {r['producers/items_per_s']:.2f} items/s "
+            f"{r['producers/tokens_per_s']:.0f} tok/s")

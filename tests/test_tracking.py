@@ -56,6 +56,7 @@ def test_every_backend_holds_the_drafters_series_once_across_a_sigkill_and_the_r
     assert steps == list(range(1, done + 1)) and done > 6, steps  # 4 was trained twice, recorded once
     loss = {x["step"]: x["loss"] for x in records}
     assert all(round(loss[s], 4) == logged[s] for s in range(5, done + 1))  # the restarted drafter's own lines
+    assert any(x["producers/tokens_per_s"] > 0 for x in records) and all(x["ring/depth"] >= 0 for x in records)
     assert header["fingerprint"] == fingerprint_digest(cfg.fingerprint_fields()).hex()
     assert load_config_text(header["config"]) == cfg
 
@@ -147,5 +148,21 @@ def test_no_record_key_is_the_start_of_another():
 
     m = StepMetrics(step=1, loss=1.0, ce=1.0, kl=0.0, cap=0.0, accuracy_per_position=[0.5, 0.25, 0.125],
                     accept_len=1.5, accept_len_prob=1.4, lr=1e-3, grad_norm=0.5, tokens=10, step_s=0.1)
-    keys = step_scalars(m, WindowStats(seconds=1.0, tokens=10, wait_s=0.0, produced=2, depth=1))
+    keys = step_scalars(m, WindowStats(seconds=1.0, tokens=10, wait_s=0.0, produced=2, produced_tokens=20, depth=1))
     assert not [(a, b) for a in keys for b in keys if b.startswith(a + "/")]
+
+
+def test_the_ring_counts_the_tokens_producers_publish(run):
+    """The producers' tokens/s in every step record comes from their rows' `tokens`, added at each publish."""
+    import torch
+
+    from dflash_ring.common.layout import Counter
+    from dflash_ring.common.ring import Ring
+
+    cfg = run.write_config(2, 1, slots=4)
+    with Ring.create(cfg) as ring:
+        for row, tokens in ((1, 100), (2, 7), (1, 30)):
+            w = ring.try_acquire(row)
+            w.tensor("x", torch.float32, (4,))
+            ring.publish(w, row, tokens=tokens)
+        assert (ring.produced_tokens(), ring.counter(Counter.PRODUCED)) == (137, 3)
