@@ -310,13 +310,9 @@ class DrafterLoop:
         self.averaging.after_step(m.step)
         if m.step % self.log_every == 0:
             log.info("%s", log_line(m.step, total, record))
-            self.emit(m.step, record)
+            self.tracking.emit(m.step, record)  # the record file, then the trackers
             self.window.restart()
         self.checkpoints.after_step(m.step)
-
-    def emit(self, step: int, record: dict[str, float]) -> None:
-        """A logged step's record to the run's record file and the trackers (evaluation records too)."""
-        self.tracking.emit(step, record)
 
 
 def run_drafter(cfg: Config, index: int, device_name: str | None, startup: Startup) -> int:

@@ -84,13 +84,14 @@ class RecordFile:
             if "step" in x:
                 self.last[x["series"]] = max(self.last.get(x["series"], 0), int(x["step"]))
         self.fresh = whole == 0
+        self.header = header  # written with the first step: a drafter that fails to start leaves the file fresh
         self.f = open(path, "r+b" if path.exists() else "wb")  # noqa: SIM115 (open for the drafter's lifetime)
         self.f.truncate(whole)  # a torn line of a killed drafter goes
         self.f.seek(whole)
-        if self.fresh:
-            self._line(header)
 
     def write(self, step: int, series: str, record: dict[str, float]) -> None:
+        if self.f.tell() == 0:
+            self._line(self.header)
         self._line({"step": step, "series": series, "time": round(time.time(), 3), **record})
         self.last[series] = step
 

@@ -166,3 +166,24 @@ def test_the_ring_counts_the_tokens_producers_publish(run):
             w.tensor("x", torch.float32, (4,))
             ring.publish(w, row, tokens=tokens)
         assert (ring.produced_tokens(), ring.counter(Counter.PRODUCED)) == (137, 3)
+
+
+def test_the_report_draws_each_drafter_and_source_the_records_have(tmp_path):
+    """Two drafters' record files with two sources and held-out points: one picture, every series named."""
+    import matplotlib.image
+
+    from dflash_ring.tools.report import write_report
+
+    cfg = load_config(None, [f'tracking.dir="{tmp_path / "tracking"}"', "run.name=mix"])
+    for j in (0, 1):
+        with Tracking(cfg, j) as tracking:
+            for step in range(1, 4 + j):
+                tracking.emit(step, {"loss": 3.0 / step, "accept_len": 1 + step / 4, "accept_len_prob": 1 + step / 5,
+                                     "source/code/loss": 3.5 / step, "source/code/accept_len": 1 + step / 3,
+                                     "source/chat/loss": 2.5 / step, "source/chat/accept_len": 1 + step / 6})
+            tracking.emit(2, {"eval/loss": 2.0, "eval/accept_len": 1.4})
+    out, what = write_report(tmp_path)
+    assert out == tmp_path / "report.png" and what == ("loss and accept length of 2 drafter(s) to step 3, 4, "
+                                                       "per source: chat, code")
+    height, width, _ = matplotlib.image.imread(out).shape
+    assert width > height  # two columns: per drafter, per source

@@ -15,6 +15,7 @@ from dflash_ring.consumer.tracking import TRAIN, read_records
 
 RECORD = re.compile(r"drafter-(\d+)\.jsonl$")
 SOURCE_KEY = re.compile(r"^source/(.+)/(loss|accept_len)$")
+STYLES = ("-", "-.", (0, (5, 1)), (0, (1, 1)))
 
 
 class ReportError(RuntimeError):
@@ -64,10 +65,11 @@ def write_report(run_dir: Path, out: Path | None = None) -> tuple[Path, str]:
                 ax.plot(*ev, linestyle="--", marker="o", color=line.get_color(), label=f"drafter-{j} held-out")
             ax.set_ylabel(label)
         for row, key in enumerate(("loss", "accept_len")):
-            for name in sources if cols == 2 else ():
+            for i, name in enumerate(sources):  # a colour per source, a line style per drafter
                 steps, values = series(rs, f"source/{name}/{key}")
                 if steps:
-                    axes[row][1].plot(steps, values, label=f"{name} (drafter-{j})")
+                    axes[row][1].plot(steps, values, color=f"C{i % 10}", linestyle=STYLES[j % len(STYLES)],
+                                      label=f"{name} (drafter-{j})")
     if not drawn:
         raise ReportError(f"the record files in {files[next(iter(files))].parent} hold no logged step yet")
     axes[0][0].set_title("per drafter")
