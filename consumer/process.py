@@ -289,6 +289,7 @@ class DrafterLoop:
         self.metrics, self.tracking, self.total_steps = metrics, tracking, total_steps
         self.log_every, self.ledger, self.release = log_every, ledger, release
         self.window = Window(read_ring)
+        self.unlogged: tuple[int, int, dict[str, float]] | None = None  # the newest step, when not logged
 
     def train(self, taken: tuple[DeviceBatch, SlotReader]) -> None:
         batch, slot = taken
@@ -308,11 +309,20 @@ class DrafterLoop:
         record = step_scalars(m, self.window.stats())
         self.metrics.publish(m.step, m.step_s, record)
         self.averaging.after_step(m.step)
+        self.unlogged = (m.step, total, record)
         if m.step % self.log_every == 0:
-            log.info("%s", log_line(m.step, total, record))
-            self.tracking.emit(m.step, record)  # the record file, then the trackers
-            self.window.restart()
+            self.log_step()
         self.checkpoints.after_step(m.step)
+
+    def log_step(self) -> None:
+        """The newest step to the log, the record file and the trackers: every log_every_steps, and the last one
+        at the end (a series ends where the drafter did)."""
+        if self.unlogged is not None:
+            step, total, record = self.unlogged
+            log.info("%s", log_line(step, total, record))
+            self.tracking.emit(step, record)  # the record file, then the trackers
+            self.window.restart()
+            self.unlogged = None
 
 
 def run_drafter(cfg: Config, index: int, device_name: str | None, startup: Startup) -> int:
@@ -371,6 +381,7 @@ def run_drafter(cfg: Config, index: int, device_name: str | None, startup: Start
         averaging.leave_group()
         for taken in _leftovers(prefetch):  # claimed already: train it, as the stop promises
             loop.train(taken)
+        loop.log_step()
         averaging.close(trainer.step)
         checkpoints.final()
         log.info("drafter %d done: %d steps, %d items; %s", index, trainer.step, consumed.items,

@@ -30,6 +30,7 @@ import logging
 import os
 import socket
 import time
+import tomllib
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -163,8 +164,6 @@ class WandB:
             raise TrackingError(f"tracking.backends has 'wandb' but the wandb package is not installed: {INSTALL}, "
                                 "or drop it from tracking.backends") from None
         t, run_name = cfg.tracking, cfg.tracking.run_name or cfg.run.name
-        import tomllib
-
         try:
             self.run = wandb.init(
                 mode=t.wandb_mode, dir=str(cfg.tracking_dir()), project=t.project, entity=t.wandb_entity or None,

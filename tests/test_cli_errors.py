@@ -188,6 +188,7 @@ CASES = [
     ("drafter-tracking-dir-a-file", _a_file, ["drafter", "--index", "0", *NO_METRICS, "--set",
                                               'tracking.dir="{tmp}/afile/x"'],
      "tracking.dir: output directory {tmp}/afile/x: {tmp}/afile is not a directory"),
+    ("report-no-records", None, ["report", "{tmp}"], "no drafter record files (drafter-<j>.jsonl) in {tmp}/tracking"),
     ("drafter-model-without-weights", _model_dir_without_weights, ["drafter", "--index", "0", *NO_METRICS],
      "no model.safetensors"),
     ("export-corrupted-latest", _corrupted_checkpoint, ["export", "{tmp}/ckpt/drafter-0", "{tmp}/out"],
