@@ -276,7 +276,8 @@ class Producer:
         if f.copied is not None:
             f.copied.synchronize()
         b = f.batch
-        self.ring.publish(f.writer, self.row, cursor=(b.cursor.epoch, b.cursor.position), replayed=b.replayed)
+        self.ring.publish(f.writer, self.row, cursor=(b.cursor.epoch, b.cursor.position), replayed=b.replayed,
+                          tokens=b.num_tokens)
         if self.ledger is not None:
             self.ledger.write("pub", item=f.writer.item, epoch=b.epoch, pos=b.position,
                               **({"replay": True} if b.is_replay else {}), **({"eval": True} if b.eval else {}))

@@ -384,3 +384,23 @@ def anchors_from_local(lengths: list[int], local: list[list[int]]) -> Anchors:
     positions = torch.tensor([cu[i].item() + a for i, seq in enumerate(local) for a in seq], dtype=torch.long)
     counts = torch.tensor([len(seq) for seq in local])
     return Anchors(positions=positions, cu_anchors=cu_seqlens_from_lengths(counts), cu_seqlens=cu)
+
+
+# --- trackers, read back with their own readers ------------------------------------------------------
+
+
+def tensorboard_scalars(logdir: Path, tag: str) -> list[tuple[int, float]]:
+    """(step, value) of one tag, as TensorBoard's own EventAccumulator reads the run (restarts' purges applied)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def tensorboard_text(logdir: Path, tag: str) -> str:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"tensors": 0})
+    acc.Reload()
+    return acc.Tensors(f"{tag}/text_summary")[0].tensor_proto.string_val[0].decode()  # add_text's tag

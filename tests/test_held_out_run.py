@@ -3,6 +3,7 @@ evaluation item: per-source series on /metrics and in the logs, shares as planne
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import urllib.request
@@ -111,6 +112,14 @@ def test_a_mixture_reports_per_source_and_evaluates_held_out_items_exactly_once_
     assert abs(plan.counts[0] - 3 * plan.counts[1]) < 3  # the weights split the training rows 3:1
     assert train_tokens_logged(logs) == planned, logs[-3000:]
     assert "eval at step" in logs and "held-out items" in logs
+    # The trackers' record (tracking.dir's record file, what every tracker is sent): both sources' series, and the
+    # evaluation series per source.
+    records = [json.loads(line) for line in (run.tmp / "tracking" / "drafter-0.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["series"] == "train"]
+    assert all(any(f"source/{name}/accept_len" in r for r in train) for name in ("code", "chat"))
+    evals = [r for r in records if r["series"] == "eval"]
+    assert evals and all(r["eval/items"] >= 1 and "eval/accept_len" in r for r in evals)
+    assert {k.split("/")[2] for r in evals for k in r if k.startswith("eval/source/")} == {"code", "chat"}
     # Held-out items take no step: the LR schedule's estimate of the run's steps counts training items only,
     # from the first step after the restart to the last (a third of the items are held out here).
     steps = [(int(a), int(b)) for a, b in re.findall(r"step (\d+)/(\d+) loss", resumed)]
