@@ -304,8 +304,10 @@ def exported_names(tmp_path: Path) -> set[str]:
     registry = CollectorRegistry()
     # Labelled series export samples once they have a label: one source's, through the drafter's own path.
     ProducerMetrics(registry).source_trained.labels("code").inc(1)
-    DrafterMetrics(registry).publish_sources({f"{split}source/code/{what}": 1.0 for split in ("", "eval/")
-                                              for what in ("loss", "accuracy", "accept_len", "tokens")})
+    drafter = DrafterMetrics(registry)
+    drafter.publish_sources({f"{split}source/code/{what}": 1.0 for split in ("", "eval/")
+                             for what in ("loss", "accuracy", "accept_len")})
+    drafter.count_source_tokens({"code": 1}, "train")
     cfg = load_config(None, [f"run.name=deploy-names-{tmp_path.name[-20:]}", f"run.run_dir={tmp_path / 'locks'}",
                              "ring.slots=2", "ring.slot_bytes=65536", "ring.slot_header_bytes=4096"])
     (tmp_path / "locks").mkdir()
