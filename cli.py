@@ -128,6 +128,12 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true", help="print the summary as JSON")
     sp.set_defaults(func=cmd_regenerate)
 
+    sp = sub.add_parser("report", help="a PNG of loss and acceptance length per drafter and per data source, from "
+                                       "the record files a run leaves (no tracker needed)")
+    sp.add_argument("run_dir", help="the run's directory (holding tracking/), or its tracking.dir")
+    sp.add_argument("--out", help="the PNG to write (default: RUN_DIR/report.png)")
+    sp.set_defaults(func=cmd_report)
+
     sp = sub.add_parser("export", help="write a training checkpoint as an HF DFlash drafter directory")
     sp.add_argument("checkpoint", help="a step-N directory, or a checkpoint root (its latest)")
     sp.add_argument("out_dir")
@@ -414,7 +420,8 @@ def cmd_data_stats(args: argparse.Namespace) -> int:
     from dflash_ring.producer.pretokenized import load_sources, target_tokenizer
 
     cfg = _config(args)
-    stats = data_stats(load_sources(cfg.data, target_tokenizer(cfg.target)))  # the producer's tokenization and cache
+    sources = load_sources(cfg.data, target_tokenizer(cfg.target))  # the producer's tokenization and cache
+    stats = data_stats(sources, cfg.data.eval_fraction, cfg.data.seed)
     if args.json:
         print(stats.to_json())
     else:
@@ -485,6 +492,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     check_output_dir(args.out_dir)  # before loading anything
 
     print(f"exported {export_checkpoint(args.checkpoint, args.out_dir)}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from dflash_ring.tools.report import write_report
+
+    out, what = write_report(Path(args.run_dir), Path(args.out) if args.out else None)
+    print(f"{out}: {what}")
     return 0
 
 

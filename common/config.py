@@ -25,6 +25,7 @@ from dflash_ring.common.train_config import TrainConfig
 from dflash_ring.common.data_config import DataConfig
 from dflash_ring.common.target_config import TargetConfig
 from dflash_ring.common.regenerate_config import RegenerateConfig
+from dflash_ring.common.tracking_config import TrackingConfig
 
 
 class ConfigError(ValueError):
@@ -152,6 +153,8 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     # `dflash-ring regenerate` only: not in the fingerprint (no ring process reads it).
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    # Where the drafters' curves go; not in the fingerprint (processes need not agree on it).
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
         """The producers ship the target's final hidden state exactly when the drafter's objective reads it,
@@ -231,6 +234,13 @@ class Config:
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         return fields
+
+    def tracking_dir(self) -> Path:
+        """tracking.dir, or `tracking/` in the run's directory: the one that holds train.checkpoint_dir (where
+        `dflash-ring run` also exports the drafter), so a run's curves sit beside its checkpoints."""
+        if self.tracking.dir:
+            return Path(self.tracking.dir)
+        return Path(self.train.checkpoint_dir).parent / "tracking"
 
     def lock_dir(self) -> Path:
         if self.run.run_dir:

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 DataFormat = Literal["auto", "json", "jsonl", "parquet", "arrow", "disk"]
 FORMATS: tuple[str, ...] = ("auto", "json", "jsonl", "parquet", "arrow", "disk")
+# Source names label Prometheus series and travel in every item's meta: their number and length stay bounded.
+MAX_SOURCES, MAX_SOURCE_NAME = 16, 64
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # valid in a metric label, a tracker key and a file name alike
 
 
 class DataError(ValueError):
@@ -32,6 +36,9 @@ class DataSource:
     repeat: bool = False
     format: DataFormat = "auto"
     split: str = "train"
+    # True: a held-out source; every row of it is evaluated once an epoch and never trained (weight and
+    # repeat do not apply to it).
+    eval: bool = False
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -41,7 +48,13 @@ class DataSource:
         if self.format not in FORMATS:
             raise DataError(f"format = {self.format!r}: use one of {', '.join(FORMATS)}")
         if not self.name:
-            object.__setattr__(self, "name", Path(self.path).stem)  # frozen: set once, here
+            object.__setattr__(self, "name", source_name(self.path))  # frozen: set once, here
+
+
+def source_name(path: str) -> str:
+    """A source's default name: its file or directory name without the suffix, other characters than
+    letters, digits, '_', '.' and '-' as '_', cut to MAX_SOURCE_NAME."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", Path(path).stem)[:MAX_SOURCE_NAME] or "data"
 
 
 @dataclass(frozen=True)
@@ -79,6 +92,11 @@ class DataConfig:
     cache_dir: str = "~/.cache/dflash_ring/data"
     # Samples sorted by length together; larger packs tighter, smaller keeps the order random.
     bucket_window: int = 1024
+    # Share of every training source's rows held out for evaluation (0: none). Which rows is a pure function of
+    # (seed, source name, row index): the same rows every epoch, on every producer and after any restart, and
+    # never trained. Held-out rows (and every row of an `eval = true` source) are batched apart, as evaluation
+    # items spread evenly through each epoch, each evaluated once an epoch.
+    eval_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -88,6 +106,9 @@ class DataConfig:
                 raise DataError(f"DataConfig.{name}={getattr(self, name)}: must be at least 1")
         if self.seed < 0:
             raise DataError(f"DataConfig.seed={self.seed}: must be non-negative")
+        if not (math.isfinite(self.eval_fraction) and 0 <= self.eval_fraction < 1):
+            raise DataError(f"data.eval_fraction = {self.eval_fraction}: must be at least 0 and below 1 (the share "
+                            "of rows held out for evaluation)")
         if self.max_tokens_per_batch < self.max_length:
             raise DataError(
                 f"DataConfig.max_tokens_per_batch={self.max_tokens_per_batch} is below "
@@ -103,12 +124,34 @@ class DataConfig:
         if self.format != "auto" or self.split != "train":
             raise DataError("data.format and data.split apply to data.path: with [[data.sources]] set them in "
                             "each source's entry")
+        if len(self.sources) > MAX_SOURCES:
+            raise DataError(f"{len(self.sources)} [[data.sources]] entries: at most {MAX_SOURCES} (each labels its own "
+                            "metrics series); merge some sources into one file")
+        if all(s.eval for s in self.sources):
+            raise DataError("every [[data.sources]] entry has eval = true: nothing is left to train on; give at "
+                            "least one source eval = false")
         seen: dict[str, int] = {}
         for i, s in enumerate(self.sources):
+            if not _NAME.fullmatch(s.name) or len(s.name) > MAX_SOURCE_NAME:
+                raise DataError(f"data.sources[{i}] name = {s.name[:MAX_SOURCE_NAME]!r}: a source name labels metrics "
+                                f"and tracker series and travels with every item, so it is 1 to {MAX_SOURCE_NAME} "
+                                "letters, digits, '_', '.' or '-'; set another name")
+            if s.eval and s.repeat:
+                raise DataError(f"data.sources[{i}] ({s.name}) has eval = true and repeat = true: a held-out source "
+                                "gives each of its rows once an epoch; drop repeat")
             if s.name in seen:
                 raise DataError(f"data.sources[{seen[s.name]}] and data.sources[{i}] are both named {s.name!r}: "
                                 "give each [[data.sources]] entry its own name")
             seen[s.name] = i
+
+    def source_names(self) -> tuple[str, ...]:
+        """The names items are labelled with, in source order: what a drafter reports per source."""
+        return tuple(s.name for s in self.sources) if self.sources else (source_name(self.path),)
+
+    @property
+    def holds_out(self) -> bool:
+        """Some rows are evaluation rows: the producers publish evaluation items."""
+        return self.eval_fraction > 0 or any(s.eval for s in self.sources)
 
     def mixture(self) -> list[tuple[DataSource, DataConfig]]:
         """Each source with the settings it is tokenized under; a single `path` is one source of weight 1,

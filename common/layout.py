@@ -21,7 +21,8 @@ import numpy as np
 from dflash_ring.common.run_name import is_valid as is_valid_run_name
 
 MAGIC = b"DFLRING\x01"
-LAYOUT_VERSION = 4  # 2: 192-byte rows (count intents), pending_word, run.lock_dir; 3: cursor_plan; 4: replayed
+LAYOUT_VERSION = 5  # 2: 192-byte rows (count intents), pending_word, run.lock_dir; 3: cursor_plan; 4: replayed;
+# 5: planned_eval_items, tokens
 PAGE = 4096
 HEADER_BYTES = 2 * PAGE
 ROW_BYTES = 192
@@ -98,7 +99,8 @@ def unpack_state(word: int) -> tuple[int, int, SlotState]:
 
 ROW_DTYPE = np.dtype(
     {
-        # planned_items: batches a producer will publish over the whole run (the trainers' LR schedule).
+        # planned_items: batches a producer will publish over the whole run (the trainers' LR schedule);
+        # planned_eval_items: how many of them are evaluation items (held-out rows: evaluated, not trained).
         # A producer's resume point lives here, beside its row, so it survives the producer:
         # cursor is the committed (epoch, position); pending_word the state word of the WRITING claim
         # that committed it (generation included: a later claim of the same slot never matches it),
@@ -110,12 +112,16 @@ ROW_DTYPE = np.dtype(
         # producer restarted with other data or batching never resumes from a position of another plan.
         # replayed: how many entries of the producer's replay list (batches a stopped run left untrained,
         # common/resume_state.py) are published; it commits and rolls back with the cursor (prev_replayed).
+        # tokens: tokens a producer published (the drafters' view of the producers' tokens/s). Added after the
+        # publish, so a producer killed in between leaves one item's tokens out: a rate, where items is the
+        # exactly-once count.
         "names": ["role", "index", "pid", "heartbeat_ns", "started_ns", "items", "status", "restarts",
                   "pending_word", "cursor", "prev_cursor", "has_cursor", "planned_items",
-                  "intent_slot", "intent_word", "intent_items", "cursor_plan", "replayed", "prev_replayed"],
+                  "intent_slot", "intent_word", "intent_items", "cursor_plan", "replayed", "prev_replayed",
+                  "planned_eval_items", "tokens"],
         "formats": ["<u4", "<u4", "<u8", "<u8", "<u8", "<u8", "<u8", "<u8", "<u8", ("<i8", (2,)), ("<i8", (2,)),
-                    "<u8", "<u8", "<u8", "<u8", "<u8", "S24", "<u8", "<u8"],
-        "offsets": [0, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 104, 112, 120, 128, 136, 160, 168],
+                    "<u8", "<u8", "<u8", "<u8", "<u8", "S24", "<u8", "<u8", "<u8", "<u8"],
+        "offsets": [0, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 104, 112, 120, 128, 136, 160, 168, 176, 184],
         "itemsize": ROW_BYTES,
     }
 )

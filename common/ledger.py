@@ -10,9 +10,12 @@ Cost: one small write per item or checkpoint, never per token.
 Records (`ev`, plus `pid` and `t`, wall-clock seconds):
 
     supervisor  start {adopted}                       after it created or adopted the ring
-    producer    start {plan: [batches per epoch], resume: [epoch, position], replay: [[epoch, position]...]}
-                pub   {item, epoch, pos[, replay]}    after `publish` committed the batch and its cursor;
-                                                      replay: a batch a removed ring held, produced again
+    producer    start {plan: [batches per epoch], resume: [epoch, position], replay: [[epoch, position]...]
+                       [, eval: [[positions of held-out batches] per epoch]]}
+                pub   {item, epoch, pos[, replay][, eval]}
+                                                      after `publish` committed the batch and its cursor;
+                                                      replay: a batch a removed ring held, produced again;
+                                                      eval: a held-out batch (data.eval_fraction)
                 done  {}                              shard finished
     drafter     start {step}                          after joining (step: the checkpoint resumed from)
                 got   {item, producer, epoch, pos, deliveries}
@@ -20,6 +23,9 @@ Records (`ev`, plus `pid` and `t`, wall-clock seconds):
                 train {item, deliveries, producer, epoch, pos, step}
                                                       `train_step` returned on that batch; written just
                                                       before its slot is released
+                eval  {item, deliveries, producer, epoch, pos, step}
+                                                      a held-out batch evaluated (never trained); written
+                                                      just before its slot is released
                 ckpt  {step, items, snapshot_t}       a checkpoint is durable; snapshot_t: when its state was
                                                       taken (written in the background, it lands later)
                 exit  {step}                          clean exit

@@ -215,6 +215,58 @@ class DrafterMetrics:
         self.lr = Gauge("dflash_ring_drafter_learning_rate", "Learning rate of the last step", registry=r)
         self.step_number = Gauge("dflash_ring_drafter_step", "Optimizer step reached (survives restarts)",
                                  registry=r)
+        self.grad_norm = Gauge("dflash_ring_drafter_grad_norm", "Gradient norm of the last step, before clipping",
+                               registry=r)
+        # The step record's keys (consumer/step_record.py) each gauge shows.
+        self.gauges = {"loss": self.loss, "accuracy/mean": self.accuracy, "accept_len": self.acceptance,
+                       "accept_len_prob": self.acceptance_prob, "lr": self.lr, "grad_norm": self.grad_norm}
+        # Per data source (the configured names, at most data.MAX_SOURCES, and "other"), split "train" (the
+        # steps since the last logged one) or "eval" (the held-out items of the last evaluation report).
+        by_source = ["source", "split"]
+        self.source_loss = Gauge("dflash_ring_drafter_source_loss", "Loss over the blocks of one data source's "
+                                 "sequences (train: the steps since the last logged one; eval: the last evaluation report)", by_source,
+                                 registry=r)
+        self.source_accuracy = Gauge("dflash_ring_drafter_source_accuracy", "Top-1 accuracy over one data source's "
+                                     "blocks (0-1)", by_source, registry=r)
+        self.source_acceptance = Gauge("dflash_ring_drafter_source_acceptance_length", "Teacher-forced acceptance "
+                                       "length of one data source's blocks", by_source, registry=r)
+        self.source_tokens = Counter("dflash_ring_drafter_source_tokens_total", "Supervised (loss-mask) tokens "
+                                     "this drafter trained (train) or evaluated (eval), by data source", by_source,
+                                     registry=r)
+        self.eval_items = Counter("dflash_ring_drafter_eval_items_total", "Held-out items this drafter evaluated "
+                                  "(never trained)", registry=r)
+
+    def publish(self, step: int, step_s: float, record: dict[str, float]) -> None:
+        """One optimizer step: its record (consumer/step_record.py) into the gauges, its time and number."""
+        self.steps.inc()
+        self.step.observe(step_s)
+        self.step_number.set(step)
+        for key, gauge in self.gauges.items():
+            gauge.set(record[key])
+        for key, value in record.items():
+            if key.startswith("accuracy/pos_"):
+                self.position_accuracy.labels(key.removeprefix("accuracy/pos_")).set(value)
+        self.publish_sources(record)
+
+    def publish_sources(self, record: dict[str, float]) -> None:
+        """A record's per-source keys (`source/<name>/<what>`, `eval/source/<name>/<what>`) into the labelled
+        gauges: the same numbers the log line and the trackers get."""
+        gauges = {"loss": self.source_loss, "accuracy": self.source_accuracy, "accept_len": self.source_acceptance}
+        for key, value in record.items():
+            if key.startswith("source/"):
+                split, rest = "train", key.removeprefix("source/")
+            elif key.startswith("eval/source/"):
+                split, rest = "eval", key.removeprefix("eval/source/")
+            else:
+                continue
+            name, _, what = rest.rpartition("/")
+            if what in gauges:
+                gauges[what].labels(name, split).set(value)
+
+    def count_source_tokens(self, tokens: dict[str, int], split: str) -> None:
+        """Per item or optimizer step, as the other token counters: supervised tokens by source."""
+        for name, n in tokens.items():
+            self.source_tokens.labels(name, split).inc(n)
 
 
 class RegenerateMetrics:

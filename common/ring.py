@@ -413,7 +413,9 @@ class Ring:
         """Only while the row has no committed cursor: the cursors it publishes from now on are of `plan`."""
         self._rows[row]["cursor_plan"] = plan.encode("ascii")[:24]
 
-    def set_planned_items(self, row: int, n: int) -> None:
+    def set_planned_items(self, row: int, n: int, evals: int = 0) -> None:
+        """A producer's plan: `n` items over the run, `evals` of them evaluation items."""
+        self._rows[row]["planned_eval_items"] = evals
         self._rows[row]["planned_items"] = n
 
     def planned_items(self) -> int:
@@ -434,6 +436,11 @@ class Ring:
         return self._rows.copy()
 
     # ---- counters and flags -------------------------------------------------
+
+    def produced_tokens(self) -> int:
+        """Tokens every producer has published (their rows' `tokens`; see layout.ROW_DTYPE for how exact)."""
+        producers = int(self.fingerprint_fields["topology.producers"])
+        return int(self._rows["tokens"][1 : 1 + producers].sum())
 
     def counter(self, c: Counter) -> int:
         """A header counter; PRODUCED and CONSUMED are the sums of the producer and consumer rows' items."""
@@ -491,7 +498,8 @@ class Ring:
         """Claim a slot, waiting while the ring is full. None on drain, shutdown or timeout."""
         return self._wait(lambda: None if self.draining else self.try_acquire(row), self._sem_free, row, timeout_s)
 
-    def publish(self, w: SlotWriter, row: int, cursor: tuple[int, int] | None = None, replayed: int = 0) -> None:
+    def publish(self, w: SlotWriter, row: int, cursor: tuple[int, int] | None = None, replayed: int = 0,
+                tokens: int = 0) -> None:
         """Make the slot READY. With a cursor, the producer's resume point moves to it in the same step.
 
         The resume point is (cursor, replayed): the next batch of the plan, and how many entries of the
@@ -518,6 +526,7 @@ class Ring:
             raise SlotLostError(f"slot {w.slot} (item {w.item}) was reclaimed while this process wrote it")
         crash_point("published")
         self._count(row)
+        self._rows[row]["tokens"] += tokens  # only this producer writes its row
         self._hint(self._sem_ready)
 
     def abort(self, w: SlotWriter) -> None:

@@ -16,10 +16,10 @@ if TYPE_CHECKING:
     import torch
 
 INPUT_IDS, LOSS_MASK, CU_SEQLENS, SAMPLE_IDS = "input_ids", "loss_mask", "cu_seqlens", "sample_ids"
-FEATURES, FINAL_HIDDEN = "features", "final_hidden"
+SOURCE_IDS, FEATURES, FINAL_HIDDEN = "source_ids", "features", "final_hidden"
 # Host-side tensors, copied from the batch's numpy arrays of the same names.
-HOST_TENSORS = (INPUT_IDS, LOSS_MASK, CU_SEQLENS, SAMPLE_IDS)
-META_KEYS = ("producer", "epoch", "position", "num_tokens", "num_sequences")
+HOST_TENSORS = (INPUT_IDS, LOSS_MASK, CU_SEQLENS, SAMPLE_IDS, SOURCE_IDS)
+META_KEYS = ("producer", "epoch", "position", "num_tokens", "num_sequences", "sources", "eval")
 
 
 class SlotContractError(RuntimeError):
@@ -36,6 +36,7 @@ def item_tensors(num_tokens: int, num_sequences: int, width: int, hidden: int | 
         (LOSS_MASK, torch.uint8, (num_tokens,)),
         (CU_SEQLENS, torch.int32, (num_sequences + 1,)),
         (SAMPLE_IDS, torch.int64, (num_sequences,)),
+        (SOURCE_IDS, torch.int32, (num_sequences,)),
         (FEATURES, dtype, (num_tokens, width)),
     ]
     if hidden is not None:
@@ -63,6 +64,7 @@ class ItemView:
     loss_mask: torch.Tensor  # [T] uint8
     cu_seqlens: torch.Tensor  # [S + 1] int32
     sample_ids: torch.Tensor  # [S] int64
+    source_ids: torch.Tensor  # [S] int32, each sequence's source: an index into meta["sources"]
     features: torch.Tensor  # [T, n * H]
     final_hidden: torch.Tensor | None  # [T, H] when shipped
     meta: dict[str, Any]
@@ -74,3 +76,12 @@ def read_item(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> ItemVie
         raise SlotContractError(f"ring item lacks {missing} (has {sorted(tensors)}): producer and drafter "
                                 "run different versions of the slot contract")
     return ItemView(*(tensors[name] for name in (*HOST_TENSORS, FEATURES)), tensors.get(FINAL_HIDDEN), dict(meta))
+
+
+def item_sources(meta: dict[str, Any]) -> list[str]:
+    """The source names an item's `source_ids` index, checked so a bad item fails here by name."""
+    names = meta.get("sources")
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise SlotContractError(f"ring item meta has no list of source names (sources = {names!r}): producer and "
+                                "drafter run different versions of the slot contract")
+    return names

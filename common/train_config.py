@@ -36,6 +36,9 @@ class TrainConfig:
     # false: write it in the step. A kill mid-write loses up to two intervals of updates instead of one.
     async_checkpoints: bool = True
     log_every_steps: int = 10
+    # Held-out items (data.eval_fraction, eval = true sources) are evaluated as they arrive (their slot is
+    # released only then, so each is evaluated exactly once); their figures are reported every this many steps.
+    eval_every_steps: int = 100
 
     def attention_for(self, device_type: str) -> str:
         if self.attention != "auto":
@@ -47,5 +50,8 @@ class TrainConfig:
             raise ValueError("need lr > 0, 0 <= warmup_ratio < 1 and 0 <= min_lr_ratio <= 1")
         if self.grad_accum < 1 or self.checkpoint_every_steps < 1 or self.keep_checkpoints < 1:
             raise ValueError("grad_accum, checkpoint_every_steps and keep_checkpoints must be >= 1")
+        if self.eval_every_steps < 1:
+            raise ValueError(f"train.eval_every_steps = {self.eval_every_steps}: must be >= 1 (how often the held-out "
+                             "items' figures are reported)")
         if self.betas is not None and len(self.betas) != 2:
             raise ValueError(f"betas must be two numbers, got {self.betas}")

@@ -44,7 +44,11 @@ from dflash_ring.consumer.checkpoint import CheckpointStore, check_same_shape
 from dflash_ring.consumer.model import build_drafter, load_target_head
 from dflash_ring.consumer.replica_group import ReplicaGroup
 from dflash_ring.consumer.replicas import ReplicaAverager
-from dflash_ring.consumer.trainer import DeviceBatch, StepMetrics, Trainer
+from dflash_ring.consumer.source_metrics import SourceLabels, SourceStats, add_sources
+from dflash_ring.consumer.step_record import (RingReading, Window, eval_scalars, log_line, source_line,
+                                              step_scalars)
+from dflash_ring.consumer.tracking import Tracking
+from dflash_ring.consumer.trainer import DeviceBatch, Trainer
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +92,13 @@ def to_device(r: SlotReader, device: torch.device, stream: torch.cuda.Stream | N
             cu_seqlens=t.cu_seqlens.to(device, dtype=torch.long, non_blocking=True),
             final_hidden=None if t.final_hidden is None else t.final_hidden.to(device, non_blocking=True),
             meta=t.meta,
+            source_ids=t.source_ids.to(device, dtype=torch.long, non_blocking=True),
         )
     if stream is not None:
         stream.synchronize()
         # Allocated on the side stream, used on the default one: keep the allocator from reusing them early.
-        for x in (batch.features, batch.input_ids, batch.loss_mask, batch.cu_seqlens, batch.final_hidden):
+        for x in (batch.features, batch.input_ids, batch.loss_mask, batch.cu_seqlens, batch.final_hidden,
+                  batch.source_ids):
             if x is not None:
                 x.record_stream(torch.cuda.default_stream(device))
     elif device.type == "cpu":  # .to(cpu) aliases the slot: take a private copy
@@ -276,15 +282,58 @@ class Checkpoints:
 
 
 class DrafterLoop:
-    """Each batch from the ring: train, then what follows a step (metrics, averaging, log, checkpoint)."""
+    """Each batch from the ring: train, then what follows a step (its record to the metrics, the log and the
+    trackers; averaging; checkpoint).
+
+    A held-out item is evaluated instead (`Trainer.evaluate`: no gradient, no step), then released, so a
+    drafter killed before that leaves it READING and it is evaluated once, by whoever gets it redelivered.
+    Its per-source sums wait in `eval_sources` for the next multiple of train.eval_every_steps (and the
+    end), where they become one evaluation record (`eval_scalars`), emitted like a step's.
+    """
 
     def __init__(self, trainer: Trainer, consumed: Consumed, averaging: Averaging, checkpoints: Checkpoints,
-                 metrics: DrafterMetrics, total_steps: Callable[[], int], wait_seconds: Callable[[], float],
-                 log_every: int, ledger: Ledger | None, release: Callable[[SlotReader], None]):
+                 metrics: DrafterMetrics, tracking: Tracking, total_steps: Callable[[], int],
+                 read_ring: Callable[[], RingReading], log_every: int, ledger: Ledger | None,
+                 release: Callable[[SlotReader], None], eval_every: int = 100):
         self.trainer, self.consumed, self.averaging, self.checkpoints = trainer, consumed, averaging, checkpoints
-        self.metrics, self.total_steps, self.wait_seconds = metrics, total_steps, wait_seconds
-        self.log_every, self.ledger, self.release = log_every, ledger, release
-        self.window = _Window()
+        self.metrics, self.tracking, self.total_steps = metrics, tracking, total_steps
+        self.log_every, self.ledger, self.release, self.eval_every = log_every, ledger, release, eval_every
+        self.window = Window(read_ring)
+        self.unlogged: tuple[int, int, dict[str, float]] | None = None  # the newest step, when not logged
+        self.eval_sources: dict[str, SourceStats] = {}  # the held-out items since the last evaluation record
+        self.eval_items = 0
+
+    def take(self, taken: tuple[DeviceBatch, SlotReader]) -> None:
+        """One item from the ring: evaluated if held out, else trained."""
+        (self.evaluate if taken[0].is_eval else self.train)(taken)
+
+    def evaluate(self, taken: tuple[DeviceBatch, SlotReader]) -> None:
+        batch, slot = taken
+        self.consumed.add(batch.meta)
+        stats = self.trainer.evaluate(batch)
+        add_sources(self.eval_sources, stats)
+        self.eval_items += 1
+        if self.ledger is not None:  # before the release: a kill in between redelivers it (reconcile knows)
+            self.ledger.write("eval", step=self.trainer.step, item=slot.item, deliveries=slot.deliveries,
+                              **identity(batch.meta))
+        crash_point("evaluated")
+        self.release(slot)
+        self.metrics.items.inc()
+        self.metrics.eval_items.inc()
+        self.metrics.count_source_tokens({name: s.tokens for name, s in stats.items()}, "eval")
+
+    def report_eval(self) -> None:
+        """The held-out items evaluated since the last report, as one record (nothing if there were none)."""
+        if not self.eval_items:
+            return
+        record = eval_scalars(self.eval_sources, self.eval_items)
+        self.eval_sources, self.eval_items = {}, 0
+        self.metrics.publish_sources(record)
+        text = (f"eval at step {self.trainer.step}: {int(record['eval/items'])} held-out items, loss "
+                f"{record.get('eval/loss', float('nan')):.4f} acc {record.get('eval/accuracy', float('nan')):.3f} "
+                f"accept_len {record.get('eval/accept_len', float('nan')):.2f}")
+        log.info("%s; by source: %s", text, source_line(record, "eval/"))
+        self.tracking.emit(self.trainer.step, record)  # the record file and the trackers: the eval series
 
     def train(self, taken: tuple[DeviceBatch, SlotReader]) -> None:
         batch, slot = taken
@@ -298,19 +347,38 @@ class DrafterLoop:
         self.release(slot)  # trained: only now may the producers refill the slot
         self.metrics.items.inc()
         self.metrics.tokens.inc(batch.num_tokens)
+        self.window.add(batch.num_tokens)
         if m is None:  # accumulating gradients
             return
-        _record(self.metrics, m)
-        self.window.add(m, self.wait_seconds())
+        self.window.add_sources(m.by_source)
+        self.metrics.count_source_tokens({name: s.tokens for name, s in m.by_source.items()}, "train")
+        record = step_scalars(m, self.window.stats())
+        self.metrics.publish(m.step, m.step_s, record)
         self.averaging.after_step(m.step)
+        self.unlogged = (m.step, total, record)
         if m.step % self.log_every == 0:
-            log.info("%s", self.window.line(total))
+            self.log_step()
+        if m.step % self.eval_every == 0:
+            self.report_eval()
         self.checkpoints.after_step(m.step)
+
+    def log_step(self) -> None:
+        """The newest step to the log, the record file and the trackers: every log_every_steps, and the last one
+        at the end (a series ends where the drafter did)."""
+        if self.unlogged is not None:
+            step, total, record = self.unlogged
+            log.info("%s", log_line(step, total, record))
+            if any(k.startswith("source/") for k in record):
+                log.info("step %d by source: %s", step, source_line(record))
+            self.tracking.emit(step, record)  # the record file, then the trackers
+            self.window.restart()
+            self.unlogged = None
 
 
 def run_drafter(cfg: Config, index: int, device_name: str | None, startup: Startup) -> int:
     device = pick_device(device_name or cfg.train.device, index)
-    with role_process(cfg, Role.CONSUMER, index, device_uuid(device), startup) as proc:
+    with role_process(cfg, Role.CONSUMER, index, device_uuid(device), startup) as proc, \
+            Tracking(cfg, index) as tracking:  # a tracker that cannot start fails here, before the model loads
         metrics = DrafterMetrics(proc.registry)
         drafter_cfg = resolve_drafter_config(cfg)
         target_config = target_config_dict(cfg.target.path)
@@ -323,7 +391,7 @@ def run_drafter(cfg: Config, index: int, device_name: str | None, startup: Start
         torch.manual_seed(cfg.train.seed)  # the initial weights: reproducible, and equal across replicas
         with torch.device(device):  # initialised where it trains: an 8B-wide drafter takes ~10 s on a CPU
             model = build_drafter(drafter_cfg, target_config)
-        trainer = Trainer(model, head, drafter_cfg, cfg.train, device)
+        trainer = Trainer(model, head, drafter_cfg, cfg.train, device, SourceLabels(cfg.data.source_names()))
         startup.mark("model")  # metrics port, the target's frozen head, the drafter built on its device
         store = CheckpointStore(Path(cfg.train.checkpoint_dir) / f"drafter-{index}")
         consumed = Consumed()
@@ -349,18 +417,23 @@ def run_drafter(cfg: Config, index: int, device_name: str | None, startup: Start
                  sum(p.numel() for p in trainer.model.parameters()), ring.name)
         prefetch = Prefetcher(ring, me.row, device, metrics)
         prefetch.ledger = proc.ledger
-        loop = DrafterLoop(trainer, consumed, averaging, checkpoints, metrics,
+        loop = DrafterLoop(trainer, consumed, averaging, checkpoints, metrics, tracking,
                            lambda: cfg.train.total_steps or _estimated_steps(ring, cfg, trainer, _prefetched(prefetch)),
-                           lambda: ring.wait_seconds, cfg.train.log_every_steps, proc.ledger, ring.release)
+                           lambda: RingReading(ring.wait_seconds, ring.counter(Counter.PRODUCED),
+                                               ring.produced_tokens(), ring.slot_counts()["ready"]),
+                           cfg.train.log_every_steps, proc.ledger, ring.release, cfg.train.eval_every_steps)
         prefetch.start()
         while (taken := _next(prefetch, proc.stop, me)) is not None:
             startup.mark("first_item")  # waited for and copied out of the ring
-            loop.train(taken)
-            startup.finish("first_step", proc.ledger)  # the first training step (compiles, when it does)
+            loop.take(taken)
+            if not taken[0].is_eval:  # a held-out item first is not the first step
+                startup.finish("first_step", proc.ledger)  # the first training step (compiles, when it does)
         prefetch.stopping.set()
         averaging.leave_group()
         for taken in _leftovers(prefetch):  # claimed already: train it, as the stop promises
-            loop.train(taken)
+            loop.take(taken)
+        loop.log_step()
+        loop.report_eval()
         averaging.close(trainer.step)
         checkpoints.final()
         log.info("drafter %d done: %d steps, %d items; %s", index, trainer.step, consumed.items,
@@ -381,21 +454,6 @@ def _next(prefetch: Prefetcher, stop: threading.Event, me: Membership) -> tuple[
     return None
 
 
-def _record(metrics: DrafterMetrics, m: StepMetrics) -> None:
-    """One optimizer step's numbers into the drafter's metrics."""
-    metrics.steps.inc()
-    metrics.step.observe(m.step_s)
-    metrics.step_number.set(m.step)
-    metrics.loss.set(m.loss)
-    acc = m.accuracy_per_position
-    metrics.accuracy.set(sum(acc) / len(acc) if acc else 0.0)
-    metrics.acceptance.set(m.accept_len)
-    metrics.acceptance_prob.set(m.accept_len_prob)
-    for position, accuracy in enumerate(acc, start=1):
-        metrics.position_accuracy.labels(str(position)).set(accuracy)
-    metrics.lr.set(m.lr)
-
-
 def _leftovers(prefetch: Prefetcher) -> list[tuple[DeviceBatch, SlotReader]]:
     """Batches the prefetcher had taken when a stop came (at most one)."""
     prefetch.join()
@@ -410,8 +468,8 @@ def _leftovers(prefetch: Prefetcher) -> list[tuple[DeviceBatch, SlotReader]]:
 
 
 def _prefetched(prefetch: Prefetcher) -> int:
-    """Batches taken from the ring and waiting to train (not the end-of-run None)."""
-    return sum(b is not None for b in list(prefetch.items.queue))
+    """Batches taken from the ring and waiting to train (not held-out ones, nor the end-of-run None)."""
+    return sum(b is not None and not b[0].is_eval for b in list(prefetch.items.queue))
 
 
 def _estimated_steps(ring: Ring, cfg: Config, trainer: Trainer, pending: int) -> int:
@@ -423,39 +481,23 @@ def _estimated_steps(ring: Ring, cfg: Config, trainer: Trainer, pending: int) ->
     taken yet. Re-estimated every step, it reaches the exact final step as the ring runs dry (who takes the
     last few items is a race, so per drafter it cannot be known earlier). A producer that has not announced
     its plan yet counts as planning what the others do.
+
+    Held-out items take no step: the items left are counted at the plans' share of training items (held-out
+    batches are spread evenly through every epoch, so what is left holds about that share too, and the
+    estimate is still exact as the ring runs dry); a prefetched held-out item is not counted in `pending`.
     """
     rows = ring.rows()
-    plans = rows["planned_items"][rows["role"] == Role.PRODUCER]
+    producers = rows["role"] == Role.PRODUCER
+    plans = rows["planned_items"][producers]
     announced = int((plans > 0).sum())
     if announced == 0:
         return max(1, trainer.step + 1)
     planned = int(plans.sum()) * cfg.topology.producers // announced
+    training_share = 1.0 - int(rows["planned_eval_items"][producers].sum()) / int(plans.sum())
     # Released (trained) items are counted; claimed ones (READING: this batch, the prefetched ones, and what other
     # drafters are training) will be trained by their holders, so they are not shared out again.
     left = max(0, planned - ring.counter(Counter.CONSUMED) - ring.slot_counts()["reading"])
-    share = left // cfg.topology.consumers  # rounded down: the last few items race, the other drafters take them
+    # Rounded down: the last few items race, the other drafters take them.
+    share = int(left * training_share) // cfg.topology.consumers
     micro = trainer.accumulated + 1 + pending + share  # micro-batches still to train
     return max(trainer.step + 1, trainer.step + micro // cfg.train.grad_accum)
-
-
-class _Window:
-    """Rolling numbers for one log line."""
-
-    def __init__(self) -> None:
-        self.t0, self.tokens, self.wait0 = time.perf_counter(), 0, 0.0
-        self.last: StepMetrics | None = None
-        self.wait = 0.0
-
-    def add(self, m: StepMetrics, wait_s: float) -> None:
-        self.tokens += m.tokens
-        self.last, self.wait = m, wait_s
-
-    def line(self, total: int) -> str:
-        m, dt = self.last, time.perf_counter() - self.t0
-        acc = m.accuracy_per_position
-        text = (f"step {m.step}/{total} loss {m.loss:.4f} acc@1 {acc[0]:.3f} acc@last {acc[-1]:.3f} "
-                f"accept_len {m.accept_len:.2f} accept_len_prob {m.accept_len_prob:.2f} lr {m.lr:.2e} "
-                f"grad_norm {m.grad_norm:.3g} tok/s {self.tokens / dt:.0f} "
-                f"ring_wait {self.wait - self.wait0:.1f}s")
-        self.t0, self.tokens, self.wait0 = time.perf_counter(), 0, self.wait
-        return text

@@ -6,6 +6,7 @@ in-process reference loop the pipeline is checked against.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -15,8 +16,10 @@ import torch
 
 from dflash_ring.consumer.checkpoint import Checkpoint
 from dflash_ring.common.drafter_config import DrafterConfig
-from dflash_ring.consumer.loss import dflash_loss
-from dflash_ring.consumer.model import DFlashDraftModel, FrozenTargetHead, sample_anchors
+from dflash_ring.common.slot_contract import item_sources
+from dflash_ring.consumer.loss import DFlashLoss, dflash_loss
+from dflash_ring.consumer.model import Anchors, DFlashDraftModel, FrozenTargetHead, sample_anchors
+from dflash_ring.consumer.source_metrics import SourceLabels, SourceStats, add_sources, by_source
 from dflash_ring.common.train_config import TrainConfig
 
 
@@ -30,10 +33,16 @@ class DeviceBatch:
     cu_seqlens: torch.Tensor  # [S+1] int64
     final_hidden: torch.Tensor | None = None  # [T, H], only for the KL loss
     meta: dict[str, Any] = field(default_factory=dict)
+    source_ids: torch.Tensor | None = None  # [S]: each sequence's source, an index into meta["sources"]
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+    @property
+    def is_eval(self) -> bool:
+        """Held-out rows: evaluated (`Trainer.evaluate`), never trained."""
+        return bool(self.meta.get("eval"))
 
 
 @dataclass
@@ -50,6 +59,8 @@ class StepMetrics:
     grad_norm: float  # total gradient norm before clipping
     tokens: int
     step_s: float
+    # Per data source, summed over the step's micro-batches (empty when items carry no sources).
+    by_source: dict[str, SourceStats] = field(default_factory=dict)
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -64,7 +75,7 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
 
 class Trainer:
     def __init__(self, model: DFlashDraftModel, head: FrozenTargetHead, drafter: DrafterConfig,
-                 train: TrainConfig, device: torch.device):
+                 train: TrainConfig, device: torch.device, sources: SourceLabels | None = None):
         self.model = model.to(device)  # fp32 master weights; bf16 only inside autocast on GPU
         if train.compile and device.type == "cuda" and train.attention_for("cuda") == "flex":  # sdpa groups vary
             self.model.compile_layers()
@@ -77,6 +88,9 @@ class Trainer:
             betas=tuple(train.betas or (0.9, 0.95)), fused=device.type == "cuda",
         )
         self.anchor_rng = torch.Generator(device=device).manual_seed(train.seed)
+        # Source names as items carry them, mapped onto the configured ones (None: taken as they come).
+        self.sources = sources
+        self._step_sources: dict[str, SourceStats] = {}
         self.step = 0
         self._micro = 0
         self._hold: torch.cuda.Event | None = None
@@ -93,14 +107,9 @@ class Trainer:
         anchors = sample_anchors(batch.loss_mask, batch.cu_seqlens, self.drafter.num_anchors, self.anchor_rng)
         if anchors.num_blocks == 0:
             return None  # nothing supervisable in this batch (e.g. all prompt)
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
-        with autocast:
-            hidden = self.model(batch.features, batch.input_ids, anchors, self.head,
-                                attention=self.cfg.attention_for(self.device.type),
-                                anchors_per_group=self.cfg.anchors_per_group)
-            out = dflash_loss(hidden, anchors, batch.input_ids, batch.loss_mask, self.head, self.drafter,
-                              target_hidden=batch.final_hidden if self.drafter.needs_target_logits else None)
+        out = self._forward(batch, anchors)
         (out.loss / self.cfg.grad_accum).backward()
+        add_sources(self._step_sources, self._by_source(batch, anchors, out))
         self._micro += 1
         if self._micro % self.cfg.grad_accum:
             return None
@@ -116,13 +125,46 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        step_sources, self._step_sources = self._step_sources, {}
         return StepMetrics(
             step=self.step, loss=float(out.loss.detach()), ce=float(out.ce), kl=float(out.kl), cap=float(out.cap),
             accuracy_per_position=[round(float(a), 4) for a in out.accuracy_per_position],
             accept_len=float(out.accept_len), accept_len_prob=float(out.accept_len_prob), lr=lr,
             grad_norm=float(grad_norm), tokens=batch.num_tokens,
-            step_s=time.perf_counter() - t0,
+            step_s=time.perf_counter() - t0, by_source=step_sources,
         )
+
+    def evaluate(self, batch: DeviceBatch) -> dict[str, SourceStats]:
+        """The teacher-forced figures of a held-out item, per source: no gradient, no update, and none of the
+        training stream's state moves (its anchors come from a generator seeded by the item's identity, not
+        from `anchor_rng`), so a run's training is the same with or without a held-out split's items in
+        between, and an item's figures are the same whichever drafter evaluates it, whenever."""
+        meta = batch.meta
+        key = f"{self.cfg.seed}/{meta.get('producer')}/{meta.get('epoch')}/{meta.get('position')}".encode()
+        rng = torch.Generator(device=self.device).manual_seed(
+            int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1)
+        anchors = sample_anchors(batch.loss_mask, batch.cu_seqlens, self.drafter.num_anchors, rng)
+        if anchors.num_blocks == 0:
+            return {}
+        with torch.no_grad():  # the drafter has no dropout: train mode is kept (no recompile of compiled layers)
+            out = self._forward(batch, anchors)
+        return self._by_source(batch, anchors, out)
+
+    def _forward(self, batch: DeviceBatch, anchors: Anchors) -> DFlashLoss:
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+        with autocast:
+            hidden = self.model(batch.features, batch.input_ids, anchors, self.head,
+                                attention=self.cfg.attention_for(self.device.type),
+                                anchors_per_group=self.cfg.anchors_per_group)
+            return dflash_loss(hidden, anchors, batch.input_ids, batch.loss_mask, self.head, self.drafter,
+                               target_hidden=batch.final_hidden if self.drafter.needs_target_logits else None)
+
+    def _by_source(self, batch: DeviceBatch, anchors: Anchors, out: DFlashLoss) -> dict[str, SourceStats]:
+        if batch.source_ids is None:
+            return {}
+        names = item_sources(batch.meta)
+        labels = self.sources.of(names) if self.sources is not None else names
+        return by_source(out, anchors, batch.source_ids, batch.loss_mask, labels)
 
     def hold_updates(self, copied: torch.cuda.Event | None) -> None:
         """The next optimizer step waits, on the device and not the host, until `copied` has passed: a checkpoint

@@ -5,10 +5,16 @@ every world_size-th batch of it, so the shards need no coordination, cover each 
 once per epoch, and a (epoch, position) cursor is enough to resume. A weighted mixture draws each
 source's rows for the epoch (`epoch_counts`, `epoch_samples`) from (seed, epoch) too, then plans
 them as one data set.
+
+A held-out split (`data.eval_fraction`, `eval = true` sources) takes fixed rows out of training: which rows
+is a pure function of (seed, source name, row index) (`held_out`), so every producer, epoch and restart
+agrees without coordination. Those rows are batched on their own every epoch, as evaluation batches
+spread evenly through the epoch's plan; a cursor counts both kinds, so resuming needs nothing new.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -44,6 +50,7 @@ class Batch:
     # Entries of the producer's replay list published once this batch is (it commits with `cursor`).
     replayed: int = 0
     is_replay: bool = False  # produced again: a stopped run's ring held it untrained
+    eval: bool = False  # held-out rows only: evaluated by the drafters, never trained
 
     @property
     def num_tokens(self) -> int:
@@ -64,16 +71,12 @@ class Batch:
         return ids, inside.astype(np.uint8), loss
 
 
-def epoch_order(num_samples: int, seed: int, epoch: int) -> np.ndarray:
-    """A permutation that depends on (seed, epoch) only.
+def _permutation(n: int, entropy: list[int]) -> np.ndarray:
+    """A permutation that depends on `entropy` only (e.g. [seed, epoch]).
 
     Sorting raw PCG64 output rather than calling Generator.permutation: NumPy keeps bit-generator
     streams stable across releases but not Generator methods, and a resume must replay the order.
     """
-    return _permutation(num_samples, [seed, epoch])
-
-
-def _permutation(n: int, entropy: list[int]) -> np.ndarray:
     keys = np.random.PCG64(np.random.SeedSequence(entropy)).random_raw(n)
     return np.argsort(keys, kind="stable")
 
@@ -101,7 +104,7 @@ def epoch_samples(sizes: Sequence[int], counts: Sequence[int], *, seed: int, epo
     (seed, epoch, source), after as many whole passes as a repeating source needs."""
     parts, base = [], 0
     for k, (n, count) in enumerate(zip(sizes, counts, strict=True)):
-        passes, rest = divmod(count, n)
+        passes, rest = divmod(count, n) if count else (0, 0)  # 0: a held-out source gives no training row
         parts += [base + np.arange(n)] * passes
         if rest:
             parts.append(base + np.sort(_permutation(n, [seed, epoch, 2, k])[:rest]))
@@ -109,16 +112,66 @@ def epoch_samples(sizes: Sequence[int], counts: Sequence[int], *, seed: int, epo
     return np.concatenate(parts)
 
 
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+def held_out(name: str, row_ids: np.ndarray, fraction: float, seed: int) -> np.ndarray:
+    """Which rows of source `name` are evaluation rows: a pure function of (seed, name, row index).
+
+    Each row's index goes through splitmix64 keyed by a hash of (seed, name); the row is held out when
+    the result, as a number in [0, 1), is below `fraction`. Row indices are those of the data set, not
+    of the tokenized samples, so skipped rows or another max_length never move a row across the split.
+    """
+    if fraction <= 0:
+        return np.zeros(len(row_ids), bool)
+    key = np.uint64(int.from_bytes(hashlib.blake2b(f"{seed}\0{name}".encode(), digest_size=8).digest(), "little"))
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps, as splitmix64 means it to
+        z = (np.asarray(row_ids, dtype=np.uint64) ^ key) + _MIX
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53 < fraction
+
+
+def split_sources(sources: Sequence[SourceData], fraction: float, seed: int) -> list[np.ndarray]:
+    """Per source, a mask of its evaluation samples: every one of an `eval` source, else `held_out`'s."""
+    return [np.ones(len(s.data), bool) if s.eval else held_out(s.name, s.data.row_ids, fraction, seed)
+            for s in sources]
+
+
+def training_counts(sources: Sequence[SourceData], held: Sequence[np.ndarray]) -> list[int]:
+    """Training rows each source gives every epoch (`epoch_counts` over its rows not held out; 0 for an
+    `eval` source)."""
+    train = [(k, s) for k, s in enumerate(sources) if not s.eval]
+    counts = epoch_counts([int((~held[k]).sum()) for k, _ in train], [s.weight for _, s in train],
+                          [s.repeat for _, s in train], [s.name for _, s in train])
+    out = [0] * len(sources)
+    for (k, _), c in zip(train, counts, strict=True):
+        out[k] = c
+    return out
+
+
+def interleave(train: list[np.ndarray], evals: list[np.ndarray]) -> list[np.ndarray]:
+    """Evaluation batches spread evenly among the training batches (training first on a tie)."""
+    if not evals:
+        return train
+    keys = np.concatenate([(np.arange(len(train)) + 0.5) / max(len(train), 1),
+                           (np.arange(len(evals)) + 0.5) / len(evals)])
+    both = train + evals
+    return [both[i] for i in np.argsort(keys, kind="stable")]
+
+
 def plan_epoch(
-    lengths: np.ndarray, *, seed: int, epoch: int, max_tokens: int, packing: bool, bucket_window: int
+    lengths: np.ndarray, *, seed: int, epoch: int, max_tokens: int, packing: bool, bucket_window: int,
+    salt: tuple[int, ...] = (),
 ) -> list[np.ndarray]:
     """All batches of one epoch as arrays of sample indices, in the order they are dealt out.
 
     Sorting by length within windows of the shuffled order packs similar lengths together
     while keeping the epoch random; shuffling the batches afterwards undoes the short-to-long
-    sawtooth that the windows leave.
+    sawtooth that the windows leave. `salt` draws other random streams (the evaluation batches').
     """
-    order = epoch_order(len(lengths), seed, epoch)
+    order = _permutation(len(lengths), [seed, epoch, *salt])
     if not len(order):
         return []
     window = np.arange(len(order)) // bucket_window
@@ -132,7 +185,7 @@ def plan_epoch(
             count = longest = total = 0
         count, longest, total = count + 1, max(longest, length), total + length
     batches = np.split(order, cuts)
-    shuffle = np.random.PCG64(np.random.SeedSequence([seed, epoch, 1])).random_raw(len(batches))
+    shuffle = np.random.PCG64(np.random.SeedSequence([seed, epoch, 1, *salt])).random_raw(len(batches))
     return [batches[i] for i in np.argsort(shuffle, kind="stable")]
 
 
@@ -150,6 +203,7 @@ class ShardBatcher:
         seed: int = 0,
         packing: bool = True,
         bucket_window: int = 1024,
+        eval_fraction: float = 0.0,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
@@ -159,9 +213,14 @@ class ShardBatcher:
         if not sources:
             raise ValueError("no data source")
         sizes = [len(s.data) for s in sources]
-        self.counts = epoch_counts(sizes, [s.weight for s in sources], [s.repeat for s in sources],
-                                   [s.name for s in sources])
+        self.eval_fraction = eval_fraction
+        held = split_sources(sources, eval_fraction, seed)
+        self.counts = training_counts(sources, held)  # training rows per source and epoch
         self._bases = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self._eval = np.concatenate(held)  # per sample of the sources laid end to end
+        # Training samples of each source, laid end to end (all of them without a held-out split).
+        self._train = [self._bases[k] + np.flatnonzero(~held[k]) for k in range(len(sources))]
+        self._eval_samples = np.flatnonzero(self._eval)
         self._lengths = np.concatenate([s.data.lengths for s in sources])
         longest = int(self._lengths.max())
         if longest > max_tokens_per_batch:
@@ -183,22 +242,30 @@ class ShardBatcher:
             seed=cfg.seed,
             packing=packing,
             bucket_window=cfg.bucket_window,
+            eval_fraction=cfg.eval_fraction,
         )
 
     def epoch_plan(self, epoch: int) -> list[np.ndarray]:
         """This shard's batches for `epoch`, as sample indices into the sources laid end to end."""
         if self._plan is None or self._plan[0] != epoch:
-            chosen = epoch_samples(np.diff(self._bases), self.counts, seed=self.seed, epoch=epoch)
-            plan = plan_epoch(
-                self._lengths[chosen],
-                seed=self.seed,
-                epoch=epoch,
-                max_tokens=self.max_tokens,
-                packing=self.packing,
-                bucket_window=self.bucket_window,
-            )
-            self._plan = (epoch, [chosen[b] for b in plan[self.rank :: self.world_size]])
+            picked = epoch_samples([len(t) for t in self._train], self.counts, seed=self.seed, epoch=epoch)
+            chosen = np.concatenate(self._train)[picked]
+            train = [chosen[b] for b in self._plan_of(chosen, epoch)]
+            evals = [self._eval_samples[b] for b in self._plan_of(self._eval_samples, epoch, salt=(3,))]
+            self._plan = (epoch, interleave(train, evals)[self.rank :: self.world_size])
         return self._plan[1]
+
+    def _plan_of(self, samples: np.ndarray, epoch: int, salt: tuple[int, ...] = ()) -> list[np.ndarray]:
+        return plan_epoch(self._lengths[samples], seed=self.seed, epoch=epoch, max_tokens=self.max_tokens,
+                          packing=self.packing, bucket_window=self.bucket_window, salt=salt)
+
+    def is_eval(self, samples: np.ndarray) -> bool:
+        """Whether a planned batch (sample indices, as `epoch_plan` gives them) is an evaluation batch."""
+        return bool(len(samples)) and bool(self._eval[samples[0]])
+
+    def eval_positions(self, epoch: int) -> list[int]:
+        """Positions of this shard's evaluation batches in `epoch`."""
+        return [i for i, b in enumerate(self.epoch_plan(epoch)) if self.is_eval(b)]
 
     def batches(self, from_cursor: Cursor = Cursor()) -> Iterator[Batch]:
         """Every batch from `from_cursor` on, through the last epoch."""
@@ -257,4 +324,5 @@ class ShardBatcher:
             position=position,
             cursor=cursor,
             padding_fraction=0.0 if self.packing else 1.0 - int(cu_seqlens[-1]) / padded,
+            eval=self.is_eval(samples),
         )

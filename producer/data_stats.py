@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .batching import epoch_counts
+from .batching import split_sources, training_counts
 from .pretokenized import SourceData, TokenizedData
 
 # Upper edges (inclusive) of the reply-length buckets: trained (loss-mask) tokens per row; the last
@@ -38,6 +38,7 @@ class SourceStats:
     epoch_trained_tokens: int  # their trained tokens (expected: exact when the source gives whole passes)
     epoch_row_share: float
     epoch_trained_share: float
+    eval_rows: int = 0  # held out (data.eval_fraction, or an eval = true source): evaluated every epoch, never trained
 
 
 @dataclass(frozen=True)
@@ -74,21 +75,23 @@ def bucket_labels() -> list[str]:
     return [f"{lo}-{hi}" for lo, hi in zip(lows, HISTOGRAM_EDGES)] + [f">{HISTOGRAM_EDGES[-1]}"]
 
 
-def data_stats(sources: Sequence[SourceData]) -> DataStats:
-    """Per-source and total composition, with each source's share of an epoch under the weights."""
+def data_stats(sources: Sequence[SourceData], eval_fraction: float = 0.0, seed: int = 0) -> DataStats:
+    """Per-source and total composition, with each source's share of an epoch under the weights; the epoch's
+    rows are training rows (the held-out split, `data.eval_fraction` under `data.seed`, is counted apart)."""
+    held = split_sources(sources, eval_fraction, seed)
     trained = [trained_per_row(s.data) for s in sources]
-    counts = epoch_counts([len(s.data) for s in sources], [s.weight for s in sources], [s.repeat for s in sources],
-                          [s.name for s in sources])
-    epoch_trained = [round(int(t.sum()) * c / len(t)) for t, c in zip(trained, counts, strict=True)]
+    counts = training_counts(sources, held)
+    epoch_trained = [round(int(t[~h].sum()) * c / max(int((~h).sum()), 1))
+                     for t, h, c in zip(trained, held, counts, strict=True)]
     rows_total, trained_total = sum(counts), sum(epoch_trained)
     stats = tuple(
         SourceStats(
             name=s.name, path=s.path, weight=s.weight, repeat=s.repeat, rows=s.data.num_rows,
             bad_rows=len(s.data.bad_rows), tokens=int(s.data.offsets[-1]), trained_tokens=int(t.sum()),
             histogram=histogram(t), epoch_rows=c, epoch_trained_tokens=et, epoch_row_share=c / rows_total,
-            epoch_trained_share=et / trained_total if trained_total else 0.0,
+            epoch_trained_share=et / trained_total if trained_total else 0.0, eval_rows=int(h.sum()),
         )
-        for s, t, c, et in zip(sources, trained, counts, epoch_trained, strict=True)
+        for s, t, h, c, et in zip(sources, trained, held, counts, epoch_trained, strict=True)
     )
     total = SourceStats(
         name="total", path="", weight=sum(s.weight for s in sources), repeat=any(s.repeat for s in sources),
@@ -96,6 +99,7 @@ def data_stats(sources: Sequence[SourceData]) -> DataStats:
         tokens=sum(s.tokens for s in stats), trained_tokens=sum(s.trained_tokens for s in stats),
         histogram=tuple(int(x) for x in np.sum([s.histogram for s in stats], axis=0)),
         epoch_rows=rows_total, epoch_trained_tokens=trained_total, epoch_row_share=1.0, epoch_trained_share=1.0,
+        eval_rows=sum(s.eval_rows for s in stats),
     )
     return DataStats(stats, total)
 
@@ -105,7 +109,8 @@ def log_lines(stats: DataStats) -> list[str]:
     return [f"data source {s.name} ({s.path}): {s.rows} rows, {s.bad_rows} bad skipped, {s.tokens} tokens, "
             f"{s.trained_tokens} trained; weight {s.weight:g}{' repeat' if s.repeat else ''}: {s.epoch_rows} rows "
             f"per epoch ({100 * s.epoch_row_share:.1f}% of rows, {100 * s.epoch_trained_share:.1f}% of trained "
-            "tokens)" for s in stats.sources]
+            f"tokens){f'; {s.eval_rows} rows held out for evaluation' if s.eval_rows else ''}"
+            for s in stats.sources]
 
 
 def print_table(stats: DataStats) -> None:
@@ -115,14 +120,14 @@ def print_table(stats: DataStats) -> None:
 
     t = Table(title="data composition (per epoch: under the weights, after tokenization)")
     for col in ("source", "weight", "repeat", "rows", "bad", "tokens", "trained", "epoch rows", "% rows",
-                "% trained"):
+                "% trained", "held out"):
         t.add_column(col, justify="left" if col == "source" else "right")
     for s in (*stats.sources, stats.total):
         if s is stats.total:
             t.add_section()
         t.add_row(s.name, f"{s.weight:g}", "yes" if s.repeat else "", f"{s.rows:,}", f"{s.bad_rows:,}",
                   f"{s.tokens:,}", f"{s.trained_tokens:,}", f"{s.epoch_rows:,}", f"{100 * s.epoch_row_share:.1f}",
-                  f"{100 * s.epoch_trained_share:.1f}")
+                  f"{100 * s.epoch_trained_share:.1f}", f"{s.eval_rows:,}")
     h = Table(title="rows by trained tokens per row")
     h.add_column("trained tokens", justify="right")
     for s in (*stats.sources, stats.total):

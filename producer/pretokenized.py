@@ -75,6 +75,7 @@ class SourceData:
     weight: float
     repeat: bool
     data: TokenizedData
+    eval: bool = False  # a held-out source: every row evaluated, none trained
 
 
 def load_sources(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> list[SourceData]:
@@ -82,7 +83,8 @@ def load_sources(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> list[So
     mixture = cfg.mixture()
     for _, sub in mixture:
         locate(sub)  # a missing or unreadable source fails now, not after tokenizing the ones before it
-    return [SourceData(s.name, s.path, s.weight, s.repeat, load_tokenized(sub, tokenizer)) for s, sub in mixture]
+    return [SourceData(s.name, s.path, s.weight, s.repeat, load_tokenized(sub, tokenizer), s.eval)
+            for s, sub in mixture]
 
 
 def load_tokenized(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TokenizedData:

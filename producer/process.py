@@ -158,8 +158,8 @@ class InFlight:
 class SlotFiller:
     """Writes one batch into a claimed slot: ids from host memory, features by DMA on a side stream."""
 
-    def __init__(self, index: int, device: torch.device):
-        self.index = index
+    def __init__(self, index: int, device: torch.device, source_names: tuple[str, ...]):
+        self.index, self.source_names = index, list(source_names)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def fill(self, w: SlotWriter, batch: Batch, out: TargetOutput) -> InFlight:
@@ -169,7 +169,8 @@ class SlotFiller:
                  item_tensors(batch.num_tokens, len(batch.lengths), f.shape[1], hidden, f.dtype)}
         for name in HOST_TENSORS:
             views[name].copy_(torch.from_numpy(getattr(batch, name)))
-        w.meta = dict(zip(META_KEYS, (self.index, batch.epoch, batch.position, batch.num_tokens, len(batch.lengths))))
+        w.meta = dict(zip(META_KEYS, (self.index, batch.epoch, batch.position, batch.num_tokens, len(batch.lengths),
+                                      self.source_names, batch.eval), strict=True))
         device_out = [(FEATURES, f)] + ([(FINAL_HIDDEN, out.final_hidden)] if hidden is not None else [])
         if self.stream is None:
             span = DeviceSpan(f.device)
@@ -219,7 +220,7 @@ class Producer:
         self.ledger: Ledger | None = None  # run.ledger_dir: one record per published batch
         self.startup: Startup | None = None  # finished by the first publish
         self.metrics = metrics or ProducerMetrics()
-        self.filler = SlotFiller(index, target.device)
+        self.filler = SlotFiller(index, target.device, source_names)
         self.stats = Stats()
         self._logged = 0.0
 
@@ -275,18 +276,20 @@ class Producer:
         if f.copied is not None:
             f.copied.synchronize()
         b = f.batch
-        self.ring.publish(f.writer, self.row, cursor=(b.cursor.epoch, b.cursor.position), replayed=b.replayed)
+        self.ring.publish(f.writer, self.row, cursor=(b.cursor.epoch, b.cursor.position), replayed=b.replayed,
+                          tokens=b.num_tokens)
         if self.ledger is not None:
             self.ledger.write("pub", item=f.writer.item, epoch=b.epoch, pos=b.position,
-                              **({"replay": True} if b.is_replay else {}))
+                              **({"replay": True} if b.is_replay else {}), **({"eval": True} if b.eval else {}))
         if self.cursor_file is not None:
             self.cursor_file.save(ResumeState(b.cursor.epoch, b.cursor.position, self.replay, b.replayed))
         self.ring.heartbeat(self.row)
         self.stats.add(f.batch)
         m = self.metrics
         m.tokens.inc(f.batch.num_tokens)
-        for name, trained in zip(self.source_names, f.batch.trained_by_source(len(self.source_names)).tolist()):
-            m.source_trained.labels(name).inc(trained)
+        if not b.eval:  # held-out rows are evaluated, never trained
+            for name, trained in zip(self.source_names, b.trained_by_source(len(self.source_names)).tolist()):
+                m.source_trained.labels(name).inc(trained)
         if f.copy_span is not None:
             m.d2h.observe(f.copy_span.seconds())
         if f.target_span is not None:
@@ -315,13 +318,17 @@ def plan_key(batcher: ShardBatcher) -> str:
     """Everything that fixes which batches a cursor position means (not the epoch count: runs may grow).
 
     One source keeps the key it had before mixtures (its weight and repeat flag change nothing); a mixture's
-    key holds each source's tokenized data, weight and repeat flag, in order."""
+    key holds each source's tokenized data, weight and repeat flag, in order. A held-out split joins the key
+    only when there is one (data.eval_fraction, and each source's name and eval flag: they pick the rows), so
+    a run without one keeps its key."""
     if len(batcher.sources) == 1:
         data: object = batcher.sources[0].data.directory.name
     else:
         data = [[s.data.directory.name, s.weight, s.repeat] for s in batcher.sources]
     settings = [data, batcher.seed, batcher.max_tokens, batcher.packing,
                 batcher.bucket_window, batcher.rank, batcher.world_size]
+    if batcher.eval_fraction > 0 or any(s.eval for s in batcher.sources):
+        settings.append(["eval", batcher.eval_fraction, [[s.name, s.eval] for s in batcher.sources]])
     return hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:24]
 
 
@@ -331,8 +338,10 @@ def plan_description(batcher: ShardBatcher) -> str:
         data = f"data {s.path} (tokenized {s.data.directory.name})"
     else:
         data = "data mixture " + ", ".join(
-            f"{s.name} = {s.path} weight {s.weight:g}{' repeat' if s.repeat else ''} (tokenized {s.data.directory.name})"
-            for s in batcher.sources)
+            f"{s.name} = {s.path} {'eval' if s.eval else f'weight {s.weight:g}'}{' repeat' if s.repeat else ''} "
+            f"(tokenized {s.data.directory.name})" for s in batcher.sources)
+    if batcher.eval_fraction > 0:
+        data += f", eval_fraction {batcher.eval_fraction:g}"
     return (f"{data}, seed {batcher.seed}, max_tokens_per_batch "
             f"{batcher.max_tokens}, {'packed' if batcher.packing else 'padded'}, bucket_window {batcher.bucket_window}, "
             f"shard {batcher.rank} of {batcher.world_size}")
@@ -390,7 +399,8 @@ def run_producer(cfg: Config, index: int, device_name: str | None, startup: Star
         tokenizer = target_tokenizer(cfg.target)
         sources = load_sources(cfg.data, tokenizer)
         metrics.bad_rows.inc(sum(len(s.data.bad_rows) for s in sources))
-        composition = data_stats(sources)  # before anything is published: what this run trains on
+        # Before anything is published: what this run trains on.
+        composition = data_stats(sources, cfg.data.eval_fraction, cfg.data.seed)
         for line in log_lines(composition):
             log.info("%s", line)
         startup.mark("data")  # tokenizer, tokenized data (cached after the first start), its statistics
@@ -413,7 +423,8 @@ def run_producer(cfg: Config, index: int, device_name: str | None, startup: Star
         me = proc.join("model loaded, ring attached")
         startup.mark("join")  # the batch plan, and the row (waits for a dead predecessor's lock)
         plan = [len(batcher.epoch_plan(e)) for e in range(cfg.data.epochs)]
-        ring.set_planned_items(me.row, sum(plan))
+        eval_positions = [batcher.eval_positions(e) for e in range(cfg.data.epochs)]
+        ring.set_planned_items(me.row, sum(plan), sum(map(len, eval_positions)))
         loader = None
         try:
             start, source = resume_point(ring, me.row, cursor_file)
@@ -429,7 +440,8 @@ def run_producer(cfg: Config, index: int, device_name: str | None, startup: Star
                                 metrics=metrics, replay=start.replay, source_names=tuple(s.name for s in sources))
             if proc.ledger is not None:
                 proc.ledger.write("start", plan=plan, resume=[start.epoch, start.position],
-                                  replay=[list(x) for x in start.pending_replay])
+                                  replay=[list(x) for x in start.pending_replay],
+                                  **({"eval": eval_positions} if any(eval_positions) else {}))
                 producer.ledger = proc.ledger
             producer.startup = startup
             if producer.run(loader):

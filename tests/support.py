@@ -9,7 +9,8 @@ name (`from support import ...`) instead of reaching into conftest or another te
   `pipeline_settings` is the pipeline tests' recipe (a tiny target and a one-layer drafter on the CPU).
 - Targets: `build_target` (any family, with the tiny tokenizer), `save_tiny_qwen3` / `tiny_qwen3_config`
   (the small Qwen3 the drafter tests use), reference features and `assert_same_features`.
-- Data: `write_chat_rows`, `cyclic_rows` (learnable replies), `packed_batch`, `anchors_from_local`;
+- Data: `write_chat_rows`, `cyclic_rows` (learnable replies), `packed_batch`, `anchors_from_local`,
+  `synthetic` / `mixture` (tokenized sources whose tokens say where they came from);
   `curves` reads a drafter's loss and accuracy from its log.
 """
 
@@ -37,6 +38,7 @@ from dflash_ring.consumer.model import Anchors, cu_seqlens_from_lengths
 from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 from dflash_ring.producer.batching import Batch, Cursor
 from dflash_ring.producer.conformance import relative_error
+from dflash_ring.producer.pretokenized import SourceData, TokenizedData
 
 WORKER = Path(__file__).with_name("ring_worker.py")
 
@@ -342,6 +344,27 @@ def cyclic_rows(path: Path, rows: int, seed: int = 0) -> Path:
     return path
 
 
+def synthetic(source: int, lengths, name: str = "") -> TokenizedData:
+    """Token values encode (source, sample, position), so a gather from the wrong source or row shows."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    sample_of = np.repeat(np.arange(len(lengths)), lengths)
+    tokens = (source * 10_000_000 + sample_of * 1000 + np.arange(offsets[-1]) - offsets[sample_of]).astype(np.int32)
+    return TokenizedData(tokens=tokens, loss_mask=((tokens + source) % 2).astype(np.uint8), offsets=offsets,
+                         row_ids=np.arange(len(lengths), dtype=np.int64) * 2,  # skipped rows leave gaps
+                         num_rows=2 * len(lengths), bad_rows=(), directory=Path(f"/c/tokenized-{name or source}"),
+                         from_cache=False)
+
+
+def mixture(*specs: tuple[str, int, float, bool]) -> list[SourceData]:
+    """(name, rows, weight, repeat) per source; lengths 1..60, different per source."""
+    out = []
+    for k, (name, rows, weight, repeat) in enumerate(specs):
+        lengths = np.random.default_rng(k).integers(1, 60, rows)
+        out.append(SourceData(name, f"/d/{name}.jsonl", weight, repeat, synthetic(k, lengths, name)))
+    return out
+
+
 def packed_batch(lengths: Iterable[int], seed: int = 0, vocab: int = 400) -> Batch:
     """Random token ids for sequences of these lengths, packed into one batch as the producer builds it."""
     rng = np.random.default_rng(seed)
@@ -361,3 +384,23 @@ def anchors_from_local(lengths: list[int], local: list[list[int]]) -> Anchors:
     positions = torch.tensor([cu[i].item() + a for i, seq in enumerate(local) for a in seq], dtype=torch.long)
     counts = torch.tensor([len(seq) for seq in local])
     return Anchors(positions=positions, cu_anchors=cu_seqlens_from_lengths(counts), cu_seqlens=cu)
+
+
+# --- trackers, read back with their own readers ------------------------------------------------------
+
+
+def tensorboard_scalars(logdir: Path, tag: str) -> list[tuple[int, float]]:
+    """(step, value) of one tag, as TensorBoard's own EventAccumulator reads the run (restarts' purges applied)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def tensorboard_text(logdir: Path, tag: str) -> str:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"tensors": 0})
+    acc.Reload()
+    return acc.Tensors(f"{tag}/text_summary")[0].tensor_proto.string_val[0].decode()  # add_text's tag

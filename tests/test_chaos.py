@@ -146,7 +146,10 @@ def test_chaos_minute_loses_nothing(tmp_path, seed, stops):
     led = c["ledger"]
     assert led["planned_batches"] > 0 and led["missing"] == 0
     assert led["trained_twice"] == 0 and led["published_twice"] == 0 and led["seen_twice_unexplained"] == 0
-    assert led["lost_in_flight"] == 0 and led["trained_exactly_once"] == led["planned_batches"]
+    assert led["lost_in_flight"] == 0 and led["held_out_trained"] == 0
+    # Chaos holds 5% of the rows out: those batches are evaluated exactly once, the rest trained exactly once.
+    assert led["planned_eval_batches"] > 0 and led["evaluated_exactly_once"] == led["planned_eval_batches"]
+    assert led["trained_exactly_once"] + led["evaluated_exactly_once"] == led["planned_batches"]
     assert len(c["whole_run_stops"]) == stops, c["whole_run_stops"]
     assert c["hung"] == [] and c["clean"]["rc"] == 0 and c["clean"]["leftovers"] == []
     assert all("step" in v and "exported" in v for v in c["checkpoints"].values()), c["checkpoints"]

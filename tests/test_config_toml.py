@@ -30,6 +30,8 @@ def _changed(value: typing.Any, hint: typing.Any) -> typing.Any:
         hints = typing.get_type_hints(item)
         return [item(**{f.name: _changed(getattr(item(path=path), f.name), hints[f.name])
                         for f in dataclasses.fields(item)} | {"path": path}) for path in ("a.jsonl", "b/c d.jsonl")]
+    if typing.get_origin(item) is typing.Literal:  # a list of choices (tracking.backends): two of them
+        return list(typing.get_args(item))[:2]
     return [item(1), item(2)] if item is not str else ["x", 'y"']
 
 

@@ -19,29 +19,9 @@ from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 from dflash_ring.producer.batching import Batch, ShardBatcher, epoch_counts
 from dflash_ring.producer.pretokenized import SourceData, TokenizedData, load_sources, load_tokenized
 from dflash_ring.producer.process import PlanMismatchError, plan_description, plan_key, resume_point
+from support import mixture, synthetic
 
 BUDGET = 256
-
-
-def synthetic(source: int, lengths, name: str = "") -> TokenizedData:
-    """Token values encode (source, sample, position), so a gather from the wrong source or row shows."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    sample_of = np.repeat(np.arange(len(lengths)), lengths)
-    tokens = (source * 10_000_000 + sample_of * 1000 + np.arange(offsets[-1]) - offsets[sample_of]).astype(np.int32)
-    return TokenizedData(tokens=tokens, loss_mask=((tokens + source) % 2).astype(np.uint8), offsets=offsets,
-                         row_ids=np.arange(len(lengths), dtype=np.int64) * 2,  # skipped rows leave gaps
-                         num_rows=2 * len(lengths), bad_rows=(), directory=Path(f"/c/tokenized-{name or source}"),
-                         from_cache=False)
-
-
-def mixture(*specs: tuple[str, int, float, bool]) -> list[SourceData]:
-    """(name, rows, weight, repeat) per source; lengths 1..60, different per source."""
-    out = []
-    for k, (name, rows, weight, repeat) in enumerate(specs):
-        lengths = np.random.default_rng(k).integers(1, 60, rows)
-        out.append(SourceData(name, f"/d/{name}.jsonl", weight, repeat, synthetic(k, lengths, name)))
-    return out
 
 
 def epoch(sources, world: int = 1, epochs: int = 1, seed: int = 5) -> list[list[Batch]]:

@@ -279,8 +279,16 @@ def test_dashboard_covers_the_operations_questions():
                  "dflash_ring_drafter_accuracy", "dflash_ring_drafter_acceptance_length",
                  "dflash_ring_drafter_learning_rate", "dflash_ring_gpu_utilization_ratio",
                  "dflash_ring_drafter_probabilistic_acceptance_length", "dflash_ring_drafter_position_accuracy",
-                 "dflash_ring_process_starts_total", "dflash_ring_items_redelivered_total"]:
+                 "dflash_ring_process_starts_total", "dflash_ring_items_redelivered_total",
+                 "dflash_ring_drafter_source_loss", "dflash_ring_drafter_source_acceptance_length",
+                 "dflash_ring_drafter_source_tokens_total", "dflash_ring_target_trained_tokens_total"]:
         assert name in used, f"no dashboard panel shows {name}"
+    # The per-source panels keep the source apart (and train apart from eval where both are there).
+    by_source = [(title, e) for title, e in panel_exprs(dashboard()) if "by source" in title]
+    assert len({title for title, _ in by_source}) >= 3
+    for title, e in by_source:
+        assert "by (source" in e, (title, e)
+        assert "split" in e or "target_trained" in e, (title, e)
 
 
 # ---- names: what the rules and the dashboard ask for is what the processes export ---------------
@@ -294,8 +302,12 @@ def exported_names(tmp_path: Path) -> set[str]:
     from dflash_ring.common.ring import Ring
 
     registry = CollectorRegistry()
-    ProducerMetrics(registry)
-    DrafterMetrics(registry)
+    # Labelled series export samples once they have a label: one source's, through the drafter's own path.
+    ProducerMetrics(registry).source_trained.labels("code").inc(1)
+    drafter = DrafterMetrics(registry)
+    drafter.publish_sources({f"{split}source/code/{what}": 1.0 for split in ("", "eval/")
+                             for what in ("loss", "accuracy", "accept_len")})
+    drafter.count_source_tokens({"code": 1}, "train")
     cfg = load_config(None, [f"run.name=deploy-names-{tmp_path.name[-20:]}", f"run.run_dir={tmp_path / 'locks'}",
                              "ring.slots=2", "ring.slot_bytes=65536", "ring.slot_header_bytes=4096"])
     (tmp_path / "locks").mkdir()

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from support import build_target, cyclic_rows, free_port_base, load_tokenizer
+from support import build_target, cyclic_rows, free_port_base, load_tokenizer, tensorboard_scalars
 
 from dflash_ring.common.config import Config, dump_toml, load_config
 from dflash_ring.common.drafter_config import DrafterConfig
@@ -27,7 +27,8 @@ def test_embedded_config_is_written_by_the_one_writer_and_reads_back(tmp_path):
     text = dump_toml(cfg, header="the embedded default")
     (tmp_path / "run.toml").write_text(text)
     assert load_config(tmp_path / "run.toml") == cfg
-    assert re.findall(r"^\[(\w+)\]$", text, re.M) == ["run", "ring", "data", "target", "drafter", "train"]
+    assert re.findall(r"^\[(\w+)\]$", text, re.M) == ["run", "ring", "data", "target", "drafter", "train",
+                                                             "tracking"]
     assert len(text.splitlines()) < 40  # what the run sets, not 80 lines of defaults
     assert "layer_types" not in text  # derived from num_hidden_layers: an edited copy stays consistent
 
@@ -47,6 +48,7 @@ def _launcher_config(tmp_path) -> Config:
         train=replace(d.train, lr=3e-3, warmup_ratio=0.1, device="cpu", average_every_steps=2,
                       checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every_steps=5, log_every_steps=1),
         metrics=replace(d.metrics, port_base=free_port_base()),
+        tracking=replace(d.tracking, backends=["tensorboard"]),  # as the embedded default
     )
 
 
@@ -78,4 +80,9 @@ def test_run_reports_exact_totals_and_clean_logs(tmp_path):
         assert len(rows) == 1 and re.match(rf"\W*drafter-{j}\W+0\W+{steps}\W+{items}\W", rows[0]), rows
     header = next(line for line in log.splitlines() if "process" in line and "exit" in line)
     assert "accept_len (last seen)" in header and "tok/s" in header
+    # The curves the summary points at: the report picture and TensorBoard's event files, one run per drafter.
+    assert f"report: {tmp_path / 'report.png'} (loss and accept length of 2 drafter(s)" in log, log[-2000:]
+    assert f"tensorboard --logdir {tmp_path / 'tracking' / 'tensorboard'}" in log
+    for j, (steps, _) in done.items():
+        assert len(tensorboard_scalars(tmp_path / "tracking" / "tensorboard" / f"drafter-{j}", "loss")) == steps
     print(log[log.index(header) - 400:])  # the table, for a reader of -s output

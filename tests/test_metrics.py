@@ -39,7 +39,7 @@ DRAFTER_NAMES = [
     "dflash_ring_consumer_wait_seconds_total", "dflash_ring_h2d_copy_seconds", "dflash_ring_drafter_tokens_total",
     "dflash_ring_drafter_steps_total", "dflash_ring_drafter_step_seconds", "dflash_ring_drafter_loss",
     "dflash_ring_drafter_accuracy", "dflash_ring_drafter_acceptance_length", "dflash_ring_drafter_learning_rate",
-    "dflash_ring_startup_seconds",
+    "dflash_ring_drafter_grad_norm", "dflash_ring_startup_seconds",
 ]
 HISTOGRAMS = {"dflash_ring_d2h_copy_seconds", "dflash_ring_target_step_seconds", "dflash_ring_h2d_copy_seconds",
               "dflash_ring_drafter_step_seconds"}
@@ -249,7 +249,7 @@ def test_every_process_serves_its_metrics_and_the_supervisor_matches_status(run,
             assert x.value("dflash_ring_drafter_tokens_total") > 0 and x.value("dflash_ring_drafter_loss") > 0
             assert 0 <= x.value("dflash_ring_drafter_accuracy") <= 1
             assert x.value("dflash_ring_drafter_acceptance_length") >= 1
-            assert x.value("dflash_ring_drafter_learning_rate") > 0
+            assert x.value("dflash_ring_drafter_learning_rate") > 0 and x.value("dflash_ring_drafter_grad_norm") > 0
             assert x.value("dflash_ring_drafter_step_seconds_count") >= 1
 
         # Drain: everyone exits 0 and the supervisor says STOPPING=1 on the way.

@@ -154,7 +154,7 @@ def test_prometheus_scrapes_the_pipeline_evaluates_the_dashboard_and_fires_on_a_
     data = cyclic_rows(run.tmp / "chat.jsonl", 96)
     # Long enough that the producer cannot finish its shard during the test; few log lines and checkpoints.
     cfg = pipeline_config(run, target, data, PIPELINE_RUN, {
-        "data": {"epochs": 10000}, "train": {"checkpoint_every_steps": 100000, "log_every_steps": 50},
+        "data": {"epochs": 10000}, "train": {"checkpoint_every_steps": 100000, "log_every_steps": 10},
     })
     ports = run_ports(cfg)
     assert set(ports) == {"supervisor", "target-0", "drafter-0", "drafter-1"}
@@ -179,6 +179,12 @@ def test_prometheus_scrapes_the_pipeline_evaluates_the_dashboard_and_fires_on_a_
                  timeout=400, what="both drafters to step and the ring to move items")
         wait_for(lambda: len(prom.query("count_over_time(dflash_ring_drafter_loss[1m]) > 5")) == 2,
                  timeout=60, what="a few scrapes of the drafters")
+        # Per-source series, with a `source` label: one source here, the data file's name, on both drafters (a few
+        # scrapes of each, so that the per-source rates have two samples).
+        wait_for(lambda: len(prom.query('count_over_time(dflash_ring_drafter_source_tokens_total{split="train"}[1m])'
+                                        ' > 2')) == 2, timeout=300, what="per-source series of both drafters")
+        by_source = prom.query('dflash_ring_drafter_source_loss{split="train"}')
+        assert len(by_source) == 2 and {r["metric"]["source"] for r in by_source} == {"chat"}, by_source
 
         # Every panel query parses; all but the GPU panels return series on this CPU run.
         empty, gpu = [], []

@@ -19,7 +19,9 @@ Then it checks, from the ledgers (tools/reconcile.py) and the file system, and r
 (tools/chaos_report.py):
 
 - every batch of every epoch (producer, epoch, position: the producers' plan) was trained exactly
-  once: a drafter releases a slot only after training on it, so a `train` record is undone only by
+  once, and every held-out batch (data.eval_fraction: the chaos run holds 5% out) evaluated exactly
+  once and never trained: a drafter releases a slot only after training on it (or evaluating it), so
+  a `train` (or `eval`) record is undone only by
   what befalls an unreleased slot (delivered again after its holder died, or produced again from a
   replay list after the ring was removed); none is missing, none is lost in flight;
 - a batch seen twice by drafters is explained only by redelivery (same item number, higher delivery
@@ -69,6 +71,7 @@ CHAOS_DEFAULTS = [
     "topology.consumers=3",
     'data.split="train[:600]"',
     "data.max_tokens_per_batch=256",
+    "data.eval_fraction=0.05",  # held-out items go through every kill too: evaluated exactly once, never trained
     "drafter.num_hidden_layers=1",
     "drafter.num_anchors=16",
     "train.checkpoint_every_steps=10",

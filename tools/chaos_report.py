@@ -20,7 +20,9 @@ def format_report(rep: dict[str, Any]) -> str:
         f"  whole-run stops and restarts: {len(c['whole_run_stops'])} "
         f"({', '.join(s['mode'] for s in c['whole_run_stops']) or 'none'}); batches replayed {led['replayed_batches']}",
         f"  batches: planned {led['planned_batches']}, trained exactly once {led['trained_exactly_once']}, "
-        f"missing {led['missing']}, trained twice {led['trained_twice']}, published twice {led['published_twice']}",
+        f"held out {led['planned_eval_batches']} (evaluated exactly once {led['evaluated_exactly_once']}, "
+        f"trained {led['held_out_trained']}), missing {led['missing']},"
+        f" trained twice {led['trained_twice']}, published twice {led['published_twice']}",
         f"  redelivered {led['redelivered_items']} (seen twice, explained by redelivery or replay "
         f"{led['seen_twice_explained_by_redelivery_or_replay']}, unexplained {led['seen_twice_unexplained']}); "
         f"trains undone {led['trains_undone_by_redelivery_or_replay']}; lost in flight {led['lost_in_flight']}; "

@@ -62,6 +62,7 @@ def embedded_run_config(workdir: Path, target: Path, mask_token_id: int, data: P
         train=replace(d.train, lr=3e-3, warmup_ratio=0.05, device="cpu", anchors_per_group=64,
                       average_every_steps=10, checkpoint_dir=str(workdir / "checkpoints"),
                       checkpoint_every_steps=100, log_every_steps=10),
+        tracking=replace(d.tracking, backends=["tensorboard"]),  # curves for `tensorboard --logdir runs/tiny`
     )
     cfg.validate()
     return cfg
@@ -360,6 +361,7 @@ def train_and_export(cfg_path: Path, overrides: list[str], embedded: bool,
     launch.start()
     rc = launch.wait()
     con.print(launch.summary())
+    _curves(launch.cfg, con)
     if rc != 0:
         con.print(f"[red]a process exited with {rc}: see its lines above[/]")
         return rc
@@ -372,6 +374,21 @@ def train_and_export(cfg_path: Path, overrides: list[str], embedded: bool,
     con.print(f"exported drafter: {exported}")
     done = final_state(launch.cfg.train.checkpoint_dir, 0)
     return launch.cfg, exported, done["step"] if done else 0
+
+
+def _curves(cfg: Config, con: Console) -> None:
+    """Where the run's curves are: its report picture (drawn now from the drafters' record files) and TensorBoard's."""
+    from dflash_ring.tools.report import ReportError, write_report
+
+    run_dir = Path(cfg.train.checkpoint_dir).parent
+    source = run_dir if cfg.tracking_dir() == run_dir / "tracking" else cfg.tracking_dir()
+    try:
+        picture, what = write_report(source)
+        con.print(f"report: {picture} ({what}); again with `dflash-ring report {source}`")
+    except ReportError as e:
+        con.print(f"[yellow]no report picture: {e}[/]")
+    if "tensorboard" in cfg.tracking.backends:
+        con.print(f"curves: `tensorboard --logdir {cfg.tracking_dir() / 'tensorboard'}` (one run per drafter)")
 
 
 def _compare(cfg: Config, trained: dict[str, tuple[Path, int]], con: Console) -> None:

@@ -26,15 +26,18 @@ def _ident(r: dict[str, Any]) -> tuple[int, int, int]:
 
 
 def reconcile(ledgers: dict[str, list[dict[str, Any]]], checkpoint_every: int, grad_accum: int) -> dict[str, Any]:
-    """What the producers planned against what the drafters trained, batch by batch.
+    """What the producers planned against what the drafters trained (or evaluated), batch by batch.
 
     A drafter releases a slot only after training on it, so a `train` record is undone by what can only
     happen to an unreleased slot: the same item delivered again later (its holder died; the reaper
     redelivered it), or the batch published again as a replay (the ring was removed while it still held
-    the slot). Every planned batch must end with exactly one `train` record not undone.
+    the slot). Every planned batch must end with exactly one `train` record not undone; a held-out batch
+    (listed in its producer's start record under `eval`) with exactly one `eval` record instead, and never
+    a `train` record: an `eval` record is undone exactly as a `train` record is.
     """
     problems: list[str] = []
     expected: set[tuple[int, int, int]] = set()
+    held_out: set[tuple[int, int, int]] = set()
     published: dict[tuple[int, int, int], set[int]] = defaultdict(set)
     replays: dict[tuple[int, int, int], list[float]] = defaultdict(list)  # times of start records listing it
     replayed = 0
@@ -48,6 +51,7 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]], checkpoint_every: int, g
                 if p in plans and plans[p] != r["plan"]:
                     problems.append(f"producer {p} changed its plan between restarts: {plans[p]} -> {r['plan']}")
                 plans[p] = r["plan"]
+                held_out |= {(p, e, pos) for e, positions in enumerate(r.get("eval", [])) for pos in positions}
                 # A replay is known from the start record on: its publish may be claimed before the `pub` line.
                 for e, pos in r.get("replay", []):
                     replays[(p, e, pos)].append(r["t"])
@@ -59,7 +63,7 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]], checkpoint_every: int, g
         expected |= {(p, e, pos) for e, n in enumerate(plan) for pos in range(n)}
 
     got: dict[tuple[int, int, int], list[dict[str, Any]]] = defaultdict(list)
-    trained: dict[tuple[int, int, int], list[dict[str, Any]]] = defaultdict(list)
+    trained: dict[tuple[int, int, int], list[dict[str, Any]]] = defaultdict(list)  # `train` and `eval` records
     clean_exit: set[int] = set()
     drafter_pids: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for name, recs in ledgers.items():
@@ -70,7 +74,7 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]], checkpoint_every: int, g
             drafter_pids[r["pid"]].append(r)
             if r["ev"] == "got":
                 got[_ident(r)].append(r)
-            elif r["ev"] == "train":
+            elif r["ev"] in ("train", "eval"):
                 trained[_ident(r)].append(r)
             elif r["ev"] == "exit":
                 clean_exit.add(r["pid"])
@@ -104,12 +108,19 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]], checkpoint_every: int, g
             else:
                 unexplained.append({"batch": k, "records": [first, later]})
     twice_trained = [{"batch": k, "records": rs} for k, rs in committed.items() if len(rs) > 1]
+    # Each batch done as its kind: a held-out batch evaluated and never trained, a training batch trained.
+    held_out_trained = sorted(k for k, rs in committed.items() if k in held_out and any(r["ev"] == "train" for r in rs))
+    evaluated_not_held_out = sorted(k for k, rs in committed.items()
+                                    if k not in held_out and any(r["ev"] == "eval" for r in rs))
+
+    def once_as(kind: str, k: tuple[int, int, int]) -> bool:
+        return [r["ev"] for r in committed.get(k, [])] == [kind]
     republished = [{"batch": k, "items": sorted(items)} for k, items in published.items() if len(items) > 1]
 
     # Taken from the ring by a drafter and never trained by anyone for good: nothing may be lost in flight.
     lost_in_flight = sorted(k for k in got if k not in committed)
     if lost_in_flight:
-        problems.append(f"{len(lost_in_flight)} batch(es) taken by a drafter and never trained, e.g. "
+        problems.append(f"{len(lost_in_flight)} batch(es) taken by a drafter and never trained (or evaluated), e.g. "
                         f"{lost_in_flight[:5]}")
 
     # Trained by a killed drafter after the state of its last durable checkpoint was taken: the updates went with
@@ -130,12 +141,17 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]], checkpoint_every: int, g
     seen_only = set(got) | set(published)
     never_published = sorted(k for k in missing if k not in seen_only)
     if missing:
-        problems.append(f"{len(missing)} planned batch(es) never trained, e.g. {missing[:5]} "
+        problems.append(f"{len(missing)} planned batch(es) never trained (or evaluated), e.g. {missing[:5]} "
                         f"({len(never_published)} of them never published)")
     if unexpected:
         problems.append(f"{len(unexpected)} trained batch(es) outside the producers' plan, e.g. {unexpected[:5]}")
     if twice_trained:
-        problems.append(f"{len(twice_trained)} batch(es) trained twice, e.g. {twice_trained[:2]}")
+        problems.append(f"{len(twice_trained)} batch(es) trained (or evaluated) twice, e.g. {twice_trained[:2]}")
+    if held_out_trained:
+        problems.append(f"{len(held_out_trained)} held-out batch(es) trained, e.g. {held_out_trained[:5]}")
+    if evaluated_not_held_out:
+        problems.append(f"{len(evaluated_not_held_out)} training batch(es) evaluated instead of trained, e.g. "
+                        f"{evaluated_not_held_out[:5]}")
     if unexplained:
         problems.append(f"{len(unexplained)} batch(es) taken twice without a redelivery or replay, e.g. "
                         f"{unexplained[:2]}")
@@ -149,8 +165,12 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]], checkpoint_every: int, g
         "published_without_record": len({k for k in got if k not in published and k not in replays}),
         "replayed_batches": replayed,
         "taken_by_drafters": len(got),
-        "trained_batches": len(committed),
-        "trained_exactly_once": sum(1 for k in expected if len(committed.get(k, [])) == 1),
+        "trained_batches": sum(1 for rs in committed.values() if any(r["ev"] == "train" for r in rs)),
+        "trained_exactly_once": sum(1 for k in expected - held_out if once_as("train", k)),
+        "planned_eval_batches": len(held_out & expected),
+        "evaluated_batches": sum(1 for rs in committed.values() if any(r["ev"] == "eval" for r in rs)),
+        "evaluated_exactly_once": sum(1 for k in held_out & expected if once_as("eval", k)),
+        "held_out_trained": len(held_out_trained),
         "trains_undone_by_redelivery_or_replay": undone_trains,
         "missing": len(missing),
         "missing_examples": missing[:20],
@@ -167,13 +187,14 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]], checkpoint_every: int, g
 
 
 def throughput(ledgers: dict[str, list[dict[str, Any]]], window: tuple[float, float] | None) -> dict[str, Any]:
+    """Items the drafters got through (trained, or evaluated if held out) per second."""
     ts = sorted(r["t"] for name, recs in ledgers.items() if name.startswith("drafter-")
-                for r in recs if r["ev"] == "train")
+                for r in recs if r["ev"] in ("train", "eval"))
     if len(ts) < 2:
-        return {"trained": len(ts), "items_per_s": None}
+        return {"items_done": len(ts), "items_per_s": None}
     lo, hi = (ts[0], ts[-1]) if window is None else (window[0], min(window[1], ts[-1]))
     n = sum(1 for t in ts if lo <= t <= hi)
-    return {"trained": len(ts), "measured_over_s": round(hi - lo, 1), "items_in_span": n,
+    return {"items_done": len(ts), "measured_over_s": round(hi - lo, 1), "items_in_span": n,
             "items_per_s": round(n / (hi - lo), 2) if hi > lo else None}
 
 

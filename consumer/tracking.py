@@ -1,0 +1,322 @@
+"""A drafter's learning curves: its record file, and the trackers of [tracking] (TensorBoard, W&B, MLflow).
+
+Every logged step's record (consumer/step_record.py) goes to `<tracking dir>/drafter-<j>.jsonl` first, always,
+tracker or not: `dflash-ring report` draws from it, and it is what a restarted drafter resumes from. Then to each
+tracker of `tracking.backends`.
+
+Replicas are grouped runs, one tracker run per drafter, all named after the ring run: TensorBoard runs
+`<dir>/tensorboard/drafter-<j>` (one chart per key, the replicas overlaid), W&B runs grouped by the run name,
+MLflow runs in one experiment tagged with the run name. Not one run with `drafter-<j>/` keys: a W&B run takes
+one writer with a rising step, and TensorBoard's purge of a restarted writer's stale steps applies to every
+writer of its directory.
+
+A restarted drafter resumes at its checkpoint's step and trains again the steps after it. Each series keeps a
+step once: steps at or below the last one in the record file are not logged again (the series keep what the
+killed drafter logged of them), and what a tracker lost in the kill (W&B buffers ~15 s; any tracker may miss the
+record's last line) is sent to it again from the record file, so a series has no duplicate and no gap. The
+tracker run is found again, never a second one: TensorBoard writes to the same directory (purge_step at the
+record's last step, which is sent again), W&B resumes the run id derived from the run's name and directory
+(offline, its run files say which steps it kept), MLflow finds its run by that id in a tag (and its last step).
+
+A tracker that cannot start stops the drafter at start with one line naming the setting; one that fails later
+is warned about once and dropped, and training goes on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+import tomllib
+from pathlib import Path
+from typing import Any, Protocol
+
+from dflash_ring.common.config import Config, dump_toml, fingerprint_digest
+from dflash_ring.common.output_dir import OutputDirError, check_output_dir
+
+log = logging.getLogger(__name__)
+
+TRAIN, EVAL = "train", "eval"
+INSTALL = "pip install 'dflash-ring[tracking]'"
+
+
+class TrackingError(RuntimeError):
+    """A tracker that cannot start; the message names the setting and what to do."""
+
+
+def record_path(root: Path, index: int) -> Path:
+    return root / f"drafter-{index}.jsonl"
+
+
+def series_of(record: dict[str, float]) -> str:
+    """EVAL for a record of evaluation keys only (`eval/...`), else TRAIN: each series resumes on its own."""
+    return EVAL if record and all(k.startswith("eval/") for k in record) else TRAIN
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The lines of a record file (a torn last line, from a kill mid-write, left out)."""
+    return _complete_lines(path.read_bytes())[0]
+
+
+def _complete_lines(data: bytes) -> tuple[list[dict[str, Any]], int]:
+    """The records of whole lines, and how many bytes they take (a torn tail starts there)."""
+    out, kept = [], 0
+    for line in data.split(b"\n")[:-1]:  # the last piece has no newline: torn, or empty
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            break
+        kept += len(line) + 1
+    return out, kept
+
+
+class RecordFile:
+    """`drafter-<j>.jsonl`: a header line (config, fingerprint), then {"step", "series", "time", **record} per
+    logged step, each line synced before any tracker sees it (its last step is where a restart resumes)."""
+
+    def __init__(self, path: Path, header: dict[str, Any]):
+        self.last: dict[str, int] = {}
+        lines, whole = _complete_lines(path.read_bytes()) if path.exists() else ([], 0)
+        self.logged = [x for x in lines if "step" in x]  # what a restarted drafter may send a tracker again
+        for x in lines:
+            if "step" in x:
+                self.last[x["series"]] = max(self.last.get(x["series"], 0), int(x["step"]))
+        self.fresh = whole == 0
+        self.header = header  # written with the first step: a drafter that fails to start leaves the file fresh
+        self.f = open(path, "r+b" if path.exists() else "wb")  # noqa: SIM115 (open for the drafter's lifetime)
+        self.f.truncate(whole)  # a torn line of a killed drafter goes
+        self.f.seek(whole)
+
+    def write(self, step: int, series: str, record: dict[str, float]) -> None:
+        if self.f.tell() == 0:
+            self._line(self.header)
+        self._line({"step": step, "series": series, "time": round(time.time(), 3), **record})
+        self.last[series] = step
+
+    def _line(self, value: dict[str, Any]) -> None:
+        self.f.write(json.dumps(value).encode() + b"\n")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class Backend(Protocol):
+    name: str
+    # The newest step this tracker holds of a resumed series, where it may lack some of the record file's
+    # (it buffers, and a SIGKILL loses the buffer): the record file's steps after it are sent to it again.
+    # None: it holds every step the record file has.
+    kept: int | None
+
+    def log(self, step: int, record: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def series_id(cfg: Config, index: int) -> str:
+    """The tracker run of drafter `index`: the run's name and its tracking directory on this host, so a restart
+    finds it again and another run of the same name elsewhere does not."""
+    where = f"{socket.gethostname()}:{os.path.abspath(cfg.tracking_dir())}"
+    digest = hashlib.sha256(where.encode()).hexdigest()[:8]
+    name = "".join(c if c.isalnum() or c in "-_." else "-" for c in cfg.run.name)
+    return f"{name}-drafter-{index}-{digest}"
+
+
+class TensorBoard:
+    name = "tensorboard"
+
+    def __init__(self, cfg: Config, index: int, resume_after: int | None, config_text: str, fingerprint: str):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise TrackingError(f"tracking.backends has 'tensorboard' but the tensorboard package is not installed: "
+                                f"{INSTALL}, or drop it from tracking.backends") from None
+        logdir = cfg.tracking_dir() / "tensorboard" / f"drafter-{index}"
+        # Resumed: TensorBoard's readers drop what this directory holds from the record's last step on (a
+        # killed drafter may have logged it or not), and that step is sent again.
+        self.kept = None if resume_after is None else max(0, resume_after - 1)
+        self.writer = SummaryWriter(str(logdir), purge_step=None if resume_after is None else resume_after)
+        if resume_after is None:
+            self.writer.add_text("config", "```toml\n" + config_text + "```", 0)
+            self.writer.add_text("fingerprint", fingerprint, 0)
+            self.writer.flush()
+
+    def log(self, step: int, record: dict[str, float]) -> None:
+        for key, value in record.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()  # a killed drafter loses nothing it logged
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandB:
+    name = "wandb"
+
+    def __init__(self, cfg: Config, index: int, resume_after: int | None, config_text: str, fingerprint: str):
+        try:
+            import wandb
+        except ImportError:
+            raise TrackingError(f"tracking.backends has 'wandb' but the wandb package is not installed: {INSTALL}, "
+                                "or drop it from tracking.backends") from None
+        t, run_name = cfg.tracking, cfg.tracking.run_name or cfg.run.name
+        try:
+            self.run = wandb.init(
+                mode=t.wandb_mode, dir=str(cfg.tracking_dir()), project=t.project, entity=t.wandb_entity or None,
+                id=series_id(cfg, index), resume="allow", group=run_name, name=f"{run_name}/drafter-{index}",
+                job_type="drafter", tags=list(t.tags), config={**tomllib.loads(config_text), "fingerprint": fingerprint},
+                settings=wandb.Settings(silent=True, console="off", disable_git=True, save_code=False,
+                                        x_disable_stats=True, x_disable_machine_info=True),
+            )
+        except wandb.errors.UsageError as e:
+            hint = ("set a key (`wandb login` or WANDB_API_KEY) or tracking.wandb_mode = \"offline\""
+                    if t.wandb_mode == "online" else "check tracking.project, tracking.wandb_entity and tracking.dir")
+            raise TrackingError(f"tracking: W&B cannot start with wandb_mode = {t.wandb_mode!r}: {e}; {hint}") from None
+        except wandb.errors.Error as e:
+            raise TrackingError(f"tracking: W&B cannot start ({e}): check tracking.wandb_mode, tracking.project and "
+                                "tracking.wandb_entity, or drop 'wandb' from tracking.backends") from None
+        # Offline, what the killed drafter's run files kept (wandb writes them every ~15 s); online, the server
+        # has what was streamed.
+        self.kept = None
+        if resume_after is not None and t.wandb_mode == "offline":
+            from dflash_ring.consumer.wandb_offline import last_step
+
+            self.kept = last_step(cfg.tracking_dir() / "wandb", series_id(cfg, index))
+
+    def log(self, step: int, record: dict[str, float]) -> None:
+        self.run.log(record, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MLflow:
+    name = "mlflow"
+
+    def __init__(self, cfg: Config, index: int, resume_after: int | None, config_text: str, fingerprint: str):
+        t = cfg.tracking
+        uri = t.mlflow_tracking_uri or (cfg.tracking_dir() / "mlruns").absolute().as_uri()
+        if uri.startswith("file:") or "://" not in uri:
+            # MLflow 3 keeps its file store in maintenance and asks for this opt-in; a local store needs no server.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # an unreachable server fails in seconds
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        try:
+            from mlflow.entities import Metric
+            from mlflow.exceptions import MlflowException
+            from mlflow.tracking import MlflowClient
+        except ImportError:
+            raise TrackingError(f"tracking.backends has 'mlflow' but mlflow is not installed: {INSTALL}, or drop it "
+                                "from tracking.backends") from None
+        self.Metric = Metric
+        sid, run_name = series_id(cfg, index), t.run_name or cfg.run.name
+        try:
+            self.client = MlflowClient(tracking_uri=uri)
+            experiment = self._experiment(t.project, MlflowException)
+            found = self.client.search_runs([experiment], filter_string=f"tags.`dflash_ring.series` = '{sid}'")
+            self.kept = None
+            if found:
+                self.run_id = found[0].info.run_id
+                self.client.update_run(self.run_id, status="RUNNING")
+                # A drafter killed between its record line and this store's write left that step out.
+                self.kept = max((m.step for m in self.client.get_metric_history(self.run_id, "loss")), default=0)
+            else:
+                tags = {"dflash_ring.series": sid, "dflash_ring.run": cfg.run.name, "dflash_ring.drafter": str(index),
+                        "fingerprint": fingerprint, **{tag: "" for tag in t.tags}}
+                self.run_id = self.client.create_run(experiment, tags=tags,
+                                                     run_name=f"{run_name}/drafter-{index}").info.run_id
+                self.client.log_text(self.run_id, config_text, "config.toml")
+        except Exception as e:  # MlflowException, or the HTTP client's own errors for an unreachable server
+            raise TrackingError(f"tracking.mlflow_tracking_uri = {uri!r}: MLflow cannot start there "
+                                f"({' '.join(str(e).split())[:300]}): check the URI or the server, or drop 'mlflow' "
+                                "from tracking.backends") from None
+
+    def _experiment(self, name: str, MlflowException: type) -> str:
+        if (e := self.client.get_experiment_by_name(name)) is not None:
+            return e.experiment_id
+        try:
+            return self.client.create_experiment(name)
+        except MlflowException:  # the other drafter created it first
+            return self.client.get_experiment_by_name(name).experiment_id
+
+    def log(self, step: int, record: dict[str, float]) -> None:
+        ms = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[self.Metric(k, float(v), ms, step) for k, v in record.items()])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+BACKENDS = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}
+
+
+class Tracking:
+    """One drafter's sink for logged records: its record file, then its trackers (see the module docstring)."""
+
+    def __init__(self, cfg: Config, index: int):
+        try:
+            root = check_output_dir(cfg.tracking_dir())
+            root.mkdir(parents=True, exist_ok=True)
+        except (OutputDirError, OSError) as e:
+            raise TrackingError(f"tracking.dir: {e}") from None
+        config_text = dump_toml(cfg, full=True)
+        fingerprint = fingerprint_digest(cfg.fingerprint_fields()).hex()
+        self.record = RecordFile(record_path(root, index), {"series": "config", "run": cfg.run.name,
+                                                            "drafter": index, "fingerprint": fingerprint,
+                                                            "config": config_text})
+        resume_after = None if self.record.fresh else self.record.last.get(TRAIN, 0)
+        self.backends: list[Backend] = []
+        try:
+            for name in cfg.tracking.backends:
+                self.backends.append(BACKENDS[name](cfg, index, resume_after, config_text, fingerprint))
+        except BaseException:
+            self.close()
+            raise
+        if resume_after is not None:
+            for b in list(self.backends):
+                if b.kept is not None:
+                    self._send(b, [x for x in self.record.logged if x["step"] > b.kept])
+            log.info("tracking: drafter %d's series resume after step %d (%s)", index, resume_after,
+                     ", ".join(f"{b.name}{'' if b.kept is None else f' had {b.kept}'}" for b in self.backends)
+                     or "record file only")
+
+    def emit(self, step: int, record: dict[str, float]) -> None:
+        """One logged step's record, once per series: a restarted drafter's steps up to its last logged one are
+        in the series already."""
+        series = series_of(record)
+        if step <= self.record.last.get(series, 0):
+            return
+        self.record.write(step, series, record)
+        for b in list(self.backends):
+            self._send(b, [{"step": step, **record}])
+
+    def _send(self, b: Backend, lines: list[dict[str, Any]]) -> None:
+        step = 0
+        try:
+            for line in lines:
+                step = line["step"]
+                b.log(step, {k: v for k, v in line.items() if k not in ("step", "series", "time")})
+        except Exception as e:  # a tracker's own failure, whatever its kind: training goes on without it
+            log.warning("tracking: %s failed at step %d (%s); it is dropped for the rest of this run, training "
+                        "goes on (the record file %s keeps every step)", b.name, step,
+                        " ".join(str(e).split())[:300] or type(e).__name__, self.record.f.name)
+            self.backends.remove(b)
+
+    def close(self) -> None:
+        for b in self.backends:
+            try:
+                b.close()
+            except Exception as e:
+                log.warning("tracking: closing %s failed (%s)", b.name, e)
+        self.backends = []
+        self.record.close()
+
+    def __enter__(self) -> Tracking:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,194 @@
+"""Trackers (issue 22): a drafter's curves in TensorBoard, W&B (offline) and MLflow (file store), read back with
+each library's own reader; a SIGKILLed drafter continues its series; a failing tracker never stops training;
+`dflash-ring report` draws what the run recorded."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import signal
+
+import numpy as np
+import pytest
+
+from dflash_ring.common.config import fingerprint_digest, load_config
+from dflash_ring.consumer.tracking import Tracking, read_records
+from dflash_ring.consumer.wandb_offline import offline_runs
+from support import STEP, build_target, cyclic_rows, pipeline_config, tensorboard_scalars, tensorboard_text, wait_exit
+
+ALL = ["tensorboard", "wandb", "mlflow"]
+
+
+def mlflow_client(store):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=store.absolute().as_uri())
+
+
+def test_every_backend_holds_the_drafters_series_once_across_a_sigkill_and_the_report_draws_it(run, monkeypatch):
+    """One drafter tracks to all three backends; it is SIGKILLed after step 5 trained (crash point "trained",
+    before step 5 is logged; its checkpoint is step 3) and restarted: it trains 4 and 5 again, and every backend
+    holds steps 1..N exactly once, with the values the drafter logged, in one tracker run."""
+    target = build_target(run.tmp / "target", "qwen3", layers=4)
+    data = cyclic_rows(run.tmp / "chat.jsonl", 64)
+    cfg = pipeline_config(run, target, data, {
+        "data": {"epochs": 2},
+        "train": {"checkpoint_every_steps": 3, "async_checkpoints": False, "average_every_steps": 0},
+        "tracking": {"backends": ALL, "tags": ["smoke"]},
+    }, consumers=1)
+    procs = [run.supervisor(), run.role("target", 0)]
+    monkeypatch.setenv("DFLASH_RING_CRASH_AT", "trained@5")
+    first = run.role("drafter", 0)
+    monkeypatch.delenv("DFLASH_RING_CRASH_AT")
+    assert wait_exit(first, 300) == -signal.SIGKILL, first.stderr.read()[-3000:]
+    again = run.role("drafter", 0)
+    for p in (*procs, again):
+        assert wait_exit(p, 300) == 0, p.stderr.read()[-3000:]
+    logged = {int(m.group(1)): float(m.group(2)) for p in (first, again) for m in STEP.finditer(p.stderr.read())}
+
+    root = run.tmp / "tracking"  # beside train.checkpoint_dir (run.tmp / "ckpt")
+    lines = read_records(root / "drafter-0.jsonl")
+    header, records = lines[0], [x for x in lines[1:] if x["series"] == "train"]
+    steps = [x["step"] for x in records]
+    done = max(logged)
+    assert steps == list(range(1, done + 1)) and done > 6, steps  # 4 was trained twice, recorded once
+    loss = {x["step"]: x["loss"] for x in records}
+    assert all(round(loss[s], 4) == logged[s] for s in range(5, done + 1))  # the restarted drafter's own lines
+    assert any(x["producers/tokens_per_s"] > 0 for x in records) and all(x["ring/depth"] >= 0 for x in records)
+    assert header["fingerprint"] == fingerprint_digest(cfg.fingerprint_fields()).hex()
+    assert load_config_text(header["config"]) == cfg
+
+    tb = tensorboard_scalars(root / "tensorboard" / "drafter-0", "loss")
+    assert [s for s, _ in tb] == steps and all(v == np.float32(loss[s]) for s, v in tb)
+    assert load_config_text(tensorboard_text(root / "tensorboard" / "drafter-0", "config").strip("`\ntoml")) == cfg
+
+    # W&B's own records (wandb's protobuf messages) in its offline run files: one run id for both starts (the
+    # killed one's file may hold nothing: wandb writes it every ~15 s, and the restart sent the steps it lacked).
+    runs = offline_runs(root / "wandb")
+    assert len(runs) == 2 and {r.run_id for r, _ in runs if r is not None} == {runs[-1][0].run_id}
+    meta = runs[-1][0]
+    assert meta.run_group == run.name and meta.display_name == f"{run.name}/drafter-0" and list(meta.tags) == ["smoke"]
+    config = {u.key: json.loads(u.value_json) for u in meta.config.update}
+    assert config["fingerprint"] == header["fingerprint"] and config["train"]["checkpoint_every_steps"] == 3
+    history = [(row["_step"], row["loss"]) for _, rows in runs for row in rows if "loss" in row]
+    assert history == [(s, loss[s]) for s in steps]
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = mlflow_client(root / "mlruns")
+    (found,) = client.search_runs([client.get_experiment_by_name("dflash-ring").experiment_id])
+    assert found.info.status == "FINISHED" and found.data.tags["fingerprint"] == header["fingerprint"]
+    points = sorted((m.step, m.value) for m in client.get_metric_history(found.info.run_id, "loss"))
+    assert points == [(s, loss[s]) for s in steps]
+    from mlflow.artifacts import load_text
+
+    assert load_text(f"{found.info.artifact_uri}/config.toml") == header["config"]
+
+    out = run.cli("report", str(run.tmp)).stdout
+    assert f"{run.tmp / 'report.png'}: loss and accept length of 1 drafter(s) to step {done}" in out, out
+    import matplotlib.image
+
+    assert matplotlib.image.imread(run.tmp / "report.png").shape[2] in (3, 4)
+
+
+def load_config_text(text: str):
+    """A logged config, read back by the config reader (equal to the run's: the one writer wrote it whole)."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "c.toml").write_text(text)
+        return load_config(Path(d) / "c.toml")
+
+
+@pytest.mark.processes  # MLflow runs `uname`
+def test_a_tracker_failing_mid_run_is_warned_about_once_and_the_rest_go_on(tmp_path, caplog, monkeypatch):
+    """MLflow's run loses its metrics directory (a file stands there) after step 2: one warning names it, the
+    record file and TensorBoard get every step."""
+    cfg = load_config(None, [f'tracking.dir="{tmp_path}"', 'tracking.backends=["tensorboard", "mlflow"]'])
+    with Tracking(cfg, 0) as tracking:
+        for step in (1, 2):
+            tracking.emit(step, {"loss": 1.0 / step})
+        (metrics,) = (tmp_path / "mlruns").glob("*/*/metrics")
+        shutil.rmtree(metrics)
+        metrics.write_text("not a directory")
+        with caplog.at_level(logging.WARNING, logger="dflash_ring.consumer.tracking"):
+            for step in (3, 4, 5):
+                tracking.emit(step, {"loss": 1.0 / step})
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and re.match(r"tracking: mlflow failed at step 3 .*training goes on", warnings[0])
+    assert [s for s, _ in tensorboard_scalars(tmp_path / "tensorboard" / "drafter-0", "loss")] == [1, 2, 3, 4, 5]
+    assert [x["step"] for x in read_records(tmp_path / "drafter-0.jsonl")[1:]] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.processes  # MLflow runs `uname`, wandb its core service
+@pytest.mark.parametrize("setting, says", [
+    ('tracking.dir="{tmp}/afile/x"', "tracking.dir: output directory {tmp}/afile/x: {tmp}/afile is not a directory"),
+    ('tracking.mlflow_tracking_uri="http://127.0.0.1:9"', "tracking.mlflow_tracking_uri = 'http://127.0.0.1:9': "
+                                                          "MLflow cannot start there"),
+    ('tracking.wandb_mode="online"', "tracking: W&B cannot start with wandb_mode = 'online': No API key configured"),
+])
+def test_a_tracker_that_cannot_start_is_one_error_naming_its_setting(tmp_path, monkeypatch, setting, says):
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    backend = "wandb" if "wandb" in setting else "mlflow"
+    cfg = load_config(None, [f'tracking.dir="{tmp_path / "t"}"', f'tracking.backends=["{backend}"]',
+                             setting.format(tmp=tmp_path)])
+    with pytest.raises(RuntimeError) as e:
+        Tracking(cfg, 0)
+    assert str(e.value).startswith(says.format(tmp=tmp_path)) and "\n" not in str(e.value), str(e.value)
+
+
+def test_no_record_key_is_the_start_of_another():
+    """MLflow's file store keeps each key as a path: `accuracy` beside `accuracy/pos_1` would be a file and a
+    directory at once (its store then refuses every later step)."""
+    from dflash_ring.consumer.source_metrics import SourceStats
+    from dflash_ring.consumer.step_record import WindowStats, eval_scalars, step_scalars
+    from dflash_ring.consumer.trainer import StepMetrics
+
+    m = StepMetrics(step=1, loss=1.0, ce=1.0, kl=0.0, cap=0.0, accuracy_per_position=[0.5, 0.25, 0.125],
+                    accept_len=1.5, accept_len_prob=1.4, lr=1e-3, grad_norm=0.5, tokens=10, step_s=0.1)
+    sources = {"code": SourceStats(2, 9, 1.5, 1.0, 1, 2, 3.0, 2.5), "chat": SourceStats(0, 4)}
+    keys = step_scalars(m, WindowStats(seconds=1.0, tokens=10, wait_s=0.0, produced=2, produced_tokens=20, depth=1,
+                                       by_source=sources))
+    assert "source/code/accept_len" in keys and "source/chat/tokens" in keys and "source/chat/loss" not in keys
+    for record in (keys, eval_scalars(sources, 3)):
+        assert not [(a, b) for a in record for b in record if b.startswith(a + "/")]
+
+
+def test_the_ring_counts_the_tokens_producers_publish(run):
+    """The producers' tokens/s in every step record comes from their rows' `tokens`, added at each publish."""
+    import torch
+
+    from dflash_ring.common.layout import Counter
+    from dflash_ring.common.ring import Ring
+
+    cfg = run.write_config(2, 1, slots=4)
+    with Ring.create(cfg) as ring:
+        for row, tokens in ((1, 100), (2, 7), (1, 30)):
+            w = ring.try_acquire(row)
+            w.tensor("x", torch.float32, (4,))
+            ring.publish(w, row, tokens=tokens)
+        assert (ring.produced_tokens(), ring.counter(Counter.PRODUCED)) == (137, 3)
+
+
+def test_the_report_draws_each_drafter_and_source_the_records_have(tmp_path):
+    """Two drafters' record files with two sources and held-out points: one picture, every series named."""
+    import matplotlib.image
+
+    from dflash_ring.tools.report import write_report
+
+    cfg = load_config(None, [f'tracking.dir="{tmp_path / "tracking"}"', "run.name=mix"])
+    for j in (0, 1):
+        with Tracking(cfg, j) as tracking:
+            for step in range(1, 4 + j):
+                tracking.emit(step, {"loss": 3.0 / step, "accept_len": 1 + step / 4, "accept_len_prob": 1 + step / 5,
+                                     "source/code/loss": 3.5 / step, "source/code/accept_len": 1 + step / 3,
+                                     "source/chat/loss": 2.5 / step, "source/chat/accept_len": 1 + step / 6})
+            tracking.emit(2, {"eval/loss": 2.0, "eval/accept_len": 1.4})
+    out, what = write_report(tmp_path)
+    assert out == tmp_path / "report.png" and what == ("loss and accept length of 2 drafter(s) to step 3, 4, "
+                                                       "per source: chat, code")
+    height, width, _ = matplotlib.image.imread(out).shape
+    assert width > height  # two columns: per drafter, per source
