@@ -109,9 +109,10 @@ def test_features_from_the_ring_equal_a_plain_forward_of_each_sequence_alone(run
     sup, prod = run.supervisor(), run.role("target", 0)
     items = consume(cfg)
     finish(run, [prod, sup])
-    assert items and all(set(i.meta) == {"producer", "epoch", "position", "num_tokens", "num_sequences"}
-                         for i in items)
-    names = {"input_ids", "loss_mask", "cu_seqlens", "sample_ids", "features"} | ({"final_hidden"} if final else set())
+    assert items and all(set(i.meta) == {"producer", "epoch", "position", "num_tokens", "num_sequences", "sources",
+                                         "eval"} for i in items)
+    names = {"input_ids", "loss_mask", "cu_seqlens", "sample_ids", "source_ids", "features"} | (
+        {"final_hidden"} if final else set())
     first = items[0].tensors
     assert set(first) == names
     assert (first["input_ids"].dtype, first["loss_mask"].dtype, first["cu_seqlens"].dtype, first["sample_ids"].dtype,
