@@ -66,4 +66,5 @@ def run(tmp_path: Path):
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
+        proc.stderr.close()
     Ring.unlink(r.name)

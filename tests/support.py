@@ -77,8 +77,12 @@ class Run:
         return self.tmp / f"{role}-{index}.ledger"
 
     def spawn(self, *args: str, stdout=None) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, *args], cwd=self.tmp, stdout=stdout, stderr=subprocess.PIPE,
-                                text=True)
+        """A process whose stderr goes to a file, read back through `proc.stderr`: a pipe read only at exit
+        blocks a process that logs more than the pipe holds (64 KiB), and the test then sees a hang."""
+        path = self.tmp / f"proc-{len(self.procs)}.stderr"
+        with open(path, "w") as sink:
+            proc = subprocess.Popen([sys.executable, *args], cwd=self.tmp, stdout=stdout, stderr=sink, text=True)
+        proc.stderr = open(path)  # noqa: SIM115 (read by the test, closed with the process list)
         self.procs.append(proc)
         return proc
 
