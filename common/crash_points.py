@@ -4,7 +4,8 @@
 time (default: the first) it passes `crash_point(name)`. Unset, a crash point is one string
 comparison. Names: "claimed" (a slot CASed to WRITING, its item not numbered yet),
 "published" and "released" (the slot's CAS done, its counts not yet updated), "trained" (a drafter's
-step on an item returned, its slot not yet released); `regenerate`'s "regenerate.shard_written" (a shard's
+step on an item returned, its slot not yet released), "ring.prefaulted" (the supervisor's new segment
+prefaulted, its header not written: a segment with no magic); `regenerate`'s "regenerate.shard_written" (a shard's
 temporary file synced, not yet renamed) and "regenerate.shard_renamed" (the shard file in place, its record
 not yet written); "checkpoint.written" (a drafter checkpoint's files synced in its temporary directory, in the
 background writer's thread when checkpoints are asynchronous; no manifest yet, not renamed).

@@ -48,7 +48,8 @@ class Counter(enum.IntEnum):
     SHUTDOWN = 704  # 1: everyone exits; set only by the supervisor (or `stop --now`)
     STOP_REQUEST = 768  # 1 drain, 2 now: written by `dflash-ring stop`
     SUPERVISOR_ADOPTIONS = 832
-    CORRUPT = 896  # READY slots dropped because their header failed validation
+    CORRUPT = 896  # READY slots dropped because their header failed validation, and slots whose state word
+    # the protocol cannot produce (Ring.repair_impossible_words: their items redelivered where their header reads)
 
 
 class SlotState(enum.IntEnum):

@@ -335,7 +335,8 @@ class RingCollector(Collector):
             ("consumed", "Items released by all drafters"),
             ("redelivered", "Items of dead drafters handed to another"),
             ("reclaimed", "Half-written slots of dead targets returned to free"),
-            ("corrupt", "Ready items dropped because their slot header failed validation"),
+            ("corrupt", "Slots found corrupt: a header that failed validation (item dropped), or a state word "
+                         "the ring protocol cannot produce (item redelivered when its header reads)"),
         ):
             yield CounterMetricFamily(f"dflash_ring_items_{key}", text, value=c[key])
         yield GaugeMetricFamily("dflash_ring_producers_done", "Targets that finished their shard",

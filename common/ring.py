@@ -83,6 +83,21 @@ class RingNotFound(FileNotFoundError):
     pass
 
 
+class HalfCreatedRingError(RingHeaderError):
+    """The run's segment exists but has no magic yet: its supervisor is creating it, or died doing so.
+
+    A RingHeaderError, so whoever judges a damaged ring stale (`supervisor --reclaim-stale`, `clean`)
+    judges this one the same way: reclaimable once no process of the run is alive. It never held an
+    item (nobody attaches before the magic), so removing it loses nothing."""
+
+    def __init__(self, name: str):
+        run = name.removeprefix("/dflash-ring.")
+        super().__init__(
+            f"segment {name} has no ring header: a supervisor died while creating it (e.g. killed while "
+            f"prefaulting a large ring), or is creating it right now. If no process of run {run!r} is alive, "
+            f"`dflash-ring supervisor --reclaim-stale` or `dflash-ring clean {run}` removes it")
+
+
 class ConfigMismatchError(RuntimeError):
     """This process's config differs from the one the ring was created with."""
 
@@ -118,6 +133,59 @@ class SlotReader:
     deliveries: int
     tensors: dict[str, torch.Tensor]
     meta: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class CorruptSlot:
+    """A slot whose state word the protocol cannot produce, and what was done about it."""
+
+    slot: int
+    item: int
+    word: int
+    why: str  # what is impossible about the word
+    outcome: str  # where its item went
+
+
+_STATES = frozenset(int(s) for s in SlotState)
+_HOLDER = {SlotState.WRITING: Role.PRODUCER, SlotState.READY: Role.PRODUCER, SlotState.READING: Role.CONSUMER}
+
+
+def impossible_word(word: int, roles: np.ndarray) -> str | None:
+    """Why the protocol cannot have produced this state word, given the process table's roles; None if it can.
+
+    Reachable words: FREE owned by nobody (or the all-zero word of a new ring), WRITING by a producer row,
+    READY by the producer row that published it or by nobody (requeued or redelivered), READING by a
+    consumer row. A row's role is set before its first claim and never cleared, so roles read after the
+    word judge it soundly."""
+    state, owner = word & 0xFF, (word >> 8) & 0xFFFF
+    if state not in _STATES:
+        return f"has state {state}, which is no slot state"
+    state = SlotState(state)
+    if state == SlotState.FREE:
+        return None if owner == NO_OWNER or word == 0 else f"is FREE with owner row {owner}, which frees nothing"
+    if state == SlotState.READY and owner == NO_OWNER:
+        return None
+    if owner >= len(roles):
+        return f"is {state.name} by row {owner}, outside the {len(roles)}-row process table"
+    want, role = _HOLDER[state], int(roles[owner])
+    if role == want:
+        return None
+    what = "a row no process has taken" if role == Role.NONE else (
+        f"the {Role(role).name.lower()} row" if role in Role._value2member_map_ else f"a row of role {role}")
+    return f"is {state.name} by row {owner}, {what}: only a {want.name.lower()} row holds a slot {state.name}"
+
+
+def _suspects(words: np.ndarray, roles: np.ndarray) -> np.ndarray:
+    """The slots whose words impossible_word may object to, in one vectorized look (every supervisor pass
+    reads every word; a Python call per word would cost milliseconds on a ring of thousands of slots)."""
+    state, owner = words & 0xFF, (words >> 8) & 0xFFFF
+    role = roles[np.minimum(owner, len(roles) - 1)].astype(np.int64)
+    held = owner < len(roles)
+    fine = ((state == SlotState.FREE) & ((owner == NO_OWNER) | (words == 0))
+            | (state == SlotState.READY) & ((owner == NO_OWNER) | held & (role == Role.PRODUCER))
+            | (state == SlotState.WRITING) & held & (role == Role.PRODUCER)
+            | (state == SlotState.READING) & held & (role == Role.CONSUMER))
+    return np.flatnonzero(~fine)
 
 
 @dataclass
@@ -182,6 +250,7 @@ class Ring:
         shm = posix_ipc.SharedMemory(segment_name(run), posix_ipc.O_CREX, mode=0o600, size=geo.total_bytes)
         with mmap.mmap(shm.fd, geo.total_bytes) as mm:
             _prefault(mm)
+            crash_point("ring.prefaulted")  # the segment exists with no magic: what a supervisor killed here leaves
             buf = memoryview(mm)
             write_identity(buf, geo, time.time_ns(), fingerprint_digest(fields), run, blob)
             publish_magic(buf)
@@ -216,6 +285,7 @@ class Ring:
         deadline = time.monotonic() + timeout_s
         announced = False
         while True:
+            half_created = False
             try:
                 shm = posix_ipc.SharedMemory(name)
                 if shm.size >= 8:
@@ -224,8 +294,11 @@ class Ring:
                     if ready:
                         return cls._open(name, shm)
                 shm.close_fd()
+                half_created = True
             except posix_ipc.ExistentialError:
                 pass
+            if time.monotonic() >= deadline and half_created:
+                raise HalfCreatedRingError(name)  # not "does not exist": starting a supervisor is what failed
             if time.monotonic() >= deadline:
                 raise RingNotFound(
                     f"no ring for run {run!r} (shared-memory segment {name} does not exist"
@@ -486,6 +559,7 @@ class Ring:
             mine = pack_state(word >> 24, row, SlotState.WRITING)
             if self._states[slot].cmpxchg_strong(expected=word, desired=mine):
                 crash_point("claimed")  # the descriptor still shows the slot's previous item here
+                self._clear_header(slot)
                 item = self._counters[Counter.NEXT_ITEM].fetch_add(1)
                 d = self._desc[slot]
                 d["item"], d["claimed_ns"], d["deliveries"] = item, time.time_ns(), 0
@@ -493,6 +567,12 @@ class Ring:
                 area = self._slot_area(slot)
                 return SlotWriter(slot, item, mine, SlotLayout(geo.slot_bytes, geo.slot_header_bytes), area)
         return None
+
+    def _clear_header(self, slot: int) -> None:
+        """A claimed slot keeps no header until its publish writes one: the header left by the slot's previous
+        item would let a corrupted word pass an unpublished slot off as that old, already trained item."""
+        off = self.geometry.slot_offset(slot)
+        self._mv[off : off + 4] = b"\0\0\0\0"
 
     def acquire(self, row: int, timeout_s: float | None = None) -> SlotWriter | None:
         """Claim a slot, waiting while the ring is full. None on drain, shutdown or timeout."""
@@ -673,20 +753,67 @@ class Ring:
         held = np.isin(states & 0xFF, (SlotState.WRITING, SlotState.READING))
         return {int(w >> 8) & 0xFFFF for w in states[held]}
 
+    # ---- words the protocol cannot produce ----------------------------------
+
+    def repair_impossible_words(self) -> list[CorruptSlot]:
+        """Put every slot whose state word the protocol cannot produce back where the protocol goes on.
+
+        Such a word (a state byte that is no state, an owner row outside the process table or of a role
+        that never holds that state) is nobody's to undo: the reaper would wait forever for an owner that
+        does not exist, and a state nobody counts lets the run end without the item. So the slot is
+        counted corrupt and its item made READY again if its header reads (a claim clears the header, so
+        a readable one is this item's, published), else FREE. Each change is a CAS from the impossible
+        word, so a process that moved the word meanwhile wins. The supervisor calls this every pass.
+        """
+        words = self._desc["state"].copy()  # before the roles: a row's role, once set, never goes back
+        roles = self._rows["role"].copy()
+        found = []
+        for slot in _suspects(words, roles).tolist():
+            word = int(words[slot])
+            if (why := impossible_word(word, roles)) is not None and (c := self._repair(slot, word, why)):
+                found.append(c)
+        return found
+
+    def _repair(self, slot: int, word: int, why: str) -> CorruptSlot | None:
+        item = int(self._desc[slot]["item"])
+        gen = word >> 24
+        if word & 0xFF == SlotState.FREE:
+            new, outcome = pack_state(gen + 1, NO_OWNER, SlotState.FREE), "owner cleared (a free slot holds no item)"
+        else:
+            try:
+                self._header(slot)
+                new, outcome = pack_state(gen + 1, NO_OWNER, SlotState.READY), "made READY again: redelivered"
+            except SlotFormatError as e:
+                new, outcome = pack_state(gen + 1, NO_OWNER, SlotState.FREE), f"freed, its item dropped: {e}"
+        if not self._states[slot].cmpxchg_strong(expected=word, desired=new):
+            return None  # moved meanwhile: looked at again on the next pass
+        self._counters[Counter.CORRUPT].fetch_add(1)
+        self._hint(self._sem_ready if new & 0xFF == SlotState.READY else self._sem_free)
+        return CorruptSlot(slot, item, word, why, outcome)
+
     # ---- observation --------------------------------------------------------
 
     def unfinished_items(self) -> tuple[list[dict[str, Any]], list[str]]:
         """The metadata of every item published and not yet trained (READY, or READING by a holder that may
-        die); and a line for each such slot whose header cannot be read. Used by whoever removes the ring,
-        so that what it held is produced again (supervisor/unfinished.py)."""
+        die, or under a state word the protocol cannot produce: see repair_impossible_words); and a line for each
+        such slot whose header cannot be read. Used by whoever removes the ring, so that what it held is
+        produced again (supervisor/unfinished.py)."""
         metas, damaged = [], []
         desc = self._desc.copy()
-        for slot in np.flatnonzero(np.isin(desc["state"] & 0xFF, (SlotState.READY, SlotState.READING))):
-            slot = int(slot)
+        roles = self._rows["role"].copy()
+        for slot, word in enumerate(desc["state"].tolist()):
+            why = impossible_word(word, roles)
+            published = word & 0xFF in (SlotState.READY, SlotState.READING)
+            if not published and (why is None or word & 0xFF == SlotState.FREE):
+                continue  # free, or being written by a producer: nothing published to keep
+            name = f"slot {slot} (item {int(desc['item'][slot])})"
             try:
                 metas.append(dict(self._header(slot).meta))
             except SlotFormatError as e:
-                damaged.append(f"slot {slot} (item {int(desc['item'][slot])}): {e}")
+                damaged.append(f"{name}: {e}" + (f" (its state word {why})" if why else ""))
+                continue
+            if why is not None:  # a word nobody could have written: the item is still owed, so it is kept
+                log.error("%s is corrupt: its state word %#x %s; its item is kept for the replay list", name, word, why)
         return metas, damaged
 
     def _header(self, slot: int) -> SlotHeader:

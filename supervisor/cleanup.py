@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dflash_ring.common.layout import RingHeaderError
 from dflash_ring.common.liveness import LockFile
-from dflash_ring.common.ring import Ring, RingNotFound
+from dflash_ring.common.ring import HalfCreatedRingError, Ring, RingNotFound
 from dflash_ring.common.ring_users import ring_users
 from dflash_ring.supervisor.unfinished import save_unfinished
 
@@ -71,6 +71,8 @@ def clean(run: str, lock_dir: Path, state_dir: str) -> list[str]:
             save_unfinished(ring, state_dir)
     except RingNotFound:
         pass
+    except HalfCreatedRingError as e:
+        log.warning("%s; it never held an item, so nothing is lost with it", e)
     except RingHeaderError as e:
         log.error("%s: the items the ring held cannot be produced again", e)
     removed = remove_run(run, lock_dir)

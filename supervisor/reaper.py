@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dflash_ring.common.layout import Role, RowStatus
 from dflash_ring.common.liveness import LockFile, lock_path
-from dflash_ring.common.ring import Ring
+from dflash_ring.common.ring import CorruptSlot, Ring
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ class Reaped:
 
 
 def reap(ring: Ring, lock_dir: Path) -> list[Reaped]:
+    repair_words(ring)  # first: a word owned by no process that can die would never be reaped below
     rows = ring.rows()
     suspects = {i for i, r in enumerate(rows) if i and r["status"] == RowStatus.RUNNING}
     suspects |= {row for row in ring.owned_slots() if row < len(rows)}
@@ -56,3 +57,14 @@ def reap(ring: Ring, lock_dir: Path) -> list[Reaped]:
         reaped.append(Reaped(row, name, int(r["index"]), freed, redelivered))
     return reaped
 
+
+def repair_words(ring: Ring) -> list[CorruptSlot]:
+    """Slots whose state word no process of the protocol can have written (another process wrote into the
+    segment): counted corrupt, their items redelivered, and each named, so the run still ends and says why."""
+    found = ring.repair_impossible_words()
+    for c in found:
+        log.error("slot %d (item %d) is corrupt: its state word %#x %s, which the ring protocol cannot produce; "
+                  "%s (counted corrupt: `dflash-ring status`, dflash_ring_items_corrupt_total). Something other "
+                  "than the protocol wrote it: look for another process that maps /dev/shm%s "
+                  "(fuser -v /dev/shm%s)", c.slot, c.item, c.word, c.why, c.outcome, ring.name, ring.name)
+    return found

@@ -21,7 +21,7 @@ from dflash_ring.common.layout import Counter, RingHeaderError, Role, RowStatus
 from dflash_ring.common.ledger import Ledger
 from dflash_ring.common.liveness import LockFile, ensure_lock_dir, live_lock_files, lock_path
 from dflash_ring.common.metrics import SUPERVISOR, RingCollector, serve
-from dflash_ring.common.ring import ConfigMismatchError, Ring
+from dflash_ring.common.ring import ConfigMismatchError, HalfCreatedRingError, Ring
 from dflash_ring.common.rendezvous import serve_rendezvous
 from dflash_ring.common.startup import Startup
 from dflash_ring.common.ring_users import ring_users
@@ -104,13 +104,14 @@ class Supervisor:
 
     def _adopt_or_reclaim(self, run: str) -> Ring:
         """Adopt the run's ring if anything uses it (whoever's config that is), else refuse or reclaim it."""
+        half_created: HalfCreatedRingError | None = None
         try:
             ring = Ring.open(run)
         except RingHeaderError as e:
             live = users_of(run, self.lock_dir, ignore={self._lock.path})
             if live or not self.reclaim_stale:
                 raise SupervisorError(f"{e}" + (f" (live: {', '.join(live)})" if live else "")) from None
-            ring = None
+            ring, half_created = None, e if isinstance(e, HalfCreatedRingError) else None
         if ring is not None:
             dirs = [d for d in (ring.lock_dir, self.lock_dir) if d is not None]
             live = ring_users(run, dirs, ignore={self._lock.path})
@@ -142,6 +143,8 @@ class Supervisor:
         if ring is not None:
             save_unfinished(ring, self.cfg.target.state_dir)  # what it held is produced again, not lost
             ring.close()
+        elif half_created is not None:
+            log.warning("%s; it never held an item, so nothing is lost with it", half_created)
         else:
             log.error("the stale ring's header is unreadable: the items it held cannot be produced again")
         removed = Ring.unlink(run)
