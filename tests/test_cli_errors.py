@@ -205,7 +205,7 @@ CASES = [
     ("mix-path-and-sources", _mix('path = "{tmp}/a.jsonl"\n[[data.sources]]\npath = "{tmp}/b.jsonl"\n'),
      DATA_STATS, "data.path = '{tmp}/a.jsonl' and [[data.sources]] are both set"),
     ("mix-bad-weight", _mix('[[data.sources]]\npath = "a.jsonl"\n[[data.sources]]\npath = "b.jsonl"\nweight = 0\n'),
-     DATA_STATS, "[data.sources[1]]: weight = 0.0: must be a positive number"),
+     DATA_STATS, "data.sources[1].weight = 0.0: must be a finite number > 0"),
     ("mix-duplicate-name", _mix('[[data.sources]]\npath = "x/a.jsonl"\n[[data.sources]]\npath = "b.jsonl"\n'
                                 'name = "a"\n'), DATA_STATS, "data.sources[0] and data.sources[1] are both named 'a'"),
     ("mix-unknown-key", _mix('[[data.sources]]\npath = "a.jsonl"\nrepeats = true\n'), DATA_STATS,
@@ -213,7 +213,7 @@ CASES = [
     ("mix-source-without-usable-rows", _mix_with_a_bad_source, DATA_STATS, "no usable row in {tmp}/bad.jsonl"),
     ("regenerate-no-output", None, ["regenerate", *NO_METRICS], "regenerate.output is empty"),
     ("regenerate-bad-setting", None, ["regenerate", "--set", "regenerate.shard_rows=0"],
-     "regenerate.shard_rows = 0: must be at least 1"),
+     "regenerate.shard_rows = 0: must be an integer >= 1"),
     ("regenerate-bad-engine", None, ["regenerate", "--set", "regenerate.engine=vllm"],
      "regenerate.engine = 'vllm': expected one of 'hf', 'openai'"),
     ("regenerate-no-target", None, ["regenerate", "--set", "regenerate.output=out", *NO_METRICS],
