@@ -107,6 +107,10 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true", help="print the report as JSON")
     sp.set_defaults(func=cmd_check_target)
 
+    sp = with_config(sub.add_parser("check-config", help="load and validate a config (file and --set) and exit: "
+                                                         "0 when every process would accept it, else 2 and why"))
+    sp.set_defaults(func=cmd_check_config)
+
     sp = sub.add_parser("data", help="the data a run trains on")
     data = sp.add_subparsers(dest="data", required=True)
     dp = with_config(data.add_parser("stats", help="per source and in total: rows, tokens, trained tokens, reply "
@@ -412,6 +416,14 @@ def cmd_check_target(args: argparse.Namespace) -> int:
         print("dflash-ring check-target: error: target.packing = \"packed\" would refuse to start: "
               "set it to \"auto\" or \"padded\"", file=sys.stderr)
         return 2
+    return 0
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    """What every role does first (load_config: types, each number's range, the sections' own checks), alone:
+    the cheap way to vet a config before a run, and what tests/test_config_bounds.py drives."""
+    cfg = _config(args)
+    print(f"config OK: run {cfg.run.name!r}" + (f" from {args.config}" if args.config else " (defaults)"))
     return 0
 
 

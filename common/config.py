@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 import re
 import stat
@@ -18,7 +19,9 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
+from dflash_ring.common.range_config import DEFAULT, PositiveSeconds, Range, Seconds, range_of, refusal
 from dflash_ring.common.run_name import RunNameError, check_run_name
 from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.common.train_config import TrainConfig
@@ -32,6 +35,9 @@ class ConfigError(ValueError):
     """A config file or override that cannot be used; the message says which key and why."""
 
 
+MAX_PROCESSES = 4000  # producers + consumers of one run: each holds a row of the ring header
+
+
 @dataclass
 class RunConfig:
     name: str = "default"
@@ -39,7 +45,7 @@ class RunConfig:
     # else $XDG_RUNTIME_DIR/dflash-ring/<name>, else /tmp/dflash-ring-<uid>/<name>.
     run_dir: str = ""
     # How long a producer or drafter waits for the supervisor to create the ring.
-    attach_timeout_s: float = 60.0
+    attach_timeout_s: Seconds = 60.0
     # Empty: off. Else every process appends what it committed, consumed and trained to
     # <ledger_dir>/<role>-<index>.jsonl (common/ledger.py), e.g. for `dflash-ring chaos`.
     ledger_dir: str = ""
@@ -50,27 +56,30 @@ class RunConfig:
 
 @dataclass
 class RingConfig:
-    slots: int = 8
-    slot_bytes: int = 64 * 1024 * 1024
-    # Room at the start of each slot for its msgpack header.
-    slot_header_bytes: int = 64 * 1024
+    # Each slot has a word per state in the ring header; 4096 is far past any depth that pays (8 is the default).
+    slots: Annotated[int, Range(1, 4096)] = 8
+    # Below 1 TiB: a ring header naming a larger slot is refused by every reader (common/layout.py).
+    slot_bytes: Annotated[int, Range(high=1 << 40, high_open=True)] = 64 * 1024 * 1024
+    # Room at the start of each slot for its msgpack header: whole pages (a multiple of 4096, checked in validate).
+    slot_header_bytes: Annotated[int, Range(low=4096)] = 64 * 1024
     # Longest sleep on a wake-up hint before a waiter looks at the ring again.
-    wait_s: float = 0.2
+    wait_s: PositiveSeconds = 0.2
     # Register the mapping with CUDA (cudaHostRegister) when a GPU is present.
     pin: bool = True
 
 
 @dataclass
 class TopologyConfig:
-    producers: int = 1
-    consumers: int = 2
+    # Processes on one host, each with a row in the ring header; together at most MAX_PROCESSES (validate).
+    producers: Annotated[int, Range(1, MAX_PROCESSES)] = 1
+    consumers: Annotated[int, Range(1, MAX_PROCESSES)] = 2
 
 
 @dataclass
 class SupervisorConfig:
-    reap_interval_s: float = 0.5
+    reap_interval_s: PositiveSeconds = 0.5
     # After shutdown, how long to wait for every process to exit before removing the ring.
-    exit_timeout_s: float = 60.0
+    exit_timeout_s: Seconds = 60.0
 
 
 @dataclass
@@ -86,7 +95,7 @@ class MetricsConfig:
 
     enabled: bool = True
     bind: str = "127.0.0.1"
-    port_base: int = 9460
+    port_base: Annotated[int, Range(1, 65535)] = 9460
 
 
 @dataclass
@@ -100,9 +109,9 @@ class GroupConfig:
     # Hosts expected: a group forms as soon as this many leaders are there (0: whoever arrives within settle_s).
     hosts: int = 0
     # A forming group closes once no leader has arrived for this long.
-    settle_s: float = 5.0
+    settle_s: PositiveSeconds = 5.0
     # Longest wait on another host (collective, rendezvous) before it is dropped from the group.
-    timeout_s: float = 300.0
+    timeout_s: PositiveSeconds = 300.0
     # This host's name in logs and errors; empty: <hostname>/<run.name>.
     host_name: str = ""
     # Shared secret (same bytes on every host, a file of ours with mode 0600): every value the group writes
@@ -173,30 +182,26 @@ class Config:
         except RunNameError as e:
             raise ConfigError(str(e)) from None
         r = self.ring
-        if r.slots < 1 or r.slots > 4096:
-            raise ConfigError(f"ring.slots = {r.slots}: must be between 1 and 4096")
-        if r.slot_header_bytes < 4096 or r.slot_header_bytes % 4096:
+        if r.slot_header_bytes % 4096:
             raise ConfigError(f"ring.slot_header_bytes = {r.slot_header_bytes}: must be a multiple of 4096")
         if r.slot_bytes <= r.slot_header_bytes:
             raise ConfigError(
                 f"ring.slot_bytes = {r.slot_bytes} leaves no room for tensors after "
                 f"ring.slot_header_bytes = {r.slot_header_bytes}"
             )
-        if r.wait_s <= 0:
-            raise ConfigError("ring.wait_s must be > 0")
         t = self.topology
-        if t.producers < 1 or t.consumers < 1 or t.producers + t.consumers > 4000:
-            raise ConfigError(
-                f"topology: producers = {t.producers}, consumers = {t.consumers}: need at least one of each"
-            )
+        if t.producers + t.consumers > MAX_PROCESSES:
+            raise ConfigError(f"topology.producers = {t.producers} and topology.consumers = {t.consumers}: at most "
+                              f"{MAX_PROCESSES} processes in all (each has a row in the ring header)")
         m = self.metrics
         if m.enabled:
             if t.producers > 99:
                 raise ConfigError(f"topology.producers = {t.producers}: metrics ports of targets (port_base + 1 + i) "
                                   "would run into the drafters' (port_base + 100 + j); set metrics.enabled = false")
-            if not 1 <= m.port_base <= 65535 - 100 - t.consumers:
+            if m.port_base > 65535 - 100 - t.consumers:
                 raise ConfigError(f"metrics.port_base = {m.port_base}: must leave room for port_base + 100 + "
-                                  f"{t.consumers - 1} below 65536")
+                                  f"{t.consumers - 1} below 65536 (topology.consumers = {t.consumers}); lower it "
+                                  "or set metrics.enabled = false")
 
         g = self.group
         if g.rendezvous and not re.match(r"^tcp://([^\s/:\[\]]+|\[[0-9A-Fa-f:.]+\]):\d{1,5}$", g.rendezvous):
@@ -204,10 +209,10 @@ class Config:
         if g.serve and not g.rendezvous:
             raise ConfigError("group.serve = true needs group.rendezvous = \"tcp://host:port\" to listen on")
         if g.rendezvous:
-            g.secret()  # here, so a missing or exposed secret stops the run at start, naming the setting
-        if g.hosts < 0 or g.settle_s <= 0 or g.timeout_s <= 0:
-            raise ConfigError(f"group: hosts = {g.hosts}, settle_s = {g.settle_s}, timeout_s = {g.timeout_s}: "
-                              "need hosts >= 0 and positive times")
+            try:
+                g.secret()  # here, so a missing or exposed secret stops the run at start, naming the setting
+            except ConfigError as e:
+                raise ConfigError(f"group.rendezvous = {g.rendezvous!r} needs the group's secret: {e}") from None
 
     def fingerprint_fields(self) -> dict[str, typing.Any]:
         """What every process of a run must agree on; stored in the ring header.
@@ -294,7 +299,7 @@ def _parse_override(item: str) -> tuple[str, str, typing.Any]:
 def _build(cls: type, raw: typing.Any, where: str) -> typing.Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"[{where}] must be a table, got {type(raw).__name__}")
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)  # with each field's declared Range
     known = {f.name for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in known:
@@ -316,10 +321,15 @@ def _build(cls: type, raw: typing.Any, where: str) -> typing.Any:
         raise ConfigError(f"[{where}]: {e}") from None
 
 
-def _coerce(value: typing.Any, hint: typing.Any, name: str) -> typing.Any:
+def _coerce(value: typing.Any, hint: typing.Any, name: str, bound: Range | None = None) -> typing.Any:
+    """`value` as the field's type, or a ConfigError naming `name`; a number also within its declared `bound`
+    (common/range_config.py: from an Annotated hint, else the rule for every number, DEFAULT)."""
     if dataclasses.is_dataclass(hint):  # a table in a list of tables ([[data.sources]])
         return _build(hint, value, name)
     origin = typing.get_origin(hint)
+    if origin is typing.Annotated:
+        inner, *extras = typing.get_args(hint)
+        return _coerce(value, inner, name, range_of(tuple(extras)) or bound)
     if origin is typing.Literal:
         if value not in typing.get_args(hint):
             raise ConfigError(f"{name} = {value!r}: expected one of {', '.join(map(repr, typing.get_args(hint)))}")
@@ -331,7 +341,7 @@ def _coerce(value: typing.Any, hint: typing.Any, name: str) -> typing.Any:
         options = [arg for arg in args if arg is not type(None)]
         for arg in options:
             try:
-                return _coerce(value, arg, name)
+                return _coerce(value, arg, name, bound)
             except ConfigError as e:
                 if len(options) == 1:  # X | None: X's own message
                     raise e from None
@@ -342,14 +352,24 @@ def _coerce(value: typing.Any, hint: typing.Any, name: str) -> typing.Any:
             raise ConfigError(f"{name} = {value!r}: expected a list")
         return [_coerce(v, item, f"{name}[{i}]") for i, v in enumerate(value)]
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        value = _as_float(value)
     if hint is bool and not isinstance(value, bool):
         raise ConfigError(f"{name} = {value!r}: expected true or false")
     if hint is int and isinstance(value, bool):
         raise ConfigError(f"{name} = {value!r}: expected an integer")
     if not isinstance(value, hint):
         raise ConfigError(f"{name} = {value!r}: expected {hint.__name__}, got {type(value).__name__}")
+    if hint in (int, float) and (why := refusal(name, value, bound or DEFAULT)):
+        raise ConfigError(why)
     return value
+
+
+def _as_float(value: int) -> float:
+    """An int written for a float field; one past a float's range is inf (refused as not finite, not a traceback)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def dump_toml(cfg: Config, *, full: bool = False, header: str = "",

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
+
+from dflash_ring.common.range_config import AtLeastOne, Positive, Range, Share
 
 DataFormat = Literal["auto", "json", "jsonl", "parquet", "arrow", "disk"]
 FORMATS: tuple[str, ...] = ("auto", "json", "jsonl", "parquet", "arrow", "disk")
@@ -28,7 +29,7 @@ class DataSource:
     """
 
     path: str = ""
-    weight: float = 1.0
+    weight: Positive = 1.0
     # Shown in logs, `dflash-ring data stats` and metrics; empty: the file or directory name without suffix.
     name: str = ""
     # True: rows are cycled (each pass reshuffled) when the weight asks for more rows than the source has;
@@ -43,8 +44,6 @@ class DataSource:
     def __post_init__(self) -> None:
         if not self.path:
             raise DataError("path is empty: every [[data.sources]] entry needs the data file or directory it reads")
-        if not (math.isfinite(self.weight) and self.weight > 0):
-            raise DataError(f"weight = {self.weight}: must be a positive number")
         if self.format not in FORMATS:
             raise DataError(f"format = {self.format!r}: use one of {', '.join(FORMATS)}")
         if not self.name:
@@ -81,39 +80,34 @@ class DataConfig:
     format: DataFormat = "auto"
     # A DatasetDict directory's split; for files, "train" (slices such as "train[:1000]" work).
     split: str = "train"
-    max_length: int = 3072
+    max_length: AtLeastOne = 3072
     # Token budget of one batch; padding counts against it when batches are padded (target.packing).
-    max_tokens_per_batch: int = 32768
+    max_tokens_per_batch: AtLeastOne = 32768
     # Passed to the chat template (Qwen3: False pre-fills an empty <think> block in the prompt).
     enable_thinking: bool = False
     seed: int = 0
-    epochs: int = 1
-    num_proc: int = 1
+    # Every producer plans every epoch when it starts (producer/process.py counts the run's batches): a trillion
+    # epochs was a producer that never published and never heard SIGTERM. Real runs train 1 to 10 epochs, a tiny
+    # data set a few hundred; 10_000 plans in seconds on small data.
+    epochs: Annotated[int, Range(1, 10_000)] = 1
+    # Tokenizer worker processes (datasets' num_proc), one process each: 1024 is past any host's cores.
+    num_proc: Annotated[int, Range(1, 1024)] = 1
     cache_dir: str = "~/.cache/dflash_ring/data"
     # Samples sorted by length together; larger packs tighter, smaller keeps the order random.
-    bucket_window: int = 1024
+    bucket_window: AtLeastOne = 1024
     # Share of every training source's rows held out for evaluation (0: none). Which rows is a pure function of
     # (seed, source name, row index): the same rows every epoch, on every producer and after any restart, and
     # never trained. Held-out rows (and every row of an `eval = true` source) are batched apart, as evaluation
     # items spread evenly through each epoch, each evaluated once an epoch.
-    eval_fraction: float = 0.0
+    eval_fraction: Share = 0.0
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise DataError(f"DataConfig.format={self.format!r}: use one of {', '.join(FORMATS)}")
-        for name in ("max_length", "max_tokens_per_batch", "epochs", "num_proc", "bucket_window"):
-            if getattr(self, name) < 1:
-                raise DataError(f"DataConfig.{name}={getattr(self, name)}: must be at least 1")
-        if self.seed < 0:
-            raise DataError(f"DataConfig.seed={self.seed}: must be non-negative")
-        if not (math.isfinite(self.eval_fraction) and 0 <= self.eval_fraction < 1):
-            raise DataError(f"data.eval_fraction = {self.eval_fraction}: must be at least 0 and below 1 (the share "
-                            "of rows held out for evaluation)")
         if self.max_tokens_per_batch < self.max_length:
-            raise DataError(
-                f"DataConfig.max_tokens_per_batch={self.max_tokens_per_batch} is below "
-                f"max_length={self.max_length}: a full-length sample would fit no batch"
-            )
+            raise DataError(f"data.max_tokens_per_batch = {self.max_tokens_per_batch} is below data.max_length = "
+                            f"{self.max_length}: a full-length sample would fit no batch; raise the one or lower "
+                            "the other")
         if self.sources:
             self._check_sources()
 

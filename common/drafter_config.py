@@ -6,10 +6,11 @@ The Hugging Face side (the exported config.json) is consumer/drafter_hf_config.p
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+from dflash_ring.common.range_config import AtLeastOne, Fraction, Positive, Range
 
 # Paper A.1: gamma for the exp(-(k-1)/gamma) position decay, per block size.
 PAPER_LOSS_GAMMA: dict[int, float] = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -63,16 +64,18 @@ class DrafterConfig:
 
     # None, or a name in RECIPES whose settings fill the fields not set explicitly.
     recipe: str | None = None
-    num_hidden_layers: int | None = None  # default 1
-    block_size: int | None = None  # default 16
-    num_anchors: int | None = None  # default 512
+    # At most 256: the drafter builds every layer (and a layer_types entry each) at start; DFlash drafters have 1 to
+    # 8 and the largest targets fewer than 200, so more is a typo, not a model.
+    num_hidden_layers: Annotated[int, Range(1, 256)] | None = None  # default 1
+    block_size: Annotated[int, Range(low=2)] | None = None  # default 16
+    num_anchors: AtLeastOne | None = None  # default 512
     # None -> paper rule for block_size (B16->7, B10->5, B8->4); other sizes must set it for loss "ce".
-    loss_gamma: float | None = None
+    loss_gamma: Positive | None = None
     # "ce": CE weighted by the position decay exp(-(k-1)/gamma), normalised by the weights' sum (the paper).
     # "dpace": D-PACE weights from the drafter's own detached acceptance (consumer/loss.py), normalised by
     # the number of supervised positions.
     loss: Objective | None = None  # default "ce"
-    dpace_alpha: float | None = None  # default 0.5: q~ = (1 - alpha) q + alpha
+    dpace_alpha: Fraction | None = None  # default 0.5: q~ = (1 - alpha) q + alpha
     # Soft KL to the target's distribution, through the frozen head on the shipped final hidden state.
     kl_weight: float | None = None  # default 0
     # CAP: -cap_weight * mean over blocks of the expected accepted length / (B - 1), gradients through it.
@@ -86,12 +89,12 @@ class DrafterConfig:
     layer_types: list[str] | None = None
     sliding_window: int | None = None
     # Rows of [rows, vocab] logits alive at once in the loss; bounds peak memory.
-    loss_chunk_tokens: int = 1024
+    loss_chunk_tokens: AtLeastOne = 1024
     # None -> derived from the target (drafter_mlp_width); set it to choose the drafter's MLP width.
-    intermediate_size: int | None = None
+    intermediate_size: AtLeastOne | None = None
     # None -> the target's RoPE (drafter_rope); set it for a plain RoPE of this base instead, e.g. for
     # targets whose RoPE a fixed Qwen3 rotary cannot express (dynamic NTK, longrope).
-    rope_theta: float | None = None
+    rope_theta: Positive | None = None
 
     def __post_init__(self) -> None:
         if self.recipe is not None and self.recipe not in RECIPES:
@@ -112,24 +115,10 @@ class DrafterConfig:
         self._validate()
 
     def _validate(self) -> None:
-        if self.num_hidden_layers < 1 or self.block_size < 2 or self.num_anchors < 1:
-            raise ValueError("need num_hidden_layers >= 1, block_size >= 2, num_anchors >= 1")
-        if self.loss_gamma is not None and not (self.loss_gamma > 0 and math.isfinite(self.loss_gamma)):
-            raise ValueError(f"loss_gamma must be a positive number, got {self.loss_gamma}")
-        for name in ("kl_weight", "cap_weight"):
-            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
-                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
-        if not 0 <= self.dpace_alpha <= 1:
-            raise ValueError(f"dpace_alpha must lie in [0, 1], got {self.dpace_alpha}")
+        """The checks one field against another; each number's own range is its field's (common/range_config.py)."""
         if self.loss not in ("ce", "dpace") or self.label not in ("data", "target_argmax"):
             raise ValueError(f"loss {self.loss!r} must be 'ce' or 'dpace', label {self.label!r} 'data' or "
                              "'target_argmax'")
-        if self.loss_chunk_tokens < 1:
-            raise ValueError("need loss_chunk_tokens >= 1")
-        if (self.intermediate_size is not None and self.intermediate_size < 1) or (
-                self.rope_theta is not None and not self.rope_theta > 0):
-            raise ValueError(f"intermediate_size {self.intermediate_size} and rope_theta {self.rope_theta} "
-                             "must be positive when set")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         if unknown := set(self.layer_types) - set(ATTENTION_TYPES):

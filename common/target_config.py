@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from dflash_ring.common.drafter_config import build_target_layer_ids, target_text_config
+from dflash_ring.common.range_config import Range
 
 TargetDtype = Literal["auto", "float32", "bfloat16"]
 AttnImplementation = Literal["auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3"]
@@ -59,7 +60,8 @@ class TargetConfig:
     # Decoder layers whose outputs become features (0-based; HF hidden_states[l + 1]).
     # None: the DFlash rule for num_draft_layers (evenly over 1..L-3, or [L // 2] for one layer).
     layer_ids: list[int] | None = None
-    num_draft_layers: int = 1
+    # The DFlash rule picks this many layers (a list of them is built): at most 256, as drafter.num_hidden_layers.
+    num_draft_layers: Annotated[int, Range(1, 256)] = 1
     # "auto": bfloat16 on a GPU, float32 on the CPU (where bf16 matmuls are slow and inexact).
     dtype: TargetDtype = "auto"
     # "auto": cuda if available, else cpu; `dflash-ring target --device cuda:N` overrides it.
@@ -83,11 +85,8 @@ class TargetConfig:
     state_dir: str = "~/.cache/dflash_ring/state"
 
     def __post_init__(self) -> None:
-        if self.num_draft_layers < 1:
-            raise TargetConfigError(f"target.num_draft_layers = {self.num_draft_layers}: must be at least 1")
-        if self.layer_ids is not None:
-            if not self.layer_ids or len(set(self.layer_ids)) != len(self.layer_ids) or min(self.layer_ids) < 0:
-                raise TargetConfigError(f"target.layer_ids = {self.layer_ids}: need distinct non-negative layer ids")
+        if self.layer_ids is not None and (not self.layer_ids or len(set(self.layer_ids)) != len(self.layer_ids)):
+            raise TargetConfigError(f"target.layer_ids = {self.layer_ids}: need distinct non-negative layer ids")
 
     def model_config(self) -> dict[str, Any]:
         """The language-model part of the target's config.json (read as JSON: no weights, no torch)."""

@@ -70,12 +70,14 @@ def _checkpoint_of_one_layer(tmp: Path, name: str) -> list[str]:
             "--set", f'train.checkpoint_dir="{tmp / "ckpt"}"', "--set", "drafter.num_hidden_layers=2"]
 
 
-def _ring_for_target(tmp: Path, name: str, data: Path, tokenizer: Path | None = None) -> list[str]:
+def _ring_for_target(tmp: Path, name: str, data: Path, tokenizer: Path | None = None,
+                     slot_bytes: int = 8192) -> list[str]:
     """A tiny target, `data`, and a live ring for them, so `dflash-ring target` gets as far as its data."""
     from support import build_target
 
     sets = [f'target.path="{build_target(tmp / "model", "qwen3", layers=4)}"', f'data.path="{data}"',
-            f'data.cache_dir="{tmp / "cache"}"', "ring.slots=1", "ring.slot_bytes=8192", "ring.slot_header_bytes=4096"]
+            f'data.cache_dir="{tmp / "cache"}"', "ring.slots=1", f"ring.slot_bytes={slot_bytes}",
+            "ring.slot_header_bytes=4096"]
     if tokenizer is not None:
         sets.append(f'target.tokenizer="{tokenizer}"')
     Ring.create(load_config(None, [*sets, f"run.name={name}"])).close()
@@ -102,6 +104,15 @@ def _tokenizer_without_chat_template(tmp: Path, name: str) -> list[str]:
 
     tiny_chat_tokenizer(tmp / "plain-tokenizer", chat_template="")
     return _ring_for_target(tmp, name, write_chat_rows(tmp / "chat.jsonl", 4), tokenizer=tmp / "plain-tokenizer")
+
+
+def _ring_with_data(tmp: Path, name: str) -> list[str]:
+    """A tiny target, usable chat rows and a ring with room for a batch: a target that accepts its config gets as
+    far as planning its epochs."""
+    from support import write_chat_rows
+
+    sets = _ring_for_target(tmp, name, write_chat_rows(tmp / "chat.jsonl", 4), slot_bytes=1 << 20)
+    return sets + ["--set", "data.max_length=256", "--set", "data.max_tokens_per_batch=2048"]
 
 
 def _mix(body: str) -> typing.Callable[[Path, str], list[str]]:
@@ -205,7 +216,7 @@ CASES = [
     ("mix-path-and-sources", _mix('path = "{tmp}/a.jsonl"\n[[data.sources]]\npath = "{tmp}/b.jsonl"\n'),
      DATA_STATS, "data.path = '{tmp}/a.jsonl' and [[data.sources]] are both set"),
     ("mix-bad-weight", _mix('[[data.sources]]\npath = "a.jsonl"\n[[data.sources]]\npath = "b.jsonl"\nweight = 0\n'),
-     DATA_STATS, "[data.sources[1]]: weight = 0.0: must be a positive number"),
+     DATA_STATS, "data.sources[1].weight = 0.0: must be a finite number > 0"),
     ("mix-duplicate-name", _mix('[[data.sources]]\npath = "x/a.jsonl"\n[[data.sources]]\npath = "b.jsonl"\n'
                                 'name = "a"\n'), DATA_STATS, "data.sources[0] and data.sources[1] are both named 'a'"),
     ("mix-unknown-key", _mix('[[data.sources]]\npath = "a.jsonl"\nrepeats = true\n'), DATA_STATS,
@@ -213,7 +224,7 @@ CASES = [
     ("mix-source-without-usable-rows", _mix_with_a_bad_source, DATA_STATS, "no usable row in {tmp}/bad.jsonl"),
     ("regenerate-no-output", None, ["regenerate", *NO_METRICS], "regenerate.output is empty"),
     ("regenerate-bad-setting", None, ["regenerate", "--set", "regenerate.shard_rows=0"],
-     "regenerate.shard_rows = 0: must be at least 1"),
+     "regenerate.shard_rows = 0: must be an integer >= 1"),
     ("regenerate-bad-engine", None, ["regenerate", "--set", "regenerate.engine=vllm"],
      "regenerate.engine = 'vllm': expected one of 'hf', 'openai'"),
     ("regenerate-no-target", None, ["regenerate", "--set", "regenerate.output=out", *NO_METRICS],
@@ -231,6 +242,18 @@ CASES = [
      "regenerate reads one data set, data.path, and [[data.sources]] is set"),
     ("regenerate-metrics-port-past-65535", _regenerate,
      ["regenerate", "--set", "metrics.port_base=65400"], "past 65535"),
+    # Issue 23 item 5: numbers out of range were accepted (NaN passes `lr <= 0`), crashed later (a negative sleep:
+    # a traceback) or planned work without end (a producer planning a trillion epochs, deaf to SIGTERM).
+    ("lr-nan", None, ["status", "--set", "run.name={run}", "--set", "train.lr=nan"],
+     "train.lr = nan: must be a finite number > 0"),
+    ("kl-weight-nan", None, ["status", "--set", "run.name={run}", "--set", "drafter.kl_weight=nan"],
+     "drafter.kl_weight = nan: must be a finite number >= 0"),
+    ("supervisor-negative-reap-interval", None,
+     ["supervisor", "--set", "run.name={run}", "--set", 'run.run_dir="{tmp}/locks"', *NO_METRICS,
+      "--set", "supervisor.reap_interval_s=-1"], "supervisor.reap_interval_s = -1.0: must be a finite number > 0"),
+    ("target-a-trillion-epochs", _ring_with_data, ["target", "--index", "0", *NO_METRICS,
+                                                   "--set", "data.epochs=1_000_000_000_000"],
+     "data.epochs = 1_000_000_000_000: must be an integer >= 1 and <= 10000"),
 ]
 
 

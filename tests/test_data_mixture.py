@@ -189,7 +189,7 @@ def test_a_resume_with_another_mix_is_refused_naming_both(tmp_path):
 
 @pytest.mark.parametrize("sets, says", [
     (['data.path="a.jsonl"', 'data.sources=[{path="b.jsonl"}]'], "are both set"),
-    (['data.sources=[{path="a.jsonl"}, {path="b.jsonl", weight=-1}]'], "[data.sources[1]]: weight = -1.0"),
+    (['data.sources=[{path="a.jsonl"}, {path="b.jsonl", weight=-1}]'], "data.sources[1].weight = -1.0: must be a finite number > 0"),
     (['data.sources=[{path="x/a.jsonl"}, {path="y/a.jsonl"}]'], "data.sources[0] and data.sources[1] are both named 'a'"),
     (['data.sources=[{path="a.jsonl", wieght=2}]'], "unknown config key 'wieght' in [data.sources[0]]"),
     (['data.sources=[{path="a.jsonl", repeat="yes"}]'], "data.sources[0].repeat = 'yes': expected true or false"),

@@ -79,7 +79,7 @@ def test_the_split_is_part_of_the_plan_and_refused_when_wrong():
 
     assert key(0.0) == key(0.0) != key(0.05) != key(0.1)
     assert key(0.0, [sources[0], replace(sources[1], eval=True)]) != key(0.0)
-    for sets, says in ((["data.eval_fraction=1.0"], "must be at least 0 and below 1"),
+    for sets, says in ((["data.eval_fraction=1.0"], "data.eval_fraction = 1.0: must be a finite number >= 0 and < 1"),
                        (['data.sources=[{path="a.jsonl", eval=true}]'], "nothing is left to train on"),
                        (['data.sources=[{path="a.jsonl"}, {path="b.jsonl", eval=true, repeat=true}]'], "drop repeat"),
                        (['data.sources=[{path="a.jsonl", name="my code"}]'], "1 to 64 letters, digits"),

@@ -59,9 +59,9 @@ def test_the_final_hidden_state_ships_exactly_when_the_objective_reads_it():
 @pytest.mark.parametrize("override, message", [
     ('drafter.recipe="eagle"', "recipe 'eagle' is not one of 'paper', 'dpace', 'ddtree'"),
     ('drafter.loss="mse"', "drafter.loss = 'mse': expected one of 'ce', 'dpace'"),
-    ("drafter.dpace_alpha=1.5", "dpace_alpha must lie in [0, 1]"),
-    ("drafter.cap_weight=-1", "cap_weight must be a finite number >= 0"),
-    ("drafter.kl_weight=nan", "kl_weight must be a finite number >= 0"),
+    ("drafter.dpace_alpha=1.5", "drafter.dpace_alpha = 1.5: must be a finite number >= 0 and <= 1"),
+    ("drafter.cap_weight=-1", "drafter.cap_weight = -1.0: must be a finite number >= 0"),
+    ("drafter.kl_weight=nan", "drafter.kl_weight = nan: must be a finite number >= 0"),
     ("drafter.block_size=12", "no paper loss_gamma for block_size=12"),
 ])
 def test_bad_objective_settings_are_refused_by_name(override, message):
