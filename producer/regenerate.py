@@ -190,6 +190,10 @@ def regenerate(cfg: Config, *, device: str | None = None, metrics: RegenerateMet
         # bad rows gets one error line with examples instead of a warning per row before it.
         usable = any(rec.rows > len(rec.bad_rows) for rec in output.records.values())
         unwarned: list[list[Any]] = []
+        # Until one prompt of the job is answered, a shard whose every prompt failed is held back, not recorded:
+        # a job that fails on every row (a broken template, a server refusing each request) records nothing.
+        answered = any(rec.rows > len(rec.bad_rows) + len(rec.errors) for rec in output.records.values())
+        held: list[ShardRecord] = []
         engine: Engine | None = None
         try:
             for k in range(shards):
@@ -211,6 +215,15 @@ def regenerate(cfg: Config, *, device: str | None = None, metrics: RegenerateMet
                     replies = _answer(engine, prompts, settings, metrics, on_reply,
                                       f"shard {k} (rows {first}-{last - 1})", len(output.records))
                 record, lines = shard_output(k, first, last - first, prompts, replies, bad, r.keep_truncated)
+                if prompts and not answered and len(record.errors) == len(prompts):
+                    held.append(record)
+                    continue
+                answered = answered or bool(prompts)
+                for earlier in held:  # the job works after all: those shards' errors are rows' errors
+                    output.commit(earlier, [])
+                    _count(metrics, earlier)
+                    done += earlier.rows
+                held = []
                 output.commit(record, lines)
                 _count(metrics, record)
                 done += record.rows
@@ -226,6 +239,8 @@ def regenerate(cfg: Config, *, device: str | None = None, metrics: RegenerateMet
         finally:
             if engine is not None:
                 engine.close()
+        if held:
+            raise _all_failed(held, len(output.records))
         summary = _summary(output, data, rows, shards, resumed, done - before, time.monotonic() - started)
     if summary.bad_rows == rows:
         bad = [b for k in sorted(output.records) for b in output.records[k].bad_rows]
@@ -236,6 +251,15 @@ def regenerate(cfg: Config, *, device: str | None = None, metrics: RegenerateMet
     if warned > _WARN_ROWS:
         log.warning("... and %d more bad rows (all listed in %s)", warned - _WARN_ROWS, out / STATE_DIR)
     return summary
+
+
+def _all_failed(held: list[ShardRecord], finished: int) -> RegenerateError:
+    """Every prompt the engine was given failed: one line with the first reasons, nothing recorded as done."""
+    errors = [e for rec in held for e in rec.errors]
+    examples = "; ".join(f"row {i}: {why}" for i, why in errors[:2])
+    return RegenerateError(f"the engine failed on every prompt it was given ({len(errors)} rows of {len(held)} "
+                           f"shards; {examples}): none of them is recorded as done ({finished} shards finished "
+                           "before); fix the cause and run the same command again")
 
 
 def shard_prompts(rows: Sequence[Any], json_rows: bool, first: int) -> tuple[list[Prompt], list[list[Any]]]:
