@@ -39,7 +39,7 @@ from dflash_ring.common.output_dir import check_output_dir
 from dflash_ring.common.regenerate_config import RegenerateConfigError
 from dflash_ring.common.target_config import TargetConfigError
 
-from .data_source import DataFiles, batch_rows, locate, open_dataset
+from .data_source import DataFiles, batch_rows, check_row_size, locate, max_row_bytes, open_dataset
 from .generation import Engine, GenerationSettings, Prompt, Reply
 
 log = logging.getLogger(__name__)
@@ -200,7 +200,8 @@ def regenerate(cfg: Config, *, device: str | None = None, metrics: RegenerateMet
                 if k in output.records:
                     continue
                 first, last = k * r.shard_rows, min(rows, (k + 1) * r.shard_rows)
-                prompts, bad = shard_prompts(batch_rows(ds[first:last], json_rows), json_rows, first)
+                prompts, bad = shard_prompts(batch_rows(ds[first:last], json_rows), json_rows, first,
+                                             max_row_bytes(cfg.data.max_length))
                 unwarned += bad
                 usable = usable or bool(prompts)
                 if usable:
@@ -262,11 +263,15 @@ def _all_failed(held: list[ShardRecord], finished: int) -> RegenerateError:
                            "before); fix the cause and run the same command again")
 
 
-def shard_prompts(rows: Sequence[Any], json_rows: bool, first: int) -> tuple[list[Prompt], list[list[Any]]]:
-    """The prompts of consecutive source rows starting at row `first`, and the rows that hold none ([row, why])."""
+def shard_prompts(rows: Sequence[Any], json_rows: bool, first: int,
+                  cap: int | None = None) -> tuple[list[Prompt], list[list[Any]]]:
+    """The prompts of consecutive source rows starting at row `first`, and the rows that hold none ([row, why]);
+    a row over `cap` (`max_row_bytes`) is one of those, unparsed."""
     prompts, bad = [], []
     for index, raw in enumerate(rows, start=first):
         try:
+            if cap is not None:
+                check_row_size(raw, cap)
             prompts.append(Prompt(index, tuple(prompt_of(decode_json_row(raw) if json_rows else raw))))
         except BadRow as e:
             bad.append([index, str(e)])
