@@ -19,6 +19,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_ring.common.bounded_read import CONFIG_BYTES, read_text
 from dflash_ring.common.run_name import RunNameError, check_run_name
 from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.common.train_config import TrainConfig
@@ -266,7 +267,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
     raw: dict[str, typing.Any] = {}
     if path is not None:
         try:
-            raw = tomllib.loads(Path(path).read_text())
+            raw = tomllib.loads(read_text(path, CONFIG_BYTES, ConfigError, "config file"))
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as e:

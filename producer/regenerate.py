@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash_ring.common.bounded_read import RECORD_BYTES, read_text
 from dflash_ring.common.chat_encoding import BadRow, conversation_of, decode_json_row, prompt_of
 from dflash_ring.common.config import Config
 from dflash_ring.common.crash_points import crash_point
@@ -412,7 +413,7 @@ class OutputDir:
             _write_durably(job_file, json.dumps(self.job, indent=1, sort_keys=True).encode())
             return
         try:
-            there = json.loads(job_file.read_text())
+            there = json.loads(read_text(job_file, RECORD_BYTES, RegenerateError, "job record"))
         except (OSError, ValueError) as e:
             raise RegenerateError(f"{job_file} cannot be read ({e}): choose a new regenerate.output") from None
         if there != self.job:
@@ -425,7 +426,7 @@ class OutputDir:
     def _read_records(self) -> None:
         for path in sorted(self.state.glob("shard-*.json")):
             try:
-                record = ShardRecord(**json.loads(path.read_text()))
+                record = ShardRecord(**json.loads(read_text(path, RECORD_BYTES, RegenerateError, "shard record")))
             except (OSError, ValueError, TypeError) as e:
                 raise RegenerateError(f"shard record {path} cannot be read ({e}): delete it and "
                                       f"{self.root / (path.stem + '.jsonl')} to write that shard again") from None

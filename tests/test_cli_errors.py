@@ -36,6 +36,12 @@ def _model_dir_without_weights(tmp: Path, name: str) -> list[str]:
     return ["--set", f'target.path="{d}"']
 
 
+def _huge_config(tmp: Path, name: str) -> list[str]:
+    """A valid TOML file of 5 MB (comments): no config is that large, so it is not read whole."""
+    (tmp / "huge.toml").write_text("# padding\n" * 500_000)
+    return []
+
+
 def _a_file(tmp: Path, name: str) -> list[str]:
     (tmp / "afile").write_text("x")
     return []
@@ -223,6 +229,8 @@ CASES = [
     ("status-foreign-run", _foreign_ring, ["status", "{run}"], "belongs to uid 65534"),
     ("clean-foreign-run", _foreign_ring, ["clean", "{run}"], "belongs to uid 65534"),
     ("missing-config", None, ["status", "--config", "{tmp}/nope.toml"], "does not exist"),
+    ("config-too-large", _huge_config, ["status", "--config", "{tmp}/huge.toml"],
+     "config file {tmp}/huge.toml is larger than 4 MiB"),
     ("export-unwritable", _a_file, ["export", "{tmp}/ckpt", "{tmp}/afile/out"], "is not a directory"),
     ("export-no-checkpoint", None, ["export", "{tmp}/ckpt", "{tmp}/out"], "no complete checkpoint"),
     ("target-index-out-of-range", None, ["target", "--index", "3", *NO_METRICS], "--index 3 is out of range"),
