@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
+from dflash_ring.common.bounded_read import CONFIG_BYTES, read_text
 from dflash_ring.common.range_config import DEFAULT, PositiveSeconds, Range, Seconds, range_of, refusal
 from dflash_ring.common.run_name import RunNameError, check_run_name
 from dflash_ring.common.drafter_config import DrafterConfig
@@ -271,7 +272,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
     raw: dict[str, typing.Any] = {}
     if path is not None:
         try:
-            raw = tomllib.loads(Path(path).read_text())
+            raw = tomllib.loads(read_text(path, CONFIG_BYTES, ConfigError, "config file"))
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as e:

@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .bounded_read import RECORD_BYTES, read_text
+
 log = logging.getLogger(__name__)
 
 
@@ -37,6 +39,11 @@ def cursor_path(state_dir: str | os.PathLike, run: str, index: int) -> Path:
     return Path(state_dir).expanduser() / run / f"producer-{index}.json"
 
 
+class CursorFileError(RuntimeError):
+    """A cursor file that exists but cannot be read: starting over at epoch 0 would redo (or with a ring's replay
+    list, lose) data, so it is refused; the message names the file and what to do."""
+
+
 class CursorFile:
     """The resume point on disk, tagged with the data plan it belongs to (a changed plan ignores it)."""
 
@@ -56,18 +63,19 @@ class CursorFile:
         return state
 
     def read(self) -> tuple[str, str, ResumeState] | None:
-        """(plan, plan description, state) whatever the plan; None when absent or unreadable."""
+        """(plan, plan description, state) whatever the plan; None when absent, CursorFileError when damaged."""
         try:
-            saved = json.loads(self.path.read_text())
+            saved = json.loads(read_text(self.path, RECORD_BYTES, CursorFileError, "cursor file"))
             state = ResumeState(int(saved["epoch"]), int(saved["position"]),
                                 tuple((int(e), int(p)) for e, p in saved.get("replay", [])),
                                 int(saved.get("replayed", 0)))
             return str(saved.get("plan", "")), str(saved.get("plan_description", "")), state
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            log.warning("ignoring unreadable cursor file %s: %s", self.path, e)
-            return None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+            raise CursorFileError(
+                f"cursor file {self.path} cannot be read ({type(e).__name__}: {e}): restore it, or delete "
+                "it to start this producer's shard again from the beginning (epoch 0)") from None
 
     def save(self, state: ResumeState, *, durable: bool = False) -> None:
         """Replace the file atomically; `durable` also fsyncs it (the one copy left once the ring is gone)."""

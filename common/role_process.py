@@ -5,7 +5,9 @@
    while it waits for the ring a process holds nothing, and the default handlers end it at once (a
    handler set earlier left it deaf to `systemctl stop` for all of run.attach_timeout_s). A target
    attaches before loading its model (a wrong config costs no load); a drafter after (a wrong model
-   fails at once, without waiting for a ring).
+   fails at once, without waiting for a ring). Phases after `attach` that never look at `stop`
+   (tokenizing the data, loading the model, building the plan: minutes) run inside `interruptible()`,
+   where the signal also raises `StopSignal`, so the process unwinds and exits within a bound.
 3. `join`: the process-table row (a dead predecessor's slots undone first), the ledger, READY to systemd.
 4. On the way out, whatever happened: STOPPING to systemd, the row given up (a finished producer
    keeps DONE), the lock released, the ring closed.
@@ -32,6 +34,11 @@ from dflash_ring.common.ring import Ring
 from dflash_ring.common.startup import Startup
 
 
+class StopSignal(BaseException):
+    """SIGTERM or SIGINT during an `interruptible()` phase: not an Exception, so no `except Exception` in the
+    loading code swallows it."""
+
+
 class RoleProcess:
     """What a target or drafter process holds for its lifetime; made by `role_process`."""
 
@@ -43,6 +50,7 @@ class RoleProcess:
         self.member: Membership | None = None
         self.ledger: Ledger | None = None
         self._stack = stack
+        self._interruptible = 0
 
     @property
     def name(self) -> str:
@@ -52,8 +60,25 @@ class RoleProcess:
         """Wait for the supervisor's ring (run.attach_timeout_s), then let SIGTERM/SIGINT set `stop`."""
         self.ring = self._stack.enter_context(Ring.attach(self.cfg, pin=pin))
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stop.set())
+            signal.signal(sig, self._on_signal)
         return self.ring
+
+    @contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """A phase that never checks `stop` (loading, tokenizing, planning): a signal in it raises StopSignal.
+        Only for code that may be abandoned at any point (no ring or process-table write in it)."""
+        if self.stop.is_set():
+            raise StopSignal
+        self._interruptible += 1
+        try:
+            yield
+        finally:
+            self._interruptible -= 1
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.stop.set()
+        if self._interruptible:
+            raise StopSignal(signal.Signals(signum).name)
 
     def join(self, ready: str) -> Membership:
         """Take this process's row and ledger and tell systemd it is ready (`ready` says what it loaded)."""

@@ -19,6 +19,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from dflash_ring.common.bounded_read import CONFIG_BYTES, read_text
+from dflash_ring.common.safetensors_check import DamagedWeightsError, weight_files
+
 # Checkpoint names, in order: text models, transformers-5 multimodal wrappers (Qwen3.5, Gemma3 as
 # loaded), and the multimodal layout published on the hub (Gemma3: language_model.model.*).
 EMBED_KEYS = (
@@ -51,7 +54,15 @@ def head_spec(root: Path) -> HeadSpec:
     """Read tying, embedding scale and softcapping from the target's config, as its HF class resolves them."""
     from transformers import AutoConfig  # the installed config classes only: defaults differ per family
 
-    raw = json.loads((root / "config.json").read_text())
+    file = root / "config.json"
+    try:
+        raw = json.loads(read_text(file, CONFIG_BYTES, DamagedWeightsError, "the target's config"))
+    except (ValueError, RecursionError) as e:
+        if isinstance(e, DamagedWeightsError):
+            raise
+        raise DamagedWeightsError(f"{file} is not valid JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(raw, dict):
+        raise DamagedWeightsError(f"{file} is not a JSON object")
     model_type = raw.get("model_type")
     if model_type not in EMBED_SCALED:
         raise ValueError(
@@ -112,15 +123,17 @@ def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 
 def _tensor_files(root: Path) -> dict[str, Path]:
-    """Which safetensors file holds each tensor, for single-file and sharded checkpoints."""
+    """Which safetensors file holds each tensor, for single-file and sharded checkpoints; a file that does not
+    parse is a one-line DamagedWeightsError naming it (checked before safetensors reads it)."""
     index = root / "model.safetensors.index.json"
-    if index.exists():
-        return {k: root / f for k, f in json.loads(index.read_text())["weight_map"].items()}
     single = root / "model.safetensors"
-    if not single.exists():
+    if not index.exists() and not single.exists():
         raise FileNotFoundError(f"{root}: no model.safetensors or model.safetensors.index.json")
-    with safe_open(single, framework="pt") as f:
-        return {k: single for k in f.keys()}
+    files = {}
+    for path in weight_files(root):
+        with safe_open(path, framework="pt") as f:
+            files.update((k, path) for k in f.keys())
+    return files
 
 
 def _one_key(files: dict[str, Any], keys: tuple[str, ...], root: Path, what: str) -> str | None:

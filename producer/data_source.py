@@ -3,6 +3,13 @@
 JSON input is read one line (one row) as plain text and parsed later, row by row: Arrow's
 JSON reader infers one schema for the whole file, so a single wrong-typed row would abort
 the load instead of being skipped.
+
+Every row has a size bound, `max_row_bytes` (ROW_BYTES_PER_TOKEN bytes per token of data.max_length): a row
+larger than that holds far more than the max_length tokens a sample keeps, and parsing and tokenizing it whole
+costs hundreds of times its size in memory (one 50 MB line took `data stats` past 13 GB). A JSON line over
+the bound is never held whole: the reader streams the file and puts a short marker in its place (a copy in
+the cache, written only when a file has such a line), which becomes a skipped row with its reason, so row
+indices stay those of the source. Other formats' rows are measured before they are parsed or tokenized.
 """
 
 from __future__ import annotations
@@ -11,10 +18,12 @@ import codecs
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dflash_ring.common.chat_encoding import BadRow
 from dflash_ring.common.data_config import DataConfig, DataError
 
 if TYPE_CHECKING:  # imported where a data set is opened: a producer whose tokenized cache is there never needs it
@@ -22,6 +31,12 @@ if TYPE_CHECKING:  # imported where a data set is opened: a producer whose token
 
 _SUFFIXES = {".json": "json", ".jsonl": "jsonl", ".parquet": "parquet", ".arrow": "arrow"}
 ROW_COLUMNS = ("messages", "prompt", "response")
+# Bytes of row per token of data.max_length before a row is skipped unread: a token of text is a few bytes (JSON
+# escapes of non-ASCII text: up to ~12 per character), so this keeps every row the tokenizer could fill.
+ROW_BYTES_PER_TOKEN = 256
+JSON_ARRAY_BYTES = 1 << 30  # a JSON-array file is parsed whole: larger ones are refused (write .jsonl instead)
+_OVERSIZED = "\x00oversized row of "  # the line that stands for one over the bound (NUL: never valid JSON)
+_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -51,6 +66,35 @@ def locate(cfg: DataConfig) -> DataFiles:
     return DataFiles(root, fmt, tuple(files), _fingerprint(files))
 
 
+def max_row_bytes(max_length: int) -> int:
+    """The largest row (bytes of its JSON line, or of its text fields) read and tokenized: see the module doc."""
+    return ROW_BYTES_PER_TOKEN * max_length
+
+
+def check_row_size(raw: Any, cap: int) -> None:
+    """BadRow for a row over the bound, before it is parsed or tokenized: a JSON line's marker or length, a row
+    dict's total text."""
+    size = len(raw) if isinstance(raw, str) else _text_size(raw, cap)
+    if isinstance(raw, str) and raw.startswith(_OVERSIZED):
+        size = int(raw[len(_OVERSIZED):].split()[0])
+    if size > cap:
+        raise BadRow(f"row of {size} bytes, over the {cap}-byte bound ({ROW_BYTES_PER_TOKEN} per token of "
+                     "data.max_length): skipped unread, as it holds far more than a sample keeps")
+
+
+def _text_size(value: Any, cap: int) -> int:
+    """Characters of text in a row (strings, through lists and dicts), counted until past `cap`."""
+    if isinstance(value, str):
+        return len(value)
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    total = 0
+    for item in items:
+        total += _text_size(item, cap)
+        if total > cap:
+            break
+    return total
+
+
 def open_dataset(data: DataFiles, cfg: DataConfig) -> tuple[datasets.Dataset, bool]:
     """The rows, and whether they are JSON texts (a "text" column) still to be parsed one by one."""
     import datasets
@@ -61,7 +105,9 @@ def open_dataset(data: DataFiles, cfg: DataConfig) -> tuple[datasets.Dataset, bo
     if data.format in ("json", "jsonl"):
         if not any(f.stat().st_size for f in data.files):
             raise DataError(f"data set {data.root} has no rows")  # the text reader fails on empty input
-        lines = [str(_as_json_lines(f, hf_cache / "json-lines")) for f in data.files]
+        cap = max_row_bytes(cfg.max_length)
+        lines = [str(_bounded_lines(_as_json_lines(f, hf_cache / "json-lines"), hf_cache / "json-lines", cap))
+                 for f in data.files]
         ds = datasets.load_dataset(
             "text",
             data_files=lines,
@@ -124,6 +170,10 @@ def _as_json_lines(path: Path, cache: Path) -> Path:
     out = cache / f"{_fingerprint([path])}.jsonl"
     if out.exists():
         return out
+    if (size := path.stat().st_size) > JSON_ARRAY_BYTES:
+        raise DataError(f"{path} is a JSON array of {size >> 20} MiB, parsed whole only up to "
+                        f"{JSON_ARRAY_BYTES >> 20} MiB: write it as one JSON object per line (.jsonl), which is "
+                        "read a row at a time")
     try:
         rows = json.loads(path.read_text(encoding="utf-8-sig"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -137,6 +187,52 @@ def _as_json_lines(path: Path, cache: Path) -> Path:
     tmp.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     tmp.replace(out)
     return out
+
+
+def _bounded_lines(path: Path, cache: Path, cap: int) -> Path:
+    """`path`, or when a line of it is over `cap` bytes a cached copy with a marker line in its place; both
+    passes stream the file, holding at most one chunk and `cap` bytes of a line."""
+    if not any(n > cap for n in _line_sizes(path)):
+        return path
+    out = cache / f"{_fingerprint([path])}-bounded-{cap}.jsonl"
+    if out.exists():
+        return out
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    with open(path, "rb") as src, open(tmp, "wb") as dst:
+        line: list[bytes] = []
+        size = 0
+        while chunk := src.read(_CHUNK):
+            start = 0
+            while (end := chunk.find(b"\n", start)) >= 0 or start < len(chunk):
+                piece = chunk[start:] if end < 0 else chunk[start:end]
+                size += len(piece)
+                if size <= cap:
+                    line.append(piece)
+                if end < 0:
+                    break
+                dst.write(b"".join(line) if size <= cap else f"{_OVERSIZED}{size} bytes".encode())
+                dst.write(b"\n")
+                line, size, start = [], 0, end + 1
+        if size or line:
+            dst.write(b"".join(line) if size <= cap else f"{_OVERSIZED}{size} bytes".encode())
+            dst.write(b"\n")
+    tmp.replace(out)
+    return out
+
+
+def _line_sizes(path: Path) -> Iterator[int]:
+    """The byte length of every line of `path` (its newline not counted), a chunk at a time."""
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            start = 0
+            while (end := chunk.find(b"\n", start)) >= 0:
+                yield size + end - start
+                size, start = 0, end + 1
+            size += len(chunk) - start
+    if size:
+        yield size
 
 
 def _load_disk(root: Path, split: str) -> datasets.Dataset:

@@ -3,7 +3,7 @@
 vLLM, SGLang and `transformers serve` all answer POST `{base_url}/chat/completions`; this engine
 sends one non-streaming request per prompt (`n` = 1) from a bounded thread pool, so at most
 `regenerate.concurrency` requests are in flight, spread round-robin over `regenerate.base_urls`.
-Standard library only (urllib, concurrent.futures, json): one blocking request per worker thread
+Standard library only (http.client, concurrent.futures, json): one blocking request per worker thread
 is all a batch job needs, and the CLI stays free of an HTTP client dependency.
 
 Each request carries the model, the chat, `max_tokens`, `temperature`, `top_p`, a per-prompt
@@ -50,8 +50,7 @@ import os
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -67,6 +66,9 @@ log = logging.getLogger(__name__)
 UNAVAILABLE_STATUSES = frozenset({408, 429, 502, 503, 504})
 REFUSING_STATUSES = frozenset({401, 403, 404})  # the key, the URL or the model: wrong for every row
 _ERROR_TEXT_CHARS = 500  # of a server's error body kept in a Reply
+# The cap on a reply's body: a token is rarely over 16 characters, each at most 12 bytes as JSON escapes, and
+# the rest of an OpenAI reply (ids, usage, the echoed model name) is well under 1 MiB.
+_REPLY_BASE_BYTES, _REPLY_BYTES_PER_TOKEN = 1 << 20, 256
 
 
 class OpenAIEngineError(RuntimeError):
@@ -162,8 +164,9 @@ class OpenAIEngine:
         self._model_lock = threading.Lock()
         self._closed = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="openai-engine")
-        # No proxy from the environment: the servers are ours (loopback or the cluster's own hosts).
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        # A reply's body may hold this much: JSON around max_new_tokens tokens of (escaped) text, with room to spare.
+        self._max_new_tokens = cfg.max_new_tokens
+        self._reply_cap = _REPLY_BASE_BYTES + _REPLY_BYTES_PER_TOKEN * cfg.max_new_tokens
 
     # --- Engine ---------------------------------------------------------------------------------
 
@@ -207,10 +210,11 @@ class OpenAIEngine:
             if not self._model:
                 answer = self._call("GET", "/models", None)
                 if answer.status != 200:
-                    raise OpenAIEngineError(
-                        f"openai engine: GET {answer.url}/models answered HTTP {answer.status}: {_snippet(answer.body)}")
+                    what = (answer.body if answer.status == _TOO_LARGE
+                            else f"HTTP {answer.status}: {_snippet(answer.body)}")
+                    raise OpenAIEngineError(f"openai engine: GET {answer.url}/models answered {what}")
                 models = answer.body.get("data") if isinstance(answer.body, dict) else None
-                if not models or not isinstance(models[0], dict) or "id" not in models[0]:
+                if not (isinstance(models, list) and models and isinstance(models[0], dict) and "id" in models[0]):
                     raise OpenAIEngineError(
                         f"openai engine: GET {answer.url}/models lists no model ({_snippet(answer.body)}): "
                         "set regenerate.model")
@@ -240,6 +244,8 @@ class OpenAIEngine:
                 f"openai engine: HTTP {answer.status} from {answer.url}/chat/completions: {_snippet(answer.body)}; "
                 "every request would be refused alike: check regenerate.api_key_env (401/403), the base URL "
                 "(it ends with /v1) and regenerate.model (404)")
+        if answer.status == _TOO_LARGE:
+            return _error(prompt, f"{answer.url} sent {answer.body}")
         if answer.status != 200:
             return _error(prompt, f"HTTP {answer.status} from {answer.url}: {_snippet(answer.body)}")
         try:
@@ -250,7 +256,8 @@ class OpenAIEngine:
             usage = answer.body.get("usage") or {}
             prompt_tokens, completion_tokens = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
             finish = choice.get("finish_reason")
-        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+            _check_reply(text, prompt_tokens, completion_tokens, settings.max_new_tokens)
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError) as e:
             return _error(prompt, f"unreadable answer from {answer.url} ({type(e).__name__}: {e}): {_snippet(answer.body)}")
         if reasoning:
             # The server split the reply (a reasoning parser): what the model wrote cannot be put back exactly.
@@ -299,36 +306,89 @@ class OpenAIEngine:
             f"last failure: {last.url}{path}: {last.what}")
 
     def _send(self, method: str, url: str, path: str, data: bytes | None) -> _Answer | _Failure:
-        request = urllib.request.Request(url + path, data=data, method=method, headers=self._headers)
+        """One request, bounded as a whole: `timeout_s` from connect to the last byte (a server dripping its reply
+        a byte at a time is cut off at the deadline, not timed per read) and `_reply_cap` bytes of body."""
+        target = urllib.parse.urlsplit(url + path)
+        kind = http.client.HTTPSConnection if target.scheme == "https" else http.client.HTTPConnection
+        conn = kind(target.hostname, target.port, timeout=self.cfg.timeout_s)
+        # At the deadline the socket is shut down, which ends whatever read is waiting on it.
+        deadline = threading.Timer(self.cfg.timeout_s, _shut, (conn,))
+        deadline.daemon = True
+        started = time.monotonic()
+        deadline.start()
         try:
-            with self._opener.open(request, timeout=self.cfg.timeout_s) as response:
-                return _Answer(response.status, _parse(response.read()), url)
-        except urllib.error.HTTPError as e:  # the server answered, with an error status
-            try:
-                raw = e.read()
-            except (OSError, http.client.HTTPException):
-                raw = b""
-            finally:
-                e.close()
-            if e.code in UNAVAILABLE_STATUSES:
-                return _Failure(url, f"HTTP {e.code}: {_snippet(_parse(raw))}")
-            return _Answer(e.code, _parse(raw), url)
-        except (TimeoutError, socket.timeout):
-            return _Failure(url, f"timed out after {self.cfg.timeout_s:g} s (regenerate.timeout_s)")
-        except urllib.error.URLError as e:
-            reason = e.reason
-            if isinstance(reason, (TimeoutError, socket.timeout)):
+            conn.request(method, target.path + (f"?{target.query}" if target.query else ""), body=data,
+                         headers=self._headers)
+            response = conn.getresponse()
+            raw = _read_capped(response, self._reply_cap)
+            status = response.status
+        except (OSError, http.client.HTTPException) as e:  # refused, reset, closed mid-answer, a bad status line
+            if time.monotonic() - started >= self.cfg.timeout_s or isinstance(e, (TimeoutError, socket.timeout)):
                 return _Failure(url, f"timed out after {self.cfg.timeout_s:g} s (regenerate.timeout_s)")
-            return _Failure(url, f"cannot connect: {reason}")
-        except (OSError, http.client.HTTPException) as e:  # reset, closed mid-answer, a bad status line
+            if isinstance(e, ConnectionRefusedError) or (isinstance(e, OSError) and not response_started(conn)):
+                return _Failure(url, f"cannot connect: {e}")
             return _Failure(url, f"{type(e).__name__}: {e}")
+        except _TooLarge:
+            return _Answer(_TOO_LARGE, f"a reply over {self._reply_cap} bytes (the cap for regenerate.max_new_tokens "
+                                       f"= {self._max_new_tokens}), not read further", url)
+        finally:
+            deadline.cancel()
+            conn.close()
+        if status in UNAVAILABLE_STATUSES:
+            return _Failure(url, f"HTTP {status}: {_snippet(_parse(raw))}")
+        return _Answer(status, _parse(raw), url)
+
+
+class _TooLarge(Exception):
+    """A reply body over the cap: read no further."""
+
+
+_TOO_LARGE = 0  # the _Answer status of a reply cut off at the cap: that row's error, not retried
+
+
+def _read_capped(response: http.client.HTTPResponse, cap: int) -> bytes:
+    """The body, refused once it passes `cap` bytes (whatever Content-Length says)."""
+    chunks, size = [], 0
+    while chunk := response.read(min(1 << 16, cap + 1 - size)):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > cap:
+            raise _TooLarge
+    if response.length:  # read(n) returns short, not an error, when the socket ends early (or was shut down)
+        raise http.client.IncompleteRead(b"".join(chunks), response.length)
+    return b"".join(chunks)
+
+
+def response_started(conn: http.client.HTTPConnection) -> bool:
+    """Whether the connection got as far as a socket (an error before one is a failure to connect)."""
+    return conn.sock is not None
+
+
+def _shut(conn: http.client.HTTPConnection) -> None:
+    sock = conn.sock
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def _check_reply(text: Any, prompt_tokens: int, completion_tokens: int, max_new_tokens: int) -> None:
+    """A reply's fields as the request bounds them; ValueError (that row's error) otherwise."""
+    if not isinstance(text, str):
+        raise ValueError(f"the reply's content is a {type(text).__name__}, not a string")
+    if prompt_tokens < 0 or completion_tokens < 0:
+        raise ValueError(f"negative token counts (prompt {prompt_tokens}, completion {completion_tokens})")
+    if completion_tokens > max_new_tokens:
+        raise ValueError(f"{completion_tokens} completion tokens, over the {max_new_tokens} asked for "
+                         "(regenerate.max_new_tokens)")
 
 
 def _parse(raw: bytes) -> Any:
     text = raw.decode("utf-8", errors="replace")
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested too deep to parse: the text as it came
         return text
 
 

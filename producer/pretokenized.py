@@ -24,7 +24,7 @@ from dflash_ring.common.durable import exclusive
 from dflash_ring.common.chat_encoding import BadRow, ChatEncoder, decode_json_row
 from dflash_ring.common.data_config import DataConfig, DataError
 from dflash_ring.common.target_config import TargetConfig
-from .data_source import DataFiles, batch_rows, locate, open_dataset
+from .data_source import DataFiles, batch_rows, check_row_size, locate, max_row_bytes, open_dataset
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -136,9 +136,11 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
 def _encode_batch(batch: dict[str, list[Any]], *, encoder: ChatEncoder, json_rows: bool) -> dict[str, list[Any]]:
     """datasets.map body: a bad row becomes an empty sample carrying its reason, never an exception."""
     rows = batch_rows(batch, json_rows)
+    cap = max_row_bytes(encoder.max_length)
     out: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "bad": []}
     for raw in rows:
         try:
+            check_row_size(raw, cap)  # before it is parsed or tokenized: memory grows many times a row's size
             ids, mask = encoder.encode(decode_json_row(raw) if json_rows else raw)
             reason = ""
         except BadRow as e:

@@ -43,7 +43,7 @@ from dflash_ring.common.ledger import Ledger
 from dflash_ring.common.resume_state import CursorFile, ResumeState, cursor_path
 from dflash_ring.common.metrics import DeviceSpan, ProducerMetrics
 from dflash_ring.common.ring import Ring, SlotWriter
-from dflash_ring.common.role_process import role_process
+from dflash_ring.common.role_process import RoleProcess, StopSignal, role_process
 from dflash_ring.common.slot_contract import FEATURES, FINAL_HIDDEN, HOST_TENSORS, META_KEYS, check_fits, item_tensors
 from dflash_ring.common.startup import Startup
 
@@ -391,11 +391,23 @@ def run_producer(cfg: Config, index: int, device_name: str | None, startup: Star
     device = resolve_device(device_name or cfg.target.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    producers = cfg.topology.producers
     with role_process(cfg, Role.PRODUCER, index, device_uuid(device), startup) as proc:
         metrics = ProducerMetrics(proc.registry)
         ring = proc.attach(pin=device.type == "cuda")  # a mismatched config fails before any loading
         startup.mark("attach")  # metrics port, and the wait for the supervisor's ring
+        try:
+            return _produce(cfg, index, device, startup, proc, metrics, ring)
+        except StopSignal as e:  # in a phase that never looks at the stop flag: it unwound instead
+            log.info("stopped by %s while starting (before the first publish)", e)
+            return 0
+
+
+def _produce(cfg: Config, index: int, device: torch.device, startup: Startup, proc: RoleProcess,
+             metrics: ProducerMetrics, ring: Ring) -> int:
+    """The producer after `attach`: loading and planning are interruptible (`RoleProcess.interruptible`); the
+    publish loop checks the stop flag itself."""
+    producers = cfg.topology.producers
+    with proc.interruptible():
         tokenizer = target_tokenizer(cfg.target)
         sources = load_sources(cfg.data, tokenizer)
         metrics.bad_rows.inc(sum(len(s.data.bad_rows) for s in sources))
@@ -420,41 +432,42 @@ def run_producer(cfg: Config, index: int, device_name: str | None, startup: Star
         path = cursor_path(cfg.target.state_dir, cfg.run.name, index)
         path.parent.mkdir(parents=True, exist_ok=True)
         cursor_file = CursorFile(path, plan_key(batcher), plan_description(batcher))
-        me = proc.join("model loaded, ring attached")
-        startup.mark("join")  # the batch plan, and the row (waits for a dead predecessor's lock)
+    me = proc.join("model loaded, ring attached")
+    startup.mark("join")  # the batch plan, and the row (waits for a dead predecessor's lock)
+    with proc.interruptible():
         plan = [len(batcher.epoch_plan(e)) for e in range(cfg.data.epochs)]
         eval_positions = [batcher.eval_positions(e) for e in range(cfg.data.epochs)]
-        ring.set_planned_items(me.row, sum(plan), sum(map(len, eval_positions)))
-        loader = None
-        try:
-            start, source = resume_point(ring, me.row, cursor_file)
-            log.info("producer %d of %d: %d samples an epoch, %d epochs, %s features; resuming at epoch %d "
-                     "position %d (from the %s)%s", index, producers, composition.total.epoch_rows, cfg.data.epochs,
-                     resolve_dtype(cfg.target.dtype, device), start.epoch, start.position, source,
-                     f", after {len(start.pending_replay)} batch(es) a stopped run left untrained"
-                     if start.pending_replay else "")
-            pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-            loader = Loader(resumed_batches(batcher, start),
-                            lambda b: prepare(b, packed=target.packed, pad_id=pad_id, pin=device.type == "cuda"))
-            producer = Producer(ring, me.row, index, target, stop=proc.stop, cursor_file=cursor_file,
-                                metrics=metrics, replay=start.replay, source_names=tuple(s.name for s in sources))
+    ring.set_planned_items(me.row, sum(plan), sum(map(len, eval_positions)))
+    loader = None
+    try:
+        start, source = resume_point(ring, me.row, cursor_file)
+        log.info("producer %d of %d: %d samples an epoch, %d epochs, %s features; resuming at epoch %d "
+                 "position %d (from the %s)%s", index, producers, composition.total.epoch_rows, cfg.data.epochs,
+                 resolve_dtype(cfg.target.dtype, device), start.epoch, start.position, source,
+                 f", after {len(start.pending_replay)} batch(es) a stopped run left untrained"
+                 if start.pending_replay else "")
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        loader = Loader(resumed_batches(batcher, start),
+                        lambda b: prepare(b, packed=target.packed, pad_id=pad_id, pin=device.type == "cuda"))
+        producer = Producer(ring, me.row, index, target, stop=proc.stop, cursor_file=cursor_file,
+                            metrics=metrics, replay=start.replay, source_names=tuple(s.name for s in sources))
+        if proc.ledger is not None:
+            proc.ledger.write("start", plan=plan, resume=[start.epoch, start.position],
+                              replay=[list(x) for x in start.pending_replay],
+                              **({"eval": eval_positions} if any(eval_positions) else {}))
+            producer.ledger = proc.ledger
+        producer.startup = startup
+        if producer.run(loader):
+            ring.set_row_status(me.row, RowStatus.DONE)
             if proc.ledger is not None:
-                proc.ledger.write("start", plan=plan, resume=[start.epoch, start.position],
-                                  replay=[list(x) for x in start.pending_replay],
-                                  **({"eval": eval_positions} if any(eval_positions) else {}))
-                producer.ledger = proc.ledger
-            producer.startup = startup
-            if producer.run(loader):
-                ring.set_row_status(me.row, RowStatus.DONE)
-                if proc.ledger is not None:
-                    proc.ledger.write("done")
-                # Keep the end, not nothing: a run drained now and started again must not redo this shard.
-                # The supervisor removes the file once every shard is done (the run is complete).
-                cursor_file.save(ResumeState(cfg.data.epochs, 0))
-                log.info("shard done")
-            else:
-                log.info("stopped before the end of the shard (signal, drain or shutdown)")
-        finally:
-            if loader is not None:
-                loader.close()
+                proc.ledger.write("done")
+            # Keep the end, not nothing: a run drained now and started again must not redo this shard.
+            # The supervisor removes the file once every shard is done (the run is complete).
+            cursor_file.save(ResumeState(cfg.data.epochs, 0))
+            log.info("shard done")
+        else:
+            log.info("stopped before the end of the shard (signal, drain or shutdown)")
+    finally:
+        if loader is not None:
+            loader.close()
     return 0

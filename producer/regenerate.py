@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash_ring.common.bounded_read import RECORD_BYTES, read_text
 from dflash_ring.common.chat_encoding import BadRow, conversation_of, decode_json_row, prompt_of
 from dflash_ring.common.config import Config
 from dflash_ring.common.crash_points import crash_point
@@ -39,7 +40,7 @@ from dflash_ring.common.output_dir import check_output_dir
 from dflash_ring.common.regenerate_config import RegenerateConfigError
 from dflash_ring.common.target_config import TargetConfigError
 
-from .data_source import DataFiles, batch_rows, locate, open_dataset
+from .data_source import DataFiles, batch_rows, check_row_size, locate, max_row_bytes, open_dataset
 from .generation import Engine, GenerationSettings, Prompt, Reply
 
 log = logging.getLogger(__name__)
@@ -190,13 +191,18 @@ def regenerate(cfg: Config, *, device: str | None = None, metrics: RegenerateMet
         # bad rows gets one error line with examples instead of a warning per row before it.
         usable = any(rec.rows > len(rec.bad_rows) for rec in output.records.values())
         unwarned: list[list[Any]] = []
+        # Until one prompt of the job is answered, a shard whose every prompt failed is held back, not recorded:
+        # a job that fails on every row (a broken template, a server refusing each request) records nothing.
+        answered = any(rec.rows > len(rec.bad_rows) + len(rec.errors) for rec in output.records.values())
+        held: list[ShardRecord] = []
         engine: Engine | None = None
         try:
             for k in range(shards):
                 if k in output.records:
                     continue
                 first, last = k * r.shard_rows, min(rows, (k + 1) * r.shard_rows)
-                prompts, bad = shard_prompts(batch_rows(ds[first:last], json_rows), json_rows, first)
+                prompts, bad = shard_prompts(batch_rows(ds[first:last], json_rows), json_rows, first,
+                                             max_row_bytes(cfg.data.max_length))
                 unwarned += bad
                 usable = usable or bool(prompts)
                 if usable:
@@ -211,6 +217,15 @@ def regenerate(cfg: Config, *, device: str | None = None, metrics: RegenerateMet
                     replies = _answer(engine, prompts, settings, metrics, on_reply,
                                       f"shard {k} (rows {first}-{last - 1})", len(output.records))
                 record, lines = shard_output(k, first, last - first, prompts, replies, bad, r.keep_truncated)
+                if prompts and not answered and len(record.errors) == len(prompts):
+                    held.append(record)
+                    continue
+                answered = answered or bool(prompts)
+                for earlier in held:  # the job works after all: those shards' errors are rows' errors
+                    output.commit(earlier, [])
+                    _count(metrics, earlier)
+                    done += earlier.rows
+                held = []
                 output.commit(record, lines)
                 _count(metrics, record)
                 done += record.rows
@@ -226,6 +241,8 @@ def regenerate(cfg: Config, *, device: str | None = None, metrics: RegenerateMet
         finally:
             if engine is not None:
                 engine.close()
+        if held:
+            raise _all_failed(held, len(output.records))
         summary = _summary(output, data, rows, shards, resumed, done - before, time.monotonic() - started)
     if summary.bad_rows == rows:
         bad = [b for k in sorted(output.records) for b in output.records[k].bad_rows]
@@ -238,11 +255,24 @@ def regenerate(cfg: Config, *, device: str | None = None, metrics: RegenerateMet
     return summary
 
 
-def shard_prompts(rows: Sequence[Any], json_rows: bool, first: int) -> tuple[list[Prompt], list[list[Any]]]:
-    """The prompts of consecutive source rows starting at row `first`, and the rows that hold none ([row, why])."""
+def _all_failed(held: list[ShardRecord], finished: int) -> RegenerateError:
+    """Every prompt the engine was given failed: one line with the first reasons, nothing recorded as done."""
+    errors = [e for rec in held for e in rec.errors]
+    examples = "; ".join(f"row {i}: {why}" for i, why in errors[:2])
+    return RegenerateError(f"the engine failed on every prompt it was given ({len(errors)} rows of {len(held)} "
+                           f"shards; {examples}): none of them is recorded as done ({finished} shards finished "
+                           "before); fix the cause and run the same command again")
+
+
+def shard_prompts(rows: Sequence[Any], json_rows: bool, first: int,
+                  cap: int | None = None) -> tuple[list[Prompt], list[list[Any]]]:
+    """The prompts of consecutive source rows starting at row `first`, and the rows that hold none ([row, why]);
+    a row over `cap` (`max_row_bytes`) is one of those, unparsed."""
     prompts, bad = [], []
     for index, raw in enumerate(rows, start=first):
         try:
+            if cap is not None:
+                check_row_size(raw, cap)
             prompts.append(Prompt(index, tuple(prompt_of(decode_json_row(raw) if json_rows else raw))))
         except BadRow as e:
             bad.append([index, str(e)])
@@ -383,7 +413,7 @@ class OutputDir:
             _write_durably(job_file, json.dumps(self.job, indent=1, sort_keys=True).encode())
             return
         try:
-            there = json.loads(job_file.read_text())
+            there = json.loads(read_text(job_file, RECORD_BYTES, RegenerateError, "job record"))
         except (OSError, ValueError) as e:
             raise RegenerateError(f"{job_file} cannot be read ({e}): choose a new regenerate.output") from None
         if there != self.job:
@@ -396,7 +426,7 @@ class OutputDir:
     def _read_records(self) -> None:
         for path in sorted(self.state.glob("shard-*.json")):
             try:
-                record = ShardRecord(**json.loads(path.read_text()))
+                record = ShardRecord(**json.loads(read_text(path, RECORD_BYTES, RegenerateError, "shard record")))
             except (OSError, ValueError, TypeError) as e:
                 raise RegenerateError(f"shard record {path} cannot be read ({e}): delete it and "
                                       f"{self.root / (path.stem + '.jsonl')} to write that shard again") from None

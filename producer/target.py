@@ -28,6 +28,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from .packing import packed_implementation, packed_spans, per_sequence, recurrent_mixers
+from dflash_ring.common.safetensors_check import weight_files
 from dflash_ring.common.target_config import TargetConfig, TargetConfigError
 
 log = logging.getLogger(__name__)
@@ -61,13 +62,14 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
 def check_weights(cfg: TargetConfig) -> Path:
-    """The model directory, refused by name unless it has a config.json and safetensors weights (a cheap check,
-    so a missing file is reported before anything slow is loaded)."""
+    """The model directory, refused by name unless it has a config.json and safetensors weights whose headers parse
+    (a cheap check: a missing, truncated or damaged file is one line naming it, before anything slow is loaded)."""
     root = Path(cfg.path).expanduser()
     cfg.model_config()  # a missing path or config.json: its own clear error
     if not any((root / name).is_file() for name in WEIGHT_FILES):
         raise TargetConfigError(f"target.path = {cfg.path}: no model.safetensors or model.safetensors.index.json "
                                 "there (a local HF model directory with safetensors weights is needed)")
+    weight_files(root)
     return root
 
 
@@ -76,8 +78,15 @@ def load_causal_lm(cfg: TargetConfig, device: torch.device) -> PreTrainedModel:
     eval mode: nothing is downloaded and nothing is unpickled, and a directory without weights is named."""
     root = check_weights(cfg)
     attn = None if cfg.attn_implementation == "auto" else cfg.attn_implementation  # HF: sdpa, else eager
-    model = AutoModelForCausalLM.from_pretrained(str(root), dtype=resolve_dtype(cfg.dtype, device),
-                                                 attn_implementation=attn, local_files_only=True, use_safetensors=True)
+    from safetensors import SafetensorError
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(root), dtype=resolve_dtype(cfg.dtype, device),
+                                                     attn_implementation=attn, local_files_only=True,
+                                                     use_safetensors=True)
+    except SafetensorError as e:  # damage the header check cannot see (a tensor's bytes of the wrong kind)
+        raise TargetConfigError(f"target.path = {cfg.path}: its safetensors weights do not load ({e}); copy or "
+                                "download them again") from None
     return model.to(device).eval().requires_grad_(False)
 
 

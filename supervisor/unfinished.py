@@ -15,7 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from dflash_ring.common.layout import Role
-from dflash_ring.common.resume_state import CursorFile, ResumeState, cursor_path
+from dflash_ring.common.resume_state import CursorFile, CursorFileError, ResumeState, cursor_path
 from dflash_ring.common.ring import Ring
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,12 @@ def save_unfinished(ring: Ring, state_dir: str) -> Unfinished:
         (epoch, position), replayed = resume
         f = CursorFile(cursor_path(state_dir, run, index), ring.cursor_plan(row))
         earlier: tuple[tuple[int, int], ...] = ()
-        if (old := f.read()) is not None:
+        try:
+            old = f.read()
+        except CursorFileError as e:  # the ring's record is what is written back; the file's replay list is gone
+            out.lost.append(f"the replay list of producer {index}: {e}")
+            old = None
+        if old is not None:
             plan, f.description, state = old
             if plan == f.plan:
                 earlier = state.replay[replayed:]  # entries not yet published again: still owed

@@ -36,6 +36,12 @@ def _model_dir_without_weights(tmp: Path, name: str) -> list[str]:
     return ["--set", f'target.path="{d}"']
 
 
+def _huge_config(tmp: Path, name: str) -> list[str]:
+    """A valid TOML file of 5 MB (comments): no config is that large, so it is not read whole."""
+    (tmp / "huge.toml").write_text("# padding\n" * 500_000)
+    return []
+
+
 def _a_file(tmp: Path, name: str) -> list[str]:
     (tmp / "afile").write_text("x")
     return []
@@ -183,6 +189,49 @@ def _regenerated_once(tmp: Path, name: str) -> list[str]:
     return args
 
 
+def _truncate_weights(model: Path) -> None:
+    """model.safetensors cut to half its size, as an interrupted copy leaves it."""
+    weights = model / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+
+
+def _truncated_target(tmp: Path, name: str) -> list[str]:
+    from support import build_target
+
+    model = build_target(tmp / "model", "qwen3", layers=4)
+    _truncate_weights(model)
+    return ["--set", f'target.path="{model}"', "--set", "target.mask_token_id=95"]
+
+
+def _regenerate_truncated_weights(tmp: Path, name: str) -> list[str]:
+    args = _regenerate(tmp)
+    _truncate_weights(tmp / "model")
+    return args
+
+
+def _regenerate_every_prompt_fails(tmp: Path, name: str) -> list[str]:
+    """A chat template that refuses every prompt: the engine fails each row, and the job must not pass for done."""
+    from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
+
+    tiny_chat_tokenizer(tmp / "tok", chat_template="{{ raise_exception('this template renders nothing') }}")
+    return _regenerate(tmp, tokenizer=tmp / "tok")
+
+
+def _damaged_cursor_file(tmp: Path, name: str) -> list[str]:
+    """A producer of a live ring whose cursor file (its resume point once a ring is gone) is not JSON."""
+    from support import build_target, write_chat_rows
+
+    sets = [f'target.path="{build_target(tmp / "model", "qwen3", layers=4)}"', 'target.device="cpu"',
+            f'target.state_dir="{tmp / "state"}"', f'data.path="{write_chat_rows(tmp / "chat.jsonl", 4)}"',
+            f'data.cache_dir="{tmp / "cache"}"', "data.max_length=128", "data.max_tokens_per_batch=256",
+            "ring.slots=2", f"ring.slot_bytes={1 << 20}", "ring.slot_header_bytes=65536"]
+    Ring.create(load_config(None, [*sets, f"run.name={name}"])).close()
+    (tmp / "state" / name).mkdir(parents=True)
+    (tmp / "state" / name / "producer-0.json").write_text('{"epoch": 1, "posit')
+    return [a for s in sets for a in ("--set", s)]
+
+
 # (id, setup(tmp, run) -> extra args, argv with {run} and {tmp}, what the line must say)
 CASES = [
     ("status-invalid-name", None, ["status", ".."], "is not allowed"),
@@ -191,6 +240,8 @@ CASES = [
     ("status-foreign-run", _foreign_ring, ["status", "{run}"], "belongs to uid 65534"),
     ("clean-foreign-run", _foreign_ring, ["clean", "{run}"], "belongs to uid 65534"),
     ("missing-config", None, ["status", "--config", "{tmp}/nope.toml"], "does not exist"),
+    ("config-too-large", _huge_config, ["status", "--config", "{tmp}/huge.toml"],
+     "config file {tmp}/huge.toml is larger than 4 MiB"),
     ("export-unwritable", _a_file, ["export", "{tmp}/ckpt", "{tmp}/afile/out"], "is not a directory"),
     ("export-no-checkpoint", None, ["export", "{tmp}/ckpt", "{tmp}/out"], "no complete checkpoint"),
     ("target-index-out-of-range", None, ["target", "--index", "3", *NO_METRICS], "--index 3 is out of range"),
@@ -240,6 +291,12 @@ CASES = [
     ("regenerate-a-mixture", _mix('[[data.sources]]\npath = "a.jsonl"\n'),
      ["regenerate", "--config", "{tmp}/mix.toml", "--set", "regenerate.output=out", *NO_METRICS],
      "regenerate reads one data set, data.path, and [[data.sources]] is set"),
+    ("check-target-truncated-weights", _truncated_target, ["check-target"],
+     "{tmp}/model/model.safetensors is not a readable safetensors file"),
+    ("drafter-truncated-weights", _truncated_target, ["drafter", "--index", "0", *NO_METRICS],
+     "{tmp}/model/model.safetensors is not a readable safetensors file"),
+    ("regenerate-truncated-weights", _regenerate_truncated_weights, ["regenerate", *NO_METRICS],
+     "{tmp}/model/model.safetensors is not a readable safetensors file"),
     ("regenerate-metrics-port-past-65535", _regenerate,
      ["regenerate", "--set", "metrics.port_base=65400"], "past 65535"),
     # Issue 23 item 5: numbers out of range were accepted (NaN passes `lr <= 0`), crashed later (a negative sleep:
@@ -276,7 +333,8 @@ def test_bad_invocation_is_one_line_exit_2(tmp_path, case):
             p.unlink()
     lines = [ln for ln in out.stderr.strip().splitlines() if not PROGRESS_BAR.search(ln)]
     assert out.returncode == 2 and "Traceback" not in out.stderr and len(lines) == 1, (out.returncode, out.stderr)
-    assert lines[0].startswith(f"dflash-ring {args[0]}: error: ") and says.format(tmp=tmp_path) in lines[0], lines[0]
+    assert lines[0].startswith(f"dflash-ring {args[0]}: error: ") and says.format(tmp=tmp_path, run=name) in lines[0], \
+        lines[0]
 
 
 @pytest.mark.processes
@@ -287,3 +345,34 @@ def test_help_imports_neither_torch_nor_transformers():
             "print(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
+
+
+# Errors after the process has started its work (loaded its model, logged what it does): its last line is the
+# one error line, with no traceback, and it exits 2.
+LATE_CASES = [
+    ("regenerate-every-prompt-fails", _regenerate_every_prompt_fails, ["regenerate", *NO_METRICS],
+     "the engine failed on every prompt it was given (3 rows of 1 shards; row 0: chat template failed"),
+    ("target-damaged-cursor-file", _damaged_cursor_file, ["target", "--index", "0", *NO_METRICS],
+     "cursor file {tmp}/state/{run}/producer-0.json cannot be read"),
+]
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("case", LATE_CASES, ids=[c[0] for c in LATE_CASES])
+def test_a_late_error_ends_in_one_line_exit_2(tmp_path, case):
+    ident, setup, argv, says = case
+    name = f"e{os.getpid()}-{ident[:20]}"
+    try:
+        args = [*argv, *setup(tmp_path, name)]
+        if args[0] == "target":
+            args += ["--set", f"run.name={name}", "--set", "run.attach_timeout_s=0"]
+        out = subprocess.run([sys.executable, "-m", "dflash_ring", *args], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=300)
+    finally:
+        for p in Path("/dev/shm").glob(f"*dflash-ring.{name}*"):
+            p.unlink()
+    last = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 2 and "Traceback" not in out.stderr, (out.returncode, out.stderr)
+    assert last.startswith(f"dflash-ring {args[0]}: error: ") and says.format(tmp=tmp_path, run=name) in last, last
+    if args[0] == "regenerate":
+        assert not list((tmp_path / "out" / ".regenerate").glob("shard-*.json")), "a failed shard was recorded"

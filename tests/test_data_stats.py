@@ -135,6 +135,29 @@ def test_a_source_without_a_usable_row_is_an_error(world, tmp_path):
         load_sources(cfg.data, tiny_chat_tokenizer(world / "tok"))
 
 
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_a_row_far_over_max_length_is_skipped_unread_and_the_rest_keep_their_rows(world, tmp_path, fmt):
+    """One row of ~600 KB among small ones, with max_length 128 (a bound of 256 x 128 bytes): it is skipped with
+    its size as the reason, before it is parsed or tokenized (a 50 MB line took `data stats` past 13 GB), and the
+    rows after it keep their row ids."""
+    import datasets
+
+    rows = [CHAT[0], {"prompt": "huge", "response": "word " * 120_000}, CHAT[2], CODE[1]]
+    if fmt == "jsonl":
+        data = tmp_path / "big.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        data = tmp_path / "big.parquet"
+        datasets.Dataset.from_list([{"prompt": r.get("prompt", "p"), "response": r.get("response", "r")}
+                                    for r in rows]).to_parquet(str(data))
+    cfg = load_config(None, [f'data.path="{data}"', f'data.cache_dir="{tmp_path / "cache"}"', "data.max_length=128",
+                             "data.max_tokens_per_batch=256"])
+    [source] = load_sources(cfg.data, tiny_chat_tokenizer(world / "tok"))
+    assert source.data.num_rows == 4 and source.data.row_ids.tolist() == [0, 2, 3]
+    [(index, why)] = source.data.bad_rows
+    assert index == 1 and "over the 32768-byte bound" in why, why
+
+
 @pytest.mark.processes
 def test_the_cli_prints_json_and_a_table(world):
     def cli(*extra: str) -> subprocess.CompletedProcess:

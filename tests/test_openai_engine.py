@@ -15,6 +15,7 @@ refused with 400, a message without a role is a 500, and requests are generated 
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import shutil
@@ -24,8 +25,10 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -504,3 +507,103 @@ def test_a_url_or_key_refused_for_every_row_stops_the_job(server):
             list(eng.generate(prompts()[:2], GREEDY))
     finally:
         eng.close()
+
+
+# --- a server that misbehaves: a small real HTTP server in the test ----------------------------------------
+
+
+def _ok_reply(content: Any = "a fine reply", completion_tokens: int = 3) -> bytes:
+    return json.dumps({"choices": [{"message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+                       "usage": {"prompt_tokens": 5, "completion_tokens": completion_tokens}}).encode()
+
+
+class _Misbehaving(http.server.BaseHTTPRequestHandler):
+    """Answers by the last message's content: "drip" sends its headers, then one body byte every 0.2 s; "huge" a
+    valid reply of 3 MB; "overcount" claims more tokens than asked for; "deep" JSON nested past any parser;
+    "number" a content that is not a string; anything else a fine reply."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: Any) -> None:  # quiet
+        pass
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        what = body["messages"][-1]["content"]
+        if what == "drip":
+            self._headers(10_000)
+            try:
+                for _ in range(10_000):
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                    time.sleep(0.2)
+            except OSError:  # the client hung up: done
+                return
+            return
+        reply = {"huge": lambda: _ok_reply("word " * 600_000), "overcount": lambda: _ok_reply(completion_tokens=999),
+                 "deep": lambda: b"[" * 200_000 + b"]" * 200_000, "number": lambda: _ok_reply(content=12345)}
+        data = reply.get(what, _ok_reply)()
+        self._headers(len(data))
+        self.wfile.write(data)
+
+    def _headers(self, length: int) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(length))
+        self.end_headers()
+
+
+@pytest.fixture
+def misbehaving() -> Iterator[str]:
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Misbehaving)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def _in_thread(fn: Callable[[], Any], hang_s: float = 60.0) -> Any:
+    """fn() on a thread; a hang (far past any deadline the test sets) fails the test instead of blocking it."""
+    out: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # handed back to the test
+            out["error"] = e
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(hang_s)
+    assert not t.is_alive(), f"still running after {hang_s} s: the request has no deadline"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def test_a_server_dripping_its_reply_is_cut_off_at_the_request_deadline(misbehaving):
+    """Headers at once, then a byte every 0.2 s: each read is quick, the request is not; timeout_s bounds the
+    whole request, so the engine gives up (as a server that cannot answer now) instead of reading for ~30 min."""
+    eng = engine([misbehaving], model="m", timeout_s=1.0, retries=0)
+    ps = [Prompt(0, ({"role": "user", "content": "drip"},))]
+    try:
+        with pytest.raises(ServerUnavailableError, match=r"timed out after 1 s \(regenerate.timeout_s\)"):
+            _in_thread(lambda: list(eng.generate(ps, GREEDY)))
+    finally:
+        eng.close()
+
+
+def test_a_bad_reply_is_that_rows_error_and_the_others_are_answered(misbehaving):
+    """A reply over the size cap, more tokens than max_new_tokens, JSON too deep to parse, a content that is not
+    text: each is its own row's error, never the job's end, and the fine rows are answered."""
+    kinds = ["huge", "fine", "overcount", "deep", "number", "fine again"]
+    ps = [Prompt(i, ({"role": "user", "content": k},)) for i, k in enumerate(kinds)]
+    eng = engine([misbehaving], model="m", retries=0, concurrency=2, max_new_tokens=8)
+    got = _in_thread(lambda: collect(eng, ps, replace(GREEDY, max_new_tokens=8)))
+    assert [got[i].finish_reason for i in range(len(kinds))] == ["error", "stop", "error", "error", "error", "stop"]
+    assert "over 1050624 bytes" in got[0].error, got[0].error
+    assert "999 completion tokens, over the 8 asked for" in got[2].error, got[2].error
+    assert "unreadable answer" in got[3].error and "not a string" in got[4].error, (got[3].error, got[4].error)
+    assert got[1].text == got[5].text == "a fine reply"

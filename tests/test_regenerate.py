@@ -29,7 +29,7 @@ from dflash_ring.producer.generation import GenerationSettings, Prompt
 from dflash_ring.producer.hf_engine import HfEngine, length_batches
 from dflash_ring.producer.pretokenized import load_tokenized
 from dflash_ring.producer.regenerate import STATE_DIR, RegenerateError, regenerate
-from support import WORDS, build_target, run_config, wait_exit, write_config
+from support import WORDS, build_target, merged, run_config, wait_exit, write_config
 
 MAX_NEW = 12
 
@@ -285,6 +285,34 @@ def test_a_finished_job_is_left_alone_and_a_resume_with_other_settings_is_refuse
     other = write_rows(tmp_path / "other.jsonl", chat_rows(6, seed=1))
     with pytest.raises(RegenerateError, match=rf"data.path = '{data}' there, '{other}' here"):
         regenerate(run_config(settings(tmp_path, target, other)))
+
+
+FAILING_TEMPLATE = ("{%- for m in messages %}{%- if 'FAIL' in m.content %}{{ raise_exception('cannot render FAIL') }}"
+                    "{%- endif %}{%- endfor %}" + QWEN3_STYLE_CHAT_TEMPLATE)
+
+
+def test_a_job_whose_every_prompt_fails_records_nothing(tmp_path, target):
+    """Every prompt fails in the engine (its template refuses each): an error, and no shard recorded as done, so
+    the same command retries them once the cause is fixed."""
+    tiny_chat_tokenizer(tmp_path / "tok", chat_template=FAILING_TEMPLATE)
+    data = write_rows(tmp_path / "src.jsonl", [{"prompt": f"row {i}: FAIL", "response": "x"} for i in range(6)])
+    cfg = merged(settings(tmp_path, target, data), {"target": {"tokenizer": str(tmp_path / "tok")}})
+    with pytest.raises(RegenerateError, match=r"failed on every prompt it was given \(6 rows of 2 shards; row 0: "
+                                              r"chat template failed"):
+        regenerate(run_config(cfg))
+    assert records(tmp_path / "out") == [] and output_rows(tmp_path / "out") == []
+
+
+def test_failed_prompts_before_the_first_answer_do_not_end_the_job(tmp_path, target):
+    """A first shard whose every prompt fails, then shards that work: the job goes on, and the failed rows are
+    recorded as that shard's errors (held back only until the job is seen to work)."""
+    tiny_chat_tokenizer(tmp_path / "tok", chat_template=FAILING_TEMPLATE)
+    rows = [{"prompt": f"row {i}: FAIL", "response": "x"} for i in range(4)] + chat_rows(8)[4:]
+    data = write_rows(tmp_path / "src.jsonl", rows)
+    cfg = merged(settings(tmp_path, target, data), {"target": {"tokenizer": str(tmp_path / "tok")}})
+    summary = regenerate(run_config(cfg))
+    assert (summary.errors, summary.written, summary.shards) == (4, 4, 2)
+    assert [[i for i, _ in rec["errors"]] for rec in records(tmp_path / "out")] == [[0, 1, 2, 3], []]
 
 
 def test_an_output_directory_of_other_files_is_refused(tmp_path, target):

@@ -1,0 +1,83 @@
+"""A cheap check that safetensors files parse, before a loader reads them: a truncated or damaged file is then
+one line naming the file and what is wrong, not a `SafetensorError` traceback from deep inside a loader.
+
+Only the header is read (8 bytes of length, then the JSON header), and every tensor's byte range is checked
+against the file's size, which is what a truncated copy gets wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .bounded_read import INDEX_BYTES, read_text
+from .target_config import TargetConfigError
+
+_HEADER_BYTES = 100 << 20  # the format's own limit on the JSON header
+
+
+class DamagedWeightsError(TargetConfigError):
+    """A safetensors file (or its index) that does not parse; the message names the file and what is wrong (a
+    TargetConfigError, so every command prints it as its one error line)."""
+
+
+def check_safetensors_file(path: Path) -> None:
+    """Raise DamagedWeightsError unless `path` has a readable header whose tensors all lie within the file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise _damaged(path, f"{size} bytes, shorter than the 8-byte header length")
+        n = int.from_bytes(head, "little")
+        if n > min(_HEADER_BYTES, size - 8):
+            raise _damaged(path, f"its header claims {n} bytes but the file has {size - 8} after the length")
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, RecursionError) as e:
+            raise _damaged(path, f"its header is not valid JSON ({type(e).__name__})") from None
+    if not isinstance(header, dict):
+        raise _damaged(path, "its header is not a JSON object")
+    data = size - 8 - n
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, stop = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise _damaged(path, f"tensor {name!r} has no valid data_offsets") from None
+        if not 0 <= start <= stop <= data:
+            raise _damaged(path, f"tensor {name!r} lies at bytes {start}-{stop} but the file holds {data} bytes of "
+                                 "data (truncated?)")
+        end = max(end, stop)
+    if end != data:
+        raise _damaged(path, f"its tensors end at byte {end} of {data} bytes of data")
+
+
+def weight_files(root: Path) -> list[Path]:
+    """The safetensors files of a model directory (each shard its index names, or model.safetensors), checked."""
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(read_text(index, INDEX_BYTES, DamagedWeightsError, "safetensors index"))[
+                "weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+            if isinstance(e, DamagedWeightsError):
+                raise
+            raise DamagedWeightsError(f"{index} is not a safetensors index ({type(e).__name__}: {e}): replace it "
+                                      "with the model's own") from None
+        files = [root / name for name in names]
+        if missing := [f.name for f in files if not f.is_file()]:
+            raise DamagedWeightsError(f"{index} names {missing[0]}, which is not in {root}"
+                                      f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}")
+    else:
+        files = [root / "model.safetensors"]
+    for f in files:
+        check_safetensors_file(f)
+    return files
+
+
+def _damaged(path: Path, what: str) -> DamagedWeightsError:
+    return DamagedWeightsError(f"{path} is not a readable safetensors file: {what}; copy or download it again")
+
