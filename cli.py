@@ -367,7 +367,8 @@ def cmd_clean(args: argparse.Namespace) -> int:
     from dflash_ring.supervisor.cleanup import clean
 
     run, lock_dir = _run_and_lock_dir(args)
-    removed = clean(run, lock_dir, _config(args).target.state_dir)
+    cfg = _config(args)
+    removed = clean(run, lock_dir, cfg.target.state_dir, cfg.train.checkpoint_dir)
     print(f"removed {', '.join(removed)}" if removed else f"nothing of run {run!r} was left")
     return 0
 

@@ -8,6 +8,7 @@ from dflash_ring.common.config import Config
 from dflash_ring.common.layout import Role, RowStatus
 from dflash_ring.common.liveness import LockFile, ensure_lock_dir, lock_path
 from dflash_ring.common.ring import Ring
+from dflash_ring.common.trained_journal import seal_drafter
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,8 @@ class Membership:
         ensure_lock_dir(lock_dir)
         lock = LockFile.acquire(lock_path(lock_dir, role, index), cfg.run.attach_timeout_s)
         lock.write_pid()
+        if role == Role.CONSUMER:  # before its slots are undone: what it trained and released is produced again
+            seal_drafter(cfg.train.checkpoint_dir, index, ring.identity.created_ns, ring.unfinished_item_numbers())
         freed, redelivered = ring.reclaim_slots_of(row)
         if freed or redelivered:
             log.warning("took over row %d from a dead predecessor: %d slot(s) freed, %d redelivered",

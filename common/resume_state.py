@@ -29,6 +29,9 @@ class ResumeState:
     # (epoch, position) of batches published into a ring that was removed before they were trained.
     replay: tuple[tuple[int, int], ...] = ()
     replayed: int = 0  # how many entries of `replay` are published again
+    # The sealed drafter journal segments (common/trained_journal.py) whose entries for this producer are in
+    # `replay`: each is taken once, by name.
+    taken: tuple[str, ...] = ()
 
     @property
     def pending_replay(self) -> tuple[tuple[int, int], ...]:
@@ -68,7 +71,7 @@ class CursorFile:
             saved = json.loads(read_text(self.path, RECORD_BYTES, CursorFileError, "cursor file"))
             state = ResumeState(int(saved["epoch"]), int(saved["position"]),
                                 tuple((int(e), int(p)) for e, p in saved.get("replay", [])),
-                                int(saved.get("replayed", 0)))
+                                int(saved.get("replayed", 0)), tuple(str(k) for k in saved.get("taken", [])))
             return str(saved.get("plan", "")), str(saved.get("plan_description", "")), state
         except FileNotFoundError:
             return None
@@ -81,7 +84,7 @@ class CursorFile:
         """Replace the file atomically; `durable` also fsyncs it (the one copy left once the ring is gone)."""
         body = json.dumps({"epoch": state.epoch, "position": state.position, "plan": self.plan,
                            "plan_description": self.description, "replay": [list(x) for x in state.replay],
-                           "replayed": state.replayed})
+                           "replayed": state.replayed, "taken": list(state.taken)})
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:

@@ -816,6 +816,13 @@ class Ring:
                 log.error("%s is corrupt: its state word %#x %s; its item is kept for the replay list", name, word, why)
         return metas, damaged
 
+    def unfinished_item_numbers(self) -> set[int]:
+        """The item numbers of every slot READY or READING: what the ring itself still delivers or replays (a dead
+        drafter's journal leaves them out, common/trained_journal.py)."""
+        desc = self._desc.copy()
+        held = np.isin(desc["state"] & 0xFF, (SlotState.READY, SlotState.READING))
+        return {int(i) for i in desc["item"][held]}
+
     def _header(self, slot: int) -> SlotHeader:
         geo = self.geometry
         return decode_header(self._mv[geo.slot_offset(slot):][: geo.slot_header_bytes], geo.slot_bytes,

@@ -147,7 +147,7 @@ class BackgroundWriter:
         try:
             if copied is not None:
                 copied.synchronize()
-            durable(self.store.save(ckpt, keep=self.keep))
+            self.store.save(ckpt, keep=self.keep, on_latest=durable)
         except Exception as e:  # raised on the training thread by check() or wait()
             self._error = e
 

@@ -32,6 +32,7 @@ import os
 import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,9 @@ class CheckpointStore:
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
 
-    def save(self, ckpt: Checkpoint, keep: int) -> Path:
+    def save(self, ckpt: Checkpoint, keep: int, on_latest: Callable[[Path], None] | None = None) -> Path:
+        """Write `ckpt` and make it `latest`; `on_latest` runs right after `latest` moved, before older checkpoints
+        are pruned (what depends on which checkpoint is latest, the journal and the ledger, follows at once)."""
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"step-{ckpt.step:08d}"
         tmp = self.root / f".tmp-step-{ckpt.step:08d}-{os.getpid()}"
@@ -118,6 +121,8 @@ class CheckpointStore:
         fsync(pointer)
         pointer.rename(self.root / "latest")
         fsync(self.root)
+        if on_latest is not None:
+            on_latest(final)
         self._prune(keep)
         return final
 
@@ -177,6 +182,12 @@ class CheckpointStore:
             if not isinstance(digests, dict) or digests.get(name) != actual[name]:
                 raise CheckpointError(f"{path / name} does not match the sha256 in its {MANIFEST}: "
                                       "the file is corrupted")
+
+    def oldest_step(self, keep: int) -> int:
+        """The step of the oldest of the `keep` newest checkpoints (0 without one): what the journal must still
+        hold is after it (a resume may fall back to any of them)."""
+        dirs = self._complete_dirs()[:keep]
+        return int(STEP_DIR.match(dirs[-1].name).group(1)) if dirs else 0
 
     def _complete_dirs(self) -> list[Path]:
         if not self.root.is_dir():

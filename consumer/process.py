@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -39,6 +40,7 @@ from dflash_ring.common.role_process import role_process
 from dflash_ring.common.slot_contract import read_item
 from dflash_ring.common.slot_format import SlotFormatError
 from dflash_ring.common.startup import Startup
+from dflash_ring.common.trained_journal import Journal, drop_covered, journal_dir, seal
 from dflash_ring.consumer.async_checkpoint import BackgroundWriter, HostSnapshot
 from dflash_ring.consumer.checkpoint import CheckpointStore, check_same_shape
 from dflash_ring.consumer.model import build_drafter, load_target_head
@@ -224,6 +226,9 @@ class Checkpoints:
     ledger record and log line come once it is durable. The consumed items and high-water marks are taken
     in the same call as the weights, so a resumed drafter's state is one moment's.
 
+    Each checkpoint's state starts a new journal segment (common/trained_journal.py), and once it is durable the
+    segments every kept checkpoint covers go: what the journal holds is exactly what a crash would lose.
+
     A checkpoint that comes due while the previous one is still being written waits for it rather than
     being skipped: a SIGKILL then loses at most two intervals of updates (since the last durable snapshot,
     plus the one being written: the bound `reconcile` checks), where skipping would stretch that without
@@ -232,10 +237,10 @@ class Checkpoints:
     """
 
     def __init__(self, store: CheckpointStore, every: int, keep: int, state: Callable[[], dict[str, Any]],
-                 trainer: Trainer, background: bool = True):
+                 trainer: Trainer, journal: Journal, ledger: Ledger | None, background: bool = True):
         self.store, self.every, self.keep, self.state, self.trainer = store, every, keep, state, trainer
+        self.journal, self.ledger = journal, ledger
         self.saved_at = trainer.step  # the step of the newest checkpoint taken (durable once `wait` returns)
-        self.ledger: Ledger | None = None
         self.snapshot = HostSnapshot() if background else None
         self.writer = BackgroundWriter(store, keep) if background else None
 
@@ -244,8 +249,9 @@ class Checkpoints:
         taken_t = time.time()
         ckpt = self.trainer.state(info)
         step, items = ckpt.step, info["items"]
+        self.journal.rotate(step)  # what trains from here on is not in this state
         if self.writer is None:
-            self._durable(self.store.save(ckpt, keep=self.keep), step, items, taken_t)
+            self.store.save(ckpt, keep=self.keep, on_latest=lambda path: self._durable(path, step, items, taken_t))
         else:
             busy, t0 = self.writer.busy, time.perf_counter()
             self.writer.wait()  # the buffer is free only once the previous write is done (raises if it failed)
@@ -259,6 +265,7 @@ class Checkpoints:
         self.saved_at = step
 
     def _durable(self, path: Path, step: int, items: int, taken_t: float) -> None:
+        self.journal.covered(self.store.oldest_step(keep=self.keep))
         if self.ledger is not None:
             self.ledger.write("ckpt", step=step, items=items, snapshot_t=round(taken_t, 4))
         log.info("checkpoint %s", path)
@@ -294,8 +301,9 @@ class DrafterLoop:
     def __init__(self, trainer: Trainer, consumed: Consumed, averaging: Averaging, checkpoints: Checkpoints,
                  metrics: DrafterMetrics, tracking: Tracking, total_steps: Callable[[], int],
                  read_ring: Callable[[], RingReading], log_every: int, ledger: Ledger | None,
-                 release: Callable[[SlotReader], None], eval_every: int = 100):
+                 release: Callable[[SlotReader], None], journal: Journal, eval_every: int = 100):
         self.trainer, self.consumed, self.averaging, self.checkpoints = trainer, consumed, averaging, checkpoints
+        self.journal = journal
         self.metrics, self.tracking, self.total_steps = metrics, tracking, total_steps
         self.log_every, self.ledger, self.release, self.eval_every = log_every, ledger, release, eval_every
         self.window = Window(read_ring)
@@ -340,6 +348,7 @@ class DrafterLoop:
         self.consumed.add(batch.meta)
         total = self.total_steps()
         m = self.trainer.train_step(batch, total)
+        self.journal.append(batch.meta, slot.item)  # before the release: from then on only this line brings it back
         if self.ledger is not None:  # before the release: a kill in between redelivers it (reconcile knows)
             self.ledger.write("train", step=self.trainer.step, item=slot.item, deliveries=slot.deliveries,
                               **identity(batch.meta))
@@ -401,14 +410,14 @@ def run_drafter(cfg: Config, index: int, device_name: str | None, startup: Start
             consumed = Consumed(ckpt.info.get("consumed", {}), int(ckpt.info.get("items", 0)))
             log.info("resumed from %s (step %d)", ckpt.path, ckpt.step)
         startup.mark("checkpoint")
+        ring = proc.attach(pin=True)  # after loading: a wrong model fails at once, not after a ring appears
+        startup.mark("attach")
+        me = proc.join("model loaded, ring attached")  # seals a dead predecessor's journal first
+        journal = resume_journal(cfg, index, ring, trainer.step)
         checkpoints = Checkpoints(store, cfg.train.checkpoint_every_steps, cfg.train.keep_checkpoints,
                                   lambda: {"consumed": consumed.by_producer, "items": consumed.items,
                                            "drafter": asdict(drafter_cfg), "target_config": target_config},
-                                  trainer, background=cfg.train.async_checkpoints)
-        ring = proc.attach(pin=True)  # after loading: a wrong model fails at once, not after a ring appears
-        startup.mark("attach")
-        me = proc.join("model loaded, ring attached")
-        checkpoints.ledger = proc.ledger
+                                  trainer, journal, proc.ledger, background=cfg.train.async_checkpoints)
         if proc.ledger is not None:
             proc.ledger.write("start", step=trainer.step)
         averaging = Averaging(cfg, index, trainer.model, drafter_cfg)
@@ -421,7 +430,7 @@ def run_drafter(cfg: Config, index: int, device_name: str | None, startup: Start
                            lambda: cfg.train.total_steps or _estimated_steps(ring, cfg, trainer, _prefetched(prefetch)),
                            lambda: RingReading(ring.wait_seconds, ring.counter(Counter.PRODUCED),
                                                ring.produced_tokens(), ring.slot_counts()["ready"]),
-                           cfg.train.log_every_steps, proc.ledger, ring.release, cfg.train.eval_every_steps)
+                           cfg.train.log_every_steps, proc.ledger, ring.release, journal, cfg.train.eval_every_steps)
         prefetch.start()
         while (taken := _next(prefetch, proc.stop, me)) is not None:
             startup.mark("first_item")  # waited for and copied out of the ring
@@ -434,13 +443,27 @@ def run_drafter(cfg: Config, index: int, device_name: str | None, startup: Start
             loop.take(taken)
         loop.log_step()
         loop.report_eval()
+        if flushed := trainer.flush(loop.total_steps()):
+            log.info("the last %d micro-batch(es) of an unfinished accumulation applied as step %d", flushed,
+                     trainer.step)
         averaging.close(trainer.step)
         checkpoints.final()
+        journal.close()
         log.info("drafter %d done: %d steps, %d items; %s", index, trainer.step, consumed.items,
                  "stopped by signal" if proc.stop.is_set() else "run finished")
         if proc.ledger is not None:
             proc.ledger.write("exit", step=trainer.step)
     return 0
+
+
+def resume_journal(cfg: Config, index: int, ring: Ring, step: int) -> Journal:
+    """This process's journal, resuming from checkpoint `step`. Joining sealed what a dead predecessor trained after
+    the `latest` checkpoint; a resume that fell back to an older checkpoint (a damaged `latest`) seals what it
+    trained after this one as well. Older segments are covered by the state resumed from."""
+    directory = journal_dir(cfg.train.checkpoint_dir, index)
+    seal(directory, step, ring.identity.created_ns, ring.unfinished_item_numbers(), mine=os.getpid())
+    drop_covered(directory, step, os.getpid())
+    return Journal(directory, ring.identity.created_ns, step)
 
 
 def _next(prefetch: Prefetcher, stop: threading.Event, me: Membership) -> tuple[DeviceBatch, SlotReader] | None:

@@ -113,6 +113,18 @@ class Trainer:
         self._micro += 1
         if self._micro % self.cfg.grad_accum:
             return None
+        lr, grad_norm = self._update(total_steps)
+        step_sources, self._step_sources = self._step_sources, {}
+        return StepMetrics(
+            step=self.step, loss=float(out.loss.detach()), ce=float(out.ce), kl=float(out.kl), cap=float(out.cap),
+            accuracy_per_position=[round(float(a), 4) for a in out.accuracy_per_position],
+            accept_len=float(out.accept_len), accept_len_prob=float(out.accept_len_prob), lr=lr,
+            grad_norm=float(grad_norm), tokens=batch.num_tokens,
+            step_s=time.perf_counter() - t0, by_source=step_sources,
+        )
+
+    def _update(self, total_steps: int) -> tuple[float, torch.Tensor]:
+        """The optimizer step on the gradient accumulated so far: (its learning rate, the gradient's norm)."""
         lr = lr_at(self.step, total_steps, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -125,14 +137,21 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        step_sources, self._step_sources = self._step_sources, {}
-        return StepMetrics(
-            step=self.step, loss=float(out.loss.detach()), ce=float(out.ce), kl=float(out.kl), cap=float(out.cap),
-            accuracy_per_position=[round(float(a), 4) for a in out.accuracy_per_position],
-            accept_len=float(out.accept_len), accept_len_prob=float(out.accept_len_prob), lr=lr,
-            grad_norm=float(grad_norm), tokens=batch.num_tokens,
-            step_s=time.perf_counter() - t0, by_source=step_sources,
-        )
+        return lr, grad_norm
+
+    def flush(self, total_steps: int) -> int:
+        """At the end, the micro-batches of an unfinished accumulation become one last, smaller optimizer step (their
+        mean gradient): a checkpoint holds no gradient, so without it they would be in no saved state. Returns how
+        many micro-batches it applied."""
+        pending = self.accumulated
+        if pending:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(self.cfg.grad_accum / pending)
+            self._update(total_steps)
+            self._micro += self.cfg.grad_accum - pending
+            self._step_sources = {}
+        return pending
 
     def evaluate(self, batch: DeviceBatch) -> dict[str, SourceStats]:
         """The teacher-forced figures of a held-out item, per source: no gradient, no update, and none of the

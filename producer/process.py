@@ -48,6 +48,7 @@ from dflash_ring.common.slot_contract import FEATURES, FINAL_HIDDEN, HOST_TENSOR
 from dflash_ring.common.startup import Startup
 
 from .batching import Batch, Cursor, ShardBatcher
+from .live_replay import LiveReplay
 from .conformance import choose_packing
 from .data_stats import data_stats, log_lines
 from .pretokenized import load_sources, target_tokenizer
@@ -209,14 +210,12 @@ class Producer:
     """The main loop: one batch in the forward, the previous one's copy landing, at most one slot held."""
 
     def __init__(self, ring: Ring, row: int, index: int, target: TargetModel, *,
-                 stop: threading.Event, cursor_file: CursorFile | None = None,
-                 metrics: ProducerMetrics | None = None, replay: tuple[tuple[int, int], ...] = (),
-                 source_names: tuple[str, ...] = ("data",)):
+                 stop: threading.Event, replay: LiveReplay | None = None,
+                 metrics: ProducerMetrics | None = None, source_names: tuple[str, ...] = ("data",)):
         self.ring, self.row, self.target = ring, row, target
         self.source_names = source_names  # Batch.source_ids index these
         self.stop = stop
-        self.cursor_file = cursor_file
-        self.replay = replay  # the replay list the batches' `replayed` counts refer to
+        self.replay = replay  # the replay list the batches' `replayed` counts refer to, and the cursor file
         self.ledger: Ledger | None = None  # run.ledger_dir: one record per published batch
         self.startup: Startup | None = None  # finished by the first publish
         self.metrics = metrics or ProducerMetrics()
@@ -281,8 +280,8 @@ class Producer:
         if self.ledger is not None:
             self.ledger.write("pub", item=f.writer.item, epoch=b.epoch, pos=b.position,
                               **({"replay": True} if b.is_replay else {}), **({"eval": True} if b.eval else {}))
-        if self.cursor_file is not None:
-            self.cursor_file.save(ResumeState(b.cursor.epoch, b.cursor.position, self.replay, b.replayed))
+        if self.replay is not None:
+            self.replay.commit(b.cursor.epoch, b.cursor.position, b.replayed)
         self.ring.heartbeat(self.row)
         self.stats.add(f.batch)
         m = self.metrics
@@ -369,21 +368,56 @@ def resume_point(ring: Ring, row: int, cursor_file: CursorFile) -> tuple[ResumeS
                 f"plan is {cursor_file.plan} ({cursor_file.description}): finish the old run, or end it with "
                 f"`dflash-ring stop {run}` (or `dflash-ring clean {run}` if its processes are dead) before "
                 f"starting one with other data or batching, or restore the old data and data.* settings")
-        replay = saved.replay if saved is not None else ()
-        return ResumeState(*committed, replay, min(ring.committed_replayed(row), len(replay))), "ring"
+        replay, taken = (saved.replay, saved.taken) if saved is not None else ((), ())
+        return ResumeState(*committed, replay, min(ring.committed_replayed(row), len(replay)), taken), "ring"
     ring.set_cursor_plan(row, cursor_file.plan)  # before our first publish: the cursors to come are of our plan
     if saved is not None:
         return saved, f"cursor file {cursor_file.path}"
     return ResumeState(), "start"
 
 
-def resumed_batches(batcher: ShardBatcher, start: ResumeState) -> Iterator[Batch]:
-    """The replay list's pending entries, then the plan from the cursor; each carries what it commits."""
-    cursor = Cursor(start.epoch, start.position)
-    for j, (epoch, position) in enumerate(start.pending_replay, start=start.replayed):
-        yield replace(batcher.batch_at(epoch, position), cursor=cursor, replayed=j + 1, is_replay=True)
-    for batch in batcher.batches(cursor):
-        yield replace(batch, replayed=len(start.replay))
+def resumed_batches(batcher: ShardBatcher, start: ResumeState, replay: LiveReplay) -> Iterator[Batch]:
+    """The replay list's pending entries, then the plan from the cursor; each carries what it commits. Entries
+    that join the list meanwhile (a dead drafter's sealed journal) go out before the next plan batch."""
+    cursor, j = Cursor(start.epoch, start.position), start.replayed
+    plan = batcher.batches(cursor)
+    while True:
+        replay.poll()
+        for epoch, position in replay.entries_from(j):
+            j += 1
+            yield replace(batcher.batch_at(epoch, position), cursor=cursor, replayed=j, is_replay=True)
+        if (batch := next(plan, None)) is None:
+            return
+        cursor = batch.cursor
+        yield replace(batch, replayed=j)
+
+
+def replays_after_the_end(batcher: ShardBatcher, replay: LiveReplay, replayed: int, epochs: int) -> Iterator[Batch]:
+    """A finished shard's producer stays for the replays that dead drafters' journals still bring, until shutdown:
+    the entries from `replayed` on (the cursor stays at the end)."""
+    for j, (epoch, position) in enumerate(replay.entries_from(replayed), start=replayed):
+        yield replace(batcher.batch_at(epoch, position), cursor=Cursor(epochs, 0), replayed=j + 1, is_replay=True)
+
+
+def serve_replays(producer: Producer, replay: LiveReplay, batcher: ShardBatcher, epochs: int,
+                  load: Callable[[Iterator[Batch]], Loader], stop: threading.Event) -> Loader | None:
+    """After the shard: publish each replay that joins the list, until shutdown, drain or a stop signal. The
+    supervisor ends the run only once nothing is owed (supervisor/owed.py), so a drafter that dies near the end
+    still has its lost batches produced again. Returns the last loader (for the caller to close)."""
+    ring, loader = producer.ring, None
+    while not (stop.is_set() or ring.shutting_down or ring.draining):
+        producer.ring.heartbeat(producer.row)
+        sd_notify.watchdog()
+        replay.poll()
+        done = ring.committed_replayed(producer.row)
+        if replay.pending:
+            loader = load(replays_after_the_end(batcher, replay, done, epochs))
+            producer.run(loader)
+            loader.close()
+            replay.finish(epochs)
+        else:
+            time.sleep(0.2)
+    return loader
 
 
 def run_producer(cfg: Config, index: int, device_name: str | None, startup: Startup) -> int:
@@ -447,10 +481,15 @@ def _produce(cfg: Config, index: int, device: torch.device, startup: Startup, pr
                  f", after {len(start.pending_replay)} batch(es) a stopped run left untrained"
                  if start.pending_replay else "")
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        loader = Loader(resumed_batches(batcher, start),
-                        lambda b: prepare(b, packed=target.packed, pad_id=pad_id, pin=device.type == "cuda"))
-        producer = Producer(ring, me.row, index, target, stop=proc.stop, cursor_file=cursor_file,
-                            metrics=metrics, replay=start.replay, source_names=tuple(s.name for s in sources))
+
+        def load(batches: Iterator[Batch]) -> Loader:
+            return Loader(batches, lambda b: prepare(b, packed=target.packed, pad_id=pad_id,
+                                                     pin=device.type == "cuda"))
+
+        replay = LiveReplay(index, start, cursor_file, cfg.train.checkpoint_dir, proc.ledger)
+        loader = load(resumed_batches(batcher, start, replay))
+        producer = Producer(ring, me.row, index, target, stop=proc.stop, replay=replay, metrics=metrics,
+                            source_names=tuple(s.name for s in sources))
         if proc.ledger is not None:
             proc.ledger.write("start", plan=plan, resume=[start.epoch, start.position],
                               replay=[list(x) for x in start.pending_replay],
@@ -463,8 +502,10 @@ def _produce(cfg: Config, index: int, device: torch.device, startup: Startup, pr
                 proc.ledger.write("done")
             # Keep the end, not nothing: a run drained now and started again must not redo this shard.
             # The supervisor removes the file once every shard is done (the run is complete).
-            cursor_file.save(ResumeState(cfg.data.epochs, 0))
-            log.info("shard done")
+            replay.finish(cfg.data.epochs)
+            log.info("shard done; producing again what dead drafters lose, until the run ends")
+            loader.close()
+            loader = serve_replays(producer, replay, batcher, cfg.data.epochs, load, proc.stop)
         else:
             log.info("stopped before the end of the shard (signal, drain or shutdown)")
     finally:

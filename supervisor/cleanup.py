@@ -55,10 +55,11 @@ def remove_run(run: str, lock_dir: Path, keep: Path | None = None) -> list[str]:
     return removed
 
 
-def clean(run: str, lock_dir: Path, state_dir: str) -> list[str]:
+def clean(run: str, lock_dir: Path, state_dir: str, checkpoint_dir: str) -> list[str]:
     """`dflash-ring clean`: remove a dead run, refuse a live one (whatever config the caller has).
 
-    What the dead run's ring still held goes to its producers' replay lists under `state_dir` first."""
+    What the dead run's ring still held, and what its dead drafters trained after their checkpoints (under
+    `checkpoint_dir`), goes to its producers' replay lists under `state_dir` first."""
     recorded = recorded_lock_dir(run)
     live = ring_users(run, [d for d in (recorded, lock_dir) if d is not None])
     if live:
@@ -68,7 +69,7 @@ def clean(run: str, lock_dir: Path, state_dir: str) -> list[str]:
         )
     try:
         with Ring.open(run) as ring:
-            save_unfinished(ring, state_dir)
+            save_unfinished(ring, state_dir, checkpoint_dir)
     except RingNotFound:
         pass
     except HalfCreatedRingError as e:

@@ -15,6 +15,7 @@ from pathlib import Path
 from dflash_ring.common.layout import Role, RowStatus
 from dflash_ring.common.liveness import LockFile, lock_path
 from dflash_ring.common.ring import CorruptSlot, Ring
+from dflash_ring.common.trained_journal import seal_drafter
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,9 @@ class Reaped:
     redelivered: int
 
 
-def reap(ring: Ring, lock_dir: Path) -> list[Reaped]:
+def reap(ring: Ring, lock_dir: Path, checkpoint_dir: str | None = None) -> list[Reaped]:
+    """Undo what dead rows held. A dead drafter's journal (under `checkpoint_dir`) is sealed first, while the slots
+    it held are still its own: what it trained after its checkpoint is produced again, what it held redelivered."""
     repair_words(ring)  # first: a word owned by no process that can die would never be reaped below
     rows = ring.rows()
     suspects = {i for i, r in enumerate(rows) if i and r["status"] == RowStatus.RUNNING}
@@ -44,6 +47,8 @@ def reap(ring: Ring, lock_dir: Path) -> list[Reaped]:
             continue  # alive
         try:
             was_running = ring.row_status(row) == RowStatus.RUNNING
+            if role == Role.CONSUMER and checkpoint_dir is not None:
+                seal_drafter(checkpoint_dir, int(r["index"]), ring.identity.created_ns, ring.unfinished_item_numbers())
             freed, redelivered = ring.reclaim_slots_of(row)
             if was_running:
                 ring.set_row_status(row, RowStatus.DEAD)

@@ -24,10 +24,13 @@ from dflash_ring.common.metrics import SUPERVISOR, RingCollector, serve
 from dflash_ring.common.ring import ConfigMismatchError, HalfCreatedRingError, Ring
 from dflash_ring.common.rendezvous import serve_rendezvous
 from dflash_ring.common.startup import Startup
+from dflash_ring.common.trained_journal import remove_all
 from dflash_ring.common.ring_users import ring_users
 from dflash_ring.supervisor.cleanup import remove_run, users_of
 from dflash_ring.supervisor.reaper import reap
-from dflash_ring.supervisor.unfinished import save_unfinished
+from dflash_ring.supervisor.fence import fence
+from dflash_ring.supervisor.owed import owed
+from dflash_ring.supervisor.unfinished import save_unfinished, seal_journals
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,7 @@ class Supervisor:
         self._rendezvous = None  # group.serve: the cross-host drafter group's store, for as long as this runs
         self._metrics: RingCollector | None = None
         self._stopping_sent = False
+        self._owed_logged = 0.0
 
     # ---- start ---------------------------------------------------------------
 
@@ -141,7 +145,7 @@ class Supervisor:
                 f"or start the supervisor with --reclaim-stale to discard it"
             )
         if ring is not None:
-            save_unfinished(ring, self.cfg.target.state_dir)  # what it held is produced again, not lost
+            save_unfinished(ring, self.cfg.target.state_dir, self.cfg.train.checkpoint_dir)  # what it held is produced again, not lost
             ring.close()
         elif half_created is not None:
             log.warning("%s; it never held an item, so nothing is lost with it", half_created)
@@ -165,7 +169,7 @@ class Supervisor:
             while True:
                 ring.heartbeat(0)
                 sd_notify.watchdog()
-                reap(ring, self.lock_dir)
+                reap(ring, self.lock_dir, self.cfg.train.checkpoint_dir)
                 self._apply_stop_requests(ring)
                 done = self.producers_done(ring)
                 ring.set_flag(Counter.PRODUCERS_DONE, done)
@@ -187,8 +191,15 @@ class Supervisor:
                     timeout = self.cfg.supervisor.exit_timeout_s
                     if (time.monotonic() - shutdown_at > timeout and not self._others_progressing(ring, timeout)
                             or self._signals > 2):
-                        log.error("still alive %.0fs after shutdown and silent: %s; removing the ring anyway "
-                                  "(their lock files stay)", time.monotonic() - shutdown_at, ", ".join(others))
+                        log.error("still alive %.0fs after shutdown and silent: %s; stopping them with SIGKILL before "
+                                  "what they hold is handed to the replay lists", time.monotonic() - shutdown_at,
+                                  ", ".join(others))
+                        if survivors := fence(self.lock_dir, others):
+                            log.error("%s survived SIGKILL: leaving the ring in place (nothing handed over twice); "
+                                      "once they are gone, `dflash-ring clean %s` or a restart hands it over",
+                                      ", ".join(survivors), self.cfg.run.name)
+                            self.close()
+                            return 1
                         self._teardown(ring)
                         return 1
                 time.sleep(self.cfg.supervisor.reap_interval_s)
@@ -210,11 +221,20 @@ class Supervisor:
         if counts["writing"] or counts["ready"] or counts["reading"]:
             return False
         if done == producers:
-            return True
+            return self._nothing_owed(ring)
         if not ring.draining:
             return False
         rows = ring.rows()
         return not ((rows["role"] == Role.PRODUCER) & (rows["status"] == RowStatus.RUNNING)).any()
+
+    def _nothing_owed(self, ring: Ring) -> bool:
+        """No batch a dead drafter lost is still to be produced again (supervisor/owed.py); logged when it waits."""
+        still = owed(self.cfg, ring)
+        if still and time.monotonic() - self._owed_logged > 10:
+            self._owed_logged = time.monotonic()
+            log.info("every shard done, but dead drafters' lost batches are still being produced again: %s",
+                     ", ".join(f"producer {i}: {n}" for i, n in sorted(still.items())))
+        return not still
 
     @staticmethod
     def _others_progressing(ring: Ring, within_s: float) -> bool:
@@ -248,10 +268,17 @@ class Supervisor:
         return [p.name for p in live_lock_files(self.lock_dir) if self._lock is None or p != self._lock.path]
 
     def _teardown(self, ring: Ring) -> None:
+        seal_journals(ring, self.cfg.train.checkpoint_dir)  # every process has left: a drafter dead since owes too
         held, damaged = ring.unfinished_items()
-        complete = self.producers_done(ring) == self.cfg.topology.producers and not held and not damaged
+        still = owed(self.cfg, ring)
+        complete = (self.producers_done(ring) == self.cfg.topology.producers and not held and not damaged
+                    and not still)
+        if still and not held and self.producers_done(ring) == self.cfg.topology.producers:
+            log.error("a drafter died after the run's last batch was trained: %d batch(es) it trained after its "
+                      "checkpoint are in the producers' replay lists; start the run again to train them",
+                      sum(still.values()))
         if not complete:  # stopped before the end: the resume points, with what the ring still holds
-            save_unfinished(ring, self.cfg.target.state_dir)
+            save_unfinished(ring, self.cfg.target.state_dir, self.cfg.train.checkpoint_dir)
         if self._metrics is not None:
             self._metrics.detach()
         ring.close()
@@ -269,6 +296,7 @@ class Supervisor:
             for cursor in sorted(state.glob("producer-*.json")):
                 cursor.unlink(missing_ok=True)
                 removed.append(str(cursor))
+            removed += remove_all(self.cfg.train.checkpoint_dir)  # every batch is in a saved state: journals void
         log.info("run %r finished; removed %s", self.cfg.run.name, ", ".join(removed) or "nothing")
 
     def close(self) -> None:

@@ -13,10 +13,12 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from dflash_ring.common.layout import Role
 from dflash_ring.common.resume_state import CursorFile, CursorFileError, ResumeState, cursor_path
 from dflash_ring.common.ring import Ring
+from dflash_ring.common.trained_journal import owed_to, seal_drafter
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +35,22 @@ class Unfinished:
         return sum(self.saved.values())
 
 
-def save_unfinished(ring: Ring, state_dir: str) -> Unfinished:
-    """Write every producer's resume point, with the ring's untrained items added to its replay list.
+def seal_journals(ring: Ring, checkpoint_dir: str) -> int:
+    """Seal every drafter's journal against its `latest` checkpoint (no drafter of the run is alive: the ring is
+    being removed), leaving out the items the ring still holds (they go to the replay lists as the ring's)."""
+    in_ring = ring.unfinished_item_numbers()
+    root = Path(checkpoint_dir)
+    indices = sorted(int(d.name.split("-")[1]) for d in root.glob("drafter-*") if d.name.split("-")[1].isdigit())
+    return sum(seal_drafter(checkpoint_dir, i, ring.identity.created_ns, in_ring) for i in indices)
+
+
+def save_unfinished(ring: Ring, state_dir: str, checkpoint_dir: str) -> Unfinished:
+    """Write every producer's resume point, with the ring's untrained items and the batches dead drafters trained
+    after their checkpoints (their sealed journals, common/trained_journal.py) added to its replay list.
 
     Call only when no process of the run is alive (the ring is being removed)."""
     out = Unfinished()
+    seal_journals(ring, checkpoint_dir)
     metas, damaged = ring.unfinished_items()
     out.lost += [f"{d} (header unreadable: its batch cannot be produced again)" for d in damaged]
     held: dict[int, set[tuple[int, int]]] = defaultdict(set)
@@ -60,6 +73,7 @@ def save_unfinished(ring: Ring, state_dir: str) -> Unfinished:
         (epoch, position), replayed = resume
         f = CursorFile(cursor_path(state_dir, run, index), ring.cursor_plan(row))
         earlier: tuple[tuple[int, int], ...] = ()
+        taken: tuple[str, ...] = ()
         try:
             old = f.read()
         except CursorFileError as e:  # the ring's record is what is written back; the file's replay list is gone
@@ -69,18 +83,21 @@ def save_unfinished(ring: Ring, state_dir: str) -> Unfinished:
             plan, f.description, state = old
             if plan == f.plan:
                 earlier = state.replay[replayed:]  # entries not yet published again: still owed
+                taken = state.taken
             elif state.pending_replay:
                 out.lost.append(f"{len(state.pending_replay)} replay entries of producer {index} in {f.path}: "
                                 "they belong to another data plan")
-        replay = earlier + tuple(sorted(items - set(earlier)))
+        owed = owed_to(index, checkpoint_dir, taken)
+        lost_with_drafters = tuple((e.epoch, e.position) for _, entries in owed for e in entries)
+        replay = earlier + tuple(sorted(items - set(earlier))) + lost_with_drafters
         f.path.parent.mkdir(parents=True, exist_ok=True)
-        f.save(ResumeState(epoch, position, replay, 0), durable=True)
-        if items:
-            out.saved[index] = len(items)
+        f.save(ResumeState(epoch, position, replay, 0, taken + tuple(key for key, _ in owed)), durable=True)
+        if items or lost_with_drafters:
+            out.saved[index] = len(items) + len(lost_with_drafters)
     for index, items in held.items():
         out.lost.append(f"{len(items)} item(s) of producer {index}, which has no row in the ring")
     if out.items:
-        log.warning("the ring held %d untrained item(s); written to the producers' replay lists (%s): "
+        log.warning("the ring held %d untrained item(s) (with what dead drafters trained after their checkpoints); written to the producers' replay lists (%s): "
                     "they are produced again first when the run starts again", out.items,
                     ", ".join(f"producer {i}: {n}" for i, n in sorted(out.saved.items())))
     for line in out.lost:

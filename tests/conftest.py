@@ -66,5 +66,6 @@ def run(tmp_path: Path):
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
-        proc.stderr.close()
+        if proc.stderr is not None:
+            proc.stderr.close()
     Ring.unlink(r.name)

@@ -75,36 +75,41 @@ def test_ledger_reconciliation_counts_each_batch_trained_once_through_redelivery
     d2 = [_rec("start", 40, 20, step=3), _rec("got", 40, 22, item=0, deliveries=1, **_batch(0, 0, 3)),
           _rec("train", 40, 23, step=4, item=0, deliveries=1, **_batch(0, 0, 3)), _rec("exit", 40, 24, step=4)]
     ledgers = {"target-0": producer + replay, "drafter-0": d0, "drafter-1": d1, "drafter-2": d2}
-    rec = reconcile(ledgers, checkpoint_every=10, grad_accum=1)
+    rec = reconcile(ledgers)
     assert rec["problems"] == [] and rec["missing"] == 0 and rec["lost_in_flight"] == 0
     assert rec["trained_exactly_once"] == rec["planned_batches"] == 4
     assert rec["trains_undone_by_redelivery_or_replay"] == 1 and rec["replayed_batches"] == 1
     assert rec["redelivered_items"] == 1 and rec["seen_twice_explained_by_redelivery_or_replay"] == 1
     # Ledger files come in any order (here the redelivered drafter's before the killed one's): time decides.
-    swapped = reconcile({"target-0": producer + replay, "drafter-0": d1, "drafter-1": d0, "drafter-2": d2}, 10, 1)
+    swapped = reconcile({"target-0": producer + replay, "drafter-0": d1, "drafter-1": d0, "drafter-2": d2})
     assert swapped["problems"] == [] and swapped["seen_twice_explained_by_redelivery_or_replay"] == 1
-    # A train of a batch later replayed is undone too: its ring was removed before the slot was released.
-    held = d2[:1] + [_rec("got", 40, 12, item=3, deliveries=1, **_batch(0, 0, 3)),
-                     _rec("train", 40, 13, step=4, item=3, deliveries=1, **_batch(0, 0, 3))] + d2[1:]
-    again = reconcile(dict(ledgers, **{"drafter-2": held}), 10, 1)
+    # A train of a batch later replayed is undone too: its drafter was killed before the release, and the ring was
+    # removed (holding the slot) before anyone redelivered it.
+    held = [_rec("start", 50, 11, step=3), _rec("got", 50, 12, item=3, deliveries=1, **_batch(0, 0, 3)),
+            _rec("train", 50, 13, step=4, item=3, deliveries=1, **_batch(0, 0, 3))]
+    again = reconcile(dict(ledgers, **{"drafter-3": held}))
     assert again["problems"] == [] and again["trains_undone_by_redelivery_or_replay"] == 2
+    # Not so for a drafter that released it and exited cleanly: its update is in its state, a replay trains it twice.
+    kept = held + [_rec("exit", 50, 14, step=4)]
+    assert reconcile(dict(ledgers, **{"drafter-3": kept}))["trained_twice"] == 1
     # The same batch trained by two drafters that both released it: trained twice, and taken twice unexplained.
     d1_twice = d1[:-1] + [_rec("got", 30, 9, item=5, deliveries=1, **_batch(0, 0, 2)),
                           _rec("train", 30, 10, step=4, item=5, deliveries=1, **_batch(0, 0, 2)),
                           _rec("exit", 30, 11, step=4)]
-    bad = reconcile(dict(ledgers, **{"drafter-1": d1_twice}), 10, 1)
+    bad = reconcile(dict(ledgers, **{"drafter-1": d1_twice}))
     assert bad["trained_twice"] == 1 and bad["seen_twice_unexplained"] == 1 and bad["problems"]
     # Taken and never trained by anyone: lost in flight, a problem (there is no allowance any more).
-    lost = reconcile(dict(ledgers, **{"drafter-2": d2[:2]}), 10, 1)
+    lost = reconcile(dict(ledgers, **{"drafter-2": d2[:2]}))
     assert lost["lost_in_flight"] == 1 and any("never trained" in p for p in lost["problems"])
     # A batch nobody took is missing, whatever else happened.
-    gone = reconcile({"target-0": producer, "drafter-1": d1}, 10, 1)
+    gone = reconcile({"target-0": producer, "drafter-1": d1})
     assert gone["missing"] == 1 and gone["missing_examples"] == [(0, 0, 3)]
 
 
-def test_updates_a_killed_drafter_loses_count_from_when_its_last_durable_checkpoint_was_taken():
-    """A checkpoint written in the background becomes durable (its `ckpt` record) after later batches trained:
-    they are not in it and die with a kill. So a kill mid-write can lose up to two intervals (bound 2 x every + 2)."""
+def test_updates_a_killed_drafter_loses_must_be_produced_again():
+    """A checkpoint written in the background becomes durable (its `ckpt` record) after later batches trained: they
+    are not in it and die with a kill. Unless they are produced again (its sealed journal: an `intake` record) and
+    trained by someone, they are in no surviving state: `trained_then_lost_with_crash`, a failure."""
     producer = [_rec("start", 10, 0, plan=[8], resume=[0, 0])]
     producer += [_rec("pub", 10, 1 + k, item=k, epoch=0, pos=k) for k in range(8)]
     drafter = [_rec("start", 20, 1, step=0)]
@@ -113,11 +118,20 @@ def test_updates_a_killed_drafter_loses_count_from_when_its_last_durable_checkpo
                     _rec("train", 20, 10 + k, step=k + 1, item=k, deliveries=1, **_batch(0, 0, k))]
     drafter.append(_rec("ckpt", 20, 14.5, step=2, items=2, snapshot_t=11.2))  # step 2's state, durable 3 steps on
     ledgers = {"target-0": producer, "drafter-0": sorted(drafter, key=lambda r: r["t"])}
-    rec = reconcile(ledgers, checkpoint_every=3, grad_accum=1)
-    assert rec["trained_then_lost_with_crash"] == 6 and rec["problems"] == []  # batches 2..7; bound 8
-    assert rec["trained_exactly_once"] == 8
-    over = reconcile(ledgers, checkpoint_every=1, grad_accum=1)
-    assert over["problems"] == ["drafter pid 20 trained 6 batches after its last checkpoint (bound 4)"]
+    rec = reconcile(ledgers)
+    assert rec["trained_then_lost_with_crash"] == 6 and rec["trained_exactly_once"] == 2  # batches 2..7 lost
+    assert any("never produced again" in p for p in rec["problems"])
+    # The journal brings them back: the producer takes them in at t = 20, another drafter trains them.
+    intake = [_rec("intake", 10, 20, segments=["drafter-0/lost-x"], replay=[[0, k] for k in range(2, 8)])]
+    intake += [_rec("pub", 10, 21 + k, item=8 + k, epoch=0, pos=k, replay=True) for k in range(2, 8)]
+    again = [_rec("start", 30, 19, step=2)]
+    for k in range(2, 8):
+        again += [_rec("got", 30, 29 + k, item=8 + k, deliveries=1, **_batch(0, 0, k)),
+                  _rec("train", 30, 30 + k, step=k + 1, item=8 + k, deliveries=1, **_batch(0, 0, k))]
+    again.append(_rec("exit", 30, 40, step=8))
+    healed = reconcile(dict(ledgers, **{"target-0": producer + intake, "drafter-1": again}))
+    assert healed["problems"] == [] and healed["trained_then_lost_with_crash"] == 0
+    assert healed["trained_then_replayed_after_crash"] == 6 and healed["trained_exactly_once"] == 8
 
 
 def test_ledger_reader_counts_a_line_cut_by_a_kill(tmp_path):

@@ -8,6 +8,7 @@ Whole-row token counts come from the tokenizer and the template directly, not fr
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -182,6 +183,14 @@ def scrape(port: int, name: str) -> dict[str, float]:
 
 
 @pytest.mark.processes
+def serves(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
 def test_producers_of_a_mixture_log_its_composition_and_publish_exactly_its_plan(run, tmp_path, monkeypatch):
     """Two real producers over a 3:1 mix (the small source repeating): each logs one line per source before it
     publishes, the items are the batcher's plan (every drawn sample once across both), and the per-source
@@ -201,6 +210,9 @@ def test_producers_of_a_mixture_log_its_composition_and_publish_exactly_its_plan
     items = []
     with Ring.attach(cfg) as ring:
         wait_for(lambda: ring.counter(Counter.PRODUCED) == 4, timeout=180, what="a full ring")
+        # A producer still starting (it may not have published yet) serves its metrics only once its port is up.
+        wait_for(lambda: all(serves(cfg.metrics.port_base + 1 + p) for p in (0, 1)), timeout=120,
+                 what="both producers' metrics")
         published = [scrape(cfg.metrics.port_base + 1 + p, "dflash_ring_target_trained_tokens_total") for p in (0, 1)]
         me = Membership.join(ring, cfg, Role.CONSUMER, 0)
         while (r := ring.claim(me.row, timeout_s=60)) is not None:

@@ -89,7 +89,7 @@ def test_a_mixture_reports_per_source_and_evaluates_held_out_items_exactly_once_
     # The ledger: every held-out batch evaluated exactly once (the killed drafter's evaluation undone by the
     # redelivery), never trained; every other batch trained exactly once.
     ledgers = read_ledgers(run.tmp / "ledger")[0]
-    rec = reconcile(ledgers, checkpoint_every=3, grad_accum=1)
+    rec = reconcile(ledgers)
     assert rec["problems"] == [], rec["problems"]
     assert rec["planned_eval_batches"] > 0 and rec["evaluated_exactly_once"] == rec["planned_eval_batches"]
     assert rec["trained_exactly_once"] == rec["planned_batches"] - rec["planned_eval_batches"]

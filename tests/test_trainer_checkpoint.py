@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dflash_ring.consumer.async_checkpoint import BackgroundWriter, HostSnapshot
+from dflash_ring.common.trained_journal import Journal
 from dflash_ring.consumer.checkpoint import FILES, CheckpointError, CheckpointStore, export_checkpoint
 from dflash_ring.consumer.process import Checkpoints
 from dflash_ring.common.drafter_config import DrafterConfig
@@ -199,6 +200,7 @@ def test_checkpoints_one_after_another_each_hold_their_own_step(tmp_path, backgr
     trainer, _ = make_trainer(tmp_path)
     store = CheckpointStore(tmp_path / "ckpt")
     checkpoints = Checkpoints(store, every=1, keep=10, state=lambda: {"items": trainer.step}, trainer=trainer,
+                              journal=Journal(tmp_path / "journal", ring=0, after_step=0), ledger=None,
                               background=background)
     weights = {}
     for s in range(4):
@@ -219,7 +221,8 @@ def test_a_failed_background_write_is_raised_on_the_training_thread(tmp_path):
     trainer, _ = make_trainer(tmp_path)
     root = tmp_path / "ckpt"
     root.write_text("")  # a file where the checkpoint directory should be: the write fails
-    checkpoints = Checkpoints(CheckpointStore(root), every=1, keep=1, state=lambda: {"items": 1}, trainer=trainer)
+    checkpoints = Checkpoints(CheckpointStore(root), every=1, keep=1, state=lambda: {"items": 1}, trainer=trainer,
+                              journal=Journal(tmp_path / "journal", ring=0, after_step=0), ledger=None)
     trainer.train_step(batch(0), 20)
     checkpoints.after_step(1)  # the step only takes the snapshot; the write fails on the writer's thread
     with pytest.raises(CheckpointError, match=f"writing checkpoint step-00000001 under {root} failed"):
@@ -253,6 +256,9 @@ def test_a_drafter_killed_mid_background_write_resumes_from_the_checkpoint_befor
     done = int(re.search(r"drafter 0 done: (\d+) steps", log).group(1))
     assert CheckpointStore(root).load_latest().step == done > 6
     assert list(root.glob(".tmp-step-*")) == []  # the killed writer's leftovers are cleared
-    rec = reconcile(read_ledgers(ledger)[0], checkpoint_every=3, grad_accum=1)
+    rec = reconcile(read_ledgers(ledger)[0])
     assert rec["problems"] == [], rec["problems"]
     assert rec["trained_exactly_once"] == rec["planned_batches"] > 0, rec
+    # What it trained after step 3's state was in no checkpoint: its journal brought it back, trained once more.
+    assert rec["trained_then_lost_with_crash"] == 0 and rec["trained_then_replayed_after_crash"] >= 3, rec
+    assert "that dead drafters trained after their last checkpoint" in procs[1].stderr.read()

@@ -60,7 +60,7 @@ def test_a_run_stopped_whole_and_started_again_trains_every_batch_exactly_once(r
     for p in again:
         assert wait_exit(p, 600) == 0, p.stderr.read()[-3000:]
     ledgers, _ = read_ledgers(ledger)
-    rec = reconcile(ledgers, checkpoint_every=4, grad_accum=1)
+    rec = reconcile(ledgers)
     assert rec["problems"] == [], rec["problems"]
     assert rec["replayed_batches"] >= 1 and rec["lost_in_flight"] == 0
     assert rec["trained_exactly_once"] == rec["planned_batches"] > 0, rec

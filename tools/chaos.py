@@ -441,7 +441,7 @@ def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
         phase = Phase("baseline", cfg_path, sets, d, env, opts)
         phase.execute(0, 0, deadline_s=900)
         ledgers, _ = read_ledgers(phase.ledger_dir())
-        rec = reconcile(ledgers, phase.cfg.train.checkpoint_every_steps, phase.cfg.train.grad_accum)
+        rec = reconcile(ledgers)
         thr = throughput(ledgers, None)
         base_rate = thr["items_per_s"]
         per_epoch = rec["planned_batches"]
@@ -468,7 +468,7 @@ def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
                   deadline_s=opts.seconds + max(600.0, 2 * opts.seconds) + 120 * opts.whole_run_stops)
     wall = time.monotonic() - t0
     ledgers, cut = read_ledgers(phase.ledger_dir())
-    rec = reconcile(ledgers, phase.cfg.train.checkpoint_every_steps, phase.cfg.train.grad_accum)
+    rec = reconcile(ledgers)
     thr = throughput(ledgers, phase.window)
     rec_times, unrecovered = recoveries(phase.kills, phase.restarter.spawns_wall(), ledgers)
     clean = _clean(phase.cfg_path, phase.sets)

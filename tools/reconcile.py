@@ -25,7 +25,7 @@ def _ident(r: dict[str, Any]) -> tuple[int, int, int]:
     return int(r["producer"]), int(r["epoch"]), int(r["pos"])
 
 
-def reconcile(ledgers: dict[str, list[dict[str, Any]]], checkpoint_every: int, grad_accum: int) -> dict[str, Any]:
+def reconcile(ledgers: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """What the producers planned against what the drafters trained (or evaluated), batch by batch.
 
     A drafter releases a slot only after training on it, so a `train` record is undone by what can only
@@ -55,6 +55,9 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]], checkpoint_every: int, g
                 # A replay is known from the start record on: its publish may be claimed before the `pub` line.
                 for e, pos in r.get("replay", []):
                     replays[(p, e, pos)].append(r["t"])
+            elif r["ev"] == "intake":  # a dead drafter's sealed journal: produced again from here on
+                for e, pos in r.get("replay", []):
+                    replays[(p, e, pos)].append(r["t"])
             elif r["ev"] == "pub" and r.get("replay"):
                 replayed += 1
             elif r["ev"] == "pub":
@@ -82,17 +85,30 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]], checkpoint_every: int, g
     for rs in (*got.values(), *trained.values()):
         rs.sort(key=lambda r: r["t"])  # gathered file by file: put each batch's records in time order
 
+    # The newest checkpoint of each drafter process whose state was taken and then became durable: a `train` record
+    # after it, by a process that was killed, is in no surviving state (its successor resumed from that checkpoint).
+    last_snapshot = {pid: max((r.get("snapshot_t", r["t"]) for r in recs if r["ev"] == "ckpt"), default=float("-inf"))
+                     for pid, recs in drafter_pids.items()}
+
+    def lost(t: dict[str, Any]) -> bool:
+        return t["ev"] == "train" and t["pid"] in killed and t["t"] > last_snapshot[t["pid"]]
+
     def undone(t: dict[str, Any], k: tuple[int, int, int]) -> bool:
-        """The trained slot was never released: delivered again later, or published again as a replay."""
+        """The trained slot was never released and was delivered again later (its holder died; the reaper
+        redelivered it), or the update was lost (a killed drafter, after its last durable checkpoint) and the
+        batch was announced to be produced again after it (the ring's removal held it, or a sealed journal)."""
         again = any(g["t"] > t["t"] and g["item"] == t.get("item") and g["deliveries"] > t.get("deliveries", 0)
                     for g in got.get(k, []))
-        return again or any(rt > t["t"] for rt in replays.get(k, []))
+        return again or (lost(t) or t["ev"] == "eval") and any(rt > t["t"] for rt in replays.get(k, []))
 
     committed: dict[tuple[int, int, int], list[dict[str, Any]]] = {}
     undone_trains = 0
+    lost_not_replayed = []
     for k, rs in trained.items():
         kept = [t for t in rs if not undone(t, k)]
         undone_trains += len(rs) - len(kept)
+        lost_not_replayed += [(k, t) for t in kept if lost(t)]
+        kept = [t for t in kept if not lost(t)]  # in no surviving state: the batch counts as not trained
         if kept:
             committed[k] = kept
 
@@ -118,23 +134,16 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]], checkpoint_every: int, g
     republished = [{"batch": k, "items": sorted(items)} for k, items in published.items() if len(items) > 1]
 
     # Taken from the ring by a drafter and never trained by anyone for good: nothing may be lost in flight.
-    lost_in_flight = sorted(k for k in got if k not in committed)
+    lost_in_flight = sorted(k for k in got if k not in committed and k not in {b for b, _ in lost_not_replayed})
     if lost_in_flight:
         problems.append(f"{len(lost_in_flight)} batch(es) taken by a drafter and never trained (or evaluated), e.g. "
                         f"{lost_in_flight[:5]}")
 
-    # Trained by a killed drafter after the state of its last durable checkpoint was taken: the updates went with
-    # it. A checkpoint written in the background may still be in flight when the next interval ends (the next one
-    # waits for it): a kill mid-write loses up to two intervals.
-    uncheckpointed = 0
-    bound = 2 * checkpoint_every * grad_accum + 2
-    for pid in killed:
-        recs = drafter_pids[pid]
-        last_ckpt = max((r.get("snapshot_t", r["t"]) for r in recs if r["ev"] == "ckpt"), default=float("-inf"))
-        n = sum(1 for r in recs if r["ev"] == "train" and r["t"] > last_ckpt)
-        uncheckpointed += n
-        if n > bound:
-            problems.append(f"drafter pid {pid} trained {n} batches after its last checkpoint (bound {bound})")
+    # Trained by a killed drafter after the state of its last durable checkpoint was taken, and never produced again:
+    # the update went with it, and no surviving state holds the batch (its journal must have brought it back).
+    if lost_not_replayed:
+        problems.append(f"{len(lost_not_replayed)} batch(es) trained by a killed drafter after its last checkpoint "
+                        f"and never produced again, e.g. {[k for k, _ in lost_not_replayed[:5]]}")
 
     missing = sorted(expected - set(committed) - set(lost_in_flight))
     unexpected = sorted(set(committed) - expected)
@@ -180,7 +189,9 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]], checkpoint_every: int, g
         "seen_twice_explained_by_redelivery_or_replay": explained_dupes,
         "seen_twice_unexplained": len(unexplained),
         "lost_in_flight": len(lost_in_flight),
-        "trained_then_lost_with_crash": uncheckpointed,
+        "trained_then_lost_with_crash": len(lost_not_replayed),
+        "trained_then_replayed_after_crash": sum(1 for rs in trained.values() for t in rs if lost(t)) - len(
+            lost_not_replayed),
         "killed_drafter_incarnations": len(killed),
         "problems": problems,
     }

@@ -7,6 +7,7 @@ have `source/<name>/...` keys, into one PNG (matplotlib, from the `tracking` ext
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ def series(records: list[dict[str, Any]], key: str, kind: str = TRAIN) -> tuple[
 
 def write_report(run_dir: Path, out: Path | None = None) -> tuple[Path, str]:
     """Draw the run's curves; returns the PNG's path and one line saying what it shows."""
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its first import logs building a font cache
     try:
         import matplotlib
 

@@ -1,0 +1,215 @@
+"""What a drafter trained since its last durable checkpoint, on disk: a crash then loses no batch from the model.
+
+A drafter releases a slot once the step that used it has returned, but its checkpoint comes only every
+train.checkpoint_every_steps. A drafter killed in between takes the updates of the batches it released since
+with it, and its successor resumes from the checkpoint: those batches would be in no surviving state. So
+before each release the drafter appends the batch's identity to its journal, and the batches of a dead
+drafter's journal that its checkpoint does not cover are produced again (the producers' replay lists):
+
+    <train.checkpoint_dir>/drafter-<j>/journal/
+      open-<S>-<pid>-<ring>.jsonl   written by drafter pid: the batches it trained into steps after S (the
+                                    step of the checkpoint whose state was taken last), in ring <ring>
+      lost-<S>-<pid>-<ring>.jsonl   sealed, once pid is dead and no checkpoint after S covers them: to be
+                                    produced again (each producer takes its own entries once, by name)
+
+The writer rotates to a new open segment when a checkpoint's state is taken and deletes the segments every kept
+checkpoint covers once that checkpoint is durable. Whoever undoes a dead drafter's row seals its open segments
+first (the reaper, the drafter's successor, the removal of the ring), while the slots it still held are in the
+ring: those are redelivered or replayed by the ring, so their entries are left out of the sealed segment, and a
+batch is never both redelivered and replayed. Sealing is idempotent (the first seal of a segment wins).
+
+One `write(2)` per line on an O_APPEND descriptor: a SIGKILL cannot cut a line. There is no fsync per line: a
+host that loses its page cache loses its /dev/shm too, which README states as the one loss of a host crash.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_ring.common.durable import fsync
+
+log = logging.getLogger(__name__)
+
+SEGMENT = re.compile(r"^(open|lost)-(\d{8})-(\d+)-(\d+)\.jsonl$")
+LATEST = re.compile(r"^step-(\d{8})$")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A trained batch: its identity (producer, epoch, position) and, in its ring, the item number it had."""
+
+    producer: int
+    epoch: int
+    position: int
+    item: int
+
+
+@dataclass(frozen=True)
+class Segment:
+    path: Path
+    kind: str  # open | lost
+    after_step: int
+    pid: int
+    ring: int
+
+    @property
+    def key(self) -> str:
+        """Its name across drafters: what a producer records once it has taken its entries."""
+        return f"{self.path.parent.parent.name}/{self.path.name}"
+
+
+def journal_dir(checkpoint_dir: str | os.PathLike, index: int) -> Path:
+    return Path(checkpoint_dir) / f"drafter-{index}" / "journal"
+
+
+def segments(directory: Path, kind: str | None = None) -> list[Segment]:
+    if not directory.is_dir():
+        return []
+    out = []
+    for p in sorted(directory.iterdir()):
+        if (m := SEGMENT.match(p.name)) and (kind is None or m.group(1) == kind):
+            out.append(Segment(p, m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))))
+    return out
+
+
+def read_entries(path: Path) -> list[Entry]:
+    """A segment's entries; a line that does not parse (only a host crash can cut one) is skipped and named."""
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            r = json.loads(line)
+            out.append(Entry(int(r["p"]), int(r["e"]), int(r["q"]), int(r["i"])))
+        except (ValueError, KeyError, TypeError) as e:
+            log.error("journal %s line %d unreadable (%s): skipped", path, n, e)
+    return out
+
+
+def latest_step(checkpoint_dir: str | os.PathLike, index: int) -> int:
+    """The step of drafter `index`'s `latest` checkpoint (0 without one): what its successor resumes from."""
+    try:
+        name = (Path(checkpoint_dir) / f"drafter-{index}" / "latest").read_text().strip()
+    except FileNotFoundError:
+        return 0
+    return int(m.group(1)) if (m := LATEST.match(name)) else 0
+
+
+class Journal:
+    """The writer: one drafter process's record of what it trained since the state of its last checkpoint."""
+
+    def __init__(self, directory: Path, ring: int, after_step: int):
+        self.directory, self.ring, self.after_step = directory, ring, after_step
+        self._fd: int | None = None  # opened with the first entry: a drafter that trains nothing leaves no file
+        self._pid = os.getpid()
+
+    def append(self, meta: dict[str, Any], item: int) -> None:
+        """Before the batch's slot is released: once released, only this line can bring the batch back."""
+        if self._fd is None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            path = self.directory / f"open-{self.after_step:08d}-{self._pid}-{self.ring}.jsonl"
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        line = json.dumps({"p": int(meta["producer"]), "e": int(meta["epoch"]), "q": int(meta["position"]),
+                           "i": int(item)}, separators=(",", ":"))
+        os.write(self._fd, (line + "\n").encode())
+
+    def rotate(self, step: int) -> None:
+        """A checkpoint's state was taken at `step`: what is trained from now on goes into the next segment."""
+        self._close()
+        self.after_step = step
+
+    def covered(self, oldest_kept: int) -> None:
+        """A checkpoint is durable: delete this process's segments that every kept checkpoint covers (those
+        before the oldest kept one; a resume that falls back to an older kept checkpoint still finds the rest)."""
+        for s in segments(self.directory, "open"):
+            if s.pid == self._pid and s.after_step < oldest_kept:
+                s.path.unlink(missing_ok=True)
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def close(self) -> None:
+        self._close()
+
+
+def seal(directory: Path, resumes_from: int, ring: int, in_ring: Iterable[int], *, mine: int | None = None) -> int:
+    """Seal the open segments of dead drafters in `directory`: those after `resumes_from` (the checkpoint a
+    successor resumes from) become `lost` segments, without the entries whose items are still in `ring` (ring
+    id; `in_ring`: the item numbers still READY or READING there). Call with the dead drafter's row lock held,
+    before its slots are undone. `mine`: this process's pid, whose own segments are never sealed.
+    Returns the number of entries sealed."""
+    still = set(in_ring)
+    sealed = 0
+    for s in segments(directory, "open"):
+        if s.pid == mine or s.after_step < resumes_from:
+            continue
+        lost = s.path.with_name("lost" + s.path.name[len("open"):])
+        if not lost.exists():  # the first seal wins: the ring has moved on since
+            entries = [e for e in read_entries(s.path) if not (s.ring == ring and e.item in still)]
+            tmp = lost.with_name(f".{lost.name}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.writelines(json.dumps({"p": e.producer, "e": e.epoch, "q": e.position, "i": e.item},
+                                        separators=(",", ":")) + "\n" for e in entries)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, lost)
+            fsync(directory)
+            sealed += len(entries)
+            if entries:
+                log.warning("drafter journal %s: %d batch(es) trained after checkpoint step %d died with pid %d; "
+                            "they are produced again", lost, len(entries), s.after_step, s.pid)
+        s.path.unlink(missing_ok=True)
+    return sealed
+
+
+def seal_drafter(checkpoint_dir: str | os.PathLike, index: int, ring: int, in_ring: Iterable[int]) -> int:
+    """Seal dead drafter `index`'s journal against the checkpoint its successor resumes from (`latest`)."""
+    return seal(journal_dir(checkpoint_dir, index), latest_step(checkpoint_dir, index), ring, in_ring,
+                mine=os.getpid())
+
+
+def drop_covered(directory: Path, resumes_from: int, mine: int) -> None:
+    """A successor resumed from `resumes_from`: its predecessors' open segments before it are covered."""
+    for s in segments(directory, "open"):
+        if s.pid != mine and s.after_step < resumes_from:
+            s.path.unlink(missing_ok=True)
+
+
+def lost_segments(checkpoint_dir: str | os.PathLike) -> list[Segment]:
+    """Every drafter's sealed segments under train.checkpoint_dir."""
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        return []
+    return [s for d in sorted(root.glob("drafter-*")) for s in segments(d / "journal", "lost")]
+
+
+def owed_to(producer: int, checkpoint_dir: str | os.PathLike, taken: Iterable[str]) -> list[tuple[str, list[Entry]]]:
+    """The sealed segments with entries of `producer` that it has not taken yet: (key, its entries)."""
+    done = set(taken)
+    out = []
+    for s in lost_segments(checkpoint_dir):
+        if s.key in done:
+            continue
+        mine = [e for e in read_entries(s.path) if e.producer == producer]
+        if mine:
+            out.append((s.key, mine))
+    return out
+
+
+def remove_all(checkpoint_dir: str | os.PathLike) -> list[str]:
+    """A complete run's end: every drafter's journal is void."""
+    removed = []
+    root = Path(checkpoint_dir)
+    for d in sorted(root.glob("drafter-*/journal")) if root.is_dir() else []:
+        for s in segments(d):
+            s.path.unlink(missing_ok=True)
+            removed.append(str(s.path))
+    return removed

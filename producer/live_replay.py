@@ -1,0 +1,88 @@
+"""A producer's replay list while it runs: the batches a dead drafter trained after its checkpoint come back here.
+
+The list starts as the cursor file's (what a removed ring held, and what earlier drafters lost); while the
+producer runs it grows by the sealed journal segments of dead drafters (common/trained_journal.py): each
+segment's entries for this producer are appended once, and the segment's name is recorded with them, in one
+durable write of the cursor file, before any of them is published. Publishing commits how many entries are
+done (`replayed`, in the ring row with the cursor), so a producer killed anywhere resumes with the same list
+and the same count: every entry is published once.
+
+The main thread commits publishes (`commit`); the loader thread asks for the next entries (`entries_from`)
+and polls for new segments between batches (`poll`): one lock keeps the list and the file in step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+from dflash_ring.common.ledger import Ledger
+from dflash_ring.common.resume_state import CursorFile, ResumeState
+from dflash_ring.common.trained_journal import owed_to
+
+log = logging.getLogger(__name__)
+
+POLL_S = 1.0  # how often a producer looks for sealed segments: a drafter's death is rare, a listing cheap
+
+
+class LiveReplay:
+    def __init__(self, index: int, start: ResumeState, cursor_file: CursorFile, checkpoint_dir: str | Path,
+                 ledger: Ledger | None = None):
+        self.index, self.cursor_file, self.checkpoint_dir, self.ledger = index, cursor_file, checkpoint_dir, ledger
+        self._replay = list(start.replay)
+        self._taken = list(start.taken)
+        self._committed = (start.epoch, start.position, start.replayed)
+        self._lock = threading.Lock()
+        self._polled = 0.0
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._replay)
+
+    def entries_from(self, j: int) -> list[tuple[int, int]]:
+        with self._lock:
+            return self._replay[j:]
+
+    def poll(self, force: bool = False) -> int:
+        """Take new sealed segments' entries for this producer into the list, durably; returns how many."""
+        if not force and time.monotonic() - self._polled < POLL_S:
+            return 0
+        self._polled = time.monotonic()
+        with self._lock:
+            owed = owed_to(self.index, self.checkpoint_dir, self._taken)
+            if not owed:
+                return 0
+            added = [(e.epoch, e.position) for _, entries in owed for e in entries]
+            self._replay += added
+            self._taken += [key for key, _ in owed]
+            self._save(durable=True)  # before any of them can be published
+        if self.ledger is not None:
+            self.ledger.write("intake", segments=[key for key, _ in owed], replay=[list(x) for x in added])
+        log.warning("producing again %d batch(es) that dead drafters trained after their last checkpoint (%s)",
+                    len(added), ", ".join(key for key, _ in owed))
+        return len(added)
+
+    def commit(self, epoch: int, position: int, replayed: int) -> None:
+        """After a publish: the cursor file follows the ring's record (not fsynced: the ring holds it meanwhile)."""
+        with self._lock:
+            self._committed = (epoch, position, replayed)
+            self._save(durable=False)
+
+    def finish(self, epochs: int) -> None:
+        """The shard's end (every plan batch and every entry so far published), durably: a drained run started
+        again must not redo it, and entries taken later are still owed on top of it."""
+        with self._lock:
+            self._committed = (epochs, 0, self._committed[2])
+            self._save(durable=True)
+
+    @property
+    def pending(self) -> bool:
+        with self._lock:
+            return len(self._replay) > self._committed[2]
+
+    def _save(self, durable: bool) -> None:
+        epoch, position, replayed = self._committed
+        self.cursor_file.save(ResumeState(epoch, position, tuple(self._replay), replayed, tuple(self._taken)),
+                              durable=durable)
