@@ -16,6 +16,9 @@ Records (`ev`, plus `pid` and `t`, wall-clock seconds):
                                                       after `publish` committed the batch and its cursor;
                                                       replay: a batch a removed ring held, produced again;
                                                       eval: a held-out batch (data.eval_fraction)
+                intake {segments, replay: [[epoch, position]...]}
+                                                      dead drafters' sealed journals taken into its replay
+                                                      list: those batches are produced again from here on
                 done  {}                              shard finished
     drafter     start {step}                          after joining (step: the checkpoint resumed from)
                 got   {item, producer, epoch, pos, deliveries}

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dflash_ring.common.config import Config, load_config
-from dflash_ring.common.layout import Counter, Role
+from dflash_ring.common.layout import Counter, Role, RowStatus
 from dflash_ring.common.membership import Membership
 from dflash_ring.common.ring import ConfigMismatchError, Ring
 from dflash_ring.producer.batching import ShardBatcher
@@ -213,11 +213,13 @@ def test_a_drained_run_started_again_does_not_redo_a_finished_shard(run, world):
 
     def drain_once_shard_0_is_done(n: int) -> None:
         if n == shard[0]:  # producer 1 has not started: the drain ends the run with its shard untouched
-            assert wait_exit(p0) == 0
+            with Ring.open(run.name) as ring:  # done, it stays for replays until the run ends: the drain ends it
+                wait_for(lambda: ring.row_status(ring.row_of(Role.PRODUCER, 0)) == RowStatus.DONE, timeout=60,
+                         what="producer 0's shard done")
             run.spawn("-m", "dflash_ring", "stop", "--config", str(run.config))
 
     first = consume(cfg, after_each=drain_once_shard_0_is_done)
-    finish(run, [sup])
+    finish(run, [p0, sup])
     assert len(first) == shard[0] and {i.meta["producer"] for i in first} == {0}
     sup = run.supervisor()  # the run started again, as a whole
     procs = [run.role("target", 0), run.role("target", 1)]

@@ -65,3 +65,34 @@ def test_a_run_stopped_whole_and_started_again_trains_every_batch_exactly_once(r
     assert rec["replayed_batches"] >= 1 and rec["lost_in_flight"] == 0
     assert rec["trained_exactly_once"] == rec["planned_batches"] > 0, rec
     assert run.leftovers() == []
+
+
+@pytest.mark.processes
+def test_a_drafter_stalled_through_stop_now_is_fenced_and_nothing_trains_twice(run):
+    """Issue 23 item 2: a drafter stalled (SIGSTOP) past supervisor.exit_timeout_s during `stop --now`. The supervisor
+    gives up on it and hands the slots it held to the replay list; it must not wake and train and checkpoint them
+    as well. The supervisor SIGKILLs it (by its lock) first, so the restart trains each of them once."""
+    target = build_target(run.tmp / "target", "qwen3", layers=4)
+    data = cyclic_rows(run.tmp / "chat.jsonl", 96)
+    ledger = run.tmp / "ledger"
+    pipeline_config(run, target, data, {"run": {"ledger_dir": str(ledger)}, "data": {"epochs": 3},
+                                        "supervisor": {"exit_timeout_s": 3},
+                                        "train": {"checkpoint_every_steps": 4}}, consumers=1, slots=6)
+    sup, producer, drafter = run.supervisor(), run.role("target", 0), run.role("drafter", 0)
+    trained = lambda: sum(r["ev"] == "train" for r in read_ledger(ledger / "drafter-0.jsonl").records)  # noqa: E731
+    wait_for(lambda: (ledger / "drafter-0.jsonl").exists() and trained() >= 2 and _ready(run.name) >= 1,
+             timeout=300, what="training under way with items waiting in the ring")
+    drafter.send_signal(signal.SIGSTOP)
+    run.cli("stop", "--now", "--config", str(run.config), "--timeout", "120", check=False)
+    assert wait_exit(sup, 180) == 1  # it gave up on the drafter
+    drafter.send_signal(signal.SIGCONT)  # were it alive, it would now train what it held and checkpoint it
+    assert wait_exit(drafter, 60) == -signal.SIGKILL
+    wait_exit(producer, 60)
+    assert "fenced consumer-0.lock: SIGKILL" in sup.stderr.read()
+    again = [run.supervisor(), run.role("target", 0), run.role("drafter", 0)]
+    for p in again:
+        assert wait_exit(p, 600) == 0, p.stderr.read()[-3000:]
+    rec = reconcile(read_ledgers(ledger)[0])
+    assert rec["problems"] == [], rec["problems"]
+    assert rec["trained_twice"] == 0 and rec["trained_exactly_once"] == rec["planned_batches"] > 0, rec
+    assert run.leftovers() == []

@@ -37,11 +37,10 @@ Documented windows (what a kill may cost, by design, without a batch going missi
   leaves the slot READING; the reaper, or its successor, makes it READY again and another
   drafter takes it (deliveries + 1). Its `got` and `train` records may then appear twice; the
   first `train` is undone (its update went with the killed process). Nothing is lost in flight.
-- un-checkpointed updates: batches a killed drafter trained after its last checkpoint were
-  trained, but those updates are rolled back when it resumes (its replicas keep theirs).
-  Counted as `trained_then_lost_with_crash`, at most 2 x train.checkpoint_every_steps x
-  train.grad_accum + 2 per kill (a kill while a checkpoint is written in the background loses the
-  interval before it too).
+- un-checkpointed updates: batches a killed drafter trained after its last durable checkpoint
+  died with it, and are produced again from its sealed journal (common/trained_journal.py) and
+  trained by someone: `trained_then_replayed_after_crash`. One of them never produced again is
+  `trained_then_lost_with_crash`, a failure.
 """
 
 from __future__ import annotations
@@ -77,6 +76,7 @@ CHAOS_DEFAULTS = [
     "train.checkpoint_every_steps=10",
     "train.average_every_steps=10",
     "train.log_every_steps=50",
+    "supervisor.exit_timeout_s=15",  # a stalled drafter is given up on (fenced) after this long
 ]
 ROLE_SHARES = {"supervisor": 0.2, "target": 0.35, "drafter": 0.45}
 SUPERVISOR_SIGTERM_SHARE = 0.2  # a supervisor SIGTERM drains the run: it is then restarted as a whole
@@ -98,7 +98,9 @@ class ChaosOptions:
     whole_run_stops: int = 0  # also stop the whole run this many times (RUN_STOP_MODES) and start it again
 
 
-RUN_STOP_MODES = ("stop-now", "sigterm-all", "sigkill-all")
+# stall-stop-now: a drafter SIGSTOPped, then `stop --now`: the supervisor fences it (SIGKILL) once it has been
+# silent supervisor.exit_timeout_s, before handing what it held to the replay lists.
+RUN_STOP_MODES = ("stop-now", "sigterm-all", "sigkill-all", "stall-stop-now")
 
 
 @dataclass
@@ -241,7 +243,11 @@ class Phase:
         """Stop every process of the run at once (`mode`), wait for all to exit, and start the run again.
         False when something hung."""
         r, t0 = self.restarter, time.time()
-        if mode == "stop-now":
+        if mode == "stall-stop-now":
+            drafters = [n for n in r.alive() if n.startswith("drafter")]
+            if drafters:
+                r.signal(rng.choice(drafters), signal.SIGSTOP)
+        if mode in ("stop-now", "stall-stop-now"):
             subprocess.Popen(_cli("stop", "--now", "--timeout", "300", "--config", str(self.cfg_path),
                                   *[a for s in self.sets for a in ("--set", s)]),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -26,7 +26,8 @@ def format_report(rep: dict[str, Any]) -> str:
         f"  redelivered {led['redelivered_items']} (seen twice, explained by redelivery or replay "
         f"{led['seen_twice_explained_by_redelivery_or_replay']}, unexplained {led['seen_twice_unexplained']}); "
         f"trains undone {led['trains_undone_by_redelivery_or_replay']}; lost in flight {led['lost_in_flight']}; "
-        f"trained then lost with a crash (un-checkpointed) {led['trained_then_lost_with_crash']}",
+        f"trained after a checkpoint and lost with a crash: produced again "
+        f"{led['trained_then_replayed_after_crash']}, never {led['trained_then_lost_with_crash']}",
         f"  throughput in the fault window {thr.get('items_per_s')} items/s vs {thr.get('baseline_items_per_s')} "
         f"without faults: lost {thr.get('lost')}",
         *(f"  start-up of {role} ({st['starts']} starts): p50 {st['total_s']['p50']}s, max {st['total_s']['max']}s; "

@@ -1,0 +1,84 @@
+"""The drafter's journal of what it trained since its checkpoint (common/trained_journal.py), on real files.
+
+What a crash must not lose and must not double: a dead drafter's segments after the checkpoint its successor
+resumes from are sealed, without the items the ring still holds (the ring redelivers those); a second seal
+changes nothing; covered segments go once a checkpoint is durable; each producer is owed only its own entries,
+once per segment it has not taken.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dflash_ring.common.trained_journal import (Journal, journal_dir, latest_step, lost_segments, owed_to, seal,
+                                                segments)
+
+
+def _meta(p: int, e: int, q: int) -> dict[str, int]:
+    return {"producer": p, "epoch": e, "position": q}
+
+
+def _dead_drafter_journal(root, ring: int) -> None:
+    """A real other process writes a journal across two checkpoints' states (steps 0 and 4) and exits."""
+    code = f"""
+from pathlib import Path
+from dflash_ring.common.trained_journal import Journal
+j = Journal(Path({str(journal_dir(root, 0))!r}), ring={ring}, after_step=0)
+for q in range(3):
+    j.append({{"producer": q % 2, "epoch": 0, "position": q}}, item=q)
+j.rotate(4)
+for q in range(3, 6):
+    j.append({{"producer": q % 2, "epoch": 0, "position": q}}, item=q)
+j.close()
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.processes
+def test_a_dead_drafters_journal_is_sealed_after_its_checkpoint_without_what_the_ring_holds(tmp_path):
+    _dead_drafter_journal(tmp_path, ring=7)
+    d = journal_dir(tmp_path, 0)
+    assert sorted(s.after_step for s in segments(d, "open")) == [0, 4]
+    # Its successor resumes from step 4: the step-0 segment is covered; item 5 is still READING in ring 7.
+    assert seal(d, 4, ring=7, in_ring={5}) == 2
+    (lost,) = lost_segments(tmp_path)
+    assert lost.after_step == 4 and lost.key.startswith("drafter-0/lost-00000004-")
+    assert [(k, [e.position for e in es]) for k, es in owed_to(1, tmp_path, taken=())] == [(lost.key, [3])]
+    assert [[e.position for e in es] for _, es in owed_to(0, tmp_path, taken=())] == [[4]]
+    assert owed_to(1, tmp_path, taken=[lost.key]) == []  # taken once, never again
+    # Sealing again (the reaper and the successor both try) changes nothing: the first seal wins.
+    assert seal(d, 4, ring=7, in_ring=set()) == 0 and len(lost_segments(tmp_path)) == 1
+    assert [s.after_step for s in segments(d, "open")] == [0]  # covered, left for a fallback resume
+
+
+@pytest.mark.processes
+def test_items_of_another_ring_are_never_left_out(tmp_path):
+    """Item numbers restart with each ring: an entry of ring 7 is not the ring-8 item that has its number."""
+    _dead_drafter_journal(tmp_path, ring=7)
+    assert seal(journal_dir(tmp_path, 0), 0, ring=8, in_ring={0, 1, 2, 3, 4, 5}) == 6
+
+
+def test_the_writer_retires_only_what_every_kept_checkpoint_covers(tmp_path):
+    d = journal_dir(tmp_path, 0)
+    j = Journal(d, ring=1, after_step=0)
+    j.append(_meta(0, 0, 0), item=0)
+    j.rotate(2)
+    j.append(_meta(0, 0, 1), item=1)
+    j.rotate(4)
+    j.append(_meta(0, 0, 2), item=2)
+    j.covered(oldest_kept=2)  # checkpoints 2 and 4 kept: a resume from 2 needs what came after 2
+    assert sorted(s.after_step for s in segments(d)) == [2, 4]
+    # A live writer's own segments are never sealed by itself.
+    assert seal(d, 0, ring=1, in_ring=set(), mine=os.getpid()) == 0
+    j.close()
+
+
+def test_latest_step_reads_the_checkpoint_pointer(tmp_path):
+    assert latest_step(tmp_path, 0) == 0
+    (tmp_path / "drafter-0").mkdir()
+    (tmp_path / "drafter-0" / "latest").write_text("step-00000012\n")
+    assert latest_step(tmp_path, 0) == 12
