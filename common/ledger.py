@@ -23,9 +23,10 @@ Records (`ev`, plus `pid` and `t`, wall-clock seconds):
     drafter     start {step}                          after joining (step: the checkpoint resumed from)
                 got   {item, producer, epoch, pos, deliveries}
                                                       the batch is copied out of its slot (still claimed)
-                train {item, deliveries, producer, epoch, pos, step}
+                train {item, deliveries, producer, epoch, pos, step[, empty]}
                                                       `train_step` returned on that batch; written just
-                                                      before its slot is released
+                                                      before its slot is released; empty: it had nothing
+                                                      to supervise (no update, not journaled)
                 eval  {item, deliveries, producer, epoch, pos, step}
                                                       a held-out batch evaluated (never trained); written
                                                       just before its slot is released

@@ -347,11 +347,14 @@ class DrafterLoop:
         batch, slot = taken
         self.consumed.add(batch.meta)
         total = self.total_steps()
+        before = self.trainer.micro_batches
         m = self.trainer.train_step(batch, total)
-        self.journal.append(batch.meta, slot.item)  # before the release: from then on only this line brings it back
+        empty = self.trainer.micro_batches == before  # nothing to supervise: no update to lose
+        if not empty:  # before the release: from then on only this line brings it back
+            self.journal.append(batch.meta, slot.item)
         if self.ledger is not None:  # before the release: a kill in between redelivers it (reconcile knows)
             self.ledger.write("train", step=self.trainer.step, item=slot.item, deliveries=slot.deliveries,
-                              **identity(batch.meta))
+                              **identity(batch.meta), **({"empty": True} if empty else {}))
         crash_point("trained")
         self.release(slot)  # trained: only now may the producers refill the slot
         self.metrics.items.inc()

@@ -96,6 +96,11 @@ class Trainer:
         self._hold: torch.cuda.Event | None = None
 
     @property
+    def micro_batches(self) -> int:
+        """Micro-batches whose gradient went into the model so far (a batch with nothing to supervise adds none)."""
+        return self._micro
+
+    @property
     def accumulated(self) -> int:
         """Micro-batches already in the gradient of the optimizer step under way (0..grad_accum-1)."""
         return self._micro % self.cfg.grad_accum

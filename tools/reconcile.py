@@ -91,7 +91,8 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                      for pid, recs in drafter_pids.items()}
 
     def lost(t: dict[str, Any]) -> bool:
-        return t["ev"] == "train" and t["pid"] in killed and t["t"] > last_snapshot[t["pid"]]
+        # (An `empty` batch had nothing to supervise: it made no update to lose.)
+        return t["ev"] == "train" and not t.get("empty") and t["pid"] in killed and t["t"] > last_snapshot[t["pid"]]
 
     def undone(t: dict[str, Any], k: tuple[int, int, int]) -> bool:
         """The trained slot was never released and was delivered again later (its holder died; the reaper
