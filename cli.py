@@ -69,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--whole-run-stops", type=int, default=0,
                     help="also stop the whole run this many times in the window (stop --now, SIGTERM to every "
-                         "process, or SIGKILL to every process then clean), and start it again")
+                         "process, SIGKILL to every process then clean, or a drafter SIGSTOPped then stop --now: "
+                         "the supervisor fences it), and start it again")
     sp.add_argument("--epochs", type=int, default=0, help="epochs of the chaos run (0: outlast the window)")
     sp.add_argument("--workdir", default="runs/chaos")
     sp.add_argument("--no-baseline", action="store_true", help="skip the run without faults")
