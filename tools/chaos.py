@@ -243,10 +243,13 @@ class Phase:
         """Stop every process of the run at once (`mode`), wait for all to exit, and start the run again.
         False when something hung."""
         r, t0 = self.restarter, time.time()
+        stalled = None  # a joined drafter (one holding its row): stalled, it is what the supervisor must fence
         if mode == "stall-stop-now":
-            drafters = [n for n in r.alive() if n.startswith("drafter")]
+            joined = self._joined()
+            drafters = [n for n in r.alive() if n.startswith("drafter") and r.procs[n].pid in joined]
             if drafters:
-                r.signal(rng.choice(drafters), signal.SIGSTOP)
+                stalled = rng.choice(drafters)
+                r.signal(stalled, signal.SIGSTOP)
         if mode in ("stop-now", "stall-stop-now"):
             subprocess.Popen(_cli("stop", "--now", "--timeout", "300", "--config", str(self.cfg_path),
                                   *[a for s in self.sets for a in ("--set", s)]),
@@ -257,6 +260,12 @@ class Phase:
                 r.signal(name, sig)
         deadline = time.monotonic() + self.opts.exit_timeout_s + 60
         while r.alive():
+            if stalled is not None and r.procs["supervisor"].poll() is not None:
+                # The stall ends (a GC pause, a debugger detaching): fenced, it is dead; were it not, it would
+                # now train and checkpoint what it held, and the restart would train that again.
+                if r.procs[stalled].poll() is None:
+                    r.procs[stalled].send_signal(signal.SIGCONT)
+                stalled = None
             # A process started again (after an earlier kill) that has not joined waits for a ring that is going
             # away, holding nothing: stop it, as `systemctl stop` would.
             # Not the supervisor: a stop request waits for one (systemd restarts it; so does the restarter here).
