@@ -97,8 +97,8 @@ def num_target_layers(target_config: Mapping[str, Any] | PretrainedConfig) -> in
     config = target_config
     if not isinstance(config, PretrainedConfig):
         raw = _special_floats(dict(target_config))
-        if raw.get("model_type") is None:
-            raise ValueError("target config has no 'model_type': point target.path at the model's own config.json")
+        if raw.get("model_type") is None:  # no class to ask: the count as written
+            return int(_require(target_text_config(raw), "num_hidden_layers"))
         config = AutoConfig.for_model(raw.pop("model_type"), **raw)
     layers = getattr(config.get_text_config(), "num_hidden_layers", None)
     if not layers:
