@@ -398,22 +398,28 @@ def cmd_check_target(args: argparse.Namespace) -> int:
     from dflash_ring.producer.conformance import choose_packing, report_json
     from dflash_ring.producer.target import TargetModel, resolve_device
     from dflash_ring.common.target_config import TargetConfigError
+    from dflash_ring.consumer.target_head import probe_target_head
 
     cfg = _config(args).target
     mode = cfg.packing
     try:
         target = TargetModel.load(cfg, resolve_device(args.device or cfg.device), packed=False)
         report = choose_packing(target, "auto" if mode == "packed" else mode)  # report first, refuse below
-    except (OSError, TargetConfigError) as e:
+        head, head_errors = probe_target_head(cfg.path)  # what the drafter derives at its start
+    except (OSError, TargetConfigError, KeyError, ValueError) as e:  # HeadProbeError is a ValueError
         print(f"dflash-ring check-target: error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(report_json(report, mode, target.packed))
+        body = json.loads(report_json(report, mode, target.packed))
+        body["head"] = {**head.to_json(), "verified_relative_error": asdict(head_errors)}
+        print(json.dumps(body, indent=2))
     else:
         print(f"target {cfg.path}: layers {target.layer_ids} captured of {len(target.decoder.layers)}")
         if report is not None:
             print(f"probe: sequences of {report.lengths} tokens on {report.device}\n{report.table()}\n{report.summary()}")
         print(f"target.packing = {mode!r}: {'packed' if target.packed else 'padded'} batches")
+        print(f"drafter head: {head.describe()} (relative error: embedding {head_errors.embedding:.2g}, "
+              f"logits {head_errors.logits:.2g})")
     if mode == "packed" and not target.packed:
         print("dflash-ring check-target: error: target.packing = \"packed\" would refuse to start: "
               "set it to \"auto\" or \"padded\"", file=sys.stderr)

@@ -247,6 +247,7 @@ def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike) 
     from dflash_ring.common.drafter_config import DrafterConfig
     from dflash_ring.consumer.export import export_drafter
     from dflash_ring.consumer.model import build_drafter
+    from dflash_ring.consumer.target_head import HeadSpec
 
     path = Path(ckpt_path)
     store = CheckpointStore(path.parent if STEP_DIR.match(path.name) else path)
@@ -256,4 +257,6 @@ def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike) 
     drafter = DrafterConfig(**ckpt.info["drafter"])
     model = build_drafter(drafter, ckpt.info["target_config"])
     model.load_state_dict(ckpt.model)
-    return export_drafter(model, drafter, ckpt.info["target_config"], out_dir)
+    head = ckpt.info.get("target_head")  # what the head probe derived (checkpoints before it: none recorded)
+    return export_drafter(model, drafter, ckpt.info["target_config"], out_dir,
+                          head_spec=None if head is None else HeadSpec.from_json(head))

@@ -23,28 +23,106 @@ def _require(target: Mapping[str, Any], key: str) -> Any:
     return target[key]
 
 
+def _first(target: Mapping[str, Any], *keys: str) -> Any:
+    """The first of `keys` the config sets: families name the same quantity differently."""
+    return next((target[k] for k in keys if target.get(k) is not None), None)
+
+
+def dense_ffn_width(target: Mapping[str, Any]) -> int:
+    """The width of the target's dense FFN: intermediate_size, as LFM2 adjusts it when asked
+    (block_auto_adjust_ff_dim: 2/3 of it, times block_ffn_dim_multiplier, up to block_multiple_of)."""
+    width = int(_require(target, "intermediate_size"))
+    if target.get("block_auto_adjust_ff_dim"):
+        width = int(2 * width / 3)
+        if target.get("block_ffn_dim_multiplier") is not None:
+            width = int(target["block_ffn_dim_multiplier"] * width)
+            multiple = int(target.get("block_multiple_of") or 1)
+            width = multiple * ((width + multiple - 1) // multiple)
+    return width
+
+
 def drafter_mlp_width(target: Mapping[str, Any]) -> int:
     """The drafter is a dense Qwen3 stack; its MLP gets the width of the FFN the target runs per token.
 
-    Dense targets: their intermediate_size. MoE targets: top-k x expert width + shared expert width
-    (qwen3_moe, qwen3_next, qwen3_5_moe: moe_intermediate_size; gpt_oss, whose only width
-    intermediate_size is the expert's). For Qwen3-30B-A3B / Qwen3-Coder-30B-A3B this is 8 x 768 = 6144,
-    the dense intermediate_size of that config and, as we recall it (not verifiable offline), the width
-    of z-lab's Qwen3-Coder-30B-A3B-DFlash. Qwen3.5-MoE configs have no dense width at all, which is why
-    one rule for every MoE beats copying intermediate_size (which gpt-oss would give as one expert's).
-    DrafterConfig.intermediate_size overrides this.
+    Dense targets: their intermediate_size (LFM2: as its MLP adjusts it). MoE targets: top-k x expert width +
+    shared expert width, whatever the family calls them: experts num_experts / num_local_experts /
+    n_routed_experts; top-k num_experts_per_tok / moe_topk (LongCat) / top_k_experts (Gemma4); the expert
+    width moe_intermediate_size / expert_ffn_hidden_size (LongCat) / intermediate_size (gpt-oss, MiniMax-M2,
+    Granite-MoE, whose only width is the expert's); the shared width shared_expert_intermediate_size /
+    shared_intermediate_size / moe_shared_expert_intermediate_size, else n_shared_experts x expert width
+    (DeepSeek-V3, Kimi-K2, GLM-4.5: 8 x 2048 + 2048 = 18432 for V3). Gemma4's MoE block runs beside its
+    dense MLP: both widths add. Nemotron-H sets experts even for its dense models: MoE only when a layer
+    is "moe". For Qwen3-30B-A3B / Qwen3-Coder-30B-A3B this is 8 x 768 = 6144, the dense intermediate_size
+    of that config and, as we recall it (not verifiable offline), the width of z-lab's
+    Qwen3-Coder-30B-A3B-DFlash. DrafterConfig.intermediate_size overrides this.
     """
-    experts = target.get("num_experts") or target.get("num_local_experts") or 0
+    experts = _first(target, "num_experts", "num_local_experts", "n_routed_experts") or 0
+    kinds = target.get("layers_block_type") or target.get("layer_types") or []
+    if {"moe", "mlp"} & set(kinds) and "moe" not in kinds:  # Nemotron-H's pattern names its FFN kinds
+        experts = 0
+    if target.get("enable_moe_block") is False:
+        experts = 0
     if not experts:
-        return int(_require(target, "intermediate_size"))
-    expert_width = target.get("moe_intermediate_size") or _require(target, "intermediate_size")
-    return int(_require(target, "num_experts_per_tok") * expert_width
-               + (target.get("shared_expert_intermediate_size") or 0))
+        return dense_ffn_width(target)
+    top_k = _first(target, "num_experts_per_tok", "moe_topk", "top_k_experts")
+    if top_k is None:
+        raise ValueError(f"target has {experts} experts but no num_experts_per_tok / moe_topk / top_k_experts")
+    expert_width = int(_first(target, "moe_intermediate_size", "expert_ffn_hidden_size") or
+                       _require(target, "intermediate_size"))
+    shared = _first(target, "shared_expert_intermediate_size", "shared_intermediate_size",
+                    "moe_shared_expert_intermediate_size")
+    if shared is None:
+        shared = int(target.get("n_shared_experts") or 0) * expert_width
+    dense = dense_ffn_width(target) if target.get("enable_moe_block") else 0
+    return int(top_k) * expert_width + int(shared) + dense
+
+
+def _special_floats(value: Any) -> Any:
+    """config.json as transformers writes it, back to values: it spells inf/nan as {"__float__": "Infinity"}
+    (Mamba's time_step_limit), which its config classes refuse when given as keyword arguments."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"}:
+            return float(value["__float__"])
+        return {k: _special_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_special_floats(v) for v in value]
+    return value
+
+
+def num_target_layers(target_config: Mapping[str, Any] | PretrainedConfig) -> int:
+    """The target's decoder layer count as its config class resolves it: Nemotron-H counts its
+    layers_block_type and LongCat-Flash doubles num_layers, neither writes num_hidden_layers."""
+    from transformers import AutoConfig  # the config classes only
+
+    config = target_config
+    if not isinstance(config, PretrainedConfig):
+        raw = _special_floats(dict(target_config))
+        if raw.get("model_type") is None:  # no class to ask: the count as written
+            return int(_require(target_text_config(raw), "num_hidden_layers"))
+        config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    layers = getattr(config.get_text_config(), "num_hidden_layers", None)
+    if not layers:
+        raise ValueError(f"target config class {type(config).__name__} gives no num_hidden_layers")
+    return int(layers)
+
+
+def drafter_head_dim(target: Mapping[str, Any]) -> int:
+    """The drafter's head width. Multi-head latent attention (DeepSeek-V3, Kimi-K2, GLM-5, LongCat: a
+    kv_lora_rank) splits q/k into nope and rope parts of a latent, which a Qwen3 head cannot mirror, and
+    its configs' head_dim is the rope part only (64): the drafter takes v_head_dim, the width each target
+    head writes to o_proj (128 for V3 and K2), so heads x head_dim equals the target's attention output.
+    Others: head_dim, else hidden / heads."""
+    if target.get("kv_lora_rank"):
+        return int(_require(target, "v_head_dim"))
+    return int(target.get("head_dim") or int(_require(target, "hidden_size")) // int(target["num_attention_heads"]))
 
 
 # Rotary types a fixed Qwen3 rotary reproduces everywhere (HF, vLLM, SGLang). dynamic and longrope change
 # their frequencies with the sequence length at run time, which an exported drafter config cannot pin down.
 DRAFTER_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+# Gemma4's "proportional" RoPE rotates a fraction of each head at the frequencies a full rotary of the same
+# base would give it; the drafter rotates its whole head, so for it this is the default RoPE of that base.
+_WHOLE_HEAD_ROPE = {"proportional": "default"}
 # Keys of a target's rope that describe the target's own attention, not a rotary the drafter could share:
 # the drafter rotates its whole head_dim (Qwen3 layers have no partial rotary), and for text tokens
 # multimodal RoPE (Qwen3.5's mrope) equals 1-D RoPE, the three sections reading the same position.
@@ -62,14 +140,18 @@ def drafter_rope(target: Mapping[str, Any], rope_theta: float | None = None) -> 
     if rope_theta is not None:
         return {"rope_theta": float(rope_theta), "rope_scaling": None}
     params = target.get("rope_parameters")
+    if not params and target.get("rope_theta") is None:
+        raise ValueError(f"target (model_type {target.get('model_type')!r}) has no RoPE: its attention takes no "
+                         "rotary positions, so there is none to copy; set drafter.rope_theta to give the drafter one")
     if not params:  # transformers 4 spelling
-        params = {"rope_theta": _require(target, "rope_theta"), **(target.get("rope_scaling") or {})}
+        params = {"rope_theta": target["rope_theta"], **(target.get("rope_scaling") or {})}
     if all(isinstance(v, Mapping) for v in params.values()):  # per layer type (Gemma3)
         if "full_attention" not in params:
             raise ValueError(f"target rope_parameters per layer type {sorted(params)} has no 'full_attention' "
                              "entry to give the drafter; set drafter.rope_theta")
         params = params["full_attention"]
     rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = _WHOLE_HEAD_ROPE.get(rope_type, rope_type)
     if rope_type not in DRAFTER_ROPE_TYPES:
         raise ValueError(f"target rope_type {rope_type!r} is not representable by the drafter's fixed Qwen3 rotary "
                          f"(supported: {', '.join(DRAFTER_ROPE_TYPES)}); set drafter.rope_theta for a plain RoPE")
@@ -92,7 +174,7 @@ def drafter_geometry(cfg: DrafterConfig, target: Mapping[str, Any]) -> dict[str,
         "hidden_size": hidden,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
-        "head_dim": int(target.get("head_dim") or hidden // heads),
+        "head_dim": drafter_head_dim(target),
         "intermediate_size": cfg.intermediate_size or drafter_mlp_width(target),
         # A Qwen3 MLP is SwiGLU: vLLM's Qwen3 accepts only silu, and the drafter's MLP is trained from
         # scratch, so the target's activation (Gemma's gelu, gpt-oss's clamped swiglu) is not copied.
@@ -115,17 +197,17 @@ def drafter_hf_config(
     target = target_text_config(target_config)
     if not 0 <= cfg.mask_token_id < _require(target, "vocab_size"):
         raise ValueError(f"mask_token_id {cfg.mask_token_id} is not a row of the target embedding")
-    num_target_layers = int(_require(target, "num_hidden_layers"))
+    layers = num_target_layers(target_config)
     config: dict[str, Any] = {
         "architectures": ["DFlashDraftModel"],
         # transformers' AutoModel with trust_remote_code reads this; vLLM and SGLang ignore it.
         "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
         "model_type": "qwen3",
         "block_size": cfg.block_size,
-        "num_target_layers": num_target_layers,
+        "num_target_layers": layers,
         "dflash_config": {
             "mask_token_id": cfg.mask_token_id,
-            "target_layer_ids": cfg.resolved_target_layer_ids(num_target_layers),
+            "target_layer_ids": cfg.resolved_target_layer_ids(layers),
         },
         "num_hidden_layers": cfg.num_hidden_layers,
         **drafter_geometry(cfg, target),

@@ -26,11 +26,13 @@ from dflash_ring.common.durable import fsync
 from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.consumer.drafter_hf_config import drafter_hf_config, qwen3_config
 from .model import DFlashDraftModel
+from .target_head import HeadSpec
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 MODEL_CODE_NAME = "dflash.py"  # what config.json's auto_map names ("dflash.DFlashDraftModel")
 MODEL_CODE_SOURCE = Path(__file__).with_name("hf_dflash.py")
+TARGET_HEAD_KEY = "dflash_target_head"
 
 
 def _check_weights(state: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], source: str) -> None:
@@ -61,12 +63,20 @@ def export_drafter(
     out_dir: str | Path,
     *,
     dtype: torch.dtype = torch.bfloat16,
+    head_spec: HeadSpec | None = None,
 ) -> Path:
-    """Write the drafter (its weights and model code; the target's embed/lm_head are shared at serve time)."""
+    """Write the drafter (its weights and model code; the target's embed/lm_head are shared at serve time).
+
+    head_spec, the target head the drafter trained with (the head probe's result), is recorded as
+    `dflash_target_head`: a server must apply the same embedding scale, logit multiplier and softcap when
+    it embeds the drafter's block and scores its drafts with the target's head (serving stacks ignore the key).
+    """
     out = Path(out_dir)
     if out.exists():
         raise FileExistsError(f"{out} exists; export never overwrites a drafter in place")
     config = drafter_hf_config(drafter_config, target_config, dtype=dtype)
+    if head_spec is not None:
+        config[TARGET_HEAD_KEY] = head_spec.to_json()
     dflash = config["dflash_config"]
     exported = (config["block_size"], dflash["mask_token_id"], dflash["target_layer_ids"])
     if exported != (model.block_size, model.mask_token_id, model.target_layer_ids):

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from dflash_ring.common.drafter_config import DrafterConfig
 from .model import Anchors, FrozenTargetHead
-from .target_head import softcap
+from .target_head import head_logits
 
 
 def position_weights(block_size: int, gamma: float, device: torch.device | None = None) -> torch.Tensor:
@@ -134,7 +134,8 @@ class _Plan:
     block_bounds: list[int]  # and blocks [block_bounds[c], block_bounds[c + 1])
     normaliser: float  # S
     num_blocks: int
-    cap: float | None  # the target's logit softcap (Gemma), applied to draft and teacher alike
+    multiplier: float | None  # the target's logit multiplier (Granite, Cohere, Falcon-H1), then
+    cap: float | None  # its logit softcap (Gemma): applied to draft and teacher alike (head_logits)
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -155,9 +156,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         for c in range(len(plan.row_bounds) - 1):
             rows = slice(plan.row_bounds[c], plan.row_bounds[c + 1])
             grid = valid[plan.block_bounds[c]:plan.block_bounds[c + 1]]
-            logits = softcap(F.linear(hidden[rows].to(weight.dtype), weight), plan.cap)
-            teacher = None if target_hidden is None else softcap(
-                F.linear(target_hidden[rows].to(weight.dtype), weight), plan.cap)
+            logits = head_logits(F.linear(hidden[rows].to(weight.dtype), weight), plan.multiplier, plan.cap)
+            teacher = None if target_hidden is None else head_logits(
+                F.linear(target_hidden[rows].to(weight.dtype), weight), plan.multiplier, plan.cap)
             w = decay[rows] if cfg.loss == "ce" else None
             a = w / plan.normaliser if fixed and needs_grad else None
             ce, kl, predictions[rows], used[rows], lse_q, lse_p, d_logits = terms(
@@ -178,6 +179,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 d_logits = second(logits, used[rows], teacher, lse_q, lse_p, a, w / plan.normaliser * cfg.kl_weight)
             if plan.cap is not None:  # d(cap * tanh(z / cap))/dz = 1 - tanh^2, with tanh = capped / cap
                 d_logits = d_logits * (1 - (logits.float() / plan.cap) ** 2).to(d_logits.dtype)
+            if plan.multiplier is not None:  # d(m z)/dz = m
+                d_logits = d_logits * plan.multiplier
             grad[rows] = (d_logits @ weight).to(hidden.dtype)
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(*rows_out, predictions, used)
@@ -218,11 +221,12 @@ class DFlashLoss:
         return self.valid_per_position.sum()
 
 
-def _plan(valid: torch.Tensor, cfg: DrafterConfig, normaliser: float, cap: float | None) -> _Plan:
+def _plan(valid: torch.Tensor, cfg: DrafterConfig, normaliser: float, head: FrozenTargetHead) -> _Plan:
     per_chunk = max(1, cfg.loss_chunk_tokens // valid.shape[1])
     row_ends = F.pad(valid.sum(dim=1).cumsum(0), (1, 0))
     blocks = list(range(0, valid.shape[0], per_chunk)) + [valid.shape[0]]
-    return _Plan(cfg, row_ends[blocks].tolist(), blocks, normaliser, valid.shape[0], cap)
+    return _Plan(cfg, row_ends[blocks].tolist(), blocks, normaliser, valid.shape[0], head.logit_multiplier,
+                 head.logit_softcap)
 
 
 def dflash_loss(
@@ -259,7 +263,7 @@ def dflash_loss(
         teacher = target_hidden[teacher_positions[valid]]
     loss, ce, kl, w, predictions, used = _ChunkedHeadLoss.apply(
         hidden[:, 1:][valid], head.lm_head_weight, labels.tokens[:, 1:][valid], decay, valid, teacher,
-        _plan(valid, cfg, normaliser, head.logit_softcap))
+        _plan(valid, cfg, normaliser, head))
 
     def grid(rows: torch.Tensor) -> torch.Tensor:
         return torch.zeros(valid.shape, dtype=rows.dtype, device=rows.device).masked_scatter(valid, rows)

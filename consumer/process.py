@@ -43,6 +43,7 @@ from dflash_ring.common.startup import Startup
 from dflash_ring.common.trained_journal import Journal, drop_covered, journal_dir, seal
 from dflash_ring.consumer.async_checkpoint import BackgroundWriter, HostSnapshot
 from dflash_ring.consumer.checkpoint import CheckpointStore, check_same_shape
+from dflash_ring.consumer.head_cache import CACHE_NAME as HEAD_CACHE_NAME
 from dflash_ring.consumer.model import build_drafter, load_target_head
 from dflash_ring.consumer.replica_group import ReplicaGroup
 from dflash_ring.consumer.replicas import ReplicaAverager
@@ -394,8 +395,10 @@ def run_drafter(cfg: Config, index: int, device_name: str | None, startup: Start
         metrics = DrafterMetrics(proc.registry)
         drafter_cfg = resolve_drafter_config(cfg)
         target_config = target_config_dict(cfg.target.path)
+        checkpoint_root = Path(cfg.train.checkpoint_dir) / f"drafter-{index}"
+        # The head probe runs once per target; a restart reads its result (no modeling code imported).
         head = load_target_head(cfg.target.path, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                                device=device)
+                                device=device, cache=checkpoint_root / HEAD_CACHE_NAME)
         if cfg.train.compile and device.type == "cuda":
             use_compile_cache(cfg.run.compile_cache_dir, "drafter",
                               {"drafter": asdict(drafter_cfg), "target": target_config,
@@ -405,7 +408,7 @@ def run_drafter(cfg: Config, index: int, device_name: str | None, startup: Start
             model = build_drafter(drafter_cfg, target_config)
         trainer = Trainer(model, head, drafter_cfg, cfg.train, device, SourceLabels(cfg.data.source_names()))
         startup.mark("model")  # metrics port, the target's frozen head, the drafter built on its device
-        store = CheckpointStore(Path(cfg.train.checkpoint_dir) / f"drafter-{index}")
+        store = CheckpointStore(checkpoint_root)
         consumed = Consumed()
         if (ckpt := store.load_latest(device=device)) is not None:
             check_same_shape(ckpt, trainer.model, asdict(drafter_cfg))
@@ -419,7 +422,8 @@ def run_drafter(cfg: Config, index: int, device_name: str | None, startup: Start
         journal = resume_journal(cfg, index, ring, trainer.step)
         checkpoints = Checkpoints(store, cfg.train.checkpoint_every_steps, cfg.train.keep_checkpoints,
                                   lambda: {"consumed": consumed.by_producer, "items": consumed.items,
-                                           "drafter": asdict(drafter_cfg), "target_config": target_config},
+                                           "drafter": asdict(drafter_cfg), "target_config": target_config,
+                                           "target_head": head.spec.to_json()},
                                   trainer, journal, proc.ledger, background=cfg.train.async_checkpoints)
         if proc.ledger is not None:
             proc.ledger.write("start", step=trainer.step)

@@ -1,16 +1,16 @@
-"""The target's frozen token embedding and lm_head, read from its checkpoint for each supported family.
+"""The target's frozen token embedding and lm_head, read from its checkpoint, with the transforms its own code applies.
 
-The drafter embeds its block tokens and scores its drafts in the target's token
-space, so both must be exactly what the target computes: the rows its first layer
-receives (Gemma3 scales them by sqrt(hidden_size)) and the logits it emits
-(softcapped where the config says so). A family whose embedding we have not
-checked against its own model is refused, never guessed.
+The drafter embeds its block tokens and scores its drafts in the target's token space, so both must be
+exactly what the target computes: the rows its first layer receives and the logits it emits. Which
+transforms a family applies (embedding scale, logit multiplier, softcap) is not listed here: the head
+probe (head_probe.py) derives them from the target's own modules and verifies them, once per target;
+head_cache.py keeps the result so that a restart reads it without importing any modeling code.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,36 +23,45 @@ from dflash_ring.common.bounded_read import CONFIG_BYTES, read_text
 from dflash_ring.common.safetensors_check import DamagedWeightsError, weight_files
 
 # Checkpoint names, in order: text models, transformers-5 multimodal wrappers (Qwen3.5, Gemma3 as
-# loaded), and the multimodal layout published on the hub (Gemma3: language_model.model.*).
+# loaded), and the multimodal layout published on the hub (Gemma3: language_model.model.*); nemotron_h
+# names its embedding `embeddings`.
 EMBED_KEYS = (
     "model.embed_tokens.weight",
     "model.language_model.embed_tokens.weight",
     "language_model.model.embed_tokens.weight",
+    "model.embeddings.weight",
+    "backbone.embeddings.weight",
 )
 LM_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight")
-
-# model_type (top level of config.json) -> does the model scale its input embedding by sqrt(hidden_size)?
-# Each entry is checked in tests/test_drafter_families.py against the family's own HF model.
-EMBED_SCALED: dict[str, bool] = {
-    "llama": False, "mistral": False, "qwen2": False, "qwen3": False, "qwen3_moe": False,
-    "gpt_oss": False, "qwen3_next": False, "qwen3_5_text": False, "qwen3_5_moe_text": False,
-    "qwen3_5": False, "qwen3_5_moe": False,
-    "gemma3_text": True, "gemma3": True,  # Gemma3TextScaledWordEmbedding: lookup * sqrt(H) in weight dtype
-}
 
 
 @dataclass(frozen=True)
 class HeadSpec:
-    """How a target turns ids into first-layer inputs and final hidden states into logits."""
+    """How a target turns ids into first-layer inputs and final hidden states into logits, as derived by
+    the head probe: logits = softcap(logit_multiplier * (h @ W^T), logit_softcap)."""
 
     tied: bool
-    embed_scale: float | None  # None: plain lookup
-    logit_softcap: float | None  # None: plain lm_head
+    embed_scale: float | None = None  # None: plain lookup; else rows * scale rounded to the weight dtype
+    logit_multiplier: float | None = None  # None: 1 (Granite: 1 / logits_scaling, Cohere: logit_scale)
+    logit_softcap: float | None = None  # None: no cap (Gemma: final_logit_softcapping)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> HeadSpec:
+        return cls(tied=bool(data["tied"]), **{k: None if data.get(k) is None else float(data[k])
+                                               for k in ("embed_scale", "logit_multiplier", "logit_softcap")})
+
+    def describe(self) -> str:
+        return (f"tied={self.tied}, embed_scale={self.embed_scale}, logit_multiplier={self.logit_multiplier}, "
+                f"logit_softcap={self.logit_softcap}")
 
 
-def head_spec(root: Path) -> HeadSpec:
-    """Read tying, embedding scale and softcapping from the target's config, as its HF class resolves them."""
-    from transformers import AutoConfig  # the installed config classes only: defaults differ per family
+def config_tied(root: Path) -> bool:
+    """tie_word_embeddings as the target's HF config class resolves it (defaults differ per family;
+    transformers 5 ties a multimodal wrapper by its top-level flag, checked in the family tests)."""
+    from transformers import AutoConfig  # the installed config classes only, never modeling code
 
     file = root / "config.json"
     try:
@@ -63,19 +72,7 @@ def head_spec(root: Path) -> HeadSpec:
         raise DamagedWeightsError(f"{file} is not valid JSON ({type(e).__name__}: {e})") from None
     if not isinstance(raw, dict):
         raise DamagedWeightsError(f"{file} is not a JSON object")
-    model_type = raw.get("model_type")
-    if model_type not in EMBED_SCALED:
-        raise ValueError(
-            f"{root}: target model_type {model_type!r} has no checked embedding rule (known: "
-            f"{sorted(EMBED_SCALED)}); add it to EMBED_SCALED in consumer/target_head.py after testing it"
-        )
-    config = AutoConfig.from_pretrained(root)
-    text = config.get_text_config()
-    # transformers 5 ties a multimodal wrapper by its top-level flag (checked in the family tests).
-    tied = bool(config.tie_word_embeddings)
-    scale = float(text.hidden_size) ** 0.5 if EMBED_SCALED[model_type] else None
-    softcap = getattr(text, "final_logit_softcapping", None)
-    return HeadSpec(tied=tied, embed_scale=scale, logit_softcap=float(softcap) if softcap else None)
+    return bool(AutoConfig.from_pretrained(root).tie_word_embeddings)
 
 
 class FrozenTargetHead(nn.Module):
@@ -85,21 +82,26 @@ class FrozenTargetHead(nn.Module):
     not parameters, so an optimizer built from .parameters() cannot touch them.
     """
 
-    def __init__(
-        self,
-        embed_weight: torch.Tensor,
-        lm_head_weight: torch.Tensor | None = None,
-        *,
-        embed_scale: float | None = None,
-        logit_softcap: float | None = None,
-    ) -> None:
+    def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None = None, *,
+                 spec: HeadSpec | None = None) -> None:
         super().__init__()
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         # None = tied: a second buffer would be copied separately by .to().
         untied = None if lm_head_weight is None else lm_head_weight.detach()
         self.register_buffer("untied_lm_head_weight", untied, persistent=False)
-        self.embed_scale = embed_scale
-        self.logit_softcap = logit_softcap
+        self.spec = spec or HeadSpec(tied=lm_head_weight is None)
+
+    @property
+    def embed_scale(self) -> float | None:
+        return self.spec.embed_scale
+
+    @property
+    def logit_multiplier(self) -> float | None:
+        return self.spec.logit_multiplier
+
+    @property
+    def logit_softcap(self) -> float | None:
+        return self.spec.logit_softcap
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -109,12 +111,18 @@ class FrozenTargetHead(nn.Module):
         rows = F.embedding(input_ids, self.embed_weight)
         if self.embed_scale is None:
             return rows
-        # As Gemma3TextScaledWordEmbedding: the fp32 scale is rounded to the weight dtype first.
+        # As Gemma's scaled embedding: the fp32 scale is rounded to the weight dtype first (exact for the
+        # multipliers of Granite and Falcon-H1 that are powers of two; within one bf16 ulp otherwise).
         return rows * torch.tensor(self.embed_scale).to(self.embed_weight.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.lm_head_weight
-        return softcap(F.linear(hidden.to(weight.dtype), weight), self.logit_softcap)
+        return head_logits(F.linear(hidden.to(weight.dtype), weight), self.logit_multiplier, self.logit_softcap)
+
+
+def head_logits(plain: torch.Tensor, multiplier: float | None, cap: float | None) -> torch.Tensor:
+    """softcap(multiplier * plain, cap): the target's logits from the plain lm_head product."""
+    return softcap(plain if multiplier is None else plain * multiplier, cap)
 
 
 def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -143,32 +151,66 @@ def _one_key(files: dict[str, Any], keys: tuple[str, ...], root: Path, what: str
     return found[0] if found else None
 
 
-def load_target_head(
-    target_dir: str | Path, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
-) -> FrozenTargetHead:
-    """Read only embed_tokens and lm_head from a target checkpoint (never the whole model)."""
-    root = Path(target_dir)
-    spec = head_spec(root)
+def head_tensor_keys(root: Path) -> tuple[dict[str, Path], str, str | None]:
+    """Where the checkpoint keeps its embedding and lm_head (None: not stored): the files and the names."""
     files = _tensor_files(root)
-
-    def read(key: str) -> torch.Tensor:
-        with safe_open(files[key], framework="pt", device=str(device)) as f:
-            tensor = f.get_tensor(key)
-        return tensor if dtype is None else tensor.to(dtype)
-
     embed_key = _one_key(files, EMBED_KEYS, root, "embedding")
     if embed_key is None:
         raise KeyError(f"{root}: none of {EMBED_KEYS} in the checkpoint")
+    return files, embed_key, _one_key(files, LM_HEAD_KEYS, root, "lm_head")
+
+
+def read_head(root: Path, files: dict[str, Path], embed_key: str, lm_head_key: str | None, tied: bool,
+              device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The embedding and lm_head (None: tied) as stored, checking the stored copy of a tied one."""
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(files[name], framework="pt", device=str(device)) as f:
+            return f.get_tensor(name)
+
     embed = read(embed_key)
-    lm_head_key = _one_key(files, LM_HEAD_KEYS, root, "lm_head")
-    if spec.tied:
+    if tied:
         # The model uses the embedding as its lm_head; a stored copy that differs would be ignored by it.
         if lm_head_key is not None and not torch.equal(read(lm_head_key), embed):
             raise ValueError(f"{root}: tie_word_embeddings is true but {lm_head_key} differs from {embed_key}; "
                              "fix the checkpoint or set tie_word_embeddings false in its config.json")
-        lm_head = None
-    elif lm_head_key is None:
+        return embed, None
+    if lm_head_key is None:
         raise KeyError(f"{root}: no lm_head.weight although tie_word_embeddings is false")
-    else:
-        lm_head = read(lm_head_key)
-    return FrozenTargetHead(embed, lm_head, embed_scale=spec.embed_scale, logit_softcap=spec.logit_softcap)
+    return embed, read(lm_head_key)
+
+
+def probe_target_head(target_dir: str | Path, embed: torch.Tensor | None = None, lm_head: torch.Tensor | None = None):
+    """The head probe on a target directory (head_probe.py): (HeadSpec, HeadErrors), or HeadProbeError.
+    `embed`/`lm_head`: the tensors, when the caller has read them already."""
+    from transformers import AutoConfig
+
+    from .head_probe import probe_head
+
+    root = Path(target_dir)
+    if embed is None:
+        files, embed_key, lm_head_key = head_tensor_keys(root)
+        embed, lm_head = read_head(root, files, embed_key, lm_head_key, config_tied(root))
+    return probe_head(AutoConfig.from_pretrained(root), embed.cpu(), None if lm_head is None else lm_head.cpu(),
+                      str(root))
+
+
+def load_target_head(
+    target_dir: str | Path, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+    cache: str | Path | None = None,
+) -> FrozenTargetHead:
+    """Read only embed_tokens and lm_head from a target checkpoint (never the whole model), with the
+    transforms the head probe derives; `cache` (a JSON file) keeps them for the next start of this target."""
+    from .head_cache import cached_spec, fingerprint, store_spec
+
+    root = Path(target_dir)
+    files, embed_key, lm_head_key = head_tensor_keys(root)
+    key = fingerprint(root, files, [k for k in (embed_key, lm_head_key) if k is not None])
+    spec = cached_spec(cache, key)
+    embed, lm_head = read_head(root, files, embed_key, lm_head_key, spec.tied if spec else config_tied(root), device)
+    if spec is None:
+        spec, errors = probe_target_head(root, embed, lm_head)
+        store_spec(cache, key, spec, errors)
+    if dtype is not None:
+        embed, lm_head = embed.to(dtype), None if lm_head is None else lm_head.to(dtype)
+    return FrozenTargetHead(embed, lm_head, spec=spec)

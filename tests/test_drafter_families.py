@@ -1,8 +1,10 @@
 """The drafter for every target family: geometry from its config, its frozen head, training, export, reload.
 
-Each family's tiny random target is a real HF directory (tests/support.build_target); the truth
-for the head is the target's own forward (its first-layer input and its logits), and the features the
-drafter trains on are the target's real hidden states at the DFlash layer ids.
+Each family's tiny random target is a real HF directory (tests/support.build_target for the target
+side's families, build_head_target for bench/head_families.py's); the truth for the head is the
+target's own forward (its first-layer input and its logits), and the features the drafter trains on are
+the target's real hidden states at the DFlash layer ids. The head probe derives each family's
+transforms, keeps its decoder layers on the meta device, and refuses a deliberately wrong head.
 """
 
 from __future__ import annotations
@@ -16,44 +18,81 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel, AutoModelForCausalLM
 
+from dflash_ring.bench.head_families import HEAD_FAMILIES, head_model_class, tiny_head_config
 from dflash_ring.bench.target_shapes import shape_config
 from dflash_ring.common.drafter_config import DrafterConfig, build_target_layer_ids
 from dflash_ring.consumer.drafter_hf_config import drafter_hf_config, drafter_rope
-from dflash_ring.consumer.export import MODEL_CODE_SOURCE, export_drafter, load_drafter
+from dflash_ring.consumer.export import MODEL_CODE_SOURCE, TARGET_HEAD_KEY, export_drafter, load_drafter
+from dflash_ring.consumer.head_probe import HeadProbeError, TargetHeadProbe, check, derive
 from dflash_ring.consumer.loss import dflash_loss
 from dflash_ring.consumer.model import Anchors, build_drafter, load_target_head
 from dflash_ring.common.train_config import TrainConfig
 from dflash_ring.consumer.trainer import DeviceBatch, Trainer
+
+from dflash_ring.consumer.target_head import HeadSpec
+from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 
 from support import ARCHS, build_target
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 LAYERS, HIDDEN, BLOCK = 6, 64, 4
-# Tiny family geometry (bench/target_shapes.tiny_config): intermediate 128; MoE: 2 of 4 experts of 32
-# (+ a shared expert of 32 for qwen3_next / qwen3_5_moe); gpt-oss experts are intermediate_size wide.
-MLP_WIDTH = {"qwen3_moe": 2 * 32, "gpt_oss": 2 * 128, "qwen3_next": 2 * 32 + 32, "qwen3_5_moe": 2 * 32 + 32}
+# Tiny family geometry (bench/target_shapes.tiny_config, bench/head_families.tiny_head_config): intermediate
+# 128; MoE: 2 of 4 experts of 32 (+ a shared expert of 32 where the family has one); gpt-oss, MiniMax-M2 and
+# Granite-MoE experts are intermediate_size wide (128, 32, 32); LFM2 adjusts 128 to 2/3, up to a multiple of 16.
+MLP_WIDTH = {"qwen3_moe": 2 * 32, "gpt_oss": 2 * 128, "qwen3_next": 2 * 32 + 32, "qwen3_5_moe": 2 * 32 + 32,
+             "deepseek_v3": 2 * 32 + 32, "glm4_moe": 2 * 32 + 32, "glm_moe_dsa": 2 * 32 + 32, "minimax_m2": 2 * 32,
+             "lfm2": 96, "nemotron_h": 2 * 32 + 32, "longcat_flash": 2 * 32, "granitemoehybrid": 2 * 32 + 32}
+MLA = ("deepseek_v3", "glm_moe_dsa", "longcat_flash")  # key/value heads = heads; head_dim = v_head_dim (16)
 ROPE = {
     "gemma3": (1e6, None),  # the full-attention entry of its per-layer-type rope
+    "gemma4_text": (1e6, None),  # the same; its "proportional" partial rotary is a whole-head default one
     "gpt_oss": (150000.0, {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
                            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}),
+    "minimax_m2": (5e6, None), "lfm2": (1e6, None), "longcat_flash": (1e7, None), "cohere": (5e5, None),
+    "smollm3": (2e6, None),
 }
+# The transforms the probe must find (none for every other family), as the tiny configs set them.
+HEADS = {
+    "gemma3": dict(embed_scale=8.0), "gemma4_text": dict(embed_scale=8.0),  # sqrt(64)
+    "gemma2": dict(embed_scale=8.0, logit_softcap=30.0),
+    "granite": dict(embed_scale=12.0, logit_multiplier=0.125),  # 1 / logits_scaling 8
+    "granitemoehybrid": dict(embed_scale=12.0, logit_multiplier=0.1),
+    "falcon_h1": dict(embed_scale=5.656854, logit_multiplier=0.0390625),
+    "cohere": dict(logit_multiplier=0.0625), "cohere2": dict(logit_multiplier=0.125),
+}
+NO_ROPE = ("nemotron_h",)  # position-free attention: the drafter's RoPE is set explicitly
 
 
-def drafter_cfg(vocab: int) -> DrafterConfig:
+def drafter_cfg(vocab: int, name: str = "") -> DrafterConfig:
     # One sliding and one full layer: the remote-code model must reproduce both masks.
     return DrafterConfig(num_hidden_layers=2, block_size=BLOCK, loss_gamma=2.0, num_anchors=6,
                          mask_token_id=vocab - 8, layer_types=["sliding_attention", "full_attention"],
-                         sliding_window=8)
+                         sliding_window=8, rope_theta=1e4 if name in NO_ROPE else None)
+
+
+def build_head_target(path, family: str, seed: int = 0):
+    """A random-weight target of a bench/head_families.py family with the tiny tokenizer, saved as a real one."""
+    tokenizer = tiny_chat_tokenizer(path)
+    config = tiny_head_config(family, vocab_size=len(tokenizer) + 8, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                              pad_token_id=tokenizer.pad_token_id, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(seed)
+    head_model_class(family)(config).save_pretrained(path)
+    return path
 
 
 # qwen3 in the quick subset; the other families are `slow` (pytest -m "not processes and not slow").
-@pytest.fixture(scope="module", params=[a if a == "qwen3" else pytest.param(a, marks=pytest.mark.slow) for a in ARCHS])
+@pytest.fixture(scope="module", params=[a if a == "qwen3" else pytest.param(a, marks=pytest.mark.slow)
+                                        for a in (*ARCHS, *HEAD_FAMILIES)])
 def family(request, tmp_path_factory):
     """(name, target dir, config.json, the target loaded by AutoModelForCausalLM in fp32)."""
-    path = build_target(tmp_path_factory.mktemp(request.param), request.param, layers=LAYERS, hidden=HIDDEN)
+    name, where = request.param, tmp_path_factory.mktemp(request.param)
+    if name in HEAD_FAMILIES:
+        path = build_head_target(where, name)
+    else:
+        path = build_target(where, name, layers=LAYERS, hidden=HIDDEN)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return request.param, path, json.loads((path / "config.json").read_text()), model
+    return name, path, json.loads((path / "config.json").read_text()), model
 
 
 def sequences(vocab: int, seed: int = 0) -> list[torch.Tensor]:
@@ -64,39 +103,72 @@ def sequences(vocab: int, seed: int = 0) -> list[torch.Tensor]:
 def target_features(model, ids: torch.Tensor, layer_ids: list[int]):
     """The DFlash context of one sequence (hidden_states[l + 1] per layer id), its first-layer input, its logits."""
     with torch.no_grad():
-        out = model(ids[None], output_hidden_states=True)
-    feats = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
+        out = model(ids[None], output_hidden_states=True, use_cache=False)
+    # LongCat-Flash returns a hidden state per pair of its sublayers (num_layers + 1), fewer than its
+    # num_hidden_layers: the last one stands in here (which state a layer id names is the target side's).
+    last = len(out.hidden_states) - 1
+    feats = torch.cat([out.hidden_states[min(i + 1, last)][0] for i in layer_ids], dim=-1)
     return feats, out.hidden_states[0][0], out.hidden_states[-1][0], out.logits[0]
 
 
 def test_drafter_geometry_follows_the_target(family):
     name, _, config, _ = family
-    hf = drafter_hf_config(drafter_cfg(410), config)
+    hf = drafter_hf_config(drafter_cfg(410, name), config)
     assert hf["dflash_config"]["target_layer_ids"] == build_target_layer_ids(LAYERS, 2) == [1, 3]
     assert hf["num_target_layers"] == LAYERS
     got = {k: hf[k] for k in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads",
                               "head_dim", "intermediate_size", "hidden_act", "model_type", "tie_word_embeddings")}
     assert got == {"hidden_size": HIDDEN, "vocab_size": config.get("text_config", config)["vocab_size"],
-                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                   "num_attention_heads": 4, "num_key_value_heads": 4 if name in MLA else 2, "head_dim": 16,
                    "intermediate_size": MLP_WIDTH.get(name, 128), "hidden_act": "silu", "model_type": "qwen3",
                    "tie_word_embeddings": False}
     assert (hf["rope_theta"], hf["rope_scaling"]) == ROPE.get(name, (10000.0, None))
+    if name in NO_ROPE:
+        with pytest.raises(ValueError, match="has no RoPE.*set drafter.rope_theta"):
+            drafter_hf_config(drafter_cfg(410), config)
     assert hf["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}
     assert not {"partial_rotary_factor", "mrope_section", "rope_parameters"} & set(hf)
 
 
-def test_frozen_head_is_the_targets_own(family):
-    """Embedding = what the target's first layer receives (Gemma3: scaled); logits = the target's logits."""
+def test_frozen_head_is_the_targets_own(family, tmp_path):
+    """Embedding = what the target's first layer receives (Gemma: scaled); logits = the target's logits; the
+    transforms the probe derived are the family's (HEADS), and the cache records them."""
     name, path, config, model = family
-    head = load_target_head(path)
+    head = load_target_head(path, cache=tmp_path / "target-head.json")
+    assert head.spec == HeadSpec(tied=False, **HEADS.get(name, {}))
+    assert json.loads((tmp_path / "target-head.json").read_text())["head"] == head.spec.to_json()
     ids = sequences(config.get("text_config", config)["vocab_size"])[0]
     _, first_layer_input, final_hidden, logits = target_features(model, ids, [1])
     assert torch.equal(head.embed(ids), first_layer_input)
-    with torch.no_grad():
-        assert torch.equal(head.embed(ids), model.get_input_embeddings()(ids[None])[0])
     torch.testing.assert_close(head.logits(final_hidden), logits, rtol=1e-5, atol=1e-5)
-    if name == "gemma3":  # the scale is real, not an identity that would pass for any family
-        assert not torch.allclose(head.embed(ids), torch.nn.functional.embedding(ids, head.embed_weight))
+
+
+def test_head_probe_keeps_the_layers_on_meta_and_refuses_a_wrong_head(family):
+    """The probe materializes no decoder-layer weight (a 1T target's experts stay on disk), and the check
+    catches a scale off by sqrt(H), a missing softcap, a missing or spurious multiplier."""
+    name, path, config, model = family
+    embed, lm_head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    probe = TargetHeadProbe(model.config, embed.detach(), lm_head.detach())
+    assert all(p.is_meta for p in probe.layers.parameters()) and len(probe.layers) > 0
+    real = sum(p.numel() for p in probe.model.parameters() if not p.is_meta)
+    layer_params = sum(p.numel() for p in probe.layers.parameters())
+    assert real < embed.numel() + lm_head.numel() + layer_params / len(probe.layers)  # less than one layer besides
+    spec = derive(probe, tied=False)
+    assert spec == HeadSpec(tied=False, **HEADS.get(name, {}))
+    check(probe, spec, name)
+    hidden = probe.hidden
+    wrong = [(dict(embed_scale=(spec.embed_scale or 1.0) * hidden ** 0.5), "embedding"),
+             (dict(logit_multiplier=(spec.logit_multiplier or 1.0) * 2), "logits")]
+    if spec.embed_scale is not None:
+        wrong.append((dict(embed_scale=None), "embedding"))
+    if spec.logit_multiplier is not None:
+        wrong.append((dict(logit_multiplier=None), "logits"))
+    if spec.logit_softcap is not None:
+        wrong.append((dict(logit_softcap=None), "logits"))
+    for change, part in wrong:
+        bad = HeadSpec(**{**spec.to_json(), **change})
+        with pytest.raises(HeadProbeError, match=f"does not reproduce the target's {part}.*relative error"):
+            check(probe, bad, name)
 
 
 def train_batch(model, vocab: int, layer_ids: list[int]) -> DeviceBatch:
@@ -117,7 +189,7 @@ def remote_draft(remote, head, feats, ids, anchor: int, mask_id: int) -> torch.T
 def test_drafter_trains_exports_and_loads_back_both_ways(family, tmp_path):
     name, path, config, target = family
     vocab = config.get("text_config", config)["vocab_size"]
-    cfg = drafter_cfg(vocab)
+    cfg = drafter_cfg(vocab, name)
     torch.manual_seed(0)
     drafter = build_drafter(cfg, config)
     head = load_target_head(path)
@@ -127,8 +199,9 @@ def test_drafter_trains_exports_and_loads_back_both_ways(family, tmp_path):
     losses = [trainer.train_step(batch, 100).loss for _ in range(6)]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
 
-    out = export_drafter(drafter, cfg, config, tmp_path / "drafter", dtype=torch.float32)
+    out = export_drafter(drafter, cfg, config, tmp_path / "drafter", dtype=torch.float32, head_spec=head.spec)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "dflash.py", "model.safetensors"]
+    assert json.loads((out / "config.json").read_text())[TARGET_HEAD_KEY] == head.spec.to_json()
     assert (out / "dflash.py").read_bytes() == MODEL_CODE_SOURCE.read_bytes()
     drafter.eval()
     ids, feats = batch.input_ids[:40], batch.features[:40]
@@ -165,7 +238,7 @@ def test_tied_softcapped_gemma3_head_matches_the_target(gemma3_tied_capped):
     path, model = gemma3_tied_capped
     assert "lm_head.weight" not in load_file(path / "model.safetensors")
     head = load_target_head(path)
-    assert head.untied_lm_head_weight is None and head.logit_softcap == 0.1
+    assert head.untied_lm_head_weight is None and head.logit_softcap == 0.1 and head.embed_scale == 8.0
     ids = sequences(410)[0]
     _, first, final_hidden, logits = target_features(model, ids, [1])
     assert torch.equal(head.embed(ids), first)
@@ -238,12 +311,15 @@ def test_unrepresentable_rope_is_refused_with_a_way_out():
                                                                           if k != "rope_theta"}
 
 
-def test_unchecked_family_head_is_refused(tmp_path):
+def test_a_head_the_probe_cannot_run_is_one_line(tmp_path):
+    """A config the family's own code rejects (here a Gemma2 without its sliding_window) is refused by the
+    probe in one line naming the error, not a traceback from inside the model."""
     path = build_target(tmp_path, "qwen3", layers=2, hidden=32)
     config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "model_type": "gemma2"}))
-    with pytest.raises(ValueError, match="model_type 'gemma2' has no checked embedding rule"):
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "gemma2", "sliding_window": None}))
+    with pytest.raises(HeadProbeError, match="the head probe could not run ValueError") as e:
         load_target_head(path)
+    assert "\n" not in str(e.value)
 
 
 def test_tied_checkpoint_with_a_different_lm_head_is_refused(tmp_path):
@@ -277,3 +353,24 @@ def test_shipped_model_file_imports_only_torch_and_transformers():
               if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
     assert roots <= {"__future__", "torch", "transformers"}, roots
     assert not any(isinstance(node, ast.ImportFrom) and node.level for node in ast.walk(tree))
+
+
+@pytest.mark.processes
+def test_a_restart_reuses_the_derived_head_without_modeling_code(tmp_path):
+    """The cache keyed by config.json and the head tensors' header entries: the same target reads it in a fresh
+    process that imports no transformers modeling file; a changed config.json probes again."""
+    import subprocess
+    import sys
+
+    path = build_target(tmp_path / "target", "gemma3", layers=2, hidden=32)
+    cache = tmp_path / "drafter-0" / "target-head.json"
+    first = load_target_head(path, cache=cache)
+    code = ("import json, sys; from dflash_ring.consumer.target_head import load_target_head; "
+            f"head = load_target_head({str(path)!r}, cache={str(cache)!r}); "
+            "print(json.dumps([head.spec.to_json(), [m for m in sys.modules if 'modeling' in m]]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout) == [first.spec.to_json(), []]
+    key = json.loads(cache.read_text())["key"]
+    (path / "config.json").write_text((path / "config.json").read_text() + "\n")  # another target, as far as we know
+    assert load_target_head(path, cache=cache).spec == first.spec and json.loads(cache.read_text())["key"] != key

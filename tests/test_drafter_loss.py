@@ -218,7 +218,7 @@ OBJECTIVES = [
 def test_every_objective_equals_its_unchunked_reference(objective):
     torch.manual_seed(1)
     vocab, hidden_size, block = 40, 8, 5
-    head = FrozenTargetHead(torch.randn(vocab, hidden_size), torch.randn(vocab, hidden_size), logit_softcap=None)
+    head = FrozenTargetHead(torch.randn(vocab, hidden_size), torch.randn(vocab, hidden_size))
     lengths = [13, 9]
     input_ids = torch.randint(0, vocab, (22,))
     loss_mask = torch.rand(22) > 0.2
