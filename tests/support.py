@@ -284,12 +284,13 @@ def write_chat_rows(path: Path, rows: int, seed: int = 0) -> Path:
 
 
 def reference_features(model_dir: Path, sequences: list[torch.Tensor], layer_ids: list[int]) -> list[torch.Tensor]:
-    """Each sequence alone through a plain HF forward with output_hidden_states: concat of hidden_states[l + 1]."""
+    """Each sequence alone through a plain HF forward with output_hidden_states: concat of hidden_states[l + 1].
+    No cache: a Mamba-only stack's cannot even count its tokens, and features need none."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
     with torch.inference_mode():
         for ids in sequences:
-            hs = model(ids.long()[None], output_hidden_states=True).hidden_states
+            hs = model(ids.long()[None], output_hidden_states=True, use_cache=False).hidden_states
             out.append(torch.cat([hs[i + 1][0] for i in layer_ids], dim=-1))
     return out
 
