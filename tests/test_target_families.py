@@ -22,7 +22,8 @@ from dflash_ring.producer.conformance import choose_packing, layer_kinds, probe
 from dflash_ring.producer.process import prepare, run_target
 from dflash_ring.producer.target import TargetModel
 from dflash_ring.common.target_config import TargetConfig, TargetConfigError
-from support import FEATURE_TOLERANCE, assert_same_features, build_target, packed_batch, reference_features
+from support import (FEATURE_TOLERANCE, HYBRID_MAMBA, assert_same_features, build_target, packed_batch,
+                     reference_features)
 
 # Every family's target is built once for the module (the `targets` fixture): the quick subset leaves it out.
 pytestmark = pytest.mark.slow
@@ -128,11 +129,7 @@ def test_recurrent_layers_leak_without_per_sequence_state(targets, monkeypatch):
     assert report.error is not None or report.first_bad.kind == "linear_attention", report.summary()
 
 
-# Mamba2 mixers (Mamba1 in jamba) among attention layers; every tiny one starts with a Mamba layer.
-HYBRID_MAMBA = ("nemotron_h", "falcon_h1", "bamba", "granitemoehybrid", "zamba2", "jamba")
-
-
-@pytest.mark.parametrize("family", HYBRID_MAMBA)
+@pytest.mark.parametrize("family", HYBRID_MAMBA)  # every tiny one starts with a Mamba layer
 def test_the_probe_catches_a_mamba_mixer_run_over_the_whole_pack(targets, family, monkeypatch):
     """Mixers handed the whole pack (what packing did before they were found): their convolution and scan carry
     state from one sequence into the next, and the probe names the first Mamba layer (jamba's Mamba1 leaks the
