@@ -27,6 +27,13 @@ FAMILIES: dict[str, tuple[str, str]] = {
     # The published Qwen3.5/3.6 checkpoints are the multimodal wrapper (text under text_config and
     # model.language_model.*); AutoModelForCausalLM loads its text part.
     "qwen3_5_vl": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+    # Hybrid state-space families: Mamba2 mixers (Mamba1 in jamba) among attention layers.
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM"),
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM"),  # attention and Mamba2 side by side in each layer
+    "bamba": ("BambaConfig", "BambaForCausalLM"),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
+    "zamba2": ("Zamba2Config", "Zamba2ForCausalLM"),  # one shared attention block feeding its "hybrid" layers
+    "jamba": ("JambaConfig", "JambaForCausalLM"),
 }
 
 
@@ -38,6 +45,16 @@ def _layer_pattern(family: str, layers: int) -> dict[str, Any]:
         return {"layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]}
     if family == "gemma3":  # 5 sliding : 1 full
         return {"layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]}
+    if family == "nemotron_h":  # Mamba2 (M), MoE (E), attention (*): "MEM*E" repeated, the Nano-3 mix
+        return {"hybrid_override_pattern": ("MEM*E" * layers)[:layers]}
+    if family == "bamba":  # Mamba2 with an attention layer every third
+        return {"attn_layer_indices": list(range(1, layers, 3))}
+    if family == "granitemoehybrid":
+        return {"layer_types": ["full_attention" if i % 3 == 1 else "linear_attention" for i in range(layers)]}
+    if family == "zamba2":  # every third layer also runs the shared attention block first
+        return {"layers_block_type": ["hybrid" if i % 3 == 1 else "linear_attention" for i in range(layers)]}
+    if family == "jamba":  # attention every third layer, MoE every second
+        return dict(attn_layer_period=3, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1)
     return {}
 
 
@@ -71,6 +88,7 @@ def _tiny_extra(family: str, hidden: int) -> dict[str, Any]:
     linear = dict(linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
                   linear_num_key_heads=2, linear_num_value_heads=4)
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2)
+    mamba2 = dict(mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=16)
     return {
         "mistral": dict(sliding_window=16),
         "qwen3_moe": moe,
@@ -80,6 +98,15 @@ def _tiny_extra(family: str, hidden: int) -> dict[str, Any]:
         "qwen3_5": linear,
         "qwen3_5_vl": linear,
         "qwen3_5_moe": dict(**linear, **moe, shared_expert_intermediate_size=hidden // 2),
+        # Chunked scans with chunks shorter than the test sequences, so state crosses chunk boundaries too.
+        "nemotron_h": dict(mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=16,
+                           n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2,
+                           moe_shared_expert_intermediate_size=hidden // 2, n_shared_experts=1),
+        "falcon_h1": dict(**mamba2, mamba_d_ssm=hidden, mamba_d_head=16, mamba_rms_norm=True),
+        "bamba": mamba2,
+        "granitemoehybrid": dict(**mamba2, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=hidden),
+        "zamba2": dict(mamba_d_state=16, n_mamba_heads=4, mamba_ngroups=2, chunk_size=16),
+        "jamba": dict(mamba_d_state=8, mamba_dt_rank=8, num_experts=4, num_experts_per_tok=2),
     }.get(family, {})
 
 
@@ -114,6 +141,19 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
                                     num_key_value_heads=8, head_dim=64, intermediate_size=2880, num_local_experts=32,
                                     num_experts_per_tok=4, sliding_window=128, vocab_size=201088,
                                     max_position_embeddings=131072)),
+    # Nemotron-3-Nano-30B-A3B (~60 GB in bf16): 52 layers, 23 Mamba2 (M), 23 MoE (E: 128 routed experts, top 6, one
+    # shared expert, relu2), 6 GQA attention (*, no RoPE). Sure: the layer counts, hidden 2688, 32/2 heads, 128
+    # experts / 6 active / 1 shared of 3712, the vocabulary. From memory of its config.json, not checked against
+    # the file: the exact pattern string, the Mamba geometry (64 heads of 64, state 128, 8 groups, chunk 128), the
+    # routed expert width 1856, routed_scaling_factor 2.5 and the context length. No dense MLP layer ("-"), so
+    # intermediate_size builds nothing.
+    "nemotron-3-nano-30b-a3b": ("nemotron_h", dict(
+        hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME", hidden_size=2688,
+        num_hidden_layers=52, num_attention_heads=32, num_key_value_heads=2, head_dim=128, intermediate_size=1856,
+        mamba_num_heads=64, mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4, chunk_size=128,
+        n_routed_experts=128, num_experts_per_tok=6, n_shared_experts=1, moe_intermediate_size=1856,
+        moe_shared_expert_intermediate_size=3712, routed_scaling_factor=2.5, norm_topk_prob=True,
+        vocab_size=131072, max_position_embeddings=262144)),
 }
 
 

@@ -103,6 +103,8 @@ class TargetConfig:
 
     def geometry(self) -> TargetGeometry:
         config = self.model_config()
+        if "num_hidden_layers" not in config and isinstance(config.get("layers_block_type"), list):  # nemotron_h
+            config = {**config, "num_hidden_layers": len(config["layers_block_type"])}
         try:
             hidden, layers, vocab = (int(config[k]) for k in ("hidden_size", "num_hidden_layers", "vocab_size"))
         except KeyError as e:

@@ -9,10 +9,16 @@ construction; the token mixers are not, and each kind is handled here:
   windows as its window size). Elsewhere, and for layers the kernel cannot express (gpt-oss's
   sinks), each sequence goes through the very attention function the unpacked model calls (sdpa or
   the model's own eager function, sinks included), with the mask the unpacked model would build.
-- Recurrent mixers (Gated DeltaNet in Qwen3.5/3.6 and Qwen3-Next): their convolution and state
-  run over time, so each sequence runs through the module's own forward alone (state and
-  convolution start from zero, as for a sequence alone); whatever kernel HF picks for one sequence
-  (flash-linear-attention when installed) is used.
+- Recurrent mixers (Gated DeltaNet in Qwen3.5/3.6 and Qwen3-Next; the Mamba2 mixers of nemotron_h,
+  falcon_h1, bamba, granitemoehybrid and zamba2; jamba's Mamba1): a causal convolution and a state
+  run over time, and handed the whole pack they carry both from one sequence into the next (the
+  tiny hybrid families' first Mamba layer differs by 1e-1 to 5e-1, jamba's by 1e-3: its random
+  Mamba1 forgets within a few tokens). So each sequence runs through the
+  module's own forward alone, state and convolution starting from zero as for a sequence alone,
+  with whatever kernel HF picks for one sequence (flash-linear-attention, mamba_ssm/causal_conv1d
+  when installed, else its PyTorch scan). One call per sequence, on CUDA too: the Mamba kernels'
+  seq_idx / cu_seqlens arguments would scan the whole pack at once (speed work, not needed for
+  exactness).
 
 Anything else (a new mixer, a new attention argument) is what the conformance probe
 (producer/conformance.py) exists to catch before a batch is published.
@@ -62,8 +68,10 @@ def packed_spans(spans: list[tuple[int, int]]) -> Iterator[None]:
 
 def current_spans() -> list[tuple[int, int]] | None:
     return _SPANS.get()
-# Decoder-layer attributes holding a recurrent token mixer.
-RECURRENT_MIXERS = ("linear_attn",)
+# Decoder-layer attributes (nested ones too: zamba2's hybrid layer holds `mamba_decoder.mamba`) that may hold a
+# recurrent token mixer. nemotron_h names every block's mixer `mixer`, attention and MoE included, so a module
+# counts only if it convolves over time (`conv1d`), as Mamba1/2 and Gated DeltaNet do before their scan.
+RECURRENT_MIXERS = ("linear_attn", "mamba", "mixer")
 
 
 def _sequence_mask(length: int, sliding_window: int | None, reference: str, like: torch.Tensor) -> torch.Tensor | None:
@@ -184,7 +192,16 @@ def per_sequence(mixer: nn.Module) -> None:
     mixer.forward = forward_per_sequence
 
 
+def is_recurrent_mixer(name: str, module: nn.Module) -> bool:
+    return name.rsplit(".", 1)[-1] in RECURRENT_MIXERS and isinstance(getattr(module, "conv1d", None), nn.Conv1d)
+
+
 def recurrent_mixers(layers: nn.ModuleList) -> dict[int, nn.Module]:
-    """Layer index -> its recurrent token mixer, for the families whose layers carry one."""
-    return {i: getattr(layer, name) for i, layer in enumerate(layers) for name in RECURRENT_MIXERS
-            if isinstance(getattr(layer, name, None), nn.Module)}
+    """Layer index -> its recurrent token mixer, for the families whose layers carry one (one per layer in every
+    family we know; a second one would be left whole and the conformance probe would say so)."""
+    found = {}
+    for i, layer in enumerate(layers):
+        mixer = next((m for name, m in layer.named_modules() if is_recurrent_mixer(name, m)), None)
+        if mixer is not None:
+            found[i] = mixer
+    return found

@@ -229,7 +229,11 @@ def curves(stderr: str) -> tuple[list[float], list[float]]:
 # --- targets ---------------------------------------------------------------------------------------
 
 
-ARCHS = tuple(FAMILIES)
+# Mamba2 mixers (Mamba1 in jamba) among attention layers. tests/test_target_families.py runs their target side;
+# the drafter does not take them yet (issue 24: no embedding rule for their heads, nemotron_h's layer count and
+# jamba's rope named otherwise), so its family tests (ARCHS) leave them out until it does.
+HYBRID_MAMBA = ("nemotron_h", "falcon_h1", "bamba", "granitemoehybrid", "zamba2", "jamba")
+ARCHS = tuple(f for f in FAMILIES if f not in HYBRID_MAMBA)
 WORDS = ("the quick brown fox jumps over the lazy dog drafter target hidden state ring shared memory "
          "capital France Paris explain speculative decoding numbers hello world thanks sure okay").split()
 
@@ -284,12 +288,13 @@ def write_chat_rows(path: Path, rows: int, seed: int = 0) -> Path:
 
 
 def reference_features(model_dir: Path, sequences: list[torch.Tensor], layer_ids: list[int]) -> list[torch.Tensor]:
-    """Each sequence alone through a plain HF forward with output_hidden_states: concat of hidden_states[l + 1]."""
+    """Each sequence alone through a plain HF forward with output_hidden_states: concat of hidden_states[l + 1].
+    No cache: a Mamba-only stack's cannot even count its tokens, and features need none."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
     with torch.inference_mode():
         for ids in sequences:
-            hs = model(ids.long()[None], output_hidden_states=True).hidden_states
+            hs = model(ids.long()[None], output_hidden_states=True, use_cache=False).hidden_states
             out.append(torch.cat([hs[i + 1][0] for i in layer_ids], dim=-1))
     return out
 

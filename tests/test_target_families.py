@@ -18,11 +18,12 @@ from transformers import AttentionInterface
 from dflash_ring.bench.target_shapes import FAMILIES
 from dflash_ring.producer import packing
 from dflash_ring.producer.batching import Batch
-from dflash_ring.producer.conformance import choose_packing, probe
+from dflash_ring.producer.conformance import choose_packing, layer_kinds, probe
 from dflash_ring.producer.process import prepare, run_target
 from dflash_ring.producer.target import TargetModel
 from dflash_ring.common.target_config import TargetConfig, TargetConfigError
-from support import FEATURE_TOLERANCE, assert_same_features, build_target, packed_batch, reference_features
+from support import (FEATURE_TOLERANCE, HYBRID_MAMBA, assert_same_features, build_target, packed_batch,
+                     reference_features)
 
 # Every family's target is built once for the module (the `targets` fixture): the quick subset leaves it out.
 pytestmark = pytest.mark.slow
@@ -126,6 +127,36 @@ def test_recurrent_layers_leak_without_per_sequence_state(targets, monkeypatch):
     report = probe(target)
     assert not report.passed
     assert report.error is not None or report.first_bad.kind == "linear_attention", report.summary()
+
+
+@pytest.mark.parametrize("family", HYBRID_MAMBA)  # every tiny one starts with a Mamba layer
+def test_the_probe_catches_a_mamba_mixer_run_over_the_whole_pack(targets, family, monkeypatch):
+    """Mixers handed the whole pack (what packing did before they were found): their convolution and scan carry
+    state from one sequence into the next, and the probe names the first Mamba layer (jamba's Mamba1 leaks the
+    least here, ~1e-3, still 10x the float32 tolerance)."""
+    monkeypatch.setattr("dflash_ring.producer.target.recurrent_mixers", lambda layers: {})
+    report = probe(load(targets[family], True))
+    assert report.error is None and report.first_bad.layer == 0, report.summary()
+    assert report.first_bad.kind in ("linear_attention", "hybrid") and report.max_error > 5e-4
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", *HYBRID_MAMBA])
+def test_every_stateful_layer_and_only_those_run_per_sequence(targets, family):
+    """The layers whose config type carries a state (zamba2's and falcon_h1's "hybrid" layers hold a Mamba mixer
+    beside attention) are the ones found; nemotron_h's attention and MoE blocks, also named `mixer`, stay whole
+    (and compiled on a GPU)."""
+    target = load(targets[family], True)
+    kinds = layer_kinds(target.config, len(target.decoder.layers))
+    assert sorted(packing.recurrent_mixers(target.decoder.layers)) == [
+        i for i, kind in enumerate(kinds) if kind in ("linear_attention", "hybrid")]
+
+
+def test_a_stack_without_attention_layers_runs_packed(tmp_path):
+    """With no attention layer HF's hybrid cache cannot count tokens (`get_seq_length` can only be called on
+    Attention layers): the producer's forward builds no cache, and the Mamba-only model packs exactly."""
+    path = build_target(tmp_path / "mamba_only", "bamba", layers=4, attn_layer_indices=[])
+    report = choose_packing(load(path, True), "packed")
+    assert report.passed and {c.kind for c in report.layers} == {"linear_attention"}, report.summary()
 
 
 def test_padded_mode_skips_the_probe(targets):
