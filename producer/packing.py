@@ -9,7 +9,19 @@ construction; the token mixers are not, and each kind is handled here:
   windows as its window size). Elsewhere, and for layers the kernel cannot express (gpt-oss's
   sinks), each sequence goes through the very attention function the unpacked model calls (sdpa or
   the model's own eager function, sinks included), with the mask the unpacked model would build.
-- Recurrent mixers (Gated DeltaNet in Qwen3.5/3.6 and Qwen3-Next): their convolution and state
+- Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, GLM-4.7-Flash, LongCat-Flash): the latent
+  projections and the RoPE on the rope part of each head are per token; what reaches the attention
+  function is plain attention over qk heads of nope + rope dims and value heads of v_head_dim, which
+  may differ (DeepSeek-V3: 192 and 128). The per-sequence paths take any widths; the varlen kernel
+  takes one head dim for q, k and v, so the narrower side is zero-padded (zero key/query columns add
+  nothing to the scores, zero value columns are sliced off the output): exact, not approximate.
+- DeepSeek sparse attention (GLM-5's glm_moe_dsa, DeepSeek-V3.2): an indexer picks each query's top-k
+  keys through a dense [tokens, tokens] mask over the row and later layers reuse those picks by
+  position. Packing it exactly would need a per-sequence indexer whose picks layers share per sequence
+  (and a pack's dense mask costs more than padding), so `packing_refusal` names it and such a target
+  runs padded batches, where the model's own mask keeps it exact.
+- Recurrent mixers (Gated DeltaNet in Qwen3.5/3.6 and Qwen3-Next; LFM2's short convolution, a causal
+  conv over the whole row that would read the previous sequence's last tokens): their convolution and state
   run over time, so each sequence runs through the module's own forward alone (state and
   convolution start from zero, as for a sequence alone); whatever kernel HF picks for one sequence
   (flash-linear-attention when installed) is used.
@@ -27,6 +39,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -62,8 +75,8 @@ def packed_spans(spans: list[tuple[int, int]]) -> Iterator[None]:
 
 def current_spans() -> list[tuple[int, int]] | None:
     return _SPANS.get()
-# Decoder-layer attributes holding a recurrent token mixer.
-RECURRENT_MIXERS = ("linear_attn",)
+# Decoder-layer attributes holding a recurrent token mixer: Gated DeltaNet, LFM2's short convolution.
+RECURRENT_MIXERS = ("linear_attn", "conv")
 
 
 def _sequence_mask(length: int, sliding_window: int | None, reference: str, like: torch.Tensor) -> torch.Tensor | None:
@@ -109,7 +122,12 @@ def _varlen_kernel(query, key, value, cu_seqlens, max_len, scaling, sliding_wind
         options["enable_gqa"] = True
     elif groups > 1:  # head h reads kv head h // groups, as HF's repeat_kv lays them out
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **options).unsqueeze(0)
+    v_width = v.shape[-1]
+    if q.shape[-1] != v_width:  # MLA: the kernel takes one head dim; zero columns change nothing (module docstring)
+        head = max(q.shape[-1], v_width)
+        q, k, v = (F.pad(t, (0, head - t.shape[-1])) for t in (q, k, v))
+    out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **options)
+    return out[..., :v_width].unsqueeze(0)
 
 
 @torch._dynamo.disable  # a Python loop over the pack's sequences: never traced into a compiled layer
@@ -182,6 +200,17 @@ def per_sequence(mixer: nn.Module) -> None:
         return torch.cat([forward(hidden[:, a:b], *args, **kwargs) for a, b in spans], dim=1)
 
     mixer.forward = forward_per_sequence
+
+
+def packing_refusal(layers: nn.ModuleList) -> str | None:
+    """Why packed batches cannot be exact for these layers (a sparse-attention indexer), or None."""
+    for i, layer in enumerate(layers):
+        attention = getattr(layer, "self_attn", None)
+        if isinstance(getattr(attention, "indexer", None), nn.Module):
+            return (f"layer {i} ({type(attention).__name__}) picks each query's keys with a sparse-attention indexer, "
+                    "a top-k over the whole row that later layers reuse by position; packing has no per-sequence "
+                    "form of it, padded batches are exact (set target.packing = \"padded\" or \"auto\")")
+    return None
 
 
 def recurrent_mixers(layers: nn.ModuleList) -> dict[int, nn.Module]:
