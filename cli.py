@@ -21,7 +21,8 @@ from dflash_ring.common.target_config import TargetConfigError
 
 log = logging.getLogger("dflash_ring")
 # bench target --shape choices, named here so `--help` needs no transformers (bench/target_shapes.py holds them).
-SHAPE_NAMES = ("tiny", "qwen3-8b", "qwen3.6-27b", "qwen3-30b-a3b", "gpt-oss-20b", "nemotron-3-nano-30b-a3b")
+SHAPE_NAMES = ("tiny", "qwen3-8b", "qwen3.6-27b", "qwen3-30b-a3b", "gpt-oss-20b", "moonlight-16b-a3b",
+               "nemotron-3-nano-30b-a3b")
 
 
 def main(argv: list[str] | None = None) -> int:

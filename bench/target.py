@@ -104,10 +104,12 @@ def attention_pairs(lengths: np.ndarray, window: int | None) -> float:
 
 
 def model_flops(target: TargetModel, batches: list[Batch]) -> float:
-    """2 x active parameters per token, plus 4 x heads x head_dim per query-key pair of each softmax layer."""
+    """2 x active parameters per token, plus 2 x heads x (qk + v head dims) per query-key pair of each softmax layer
+    (the two differ under multi-head latent attention, whose config's head_dim is only the rope part)."""
     run = len(target.decoder.layers) if target.final_hidden else target.deepest + 1
     c = target.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    widths = (getattr(c, "qk_head_dim", None) or head_dim) + (getattr(c, "v_head_dim", None) or head_dim)
     kinds = layer_kinds(c, run)
     window = active_sliding_window(c)
     tokens = sum(b.num_tokens for b in batches)
@@ -115,7 +117,7 @@ def model_flops(target: TargetModel, batches: list[Batch]) -> float:
     for kind in kinds:
         if kind in ("full_attention", "sliding_attention"):
             size = window if kind == "sliding_attention" else None
-            attention += 4.0 * c.num_attention_heads * head_dim * sum(attention_pairs(b.lengths, size) for b in batches)
+            attention += 2.0 * c.num_attention_heads * widths * sum(attention_pairs(b.lengths, size) for b in batches)
     return 2.0 * active_parameters(target, run) * tokens + attention
 
 

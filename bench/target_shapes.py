@@ -27,6 +27,20 @@ FAMILIES: dict[str, tuple[str, str]] = {
     # The published Qwen3.5/3.6 checkpoints are the multimodal wrapper (text under text_config and
     # model.language_model.*); AutoModelForCausalLM loads its text part.
     "qwen3_5_vl": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM"),
+    "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM"),
+    "granite": ("GraniteConfig", "GraniteForCausalLM"),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM"),
+    # Multi-head latent attention (producer/packing.py says how packing keeps it exact).
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM"),
+    "youtu": ("YoutuConfig", "YoutuForCausalLM"),
+    "longcat_flash": ("LongcatFlashConfig", "LongcatFlashForCausalLM"),
+    # MLA with DeepSeek sparse attention: padded batches only (PADDED_ONLY).
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
     # Hybrid state-space families: Mamba2 mixers (Mamba1 in jamba) among attention layers.
     "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM"),
     "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM"),  # attention and Mamba2 side by side in each layer
@@ -35,6 +49,13 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "zamba2": ("Zamba2Config", "Zamba2ForCausalLM"),  # one shared attention block feeding its "hybrid" layers
     "jamba": ("JambaConfig", "JambaForCausalLM"),
 }
+# Families the target runs on padded batches only: packing refuses them by what their layers hold
+# (producer/packing.py packing_refusal), and the tests check that it does.
+PADDED_ONLY = frozenset({"glm_moe_dsa"})
+
+# Families whose config counts decoder layers under another key (longcat_flash: num_hidden_layers is derived as
+# 2 x num_layers, one per attention sublayer). `num_hidden_layers` below always means decoder layers.
+LAYER_COUNT_KEYS = {"longcat_flash": "num_layers"}
 
 
 def _layer_pattern(family: str, layers: int) -> dict[str, Any]:
@@ -43,6 +64,10 @@ def _layer_pattern(family: str, layers: int) -> dict[str, Any]:
         return {"layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]}
     if family == "gpt_oss":  # alternating, sliding first
         return {"layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]}
+    if family in ("gemma4_text", "cohere2"):  # 2 sliding : 1 full, so the probe's depth reaches a full layer
+        return {"layer_types": ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(layers)]}
+    if family == "lfm2":  # short convolutions between attention layers
+        return {"layer_types": ["full_attention" if i % 3 == 2 else "conv" for i in range(layers)]}
     if family == "gemma3":  # 5 sliding : 1 full
         return {"layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]}
     if family == "nemotron_h":  # Mamba2 (M), MoE (E), attention (*): "MEM*E" repeated, the Nano-3 mix
@@ -74,6 +99,8 @@ def family_config(family: str, *, vocab_size: int, hidden_size: int, num_hidden_
         tie_word_embeddings=False, **_layer_pattern(family, num_hidden_layers),
     )
     text.update(extra)
+    if family in LAYER_COUNT_KEYS:
+        text[LAYER_COUNT_KEYS[family]] = text.pop("num_hidden_layers")
     if family == "qwen3_5_vl":
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden_size)
         return config_cls(text_config=text, vision_config=vision, tie_word_embeddings=False)
@@ -88,6 +115,11 @@ def _tiny_extra(family: str, hidden: int) -> dict[str, Any]:
     linear = dict(linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
                   linear_num_key_heads=2, linear_num_value_heads=4)
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2)
+    # Multi-head latent attention: qk heads of 8 (nope) + 8 (rope) against v heads of 12, as unequal as the real ones
+    # (the varlen kernel takes one head dim: producer/packing.py); head_dim is the rope part, as MLA configs define it.
+    mla = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8,
+               v_head_dim=12, head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+               moe_intermediate_size=hidden // 2, first_k_dense_replace=1, n_group=1, topk_group=1)
     mamba2 = dict(mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=16)
     return {
         "mistral": dict(sliding_window=16),
@@ -98,6 +130,23 @@ def _tiny_extra(family: str, hidden: int) -> dict[str, Any]:
         "qwen3_5": linear,
         "qwen3_5_vl": linear,
         "qwen3_5_moe": dict(**linear, **moe, shared_expert_intermediate_size=hidden // 2),
+        "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                         moe_intermediate_size=hidden // 2, first_k_dense_replace=1, n_group=1, topk_group=1),
+        "minimax_m2": dict(num_local_experts=4, num_experts_per_tok=2),
+        # Gemma-4: full layers with their own (wider) head dim; no per-layer input embeddings (as the 31B).
+        "gemma4_text": dict(sliding_window=16, global_head_dim=2 * hidden // 4, hidden_size_per_layer_input=0),
+        "lfm2": dict(conv_L_cache=3, block_auto_adjust_ff_dim=False),
+        "cohere2": dict(sliding_window=16),
+        "deepseek_v3": mla,
+        "youtu": mla,
+        "deepseek_v2": dict(mla, topk_method="greedy"),
+        "glm4_moe_lite": mla,
+        # Enough indexer heads that no index score is an exact tie at 0 (ReLU of every head), which would make the
+        # top-k pick among ties differently for rows of other widths: the padded batch against each sequence alone.
+        "glm_moe_dsa": dict(mla, index_topk=16, index_head_dim=16, index_n_heads=8),
+        # LongCat-Flash: two MLA sublayers per decoder layer, zero (identity) experts beside the routed ones.
+        "longcat_flash": dict(mla, ffn_hidden_size=2 * hidden, expert_ffn_hidden_size=hidden // 2, moe_topk=2,
+                              zero_expert_num=2),
         # Chunked scans with chunks shorter than the test sequences, so state crosses chunk boundaries too.
         "nemotron_h": dict(mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=16,
                            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2,
@@ -114,7 +163,8 @@ def tiny_config(family: str, *, vocab_size: int, hidden_size: int = 64, num_hidd
                 **extra: Any) -> PretrainedConfig:
     """A CPU-sized member of `family`: every mechanism of the real one (windows shorter than test sequences)."""
     keys = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4,
-                intermediate_size=2 * hidden_size, **_tiny_extra(family, hidden_size))
+                intermediate_size=2 * hidden_size)
+    keys.update(_tiny_extra(family, hidden_size))
     keys.update(extra)
     return family_config(family, vocab_size=vocab_size, hidden_size=hidden_size,
                          num_hidden_layers=num_hidden_layers, **keys)
@@ -141,6 +191,16 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
                                     num_key_value_heads=8, head_dim=64, intermediate_size=2880, num_local_experts=32,
                                     num_experts_per_tok=4, sliding_window=128, vocab_size=201088,
                                     max_position_embeddings=131072)),
+    # Moonlight-16B-A3B (moonshotai, DeepSeek-V3 architecture): MLA without a query LoRA, qk heads of 128 + 64 (rope)
+    # against v heads of 128; 64 routed experts (6 per token) beside 2 shared, the first layer dense.
+    "moonlight-16b-a3b": ("deepseek_v3", dict(hidden_size=2048, num_hidden_layers=27, num_attention_heads=16,
+                                              num_key_value_heads=16, head_dim=64, intermediate_size=11264,
+                                              moe_intermediate_size=1408, n_routed_experts=64, num_experts_per_tok=6,
+                                              n_shared_experts=2, first_k_dense_replace=1, n_group=1, topk_group=1,
+                                              kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+                                              qk_rope_head_dim=64, v_head_dim=128, routed_scaling_factor=2.446,
+                                              norm_topk_prob=True, vocab_size=163840, max_position_embeddings=8192,
+                                              rope_theta=50000.0)),
     # Nemotron-3-Nano-30B-A3B (~60 GB in bf16): 52 layers, 23 Mamba2 (M), 23 MoE (E: 128 routed experts, top 6, one
     # shared expert, relu2), 6 GQA attention (*, no RoPE). Sure: the layer counts, hidden 2688, 32/2 heads, 128
     # experts / 6 active / 1 shared of 3712, the vocabulary. From memory of its config.json, not checked against

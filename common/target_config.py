@@ -4,6 +4,12 @@ This module stays import-light (json, no torch): every process of a run reads it
 loading its config, because the target's geometry is part of the ring's config fingerprint.
 A drafter built for another hidden size, layer count, vocabulary or layer selection is
 refused when it attaches, instead of training on features it misreads.
+
+The geometry is read from config.json directly when it names hidden_size, num_hidden_layers and
+vocab_size (most families), and otherwise through the family's transformers config class (nemotron_h
+derives its layer count from its layer pattern, longcat_flash from num_layers): a key name is never a
+reason to refuse a model. Which way is taken depends only on the file, so every role of a run reads the
+same geometry; only such configs make a role import transformers (and torch) to read it.
 """
 
 from __future__ import annotations
@@ -19,6 +25,10 @@ from dflash_ring.common.range_config import Range
 TargetDtype = Literal["auto", "float32", "bfloat16"]
 AttnImplementation = Literal["auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3"]
 Packing = Literal["auto", "packed", "padded"]
+
+
+# What config.json names the target's width, decoder layer count and vocabulary, in most families.
+GEOMETRY_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size")
 
 
 class TargetConfigError(ValueError):
@@ -103,12 +113,10 @@ class TargetConfig:
 
     def geometry(self) -> TargetGeometry:
         config = self.model_config()
-        if "num_hidden_layers" not in config and isinstance(config.get("layers_block_type"), list):  # nemotron_h
-            config = {**config, "num_hidden_layers": len(config["layers_block_type"])}
-        try:
-            hidden, layers, vocab = (int(config[k]) for k in ("hidden_size", "num_hidden_layers", "vocab_size"))
-        except KeyError as e:
-            raise TargetConfigError(f"target config.json in {self.path} has no {e.args[0]!r}") from None
+        if all(isinstance(config.get(k), int) for k in GEOMETRY_KEYS):
+            hidden, layers, vocab = (config[k] for k in GEOMETRY_KEYS)
+        else:
+            hidden, layers, vocab = _geometry_from_config_class(self.path)
         ids = tuple(self.resolved_layer_ids(layers))
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < vocab:
             raise TargetConfigError(
@@ -127,3 +135,35 @@ class TargetConfig:
                 f"target (use target.ship_final_hidden for the final normed state)"
             )
         return ids
+
+
+def _geometry_from_config_class(path: str) -> tuple[int, int, int]:
+    """Hidden size, decoder layer count and vocabulary as transformers reads them: the family's config class
+    (through get_text_config) resolves renamed and derived keys, and the layer count is the one HF counts
+    hidden states by (its output recorder's key: longcat_flash's num_layers, not its 2 x num_layers attention
+    sublayers)."""
+    from transformers import AutoConfig  # only for configs that name their geometry otherwise (module docstring)
+
+    try:
+        text = AutoConfig.from_pretrained(Path(path).expanduser(), local_files_only=True).get_text_config()
+    except (ValueError, KeyError, OSError) as e:
+        raise TargetConfigError(f"target config.json in {path}: transformers cannot read it ({e})") from None
+    values = (getattr(text, "hidden_size", None), getattr(text, _layer_count_key(text), None),
+              getattr(text, "vocab_size", None))
+    if not all(isinstance(v, int) for v in values):
+        raise TargetConfigError(f"target config.json in {path}: its config class {type(text).__name__} gives no "
+                                f"hidden size, layer count or vocabulary ({values})")
+    return values
+
+
+def _layer_count_key(text_config: Any) -> str:
+    """The config attribute counting the decoder layers whose outputs are HF's hidden states (num_hidden_layers
+    unless the causal LM's output recorder names another; recorders without num_hidden_layers_key predate it)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(text_config)]
+    except KeyError:
+        return "num_hidden_layers"
+    recorder = (getattr(model_cls, "_can_record_outputs", None) or {}).get("hidden_states")
+    return getattr(recorder, "num_hidden_layers_key", "num_hidden_layers")

@@ -9,16 +9,27 @@ construction; the token mixers are not, and each kind is handled here:
   windows as its window size). Elsewhere, and for layers the kernel cannot express (gpt-oss's
   sinks), each sequence goes through the very attention function the unpacked model calls (sdpa or
   the model's own eager function, sinks included), with the mask the unpacked model would build.
+- Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, GLM-4.7-Flash, LongCat-Flash): the latent
+  projections and the RoPE on the rope part of each head are per token; what reaches the attention
+  function is plain attention over qk heads of nope + rope dims and value heads of v_head_dim, which
+  may differ (DeepSeek-V3: 192 and 128). The per-sequence paths take any widths; the varlen kernel
+  takes one head dim for q, k and v, so the narrower side is zero-padded (zero key/query columns add
+  nothing to the scores, zero value columns are sliced off the output): exact, not approximate.
+- DeepSeek sparse attention (GLM-5's glm_moe_dsa, DeepSeek-V3.2): an indexer picks each query's top-k
+  keys through a dense [tokens, tokens] mask over the row and later layers reuse those picks by
+  position. Packing it exactly would need a per-sequence indexer whose picks layers share per sequence
+  (and a pack's dense mask costs more than padding), so `packing_refusal` names it and such a target
+  runs padded batches, where the model's own mask keeps it exact.
 - Recurrent mixers (Gated DeltaNet in Qwen3.5/3.6 and Qwen3-Next; the Mamba2 mixers of nemotron_h,
-  falcon_h1, bamba, granitemoehybrid and zamba2; jamba's Mamba1): a causal convolution and a state
-  run over time, and handed the whole pack they carry both from one sequence into the next (the
-  tiny hybrid families' first Mamba layer differs by 1e-1 to 5e-1, jamba's by 1e-3: its random
-  Mamba1 forgets within a few tokens). So each sequence runs through the
-  module's own forward alone, state and convolution starting from zero as for a sequence alone,
-  with whatever kernel HF picks for one sequence (flash-linear-attention, mamba_ssm/causal_conv1d
-  when installed, else its PyTorch scan). One call per sequence, on CUDA too: the Mamba kernels'
-  seq_idx / cu_seqlens arguments would scan the whole pack at once (speed work, not needed for
-  exactness).
+  falcon_h1, bamba, granitemoehybrid and zamba2; jamba's Mamba1; LFM2's short convolution): a causal
+  convolution (and a state) run over time, and handed the whole pack they carry both from one sequence
+  into the next (the tiny hybrid families' first Mamba layer differs by 1e-1 to 5e-1, jamba's by 1e-3:
+  its random Mamba1 forgets within a few tokens; LFM2's conv reads the previous sequence's last tokens,
+  7.5e-4). So each sequence runs through the module's own forward alone, state and convolution starting
+  from zero as for a sequence alone, with whatever kernel HF picks for one sequence (flash-linear-attention,
+  mamba_ssm/causal_conv1d when installed, else its PyTorch scan). One call per sequence, on CUDA too: the
+  Mamba kernels' seq_idx / cu_seqlens arguments would scan the whole pack at once (speed work, not needed
+  for exactness).
 
 Anything else (a new mixer, a new attention argument) is what the conformance probe
 (producer/conformance.py) exists to catch before a batch is published.
@@ -33,6 +44,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -69,9 +81,10 @@ def packed_spans(spans: list[tuple[int, int]]) -> Iterator[None]:
 def current_spans() -> list[tuple[int, int]] | None:
     return _SPANS.get()
 # Decoder-layer attributes (nested ones too: zamba2's hybrid layer holds `mamba_decoder.mamba`) that may hold a
-# recurrent token mixer. nemotron_h names every block's mixer `mixer`, attention and MoE included, so a module
-# counts only if it convolves over time (`conv1d`), as Mamba1/2 and Gated DeltaNet do before their scan.
-RECURRENT_MIXERS = ("linear_attn", "mamba", "mixer")
+# recurrent token mixer: Gated DeltaNet (`linear_attn`), Mamba1/2 (`mamba`, `mixer`), LFM2's short convolution
+# (`conv`). nemotron_h names every block's mixer `mixer`, attention and MoE included, so a module counts only if
+# it convolves over time (a Conv1d child), as all of these do before their scan.
+RECURRENT_MIXERS = ("linear_attn", "mamba", "mixer", "conv")
 
 
 def _sequence_mask(length: int, sliding_window: int | None, reference: str, like: torch.Tensor) -> torch.Tensor | None:
@@ -117,7 +130,12 @@ def _varlen_kernel(query, key, value, cu_seqlens, max_len, scaling, sliding_wind
         options["enable_gqa"] = True
     elif groups > 1:  # head h reads kv head h // groups, as HF's repeat_kv lays them out
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **options).unsqueeze(0)
+    v_width = v.shape[-1]
+    if q.shape[-1] != v_width:  # MLA: the kernel takes one head dim; zero columns change nothing (module docstring)
+        head = max(q.shape[-1], v_width)
+        q, k, v = (F.pad(t, (0, head - t.shape[-1])) for t in (q, k, v))
+    out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **options)
+    return out[..., :v_width].unsqueeze(0)
 
 
 @torch._dynamo.disable  # a Python loop over the pack's sequences: never traced into a compiled layer
@@ -192,8 +210,20 @@ def per_sequence(mixer: nn.Module) -> None:
     mixer.forward = forward_per_sequence
 
 
+def packing_refusal(layers: nn.ModuleList) -> str | None:
+    """Why packed batches cannot be exact for these layers (a sparse-attention indexer), or None."""
+    for i, layer in enumerate(layers):
+        attention = getattr(layer, "self_attn", None)
+        if isinstance(getattr(attention, "indexer", None), nn.Module):
+            return (f"layer {i} ({type(attention).__name__}) picks each query's keys with a sparse-attention indexer, "
+                    "a top-k over the whole row that later layers reuse by position; packing has no per-sequence "
+                    "form of it, padded batches are exact (set target.packing = \"padded\" or \"auto\")")
+    return None
+
+
 def is_recurrent_mixer(name: str, module: nn.Module) -> bool:
-    return name.rsplit(".", 1)[-1] in RECURRENT_MIXERS and isinstance(getattr(module, "conv1d", None), nn.Conv1d)
+    return (name.rsplit(".", 1)[-1] in RECURRENT_MIXERS
+            and any(isinstance(child, nn.Conv1d) for child in module.children()))
 
 
 def recurrent_mixers(layers: nn.ModuleList) -> dict[int, nn.Module]:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from .packing import packed_implementation, packed_spans, per_sequence, recurrent_mixers
+from .packing import packed_implementation, packed_spans, packing_refusal, per_sequence, recurrent_mixers
 from dflash_ring.common.safetensors_check import weight_files
 from dflash_ring.common.target_config import TargetConfig, TargetConfigError
 
@@ -117,6 +117,7 @@ class TargetModel:
         self._recurrent = recurrent_mixers(layers)
         for mixer in self._recurrent.values():
             per_sequence(mixer)
+        self._packing_refusal = packing_refusal(layers)
         # The model's own attention: what padded batches and the conformance probe's reference run.
         self.attn_implementation = self.decoder.config._attn_implementation
         self.packed = False
@@ -124,7 +125,10 @@ class TargetModel:
         self.param = next(self.decoder.parameters())
 
     def use_packing(self, packed: bool) -> None:
-        """Packed batches run packing-aware attention; padded ones (and each sequence alone) the model's own."""
+        """Packed batches run packing-aware attention; padded ones (and each sequence alone) the model's own.
+        Refuses packing a model whose token mixers packing cannot keep exact (packing_refusal)."""
+        if packed and self._packing_refusal is not None:
+            raise TargetConfigError(f"packed batches refused: {self._packing_refusal}")
         self.decoder.set_attn_implementation(
             packed_implementation(self.attn_implementation) if packed else self.attn_implementation)
         self.packed = packed

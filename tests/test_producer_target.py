@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -169,6 +170,23 @@ def test_target_geometry_joins_the_config_fingerprint(targets, tmp_path):
         load_config(None, [f'target.path="{tmp_path}"']).fingerprint_fields()
     with pytest.raises(ConfigError, match="float32"):
         load_config(None, ['target.dtype="float16"'])
+
+
+@pytest.mark.parametrize("family,keys,layers", [
+    # Nemotron-H: the layer count is its pattern's length (config.json has no num_hidden_layers).
+    ("nemotron_h", dict(hidden_size=64, vocab_size=300, layers_block_type=["mamba", "moe", "attention"] * 2), 6),
+    # LongCat-Flash: num_layers decoder layers of two attention sublayers each (num_hidden_layers is 2 x that).
+    ("longcat_flash", dict(hidden_size=64, vocab_size=300, num_layers=5), 5),
+])
+def test_geometry_of_a_config_that_names_its_layers_otherwise_is_read_through_its_config_class(
+        tmp_path, family, keys, layers):
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(family, **keys).save_pretrained(tmp_path)
+    assert "num_hidden_layers" not in json.loads((tmp_path / "config.json").read_text())
+    geometry = TargetConfig(path=str(tmp_path), num_draft_layers=2).geometry()
+    assert (geometry.hidden_size, geometry.num_hidden_layers, geometry.vocab_size) == (64, layers, 300)
+    assert list(geometry.layer_ids) == TargetConfig(num_draft_layers=2).resolved_layer_ids(layers)
 
 
 def test_cursor_file_round_trips_and_ignores_another_plan(tmp_path):

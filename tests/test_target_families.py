@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from dflash_ring.bench.target_shapes import FAMILIES
+from dflash_ring.bench.target_shapes import FAMILIES, PADDED_ONLY
 from dflash_ring.producer import packing
 from dflash_ring.producer.batching import Batch
 from dflash_ring.producer.conformance import choose_packing, layer_kinds, probe
@@ -29,6 +29,9 @@ from support import (FEATURE_TOLERANCE, HYBRID_MAMBA, assert_same_features, buil
 pytestmark = pytest.mark.slow
 
 LENGTHS = [37, 8, 120, 64, 9, 200, 12]  # 120 and 200 run past the tiny families' 16-token windows
+PACKED_FAMILIES = [f for f in FAMILIES if f not in PADDED_ONLY]
+LAYOUTS = [pytest.param(f, packed, id=f"{f}-{'packed' if packed else 'padded'}")
+           for f in FAMILIES for packed in (True, False) if not (packed and f in PADDED_ONLY)]
 
 
 def loud_sinks(model: torch.nn.Module) -> None:
@@ -60,8 +63,7 @@ def expected(targets) -> dict[str, list[torch.Tensor]]:
     return {f: reference_features(path, ids, load(path, False).layer_ids) for f, path in targets.items()}
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize("family,packed", LAYOUTS)
 def test_features_equal_the_models_own_forward_of_each_sequence(targets, expected, family, packed):
     target = load(targets[family], packed)
     batch = packed_batch(LENGTHS)
@@ -70,13 +72,34 @@ def test_features_equal_the_models_own_forward_of_each_sequence(targets, expecte
     assert_same_features(per_sequence(out.features, batch), expected[family])
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", PACKED_FAMILIES)
 def test_the_probe_passes_every_supported_family_and_auto_packs(targets, family):
     target = load(targets[family], True)
     report = choose_packing(target, "auto")
     assert report is not None and report.passed and target.packed, report.summary()
     assert max(report.lengths) > 16  # past the tiny windows
     assert len(report.layers) == target.deepest + 1 and report.max_error <= FEATURE_TOLERANCE
+
+
+@pytest.mark.parametrize("family", sorted(PADDED_ONLY))
+def test_sparse_attention_is_refused_packing_by_name_and_runs_padded(targets, family, caplog):
+    """GLM-5's DSA indexer picks keys over the whole row (producer/packing.py): the probe refuses packing with that
+    reason, "packed" is refused at start, "auto" falls back to padded batches (exact: the features test above)."""
+    target = load(targets[family], False)
+    with pytest.raises(TargetConfigError, match="packed.*refused.*sparse-attention indexer"):
+        choose_packing(target, "packed")
+    with caplog.at_level(logging.WARNING):
+        report = choose_packing(target, "auto")
+    assert not report.passed and "indexer" in report.error and not target.packed
+    assert "padded" in caplog.text
+
+
+def test_lfm2_short_convolutions_leak_across_a_pack_unless_run_per_sequence(targets, monkeypatch):
+    """LFM2's short conv handed the whole pack reads the previous sequence's last tokens: the probe names a conv
+    layer. Run per sequence (packing.RECURRENT_MIXERS), the family passes (the probe test above)."""
+    monkeypatch.setattr("dflash_ring.producer.packing.RECURRENT_MIXERS", ("linear_attn",))
+    report = probe(load(targets["lfm2"], True))
+    assert not report.passed and report.first_bad.kind == "conv", report.summary()
 
 
 def test_gpt_oss_sinks_matter_in_this_fixture(targets, expected):
