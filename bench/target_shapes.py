@@ -33,6 +33,10 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM"),
     "granite": ("GraniteConfig", "GraniteForCausalLM"),
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM"),
+    "cohere": ("CohereConfig", "CohereForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
     # Multi-head latent attention (producer/packing.py says how packing keeps it exact).
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
@@ -118,8 +122,11 @@ def _tiny_extra(family: str, hidden: int) -> dict[str, Any]:
     # Multi-head latent attention: qk heads of 8 (nope) + 8 (rope) against v heads of 12, as unequal as the real ones
     # (the varlen kernel takes one head dim: producer/packing.py); head_dim is the rope part, as MLA configs define it.
     mla = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8,
-               v_head_dim=12, head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-               moe_intermediate_size=hidden // 2, first_k_dense_replace=1, n_group=1, topk_group=1)
+               v_head_dim=12, head_dim=8)
+    # DeepSeek-style MoE: routed experts beside a shared one, the first layer dense. Only for the families that have
+    # it: a config class keeps keys it does not know, and the drafter reads a target's MoE width from its keys.
+    deepseek_moe = dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=hidden // 2,
+                        first_k_dense_replace=1, n_group=1, topk_group=1)
     mamba2 = dict(mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=16)
     return {
         "mistral": dict(sliding_window=16),
@@ -136,24 +143,30 @@ def _tiny_extra(family: str, hidden: int) -> dict[str, Any]:
         # Gemma-4: full layers with their own (wider) head dim; no per-layer input embeddings (as the 31B).
         "gemma4_text": dict(sliding_window=16, global_head_dim=2 * hidden // 4, hidden_size_per_layer_input=0),
         "lfm2": dict(conv_L_cache=3, block_auto_adjust_ff_dim=False),
-        "cohere2": dict(sliding_window=16),
-        "deepseek_v3": mla,
-        "youtu": mla,
-        "deepseek_v2": dict(mla, topk_method="greedy"),
-        "glm4_moe_lite": mla,
+        # Head transforms at values unlike 1, so the drafter's head probe must find each (tests/test_drafter_families.py).
+        "cohere2": dict(sliding_window=16, logit_scale=0.125),
+        "cohere": dict(logit_scale=0.0625),
+        "gemma2": dict(sliding_window=16, final_logit_softcapping=30.0),
+        "granite": dict(embedding_multiplier=12.0, logits_scaling=8.0),
+        "deepseek_v3": dict(**mla, **deepseek_moe),
+        "youtu": mla,  # dense MLA
+        "deepseek_v2": dict(**mla, **deepseek_moe, topk_method="greedy"),
+        "glm4_moe_lite": dict(**mla, **deepseek_moe),
         # Enough indexer heads that no index score is an exact tie at 0 (ReLU of every head), which would make the
         # top-k pick among ties differently for rows of other widths: the padded batch against each sequence alone.
-        "glm_moe_dsa": dict(mla, index_topk=16, index_head_dim=16, index_n_heads=8),
+        "glm_moe_dsa": dict(**mla, **deepseek_moe, index_topk=16, index_head_dim=16, index_n_heads=8),
         # LongCat-Flash: two MLA sublayers per decoder layer, zero (identity) experts beside the routed ones.
-        "longcat_flash": dict(mla, ffn_hidden_size=2 * hidden, expert_ffn_hidden_size=hidden // 2, moe_topk=2,
-                              zero_expert_num=2),
+        "longcat_flash": dict(mla, ffn_hidden_size=2 * hidden, n_routed_experts=4, expert_ffn_hidden_size=hidden // 2,
+                              moe_topk=2, zero_expert_num=2),
         # Chunked scans with chunks shorter than the test sequences, so state crosses chunk boundaries too.
         "nemotron_h": dict(mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=16,
                            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2,
                            moe_shared_expert_intermediate_size=hidden // 2, n_shared_experts=1),
-        "falcon_h1": dict(**mamba2, mamba_d_ssm=hidden, mamba_d_head=16, mamba_rms_norm=True),
+        "falcon_h1": dict(**mamba2, mamba_d_ssm=hidden, mamba_d_head=16, mamba_rms_norm=True,
+                          embedding_multiplier=5.656854249492381, lm_head_multiplier=0.0390625),
         "bamba": mamba2,
-        "granitemoehybrid": dict(**mamba2, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=hidden),
+        "granitemoehybrid": dict(**mamba2, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=hidden,
+                                 embedding_multiplier=12.0, logits_scaling=10.0),
         "zamba2": dict(mamba_d_state=16, n_mamba_heads=4, mamba_ngroups=2, chunk_size=16),
         "jamba": dict(mamba_d_state=8, mamba_dt_rank=8, num_experts=4, num_experts_per_tok=2),
     }.get(family, {})

@@ -148,7 +148,7 @@ def _geometry_from_config_class(path: str) -> tuple[int, int, int]:
         text = AutoConfig.from_pretrained(Path(path).expanduser(), local_files_only=True).get_text_config()
     except (ValueError, KeyError, OSError) as e:
         raise TargetConfigError(f"target config.json in {path}: transformers cannot read it ({e})") from None
-    values = (getattr(text, "hidden_size", None), getattr(text, _layer_count_key(text), None),
+    values = (getattr(text, "hidden_size", None), getattr(text, layer_count_key(text), None),
               getattr(text, "vocab_size", None))
     if not all(isinstance(v, int) for v in values):
         raise TargetConfigError(f"target config.json in {path}: its config class {type(text).__name__} gives no "
@@ -156,7 +156,7 @@ def _geometry_from_config_class(path: str) -> tuple[int, int, int]:
     return values
 
 
-def _layer_count_key(text_config: Any) -> str:
+def layer_count_key(text_config: Any) -> str:
     """The config attribute counting the decoder layers whose outputs are HF's hidden states (num_hidden_layers
     unless the causal LM's output recorder names another; recorders without num_hidden_layers_key predate it)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING

@@ -14,6 +14,7 @@ import torch
 from transformers import PretrainedConfig, Qwen3Config
 
 from dflash_ring.common.drafter_config import DrafterConfig, target_text_config
+from dflash_ring.common.target_config import layer_count_key
 
 
 def _require(target: Mapping[str, Any], key: str) -> Any:
@@ -90,8 +91,9 @@ def _special_floats(value: Any) -> Any:
 
 
 def num_target_layers(target_config: Mapping[str, Any] | PretrainedConfig) -> int:
-    """The target's decoder layer count as its config class resolves it: Nemotron-H counts its
-    layers_block_type and LongCat-Flash doubles num_layers, neither writes num_hidden_layers."""
+    """The target's decoder layer count as its config class resolves it and HF counts hidden states by:
+    Nemotron-H counts its layers_block_type, LongCat-Flash's decoder layers are its num_layers (its
+    num_hidden_layers is twice that, one per attention sublayer); neither writes num_hidden_layers."""
     from transformers import AutoConfig  # the config classes only
 
     config = target_config
@@ -100,9 +102,11 @@ def num_target_layers(target_config: Mapping[str, Any] | PretrainedConfig) -> in
         if raw.get("model_type") is None:  # no class to ask: the count as written
             return int(_require(target_text_config(raw), "num_hidden_layers"))
         config = AutoConfig.for_model(raw.pop("model_type"), **raw)
-    layers = getattr(config.get_text_config(), "num_hidden_layers", None)
+    text = config.get_text_config()
+    key = layer_count_key(text)  # the producers' count too (common/target_config.py): the same layer ids
+    layers = getattr(text, key, None)
     if not layers:
-        raise ValueError(f"target config class {type(config).__name__} gives no num_hidden_layers")
+        raise ValueError(f"target config class {type(config).__name__} gives no {key}")
     return int(layers)
 
 

@@ -229,11 +229,9 @@ def curves(stderr: str) -> tuple[list[float], list[float]]:
 # --- targets ---------------------------------------------------------------------------------------
 
 
-# Mamba2 mixers (Mamba1 in jamba) among attention layers. tests/test_target_families.py runs their target side;
-# the drafter does not take them yet (issue 24: no embedding rule for their heads, nemotron_h's layer count and
-# jamba's rope named otherwise), so its family tests (ARCHS) leave them out until it does.
+# Mamba2 mixers (Mamba1 in jamba) among attention layers: tests/test_target_families.py checks their leak.
 HYBRID_MAMBA = ("nemotron_h", "falcon_h1", "bamba", "granitemoehybrid", "zamba2", "jamba")
-ARCHS = tuple(f for f in FAMILIES if f not in HYBRID_MAMBA)
+ARCHS = tuple(FAMILIES)
 WORDS = ("the quick brown fox jumps over the lazy dog drafter target hidden state ring shared memory "
          "capital France Paris explain speculative decoding numbers hello world thanks sure okay").split()
 

@@ -1,7 +1,7 @@
 """The drafter for every target family: geometry from its config, its frozen head, training, export, reload.
 
-Each family's tiny random target is a real HF directory (tests/support.build_target for the target
-side's families, build_head_target for bench/head_families.py's); the truth for the head is the
+Each family's tiny random target is a real HF directory (tests/support.build_target, for every family
+of bench/target_shapes.FAMILIES); the truth for the head is the
 target's own forward (its first-layer input and its logits), and the features the drafter trains on are
 the target's real hidden states at the DFlash layer ids. The head probe derives each family's
 transforms, keeps its decoder layers on the meta device, and refuses a deliberately wrong head.
@@ -18,7 +18,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel, AutoModelForCausalLM
 
-from dflash_ring.bench.head_families import HEAD_FAMILIES, head_model_class, tiny_head_config
 from dflash_ring.bench.target_shapes import shape_config
 from dflash_ring.common.drafter_config import DrafterConfig, build_target_layer_ids
 from dflash_ring.consumer.drafter_hf_config import drafter_hf_config, drafter_rope
@@ -37,13 +36,15 @@ from support import ARCHS, build_target
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 LAYERS, HIDDEN, BLOCK = 6, 64, 4
-# Tiny family geometry (bench/target_shapes.tiny_config, bench/head_families.tiny_head_config): intermediate
-# 128; MoE: 2 of 4 experts of 32 (+ a shared expert of 32 where the family has one); gpt-oss, MiniMax-M2 and
-# Granite-MoE experts are intermediate_size wide (128, 32, 32); LFM2 adjusts 128 to 2/3, up to a multiple of 16.
+# Tiny family geometry (bench/target_shapes.tiny_config): intermediate 128; MoE: 2 of 4 experts of 32 (+ a
+# shared expert where the family has one: 32, Granite-MoE-hybrid's 64); gpt-oss, MiniMax-M2 and Granite-MoE
+# experts are intermediate_size wide (128).
 MLP_WIDTH = {"qwen3_moe": 2 * 32, "gpt_oss": 2 * 128, "qwen3_next": 2 * 32 + 32, "qwen3_5_moe": 2 * 32 + 32,
-             "deepseek_v3": 2 * 32 + 32, "glm4_moe": 2 * 32 + 32, "glm_moe_dsa": 2 * 32 + 32, "minimax_m2": 2 * 32,
-             "lfm2": 96, "nemotron_h": 2 * 32 + 32, "longcat_flash": 2 * 32, "granitemoehybrid": 2 * 32 + 32}
-MLA = ("deepseek_v3", "glm_moe_dsa", "longcat_flash")  # key/value heads = heads; head_dim = v_head_dim (16)
+             "deepseek_v3": 2 * 32 + 32, "deepseek_v2": 2 * 32 + 32, "glm4_moe_lite": 2 * 32 + 32,
+             "glm4_moe": 2 * 32 + 32, "glm_moe_dsa": 2 * 32 + 32, "minimax_m2": 2 * 128, "nemotron_h": 2 * 32 + 32,
+             "longcat_flash": 2 * 32, "granitemoehybrid": 2 * 128 + 64, "jamba": 2 * 128}
+# Multi-head latent attention: key/value heads = heads; head_dim = v_head_dim (12; the config's head_dim is the rope part).
+MLA = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "youtu", "glm_moe_dsa", "longcat_flash")
 ROPE = {
     "gemma3": (1e6, None),  # the full-attention entry of its per-layer-type rope
     "gemma4_text": (1e6, None),  # the same; its "proportional" partial rotary is a whole-head default one
@@ -61,7 +62,7 @@ HEADS = {
     "falcon_h1": dict(embed_scale=5.656854, logit_multiplier=0.0390625),
     "cohere": dict(logit_multiplier=0.0625), "cohere2": dict(logit_multiplier=0.125),
 }
-NO_ROPE = ("nemotron_h",)  # position-free attention: the drafter's RoPE is set explicitly
+NO_ROPE = ("nemotron_h", "jamba")  # position-free attention: the drafter's RoPE is set explicitly
 
 
 def drafter_cfg(vocab: int, name: str = "") -> DrafterConfig:
@@ -71,26 +72,13 @@ def drafter_cfg(vocab: int, name: str = "") -> DrafterConfig:
                          sliding_window=8, rope_theta=1e4 if name in NO_ROPE else None)
 
 
-def build_head_target(path, family: str, seed: int = 0):
-    """A random-weight target of a bench/head_families.py family with the tiny tokenizer, saved as a real one."""
-    tokenizer = tiny_chat_tokenizer(path)
-    config = tiny_head_config(family, vocab_size=len(tokenizer) + 8, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
-                              pad_token_id=tokenizer.pad_token_id, bos_token_id=None, eos_token_id=None)
-    torch.manual_seed(seed)
-    head_model_class(family)(config).save_pretrained(path)
-    return path
-
-
 # qwen3 in the quick subset; the other families are `slow` (pytest -m "not processes and not slow").
 @pytest.fixture(scope="module", params=[a if a == "qwen3" else pytest.param(a, marks=pytest.mark.slow)
-                                        for a in (*ARCHS, *HEAD_FAMILIES)])
+                                        for a in ARCHS])
 def family(request, tmp_path_factory):
     """(name, target dir, config.json, the target loaded by AutoModelForCausalLM in fp32)."""
     name, where = request.param, tmp_path_factory.mktemp(request.param)
-    if name in HEAD_FAMILIES:
-        path = build_head_target(where, name)
-    else:
-        path = build_target(where, name, layers=LAYERS, hidden=HIDDEN)
+    path = build_target(where, name, layers=LAYERS, hidden=HIDDEN)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return name, path, json.loads((path / "config.json").read_text()), model
 
@@ -119,7 +107,7 @@ def test_drafter_geometry_follows_the_target(family):
     got = {k: hf[k] for k in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads",
                               "head_dim", "intermediate_size", "hidden_act", "model_type", "tie_word_embeddings")}
     assert got == {"hidden_size": HIDDEN, "vocab_size": config.get("text_config", config)["vocab_size"],
-                   "num_attention_heads": 4, "num_key_value_heads": 4 if name in MLA else 2, "head_dim": 16,
+                   "num_attention_heads": 4, "num_key_value_heads": 4 if name in MLA else 2, "head_dim": 12 if name in MLA else 16,
                    "intermediate_size": MLP_WIDTH.get(name, 128), "hidden_act": "silu", "model_type": "qwen3",
                    "tie_word_embeddings": False}
     assert (hf["rope_theta"], hf["rope_scaling"]) == ROPE.get(name, (10000.0, None))
