@@ -166,4 +166,17 @@ def layer_count_key(text_config: Any) -> str:
     except KeyError:
         return "num_hidden_layers"
     recorder = (getattr(model_cls, "_can_record_outputs", None) or {}).get("hidden_states")
-    return getattr(recorder, "num_hidden_layers_key", "num_hidden_layers")
+    key = getattr(recorder, "num_hidden_layers_key", None)
+    if key is not None:
+        return key
+    # A transformers whose recorder does not name its count (5.17): it knows only num_hidden_layers, which
+    # LongCat-Flash derives as 2 x num_layers (one per attention sublayer) while its decoder has num_layers.
+    layers, other = getattr(text_config, "num_hidden_layers", None), getattr(text_config, "num_layers", None)
+    if isinstance(other, int) and isinstance(layers, int) and other != layers:
+        import transformers
+
+        raise TargetConfigError(
+            f"{type(text_config).__name__}: transformers {transformers.__version__} does not say whether num_layers "
+            f"({other}) or num_hidden_layers ({layers}) counts the decoder layers whose outputs are the hidden states; "
+            "use a transformers whose output recorder names it (5.24 does)")
+    return "num_hidden_layers"

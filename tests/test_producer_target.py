@@ -199,3 +199,16 @@ def test_cursor_file_round_trips_and_ignores_another_plan(tmp_path):
     assert CursorFile(f.path, plan="b").load() is None
     f.remove()
     assert not f.path.exists()
+
+
+def test_a_transformers_that_does_not_name_longcats_layer_count_is_refused_in_one_line(tmp_path, monkeypatch):
+    """transformers 5.17's output recorder has no num_hidden_layers_key: LongCat-Flash's hidden states would be
+    counted by its num_hidden_layers (2 x its decoder layers), so its layer ids would name other layers."""
+    from transformers import AutoConfig, LongcatFlashForCausalLM
+
+    AutoConfig.for_model("longcat_flash", hidden_size=64, vocab_size=300, num_layers=5).save_pretrained(tmp_path)
+    recorders = dict(LongcatFlashForCausalLM._can_record_outputs or {})
+    recorders["hidden_states"] = object()  # what an older recorder offers: no num_hidden_layers_key
+    monkeypatch.setattr(LongcatFlashForCausalLM, "_can_record_outputs", recorders)
+    with pytest.raises(TargetConfigError, match=r"whether num_layers \(5\) or num_hidden_layers \(10\) counts"):
+        TargetConfig(path=str(tmp_path), num_draft_layers=2).geometry()
