@@ -1,9 +1,11 @@
-"""Every family of bench/target_shapes.FAMILIES, tiny, through the conformance probe on one device; JSON out.
+"""Every family of bench/target_shapes.FAMILIES, tiny, through both probes on one device; JSON out.
 
 `python -m dflash_ring.bench.family_probe [cuda|cpu] [family,family,...]`: each family is built tiny from its
 config class, saved, loaded by the producer's own loader (`TargetModel.load`, bf16 on CUDA) and judged by
-`choose_packing("auto")`, as a target process does at start. It is how the GPU path (the varlen kernel) of
-families the CPU tests cover is checked on a GPU machine with another transformers.
+`choose_packing("auto")`, as a target process does at start; then the drafter's head probe derives and
+verifies its head (consumer/head_probe.py), as a drafter does at its first start. It is how the GPU path (the
+varlen kernel) and the installed transformers' modeling code are checked on a GPU machine whose transformers
+is not CI's.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from dflash_ring.bench.target_shapes import FAMILIES, PADDED_ONLY, model_class, tiny_config
 from dflash_ring.common.target_config import TargetConfig
+from dflash_ring.consumer.target_head import probe_target_head
 from dflash_ring.producer.conformance import choose_packing
 from dflash_ring.producer.target import TargetModel
 
@@ -30,9 +33,11 @@ def probe_family(family: str, device: torch.device) -> dict:
         target = TargetModel.load(TargetConfig(path=where, num_draft_layers=3), device,
                                   packed=family not in PADDED_ONLY)
         report = choose_packing(target, "auto")
+        spec, errors = probe_target_head(where)
     return dict(packed=bool(target.packed), passed=None if report is None else bool(report.passed),
                 max_error=None if report is None else report.max_error,
-                dtype=None if report is None else report.dtype, seconds=round(time.perf_counter() - start, 1))
+                dtype=None if report is None else report.dtype, head=spec.describe(),
+                head_errors=[errors.embedding, errors.logits], seconds=round(time.perf_counter() - start, 1))
 
 
 def main(argv: list[str]) -> int:

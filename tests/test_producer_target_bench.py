@@ -85,3 +85,4 @@ def test_family_probe_survey_reports_each_family_as_a_target_process_judges_it(c
     out = json.loads(capsys.readouterr().out)
     assert out["qwen3"]["packed"] and out["qwen3"]["passed"] and out["qwen3"]["max_error"] <= 1e-4
     assert out["glm_moe_dsa"]["packed"] is False  # refused packing by its sparse-attention indexer: padded
+    assert all(max(out[f]["head_errors"]) <= 1e-5 for f in out), out  # the drafter's head probe, verified
