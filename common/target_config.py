@@ -166,11 +166,12 @@ def layer_count_key(text_config: Any) -> str:
     except KeyError:
         return "num_hidden_layers"
     recorder = (getattr(model_cls, "_can_record_outputs", None) or {}).get("hidden_states")
-    key = getattr(recorder, "num_hidden_layers_key", None)
-    if key is not None:
+    key = getattr(recorder, "num_hidden_layers_key", None) or "num_hidden_layers"
+    if key != "num_hidden_layers":
         return key
-    # A transformers whose recorder does not name its count (5.17): it knows only num_hidden_layers, which
-    # LongCat-Flash derives as 2 x num_layers (one per attention sublayer) while its decoder has num_layers.
+    # A transformers whose recorder does not name LongCat-Flash's count (5.17, seen on the H200) counts by
+    # num_hidden_layers, which that config derives as 2 x num_layers (one per attention sublayer) while its
+    # decoder has num_layers layers: the layer ids would name other layers.
     layers, other = getattr(text_config, "num_hidden_layers", None), getattr(text_config, "num_layers", None)
     if isinstance(other, int) and isinstance(layers, int) and other != layers:
         import transformers

@@ -201,14 +201,19 @@ def test_cursor_file_round_trips_and_ignores_another_plan(tmp_path):
     assert not f.path.exists()
 
 
-def test_a_transformers_that_does_not_name_longcats_layer_count_is_refused_in_one_line(tmp_path, monkeypatch):
-    """transformers 5.17's output recorder has no num_hidden_layers_key: LongCat-Flash's hidden states would be
+@pytest.mark.parametrize("recorder", [object(), "default"], ids=["no-key", "default-key"])
+def test_a_transformers_that_does_not_name_longcats_layer_count_is_refused_in_one_line(tmp_path, monkeypatch, recorder):
+    """transformers 5.17's output recorder does not name LongCat-Flash's count: its hidden states would be
     counted by its num_hidden_layers (2 x its decoder layers), so its layer ids would name other layers."""
     from transformers import AutoConfig, LongcatFlashForCausalLM
 
     AutoConfig.for_model("longcat_flash", hidden_size=64, vocab_size=300, num_layers=5).save_pretrained(tmp_path)
     recorders = dict(LongcatFlashForCausalLM._can_record_outputs or {})
-    recorders["hidden_states"] = object()  # what an older recorder offers: no num_hidden_layers_key
+    if recorder == "default":
+        from transformers.utils.output_capturing import OutputRecorder
+
+        recorder = OutputRecorder(recorders["hidden_states"].target_class)
+    recorders["hidden_states"] = recorder  # what 5.17 offers: no key, or the default one
     monkeypatch.setattr(LongcatFlashForCausalLM, "_can_record_outputs", recorders)
     with pytest.raises(TargetConfigError, match=r"whether num_layers \(5\) or num_hidden_layers \(10\) counts"):
         TargetConfig(path=str(tmp_path), num_draft_layers=2).geometry()
