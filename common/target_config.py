@@ -113,7 +113,10 @@ class TargetConfig:
 
     def geometry(self) -> TargetGeometry:
         config = self.model_config()
-        if all(isinstance(config.get(k), int) for k in GEOMETRY_KEYS):
+        # A config.json that also writes num_layers otherwise (LongCat-Flash saved by transformers 5.17 writes
+        # num_hidden_layers = 2 x num_layers) is read through its class, which says which one counts.
+        plain = config.get("num_layers") in (None, config.get("num_hidden_layers"))
+        if plain and all(isinstance(config.get(k), int) for k in GEOMETRY_KEYS):
             hidden, layers, vocab = (config[k] for k in GEOMETRY_KEYS)
         else:
             hidden, layers, vocab = _geometry_from_config_class(self.path)

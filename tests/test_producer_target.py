@@ -217,3 +217,13 @@ def test_a_transformers_that_does_not_name_longcats_layer_count_is_refused_in_on
     monkeypatch.setattr(LongcatFlashForCausalLM, "_can_record_outputs", recorders)
     with pytest.raises(TargetConfigError, match=r"whether num_layers \(5\) or num_hidden_layers \(10\) counts"):
         TargetConfig(path=str(tmp_path), num_draft_layers=2).geometry()
+
+
+def test_a_config_json_writing_both_layer_counts_is_read_through_its_class(tmp_path):
+    """transformers 5.17 writes LongCat-Flash's derived num_hidden_layers (2 x num_layers) into config.json."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("longcat_flash", hidden_size=64, vocab_size=300, num_layers=5).save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "num_hidden_layers": 10}))
+    assert TargetConfig(path=str(tmp_path), num_draft_layers=2).geometry().num_hidden_layers == 5
