@@ -58,14 +58,27 @@ def _processes_are_marked(request, monkeypatch):
                     "@pytest.mark.processes: mark it, so `pytest -m 'not processes'` stays quick", pytrace=False)
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the test item, so the `run` fixture knows at teardown whether the test failed."""
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
 @pytest.fixture
-def run(tmp_path: Path):
+def run(request, tmp_path: Path):
     r = Run(tmp_path, f"t{os.getpid()}-{next(_seq)}")
     yield r
+    failed = getattr(request.node, "report_call", None) is not None and request.node.report_call.failed
     for proc in r.procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
         if proc.stderr is not None:
+            if failed:  # every process's last words, the supervisor's too: a CI failure must be readable as it is
+                proc.stderr.seek(0)
+                print(f"--- exit {proc.returncode}: {' '.join(map(str, proc.args))[-200:]}\n"
+                      f"{proc.stderr.read()[-2000:]}")
             proc.stderr.close()
     Ring.unlink(r.name)

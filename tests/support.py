@@ -104,6 +104,12 @@ class Run:
         return self.spawn(str(WORKER), role, "--config", str(self.config), "--index", str(index),
                           "--ledger", str(self.ledger(role, index)), *extra)
 
+    def wait_joined(self, role: str, indices: range | list[int], timeout: float = 120.0) -> None:
+        """Until each of these processes holds its lock (joined the run): a process still importing on a loaded
+        box must not find the work, or the run, already over."""
+        wait_for(lambda: all((self.lock_dir / f"{role}-{i}.lock").exists() for i in indices), timeout=timeout,
+                 what=f"{role}(s) {list(indices)} to join")
+
     def ledger_lines(self, kind: str) -> list[list[str]]:
         lines = []
         for p in sorted(self.tmp.glob("*.ledger")):

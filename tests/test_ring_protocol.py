@@ -34,8 +34,7 @@ def test_any_ratio_delivers_exactly_once_and_balances(run, producers, consumers)
     # where per-consumer queues with round-robin assignment gave 5 producers / 3 consumers = 2,2,1.
     # They all join before the first item, so start-up skew on a loaded box is not measured as imbalance.
     procs = [run.worker("consumer", j, "--work-s", "0.03") for j in range(consumers)]
-    wait_for(lambda: all((run.lock_dir / f"consumer-{j}.lock").exists() for j in range(consumers)),
-             timeout=120, what="every consumer to join")
+    run.wait_joined("consumer", range(consumers))
     procs += [run.worker("producer", i, "--items", str(items)) for i in range(producers)]
     for p in procs:
         assert wait_exit(p, 120) == 0, p.stderr.read()
@@ -57,6 +56,9 @@ def test_killed_consumer_item_is_redelivered_and_killed_producer_slot_is_freed(r
     marker_c, marker_p = run.tmp / "c.marker", run.tmp / "p.marker"
     victim_c = run.worker("consumer", 0, "--hold-at", "2", "--hold-s", "600", "--marker", str(marker_c))
     other_c = run.worker("consumer", 1, "--work-s", "0.01")
+    # Both consumers in before any item: a victim still importing on a loaded box would find every item taken by
+    # the other and never reach the item it is to hold.
+    run.wait_joined("consumer", [0, 1])
     victim_p = run.worker("producer", 1, "--items", "12", "--hold-at", "5", "--hold-s", "600",
                           "--marker", str(marker_p))
     producer0 = run.worker("producer", 0, "--items", "12", "--delay-s", "0.01")
@@ -124,6 +126,9 @@ def test_sigterm_to_supervisor_drains_and_everyone_exits_zero(run):
     sup = run.supervisor()
     producers = [run.worker("producer", i, "--items", "100000", "--delay-s", "0.01") for i in range(2)]
     consumers = [run.worker("consumer", j, "--work-s", "0.01") for j in range(2)]
+    # Everyone in before the drain: one still importing when the run ends would find no ring to attach to.
+    run.wait_joined("producer", range(2))
+    run.wait_joined("consumer", range(2))
     wait_for(lambda: len(run.ledger_lines("C")) >= 10, what="training to be under way")
     sup.send_signal(signal.SIGTERM)
     for p in producers + consumers + [sup]:

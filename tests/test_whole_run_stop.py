@@ -15,6 +15,7 @@ import pytest
 
 from support import build_target, cyclic_rows, pipeline_config, wait_exit, wait_for
 
+from dflash_ring.common.layout import Counter
 from dflash_ring.common.ledger import read_ledger
 from dflash_ring.common.resume_state import CursorFile, cursor_path
 from dflash_ring.common.ring import Ring, RingNotFound
@@ -29,6 +30,14 @@ def _ready(name: str) -> int:
         return 0
 
 
+def _shutdown(name: str) -> bool:
+    try:
+        with Ring.open(name) as ring:
+            return ring.counter(Counter.SHUTDOWN) != 0
+    except (RingNotFound, OSError):
+        return False
+
+
 @pytest.mark.processes
 @pytest.mark.parametrize("mode", ["stop-now", "sigterm-all", "sigkill-then-clean", "sigkill-then-reclaim"])
 def test_a_run_stopped_whole_and_started_again_trains_every_batch_exactly_once(run, mode):
@@ -38,14 +47,23 @@ def test_a_run_stopped_whole_and_started_again_trains_every_batch_exactly_once(r
     pipeline_config(run, target, data, {"run": {"ledger_dir": str(ledger)}, "data": {"epochs": 3},
                                         "train": {"checkpoint_every_steps": 4}}, consumers=1, slots=6)
     procs = [run.supervisor(), run.role("target", 0), run.role("drafter", 0)]
+    drafter = procs[2]
     trained = lambda: sum(r["ev"] == "train" for r in read_ledger(ledger / "drafter-0.jsonl").records)  # noqa: E731
-    wait_for(lambda: (ledger / "drafter-0.jsonl").exists() and trained() >= 2 and _ready(run.name) >= 1,
-             timeout=300, what="training under way with items waiting in the ring")
+    wait_for(lambda: (ledger / "drafter-0.jsonl").exists() and trained() >= 2, timeout=300,
+             what="training under way")
+    # The drafter paused (well inside supervisor.exit_timeout_s) while the stop lands: items are certainly waiting
+    # in the ring then. Were it running, a loaded box could let it drain the ring between a look and the stop.
+    drafter.send_signal(signal.SIGSTOP)
+    wait_for(lambda: _ready(run.name) >= 1, timeout=120, what="items waiting in the ring")
     if mode == "stop-now":
-        run.cli("stop", "--now", "--config", str(run.config), "--timeout", "120")
+        stopper = run.spawn("-m", "dflash_ring", "stop", "--now", "--config", str(run.config), "--timeout", "120")
+        wait_for(lambda: _shutdown(run.name), timeout=60, what="the shutdown broadcast")
+        drafter.send_signal(signal.SIGCONT)
+        assert wait_exit(stopper, 180) == 0, stopper.stderr.read()
     else:
         for p in procs:
             p.send_signal(signal.SIGTERM if mode == "sigterm-all" else signal.SIGKILL)
+        drafter.send_signal(signal.SIGCONT)  # a SIGTERM waits for it; SIGKILL did not
     for p in procs:
         wait_exit(p, 180)
     sup_args: tuple[str, ...] = ()
