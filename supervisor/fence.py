@@ -46,12 +46,37 @@ def lock_holders(path: Path) -> set[int]:
     return pids
 
 
+def has_open(pid: int, path: Path) -> bool:
+    """Whether process `pid` (as this namespace numbers it) has `path` open now. /proc/locks gives 0 for a holder
+    in another pid namespace, and may name a pid that has since exited and been reused: only a process that
+    holds the very file open may be signalled (os.kill(0, ...) would hit our own process group)."""
+    if pid <= 0:
+        return False
+    try:
+        want = os.stat(path)
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            st = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino):
+            return True
+    return False
+
+
 def fence(lock_dir: Path, names: list[str], wait_s: float = DEATH_WAIT_S) -> list[str]:
     """SIGKILL the holders of these lock files and wait until their locks are free; the names still held."""
     paths = [lock_dir / n for n in names]
     for path in paths:
         for pid in lock_holders(path):
             if pid == os.getpid():
+                continue
+            if not has_open(pid, path):
+                log.error("%s is locked by pid %d, which has no such file open (another pid namespace, or a pid "
+                          "reused): not signalled; it is fenced only once its holder exits", path.name, pid)
                 continue
             try:
                 os.kill(pid, signal.SIGKILL)
