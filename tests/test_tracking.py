@@ -16,9 +16,11 @@ import pytest
 from dflash_ring.common.config import fingerprint_digest, load_config
 from dflash_ring.consumer.tracking import Tracking, read_records
 from dflash_ring.consumer.wandb_offline import offline_runs
-from support import STEP, build_target, cyclic_rows, pipeline_config, tensorboard_scalars, tensorboard_text, wait_exit
+from support import (STEP, build_target, cyclic_rows, merged, pipeline_settings, tensorboard_scalars, tensorboard_text,
+                     wait_exit)
 
 ALL = ["tensorboard", "wandb", "mlflow"]
+BY_SOURCE = re.compile(r"step (\d+) by source: (.*)")
 
 
 def mlflow_client(store):
@@ -32,12 +34,14 @@ def test_every_backend_holds_the_drafters_series_once_across_a_sigkill_and_the_r
     before step 5 is logged; its checkpoint is step 3) and restarted: it trains 4 and 5 again, and every backend
     holds steps 1..N exactly once, with the values the drafter logged, in one tracker run."""
     target = build_target(run.tmp / "target", "qwen3", layers=4)
-    data = cyclic_rows(run.tmp / "chat.jsonl", 64)
-    cfg = pipeline_config(run, target, data, {
-        "data": {"epochs": 2},
+    code, chat = cyclic_rows(run.tmp / "code.jsonl", 48, seed=1), cyclic_rows(run.tmp / "chat.jsonl", 32, seed=2)
+    settings = merged(pipeline_settings(run.tmp, target, chat), {
+        "data": {"epochs": 2, "sources": [{"path": str(code)}, {"path": str(chat)}]},
         "train": {"checkpoint_every_steps": 3, "async_checkpoints": False, "average_every_steps": 0},
         "tracking": {"backends": ALL, "tags": ["smoke"]},
-    }, consumers=1)
+    })
+    del settings["data"]["path"]  # the two sources instead
+    cfg = run.write_config(1, 1, 8, 4 << 20, **settings)
     procs = [run.supervisor(), run.role("target", 0)]
     monkeypatch.setenv("DFLASH_RING_CRASH_AT", "trained@5")
     first = run.role("drafter", 0)
@@ -46,7 +50,11 @@ def test_every_backend_holds_the_drafters_series_once_across_a_sigkill_and_the_r
     again = run.role("drafter", 0)
     for p in (*procs, again):
         assert wait_exit(p, 300) == 0, p.stderr.read()[-3000:]
-    logged = {int(m.group(1)): float(m.group(2)) for p in (first, again) for m in STEP.finditer(p.stderr.read())}
+    logs = [p.stderr.read() for p in (first, again)]
+    logged = {int(m.group(1)): float(m.group(2)) for text in logs for m in STEP.finditer(text)}
+    # The per-source losses the drafter computed, as its log lines print them (the restarted drafter's win).
+    by_source = {(int(m.group(1)), name): float(loss) for text in logs for m in BY_SOURCE.finditer(text)
+                 for name, loss in re.findall(r"(\w+): loss ([\d.]+)", m.group(2))}
 
     root = run.tmp / "tracking"  # beside train.checkpoint_dir (run.tmp / "ckpt")
     lines = read_records(root / "drafter-0.jsonl")
@@ -57,12 +65,21 @@ def test_every_backend_holds_the_drafters_series_once_across_a_sigkill_and_the_r
     loss = {x["step"]: x["loss"] for x in records}
     assert all(round(loss[s], 4) == logged[s] for s in range(5, done + 1))  # the restarted drafter's own lines
     assert any(x["producers/tokens_per_s"] > 0 for x in records) and all(x["ring/depth"] >= 0 for x in records)
+    # Two sources, each a series of its own in every step that trained one of its rows.
+    per_source = {name: {x["step"]: x[f"source/{name}/loss"] for x in records if f"source/{name}/loss" in x}
+                  for name in ("code", "chat")}
+    assert all(len(series) >= done // 2 for series in per_source.values()), per_source
+    assert all(round(v, 4) == by_source[(s, name)] for name, series in per_source.items()
+               for s, v in series.items() if s >= 5)
     assert header["fingerprint"] == fingerprint_digest(cfg.fingerprint_fields()).hex()
     assert load_config_text(header["config"]) == cfg
 
     tb = tensorboard_scalars(root / "tensorboard" / "drafter-0", "loss")
     assert [s for s, _ in tb] == steps and all(v == np.float32(loss[s]) for s, v in tb)
     assert load_config_text(tensorboard_text(root / "tensorboard" / "drafter-0", "config").strip("`\ntoml")) == cfg
+    for name, series in per_source.items():
+        tb = tensorboard_scalars(root / "tensorboard" / "drafter-0", f"source/{name}/loss")
+        assert [s for s, _ in tb] == sorted(series) and all(v == np.float32(series[s]) for s, v in tb)
 
     # W&B's own records (wandb's protobuf messages) in its offline run files: one run id for both starts (the
     # killed one's file may hold nothing: wandb writes it every ~15 s, and the restart sent the steps it lacked).
@@ -74,6 +91,9 @@ def test_every_backend_holds_the_drafters_series_once_across_a_sigkill_and_the_r
     assert config["fingerprint"] == header["fingerprint"] and config["train"]["checkpoint_every_steps"] == 3
     history = [(row["_step"], row["loss"]) for _, rows in runs for row in rows if "loss" in row]
     assert history == [(s, loss[s]) for s in steps]
+    for name, series in per_source.items():
+        key = f"source/{name}/loss"
+        assert [(row["_step"], row[key]) for _, rows in runs for row in rows if key in row] == sorted(series.items())
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     client = mlflow_client(root / "mlruns")
@@ -81,6 +101,9 @@ def test_every_backend_holds_the_drafters_series_once_across_a_sigkill_and_the_r
     assert found.info.status == "FINISHED" and found.data.tags["fingerprint"] == header["fingerprint"]
     points = sorted((m.step, m.value) for m in client.get_metric_history(found.info.run_id, "loss"))
     assert points == [(s, loss[s]) for s in steps]
+    for name, series in per_source.items():
+        points = sorted((m.step, m.value) for m in client.get_metric_history(found.info.run_id, f"source/{name}/loss"))
+        assert points == sorted(series.items())
     from mlflow.artifacts import load_text
 
     assert load_text(f"{found.info.artifact_uri}/config.toml") == header["config"]
