@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import subprocess
 import sys
@@ -207,6 +208,13 @@ def test_check_target_reports_the_probe_as_json(targets, tmp_path):
     assert (report["packing"], report["chosen"], report["probe"]["passed"]) == ("packed", "packed", True)
     assert [c["kind"] for c in report["probe"]["layers"]] == ["linear_attention"] * 3 + ["full_attention"]
     assert report["probe"]["model_type"].startswith("qwen3_5")
+    # The drafter's head, derived from the target's own code and verified as the drafter does at its start.
+    head = report["head"]
+    assert set(head) == {"tied", "embed_scale", "logit_multiplier", "logit_softcap", "verified_relative_error"}
+    assert all(0 <= e < 1e-3 for e in head["verified_relative_error"].values()), head
+    plain = check_target(config)
+    assert plain.returncode == 0 and re.search(r"^drafter head: tied=\w+, embed_scale=.*logits [\d.e-]+\)$",
+                                               plain.stdout, re.M), plain.stdout
 
 
 @pytest.mark.processes
