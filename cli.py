@@ -72,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="also stop the whole run this many times in the window (stop --now, SIGTERM to every "
                          "process, SIGKILL to every process then clean, or a drafter SIGSTOPped then stop --now: "
                          "the supervisor fences it), and start it again")
+    sp.add_argument("--stop-modes", default="", metavar="MODE[,MODE...]",
+                    help="the whole-run stops to take turns among (default: all of stop-now, sigterm-all, "
+                         "sigkill-all, stall-stop-now); e.g. stall-stop-now alone for a run of fenced stragglers")
     sp.add_argument("--epochs", type=int, default=0, help="epochs of the chaos run (0: outlast the window)")
     sp.add_argument("--workdir", default="runs/chaos")
     sp.add_argument("--no-baseline", action="store_true", help="skip the run without faults")
@@ -289,12 +292,18 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
-    from dflash_ring.tools.chaos import ChaosOptions, run_chaos
+    from dflash_ring.tools.chaos import RUN_STOP_MODES, ChaosOptions, run_chaos
     from dflash_ring.tools.chaos_report import format_report, report_json
 
+    modes = tuple(args.stop_modes.split(",")) if args.stop_modes else RUN_STOP_MODES
+    if unknown := sorted(set(modes) - set(RUN_STOP_MODES)):
+        print(f"dflash-ring chaos: error: --stop-modes {','.join(unknown)}: not a whole-run stop; choose among "
+              f"{', '.join(RUN_STOP_MODES)}", file=sys.stderr)
+        return 2
     report = run_chaos(ChaosOptions(kills=args.kills, seconds=args.seconds, seed=args.seed, workdir=Path(args.workdir),
                                     config=args.config, overrides=args.set, epochs=args.epochs,
-                                    baseline=not args.no_baseline, whole_run_stops=args.whole_run_stops))
+                                    baseline=not args.no_baseline, whole_run_stops=args.whole_run_stops,
+                                    stop_modes=modes))
     print(report_json(report) if args.json else format_report(report))
     return 0 if report["passed"] else 1
 

@@ -311,6 +311,8 @@ CASES = [
     ("target-a-trillion-epochs", _ring_with_data, ["target", "--index", "0", *NO_METRICS,
                                                    "--set", "data.epochs=1_000_000_000_000"],
      "data.epochs = 1_000_000_000_000: must be an integer >= 1 and <= 10000"),
+    ("chaos-unknown-stop-mode", None, ["chaos", "--stop-modes", "stall-stop-now,pause", "--workdir", "{tmp}/c"],
+     "--stop-modes pause: not a whole-run stop; choose among stop-now, sigterm-all, sigkill-all, stall-stop-now"),
 ]
 
 

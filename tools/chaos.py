@@ -83,6 +83,11 @@ SUPERVISOR_SIGTERM_SHARE = 0.2  # a supervisor SIGTERM drains the run: it is the
 WORKER_SIGTERM_SHARE = 0.3
 
 
+# stall-stop-now: a drafter SIGSTOPped, then `stop --now`: the supervisor fences it (SIGKILL) once it has been
+# silent supervisor.exit_timeout_s, before handing what it held to the replay lists.
+RUN_STOP_MODES = ("stop-now", "sigterm-all", "sigkill-all", "stall-stop-now")
+
+
 @dataclass
 class ChaosOptions:
     kills: int
@@ -95,12 +100,8 @@ class ChaosOptions:
     baseline: bool = True
     restart_delay_s: tuple[float, float] = (0.5, 4.0)
     exit_timeout_s: float = 120.0
-    whole_run_stops: int = 0  # also stop the whole run this many times (RUN_STOP_MODES) and start it again
-
-
-# stall-stop-now: a drafter SIGSTOPped, then `stop --now`: the supervisor fences it (SIGKILL) once it has been
-# silent supervisor.exit_timeout_s, before handing what it held to the replay lists.
-RUN_STOP_MODES = ("stop-now", "sigterm-all", "sigkill-all", "stall-stop-now")
+    whole_run_stops: int = 0  # also stop the whole run this many times (taking turns among stop_modes), start it again
+    stop_modes: tuple[str, ...] = RUN_STOP_MODES
 
 
 @dataclass
@@ -317,7 +318,7 @@ class Phase:
                 roles = _roles(kills, rng)
                 schedule = [(now + a, role, _signal_for(role, rng)) for a, role in zip(at, roles)]
                 stops = self.opts.whole_run_stops
-                modes = [RUN_STOP_MODES[i % len(RUN_STOP_MODES)] for i in range(stops)]
+                modes = [self.opts.stop_modes[i % len(self.opts.stop_modes)] for i in range(stops)]
                 rng.shuffle(modes)
                 schedule += [(now + rng.uniform(0, seconds), "run", mode) for mode in modes]
                 schedule.sort()
