@@ -37,13 +37,12 @@ def scrape(port: int) -> dict[str, list] | None:
 
 
 def train_tokens_logged(log: str) -> Tally:
-    """Supervised tokens per source over every `step N by source:` line (each step is logged once)."""
-    out: Tally = Tally()
-    for line in log.splitlines():
-        if " by source: " in line and "eval at step" not in line:
-            for name, tokens in SOURCE.findall(line.split(" by source: ", 1)[1]):
-                out[name] += int(tokens)
-    return out
+    """Supervised tokens per source over the `step N by source:` lines, a step's last line winning: the killed
+    drafter's steps after its checkpoint were lost with it and trained again (and logged again) by its successor."""
+    by_step: dict[int, Tally] = {}
+    for m in re.finditer(r"step (\d+) by source: (.*)", log):
+        by_step[int(m.group(1))] = Tally({name: int(tokens) for name, tokens in SOURCE.findall(m.group(2))})
+    return sum(by_step.values(), Tally())
 
 
 def test_a_mixture_reports_per_source_and_evaluates_held_out_items_exactly_once_through_a_kill(run, monkeypatch):
@@ -124,9 +123,10 @@ def test_a_mixture_reports_per_source_and_evaluates_held_out_items_exactly_once_
     assert evals and all(r["eval/items"] >= 1 and "eval/accept_len" in r for r in evals)
     assert {k.split("/")[2] for r in evals for k in r if k.startswith("eval/source/")} == {"code", "chat"}
     # Held-out items take no step: the LR schedule's estimate of the run's steps counts training items only,
-    # from the first step after the restart to the last (a third of the items are held out here).
+    # from the first step after the restart to the last (a third of the items are held out here). Batches the killed
+    # drafter's journal had produced again arrive unannounced, so the estimate learns of them late.
     steps = [(int(a), int(b)) for a, b in re.findall(r"step (\d+)/(\d+) loss", resumed)]
     final = steps[-1][0]
     assert final == steps[-1][1] == rec["trained_batches"] - rec["trained_then_lost_with_crash"], steps
-    assert all(abs(total - final) <= 2 for _, total in steps), steps
+    assert all(abs(total - final) <= 2 + rec["trained_then_replayed_after_crash"] for _, total in steps), steps
     assert run.leftovers() == []
