@@ -34,8 +34,11 @@ LAYOUTS = [pytest.param(f, packed, id=f"{f}-{'packed' if packed else 'padded'}")
            for f in FAMILIES for packed in (True, False) if not (packed and f in PADDED_ONLY)]
 
 
+SINKS = ("gpt_oss", "mimo_v2_flash")  # attention sinks (MiMo-V2-Flash: in its sliding layers)
+
+
 def loud_sinks(model: torch.nn.Module) -> None:
-    """gpt-oss sinks start near 0; large ones make a dropped sink change features by far more than rounding."""
+    """Sinks start near 0; large ones make a dropped sink change features by far more than rounding."""
     for name, p in model.named_parameters():
         if name.endswith("sinks"):
             p.uniform_(-1.0, 4.0)
@@ -44,7 +47,7 @@ def loud_sinks(model: torch.nn.Module) -> None:
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
-    return {f: build_target(root / f, f, init=loud_sinks if f == "gpt_oss" else None) for f in FAMILIES}
+    return {f: build_target(root / f, f, init=loud_sinks if f in SINKS else None) for f in FAMILIES}
 
 
 def per_sequence(t: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
@@ -116,15 +119,17 @@ def test_lfm2_short_convolutions_leak_across_a_pack_unless_run_per_sequence(targ
     assert not report.passed and report.first_bad.kind == "conv", report.summary()
 
 
-def test_gpt_oss_sinks_matter_in_this_fixture(targets, expected):
+@pytest.mark.parametrize("family", SINKS)
+def test_sinks_matter_in_this_fixture(targets, expected, family):
     """Without its sinks the packed path would be off by far more than the tolerance: the test above can fail."""
-    target = load(targets["gpt_oss"], True)
+    target = load(targets[family], True)
     for layer in target.decoder.layers:
-        layer.self_attn.sinks.data.fill_(-1e4)  # a sink of -inf: the softmax of plain attention
+        if layer.self_attn.sinks is not None:  # MiMo-V2-Flash: its sliding layers only
+            layer.self_attn.sinks.data.fill_(-1e4)  # a sink of -inf: the softmax of plain attention
     batch = packed_batch(LENGTHS)
     out = run_target(target, prepare(batch, packed=True, pad_id=0, pin=False))
     with pytest.raises(AssertionError, match="differ"):
-        assert_same_features(per_sequence(out.features, batch), expected["gpt_oss"], tolerance=1e-2)
+        assert_same_features(per_sequence(out.features, batch), expected[family], tolerance=1e-2)
 
 
 def leaky_attention(module, query, key, value, attention_mask, *, scaling=None, **kwargs):
