@@ -37,6 +37,33 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
+    # Dense attention (sliding : full where the family has both).
+    "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM"),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM"),
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM"),
+    "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM"),
+    "apertus": ("ApertusConfig", "ApertusForCausalLM"),
+    "arcee": ("ArceeConfig", "ArceeForCausalLM"),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM"),
+    "ministral3": ("Ministral3Config", "Ministral3ForCausalLM"),
+    # Mixture of experts.
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM"),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM"),
+    "hy_v3": ("HYV3Config", "HYV3ForCausalLM"),
+    "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeForCausalLM"),
+    "dots1": ("Dots1Config", "Dots1ForCausalLM"),
+    "solar_open": ("SolarOpenConfig", "SolarOpenForCausalLM"),
+    "afmoe": ("AfmoeConfig", "AfmoeForCausalLM"),
+    "cohere2_moe": ("Cohere2MoeConfig", "Cohere2MoeForCausalLM"),
+    "mimo_v2_flash": ("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM"),  # q/k heads wider than v heads
     # Multi-head latent attention (producer/packing.py says how packing keeps it exact).
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
@@ -45,17 +72,31 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "longcat_flash": ("LongcatFlashConfig", "LongcatFlashForCausalLM"),
     # MLA with DeepSeek sparse attention: padded batches only (PADDED_ONLY).
     "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
-    # Hybrid state-space families: Mamba2 mixers (Mamba1 in jamba) among attention layers.
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
+    # Hybrid state-space families: Mamba2 mixers (Mamba1 in jamba and zamba) among attention layers.
     "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM"),
     "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM"),  # attention and Mamba2 side by side in each layer
     "bamba": ("BambaConfig", "BambaForCausalLM"),
     "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
     "zamba2": ("Zamba2Config", "Zamba2ForCausalLM"),  # one shared attention block feeding its "hybrid" layers
     "jamba": ("JambaConfig", "JambaForCausalLM"),
+    "zamba": ("ZambaConfig", "ZambaForCausalLM"),  # Mamba1; the shared attention block as in zamba2
+    # Other recurrent mixers among attention layers: short convolutions (LFM2-MoE, LFM3), Kimi Delta Attention beside
+    # MLA (Kimi-Linear, Bailing's Ling/Ring hybrids), Gated DeltaNet (OLMo-hybrid), lightning attention (MiniMax-01).
+    "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM"),
+    "lfm3": ("Lfm3Config", "Lfm3ForCausalLM"),
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM"),
+    "bailing_hybrid": ("BailingHybridConfig", "BailingHybridForCausalLM"),
+    "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM"),
+    "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM"),  # padded batches only (PADDED_ONLY)
 }
-# Families the target runs on padded batches only: packing refuses them by what their layers hold
-# (producer/packing.py packing_refusal), and the tests check that it does.
-PADDED_ONLY = frozenset({"glm_moe_dsa"})
+# Families whose sparse-attention indexer packing refuses by name (producer/packing.py packing_refusal).
+SPARSE_INDEXER = frozenset({"glm_moe_dsa", "deepseek_v32"})
+# Families the target runs on padded batches only, and the tests check that it does: the indexer families, and
+# MiniMax-01, whose lightning attention (a decaying linear-attention state carried over the row, with no Conv1d that
+# packing.recurrent_mixers would find) the conformance probe catches leaking across a pack, so "packed" is refused
+# and "auto" runs padded batches (exact).
+PADDED_ONLY = SPARSE_INDEXER | {"minimax"}
 
 # Families whose config counts decoder layers under another key (longcat_flash: num_hidden_layers is derived as
 # 2 x num_layers, one per attention sublayer). `num_hidden_layers` below always means decoder layers.
@@ -84,6 +125,22 @@ def _layer_pattern(family: str, layers: int) -> dict[str, Any]:
         return {"layers_block_type": ["hybrid" if i % 3 == 1 else "linear_attention" for i in range(layers)]}
     if family == "jamba":  # attention every third layer, MoE every second
         return dict(attn_layer_period=3, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1)
+    if family == "zamba":  # as zamba2
+        return {"layers_block_type": ["hybrid" if i % 3 == 1 else "linear_attention" for i in range(layers)]}
+    if family == "lfm2_moe":  # as lfm2
+        return {"layer_types": ["full_attention" if i % 3 == 2 else "conv" for i in range(layers)]}
+    if family == "lfm3":  # convolutions between alternately sliding and full attention layers
+        return {"layer_types": [("conv", "sliding_attention", "conv", "full_attention")[i % 4] for i in range(layers)]}
+    if family == "minimax":  # lightning (linear) attention with a softmax layer every third (the real one: eighth)
+        return {"layer_types": ["full_attention" if i % 3 == 2 else "linear_attention" for i in range(layers)]}
+    if family in ("kimi_linear", "bailing_hybrid"):  # 3 KDA : 1 MLA (Bailing's real ones: 5 : 1)
+        return {"layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]}
+    if family == "afmoe":  # 3 sliding : 1 full
+        return {"layer_types": ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(layers)]}
+    if family == "mimo_v2_flash":  # full first, then sliding (the real one: 1 full : 5 sliding)
+        return {"layer_types": ["full_attention" if i % 3 == 0 else "sliding_attention" for i in range(layers)]}
+    if family == "hunyuan_v1_moe":  # its published configs give top-k and shared experts per layer
+        return dict(moe_topk=[2] * layers, num_shared_expert=[1] * layers)
     return {}
 
 
@@ -169,6 +226,43 @@ def _tiny_extra(family: str, hidden: int) -> dict[str, Any]:
                                  embedding_multiplier=12.0, logits_scaling=10.0),
         "zamba2": dict(mamba_d_state=16, n_mamba_heads=4, mamba_ngroups=2, chunk_size=16),
         "jamba": dict(mamba_d_state=8, mamba_dt_rank=8, num_experts=4, num_experts_per_tok=2),
+        "zamba": dict(mamba_d_state=8, n_mamba_heads=2),
+        "olmo3": dict(sliding_window=16),
+        "exaone4": dict(sliding_window=16),
+        "phi3": dict(sliding_window=16),
+        "starcoder2": dict(sliding_window=16),
+        "qwen2_moe": dict(moe, shared_expert_intermediate_size=hidden // 2),
+        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+        "olmoe": dict(num_experts=4, num_experts_per_tok=2),
+        "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=12.0, logits_scaling=8.0),
+        "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=hidden // 2, moe_num_shared_experts=1,
+                             moe_layer_start_index=1),
+        "hunyuan_v1_moe": dict(num_experts=4),  # experts (and the shared one) intermediate_size wide
+        "hy_v3": dict(num_experts=4, num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=hidden // 2),
+        "exaone_moe": dict(sliding_window=16, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+                           moe_intermediate_size=hidden // 2, first_k_dense_replace=1),
+        "dots1": dict(deepseek_moe),
+        "solar_open": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=hidden // 2),
+        # Arcee's Trinity: muP scales the embedding by sqrt(H), which the head probe must find.
+        "afmoe": dict(sliding_window=16, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+                      moe_intermediate_size=hidden // 2, num_dense_layers=1, mup_enabled=True),
+        "cohere2_moe": dict(sliding_window=16, num_experts=4, num_experts_per_tok=2, logit_scale=0.25),
+        "mimo_v2_flash": dict(sliding_window=16, n_routed_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=hidden // 2, v_head_dim=12),
+        "deepseek_v32": dict(**mla, **deepseek_moe, index_topk=16, index_head_dim=16, index_n_heads=8),
+        "lfm2_moe": dict(conv_L_cache=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2,
+                         num_dense_layers=1),
+        "lfm3": dict(sliding_window=16, conv_L_cache=3),
+        # Kimi-Linear's MLA takes no RoPE (q_lora_rank None as published); KDA heads of 16.
+        "kimi_linear": dict(mla, q_lora_rank=None, num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                            moe_intermediate_size=hidden // 2, first_k_dense_replace=1, linear_head_dim=16,
+                            linear_num_heads=4, linear_conv_kernel_dim=4),
+        "bailing_hybrid": dict(mla, q_lora_rank=None, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+                               moe_intermediate_size=hidden // 2, first_k_dense_replace=1, n_group=1, topk_group=1,
+                               linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4),
+        "olmo_hybrid": linear,
+        # Lightning-attention blocks shorter than the test sequences, so its state crosses blocks too.
+        "minimax": dict(num_local_experts=4, num_experts_per_tok=2, block_size=16),
     }.get(family, {})
 
 

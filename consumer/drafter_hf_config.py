@@ -47,17 +47,20 @@ def drafter_mlp_width(target: Mapping[str, Any]) -> int:
 
     Dense targets: their intermediate_size (LFM2: as its MLP adjusts it). MoE targets: top-k x expert width +
     shared expert width, whatever the family calls them: experts num_experts / num_local_experts /
-    n_routed_experts; top-k num_experts_per_tok / moe_topk (LongCat) / top_k_experts (Gemma4); the expert
-    width moe_intermediate_size / expert_ffn_hidden_size (LongCat) / intermediate_size (gpt-oss, MiniMax-M2,
-    Granite-MoE, whose only width is the expert's); the shared width shared_expert_intermediate_size /
-    shared_intermediate_size / moe_shared_expert_intermediate_size, else n_shared_experts x expert width
-    (DeepSeek-V3, Kimi-K2, GLM-4.5: 8 x 2048 + 2048 = 18432 for V3). Gemma4's MoE block runs beside its
+    n_routed_experts / moe_num_experts (ERNIE 4.5); top-k num_experts_per_tok / num_experts_per_token
+    (Kimi-Linear, Bailing) / moe_topk (LongCat, Hunyuan) / top_k_experts (Gemma4) / moe_k (ERNIE 4.5); the
+    expert width moe_intermediate_size / expert_ffn_hidden_size (LongCat) / intermediate_size (gpt-oss,
+    MiniMax-M2, Granite-MoE, whose only width is the expert's); the shared width shared_expert_intermediate_size /
+    shared_intermediate_size / moe_shared_expert_intermediate_size, else the shared expert count
+    n_shared_experts / num_shared_experts / moe_num_shared_experts / num_shared_expert (Hunyuan) x expert width
+    (DeepSeek-V3, Kimi-K2, GLM-4.5: 8 x 2048 + 2048 = 18432 for V3). A value given per layer (Hunyuan's
+    moe_topk, moe_intermediate_size and num_shared_expert lists) counts by its largest entry. Gemma4's MoE block runs beside its
     dense MLP: both widths add. Nemotron-H sets experts even for its dense models: MoE only when a layer
     is "moe". For Qwen3-30B-A3B / Qwen3-Coder-30B-A3B this is 8 x 768 = 6144, the dense intermediate_size
     of that config and, as we recall it (not verifiable offline), the width of z-lab's
     Qwen3-Coder-30B-A3B-DFlash. DrafterConfig.intermediate_size overrides this.
     """
-    experts = _first(target, "num_experts", "num_local_experts", "n_routed_experts") or 0
+    experts = _largest(_first(target, "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")) or 0
     kinds = target.get("layers_block_type") or target.get("layer_types") or []
     if {"moe", "mlp"} & set(kinds) and "moe" not in kinds:  # Nemotron-H's pattern names its FFN kinds
         experts = 0
@@ -65,17 +68,29 @@ def drafter_mlp_width(target: Mapping[str, Any]) -> int:
         experts = 0
     if not experts:
         return dense_ffn_width(target)
-    top_k = _first(target, "num_experts_per_tok", "moe_topk", "top_k_experts")
+    top_k = _largest(_first(target, "num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k_experts",
+                            "moe_k"))
     if top_k is None:
-        raise ValueError(f"target has {experts} experts but no num_experts_per_tok / moe_topk / top_k_experts")
-    expert_width = int(_first(target, "moe_intermediate_size", "expert_ffn_hidden_size") or
-                       _require(target, "intermediate_size"))
-    shared = _first(target, "shared_expert_intermediate_size", "shared_intermediate_size",
-                    "moe_shared_expert_intermediate_size")
+        raise ValueError(f"target has {experts} experts but no num_experts_per_tok / num_experts_per_token / "
+                         "moe_topk / top_k_experts / moe_k")
+    expert_width = _largest(_first(target, "moe_intermediate_size", "expert_ffn_hidden_size")) or int(
+        _require(target, "intermediate_size"))
+    shared = _largest(_first(target, "shared_expert_intermediate_size", "shared_intermediate_size",
+                             "moe_shared_expert_intermediate_size"))
     if shared is None:
-        shared = int(target.get("n_shared_experts") or 0) * expert_width
+        count = _first(target, "n_shared_experts", "num_shared_experts", "moe_num_shared_experts", "num_shared_expert")
+        shared = (_largest(count) or 0) * expert_width
     dense = dense_ffn_width(target) if target.get("enable_moe_block") else 0
-    return int(top_k) * expert_width + int(shared) + dense
+    return top_k * expert_width + shared + dense
+
+
+def _largest(value: Any) -> int | None:
+    """A config count or width as one int: a per-layer list (Hunyuan's moe_topk) by its largest entry."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return max((int(v) for v in value if v is not None), default=None)
+    return int(value)
 
 
 def _special_floats(value: Any) -> Any:
@@ -129,8 +144,10 @@ DRAFTER_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 _WHOLE_HEAD_ROPE = {"proportional": "default"}
 # Keys of a target's rope that describe the target's own attention, not a rotary the drafter could share:
 # the drafter rotates its whole head_dim (Qwen3 layers have no partial rotary), and for text tokens
-# multimodal RoPE (Qwen3.5's mrope) equals 1-D RoPE, the three sections reading the same position.
-_TARGET_ONLY_ROPE_KEYS = ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
+# multimodal RoPE (Qwen3.5's mrope) equals 1-D RoPE, the three sections reading the same position; Ministral 3's
+# llama_4_scaling_beta scales the target's queries by position (an attention temperature, not a rotary).
+_TARGET_ONLY_ROPE_KEYS = ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved",
+                          "llama_4_scaling_beta")
 
 
 def drafter_rope(target: Mapping[str, Any], rope_theta: float | None = None) -> dict[str, Any]:
@@ -185,7 +202,9 @@ def drafter_geometry(cfg: DrafterConfig, target: Mapping[str, Any]) -> dict[str,
         "hidden_act": "silu",
         "rms_norm_eps": float(target.get("rms_norm_eps") or 1e-6),
         **drafter_rope(target, cfg.rope_theta),
-        "max_position_embeddings": int(_require(target, "max_position_embeddings")),
+        # Kimi-Linear and Bailing configs write it as model_max_length (their config classes map the one to the other).
+        "max_position_embeddings": int(_first(target, "max_position_embeddings", "model_max_length")
+                                       or _require(target, "max_position_embeddings")),
         "vocab_size": int(_require(target, "vocab_size")),
     }
 

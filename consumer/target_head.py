@@ -24,13 +24,14 @@ from dflash_ring.common.safetensors_check import DamagedWeightsError, weight_fil
 
 # Checkpoint names, in order: text models, transformers-5 multimodal wrappers (Qwen3.5, Gemma3 as
 # loaded), and the multimodal layout published on the hub (Gemma3: language_model.model.*); nemotron_h
-# names its embedding `embeddings`.
+# names its embedding `embeddings`, Bailing (Ling / Ring hybrids) `word_embeddings`, as transformers saves them.
 EMBED_KEYS = (
     "model.embed_tokens.weight",
     "model.language_model.embed_tokens.weight",
     "language_model.model.embed_tokens.weight",
     "model.embeddings.weight",
     "backbone.embeddings.weight",
+    "model.word_embeddings.weight",
 )
 LM_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight")
 

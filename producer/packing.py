@@ -20,19 +20,24 @@ construction; the token mixers are not, and each kind is handled here:
   position. Packing it exactly would need a per-sequence indexer whose picks layers share per sequence
   (and a pack's dense mask costs more than padding), so `packing_refusal` names it and such a target
   runs padded batches, where the model's own mask keeps it exact.
-- Recurrent mixers (Gated DeltaNet in Qwen3.5/3.6 and Qwen3-Next; the Mamba2 mixers of nemotron_h,
-  falcon_h1, bamba, granitemoehybrid and zamba2; jamba's Mamba1; LFM2's short convolution): a causal
-  convolution (and a state) run over time, and handed the whole pack they carry both from one sequence
-  into the next (the tiny hybrid families' first Mamba layer differs by 1e-1 to 5e-1, jamba's by 1e-3:
-  its random Mamba1 forgets within a few tokens; LFM2's conv reads the previous sequence's last tokens,
-  7.5e-4). So each sequence runs through the module's own forward alone, state and convolution starting
-  from zero as for a sequence alone, with whatever kernel HF picks for one sequence (flash-linear-attention,
-  mamba_ssm/causal_conv1d when installed, else its PyTorch scan). One call per sequence, on CUDA too: the
-  Mamba kernels' seq_idx / cu_seqlens arguments would scan the whole pack at once (speed work, not needed
-  for exactness).
+- Recurrent mixers (Gated DeltaNet in Qwen3.5/3.6, Qwen3-Next and olmo_hybrid; Kimi Delta Attention in
+  kimi_linear and bailing_hybrid, named `self_attn` there; the Mamba2 mixers of nemotron_h, falcon_h1, bamba,
+  granitemoehybrid and zamba2; jamba's and zamba's Mamba1; the short convolutions of LFM2, LFM2-MoE and LFM3):
+  a causal convolution (and a state) run over time, and handed the whole pack they carry both from one sequence
+  into the next (the tiny hybrid families' first Mamba layer differs by 1e-1 to 5e-1, jamba's and zamba's by
+  1e-3: their random Mamba1 forgets within a few tokens; KDA by 4e-1 to 1.4; LFM2's conv reads the previous
+  sequence's last tokens, 7.5e-4, LFM2-MoE's 2.6e-4). So each sequence runs through the module's own forward
+  alone, state and convolution starting from zero as for a sequence alone, with whatever kernel HF picks for
+  one sequence (flash-linear-attention, mamba_ssm/causal_conv1d when installed, else its PyTorch scan). One
+  call per sequence, on CUDA too: the Mamba kernels' seq_idx / cu_seqlens arguments would scan the whole pack
+  at once (speed work, not needed for exactness).
 
 Anything else (a new mixer, a new attention argument) is what the conformance probe
-(producer/conformance.py) exists to catch before a batch is published.
+(producer/conformance.py) exists to catch before a batch is published: MiniMax-01's lightning attention (a
+decaying linear-attention state with no convolution, so not found above) leaks 8e-2 across a pack and runs
+padded. It also caught, on tiny targets of families not supported here, attention that applies a window or
+chunk only through the mask the packed attention never reads (PhiMoE's sliding window, Llama 4's chunked
+attention: 2e-1 and 5e-1 at layer 0).
 """
 
 from __future__ import annotations
@@ -82,9 +87,10 @@ def current_spans() -> list[tuple[int, int]] | None:
     return _SPANS.get()
 # Decoder-layer attributes (nested ones too: zamba2's hybrid layer holds `mamba_decoder.mamba`) that may hold a
 # recurrent token mixer: Gated DeltaNet (`linear_attn`), Mamba1/2 (`mamba`, `mixer`), LFM2's short convolution
-# (`conv`). nemotron_h names every block's mixer `mixer`, attention and MoE included, so a module counts only if
-# it convolves over time (a Conv1d child), as all of these do before their scan.
-RECURRENT_MIXERS = ("linear_attn", "mamba", "mixer", "conv")
+# (`conv`), Kimi Delta Attention (`self_attn` in kimi_linear's and bailing_hybrid's linear layers). nemotron_h names
+# every block's mixer `mixer`, attention and MoE included, and every family names its attention `self_attn`, so a
+# module counts only if it convolves over time (a Conv1d child), as all of these do before their scan.
+RECURRENT_MIXERS = ("linear_attn", "mamba", "mixer", "conv", "self_attn")
 
 
 def _sequence_mask(length: int, sliding_window: int | None, reference: str, like: torch.Tensor) -> torch.Tensor | None:

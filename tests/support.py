@@ -235,8 +235,11 @@ def curves(stderr: str) -> tuple[list[float], list[float]]:
 # --- targets ---------------------------------------------------------------------------------------
 
 
-# Mamba2 mixers (Mamba1 in jamba) among attention layers: tests/test_target_families.py checks their leak.
-HYBRID_MAMBA = ("nemotron_h", "falcon_h1", "bamba", "granitemoehybrid", "zamba2", "jamba")
+# Mamba2 mixers (Mamba1 in jamba and zamba) among attention layers: tests/test_target_families.py checks their leak.
+HYBRID_MAMBA = ("nemotron_h", "falcon_h1", "bamba", "granitemoehybrid", "zamba2", "jamba", "zamba")
+# Linear-attention mixers beyond Qwen3.5's (Gated DeltaNet in olmo_hybrid, Kimi Delta Attention in kimi_linear and
+# bailing_hybrid), each among full-attention layers and starting the tiny stack.
+LINEAR_RECURRENT = ("olmo_hybrid", "kimi_linear", "bailing_hybrid")
 ARCHS = tuple(FAMILIES)
 WORDS = ("the quick brown fox jumps over the lazy dog drafter target hidden state ring shared memory "
          "capital France Paris explain speculative decoding numbers hello world thanks sure okay").split()

@@ -37,14 +37,20 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 
 LAYERS, HIDDEN, BLOCK = 6, 64, 4
 # Tiny family geometry (bench/target_shapes.tiny_config): intermediate 128; MoE: 2 of 4 experts of 32 (+ a
-# shared expert where the family has one: 32, Granite-MoE-hybrid's 64); gpt-oss, MiniMax-M2 and Granite-MoE
-# experts are intermediate_size wide (128).
+# shared expert where the family has one: 32, Granite-MoE-hybrid's 64); gpt-oss, MiniMax(-M2), Mixtral, OLMoE,
+# Granite-MoE and Cohere2-MoE experts are intermediate_size wide (128), as are Hunyuan-MoE's (+ its shared one).
 MLP_WIDTH = {"qwen3_moe": 2 * 32, "gpt_oss": 2 * 128, "qwen3_next": 2 * 32 + 32, "qwen3_5_moe": 2 * 32 + 32,
              "deepseek_v3": 2 * 32 + 32, "deepseek_v2": 2 * 32 + 32, "glm4_moe_lite": 2 * 32 + 32,
              "glm4_moe": 2 * 32 + 32, "glm_moe_dsa": 2 * 32 + 32, "minimax_m2": 2 * 128, "nemotron_h": 2 * 32 + 32,
-             "longcat_flash": 2 * 32, "granitemoehybrid": 2 * 128 + 64, "jamba": 2 * 128}
+             "longcat_flash": 2 * 32, "granitemoehybrid": 2 * 128 + 64, "jamba": 2 * 128,
+             "qwen2_moe": 2 * 32 + 32, "mixtral": 2 * 128, "olmoe": 2 * 128, "granitemoe": 2 * 128,
+             "ernie4_5_moe": 2 * 32 + 32, "hunyuan_v1_moe": 2 * 128 + 128, "hy_v3": 2 * 32 + 32,
+             "exaone_moe": 2 * 32 + 32, "dots1": 2 * 32 + 32, "solar_open": 2 * 32 + 32, "afmoe": 2 * 32 + 32,
+             "cohere2_moe": 2 * 128, "mimo_v2_flash": 2 * 32, "deepseek_v32": 2 * 32 + 32, "lfm2_moe": 2 * 32,
+             "kimi_linear": 2 * 32 + 32, "bailing_hybrid": 2 * 32 + 32, "minimax": 2 * 128}
 # Multi-head latent attention: key/value heads = heads; head_dim = v_head_dim (12; the config's head_dim is the rope part).
-MLA = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "youtu", "glm_moe_dsa", "longcat_flash")
+MLA = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "youtu", "glm_moe_dsa", "longcat_flash", "deepseek_v32",
+       "kimi_linear", "bailing_hybrid")
 ROPE = {
     "gemma3": (1e6, None),  # the full-attention entry of its per-layer-type rope
     "gemma4_text": (1e6, None),  # the same; its "proportional" partial rotary is a whole-head default one
@@ -52,6 +58,17 @@ ROPE = {
                            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}),
     "minimax_m2": (5e6, None), "lfm2": (1e6, None), "longcat_flash": (1e7, None), "cohere": (5e5, None),
     "smollm3": (2e6, None),
+    "olmo3": (5e5, None), "ernie4_5": (5e5, None), "ernie4_5_moe": (5e5, None), "mixtral": (1e6, None),
+    "minimax": (1e6, None), "hy_v3": (11158840.0, None), "solar_open": (1e6, None), "lfm2_moe": (1e6, None),
+    "lfm3": (1e6, None),  # the full-attention entry; its "proportional" partial rotary = a whole-head default one
+    "mimo_v2_flash": (5e6, None),  # the full-attention entry; partial rotary dropped
+    "bailing_hybrid": (6e6, None),
+    "apertus": (1.2e7, {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                        "original_max_position_embeddings": 8192}),
+    # yarn kept; llama_4_scaling_beta (a query temperature of the target's attention) dropped.
+    "ministral3": (1e6, {"rope_type": "yarn", "type": "yarn", "factor": 16.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 16384,
+                         "max_position_embeddings": 4096}),
 }
 # The transforms the probe must find (none for every other family), as the tiny configs set them.
 HEADS = {
@@ -61,8 +78,12 @@ HEADS = {
     "granitemoehybrid": dict(embed_scale=12.0, logit_multiplier=0.1),
     "falcon_h1": dict(embed_scale=5.656854, logit_multiplier=0.0390625),
     "cohere": dict(logit_multiplier=0.0625), "cohere2": dict(logit_multiplier=0.125),
+    "gemma": dict(embed_scale=8.0), "afmoe": dict(embed_scale=8.0),  # Trinity's muP input scale, sqrt(64)
+    "granitemoe": dict(embed_scale=12.0, logit_multiplier=0.125), "cohere2_moe": dict(logit_multiplier=0.25),
 }
-NO_ROPE = ("nemotron_h", "jamba")  # position-free attention: the drafter's RoPE is set explicitly
+# Position-free attention (Kimi-Linear's MLA is NoPE; Zamba's shared attention block takes no positions): the
+# drafter's RoPE is set explicitly.
+NO_ROPE = ("nemotron_h", "jamba", "zamba", "kimi_linear")
 
 
 def drafter_cfg(vocab: int, name: str = "") -> DrafterConfig:

@@ -16,15 +16,15 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from dflash_ring.bench.target_shapes import FAMILIES, PADDED_ONLY
+from dflash_ring.bench.target_shapes import FAMILIES, PADDED_ONLY, SPARSE_INDEXER
 from dflash_ring.producer import packing
 from dflash_ring.producer.batching import Batch
 from dflash_ring.producer.conformance import choose_packing, layer_kinds, probe
 from dflash_ring.producer.process import prepare, run_target
 from dflash_ring.producer.target import TargetModel
 from dflash_ring.common.target_config import TargetConfig, TargetConfigError
-from support import (FEATURE_TOLERANCE, HYBRID_MAMBA, assert_same_features, build_target, packed_batch,
-                     reference_features)
+from support import (FEATURE_TOLERANCE, HYBRID_MAMBA, LINEAR_RECURRENT, assert_same_features, build_target,
+                     packed_batch, reference_features)
 
 # Every family's target is built once for the module (the `targets` fixture): the quick subset leaves it out.
 pytestmark = pytest.mark.slow
@@ -35,8 +35,11 @@ LAYOUTS = [pytest.param(f, packed, id=f"{f}-{'packed' if packed else 'padded'}")
            for f in FAMILIES for packed in (True, False) if not (packed and f in PADDED_ONLY)]
 
 
+SINKS = ("gpt_oss", "mimo_v2_flash")  # attention sinks (MiMo-V2-Flash: in its sliding layers)
+
+
 def loud_sinks(model: torch.nn.Module) -> None:
-    """gpt-oss sinks start near 0; large ones make a dropped sink change features by far more than rounding."""
+    """Sinks start near 0; large ones make a dropped sink change features by far more than rounding."""
     for name, p in model.named_parameters():
         if name.endswith("sinks"):
             p.uniform_(-1.0, 4.0)
@@ -45,7 +48,7 @@ def loud_sinks(model: torch.nn.Module) -> None:
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
-    return {f: build_target(root / f, f, init=loud_sinks if f == "gpt_oss" else None) for f in FAMILIES}
+    return {f: build_target(root / f, f, init=loud_sinks if f in SINKS else None) for f in FAMILIES}
 
 
 def per_sequence(t: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
@@ -82,10 +85,11 @@ def test_the_probe_passes_every_supported_family_and_auto_packs(targets, family)
     assert len(report.layers) == target.deepest + 1 and report.max_error <= FEATURE_TOLERANCE
 
 
-@pytest.mark.parametrize("family", sorted(PADDED_ONLY))
+@pytest.mark.parametrize("family", sorted(SPARSE_INDEXER))
 def test_sparse_attention_is_refused_packing_by_name_and_runs_padded(targets, family, caplog):
-    """GLM-5's DSA indexer picks keys over the whole row (producer/packing.py): the probe refuses packing with that
-    reason, "packed" is refused at start, "auto" falls back to padded batches (exact: the features test above)."""
+    """GLM-5's and DeepSeek-V3.2's DSA indexer picks keys over the whole row (producer/packing.py): the probe refuses
+    packing with that reason, "packed" is refused at start, "auto" falls back to padded batches (exact: the features
+    test above)."""
     target = load(targets[family], False)
     with pytest.raises(TargetConfigError, match="packed.*refused.*sparse-attention indexer"):
         choose_packing(target, "packed")
@@ -93,6 +97,19 @@ def test_sparse_attention_is_refused_packing_by_name_and_runs_padded(targets, fa
         report = choose_packing(target, "auto")
     assert not report.passed and "indexer" in report.error and not target.packed
     assert "padded" in caplog.text
+
+
+def test_minimax_lightning_attention_is_caught_by_the_probe_and_runs_padded(targets, caplog):
+    """MiniMax-01's lightning attention carries a decaying linear-attention state over the row and has no Conv1d
+    for packing.recurrent_mixers to find: handed a pack it leaks from one sequence into the next, which the probe
+    measures at its first (linear-attention) layer. "packed" is refused, "auto" runs padded (exact: features test)."""
+    target = load(targets["minimax"], False)
+    with pytest.raises(TargetConfigError, match=r"packed.*refused.*layer 0 \(linear_attention\)"):
+        choose_packing(target, "packed")
+    with caplog.at_level(logging.WARNING):
+        report = choose_packing(target, "auto")
+    assert report.error is None and report.first_bad.layer == 0 and report.max_error > 1e-2, report.summary()
+    assert not target.packed and "padded" in caplog.text
 
 
 def test_lfm2_short_convolutions_leak_across_a_pack_unless_run_per_sequence(targets, monkeypatch):
@@ -103,15 +120,17 @@ def test_lfm2_short_convolutions_leak_across_a_pack_unless_run_per_sequence(targ
     assert not report.passed and report.first_bad.kind == "conv", report.summary()
 
 
-def test_gpt_oss_sinks_matter_in_this_fixture(targets, expected):
+@pytest.mark.parametrize("family", SINKS)
+def test_sinks_matter_in_this_fixture(targets, expected, family):
     """Without its sinks the packed path would be off by far more than the tolerance: the test above can fail."""
-    target = load(targets["gpt_oss"], True)
+    target = load(targets[family], True)
     for layer in target.decoder.layers:
-        layer.self_attn.sinks.data.fill_(-1e4)  # a sink of -inf: the softmax of plain attention
+        if layer.self_attn.sinks is not None:  # MiMo-V2-Flash: its sliding layers only
+            layer.self_attn.sinks.data.fill_(-1e4)  # a sink of -inf: the softmax of plain attention
     batch = packed_batch(LENGTHS)
     out = run_target(target, prepare(batch, packed=True, pad_id=0, pin=False))
     with pytest.raises(AssertionError, match="differ"):
-        assert_same_features(per_sequence(out.features, batch), expected["gpt_oss"], tolerance=1e-2)
+        assert_same_features(per_sequence(out.features, batch), expected[family], tolerance=1e-2)
 
 
 def leaky_attention(module, query, key, value, attention_mask, *, scaling=None, **kwargs):
@@ -143,11 +162,13 @@ def test_the_probe_catches_a_broken_packed_path_and_names_the_first_layer(target
     assert_same_features(per_sequence(out.features, batch), reference_features(targets["qwen3"], ids, target.layer_ids))
 
 
-def test_recurrent_layers_leak_without_per_sequence_state(targets, monkeypatch):
-    """Qwen3.5's Gated DeltaNet handed the whole pack: transformers either refuses (no flash-linear-attention)
-    or runs state across sequences; either way the probe says so, naming a linear-attention layer or the error."""
+@pytest.mark.parametrize("family", ["qwen3_5", *LINEAR_RECURRENT])
+def test_recurrent_layers_leak_without_per_sequence_state(targets, family, monkeypatch):
+    """Gated DeltaNet (Qwen3.5, OLMo-hybrid) or Kimi Delta Attention (Kimi-Linear, Bailing) handed the whole pack:
+    transformers either refuses (no flash-linear-attention) or runs state across sequences; either way the probe
+    says so, naming a linear-attention layer or the error."""
     monkeypatch.setattr("dflash_ring.producer.target.recurrent_mixers", lambda layers: {})
-    target = load(targets["qwen3_5"], True)
+    target = load(targets[family], True)
     report = probe(target)
     assert not report.passed
     assert report.error is not None or report.first_bad.kind == "linear_attention", report.summary()
@@ -164,11 +185,12 @@ def test_the_probe_catches_a_mamba_mixer_run_over_the_whole_pack(targets, family
     assert report.first_bad.kind in ("linear_attention", "hybrid") and report.max_error > 5e-4
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", *HYBRID_MAMBA])
+@pytest.mark.parametrize("family", ["qwen3_5", *LINEAR_RECURRENT, *HYBRID_MAMBA])
 def test_every_stateful_layer_and_only_those_run_per_sequence(targets, family):
-    """The layers whose config type carries a state (zamba2's and falcon_h1's "hybrid" layers hold a Mamba mixer
-    beside attention) are the ones found; nemotron_h's attention and MoE blocks, also named `mixer`, stay whole
-    (and compiled on a GPU)."""
+    """The layers whose config type carries a state (zamba's, zamba2's and falcon_h1's "hybrid" layers hold a Mamba
+    mixer beside attention) are the ones found; nemotron_h's attention and MoE blocks, also named `mixer`, and the
+    MLA `self_attn` of Kimi-Linear and Bailing (their KDA mixers are `self_attn` too) stay whole (and compiled on a
+    GPU)."""
     target = load(targets[family], True)
     kinds = layer_kinds(target.config, len(target.decoder.layers))
     assert sorted(packing.recurrent_mixers(target.decoder.layers)) == [
