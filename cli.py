@@ -184,7 +184,22 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H200: 989)")
     bp.add_argument("--no-compile", action="store_true",
                     help="eager layers only (default on a GPU: eager as the same-run baseline, then compiled layers)")
+    bp.add_argument("--profile", action="store_true",
+                    help="add the top GPU kernels of one batch (hybrid targets: also of the per-sequence baseline)")
     bp.set_defaults(func=cmd_bench_target)
+    bp = bench.add_parser("topology", help="target and drafter alone for a shape and recipe: the balanced "
+                                           "target:drafter ratio and the layout for a host of GPUs")
+    bp.add_argument("--shape", default="qwen3.6-27b", choices=sorted(SHAPE_NAMES), help="target shape")
+    bp.add_argument("--recipe", default="ddtree", help="drafter.recipe: paper, dpace, ddtree")
+    bp.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke run)")
+    bp.add_argument("--target-batches", type=int, default=3, help="timed target batches of 32,768 tokens")
+    bp.add_argument("--seqs", type=int, default=1, help="drafter samples per step")
+    bp.add_argument("--seq-len", type=int, default=4096, help="drafter tokens per sample")
+    bp.add_argument("--drafter-steps", type=int, default=5, help="timed drafter steps")
+    bp.add_argument("--gpus", type=int, default=8, help="GPUs of the host to lay out")
+    bp.add_argument("--profile", action="store_true", help="add the top GPU kernels of both")
+    bp.add_argument("--json", action="store_true", help="print only the JSON report")
+    bp.set_defaults(func=cmd_bench_topology)
     bp = bench.add_parser("pipeline", help="random-weight target + drafter as real processes vs each alone; "
                                                  "the balanced topology; with kills, restart times")
     bp.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
@@ -610,7 +625,19 @@ def cmd_bench_target(args: argparse.Namespace) -> int:
 
     report = run_target_bench(shape="tiny" if args.tiny else args.shape, device=args.device, batches=args.batches, max_tokens=args.max_tokens,
                               draft_layers=args.draft_layers, final_hidden=args.final_hidden, packed=not args.padded,
-                              peak_flops=args.peak_tflops * 1e12, compile=not args.no_compile, quiet=args.json)
+                              peak_flops=args.peak_tflops * 1e12, compile=not args.no_compile, quiet=args.json,
+                              profile=args.profile)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def cmd_bench_topology(args: argparse.Namespace) -> int:
+    from dflash_ring.bench.topology import run_topology_bench
+
+    report = run_topology_bench(shape=args.shape, recipe=args.recipe, tiny=args.tiny,
+                                target_batches=args.target_batches, seqs=args.seqs, seq_len=args.seq_len,
+                                drafter_steps=args.drafter_steps, gpus=args.gpus, profile=args.profile,
+                                quiet=args.json)
     print(json.dumps(report, indent=2))
     return 0
 

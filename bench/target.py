@@ -159,6 +159,16 @@ def _rel_l2(got: torch.Tensor, want: torch.Tensor, layer: int | None, width: int
     return float(f"{((got.float() - want).norm() / want.norm()).item():.4g}")
 
 
+def _profile(target: TargetModel, batch: Batch, n: int = 20) -> list[list]:
+    """The top GPU kernels of one batch's forward: [name, ms, calls]."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        time_forward(target, [], [batch])
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)[:n]
+    total = sum(e.self_device_time_total for e in prof.key_averages())
+    return [["(all kernels)", round(total / 1e3, 2), None]] + [
+        [e.key[:90], round(e.self_device_time_total / 1e3, 2), e.count] for e in rows]
+
+
 def time_forward(target: TargetModel, warm: list[Batch], timed: list[Batch]) -> float:
     for prep in _loader(warm, target, target.device):
         run_target(target, prep)
@@ -223,7 +233,8 @@ def time_into_ring(target: TargetModel, warm: list[Batch], timed: list[Batch], m
 
 def run_target_bench(*, shape: str = "qwen3-8b", device: str | None = None, batches: int = 0, max_tokens: int = 0,
                      draft_layers: int = 5, final_hidden: bool = False, packed: bool = True,
-                     peak_flops: float = 989e12, compile: bool = True, quiet: bool = False) -> dict[str, Any]:
+                     peak_flops: float = 989e12, compile: bool = True, quiet: bool = False,
+                     profile: bool = False) -> dict[str, Any]:
     tiny = shape == "tiny"
     dev = resolve_device(device or "auto")
     dtype = resolve_dtype("auto", dev)
@@ -254,9 +265,29 @@ def run_target_bench(*, shape: str = "qwen3-8b", device: str | None = None, batc
     warm, timed = samples(packed)
     tokens = sum(b.num_tokens for b in timed)
     padded = sum(round(b.num_tokens / (1.0 - b.padding_fraction)) for b in timed)
+    profiles: dict[str, list] = {}
+    recurrent = None
+    if packed and target.recurrent_path == "varlen":
+        # The same-run baseline: each sequence through the recurrent mixers alone (the path before the varlen one).
+        target.use_varlen_mixers(False)
+        baseline_probe = probe(target)
+        per_sequence_s = time_forward(target, warm + timed, timed)
+        if profile:
+            profiles["per_sequence_eager"] = _profile(target, timed[0])
+        target.use_varlen_mixers(True)
+        recurrent = {"path": "varlen", "layers": len(target._recurrent),
+                     "per_sequence_eager_tokens_per_s": round(tokens / per_sequence_s, 1),
+                     "probe_per_sequence": baseline_probe.to_json()}
+        say(f"recurrent mixers each sequence alone (baseline): {tokens / per_sequence_s:,.0f} tokens/s")
+    elif target.recurrent_path is not None:
+        recurrent = {"path": target.recurrent_path, "layers": len(target._recurrent),
+                     "why": target.recurrent_description()}
     # Warm with the timed batches too: Triton kernels (flash-linear-attention) compile per shape seen.
     forward_s = time_forward(target, warm + timed, timed)
     say(f"forward alone ({'packed' if packed else 'padded'}): {tokens / forward_s:,.0f} tokens/s")
+    if recurrent is not None and recurrent["path"] == "varlen":
+        recurrent["varlen_eager_tokens_per_s"] = round(tokens / forward_s, 1)
+        recurrent["ratio_varlen_over_per_sequence"] = round(per_sequence_s / forward_s, 3)
     compiled = None
     if compile and dev.type == "cuda" and packed:
         eager_s, eager = forward_s, _features(target, timed[0])
@@ -279,6 +310,8 @@ def run_target_bench(*, shape: str = "qwen3-8b", device: str | None = None, batc
         say(f"compiled layers: {tokens / forward_s:,.0f} tokens/s ({compiled['ratio_compiled_over_eager']}x eager); "
             f"error against fp32 per captured layer: eager {compiled['rel_l2_vs_fp32_per_layer']['eager_bf16']}, "
             f"compiled {compiled['rel_l2_vs_fp32_per_layer']['compiled_bf16']}")
+    if profile:
+        profiles["compiled" if compiled else "eager"] = _profile(target, timed[0])
     ring_s, waited_s, slot_bytes = time_into_ring(target, warm, timed, max_tokens, slots=4 if tiny else 3)
     say(f"into the ring: {tokens / ring_s:,.0f} tokens/s")
     # The other layout, same samples (the plans differ: padding counts against the token budget).
@@ -316,6 +349,8 @@ def run_target_bench(*, shape: str = "qwen3-8b", device: str | None = None, batc
                     "padding_fraction": round(1.0 - tokens / padded, 4)},
         "forward_tokens_per_s": round(tokens / forward_s, 1),
         "compiled": compiled,
+        "recurrent_mixers": recurrent,
+        "profile_top_kernels_ms": profiles or None,
         "ring_tokens_per_s": round(tokens / ring_s, 1),
         "ratio_ring_over_forward": round(forward_s / ring_s, 3),
         "layouts": {"packed_tokens_per_s": round(packed_rate, 1), "padded_tokens_per_s": round(padded_rate, 1),
@@ -324,5 +359,7 @@ def run_target_bench(*, shape: str = "qwen3-8b", device: str | None = None, batc
                  "gb_per_s": round(tokens * bytes_per_token / ring_s / 1e9, 3), "wait_s": round(waited_s, 3)},
         "mfu": {"peak_flops": peak_flops, "flops_per_token": round(flops / tokens),
                 "forward": float(f"{flops / forward_s / peak_flops:.4g}"), "ring": float(f"{flops / ring_s / peak_flops:.4g}"),
-                "eager_forward": None if compiled is None else float(f"{flops / eager_s / peak_flops:.4g}")},
+                "eager_forward": None if compiled is None else float(f"{flops / eager_s / peak_flops:.4g}"),
+                "per_sequence_eager_forward": None if recurrent is None or "per_sequence_eager_tokens_per_s" not in recurrent
+                else float(f"{flops / per_sequence_s / peak_flops:.4g}")},
     }

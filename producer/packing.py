@@ -28,9 +28,11 @@ construction; the token mixers are not, and each kind is handled here:
   1e-3: their random Mamba1 forgets within a few tokens; KDA by 4e-1 to 1.4; LFM2's conv reads the previous
   sequence's last tokens, 7.5e-4, LFM2-MoE's 2.6e-4). So each sequence runs through the module's own forward
   alone, state and convolution starting from zero as for a sequence alone, with whatever kernel HF picks for
-  one sequence (flash-linear-attention, mamba_ssm/causal_conv1d when installed, else its PyTorch scan). One
-  call per sequence, on CUDA too: the Mamba kernels' seq_idx / cu_seqlens arguments would scan the whole pack
-  at once (speed work, not needed for exactness).
+  one sequence (flash-linear-attention, mamba_ssm/causal_conv1d when installed, else its PyTorch scan). The
+  exception is the Qwen3.5/3.6 Gated DeltaNet on CUDA with flash-linear-attention installed: its varlen
+  convolution and delta-rule kernels take the whole pack with cu_seqlens, each sequence from a zero window and
+  state (producer/varlen_gated_deltanet.py). The Mamba kernels' seq_idx / cu_seqlens arguments could do the
+  same for the Mamba families (not done: speed work, not needed for exactness).
 
 Anything else (a new mixer, a new attention argument) is what the conformance probe
 (producer/conformance.py) exists to catch before a batch is published: MiniMax-01's lightning attention (a
@@ -47,12 +49,15 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from .varlen_gated_deltanet import VarlenGatedDeltaNet
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -67,24 +72,36 @@ PACKED = {"sdpa": "packed_varlen", "eager": "packed_varlen_eager"}
 FLASH = ("flash_attention_2", "flash_attention_3")
 # Keyword arguments the packed forward adds; stripped before a module sees one sequence.
 PACK_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-# The packed sequences' [start, end) spans on the host, for the per-sequence paths. A context variable, not a
-# forward argument: a Python list among a compiled layer's inputs is guarded element by element, so every
+# The pack being run: its sequences' [start, end) spans on the host (for the per-sequence paths) and its
+# cumulative lengths as int64 on the device and the host (for the varlen recurrent kernels). A context variable,
+# not a forward argument: a Python list among a compiled layer's inputs is guarded element by element, so every
 # new batch shape would compile the layer again.
-_SPANS: ContextVar[list[tuple[int, int]] | None] = ContextVar("packed_spans", default=None)
+@dataclass(frozen=True)
+class Pack:
+    spans: list[tuple[int, int]]
+    cu_seqlens: torch.Tensor
+    cu_seqlens_cpu: torch.Tensor
+
+
+_PACK: ContextVar[Pack | None] = ContextVar("pack", default=None)
 
 
 @contextmanager
-def packed_spans(spans: list[tuple[int, int]]) -> Iterator[None]:
+def packed_spans(spans: list[tuple[int, int]], device: torch.device) -> Iterator[None]:
     """While a packed forward runs: where each sequence lies in the pack."""
-    token = _SPANS.set(spans)
+    bounds = torch.tensor([0] + [end for _, end in spans], dtype=torch.int64)
+    token = _PACK.set(Pack(spans, bounds.to(device, non_blocking=True), bounds))
     try:
         yield
     finally:
-        _SPANS.reset(token)
+        _PACK.reset(token)
 
 
 def current_spans() -> list[tuple[int, int]] | None:
-    return _SPANS.get()
+    pack = _PACK.get()
+    return None if pack is None else pack.spans
+
+
 # Decoder-layer attributes (nested ones too: zamba2's hybrid layer holds `mamba_decoder.mamba`) that may hold a
 # recurrent token mixer: Gated DeltaNet (`linear_attn`), Mamba1/2 (`mamba`, `mixer`), LFM2's short convolution
 # (`conv`), Kimi Delta Attention (`self_attn` in kimi_linear's and bailing_hybrid's linear layers). nemotron_h names
@@ -195,25 +212,36 @@ def packed_implementation(reference: str) -> str:
     return PACKED[reference]
 
 
-def per_sequence(mixer: nn.Module) -> None:
-    """Make a recurrent mixer run each packed sequence alone, from a zero state, while a packed forward runs."""
-    forward = mixer.forward
+class PerSequence:
+    """The forward of a recurrent mixer while a packed forward runs: each sequence from a zero state and window.
 
-    def forward_per_sequence(*args, **kwargs):
-        spans = current_spans()
-        if spans is None:
-            return forward(*args, **kwargs)
+    With a varlen binding (producer/varlen_gated_deltanet.py) on CUDA, the whole pack goes through the varlen
+    kernels in one call; otherwise each sequence runs through the module's own forward alone. Outside a packed
+    forward (padded batches, the probe's per-sequence reference) the module's own forward runs unchanged."""
+
+    def __init__(self, mixer: nn.Module, varlen: VarlenGatedDeltaNet | None, why_not: str | None = None):
+        self.module = mixer
+        self.own_forward = mixer.forward
+        self.varlen = varlen
+        self.why_not = why_not  # why there is no varlen forward, for the start-up log
+        self.use_varlen = varlen is not None
+        mixer.forward = self
+
+    def __call__(self, *args, **kwargs):
+        pack = _PACK.get()
+        if pack is None:
+            return self.own_forward(*args, **kwargs)
         if "hidden_states" in kwargs:
             hidden = kwargs.pop("hidden_states")
         else:
             hidden, args = args[0], args[1:]
+        if self.use_varlen and hidden.device.type == self.varlen.kernels.device_type:
+            return self.varlen(hidden, pack.cu_seqlens, pack.cu_seqlens_cpu)
         for name in PACK_KWARGS:
             kwargs.pop(name, None)
         if "attention_mask" in kwargs:
             kwargs["attention_mask"] = None
-        return torch.cat([forward(hidden[:, a:b], *args, **kwargs) for a, b in spans], dim=1)
-
-    mixer.forward = forward_per_sequence
+        return torch.cat([self.own_forward(hidden[:, a:b], *args, **kwargs) for a, b in pack.spans], dim=1)
 
 
 def packing_refusal(layers: nn.ModuleList) -> str | None:

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from .packing import packed_implementation, packed_spans, packing_refusal, per_sequence, recurrent_mixers
+from .packing import PerSequence, packed_implementation, packed_spans, packing_refusal, recurrent_mixers
+from .varlen_gated_deltanet import FlaKernels, VarlenGatedDeltaNet, varlen_refusal
 from dflash_ring.common.safetensors_check import weight_files
 from dflash_ring.common.target_config import TargetConfig, TargetConfigError
 
@@ -114,9 +115,12 @@ class TargetModel:
         self._active = False
         for layer_id in set(self.layer_ids):
             layers[layer_id].register_forward_hook(self._hook(layer_id))
-        self._recurrent = recurrent_mixers(layers)
-        for mixer in self._recurrent.values():
-            per_sequence(mixer)
+        recurrent = recurrent_mixers(layers)
+        kernels = FlaKernels.load() if recurrent else None
+        self._recurrent = {}
+        for i, mixer in recurrent.items():
+            why_not = varlen_refusal(mixer, kernels)
+            self._recurrent[i] = PerSequence(mixer, None if why_not else VarlenGatedDeltaNet(mixer, kernels), why_not)
         self._packing_refusal = packing_refusal(layers)
         # The model's own attention: what padded batches and the conformance probe's reference run.
         self.attn_implementation = self.decoder.config._attn_implementation
@@ -143,19 +147,48 @@ class TargetModel:
         log.info("target %s (%s) on %s (%s, %s attention): layers %s of %d%s", cfg.path, target.config.model_type,
                  device, target.dtype, target.attn_implementation, target.layer_ids, len(target.decoder.layers),
                  ", final hidden shipped" if cfg.ship_final_hidden else f", stops after layer {target.deepest}")
+        if target.recurrent_path is not None:
+            log.info("recurrent token mixers of a pack: %s", target.recurrent_description())
         return target
 
     def compile_layers(self, backend: str = "inductor") -> list[int]:
         """torch.compile the forward of each decoder layer that runs (one graph per layer kind, any token count),
         fusing the norms, RoPE, SiLU and residual adds around the matmuls. The capture hooks stay outside the
-        compiled forward, so truncation and capture work as in eager. Layers with a recurrent mixer stay eager:
-        they loop over the pack's sequences in Python. Returns the compiled layer ids."""
+        compiled forward, so truncation and capture work as in eager. A layer with a recurrent mixer keeps its
+        layer forward and mixer eager (a Python loop over the pack, or Triton kernels with host-side lengths) and
+        has its other children compiled instead (its MLP or MoE block, its norms). Returns the compiled layer ids."""
         depth = len(self.decoder.layers) if self.final_hidden else self.deepest + 1
-        compiled = [i for i in range(depth) if i not in self._recurrent]
-        for i in compiled:
+        for i in range(depth):
             layer = self.decoder.layers[i]
-            layer.forward = torch.compile(layer.forward, backend=backend, dynamic=True)
-        return compiled
+            if i not in self._recurrent:
+                layer.forward = torch.compile(layer.forward, backend=backend, dynamic=True)
+                continue
+            mixer = self._recurrent[i].module
+            for child in layer.children():
+                if all(m is not mixer for m in child.modules()) and any(True for _ in child.parameters()):
+                    child.forward = torch.compile(child.forward, backend=backend, dynamic=True)
+        return list(range(depth))
+
+    @property
+    def recurrent_path(self) -> str | None:
+        """How the recurrent mixers run a pack: "varlen" (flash-linear-attention kernels over the whole pack),
+        "per-sequence", or None for a model without them."""
+        if not self._recurrent:
+            return None
+        return "varlen" if all(m.use_varlen for m in self._recurrent.values()) else "per-sequence"
+
+    def recurrent_description(self) -> str:
+        mixers = list(self._recurrent.values())
+        if all(m.use_varlen for m in mixers):
+            return f"{len(mixers)} layers through flash-linear-attention's varlen kernels, the whole pack at once"
+        unbound = next((m for m in mixers if m.varlen is None), None)
+        why = "varlen kernels switched off" if unbound is None else unbound.why_not
+        return f"{len(mixers)} layers run each sequence alone ({why})"
+
+    def use_varlen_mixers(self, on: bool) -> None:
+        """Run bound varlen mixers through their kernels (on) or each sequence alone (off: the bench's baseline)."""
+        for mixer in self._recurrent.values():
+            mixer.use_varlen = on and mixer.varlen is not None
 
     @property
     def device(self) -> torch.device:
@@ -189,7 +222,7 @@ class TargetModel:
         """input_ids/position_ids [tokens] (positions restart at 0 per sequence), cu_seqlens [n + 1] int32."""
         spans = list(zip(cu_seqlens_cpu[:-1], cu_seqlens_cpu[1:]))
         max_len = max(b - a for a, b in spans)
-        with packed_spans(spans):
+        with packed_spans(spans, self.device):
             final = self._run(
                 input_ids=input_ids[None], position_ids=position_ids[None], cu_seq_lens_q=cu_seqlens,
                 cu_seq_lens_k=cu_seqlens, max_length_q=max_len, max_length_k=max_len,
