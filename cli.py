@@ -201,6 +201,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="after the window: SIGKILL the drafter, restart it; its start-up and everyone's tokens/s")
     bp.add_argument("--kill-target", action="store_true",
                     help="after the window (and a drafter kill): SIGKILL the target, restart it; likewise")
+    bp.add_argument("--standby", action="store_true",
+                    help="with --kill-drafter: a second drafter kill with a warm standby waiting (the first is the "
+                         "restart baseline); kill to the first step of the process that took over, its phases")
     bp.set_defaults(func=cmd_bench_pipeline)
     bp = bench.add_parser("regenerate", help="the regenerate hf engine's generated tokens/s vs plain model.generate")
     bp.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
@@ -601,7 +604,7 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
 
     report = run_pipeline_bench(tiny=args.tiny, seconds=args.seconds, warmup_steps=args.warmup_steps,
                                 workdir=args.workdir, port_base=args.port_base, kill_drafter=args.kill_drafter,
-                                kill_target=args.kill_target)
+                                kill_target=args.kill_target, standby=args.standby)
     print(json.dumps(report, indent=2))
     return 0
 
