@@ -124,7 +124,11 @@ def _parser() -> argparse.ArgumentParser:
     dp.set_defaults(func=cmd_data_stats)
 
     sp = with_config(sub.add_parser("drafter", help="run drafter trainer J: claim ring items and train"))
-    sp.add_argument("--index", type=int, required=True)
+    who = sp.add_mutually_exclusive_group(required=True)
+    who.add_argument("--index", type=int)
+    who.add_argument("--standby", nargs="?", const="all", metavar="J[,J...]",
+                     help="a warm standby: build the drafter, attach, and take over the first of these drafters "
+                          "(default: every one) whose process dies; exit 0 at the run's end if none does")
     sp.add_argument("--device", help="e.g. cuda:0 or cpu (default: train.device)")
     sp.set_defaults(func=cmd_drafter)
 
@@ -212,6 +216,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="after the window: SIGKILL the drafter, restart it; its start-up and everyone's tokens/s")
     bp.add_argument("--kill-target", action="store_true",
                     help="after the window (and a drafter kill): SIGKILL the target, restart it; likewise")
+    bp.add_argument("--standby", action="store_true",
+                    help="with --kill-drafter: a second drafter kill with a warm standby waiting (the first is the "
+                         "restart baseline); kill to the first step of the process that took over, its phases")
     bp.set_defaults(func=cmd_bench_pipeline)
     bp = bench.add_parser("regenerate", help="the regenerate hf engine's generated tokens/s vs plain model.generate")
     bp.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
@@ -399,11 +406,11 @@ def cmd_clean(args: argparse.Namespace) -> int:
     return 0
 
 
-def _checked_index(cfg: Config, role: str, index: int) -> int:
+def _checked_index(cfg: Config, role: str, index: int, flag: str = "--index") -> int:
     """Before any loading: an index the run's topology has."""
     n = cfg.topology.producers if role == "producers" else cfg.topology.consumers
     if not 0 <= index < n:
-        raise ConfigError(f"--index {index} is out of range: topology.{role} = {n}, so the index is 0..{n - 1} "
+        raise ConfigError(f"{flag} {index} is out of range: topology.{role} = {n}, so the index is 0..{n - 1} "
                           f"(raise topology.{role} in the config to add one)")
     return index
 
@@ -478,11 +485,27 @@ def cmd_drafter(args: argparse.Namespace) -> int:
     from dflash_ring.common.startup import Startup
     from dflash_ring.consumer.process import run_drafter
 
-    startup = Startup(f"drafter {args.index}")
+    startup = Startup("drafter standby" if args.standby else f"drafter {args.index}")
     startup.mark("imports")
     cfg = _config(args)
     startup.mark("config")
-    return run_drafter(cfg, _checked_index(cfg, "consumers", args.index), args.device, startup)
+    if args.standby is None:
+        return run_drafter(cfg, [_checked_index(cfg, "consumers", args.index)], args.device, startup)
+    return run_drafter(cfg, _standby_indices(cfg, args.standby), args.device, startup, standby=True)
+
+
+def _standby_indices(cfg: Config, text: str) -> list[int]:
+    """`--standby`'s drafters: "all", or indices the run's topology has, each once."""
+    if text == "all":
+        return list(range(cfg.topology.consumers))
+    try:
+        indices = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--standby {text!r}: expected drafter indices like 0,1,2 (or nothing: every "
+                          "drafter)") from None
+    if len(set(indices)) != len(indices):
+        raise ConfigError(f"--standby {text!r} names a drafter twice")
+    return [_checked_index(cfg, "consumers", i, "--standby") for i in indices]
 
 
 def cmd_regenerate(args: argparse.Namespace) -> int:
@@ -596,7 +619,7 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
 
     report = run_pipeline_bench(tiny=args.tiny, seconds=args.seconds, warmup_steps=args.warmup_steps,
                                 workdir=args.workdir, port_base=args.port_base, kill_drafter=args.kill_drafter,
-                                kill_target=args.kill_target)
+                                kill_target=args.kill_target, standby=args.standby)
     print(json.dumps(report, indent=2))
     return 0
 

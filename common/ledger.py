@@ -20,7 +20,9 @@ Records (`ev`, plus `pid` and `t`, wall-clock seconds):
                                                       dead drafters' sealed journals taken into its replay
                                                       list: those batches are produced again from here on
                 done  {}                              shard finished
-    drafter     start {step}                          after joining (step: the checkpoint resumed from)
+    drafter     start {step[, took_over]}             after joining (step: the checkpoint resumed from);
+                                                      took_over: the pid its row named, when this process took
+                                                      the index over (a standby, or after waiting on a live holder)
                 got   {item, producer, epoch, pos, deliveries}
                                                       the batch is copied out of its slot (still claimed)
                 train {item, deliveries, producer, epoch, pos, step[, empty]}

@@ -22,17 +22,20 @@ class Membership:
         self._lock = lock
 
     @classmethod
-    def join(cls, ring: Ring, cfg: Config, role: Role, index: int) -> Membership:
+    def join(cls, ring: Ring, cfg: Config, role: Role, index: int, lock: LockFile | None = None) -> Membership:
         """Take this role's row, waiting until a predecessor in it is confirmed dead.
 
         Whatever the predecessor held (a half-written or half-read slot) is
         undone before this process does anything, so a restart needs no help
-        from the supervisor.
+        from the supervisor. `lock`: the index's lock, already taken (a drafter
+        takes its seat before loading its checkpoint, common/seat.py); the
+        takeover that follows is the same as a restart's.
         """
         row = ring.row_of(role, index)
-        lock_dir = cfg.lock_dir()
-        ensure_lock_dir(lock_dir)
-        lock = LockFile.acquire(lock_path(lock_dir, role, index), cfg.run.attach_timeout_s)
+        if lock is None:
+            lock_dir = cfg.lock_dir()
+            ensure_lock_dir(lock_dir)
+            lock = LockFile.acquire(lock_path(lock_dir, role, index), cfg.run.attach_timeout_s)
         lock.write_pid()
         if role == Role.CONSUMER:  # before its slots are undone: what it trained and released is produced again
             seal_drafter(cfg.train.checkpoint_dir, index, ring.identity.created_ns, ring.unfinished_item_numbers())

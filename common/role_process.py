@@ -1,6 +1,8 @@
 """One lifecycle for every target and drafter process, in the order that keeps failures cheap and stops clean.
 
-1. Metrics: a taken port fails here, before minutes of loading.
+1. Metrics: a taken port fails here, before minutes of loading. Except a drafter's: its port is its index's, and
+   its index's seat may be held by a live process (its standby, common/seat.py) serving that port, so a drafter
+   serves once its seat is taken (`serve`).
 2. `attach`: the ring (a mismatched config fails there). Only then do SIGTERM and SIGINT set `stop`:
    while it waits for the ring a process holds nothing, and the default handlers end it at once (a
    handler set earlier left it deaf to `systemctl stop` for all of run.attach_timeout_s). A target
@@ -8,7 +10,8 @@
    fails at once, without waiting for a ring). Phases after `attach` that never look at `stop`
    (tokenizing the data, loading the model, building the plan: minutes) run inside `interruptible()`,
    where the signal also raises `StopSignal`, so the process unwinds and exits within a bound.
-3. `join`: the process-table row (a dead predecessor's slots undone first), the ledger, READY to systemd.
+3. `join`: the process-table row (its lock taken there, or already taken; a dead predecessor's slots undone first),
+   the ledger, READY to systemd.
 4. On the way out, whatever happened: STOPPING to systemd, the row given up (a finished producer
    keeps DONE), the lock released, the ring closed.
 """
@@ -28,6 +31,7 @@ from dflash_ring.common.config import Config
 from dflash_ring.common.gpu_metrics import GpuCollector
 from dflash_ring.common.layout import OPERATOR_NAME, Role
 from dflash_ring.common.ledger import Ledger
+from dflash_ring.common.liveness import LockFile
 from dflash_ring.common.membership import Membership
 from dflash_ring.common.metrics import serve
 from dflash_ring.common.ring import Ring
@@ -42,9 +46,10 @@ class StopSignal(BaseException):
 class RoleProcess:
     """What a target or drafter process holds for its lifetime; made by `role_process`."""
 
-    def __init__(self, cfg: Config, role: Role, index: int, registry: CollectorRegistry,
-                 stack: contextlib.ExitStack):
-        self.cfg, self.role, self.index, self.registry = cfg, role, index, registry
+    def __init__(self, cfg: Config, role: Role, gpu_uuid: str, startup: Startup, stack: contextlib.ExitStack):
+        self.cfg, self.role, self.gpu_uuid, self.startup = cfg, role, gpu_uuid, startup
+        self.index: int | None = None  # known once it serves (a standby learns it when it takes a seat over)
+        self.registry: CollectorRegistry | None = None
         self.stop = threading.Event()
         self.ring: Ring | None = None
         self.member: Membership | None = None
@@ -55,6 +60,15 @@ class RoleProcess:
     @property
     def name(self) -> str:
         return f"{OPERATOR_NAME[self.role]} {self.index}"
+
+    def serve(self, index: int) -> CollectorRegistry:
+        """Become role `index` on /metrics: its port, its process info, the start-up phases so far and from now on."""
+        self.index = index
+        self.registry = serve(self.cfg, OPERATOR_NAME[self.role], index, self.gpu_uuid)
+        if self.cfg.metrics.enabled:
+            self.registry.register(GpuCollector([self.gpu_uuid]))
+        self.startup.export(self.registry)
+        return self.registry
 
     def attach(self, *, pin: bool) -> Ring:
         """Wait for the supervisor's ring (run.attach_timeout_s), then let SIGTERM/SIGINT set `stop`."""
@@ -80,9 +94,10 @@ class RoleProcess:
         if self._interruptible:
             raise StopSignal(signal.Signals(signum).name)
 
-    def join(self, ready: str) -> Membership:
-        """Take this process's row and ledger and tell systemd it is ready (`ready` says what it loaded)."""
-        self.member = Membership.join(self.ring, self.cfg, self.role, self.index)
+    def join(self, ready: str, lock: LockFile | None = None) -> Membership:
+        """Take this process's row and ledger and tell systemd it is ready (`ready` says what it loaded); `lock`:
+        its index's lock when it has taken it already."""
+        self.member = Membership.join(self.ring, self.cfg, self.role, self.index, lock)
         self._stack.callback(self._leave)
         self.ledger = Ledger.open(self.cfg, self.role, self.index)
         sd_notify.ready(f"{self.name}: {ready}")
@@ -94,10 +109,10 @@ class RoleProcess:
 
 
 @contextmanager
-def role_process(cfg: Config, role: Role, index: int, gpu_uuid: str, startup: Startup) -> Iterator[RoleProcess]:
-    registry = serve(cfg, OPERATOR_NAME[role], index, gpu_uuid)
-    if cfg.metrics.enabled:
-        registry.register(GpuCollector([gpu_uuid]))
-    startup.export(registry)
+def role_process(cfg: Config, role: Role, index: int | None, gpu_uuid: str, startup: Startup) -> Iterator[RoleProcess]:
+    """index None: serve later (`RoleProcess.serve`), once the index is this process's (a drafter)."""
     with contextlib.ExitStack() as stack:
-        yield RoleProcess(cfg, role, index, registry, stack)
+        proc = RoleProcess(cfg, role, gpu_uuid, startup, stack)
+        if index is not None:
+            proc.serve(index)
+        yield proc

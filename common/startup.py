@@ -25,7 +25,11 @@ log = logging.getLogger(__name__)
 # The phases of each role, in order (what each covers is in the role's code, next to its mark).
 SUPERVISOR_PHASES = ("imports", "config", "ring")
 TARGET_PHASES = ("imports", "config", "attach", "data", "model", "probe", "join", "first_publish")
-DRAFTER_PHASES = ("imports", "config", "model", "checkpoint", "attach", "join", "first_item", "first_step")
+# A drafter's "standby" is its wait for its seat (none when the seat is free; a warm standby's whole wait) and
+# "takeover" its checkpoint loaded once the seat is its own (a standby's, or one newer than it loaded at "checkpoint"):
+# a takeover's kill to first step is the phases after "standby".
+DRAFTER_PHASES = ("imports", "config", "model", "checkpoint", "attach", "standby", "takeover", "join", "first_item",
+                  "first_step")
 
 
 def process_age_s() -> float:

@@ -183,6 +183,13 @@ class CheckpointStore:
                 raise CheckpointError(f"{path / name} does not match the sha256 in its {MANIFEST}: "
                                       "the file is corrupted")
 
+    def contents(self) -> tuple[str, tuple[str, ...]]:
+        """What `load_latest` chooses from (the `latest` pointer, the complete checkpoints): it differs after any
+        save or prune, so a process that loaded before another wrote here knows to load again."""
+        latest = self.root / "latest"
+        return (latest.read_text().strip() if latest.exists() else "",
+                tuple(p.name for p in self._complete_dirs()))
+
     def oldest_step(self, keep: int) -> int:
         """The step of the oldest of the `keep` newest checkpoints (0 without one): what the journal must still
         hold is after it (a resume may fall back to any of them)."""

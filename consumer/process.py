@@ -8,6 +8,13 @@ lost; a drafter holds at most two slots, the one training and the one
 prefetched). Only the supervisor's shutdown ends the loop, never an empty ring.
 SIGTERM finishes the current step, trains the one item already prefetched,
 checkpoints, and exits 0.
+
+What does not depend on which replica it is (the frozen head, the drafter, the
+Trainer, the ring) is built first; then it takes its index's seat (common/seat.py),
+and only then does it become drafter K: metrics port, checkpoint, tracker series,
+row and journal. A warm standby (`--standby`) builds and attaches the same way and
+waits there for a drafter to die, so a takeover costs the checkpoint load and the
+first step, not the imports and the build.
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ from dflash_ring.common.ledger import Ledger, identity
 from dflash_ring.common.membership import Membership
 from dflash_ring.common.metrics import DrafterMetrics
 from dflash_ring.common.ring import Ring, SlotReader
-from dflash_ring.common.role_process import role_process
+from dflash_ring.common.role_process import RoleProcess, role_process
+from dflash_ring.common.seat import Seat, take_seat
 from dflash_ring.common.slot_contract import read_item
 from dflash_ring.common.slot_format import SlotFormatError
 from dflash_ring.common.startup import Startup
@@ -50,7 +58,8 @@ from dflash_ring.consumer.replicas import ReplicaAverager
 from dflash_ring.consumer.source_metrics import SourceLabels, SourceStats, add_sources
 from dflash_ring.consumer.step_record import (RingReading, Window, eval_scalars, log_line, source_line,
                                               step_scalars)
-from dflash_ring.consumer.tracking import Tracking
+from dflash_ring.consumer.target_head import FrozenTargetHead
+from dflash_ring.consumer.tracking import Tracking, check_tracking_dir
 from dflash_ring.consumer.trainer import DeviceBatch, Trainer
 
 log = logging.getLogger(__name__)
@@ -388,79 +397,145 @@ class DrafterLoop:
             self.unlogged = None
 
 
-def run_drafter(cfg: Config, index: int, device_name: str | None, startup: Startup) -> int:
-    device = pick_device(device_name or cfg.train.device, index)
-    with role_process(cfg, Role.CONSUMER, index, device_uuid(device), startup) as proc, \
-            Tracking(cfg, index) as tracking:  # a tracker that cannot start fails here, before the model loads
-        metrics = DrafterMetrics(proc.registry)
-        drafter_cfg = resolve_drafter_config(cfg)
-        target_config = target_config_dict(cfg.target.path)
-        checkpoint_root = Path(cfg.train.checkpoint_dir) / f"drafter-{index}"
-        # The head probe runs once per target; a restart reads its result (no modeling code imported).
-        head = load_target_head(cfg.target.path, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                                device=device, cache=checkpoint_root / HEAD_CACHE_NAME)
-        if cfg.train.compile and device.type == "cuda":
-            use_compile_cache(cfg.run.compile_cache_dir, "drafter",
-                              {"drafter": asdict(drafter_cfg), "target": target_config,
-                               "attention": cfg.train.attention_for("cuda")})
-        torch.manual_seed(cfg.train.seed)  # the initial weights: reproducible, and equal across replicas
-        with torch.device(device):  # initialised where it trains: an 8B-wide drafter takes ~10 s on a CPU
-            model = build_drafter(drafter_cfg, target_config)
-        trainer = Trainer(model, head, drafter_cfg, cfg.train, device, SourceLabels(cfg.data.source_names()))
-        startup.mark("model")  # metrics port, the target's frozen head, the drafter built on its device
-        store = CheckpointStore(checkpoint_root)
-        consumed = Consumed()
-        if (ckpt := store.load_latest(device=device)) is not None:
-            check_same_shape(ckpt, trainer.model, asdict(drafter_cfg))
-            trainer.restore(ckpt)
-            consumed = Consumed(ckpt.info.get("consumed", {}), int(ckpt.info.get("items", 0)))
+@dataclass
+class Built:
+    """What a drafter builds before it knows which replica it is: a warm standby builds it once and waits."""
+
+    drafter_cfg: DrafterConfig
+    target_config: dict[str, Any]
+    head: FrozenTargetHead
+    trainer: Trainer
+
+
+def build(cfg: Config, device: torch.device, head_cache: Path) -> Built:
+    drafter_cfg = resolve_drafter_config(cfg)
+    target_config = target_config_dict(cfg.target.path)
+    # The head probe runs once per target; a restart reads its result (no modeling code imported).
+    head = load_target_head(cfg.target.path, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                            device=device, cache=head_cache)
+    if cfg.train.compile and device.type == "cuda":
+        use_compile_cache(cfg.run.compile_cache_dir, "drafter",
+                          {"drafter": asdict(drafter_cfg), "target": target_config,
+                           "attention": cfg.train.attention_for("cuda")})
+    torch.manual_seed(cfg.train.seed)  # the initial weights: reproducible, and equal across replicas
+    with torch.device(device):  # initialised where it trains: an 8B-wide drafter takes ~10 s on a CPU
+        model = build_drafter(drafter_cfg, target_config)
+    trainer = Trainer(model, head, drafter_cfg, cfg.train, device, SourceLabels(cfg.data.source_names()))
+    return Built(drafter_cfg, target_config, head, trainer)
+
+
+class Resumed:
+    """The checkpoint a drafter resumes from, loaded before its seat is its own and loaded again if that changed.
+
+    A drafter started for its index loads its checkpoint before it attaches (a wrong one fails at once, not once a
+    ring appears); a standby knows its index only when it takes one over. Whoever held the seat until then may
+    have written newer checkpoints (a standby that had taken this index over): the resume is from the latest
+    after the seat is taken, or the journal would not cover what lies between.
+    """
+
+    def __init__(self, cfg: Config, index: int, trainer: Trainer, drafter_cfg: DrafterConfig):
+        self.store = CheckpointStore(Path(cfg.train.checkpoint_dir) / f"drafter-{index}")
+        self.trainer, self.drafter_cfg = trainer, drafter_cfg
+        self.consumed = Consumed()
+        self.loaded: tuple[str, tuple[str, ...]] | None = None  # the store's contents when last loaded
+
+    def load(self) -> None:
+        """The latest checkpoint into the trainer, unless the store is as it was at the last load."""
+        contents = self.store.contents()
+        if contents == self.loaded:
+            return
+        self.loaded = contents
+        if (ckpt := self.store.load_latest(device=self.trainer.device)) is not None:
+            check_same_shape(ckpt, self.trainer.model, asdict(self.drafter_cfg))
+            self.trainer.restore(ckpt)
+            self.consumed = Consumed(ckpt.info.get("consumed", {}), int(ckpt.info.get("items", 0)))
             log.info("resumed from %s (step %d)", ckpt.path, ckpt.step)
+
+
+def run_drafter(cfg: Config, indices: list[int], device_name: str | None, startup: Startup,
+                standby: bool = False) -> int:
+    """Drafter `indices[0]`; with `standby`, a warm standby for every drafter of `indices`: built and attached, it
+    takes over the first whose holder dies (common/seat.py), and exits 0 at the run's end if none does."""
+    device = pick_device(device_name or cfg.train.device, indices[0])
+    check_tracking_dir(cfg)  # fails here, before the model is built
+    with role_process(cfg, Role.CONSUMER, None, device_uuid(device), startup) as proc:
+        # The head cache is per drafter directory; a standby reads (or writes) its first index's.
+        built = build(cfg, device, Path(cfg.train.checkpoint_dir) / f"drafter-{indices[0]}" / HEAD_CACHE_NAME)
+        startup.mark("model")  # the target's frozen head, the drafter built on its device
+        resumed = None
+        if not standby:
+            resumed = Resumed(cfg, indices[0], built.trainer, built.drafter_cfg)
+            resumed.load()
         startup.mark("checkpoint")
         ring = proc.attach(pin=True)  # after loading: a wrong model fails at once, not after a ring appears
         startup.mark("attach")
-        me = proc.join("model loaded, ring attached")  # seals a dead predecessor's journal first
-        journal = resume_journal(cfg, index, ring, trainer.step)
-        checkpoints = Checkpoints(store, cfg.train.checkpoint_every_steps, cfg.train.keep_checkpoints,
-                                  lambda: {"consumed": consumed.by_producer, "items": consumed.items,
-                                           "drafter": asdict(drafter_cfg), "target_config": target_config,
-                                           "target_head": head.spec.to_json()},
-                                  trainer, journal, proc.ledger, background=cfg.train.async_checkpoints)
-        if proc.ledger is not None:
-            proc.ledger.write("start", step=trainer.step)
-        averaging = Averaging(cfg, index, trainer.model, drafter_cfg)
-        startup.mark("join")  # the row (waits for a dead predecessor's lock), the replicas' weights caught up
-        log.info("drafter %d on %s: %d parameters, ring %s", index, device,
-                 sum(p.numel() for p in trainer.model.parameters()), ring.name)
-        prefetch = Prefetcher(ring, me.row, device, metrics)
-        prefetch.ledger = proc.ledger
-        loop = DrafterLoop(trainer, consumed, averaging, checkpoints, metrics, tracking,
-                           lambda: cfg.train.total_steps or _estimated_steps(ring, cfg, trainer, _prefetched(prefetch)),
-                           lambda: RingReading(ring.wait_seconds, ring.counter(Counter.PRODUCED),
-                                               ring.produced_tokens(), ring.slot_counts()["ready"]),
-                           cfg.train.log_every_steps, proc.ledger, ring.release, journal, cfg.train.eval_every_steps)
-        prefetch.start()
-        while (taken := _next(prefetch, proc.stop, me)) is not None:
-            startup.mark("first_item")  # waited for and copied out of the ring
-            loop.take(taken)
-            if not taken[0].is_eval:  # a held-out item first is not the first step
-                startup.finish("first_step", proc.ledger)  # the first training step (compiles, when it does)
-        prefetch.stopping.set()
-        averaging.leave_group()
-        for taken in _leftovers(prefetch):  # claimed already: train it, as the stop promises
-            loop.take(taken)
-        loop.log_step()
-        loop.report_eval()
-        if flushed := trainer.flush(loop.total_steps()):
-            log.info("the last %d micro-batch(es) of an unfinished accumulation applied as step %d", flushed,
-                     trainer.step)
-        averaging.close(trainer.step)
-        checkpoints.final()
-        journal.close()
-        log.info("drafter %d done: %d steps, %d items; %s", index, trainer.step, consumed.items,
-                 "stopped by signal" if proc.stop.is_set() else "run finished")
-        if proc.ledger is not None:
-            proc.ledger.write("exit", step=trainer.step)
+        seat = take_seat(ring, cfg.lock_dir(), Role.CONSUMER, indices, proc.stop, standby)
+        if seat is None:
+            log.info("drafter %s: the run %s before %s", "standby" if standby else indices[0],
+                     "was stopped" if proc.stop.is_set() else "ended", "anything died" if standby else "its seat freed")
+            return 0
+        startup.mark("standby")  # waiting for the seat (a drafter whose seat is free: no time)
+        if standby:
+            startup.what = f"drafter {seat.index}"
+            log.warning("standby (pid %d) takes over drafter %d, whose holder (pid %d) died", os.getpid(), seat.index,
+                        seat.predecessor_pid)
+            resumed = Resumed(cfg, seat.index, built.trainer, built.drafter_cfg)
+        proc.serve(seat.index)  # the index's port: free now that its seat is ours
+        resumed.load()  # the latest the seat's last holder made durable (nothing new: nothing loaded again)
+        startup.mark("takeover")
+        with Tracking(cfg, seat.index) as tracking:
+            train(cfg, seat, proc, built, resumed, tracking, startup)
     return 0
+
+
+def train(cfg: Config, seat: Seat, proc: RoleProcess, built: Built, resumed: Resumed, tracking: Tracking,
+          startup: Startup) -> None:
+    """Drafter `seat.index` from joining to its exit: the row, the journal, the loop, the final checkpoint."""
+    index, trainer, ring = seat.index, built.trainer, proc.ring
+    metrics = DrafterMetrics(proc.registry)
+    drafter_cfg, consumed = built.drafter_cfg, resumed.consumed
+    me = proc.join("model loaded, ring attached", seat.lock)  # seals a dead predecessor's journal first
+    journal = resume_journal(cfg, index, ring, trainer.step)
+    checkpoints = Checkpoints(resumed.store, cfg.train.checkpoint_every_steps, cfg.train.keep_checkpoints,
+                              lambda: {"consumed": consumed.by_producer, "items": consumed.items,
+                                       "drafter": asdict(drafter_cfg), "target_config": built.target_config,
+                                       "target_head": built.head.spec.to_json()},
+                              trainer, journal, proc.ledger, background=cfg.train.async_checkpoints)
+    if proc.ledger is not None:
+        proc.ledger.write("start", step=trainer.step, **({"took_over": seat.predecessor_pid} if seat.takeover else {}))
+    averaging = Averaging(cfg, index, trainer.model, drafter_cfg)
+    startup.mark("join")  # the row (a dead predecessor's slots undone), the replicas' weights caught up
+    log.info("drafter %d on %s: %d parameters, ring %s", index, trainer.device,
+             sum(p.numel() for p in trainer.model.parameters()), ring.name)
+    prefetch = Prefetcher(ring, me.row, trainer.device, metrics)
+    prefetch.ledger = proc.ledger
+    loop = DrafterLoop(trainer, consumed, averaging, checkpoints, metrics, tracking,
+                       lambda: cfg.train.total_steps or _estimated_steps(ring, cfg, trainer, _prefetched(prefetch)),
+                       lambda: RingReading(ring.wait_seconds, ring.counter(Counter.PRODUCED),
+                                           ring.produced_tokens(), ring.slot_counts()["ready"]),
+                       cfg.train.log_every_steps, proc.ledger, ring.release, journal, cfg.train.eval_every_steps)
+    prefetch.start()
+    while (taken := _next(prefetch, proc.stop, me)) is not None:
+        startup.mark("first_item")  # waited for and copied out of the ring
+        loop.take(taken)
+        if not taken[0].is_eval:  # a held-out item first is not the first step
+            startup.finish("first_step", proc.ledger)  # the first training step (compiles, when it does)
+    prefetch.stopping.set()
+    averaging.leave_group()
+    for taken in _leftovers(prefetch):  # claimed already: train it, as the stop promises
+        loop.take(taken)
+    loop.log_step()
+    loop.report_eval()
+    if flushed := trainer.flush(loop.total_steps()):
+        log.info("the last %d micro-batch(es) of an unfinished accumulation applied as step %d", flushed,
+                 trainer.step)
+    averaging.close(trainer.step)
+    checkpoints.final()
+    journal.close()
+    log.info("drafter %d done: %d steps, %d items; %s", index, trainer.step, consumed.items,
+             "stopped by signal" if proc.stop.is_set() else "run finished")
+    if proc.ledger is not None:
+        proc.ledger.write("exit", step=trainer.step)
 
 
 def resume_journal(cfg: Config, index: int, ring: Ring, step: int) -> Journal:

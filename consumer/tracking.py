@@ -18,7 +18,8 @@ tracker run is found again, never a second one: TensorBoard writes to the same d
 record's last step, which is sent again), W&B resumes the run id derived from the run's name and directory
 (offline, its run files say which steps it kept), MLflow finds its run by that id in a tag (and its last step).
 
-A tracker that cannot start stops the drafter at start with one line naming the setting; one that fails later
+A tracker that cannot start stops the drafter at start with one line naming the setting (`tracking.dir` before
+the model is built; the trackers themselves once the drafter's seat is its own, common/seat.py); one that fails later
 is warned about once and dropped, and training goes on.
 """
 
@@ -254,15 +255,22 @@ class MLflow:
 BACKENDS = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}
 
 
+def check_tracking_dir(cfg: Config) -> Path:
+    """tracking.dir, made if missing; one line naming it when it cannot be. A drafter checks it before it builds its
+    model: it opens `Tracking` only once its index's seat is its own (another process may be writing its series)."""
+    try:
+        root = check_output_dir(cfg.tracking_dir())
+        root.mkdir(parents=True, exist_ok=True)
+    except (OutputDirError, OSError) as e:
+        raise TrackingError(f"tracking.dir: {e}") from None
+    return root
+
+
 class Tracking:
     """One drafter's sink for logged records: its record file, then its trackers (see the module docstring)."""
 
     def __init__(self, cfg: Config, index: int):
-        try:
-            root = check_output_dir(cfg.tracking_dir())
-            root.mkdir(parents=True, exist_ok=True)
-        except (OutputDirError, OSError) as e:
-            raise TrackingError(f"tracking.dir: {e}") from None
+        root = check_tracking_dir(cfg)
         config_text = dump_toml(cfg, full=True)
         fingerprint = fingerprint_digest(cfg.fingerprint_fields()).hex()
         self.record = RecordFile(record_path(root, index), {"series": "config", "run": cfg.run.name,

@@ -21,7 +21,8 @@ from prometheus_client import CollectorRegistry
 from deploy_support import (DASHBOARD, DATASOURCE_UID, DEPLOY, INSTALLED_BIN, PROMETHEUS, RULES, UNITS, dashboard,
                             dashboard_panels, metric_names, panel_exprs, require)
 
-SERVICES = ["dflash-ring-supervisor.service", "dflash-ring-target@.service", "dflash-ring-drafter@.service"]
+SERVICES = ["dflash-ring-supervisor.service", "dflash-ring-target@.service", "dflash-ring-drafter@.service",
+            "dflash-ring-drafter-standby@.service"]
 CONFIG = "/etc/dflash-ring/run.toml"
 ENV_FILE = "/etc/dflash-ring/env"
 
@@ -60,7 +61,8 @@ def installed_binary() -> str:
 
 @pytest.mark.processes
 @pytest.mark.parametrize("unit", ["dflash-ring-supervisor.service", "dflash-ring.target",
-                                  "dflash-ring-target@0.service", "dflash-ring-drafter@6.service"])
+                                  "dflash-ring-target@0.service", "dflash-ring-drafter@6.service",
+                                  "dflash-ring-drafter-standby@7.service"])
 def test_units_pass_systemd_analyze_verify(tmp_path, unit):
     tool = require("systemd-analyze", "apt-get install systemd")
     for f in UNITS.iterdir():
@@ -164,6 +166,20 @@ def test_instance_is_the_gpu_and_the_role_index_comes_from_the_env_file(unit, in
     assert parsed.command == unit.split("-")[2].split("@")[0]
     assert (parsed.index, parsed.device, parsed.config) == (index, "cuda:0", CONFIG)
     assert env["CUDA_VISIBLE_DEVICES"] == instance and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("standby_for, indices", [(None, [0, 1, 2]), ("0,2", [0, 2])])
+def test_the_standby_unit_stands_by_for_every_drafter_or_those_the_env_file_names(standby_for, indices):
+    from dflash_ring.cli import _parser, _standby_indices
+    from dflash_ring.common.config import load_config
+
+    extra = {} if standby_for is None else {"DFLASH_STANDBY_FOR": standby_for}
+    args, env = run_exec("dflash-ring-drafter-standby@.service", "ExecStart", "7", extra)
+    parsed = _parser().parse_args(args)  # the real CLI accepts what the unit passes
+    assert (parsed.command, parsed.index, parsed.device, parsed.config) == ("drafter", None, "cuda:0", CONFIG)
+    assert _standby_indices(load_config(None, ["topology.consumers=3"]), parsed.standby) == indices
+    assert env["CUDA_VISIBLE_DEVICES"] == "7"
 
 
 @pytest.mark.processes
