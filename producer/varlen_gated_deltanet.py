@@ -85,9 +85,13 @@ class VarlenGatedDeltaNet:
         z = m.in_proj_z(hidden).reshape(1, tokens, -1, m.head_v_dim)
         beta = m.in_proj_b(hidden).sigmoid()
         a = m.in_proj_a(hidden)
+        # The activation outside the kernel, on the rounded convolution, as transformers applies it: fused, the
+        # output is rounded once instead of twice, which on its own moves a bf16 layer by ~1e-2 (more than the
+        # probe allows for bf16 noise; measured on the H200, 2026-12-03).
         mixed_qkv, _ = self.kernels.causal_conv1d(
-            mixed_qkv, weight=m.conv1d.weight.squeeze(1), bias=m.conv1d.bias, activation=m.activation,
+            mixed_qkv, weight=m.conv1d.weight.squeeze(1), bias=m.conv1d.bias, activation=None,
             cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+        mixed_qkv = F.silu(mixed_qkv)
         query, key, value = torch.split(mixed_qkv, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
         query = query.reshape(1, tokens, -1, m.head_k_dim)
         key = key.reshape(1, tokens, -1, m.head_k_dim)

@@ -45,7 +45,7 @@ def reference_kernels(calls: list[str]) -> FlaKernels:
         for a, b in spans(cu_seqlens_cpu):
             seq = x[:, a:b].transpose(1, 2)
             y = F.conv1d(seq, weight.unsqueeze(1), bias, padding=weight.shape[-1] - 1, groups=seq.shape[1])
-            outs.append(F.silu(y[..., :b - a]).transpose(1, 2))
+            outs.append((y[..., :b - a] if activation is None else F.silu(y[..., :b - a])).transpose(1, 2))
         return torch.cat(outs, dim=1), None
 
     def chunk_gated_delta_rule(q, k, v, *, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel,
