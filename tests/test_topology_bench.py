@@ -40,3 +40,6 @@ def test_tiny_topology_bench_runs_end_to_end():
     assert top["target_tokens_per_s"] == report["target"]["forward_tokens_per_s"] > 0
     assert top["drafter_tokens_per_s"] == report["drafter"]["tokens_per_s"] > 0
     assert report["recipe"]["recipe"] == "ddtree" and top["layout_8_gpus"]["targets"] in range(1, 8)
+    # Each half on stderr as it completes (what a run cut off by a time limit keeps).
+    assert f'topology target: {{"tokens_per_s": {top["target_tokens_per_s"]}' in out.stderr
+    assert f'topology drafter: {{"tokens_per_s": {top["drafter_tokens_per_s"]}' in out.stderr
