@@ -85,14 +85,23 @@ def _port_error(m: MetricsConfig, who: str, port: int, e: OSError) -> MetricsPor
 
 def check_ports_free(cfg: Config) -> None:
     """Refuse to start a one-host run whose metrics ports are taken, before any process starts."""
+    for who, port in run_ports(cfg).items():
+        _check_free(cfg, who, port)
+
+
+def check_port_free(cfg: Config, role: str, index: int) -> None:
+    """Refuse to start a process whose port is taken, before minutes of loading (for one that serves it later)."""
+    _check_free(cfg, f"{role} {index}", port_of(cfg.metrics, role, index))
+
+
+def _check_free(cfg: Config, who: str, port: int) -> None:
     if not cfg.metrics.enabled:
         return
-    for who, port in run_ports(cfg).items():
-        try:
-            with socket.create_server((cfg.metrics.bind, port)):
-                pass
-        except OSError as e:
-            raise _port_error(cfg.metrics, who, port, e) from None
+    try:
+        with socket.create_server((cfg.metrics.bind, port)):
+            pass
+    except OSError as e:
+        raise _port_error(cfg.metrics, who, port, e) from None
 
 
 def serve(cfg: Config, role: str, index: int = 0, uuid: str = "") -> CollectorRegistry:

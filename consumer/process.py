@@ -41,7 +41,8 @@ from dflash_ring.common.gpu_metrics import device_uuid
 from dflash_ring.common.layout import Counter, Role
 from dflash_ring.common.ledger import Ledger, identity
 from dflash_ring.common.membership import Membership
-from dflash_ring.common.metrics import DrafterMetrics
+from dflash_ring.common.liveness import is_alive, lock_path
+from dflash_ring.common.metrics import DRAFTER, DrafterMetrics, check_port_free
 from dflash_ring.common.ring import Ring, SlotReader
 from dflash_ring.common.role_process import RoleProcess, role_process
 from dflash_ring.common.seat import Seat, take_seat
@@ -458,6 +459,10 @@ def run_drafter(cfg: Config, indices: list[int], device_name: str | None, startu
     takes over the first whose holder dies (common/seat.py), and exits 0 at the run's end if none does."""
     device = pick_device(device_name or cfg.train.device, indices[0])
     check_tracking_dir(cfg)  # fails here, before the model is built
+    if not standby and not is_alive(lock_path(cfg.lock_dir(), Role.CONSUMER, indices[0])):
+        # Nobody holds this drafter's seat, so nobody should hold its port: a taken one fails now, not after the
+        # load. (When a live process holds the seat, it serves the port, and this one will wait as its standby.)
+        check_port_free(cfg, DRAFTER, indices[0])
     with role_process(cfg, Role.CONSUMER, None, device_uuid(device), startup) as proc:
         # The head cache is per drafter directory; a standby reads (or writes) its first index's.
         built = build(cfg, device, Path(cfg.train.checkpoint_dir) / f"drafter-{indices[0]}" / HEAD_CACHE_NAME)
