@@ -275,12 +275,12 @@ def run_target_bench(*, shape: str = "qwen3-8b", device: str | None = None, batc
         if profile:
             profiles["per_sequence_eager"] = _profile(target, timed[0])
         target.use_varlen_mixers(True)
-        recurrent = {"path": "varlen", "layers": len(target._recurrent),
+        recurrent = {"path": "varlen", "layers": len(target.recurrent_layers),
                      "per_sequence_eager_tokens_per_s": round(tokens / per_sequence_s, 1),
                      "probe_per_sequence": baseline_probe.to_json()}
         say(f"recurrent mixers each sequence alone (baseline): {tokens / per_sequence_s:,.0f} tokens/s")
     elif target.recurrent_path is not None:
-        recurrent = {"path": target.recurrent_path, "layers": len(target._recurrent),
+        recurrent = {"path": target.recurrent_path, "layers": len(target.recurrent_layers),
                      "why": target.recurrent_description()}
     # Warm with the timed batches too: Triton kernels (flash-linear-attention) compile per shape seen.
     forward_s = time_forward(target, warm + timed, timed)

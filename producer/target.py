@@ -170,6 +170,11 @@ class TargetModel:
         return list(range(depth))
 
     @property
+    def recurrent_layers(self) -> list[int]:
+        """The layers whose token mixer carries a state over time."""
+        return sorted(self._recurrent)
+
+    @property
     def recurrent_path(self) -> str | None:
         """How the recurrent mixers run a pack: "varlen" (flash-linear-attention kernels over the whole pack),
         "per-sequence", or None for a model without them."""

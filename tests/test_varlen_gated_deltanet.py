@@ -80,7 +80,7 @@ def test_the_varlen_forward_equals_each_sequence_through_the_models_own(qwen3_5,
     got, ids = features(target, LENGTHS)
     assert_same_features(got, reference_features(qwen3_5, ids, target.layer_ids))
     # One call of each kernel per Gated DeltaNet layer run, for the whole pack (not one per sequence).
-    layers_run = [i for i in range(target.deepest + 1) if i in target._recurrent]
+    layers_run = [i for i in target.recurrent_layers if i <= target.deepest]
     assert calls == ["conv", "rule"] * len(layers_run) and layers_run
 
 
