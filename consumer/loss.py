@@ -18,6 +18,11 @@ Every per-position coefficient depends only on its own block, so the vocabulary 
 chunks of whole blocks inside one autograd node: a [rows, vocab] logits tensor exists for one chunk at
 a time in the forward and is never kept for the backward; the gradient w.r.t. the draft hidden is
 formed chunk by chunk (the head is frozen, so that is the only gradient).
+
+The teacher's logits depend on the sequence position alone, and overlapping blocks read the same
+positions (ddtree: ~8 blocks per position), so they are computed once per distinct position the step
+reads (TeacherLogits), kept for the step and gathered per row inside the fused chunk function: the
+same values as one product per row, at an eighth of the teacher's head FLOPs.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch.nn.functional as F
 
 from dflash_ring.common.drafter_config import DrafterConfig
 from .model import Anchors, FrozenTargetHead
+from .fp8_head import E5M2, Fp8Head, quantize_rows
 from .target_head import head_logits
 
 
@@ -70,48 +76,97 @@ def block_labels(
     return BlockLabels(tokens=torch.where(valid, input_ids[safe], 0), valid=valid)
 
 
-def _logit_grad(log_q: torch.Tensor, label: torch.Tensor, p: torch.Tensor | None, a: torch.Tensor,
-                k: torch.Tensor | None) -> torch.Tensor:
-    """a (q - onehot) + k (q - p): d(a CE + k KL)/d(logits) per row, fp32."""
+@dataclass(frozen=True)
+class TeacherLogits:
+    """The target's logits once per distinct sequence position a step reads, and which one each row reads.
+
+    logits is None when only the target's argmax is needed (label = "target_argmax" without KL)."""
+
+    logits: torch.Tensor | None  # [U, V] in the head's dtype, as head_logits gives them
+    lse: torch.Tensor  # [U] fp32 log-normalisers
+    argmax: torch.Tensor  # [U] the target's greedy token
+    row: torch.Tensor  # [R] int64: supervised row r reads position row[r]
+
+
+def teacher_logits(target_hidden: torch.Tensor, positions: torch.Tensor, weight: torch.Tensor,
+                   multiplier: float | None, cap: float | None, chunk_rows: int, keep_logits: bool) -> TeacherLogits:
+    """Teacher logits of target_hidden[positions] [R, H], each distinct position's product computed once
+    (in chunks of chunk_rows, so the softmax temporaries stay one chunk wide)."""
+    distinct, row = torch.unique(positions, return_inverse=True)
+    n = distinct.numel()
+    logits = torch.empty(n, weight.shape[0], dtype=weight.dtype, device=weight.device) if keep_logits else None
+    lse = torch.empty(n, device=weight.device)
+    argmax = torch.empty(n, dtype=torch.long, device=weight.device)
+    with torch.no_grad():
+        for lo in range(0, n, max(chunk_rows, 1)):
+            part = slice(lo, min(lo + chunk_rows, n))
+            chunk = head_logits(F.linear(target_hidden[distinct[part]].to(weight.dtype), weight), multiplier, cap)
+            lse[part], argmax[part] = torch.logsumexp(chunk.float(), dim=-1), chunk.argmax(dim=-1)
+            if logits is not None:
+                logits[part] = chunk
+    return TeacherLogits(logits, lse, argmax, row)
+
+
+@dataclass(frozen=True)
+class _Transform:
+    """The target's logit transform (head_logits) and the gradient's format: constants of the compiled chunk."""
+
+    multiplier: float | None  # the target's logit multiplier (Granite, Cohere, Falcon-H1), then
+    cap: float | None  # its logit softcap (Gemma): applied to draft and teacher alike
+    fp8: bool  # the gradient leaves the chunk quantized per row for the FP8 head product (fp8_head.py)
+
+
+def _logit_grad(logits: torch.Tensor, log_q: torch.Tensor, label: torch.Tensor, p: torch.Tensor | None,
+                a: torch.Tensor, k: torch.Tensor | None, transform: _Transform):
+    """a (q - onehot) + k (q - p) = d(a CE + k KL)/d(logits) per row, through the logit transform to the plain
+    head product: (d in the logits' dtype, None), or (d in E5M2, its row scales) for the FP8 head."""
     q = log_q.exp()
     onehot = torch.arange(log_q.shape[-1], device=log_q.device)[None, :] == label[:, None]
     d = (q - onehot.float()) * a[:, None]
     if p is not None:
         d = d + (q - p) * k[:, None]
-    return d
+    if transform.cap is not None:  # d(cap * tanh(z / cap))/dz = 1 - tanh^2, with tanh = capped / cap
+        d = d * (1 - (logits.float() / transform.cap) ** 2)
+    if transform.multiplier is not None:  # d(m z)/dz = m
+        d = d * transform.multiplier
+    return quantize_rows(d, E5M2) if transform.fp8 else (d.to(logits.dtype), None)
 
 
-def _chunk_terms(logits: torch.Tensor, label: torch.Tensor, teacher_logits: torch.Tensor | None,
-                 label_from_teacher: bool, a: torch.Tensor | None, k: torch.Tensor | None):
-    """Per-row CE and KL, the draft's top-1, the label used, the rows' log-normalisers and, when the
-    coefficients a, k are known already, d(loss)/d(logits) of one row chunk (fp32 inside).
+def _teacher_log_p(teacher: torch.Tensor, teacher_lse: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """log p of the rows [rows, V] from the per-position teacher logits: a gather the compiled chunk fuses."""
+    return teacher[row].float() - teacher_lse[row][:, None]
 
-    One function so that on a GPU torch.compile fuses the softmax, gather, argmax and gradient into a
-    pass or two over the [rows, vocab] chunk instead of one per op.
+
+def _chunk_terms(logits: torch.Tensor, label: torch.Tensor, teacher: torch.Tensor | None,
+                 teacher_lse: torch.Tensor | None, row: torch.Tensor | None, a: torch.Tensor | None,
+                 k: torch.Tensor | None, transform: _Transform):
+    """Per-row CE and KL, the draft's top-1, the rows' log-normaliser and, when the coefficients a, k are
+    known already, d(loss)/d(head product) of one row chunk (fp32 inside; _logit_grad).
+
+    One function so that on a GPU torch.compile fuses the softmax, the teacher's gather, the argmax and the
+    gradient into a pass or two over the [rows, vocab] chunk instead of one per op.
     """
     lse_q = torch.logsumexp(logits.float(), dim=-1)
     log_q = logits.float() - lse_q[:, None]
     predictions = logits.argmax(dim=-1)
-    p, lse_p = None, torch.zeros_like(lse_q)
+    p = None
     kl = torch.zeros_like(lse_q)
-    if teacher_logits is not None:
-        lse_p = torch.logsumexp(teacher_logits.float(), dim=-1)
-        log_p = teacher_logits.float() - lse_p[:, None]
-        if label_from_teacher:
-            label = teacher_logits.argmax(dim=-1)
+    if teacher is not None:
+        log_p = _teacher_log_p(teacher, teacher_lse, row)
         p = log_p.exp()
         kl = (p * (log_p - log_q)).sum(dim=-1)
     ce = -log_q.gather(1, label[:, None]).squeeze(1)
-    d_logits = None if a is None else _logit_grad(log_q, label, p, a, k).to(logits.dtype)
-    return ce, kl, predictions, label, lse_q, lse_p, d_logits
+    d_logits = (None, None) if a is None else _logit_grad(logits, log_q, label, p, a, k, transform)
+    return ce, kl, predictions, lse_q, d_logits
 
 
-def _chunk_grad(logits: torch.Tensor, label: torch.Tensor, teacher_logits: torch.Tensor | None, lse_q: torch.Tensor,
-                lse_p: torch.Tensor, a: torch.Tensor, k: torch.Tensor | None) -> torch.Tensor:
-    """d(loss)/d(logits) of one chunk once its coefficients are known (they depend on its CE: D-PACE, CAP):
-    one elementwise pass, the softmax normalisers coming from the first."""
-    p = None if teacher_logits is None else torch.exp(teacher_logits.float() - lse_p[:, None])
-    return _logit_grad(logits.float() - lse_q[:, None], label, p, a, k).to(logits.dtype)
+def _chunk_grad(logits: torch.Tensor, label: torch.Tensor, teacher: torch.Tensor | None,
+                teacher_lse: torch.Tensor | None, row: torch.Tensor | None, lse_q: torch.Tensor, a: torch.Tensor,
+                k: torch.Tensor | None, transform: _Transform):
+    """d(loss)/d(head product) of one chunk once its coefficients are known (they depend on its CE: D-PACE,
+    CAP): one elementwise pass, the softmax normalisers coming from the first."""
+    p = None if teacher is None else _teacher_log_p(teacher, teacher_lse, row).exp()
+    return _logit_grad(logits, logits.float() - lse_q[:, None], label, p, a, k, transform)
 
 
 _compiled: dict[str, object] = {}
@@ -134,20 +189,21 @@ class _Plan:
     block_bounds: list[int]  # and blocks [block_bounds[c], block_bounds[c + 1])
     normaliser: float  # S
     num_blocks: int
-    multiplier: float | None  # the target's logit multiplier (Granite, Cohere, Falcon-H1), then
-    cap: float | None  # its logit softcap (Gemma): applied to draft and teacher alike (head_logits)
+    transform: _Transform
+    fp8: Fp8Head | None  # the FP8 copies of the head, when the draft's products run in FP8
+    teacher: TeacherLogits | None  # the KL's teacher, per distinct position (None without KL)
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
     """The loss above, chunked over whole blocks; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, decay, valid, target_hidden, plan: _Plan):
-        cfg = plan.cfg
+    def forward(ctx, hidden, weight, labels, decay, valid, plan: _Plan):
+        cfg, teacher = plan.cfg, plan.teacher
         needs_grad = ctx.needs_input_grad[0]
         grad = torch.empty_like(hidden) if needs_grad else None
         rows_out = [torch.empty(hidden.shape[0], device=hidden.device) for _ in range(3)]  # ce, kl, raw weight
-        predictions, used = torch.empty_like(labels), torch.empty_like(labels)
+        predictions = torch.empty_like(labels)
         loss = hidden.new_zeros((), dtype=torch.float32)
         # Coefficients known before the CE (the paper's fixed weights, no CAP): one fused pass per chunk.
         fixed = cfg.loss == "ce" and cfg.cap_weight == 0
@@ -156,14 +212,14 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         for c in range(len(plan.row_bounds) - 1):
             rows = slice(plan.row_bounds[c], plan.row_bounds[c + 1])
             grid = valid[plan.block_bounds[c]:plan.block_bounds[c + 1]]
-            logits = head_logits(F.linear(hidden[rows].to(weight.dtype), weight), plan.multiplier, plan.cap)
-            teacher = None if target_hidden is None else head_logits(
-                F.linear(target_hidden[rows].to(weight.dtype), weight), plan.multiplier, plan.cap)
+            draft = hidden[rows]
+            plain = F.linear(draft.to(weight.dtype), weight) if plan.fp8 is None else plan.fp8.logits(draft)
+            logits = head_logits(plain, plan.transform.multiplier, plan.transform.cap)
+            taught = (None, None, None) if teacher is None else (teacher.logits, teacher.lse, teacher.row[rows])
             w = decay[rows] if cfg.loss == "ce" else None
             a = w / plan.normaliser if fixed and needs_grad else None
-            ce, kl, predictions[rows], used[rows], lse_q, lse_p, d_logits = terms(
-                logits, labels[rows], teacher, cfg.label == "target_argmax", a,
-                None if a is None else a * cfg.kl_weight)
+            ce, kl, predictions[rows], lse_q, d_logits = terms(
+                logits, labels[rows], *taught, a, None if a is None else a * cfg.kl_weight, plan.transform)
             ce_grid = torch.zeros(grid.shape, device=ce.device).masked_scatter(grid, ce.detach())
             if w is None:
                 w = dpace_weights(ce_grid, grid, cfg.dpace_alpha)[grid]
@@ -172,24 +228,22 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             rows_out[0][rows], rows_out[1][rows], rows_out[2][rows] = ce, kl, w
             if not needs_grad:
                 continue
-            if d_logits is None:
+            if d_logits[0] is None:
                 # d(-cap_scale * sum A)/d(CE_j) = cap_scale * sum_{k>=j} P_k: the positions j gates.
                 gated = products.flip(1).cumsum(1).flip(1)[grid]
                 a = w / plan.normaliser + cap_scale * gated
-                d_logits = second(logits, used[rows], teacher, lse_q, lse_p, a, w / plan.normaliser * cfg.kl_weight)
-            if plan.cap is not None:  # d(cap * tanh(z / cap))/dz = 1 - tanh^2, with tanh = capped / cap
-                d_logits = d_logits * (1 - (logits.float() / plan.cap) ** 2).to(d_logits.dtype)
-            if plan.multiplier is not None:  # d(m z)/dz = m
-                d_logits = d_logits * plan.multiplier
-            grad[rows] = (d_logits @ weight).to(hidden.dtype)
+                d_logits = second(logits, labels[rows], *taught, lse_q, a, w / plan.normaliser * cfg.kl_weight,
+                                  plan.transform)
+            d, d_scale = d_logits
+            grad[rows] = (d @ weight if plan.fp8 is None else plan.fp8.grad_hidden(d, d_scale)).to(hidden.dtype)
         ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(*rows_out, predictions, used)
-        return loss, *rows_out, predictions, used
+        ctx.mark_non_differentiable(*rows_out, predictions)
+        return loss, *rows_out, predictions
 
     @staticmethod
     def backward(ctx, d_loss, *_):
         (grad,) = ctx.saved_tensors
-        return grad * d_loss.to(grad.dtype), None, None, None, None, None, None
+        return grad * d_loss.to(grad.dtype), None, None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -221,12 +275,14 @@ class DFlashLoss:
         return self.valid_per_position.sum()
 
 
-def _plan(valid: torch.Tensor, cfg: DrafterConfig, normaliser: float, head: FrozenTargetHead) -> _Plan:
+def _plan(valid: torch.Tensor, cfg: DrafterConfig, normaliser: float, head: FrozenTargetHead,
+          teacher: TeacherLogits | None) -> _Plan:
     per_chunk = max(1, cfg.loss_chunk_tokens // valid.shape[1])
     row_ends = F.pad(valid.sum(dim=1).cumsum(0), (1, 0))
     blocks = list(range(0, valid.shape[0], per_chunk)) + [valid.shape[0]]
-    return _Plan(cfg, row_ends[blocks].tolist(), blocks, normaliser, valid.shape[0], head.logit_multiplier,
-                 head.logit_softcap)
+    transform = _Transform(head.logit_multiplier, head.logit_softcap, fp8=head.fp8 is not None)
+    return _Plan(cfg, row_ends[blocks].tolist(), blocks, normaliser, valid.shape[0], transform, head.fp8,
+                 teacher if cfg.kl_weight > 0 else None)
 
 
 def dflash_loss(
@@ -257,13 +313,15 @@ def dflash_loss(
     else:  # D-PACE: the weights come from the CE, chunk by chunk
         decay, normaliser = None, float(valid.sum())
     normaliser = max(normaliser, torch.finfo(torch.float32).tiny)
-    teacher = None
+    teacher, used = None, labels.tokens[:, 1:][valid]
     if target_hidden is not None:
         teacher_positions = anchors.positions[:, None] + torch.arange(block_size - 1, device=hidden.device)
-        teacher = target_hidden[teacher_positions[valid]]
-    loss, ce, kl, w, predictions, used = _ChunkedHeadLoss.apply(
-        hidden[:, 1:][valid], head.lm_head_weight, labels.tokens[:, 1:][valid], decay, valid, teacher,
-        _plan(valid, cfg, normaliser, head))
+        teacher = teacher_logits(target_hidden, teacher_positions[valid], head.lm_head_weight, head.logit_multiplier,
+                                 head.logit_softcap, cfg.loss_chunk_tokens, keep_logits=cfg.kl_weight > 0)
+        if cfg.label == "target_argmax":
+            used = teacher.argmax[teacher.row]
+    loss, ce, kl, w, predictions = _ChunkedHeadLoss.apply(
+        hidden[:, 1:][valid], head.lm_head_weight, used, decay, valid, _plan(valid, cfg, normaliser, head, teacher))
 
     def grid(rows: torch.Tensor) -> torch.Tensor:
         return torch.zeros(valid.shape, dtype=rows.dtype, device=rows.device).masked_scatter(valid, rows)

@@ -21,6 +21,7 @@ from torch import nn
 
 from dflash_ring.common.bounded_read import CONFIG_BYTES, read_text
 from dflash_ring.common.safetensors_check import DamagedWeightsError, weight_files
+from dflash_ring.consumer.fp8_head import Fp8Head
 
 # Checkpoint names, in order: text models, transformers-5 multimodal wrappers (Qwen3.5, Gemma3 as
 # loaded), and the multimodal layout published on the hub (Gemma3: language_model.model.*); nemotron_h
@@ -91,6 +92,12 @@ class FrozenTargetHead(nn.Module):
         untied = None if lm_head_weight is None else lm_head_weight.detach()
         self.register_buffer("untied_lm_head_weight", untied, persistent=False)
         self.spec = spec or HeadSpec(tied=lm_head_weight is None)
+        self.fp8: Fp8Head | None = None  # set by quantize_fp8: the draft's head products then run in FP8
+
+    def quantize_fp8(self) -> None:
+        """Run the loss's products of the draft through FP8 copies of the head (drafter.precision = "fp8"),
+        made once here on the head's device: call it after moving the head there."""
+        self.fp8 = Fp8Head.of(self.lm_head_weight)
 
     @property
     def embed_scale(self) -> float | None:

@@ -9,7 +9,15 @@ import torch
 import torch.nn.functional as F
 
 from dflash_ring.common.drafter_config import DrafterConfig
-from dflash_ring.consumer.loss import accept_products, block_labels, dflash_loss, dpace_weights, position_weights
+from dflash_ring.consumer.fp8_head import E5M2, Fp8Head, quantize_rows
+from dflash_ring.consumer.loss import (
+    accept_products,
+    block_labels,
+    dflash_loss,
+    dpace_weights,
+    position_weights,
+    teacher_logits,
+)
 from dflash_ring.consumer.model import (
     FrozenTargetHead,
     build_drafter,
@@ -318,3 +326,66 @@ def test_learns_counting_rule_at_every_block_position(counting_setup, single_thr
     assert (predicted == rule).float().mean() >= 0.95
     assert (out.accuracy_per_position >= 0.95).all(), out.accuracy_per_position
     assert out.accept_len > 3.8  # at most 4 (block_size); blocks cut by the sequence end count less
+
+
+# --- the teacher once per position, the FP8 head ----------------------------------------------------
+
+def test_teacher_logits_are_computed_once_per_distinct_position_and_equal_a_product_per_row():
+    torch.manual_seed(2)
+    vocab, hidden_size = 48, 16
+    head = FrozenTargetHead(torch.randn(vocab, hidden_size, dtype=torch.float64),
+                            torch.randn(vocab, hidden_size, dtype=torch.float64))
+    target_hidden = torch.randn(30, hidden_size, dtype=torch.float64)
+    positions = torch.tensor([3, 4, 5, 4, 5, 6, 5, 6, 7, 29, 0])  # overlapping blocks read shared positions
+    for chunk in (1, 4, 100):
+        teacher = teacher_logits(target_hidden, positions, head.lm_head_weight, None, None, chunk, keep_logits=True)
+        assert teacher.logits.shape[0] == len(set(positions.tolist())) == 7
+        per_row = head.logits(target_hidden[positions])
+        torch.testing.assert_close(teacher.logits[teacher.row], per_row, rtol=0, atol=1e-12)
+        torch.testing.assert_close(teacher.lse[teacher.row], torch.logsumexp(per_row, -1).float())
+        assert torch.equal(teacher.argmax[teacher.row], per_row.argmax(-1))
+    only_argmax = teacher_logits(target_hidden, positions, head.lm_head_weight, None, None, 4, keep_logits=False)
+    assert only_argmax.logits is None and torch.equal(only_argmax.argmax, teacher.argmax)
+
+
+def test_fp8_head_products_equal_their_dequantized_reference():
+    torch.manual_seed(3)
+    weight = torch.randn(64, 32) * 0.05
+    fp8 = Fp8Head.of(weight)
+    hidden = torch.randn(10, 32)
+    rows, scale = quantize_rows(hidden)
+    reference = (rows.float() * scale) @ (fp8.by_vocab.float() * fp8.vocab_scale.t()).t()
+    torch.testing.assert_close(fp8.logits(hidden).float(), reference, rtol=1e-2, atol=1e-3)
+    exact = hidden @ weight.t()
+    assert (fp8.logits(hidden).float() - exact).norm() / exact.norm() < 0.05  # e4m3: 3 mantissa bits
+    d = torch.randn(10, 64)
+    d8, d_scale = quantize_rows(d, E5M2)
+    reference = (d8.float() * d_scale) @ (fp8.by_hidden.float() * fp8.hidden_scale.t()).t()
+    torch.testing.assert_close(fp8.grad_hidden(d8, d_scale).float(), reference, rtol=1e-2, atol=1e-3)
+    with pytest.raises(ValueError, match="divisible by 16"):
+        Fp8Head.of(torch.randn(50, 32))
+
+
+@pytest.mark.parametrize("objective", [{"kl_weight": 0.5, "cap_weight": 0.3}, {"loss": "dpace", "kl_weight": 0.2}])
+def test_fp8_head_loss_and_gradient_stay_close_to_the_exact_ones(objective):
+    torch.manual_seed(4)
+    vocab, hidden_size, block = 64, 32, 5
+    weight = torch.randn(vocab, hidden_size) * 0.3
+    lengths = [13, 9]
+    input_ids = torch.randint(0, vocab, (22,))
+    loss_mask = torch.rand(22) > 0.2
+    anchors = sample_anchors(torch.ones(22, dtype=torch.bool), cu_seqlens_from_lengths(lengths), 6, torch.Generator())
+    hidden = torch.randn(anchors.num_blocks, block, hidden_size, requires_grad=True)
+    target_hidden = torch.randn(22, hidden_size)
+    cfg = DrafterConfig(block_size=block, loss_gamma=3.0, loss_chunk_tokens=7, **objective)
+    results = []
+    for fp8 in (False, True):
+        head = FrozenTargetHead(weight.clone(), weight.clone())
+        if fp8:
+            head.quantize_fp8()
+        out = dflash_loss(hidden, anchors, input_ids, loss_mask, head, cfg, target_hidden)
+        results.append((out.loss.detach(), torch.autograd.grad(out.loss, hidden)[0]))
+    (exact, exact_grad), (quantized, quantized_grad) = results
+    assert not torch.equal(exact_grad, quantized_grad)  # the FP8 products really ran
+    torch.testing.assert_close(quantized, exact, rtol=0.03, atol=0)
+    assert (quantized_grad - exact_grad).norm() / exact_grad.norm() < 0.1
