@@ -5,7 +5,8 @@ named recipe: by default the paper's (5 layers, B=16, 512 anchors per sequence) 
 target with 4 x 3072-token samples. Model FLOPs count what the step must compute: the drafter layers
 and fc forward + backward, attention over the keys each block may see in each layer (sliding-window
 layers see at most their window), and the frozen lm_head in the loss (the draft's logits, their gradient
-to the hidden states, and the target's logits where the objective reads them: KL, target-argmax labels).
+to the hidden states, and the target's logits where the objective reads them, KL or target-argmax labels,
+once per distinct position the step reads: what the loss computes, consumer/loss.py).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def visible_keys(anchors: Anchors, block: int, window: int | None) -> float:
 
 
 def step_flops(cfg: dict[str, Any], drafter: DrafterConfig, n_ctx_layers: int, tokens: int, anchors: Anchors,
-               supervised: int) -> float:
+               supervised: int, teacher_positions: int) -> float:
     h, hd = cfg["hidden_size"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
     block = drafter.block_size
@@ -59,8 +60,9 @@ def step_flops(cfg: dict[str, Any], drafter: DrafterConfig, n_ctx_layers: int, t
                     for kind in drafter.layer_types)
     fc = 2 * tokens * n_ctx_layers * h * h
     trainable_fwd = drafter.num_hidden_layers * (per_layer_block + per_layer_ctx) + attention + fc
-    head = 2 * supervised * h * cfg["vocab_size"]  # one [rows, H] x [H, vocab] product
-    return 3 * trainable_fwd + head * (3 if drafter.needs_target_logits else 2)
+    head = 2 * h * cfg["vocab_size"]  # per row of a [rows, H] x [H, vocab] product
+    # the draft's logits and their gradient per supervised row; the teacher's once per distinct position
+    return 3 * trainable_fwd + head * (2 * supervised + teacher_positions)
 
 
 def drafter_mlp(cfg: dict[str, Any], drafter: DrafterConfig) -> int:
@@ -154,7 +156,7 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int = 4, seq_len
         opt.step()
         opt.zero_grad(set_to_none=True)
         t4 = sync()
-        step.anchors, step.supervised = a, int(out.num_valid_tokens)
+        step.anchors, step.supervised, step.teacher_positions = a, int(out.num_valid_tokens), out.teacher_positions
         return t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0
 
     compile_s = sum(step()[-1] for _ in range(4))  # warm-up; the first steps compile (flex, layers, loss)
@@ -170,7 +172,7 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int = 4, seq_len
             step(), step()
         top = _top_kernels(prof)
     mean = {k: sum(v) / len(v) for k, v in phases.items()}
-    flops = step_flops(target, drafter, n_ctx, tokens, a, step.supervised)
+    flops = step_flops(target, drafter, n_ctx, tokens, a, step.supervised, step.teacher_positions)
     report = {
         "benchmark": "drafter",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -193,6 +195,7 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int = 4, seq_len
         "sync_s": 0.0,  # one replica: no collective in the step
         "tokens_per_s": round(tokens / mean["step_s"], 1),
         "block_positions_per_s": round(blocks * drafter.block_size / mean["step_s"], 1),
+        "teacher_positions_per_step": step.teacher_positions,
         "model_tflop_per_step": round(flops / 1e12, 2),
         "achieved_tflop_per_s": round(flops / mean["step_s"] / 1e12, 1),
         "peak_tflop_per_s": round(peak_flops / 1e12, 1),

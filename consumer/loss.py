@@ -173,10 +173,13 @@ _compiled: dict[str, object] = {}
 
 
 def _on(device: torch.device, fn):
+    """fn compiled on CUDA. Sizes become symbolic only once they change between calls (the rows of a chunk,
+    the step's teacher positions), so the vocabulary stays a constant and each element's row is not an
+    integer division by a runtime value in the fused passes over [rows, vocab]."""
     if device.type != "cuda":
         return fn
     if fn.__name__ not in _compiled:
-        _compiled[fn.__name__] = torch.compile(fn, dynamic=True)
+        _compiled[fn.__name__] = torch.compile(fn, dynamic=None)
     return _compiled[fn.__name__]
 
 
@@ -257,6 +260,7 @@ class DFlashLoss:
     accept_len: torch.Tensor  # mean over blocks of (teacher-forced accepted prefix + 1)
     accept_len_prob: torch.Tensor  # mean over blocks of 1 + A (tau_probabilistic)
     num_blocks: int
+    teacher_positions: int  # distinct positions whose teacher logits the step computed (0 without a teacher)
     # Per block [N], detached, for figures over any grouping of blocks (e.g. per data source): a group's loss
     # is sum(block_loss_sum) / sum(block_weight_sum).
     block_loss_sum: torch.Tensor  # sum_k w_k (CE_k + kl_weight KL_k), raw weights
@@ -341,6 +345,7 @@ def dflash_loss(
         accept_len=block_accept.sum() / n,
         accept_len_prob=block_accept_prob.sum() / n,
         num_blocks=anchors.num_blocks,
+        teacher_positions=0 if teacher is None else teacher.lse.numel(),
         block_loss_sum=grid(w * (ce + cfg.kl_weight * kl)).sum(dim=1),
         block_weight_sum=grid(w).sum(dim=1) if cfg.loss == "ce" else valid.sum(dim=1).float(),
         block_correct=correct.sum(dim=1),
