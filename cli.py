@@ -240,8 +240,14 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--steps", type=int, default=5)
     bp.add_argument("--shape", default="qwen3-8b", help="target shape (bench/target_shapes.py): qwen3-8b, qwen3.6-27b")
     bp.add_argument("--recipe", default="paper", help="drafter.recipe: paper, dpace, ddtree")
-    bp.add_argument("--seqs", type=int, default=4, help="samples per step")
-    bp.add_argument("--seq-len", type=int, default=3072, help="tokens per sample")
+    bp.add_argument("--seqs", type=_at_least_one, default=None,
+                    help="samples per step (default: 4 x 3072 tokens where the step fits the GPU, else as many "
+                         "samples of the shape's length as fit; given values that do not fit are refused)")
+    bp.add_argument("--seq-len", type=_at_least_one, default=None, help="tokens per sample (default: see --seqs)")
+    bp.add_argument("--gpu-memory-gib", type=_positive, default=None,
+                    help="GPU memory the step must fit, by the estimate of bench/drafter_memory.py, checked before "
+                         "anything is built (default: the visible GPU's total; given without a GPU, the shape is "
+                         "checked as a GPU would run it, then the CPU smoke run follows)")
     bp.add_argument("--anchors", type=int, default=None, help="anchors per sample (default: the recipe's)")
     bp.add_argument("--anchors-per-group", type=int, default=64, help="blocks per SDPA call (--attention sdpa)")
     bp.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto")
@@ -278,6 +284,13 @@ def _at_least_one(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 
@@ -586,7 +599,8 @@ def cmd_bench_drafter(args: argparse.Namespace) -> int:
                                        anchors_per_group=args.anchors_per_group,
                                        attention=args.attention, loss_chunk=args.loss_chunk,
                                        check=not args.no_check, profile=args.profile,
-                                       compile=not args.no_compile, compile_cache=args.compile_cache), indent=2))
+                                       compile=not args.no_compile, compile_cache=args.compile_cache,
+                                       gpu_memory_gib=args.gpu_memory_gib), indent=2))
     return 0
 
 
