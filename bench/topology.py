@@ -67,8 +67,8 @@ def _free() -> None:
 
 def run_topology_bench(*, shape: str = "qwen3.6-27b", recipe: str = "ddtree", tiny: bool = False,
                        target_batches: int = 3, seqs: int = 1, seq_len: int = 4096, drafter_steps: int = 5,
-                       gpus: int = 8, profile: bool = False, quiet: bool = False) -> dict[str, Any]:
-    target = run_target_bench(shape="tiny" if tiny else shape, batches=target_batches, quiet=quiet, profile=profile)
+                       gpus: int = 8, profile: bool = False) -> dict[str, Any]:
+    target = run_target_bench(shape="tiny" if tiny else shape, batches=target_batches, profile=profile)
     progress("topology", "target", {"tokens_per_s": target["forward_tokens_per_s"], "mfu": target["mfu"]["forward"],
                         "probe_passed": target["probe"]["passed"]})
     _free()
