@@ -170,12 +170,12 @@ def _parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("bench", help="benchmarks that print JSON")
     bench = sp.add_subparsers(dest="bench", required=True)
     bp = bench.add_parser("ring", help="ring throughput against multiprocessing and torch queues")
-    bp.add_argument("--json", action="store_true", help="print only the JSON report")
+    bp.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
     bp.add_argument("--sizes-mb", default="1,64,256", help="comma-separated item sizes in MB")
     bp.add_argument("--items", type=int, default=0, help="items per case (0: scale with size)")
     bp.set_defaults(func=cmd_bench_ring)
     bp = bench.add_parser("target", help="target forward alone and into the ring: tokens/s, ratio, FLOP utilization")
-    bp.add_argument("--json", action="store_true", help="print only the JSON report")
+    bp.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
     bp.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPE_NAMES),
                     help="random-weight target of this shape (tiny: a CPU smoke run)")
     bp.add_argument("--tiny", action="store_true", help="same as --shape tiny")
@@ -202,7 +202,7 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--drafter-steps", type=int, default=5, help="timed drafter steps")
     bp.add_argument("--gpus", type=int, default=8, help="GPUs of the host to lay out")
     bp.add_argument("--profile", action="store_true", help="add the top GPU kernels of both")
-    bp.add_argument("--json", action="store_true", help="print only the JSON report")
+    bp.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
     bp.set_defaults(func=cmd_bench_topology)
     bp = bench.add_parser("pipeline", help="random-weight target + drafter as real processes vs each alone; "
                                                  "the balanced topology; with kills, restart times")
@@ -240,8 +240,14 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--steps", type=int, default=5)
     bp.add_argument("--shape", default="qwen3-8b", help="target shape (bench/target_shapes.py): qwen3-8b, qwen3.6-27b")
     bp.add_argument("--recipe", default="paper", help="drafter.recipe: paper, dpace, ddtree")
-    bp.add_argument("--seqs", type=int, default=4, help="samples per step")
-    bp.add_argument("--seq-len", type=int, default=3072, help="tokens per sample")
+    bp.add_argument("--seqs", type=_at_least_one, default=None,
+                    help="samples per step (default: 4 x 3072 tokens where the step fits the GPU, else as many "
+                         "samples of the shape's length as fit; given values that do not fit are refused)")
+    bp.add_argument("--seq-len", type=_at_least_one, default=None, help="tokens per sample (default: see --seqs)")
+    bp.add_argument("--gpu-memory-gib", type=_positive, default=None,
+                    help="GPU memory the step must fit, by the estimate of bench/drafter_memory.py, checked before "
+                         "anything is built (default: the visible GPU's total; given without a GPU, the shape is "
+                         "checked as a GPU would run it, then the CPU smoke run follows)")
     bp.add_argument("--anchors", type=int, default=None, help="anchors per sample (default: the recipe's)")
     bp.add_argument("--anchors-per-group", type=int, default=64, help="blocks per SDPA call (--attention sdpa)")
     bp.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto")
@@ -278,6 +284,13 @@ def _at_least_one(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 
@@ -586,7 +599,8 @@ def cmd_bench_drafter(args: argparse.Namespace) -> int:
                                        anchors_per_group=args.anchors_per_group,
                                        attention=args.attention, loss_chunk=args.loss_chunk,
                                        check=not args.no_check, profile=args.profile,
-                                       compile=not args.no_compile, compile_cache=args.compile_cache), indent=2))
+                                       compile=not args.no_compile, compile_cache=args.compile_cache,
+                                       gpu_memory_gib=args.gpu_memory_gib), indent=2))
     return 0
 
 
@@ -609,7 +623,7 @@ def cmd_bench_regenerate(args: argparse.Namespace) -> int:
 def cmd_bench_ring(args: argparse.Namespace) -> int:
     from dflash_ring.bench.ring import run_ring_bench
 
-    report = run_ring_bench([float(s) for s in args.sizes_mb.split(",")], args.items, quiet=args.json)
+    report = run_ring_bench([float(s) for s in args.sizes_mb.split(",")], args.items)
     print(json.dumps(report, indent=2))
     return 0
 
@@ -648,8 +662,7 @@ def cmd_bench_target(args: argparse.Namespace) -> int:
 
     report = run_target_bench(shape="tiny" if args.tiny else args.shape, device=args.device, batches=args.batches, max_tokens=args.max_tokens,
                               draft_layers=args.draft_layers, final_hidden=args.final_hidden, packed=not args.padded,
-                              peak_flops=args.peak_tflops * 1e12, compile=not args.no_compile, quiet=args.json,
-                              profile=args.profile)
+                              peak_flops=args.peak_tflops * 1e12, compile=not args.no_compile, profile=args.profile)
     print(json.dumps(report, indent=2))
     return 0
 
@@ -659,8 +672,7 @@ def cmd_bench_topology(args: argparse.Namespace) -> int:
 
     report = run_topology_bench(shape=args.shape, recipe=args.recipe, tiny=args.tiny,
                                 target_batches=args.target_batches, seqs=args.seqs, seq_len=args.seq_len,
-                                drafter_steps=args.drafter_steps, gpus=args.gpus, profile=args.profile,
-                                quiet=args.json)
+                                drafter_steps=args.drafter_steps, gpus=args.gpus, profile=args.profile)
     print(json.dumps(report, indent=2))
     return 0
 

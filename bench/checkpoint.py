@@ -19,7 +19,8 @@ one host-to-device batch copy per step as the prefetcher does. In order:
 
 Each checkpoint's critical path is reported as a fraction of `--every` baseline steps (2% is the goal).
 The checkpoints go to a fresh directory under `--dir` (removed at the end); its filesystem is reported:
-a tmpfs there measures memory, not a disk.
+a tmpfs there measures memory, not a disk. Each measurement also goes to stderr as soon as it is made
+(bench/progress.py), so a run cut off by a time limit keeps it.
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ from pathlib import Path
 import safetensors
 import torch
 
-from dflash_ring.bench.drafter import QWEN3_8B, TINY
+from dflash_ring.bench.drafter import bench_target
+from dflash_ring.bench.progress import progress
 from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.trained_journal import Journal
 from dflash_ring.common.train_config import TrainConfig
 from dflash_ring.consumer.checkpoint import Checkpoint, CheckpointStore, optimizer_to_flat
 from dflash_ring.consumer.model import FrozenTargetHead, build_drafter, cu_seqlens_from_lengths
@@ -50,7 +53,7 @@ def run_checkpoint_bench(tiny: bool = False, every: int = 100, steps: int = 10, 
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     big = cuda and not tiny
-    target = QWEN3_8B if big else TINY
+    target = bench_target("qwen3-8b", tiny=not big)
     seqs, seq_len, anchors = (4, 3072, 512) if big else (2, 256, 32)
     h, vocab = target["hidden_size"], target["vocab_size"]
     drafter = DrafterConfig(num_hidden_layers=5, block_size=16, num_anchors=anchors, mask_token_id=vocab - 1)
@@ -83,19 +86,27 @@ def run_checkpoint_bench(tiny: bool = False, every: int = 100, steps: int = 10, 
     root = Path(tempfile.mkdtemp(prefix="bench-checkpoint-", dir=directory))
     try:
         warmup_s = sum(step() for _ in range(4 if big else 2))  # the first steps compile; the moments appear
+        progress("checkpoint", "warmup", {"warmup_s": round(warmup_s, 1)})
         before = [step() for _ in range(steps)]
+        progress("checkpoint", "before", {"step_s": round(statistics.fmean(before), 4)})
 
-        in_step = Checkpoints(CheckpointStore(root / "in-step"), every, 1, state, trainer, background=False)
+        in_step = Checkpoints(CheckpointStore(root / "in-step"), every, 1, state, trainer, _journal(root, "in-step"),
+                              None, background=False)
         t0 = time.perf_counter()
         in_step.save()
         sync_s = time.perf_counter() - t0
         nbytes = _bytes(root / "in-step")
+        progress("checkpoint", "in_step", {"checkpoint_bytes": nbytes, "critical_path_s": round(sync_s, 3),
+                                           "write_gb_per_s": round(nbytes / sync_s / 1e9, 2)})
         shutil.rmtree(root / "in-step")  # one checkpoint on the disk at a time
 
-        background = Checkpoints(CheckpointStore(root / "background"), every, 1, state, trainer)
+        background = Checkpoints(CheckpointStore(root / "background"), every, 1, state, trainer,
+                                 _journal(root, "background"), None)
         snapshot = background.snapshot
         first_s = _synchronized_snapshot(snapshot, trainer)  # allocates and page-locks the buffer
         synchronized_s = _synchronized_snapshot(snapshot, trainer)
+        progress("checkpoint", "snapshot", {"host_buffer_bytes": snapshot.nbytes, "first_snapshot_s": round(first_s, 3),
+                                            "snapshot_synchronized_s": round(synchronized_s, 3)})
         expected = _state_tensors(trainer.state({}))  # on the device: checked against what was written
         started, t0 = time.time(), time.perf_counter()
         background.save()
@@ -107,7 +118,11 @@ def run_checkpoint_bench(tiny: bool = False, every: int = 100, steps: int = 10, 
         # Until `latest` moved (its mtime; the loop above sees the end only at a step boundary).
         write_s = (root / "background" / "latest").stat().st_mtime - started
         assert _bytes(root / "background") == nbytes
+        progress("checkpoint", "background", {"snapshot_s": round(snapshot_s, 4), "write_s": round(write_s, 2),
+                                              "write_gb_per_s": round(nbytes / write_s / 1e9, 2),
+                                              "steps_during_write": len(during)})
         after = [step() for _ in range(steps)]
+        progress("checkpoint", "after", {"step_s": round(statistics.fmean(after), 4)})
         written = _state_tensors(CheckpointStore(root / "background").load_latest(fall_back=False))
         same = written.keys() == expected.keys() and all(torch.equal(written[k], v.cpu()) for k, v in expected.items())
     finally:
@@ -156,6 +171,11 @@ def run_checkpoint_bench(tiny: bool = False, every: int = 100, steps: int = 10, 
         },
         "background_vs_in_step_critical_path": round(async_s / sync_s, 4),
     }
+
+
+def _journal(root: Path, name: str) -> Journal:
+    """The trained-items journal a Checkpoints rotates, beside (not in) the store whose bytes are counted."""
+    return Journal(root / f"journal-{name}", ring=0, after_step=0)
 
 
 def _synchronized_snapshot(snapshot, trainer: Trainer) -> float:

@@ -7,6 +7,11 @@ and fc forward + backward, attention over the keys each block may see in each la
 layers see at most their window), and the frozen lm_head in the loss (the draft's logits, their gradient
 to the hidden states, and the target's logits where the objective reads them, KL or target-argmax labels,
 once per distinct position the step reads: what the loss computes, consumer/loss.py).
+
+Before anything is built, the step's peak memory is estimated (bench/drafter_memory.py) against the GPU's
+(--gpu-memory-gib, default the visible GPU's total): samples per step and tokens per sample left unset are
+chosen to fit, and ones given that do not fit are refused in one line. Each figure goes to stderr as soon
+as it is measured (bench/progress.py), so a run cut off by a time limit keeps what it measured.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from typing import Any
 
 import torch
 
+from dflash_ring.bench.drafter_memory import GiB, fit_samples
+from dflash_ring.bench.progress import progress
 from dflash_ring.bench.target_shapes import SHAPES, shape_config, tiny_config
 from dflash_ring.common.compile_cache import use_compile_cache
 from dflash_ring.common.drafter_config import DrafterConfig, target_text_config
@@ -26,6 +33,9 @@ from dflash_ring.consumer.loss import dflash_loss
 from dflash_ring.consumer.model import Anchors, FrozenTargetHead, build_drafter, cu_seqlens_from_lengths, sample_anchors
 
 H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s (spec sheet)
+DEFAULT_SAMPLES = (4, 3072)  # samples per step, tokens per sample: the paper's Qwen3-8B drafter
+# Tokens per sample where the default does not fit: the 27B's is the replaced pipeline's 4096 (issue 25).
+SAMPLE_TOKENS = {"qwen3.6-27b": 4096}
 
 
 def bench_target(shape: str, tiny: bool) -> dict[str, Any]:
@@ -89,19 +99,44 @@ def _top_kernels(prof, n: int = 15) -> list[list]:
     return [[e.key[:90], round(e.self_device_time_total / 1e3 / 2, 2), e.count // 2] for e in rows]  # ms, calls per step
 
 
-def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int = 4, seq_len: int = 3072,
+def _drafter_config(target: dict[str, Any], recipe: str, anchors: int | None, loss_chunk: int) -> DrafterConfig:
+    return DrafterConfig(recipe=recipe, num_anchors=anchors, mask_token_id=target["vocab_size"] - 1,
+                         loss_chunk_tokens=loss_chunk)
+
+
+def _fit_to_gpu(shape: str, tiny: bool, recipe: str, seqs: int | None, seq_len: int | None, anchors: int | None,
+                loss_chunk: int, gpu_bytes: float, *, compiled: bool, check: bool) -> tuple[int, int]:
+    """The samples the GPU step runs (the given ones, or defaults that fit); DoesNotFit, before anything is built,
+    if they do not fit. The estimate is of the shape as a GPU runs it, also when asked for on a CPU."""
+    target = bench_target(shape, tiny)
+    seqs, seq_len, memory = fit_samples(target, _drafter_config(target, recipe, anchors, loss_chunk), seqs, seq_len,
+                                        gpu_bytes, compiled=compiled, check=check, default=DEFAULT_SAMPLES,
+                                        fallback_len=SAMPLE_TOKENS.get(shape, DEFAULT_SAMPLES[1]))
+    progress("drafter", "memory", {"seqs": seqs, "seq_len": seq_len, "estimated_peak_gib": round(memory.peak / GiB, 1),
+                                   "gradient_check_gib": None if memory.check is None else round(memory.check / GiB, 1),
+                                   "gpu_gib": round(gpu_bytes / GiB, 1)})
+    return seqs, seq_len
+
+
+def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int | None = None, seq_len: int | None = None,
                       anchors: int | None = None, anchors_per_group: int = 64, attention: str = "auto",
                       loss_chunk: int = 1024, check: bool = True, profile: bool = False, compile: bool = True,
                       compile_cache: str = "", peak_flops: float = H200_BF16_PEAK, shape: str = "qwen3-8b",
-                      recipe: str = "paper") -> dict:
+                      recipe: str = "paper", gpu_memory_gib: float | None = None) -> dict:
+    """seqs, seq_len: None to fit the GPU. gpu_memory_gib: what the step must fit in (default: the visible GPU's
+    total; given without a GPU, the check runs for the GPU shape and the bench then runs its CPU smoke size)."""
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
+    gpu_bytes = (gpu_memory_gib * GiB if gpu_memory_gib is not None
+                 else torch.cuda.get_device_properties(dev).total_memory if cuda else None)
+    if gpu_bytes is not None:
+        seqs, seq_len = _fit_to_gpu(shape, tiny, recipe, seqs, seq_len, anchors, loss_chunk, gpu_bytes,
+                                    compiled=compile and attention in ("auto", "flex"), check=check)
     attention = attention if attention != "auto" else ("flex" if cuda else "sdpa")
     target = bench_target(shape, tiny or not cuda)
     if not cuda:
         seqs, seq_len, anchors, steps = 2, 256, 32, 2
-    drafter = DrafterConfig(recipe=recipe, num_anchors=anchors, mask_token_id=target["vocab_size"] - 1,
-                            loss_chunk_tokens=loss_chunk)
+    drafter = _drafter_config(target, recipe, anchors, loss_chunk)
     anchors = drafter.num_anchors
     model = build_drafter(drafter, target).to(dev)
     n_ctx = len(model.target_layer_ids)
@@ -136,6 +171,7 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int = 4, seq_len
         teacher = None if final_host is None else final_host.to(dev)
         grad_err = _grad_check(model, head, drafter, ctx, ids, mask, sample_anchors(mask, cu, anchors, gen), teacher,
                                cuda)
+        progress("drafter", "gradient_check", {"flex_vs_sdpa_grad_rel_err": round(grad_err, 5)})
     if compile:
         model.compile_layers()
 
@@ -160,19 +196,32 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int = 4, seq_len
         return t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0
 
     compile_s = sum(step()[-1] for _ in range(4))  # warm-up; the first steps compile (flex, layers, loss)
+    progress("drafter", "warmup", {"warmup_s": round(compile_s, 1)})
     phases = {"h2d_s": [], "forward_s": [], "backward_s": [], "optimizer_s": [], "step_s": []}
-    for _ in range(steps):
+    for i in range(steps):
         for k, v in zip(phases, step()):
             phases[k].append(v)
+        progress("drafter", "step", {"step": i + 1, **{k: round(v[-1], 4) for k, v in phases.items()}})
     a = step.anchors
     blocks = a.num_blocks
+    mean = {k: sum(v) / len(v) for k, v in phases.items()}
+    flops = step_flops(target, drafter, n_ctx, tokens, a, step.supervised, step.teacher_positions)
+    summary = {
+        "step_split_s": {k: round(v, 4) for k, v in mean.items()},
+        "tokens_per_s": round(tokens / mean["step_s"], 1),
+        "block_positions_per_s": round(blocks * drafter.block_size / mean["step_s"], 1),
+        "teacher_positions_per_step": step.teacher_positions,
+        "model_tflop_per_step": round(flops / 1e12, 2),
+        "achieved_tflop_per_s": round(flops / mean["step_s"] / 1e12, 1),
+        "mfu": round(flops / mean["step_s"] / peak_flops, 4),
+        "peak_memory_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 1) if cuda else None,
+    }
+    progress("drafter", "summary", summary)
     top = None
     if profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             step(), step()
         top = _top_kernels(prof)
-    mean = {k: sum(v) / len(v) for k, v in phases.items()}
-    flops = step_flops(target, drafter, n_ctx, tokens, a, step.supervised, step.teacher_positions)
     report = {
         "benchmark": "drafter",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -191,16 +240,13 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int = 4, seq_len
         "warmup_s": round(compile_s, 1),
         "compile_cache": None if cache is None else str(cache),
         "flex_vs_sdpa_grad_rel_err": None if grad_err is None else round(grad_err, 5),
-        "step_split_s": {k: round(v, 4) for k, v in mean.items()},
+        "step_split_s": summary["step_split_s"],
         "sync_s": 0.0,  # one replica: no collective in the step
-        "tokens_per_s": round(tokens / mean["step_s"], 1),
-        "block_positions_per_s": round(blocks * drafter.block_size / mean["step_s"], 1),
-        "teacher_positions_per_step": step.teacher_positions,
-        "model_tflop_per_step": round(flops / 1e12, 2),
-        "achieved_tflop_per_s": round(flops / mean["step_s"] / 1e12, 1),
+        **{k: summary[k] for k in ("tokens_per_s", "block_positions_per_s", "teacher_positions_per_step",
+                                   "model_tflop_per_step", "achieved_tflop_per_s")},
         "peak_tflop_per_s": round(peak_flops / 1e12, 1),
-        "mfu": round(flops / mean["step_s"] / peak_flops, 4),
-        "peak_memory_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 1) if cuda else None,
+        "mfu": summary["mfu"],
+        "peak_memory_gib": summary["peak_memory_gib"],
     }
     if top is not None:
         report["top_kernels_ms_per_step"] = top

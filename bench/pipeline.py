@@ -55,6 +55,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
+from dflash_ring.bench.progress import progress
 from dflash_ring.bench.target import time_forward
 from dflash_ring.bench.target_shapes import SHAPES
 from dflash_ring.common.config import Config, load_config
@@ -178,9 +179,11 @@ def _standalone(cfg: Config, device: torch.device, batches: int,
     tokens = sum(b.num_tokens for b in timed)
     target_report = {"tokens_per_s": round(tokens / seconds, 1), "batches": batches, "tokens": tokens,
                      "mean_sequences": round(sum(len(b.lengths) for b in timed) / batches, 2)}
+    progress("pipeline", "standalone_target", target_report)
     fed = [_fed_batch(target, b, device) for b in plan[:sum(drafter_steps)]]
     del target
     drafter_report = _standalone_drafter(cfg, device, fed, drafter_steps[0])
+    progress("pipeline", "standalone_drafter", drafter_report)
     del fed
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -256,6 +259,7 @@ ROLE_OF = {DRAFTER: DRAFTER, STANDBY: DRAFTER, TARGET: TARGET}  # the role each 
 TOKENS = {TARGET: "dflash_ring_target_tokens_total", DRAFTER: "dflash_ring_drafter_tokens_total"}
 FIRST_WORK = {TARGET: "first_publish", DRAFTER: "first_step"}  # the last start-up phase: doing its work again
 KILL_TIMEOUT_S = 1200.0
+KILL_REPORT = {DRAFTER: "drafter_kill", STANDBY: "drafter_kill_with_standby", TARGET: "target_kill"}  # report keys
 
 
 class PipelineRun:
@@ -386,16 +390,29 @@ def _pipeline(cfg_path: Path, target_device: str, drafter_device: str, seconds: 
         run.wait_steps(warmup_steps)
         first = run.sample()
         run.watch(seconds)
-        last = run.history[-1][1]
-        dt = run.history[-1][0] - run.history[0][0]
-        window = [scrape for _, scrape in run.history[1:]]
+        figures = _window_figures(first, run.history)
+        progress("pipeline", "window", figures)
         for i, role in enumerate(kills):
             if i:  # settle after the previous recovery, so the next before-kill window is steady again
                 previous = outages[kills[i - 1]]
                 run.watch(max(10.0, previous[f"{FIRST_WORK[ROLE_OF[kills[i - 1]]]}_after_kill_s"]))
             outages[role] = run.kill_and_restart(ROLE_OF[role], standby=role == STANDBY)
+            progress("pipeline", KILL_REPORT[role], outages[role])
     finally:
         run.stop()
+    return {
+        **figures,
+        "exit_codes": {role: p.returncode for role, p in run.procs.items()},
+        **{KILL_REPORT[role]: outages.get(role) for role in (DRAFTER, STANDBY, TARGET)},
+    }
+
+
+def _window_figures(first: dict[str, dict[str, float]],
+                    history: list[tuple[float, dict[str, dict[str, float]]]]) -> dict[str, Any]:
+    """The steady-state window's figures, from its first scrape and the ones that followed it."""
+    last = history[-1][1]
+    dt = history[-1][0] - history[0][0]
+    window = [scrape for _, scrape in history[1:]]
 
     def rate(role: str, name: str) -> float:
         return (last[role].get(name, 0.0) - first[role].get(name, 0.0)) / dt
@@ -423,10 +440,6 @@ def _pipeline(cfg_path: Path, target_device: str, drafter_device: str, seconds: 
         "ring_depth_samples": [s[SUPERVISOR].get("dflash_ring_depth_items", 0.0) for s in window],
         "target_gpu_utilization": mean([_gpu_util(s[TARGET]) for s in window]),
         "drafter_gpu_utilization": mean([_gpu_util(s[DRAFTER]) for s in window]),
-        "exit_codes": {role: p.returncode for role, p in run.procs.items()},
-        "drafter_kill": outages.get(DRAFTER),
-        "drafter_kill_with_standby": outages.get(STANDBY),
-        "target_kill": outages.get(TARGET),
     }
 
 
@@ -473,6 +486,9 @@ def run_pipeline_bench(*, tiny: bool = False, seconds: float = 90.0, warmup_step
                                                         drafter_steps=(1, 4) if not cuda else (4, 8))
     pipeline = _pipeline(cfg_path, target_device, drafter_device, seconds, warmup_steps or (3 if not cuda else 8),
                          work, kills)
+    balanced = balanced_topology(standalone_target["tokens_per_s"], standalone_drafter["tokens_per_s"],
+                                 pipeline["drafter_tokens_per_s"], len({target_device, drafter_device}))
+    progress("pipeline", "balanced_topology", balanced)
     return {
         "benchmark": "pipeline",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -487,6 +503,5 @@ def run_pipeline_bench(*, tiny: bool = False, seconds: float = 90.0, warmup_step
         "standalone_drafter": standalone_drafter,
         "pipeline": pipeline,
         "ratio_pipeline_to_standalone_target": round(pipeline["drafter_tokens_per_s"] / standalone_target["tokens_per_s"], 3),
-        "balanced_topology": balanced_topology(standalone_target["tokens_per_s"], standalone_drafter["tokens_per_s"],
-                                               pipeline["drafter_tokens_per_s"], len({target_device, drafter_device})),
+        "balanced_topology": balanced,
     }

@@ -9,7 +9,8 @@ budget. Every variant runs once per seed (train.seed and data.seed), so the spre
 run-to-run noise the differences between recipes must exceed.
 
 Ratios are against the `paper` variant of the same seed, in the same bench run. Results are appended to
-`<workdir>/recipes.jsonl` as each run finishes, so an interrupted bench keeps what it measured.
+`<workdir>/recipes.jsonl` and printed on stderr (bench/progress.py) as each run finishes, so an interrupted
+bench keeps what it measured.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from statistics import fmean
 from typing import Any
+
+from dflash_ring.bench.progress import progress
 
 # variant -> its `--set` overrides on the embedded config.
 VARIANTS: dict[str, list[str]] = {
@@ -77,6 +80,7 @@ def run_recipes_bench(workdir: str | Path, variants: Sequence[str] = tuple(VARIA
             }
             with results.open("a") as f:
                 f.write(json.dumps(run) + "\n")
+            progress("recipes", "run", run)
             runs.append(run)
     return {
         "bench": "recipes",

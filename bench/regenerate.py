@@ -11,7 +11,8 @@ every reply is exactly max_new_tokens long and the head's matmul keeps its full 
   (b) baseline: `model.generate` over the same prompts in data order, batch_size at a time, left-padded:
       what a script without length bucketing does.
 
-engine / baseline is the ratio; both generate the same number of tokens.
+engine / baseline is the ratio; both generate the same number of tokens. Each path's figures also go to stderr
+as soon as they are measured (bench/progress.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 from dflash_ring.producer.generation import GenerationSettings, Prompt
 from dflash_ring.producer.hf_engine import HfEngine
 
+from .progress import progress
 from .target_shapes import shape_config
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
@@ -93,11 +95,18 @@ def run_regenerate_bench(*, shape: str = "qwen3-8b", device: str | None = None, 
     _sync(dev)
     engine_s = time.perf_counter() - t0
     engine_tokens = sum(r.completion_tokens for r in replies)
+    engine_figures = {"seconds": round(engine_s, 2), "generated_tokens": engine_tokens,
+                      "tokens_per_s": round(engine_tokens / engine_s, 1),
+                      "finish_length": sum(r.finish_reason == "length" for r in replies)}
+    progress("regenerate", "engine", engine_figures)
 
     t0 = time.perf_counter()
     baseline_tokens = _baseline(model, encoded, engine.pad, stop, max_new_tokens, batch_size)
     _sync(dev)
     baseline_s = time.perf_counter() - t0
+    baseline_figures = {"seconds": round(baseline_s, 2), "generated_tokens": baseline_tokens,
+                        "tokens_per_s": round(baseline_tokens / baseline_s, 1)}
+    progress("regenerate", "baseline_model_generate", baseline_figures)
 
     return {
         "benchmark": "regenerate",
@@ -108,11 +117,8 @@ def run_regenerate_bench(*, shape: str = "qwen3-8b", device: str | None = None, 
         "prompts": prompts, "max_new_tokens": max_new_tokens, "batch_size": batch_size, "batch_tokens": batch_tokens,
         "prompt_tokens": {"mean": round(float(np.mean(prompt_lengths)), 1), "max": int(max(prompt_lengths)),
                           "total": int(sum(prompt_lengths))},
-        "engine": {"seconds": round(engine_s, 2), "generated_tokens": engine_tokens,
-                   "tokens_per_s": round(engine_tokens / engine_s, 1),
-                   "finish_length": sum(r.finish_reason == "length" for r in replies)},
-        "baseline_model_generate": {"seconds": round(baseline_s, 2), "generated_tokens": baseline_tokens,
-                                    "tokens_per_s": round(baseline_tokens / baseline_s, 1)},
+        "engine": engine_figures,
+        "baseline_model_generate": baseline_figures,
         "all_replies_full_length": all(r.finish_reason == "length" for r in replies),
         "ratio_engine_over_baseline": round((engine_tokens / engine_s) / (baseline_tokens / baseline_s), 3),
         "peak_memory_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 1) if dev.type == "cuda" else None,

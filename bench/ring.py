@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dflash_ring.bench.progress import progress
 from dflash_ring.common.config import load_config
 from dflash_ring.common.layout import Counter, Role
 from dflash_ring.common.membership import Membership
@@ -247,10 +248,12 @@ def _gpu_copy_cases(nbytes: int = 256 * 2**20, repeats: int = 10) -> dict[str, A
         del slot, w
         reg.close()
     Ring.unlink(cfg.run.name)
+    progress("ring", "gpu_copies", out)
     return out
 
 
-def run_ring_bench(sizes_mb: list[float], items: int = 0, quiet: bool = False) -> dict[str, Any]:
+def run_ring_bench(sizes_mb: list[float], items: int = 0) -> dict[str, Any]:
+    """The report below; each case's figures also go to stderr as soon as they are measured (bench/progress.py)."""
     transports = ["ring", "mp_queue_numpy", "torch_mp_queue"]
     try:
         from dflash_ring.bench.iceoryx2_peer import NOTE as iceoryx2_note
@@ -268,8 +271,7 @@ def run_ring_bench(sizes_mb: list[float], items: int = 0, quiet: bool = False) -
                 row[t] = {"gb_per_s": round(pairs * n * nbytes / secs / 1e9, 3),
                           "us_per_item": round(secs / (pairs * n) * 1e6, 1),
                           "cpu_us_per_item": round(cpu_s / (pairs * n) * 1e6, 1)}
-                if not quiet:
-                    print(f"  {row['topology']} {nbytes:>10} B {t:<16} {row[t]}", flush=True)
+                progress("ring", "case", {"topology": row["topology"], "item_bytes": nbytes, "transport": t, **row[t]})
             row["ratio_ring_over"] = {
                 t: round(row["ring"]["gb_per_s"] / row[t]["gb_per_s"], 2) for t in transports[1:]
             }

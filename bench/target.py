@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import platform
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -48,6 +47,7 @@ from dflash_ring.producer.pretokenized import TokenizedData
 from dflash_ring.producer.process import Loader, Producer, prepare, run_target
 from dflash_ring.producer.target import TargetModel, resolve_device, resolve_dtype
 
+from .progress import progress
 from .target_shapes import SHAPES, model_class, shape_config
 
 HEADER_BYTES = 64 * 1024
@@ -233,8 +233,8 @@ def time_into_ring(target: TargetModel, warm: list[Batch], timed: list[Batch], m
 
 def run_target_bench(*, shape: str = "qwen3-8b", device: str | None = None, batches: int = 0, max_tokens: int = 0,
                      draft_layers: int = 5, final_hidden: bool = False, packed: bool = True,
-                     peak_flops: float = 989e12, compile: bool = True, quiet: bool = False,
-                     profile: bool = False) -> dict[str, Any]:
+                     peak_flops: float = 989e12, compile: bool = True, profile: bool = False) -> dict[str, Any]:
+    """The report below; each figure also goes to stderr as soon as it is measured (bench/progress.py)."""
     tiny = shape == "tiny"
     dev = resolve_device(device or "auto")
     dtype = resolve_dtype("auto", dev)
@@ -248,14 +248,9 @@ def run_target_bench(*, shape: str = "qwen3-8b", device: str | None = None, batc
     t0 = time.perf_counter()
     target = build_target(shape, dev, dtype, layer_ids, final_hidden=final_hidden, packed=packed)
     build_s = time.perf_counter() - t0
-
-    def say(line: str) -> None:
-        if not quiet:
-            print(f"  {shape}: {line}", file=sys.stderr, flush=True)
-
-    say(f"built in {build_s:.1f}s; probing")
+    progress("target", "build", {"shape": shape, "build_s": round(build_s, 1)})
     report = probe(target)
-    say(report.summary())
+    progress("target", "probe", {k: report.to_json()[k] for k in ("passed", "max_error", "first_bad_layer")})
 
     def samples(layout_packed: bool) -> tuple[list[Batch], list[Batch]]:
         made = synthetic_batches(warm_n + batches, max_tokens=max_tokens, max_length=max_length,
@@ -278,13 +273,13 @@ def run_target_bench(*, shape: str = "qwen3-8b", device: str | None = None, batc
         recurrent = {"path": "varlen", "layers": len(target.recurrent_layers),
                      "per_sequence_eager_tokens_per_s": round(tokens / per_sequence_s, 1),
                      "probe_per_sequence": baseline_probe.to_json()}
-        say(f"recurrent mixers each sequence alone (baseline): {tokens / per_sequence_s:,.0f} tokens/s")
+        progress("target", "per_sequence_eager", {"tokens_per_s": recurrent["per_sequence_eager_tokens_per_s"]})
     elif target.recurrent_path is not None:
         recurrent = {"path": target.recurrent_path, "layers": len(target.recurrent_layers),
                      "why": target.recurrent_description()}
     # Warm with the timed batches too: Triton kernels (flash-linear-attention) compile per shape seen.
     forward_s = time_forward(target, warm + timed, timed)
-    say(f"forward alone ({'packed' if packed else 'padded'}): {tokens / forward_s:,.0f} tokens/s")
+    progress("target", "forward", {"packed": packed, "compiled": False, "tokens_per_s": round(tokens / forward_s, 1)})
     if recurrent is not None and recurrent["path"] == "varlen":
         recurrent["varlen_eager_tokens_per_s"] = round(tokens / forward_s, 1)
         recurrent["ratio_varlen_over_per_sequence"] = round(per_sequence_s / forward_s, 3)
@@ -307,20 +302,22 @@ def run_target_bench(*, shape: str = "qwen3-8b", device: str | None = None, batc
                         "compiled_bf16": [_rel_l2(fused, reference, i, width) for i in range(len(target.layer_ids))]},
                     "rel_l2_compiled_vs_eager": _rel_l2(fused, eager, None, width)}
         del eager, reference, fused
-        say(f"compiled layers: {tokens / forward_s:,.0f} tokens/s ({compiled['ratio_compiled_over_eager']}x eager); "
-            f"error against fp32 per captured layer: eager {compiled['rel_l2_vs_fp32_per_layer']['eager_bf16']}, "
-            f"compiled {compiled['rel_l2_vs_fp32_per_layer']['compiled_bf16']}")
+        progress("target", "forward", {"packed": packed, "compiled": True, "tokens_per_s": round(tokens / forward_s, 1),
+                                       **{k: compiled[k] for k in ("warmup_s", "ratio_compiled_over_eager",
+                                                                   "rel_l2_vs_fp32_per_layer")}})
     if profile:
         profiles["compiled" if compiled else "eager"] = _profile(target, timed[0])
     ring_s, waited_s, slot_bytes = time_into_ring(target, warm, timed, max_tokens, slots=4 if tiny else 3)
-    say(f"into the ring: {tokens / ring_s:,.0f} tokens/s")
+    progress("target", "ring", {"tokens_per_s": round(tokens / ring_s, 1), "ratio_ring_over_forward":
+                                round(forward_s / ring_s, 3), "wait_s": round(waited_s, 3)})
     # The other layout, same samples (the plans differ: padding counts against the token budget).
     target.use_packing(not packed)
     other_warm, other_timed = samples(not packed)
     other_tokens = sum(b.num_tokens for b in other_timed)
     other_s = time_forward(target, other_warm + other_timed, other_timed)
     target.use_packing(packed)
-    say(f"forward alone ({'padded' if packed else 'packed'}): {other_tokens / other_s:,.0f} tokens/s")
+    progress("target", "forward", {"packed": not packed, "compiled": bool(compiled),
+                                   "tokens_per_s": round(other_tokens / other_s, 1)})
     flops = model_flops(target, timed)
     bytes_per_token = target.feature_width * dtype.itemsize + (target.hidden_size * dtype.itemsize if final_hidden
                                                                else 0) + 5

@@ -18,14 +18,13 @@ one GPU together with room to spare.
 from __future__ import annotations
 
 import gc
-import json
-import sys
 from datetime import datetime, timezone
 from typing import Any
 
 import torch
 
 from .drafter import run_drafter_bench
+from .progress import progress
 from .target import run_target_bench
 
 # The pipeline this project replaces: 19.4k tokens/s on 8 GPUs (5 targets + 3 drafters), a Qwen3.6-27B target,
@@ -59,11 +58,6 @@ def topology(target_tps: float, drafter_tps: float, gpus: int = 8) -> dict[str, 
     }
 
 
-def _partial(part: str, figures: dict[str, Any]) -> None:
-    """Each half's figures on stderr as soon as it is measured: a run cut off by a time limit keeps them."""
-    print(f"topology {part}: {json.dumps(figures)}", file=sys.stderr, flush=True)
-
-
 def _free() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -73,14 +67,14 @@ def _free() -> None:
 
 def run_topology_bench(*, shape: str = "qwen3.6-27b", recipe: str = "ddtree", tiny: bool = False,
                        target_batches: int = 3, seqs: int = 1, seq_len: int = 4096, drafter_steps: int = 5,
-                       gpus: int = 8, profile: bool = False, quiet: bool = False) -> dict[str, Any]:
-    target = run_target_bench(shape="tiny" if tiny else shape, batches=target_batches, quiet=quiet, profile=profile)
-    _partial("target", {"tokens_per_s": target["forward_tokens_per_s"], "mfu": target["mfu"]["forward"],
+                       gpus: int = 8, profile: bool = False) -> dict[str, Any]:
+    target = run_target_bench(shape="tiny" if tiny else shape, batches=target_batches, profile=profile)
+    progress("topology", "target", {"tokens_per_s": target["forward_tokens_per_s"], "mfu": target["mfu"]["forward"],
                         "probe_passed": target["probe"]["passed"]})
     _free()
     drafter = run_drafter_bench(tiny, drafter_steps, seqs=seqs, seq_len=seq_len, shape=shape, recipe=recipe,
                                 check=False, profile=profile)
-    _partial("drafter", {"tokens_per_s": drafter["tokens_per_s"], "mfu": drafter["mfu"]})
+    progress("topology", "drafter", {"tokens_per_s": drafter["tokens_per_s"], "mfu": drafter["mfu"]})
     _free()
     target_tps = target["forward_tokens_per_s"]
     drafter_tps = drafter["tokens_per_s"]

@@ -313,6 +313,10 @@ CASES = [
      "data.epochs = 1_000_000_000_000: must be an integer >= 1 and <= 10000"),
     ("chaos-unknown-stop-mode", None, ["chaos", "--stop-modes", "stall-stop-now,pause", "--workdir", "{tmp}/c"],
      "--stop-modes pause: not a whole-run stop; choose among stop-now, sigterm-all, sigkill-all, stall-stop-now"),
+    # Issue 30: the 27B's ddtree step at 4 x 3072 died of CUDA OOM minutes in; the estimate refuses it first.
+    ("bench-drafter-does-not-fit", None, ["bench", "drafter", "--shape", "qwen3.6-27b", "--recipe", "ddtree",
+                                          "--seqs", "4", "--seq-len", "3072", "--gpu-memory-gib", "140"],
+     "--seqs 4 --seq-len 3072 does not fit"),
 ]
 
 

@@ -4,6 +4,7 @@ warm standby waiting, a target's): what the GPU run is judged by."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -11,6 +12,8 @@ import pytest
 
 from dflash_ring.common.startup import DRAFTER_PHASES, TARGET_PHASES
 from support import free_port_base
+
+PROGRESS = re.compile(r"^(\w+) (\w+): (\{.*\})$")  # bench/progress.py's lines
 
 
 @pytest.mark.processes
@@ -53,3 +56,13 @@ def test_tiny_pipeline_bench_kills_and_restarts_the_drafter_then_the_target(tmp_
         assert set(kill["tokens_per_s_from_kill_to_recovery"]) == set(kill["tokens_per_s_before_kill"]) == {
             "target", "drafter"}
         assert kill["before_kill_window_s"] > 0
+    # Each phase's figures went to stderr as it was measured (what a run cut off by a time limit keeps), as the
+    # report has them.
+    figures = {m[2]: json.loads(m[3]) for m in map(PROGRESS.match, out.stderr.splitlines()) if m and m[1] == "pipeline"}
+    assert list(figures) == ["standalone_target", "standalone_drafter", "window", "drafter_kill",
+                             "drafter_kill_with_standby", "target_kill", "balanced_topology"], list(figures)
+    assert figures["standalone_target"] == rep["standalone_target"]
+    assert figures["standalone_drafter"] == rep["standalone_drafter"]
+    assert figures["window"] == {k: pipe[k] for k in figures["window"]} and "drafter_tokens_per_s" in figures["window"]
+    assert all(figures[kill] == pipe[kill] for kill in ("drafter_kill", "drafter_kill_with_standby", "target_kill"))
+    assert figures["balanced_topology"] == bal

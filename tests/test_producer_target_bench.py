@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from dflash_ring.bench.target_shapes import SHAPES
 from dflash_ring.cli import SHAPE_NAMES
 from dflash_ring.producer.target import TargetModel
 from dflash_ring.common.target_config import TargetConfig
+
+PROGRESS = re.compile(r"^(\w+) (\w+): (\{.*\})$")  # bench/progress.py's lines
 
 
 def test_shapes_named_in_the_cli_are_the_benchs():
@@ -37,11 +40,11 @@ def test_attention_pairs_respect_the_window():
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
-def test_tiny_target_bench_reports_forward_and_ring_throughput(packed):
+def test_tiny_target_bench_reports_forward_and_ring_throughput(packed, capsys):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # CI has two cores; the bench adds a loader and a consumer thread
     try:
-        report = run_target_bench(shape="tiny", batches=2, max_tokens=1024, draft_layers=2, packed=packed, quiet=True)
+        report = run_target_bench(shape="tiny", batches=2, max_tokens=1024, draft_layers=2, packed=packed)
     finally:
         torch.set_num_threads(threads)
     assert report["model"]["layer_ids"] == [1, 5] and report["model"]["layers_run"] == 6
@@ -55,9 +58,19 @@ def test_tiny_target_bench_reports_forward_and_ring_throughput(packed):
     assert (report["batches"]["padding_fraction"] == 0.0) == packed
     assert report["ring"]["bytes_per_token"] == 2 * 128 * 4 + 5
     assert 0 < report["mfu"]["forward"] < 1 and report["mfu"]["peak_flops"] == 989e12
+    # Each figure went to stderr as it was measured (what a run cut off by a time limit keeps), as the report has it.
+    lines = [PROGRESS.match(line) for line in capsys.readouterr().err.splitlines()]
+    figures = [(m[2], json.loads(m[3])) for m in lines if m and m[1] == "target"]
+    assert [part for part, _ in figures] == ["build", "probe", "forward", "ring", "forward"]
+    (_, build), (_, probe), (_, forward), (_, ring), (_, other) = figures
+    assert build["build_s"] == report["model"]["build_s"] and probe["passed"] == report["probe"]["passed"]
+    assert (forward["packed"], forward["tokens_per_s"]) == (packed, report["forward_tokens_per_s"])
+    assert ring["tokens_per_s"] == report["ring_tokens_per_s"]
+    assert ring["ratio_ring_over_forward"] == report["ratio_ring_over_forward"]
+    assert other["tokens_per_s"] == report["layouts"]["padded_tokens_per_s" if packed else "packed_tokens_per_s"]
 
 
-def test_regenerate_bench_runs_both_paths_on_the_same_prompts():
+def test_regenerate_bench_runs_both_paths_on_the_same_prompts(capsys):
     """`dflash-ring bench regenerate --shape tiny` in-process: every reply runs to max_new_tokens on both paths."""
     from dflash_ring.bench.regenerate import run_regenerate_bench
 
@@ -66,6 +79,9 @@ def test_regenerate_bench_runs_both_paths_on_the_same_prompts():
     assert rep["engine"]["finish_length"] == 8
     assert rep["engine"]["generated_tokens"] == rep["baseline_model_generate"]["generated_tokens"] == 32
     assert rep["ratio_engine_over_baseline"] > 0
+    lines = [PROGRESS.match(line) for line in capsys.readouterr().err.splitlines()]
+    figures = {m[2]: json.loads(m[3]) for m in lines if m and m[1] == "regenerate"}  # each path as it was timed
+    assert figures == {k: rep[k] for k in ("engine", "baseline_model_generate")}
 
 
 def test_regenerate_bench_silences_the_head_rows_it_must():

@@ -1,0 +1,106 @@
+"""`bench drafter`: its memory estimate against the peaks measured on the H200, the samples it picks to fit
+one, and the tiny run end to end on the CPU, every figure on stderr before the final JSON."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dflash_ring.bench.drafter import DEFAULT_SAMPLES, SAMPLE_TOKENS, bench_target
+from dflash_ring.bench.drafter_memory import GiB, DoesNotFit, fit_samples, step_memory, trainable_parameters
+from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.consumer.model import build_drafter
+
+H200_BYTES = 143771 * 2**20  # what nvidia-smi shows for one H200 (.library/device/KINDS.md)
+PROGRESS = re.compile(r"^(\w+) (\w+): (\{.*\})$")
+
+
+def _shape(shape: str, recipe: str) -> tuple[dict, DrafterConfig]:
+    target = bench_target(shape, tiny=False)
+    return target, DrafterConfig(recipe=recipe, mask_token_id=target["vocab_size"] - 1)
+
+
+@pytest.mark.parametrize("shape,recipe", [("qwen3-8b", "paper"), ("qwen3.6-27b", "ddtree")])
+def test_the_estimate_counts_the_parameters_of_the_model_it_does_not_build(shape, recipe):
+    target, drafter = _shape(shape, recipe)
+    with torch.device("meta"):
+        model = build_drafter(drafter, target)
+    assert trainable_parameters(target, drafter) == sum(p.numel() for p in model.parameters())
+
+
+# docs/benchmarks.md, "Drafter training step on the H200": peak GiB of (shape, recipe, seqs, seq_len, compiled
+# layers, gradient check). Those runs predate the teacher logits kept per position, which the estimate adds.
+MEASURED = [
+    ("qwen3-8b", "paper", 4, 3072, True, False, 43.7),
+    ("qwen3.6-27b", "ddtree", 1, 4096, True, False, 65.3),
+    ("qwen3.6-27b", "ddtree", 2, 4096, True, False, 100.0),
+    ("qwen3.6-27b", "paper", 1, 4096, True, False, 39.3),
+    ("qwen3-8b", "paper", 4, 3072, True, True, 62.1),
+    ("qwen3.6-27b", "ddtree", 1, 4096, True, True, 84.6),
+    ("qwen3-8b", "paper", 4, 3072, False, False, 71.2),  # --attention sdpa: eager layers
+]
+
+
+@pytest.mark.parametrize("shape,recipe,seqs,seq_len,compiled,check,measured", MEASURED)
+def test_the_estimate_reproduces_the_peaks_measured_on_the_h200(shape, recipe, seqs, seq_len, compiled, check,
+                                                                 measured):
+    target, drafter = _shape(shape, recipe)
+    memory = step_memory(target, drafter, seqs, seq_len, compiled=compiled, check=check)
+    teacher_logits = 2 * seqs * seq_len * target["vocab_size"] if drafter.needs_target_logits else 0
+    assert memory.peak / GiB == pytest.approx(measured, rel=0.10)
+    assert (memory.peak - teacher_logits) / GiB == pytest.approx(measured, rel=0.05)
+
+
+@pytest.mark.parametrize("shape,recipe,check,expected", [
+    ("qwen3-8b", "paper", True, (4, 3072)),  # the default, kept
+    ("qwen3.6-27b", "paper", True, (4, 3072)),
+    ("qwen3.6-27b", "ddtree", True, (1, 4096)),  # the eager gradient check needs ~149 GiB at 2 x 4096
+    ("qwen3.6-27b", "ddtree", False, (2, 4096)),  # measured 100 GiB
+])
+def test_unset_samples_are_the_most_that_fit_one_h200(shape, recipe, check, expected):
+    target, drafter = _shape(shape, recipe)
+    seqs, seq_len, memory = fit_samples(target, drafter, None, None, H200_BYTES, compiled=True, check=check,
+                                        default=DEFAULT_SAMPLES, fallback_len=SAMPLE_TOKENS.get(shape, 3072))
+    assert (seqs, seq_len) == expected and memory.peak <= 0.9 * H200_BYTES
+
+
+def test_given_samples_are_kept_or_refused_with_what_fits():
+    target, drafter = _shape("qwen3.6-27b", "ddtree")
+    assert fit_samples(target, drafter, 2, None, H200_BYTES, compiled=True, check=False,
+                       fallback_len=4096)[:2] == (2, 3072)  # the default length first
+    with pytest.raises(DoesNotFit, match=r"^--seqs 3 --seq-len 4096 does not fit: .* at most --seqs 2 --seq-len "
+                                         r"4096 fits$"):
+        fit_samples(target, drafter, 3, 4096, H200_BYTES, compiled=True, check=False)
+    with pytest.raises(DoesNotFit, match=r"at most --seqs 1 --seq-len 4096 fits; with --no-check .*: --seqs 2 "
+                                         r"--seq-len 4096$"):
+        fit_samples(target, drafter, 2, 4096, H200_BYTES, compiled=True, check=True)
+
+
+@pytest.mark.processes
+def test_tiny_drafter_bench_prints_each_figure_before_the_json():
+    """The CPU run of the 27B's ddtree bench, checked for one H200 first: each figure on stderr as it is measured
+    (what a run cut off by a time limit keeps), the same figures in the final JSON."""
+    out = subprocess.run([sys.executable, "-m", "dflash_ring", "bench", "drafter", "--shape", "qwen3.6-27b",
+                          "--recipe", "ddtree", "--gpu-memory-gib", str(H200_BYTES / GiB), "--json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:]
+    lines = out.stdout.splitlines()
+    start = lines.index("{")
+    report = json.loads("\n".join(lines[start:]))
+    figures = [(m[1], m[2], json.loads(m[3])) for m in map(PROGRESS.match, lines[:start]) if m]
+    assert all(bench == "drafter" for bench, _, _ in figures)
+    parts = [part for _, part, _ in figures]
+    assert parts == ["memory", "warmup", "step", "step", "summary"], parts  # no gradient check on a CPU
+    memory, warmup, *steps, summary = (f for _, _, f in figures)
+    assert (memory["seqs"], memory["seq_len"]) == (1, 4096)  # chosen for the H200; the CPU runs its smoke size
+    assert warmup["warmup_s"] == report["warmup_s"]
+    assert [s["step"] for s in steps] == [1, 2]
+    for phase, mean in report["step_split_s"].items():
+        assert sum(s[phase] for s in steps) / len(steps) == pytest.approx(mean, abs=1e-4)
+    assert summary == {k: report[k] for k in summary}
+    assert set(summary) >= {"tokens_per_s", "mfu", "step_split_s", "peak_memory_gib"}
