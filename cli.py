@@ -474,8 +474,13 @@ def cmd_check_target(args: argparse.Namespace) -> int:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     """What every role does first (load_config: types, each number's range, the sections' own checks), alone:
-    the cheap way to vet a config before a run, and what tests/test_config_bounds.py drives."""
+    the cheap way to vet a config before a run, and what tests/test_config_bounds.py drives. With
+    drafter.precision = "fp8" also what a drafter checks first: this host's GPU (train.device) and torchao."""
     cfg = _config(args)
+    if cfg.drafter.precision == "fp8":
+        from dflash_ring.consumer.fp8 import check_precision  # torch: only for a config that needs a GPU's look
+
+        check_precision(cfg.drafter.precision, cfg.train.device)
     print(f"config OK: run {cfg.run.name!r}" + (f" from {args.config}" if args.config else " (defaults)"))
     return 0
 

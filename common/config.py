@@ -232,8 +232,9 @@ class Config:
             "topology.producers": self.topology.producers,
             "topology.consumers": self.topology.consumers,
         }
-        # Drafter replicas average their weights: replicas of another shape or objective must not join.
-        fields |= {f"drafter.{k}": v for k, v in dataclasses.asdict(self.drafter).items()}
+        # Drafter replicas average their weights: replicas of another shape or objective must not join (their
+        # numeric format, drafter.precision, may differ: DrafterConfig.model_fields).
+        fields |= {f"drafter.{k}": v for k, v in self.drafter.model_fields().items()}
         if self.target.path:
             try:
                 fields |= self.target.geometry().fingerprint_fields()

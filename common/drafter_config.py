@@ -7,7 +7,7 @@ The Hugging Face side (the exported config.json) is consumer/drafter_hf_config.p
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Annotated, Any, Literal
 
 from dflash_ring.common.range_config import AtLeastOne, Fraction, Positive, Range
@@ -19,6 +19,9 @@ ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
 Objective = Literal["ce", "dpace"]
 LabelSource = Literal["data", "target_argmax"]
+Precision = Literal["bf16", "fp8"]
+# Fields that choose how the drafter's arithmetic is done, not which model it is (model_fields leaves them out).
+NUMERIC_FORMAT_FIELDS = ("precision",)
 
 # Named recipes: one line (`drafter.recipe = "ddtree"`) for the settings below; a key set explicitly wins.
 # paper:  the DFlash paper's Qwen3-8B drafter: 5 full-attention layers, B16, 512 anchors, position-decayed CE.
@@ -95,6 +98,11 @@ class DrafterConfig:
     # None -> the target's RoPE (drafter_rope); set it for a plain RoPE of this base instead, e.g. for
     # targets whose RoPE a fixed Qwen3 rotary cannot express (dynamic NTK, longrope).
     rope_theta: Positive | None = None
+    # The format of the trainable linears' GEMMs. "bf16": autocast over fp32 master weights. "fp8": torchao's
+    # float8 training with rowwise scales (consumer/fp8.py), refused in one line where the GPU cannot run it
+    # (compute capability < 8.9) or torchao is missing. The same model either way: the weights, checkpoints and
+    # export are laid out alike, so a run may resume in the other format (see model_fields).
+    precision: Precision = "bf16"
 
     def __post_init__(self) -> None:
         if self.recipe is not None and self.recipe not in RECIPES:
@@ -119,12 +127,21 @@ class DrafterConfig:
         if self.loss not in ("ce", "dpace") or self.label not in ("data", "target_argmax"):
             raise ValueError(f"loss {self.loss!r} must be 'ce' or 'dpace', label {self.label!r} 'data' or "
                              "'target_argmax'")
+        if self.precision not in ("bf16", "fp8"):
+            raise ValueError(f"precision {self.precision!r} must be 'bf16' or 'fp8'")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         if unknown := set(self.layer_types) - set(ATTENTION_TYPES):
             raise ValueError(f"unknown layer_types {sorted(unknown)}; expected {ATTENTION_TYPES}")
         if "sliding_attention" in self.layer_types and (self.sliding_window or 0) < self.block_size:
             raise ValueError("sliding_attention layers need sliding_window >= block_size")
+
+    def model_fields(self) -> dict[str, Any]:
+        """Every field but the numeric format: what the ring's and the replica group's fingerprints compare. A
+        format is not another model (bf16 and fp8 replicas may average their weights, a drafter may resume in
+        the other format), and leaving it out keeps the fingerprint of every bf16 config as it was before the
+        field existed."""
+        return {k: v for k, v in asdict(self).items() if k not in NUMERIC_FORMAT_FIELDS}
 
     @property
     def needs_target_logits(self) -> bool:

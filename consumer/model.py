@@ -387,11 +387,15 @@ class DFlashDraftModel(nn.Module):
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=config.initializer_range)
 
-    def compile_layers(self) -> None:
+    def compile_layers(self, include_fc: bool = False) -> None:
         """torch.compile each decoder layer in place (one graph serves all: they share code and shapes), fusing
-        norms, RoPE, SiLU and residual adds around the matmuls; state_dict names are unchanged."""
+        norms, RoPE, SiLU and residual adds around the matmuls; state_dict names are unchanged. `include_fc`
+        compiles fc too: under FP8 (consumer/fp8.py) its input's rowwise cast, a pass over all [T, n*H] features,
+        is fused only there; in bf16 fc is one matmul that compiling would not speed up."""
         for layer in self.layers:
             layer.compile(dynamic=True)
+        if include_fc:
+            self.fc.compile(dynamic=True)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [L, head_dim] exactly as Qwen3RotaryEmbedding computes them."""

@@ -52,6 +52,7 @@ from dflash_ring.common.startup import Startup
 from dflash_ring.common.trained_journal import Journal, drop_covered, journal_dir, seal
 from dflash_ring.consumer.async_checkpoint import BackgroundWriter, HostSnapshot
 from dflash_ring.consumer.checkpoint import CheckpointStore, check_same_shape
+from dflash_ring.consumer.fp8 import check_precision
 from dflash_ring.consumer.head_cache import CACHE_NAME as HEAD_CACHE_NAME
 from dflash_ring.consumer.model import build_drafter, load_target_head
 from dflash_ring.consumer.replica_group import ReplicaGroup
@@ -447,7 +448,7 @@ class Resumed:
             return
         self.loaded = contents
         if (ckpt := self.store.load_latest(device=self.trainer.device)) is not None:
-            check_same_shape(ckpt, self.trainer.model, asdict(self.drafter_cfg))
+            check_same_shape(ckpt, self.trainer.model, self.drafter_cfg.model_fields())  # either precision
             self.trainer.restore(ckpt)
             self.consumed = Consumed(ckpt.info.get("consumed", {}), int(ckpt.info.get("items", 0)))
             log.info("resumed from %s (step %d)", ckpt.path, ckpt.step)
@@ -458,6 +459,7 @@ def run_drafter(cfg: Config, indices: list[int], device_name: str | None, startu
     """Drafter `indices[0]`; with `standby`, a warm standby for every drafter of `indices`: built and attached, it
     takes over the first whose holder dies (common/seat.py), and exits 0 at the run's end if none does."""
     device = pick_device(device_name or cfg.train.device, indices[0])
+    check_precision(cfg.drafter.precision, device)  # one line, before anything is built or joined
     check_tracking_dir(cfg)  # fails here, before the model is built
     if not standby and not is_alive(lock_path(cfg.lock_dir(), Role.CONSUMER, indices[0])):
         # Nobody holds this drafter's seat, so nobody should hold its port: a taken one fails now, not after the

@@ -66,7 +66,6 @@ import logging
 import socket
 import threading
 import time
-from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -76,6 +75,7 @@ from torch import nn
 from torch.distributed import AllreduceOptions, ProcessGroupGloo, ReduceOp, Store, TCPStore
 
 from dflash_ring.common.config import Config, ConfigError, GroupConfig
+from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.common.layout import Role
 from dflash_ring.common.liveness import is_alive, lock_path
 from dflash_ring.common.rendezvous import parse_rendezvous
@@ -173,9 +173,9 @@ class SignedStore(Store):
         raise _Unavailable(f"store key {full} keeps being overwritten with unsigned values")
 
 
-def fingerprint_fields(cfg: Config, drafter: Any, model: nn.Module) -> dict[str, Any]:
+def fingerprint_fields(cfg: Config, drafter: DrafterConfig, model: nn.Module) -> dict[str, Any]:
     """What every host of a group must agree on, by config field name."""
-    fields: dict[str, Any] = {f"drafter.{k}": v for k, v in asdict(drafter).items()}
+    fields: dict[str, Any] = {f"drafter.{k}": v for k, v in drafter.model_fields().items()}  # not precision
     if cfg.target.path:
         fields |= cfg.target.geometry().fingerprint_fields()
     for k in ("average_every_steps", "lr", "weight_decay", "betas", "warmup_ratio", "min_lr_ratio", "grad_clip",
@@ -211,7 +211,7 @@ class ReplicaGroup:
         self._beat: tuple[threading.Thread, threading.Event] | None = None
 
     @classmethod
-    def from_config(cls, cfg: Config, index: int, model: nn.Module, drafter: Any, fresh: bool) -> ReplicaGroup:
+    def from_config(cls, cfg: Config, index: int, model: nn.Module, drafter: DrafterConfig, fresh: bool) -> ReplicaGroup:
         host = cfg.group.host_name or f"{socket.gethostname()}/{cfg.run.name}"
         return cls(cfg.group, host, index, model, cfg.lock_dir(), fingerprint_fields(cfg, drafter, model), fresh)
 

@@ -7,6 +7,7 @@ in-process reference loop the pipeline is checked against.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -17,10 +18,13 @@ import torch
 from dflash_ring.consumer.checkpoint import Checkpoint
 from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.common.slot_contract import item_sources
+from dflash_ring.consumer.fp8 import check_precision, convert_to_fp8
 from dflash_ring.consumer.loss import DFlashLoss, dflash_loss
 from dflash_ring.consumer.model import Anchors, DFlashDraftModel, FrozenTargetHead, sample_anchors
 from dflash_ring.consumer.source_metrics import SourceLabels, SourceStats, add_sources, by_source
 from dflash_ring.common.train_config import TrainConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -77,8 +81,15 @@ class Trainer:
     def __init__(self, model: DFlashDraftModel, head: FrozenTargetHead, drafter: DrafterConfig,
                  train: TrainConfig, device: torch.device, sources: SourceLabels | None = None):
         self.model = model.to(device)  # fp32 master weights; bf16 only inside autocast on GPU
+        fp8 = drafter.precision == "fp8"
+        if fp8:  # before compiling (the casts are traced into the layers) and before the optimizer takes the weights
+            check_precision(drafter.precision, device)
+            convert_to_fp8(self.model)
         if train.compile and device.type == "cuda" and train.attention_for("cuda") == "flex":  # sdpa groups vary
-            self.model.compile_layers()
+            self.model.compile_layers(include_fc=fp8)
+        elif fp8:
+            log.warning("fp8 with eager layers (train.compile = false or attention sdpa): the casts to FP8 are not "
+                        "fused, so a step may well be slower than in bf16")
         self.head = head
         self.drafter = drafter
         self.cfg = train

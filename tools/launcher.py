@@ -262,6 +262,10 @@ class Launch:
     def start(self) -> None:
         t = self.cfg.topology
         check_ports_free(self.cfg)  # one clear error now, not one per child process
+        if self.cfg.drafter.precision == "fp8":  # likewise: the drafters would each refuse it
+            from dflash_ring.consumer.fp8 import check_precision
+
+            check_precision(self.cfg.drafter.precision, self.cfg.train.device)
         if self.cfg.metrics.enabled:
             ports = ", ".join(f"{name} {port}" for name, port in run_ports(self.cfg).items())
             self.console.print(f"metrics at http://{self.cfg.metrics.bind}:PORT/metrics: {ports}")
