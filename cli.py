@@ -255,9 +255,22 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--no-check", action="store_true", help="skip the flex-vs-sdpa gradient comparison (GPU)")
     bp.add_argument("--profile", action="store_true", help="add the top GPU kernels of two steps")
     bp.add_argument("--no-compile", action="store_true", help="run the decoder layers eagerly")
+    bp.add_argument("--precision", choices=["bf16", "fp8"], default="bf16",
+                    help="drafter.precision: the trainable linears in bf16 or FP8 (refused without a capable GPU)")
     bp.add_argument("--compile-cache", default="",
                     help="persistent compile cache root (run.compile_cache_dir); run twice to see a warm start")
     bp.set_defaults(func=cmd_bench_drafter)
+    bp = bench.add_parser("precision", help="FP8 quality guard (GPU): the same drafter, seed and learnable synthetic "
+                                            "items trained in bf16 and in fp8; both curves and the final ratios")
+    bp.add_argument("--steps", type=_at_least_one, default=300)
+    bp.add_argument("--shape", default="qwen3-8b", choices=sorted(set(SHAPE_NAMES) - {"tiny"}), help="target shape")
+    bp.add_argument("--tiny", action="store_true", help="a small member of the shape's family (a quick GPU smoke run)")
+    bp.add_argument("--recipe", default="paper", help="drafter.recipe: paper, dpace, ddtree")
+    bp.add_argument("--seqs", type=_at_least_one, default=1, help="samples per step")
+    bp.add_argument("--seq-len", type=_at_least_one, default=2048, help="tokens per sample")
+    bp.add_argument("--seed", type=int, default=0, help="initial weights, items and anchors")
+    bp.add_argument("--every", type=_at_least_one, default=10, help="steps per point of the curves")
+    bp.set_defaults(func=cmd_bench_precision)
     bp = bench.add_parser("recipes", help="the embedded default trained with each recipe: chain and tree tau on the "
                                           "same held-out prompts, two seeds (CPU, ~1 h)")
     bp.add_argument("--workdir", default="runs/bench-recipes", help="where the runs and recipes.jsonl go")
@@ -605,7 +618,16 @@ def cmd_bench_drafter(args: argparse.Namespace) -> int:
                                        attention=args.attention, loss_chunk=args.loss_chunk,
                                        check=not args.no_check, profile=args.profile,
                                        compile=not args.no_compile, compile_cache=args.compile_cache,
-                                       gpu_memory_gib=args.gpu_memory_gib), indent=2))
+                                       gpu_memory_gib=args.gpu_memory_gib, precision=args.precision), indent=2))
+    return 0
+
+
+def cmd_bench_precision(args: argparse.Namespace) -> int:
+    from dflash_ring.bench.precision import run_precision_bench
+
+    print(json.dumps(run_precision_bench(steps=args.steps, shape=args.shape, recipe=args.recipe, seqs=args.seqs,
+                                         seq_len=args.seq_len, seed=args.seed, every=args.every, tiny=args.tiny),
+                     indent=2))
     return 0
 
 

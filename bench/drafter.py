@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import platform
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -29,6 +29,7 @@ from dflash_ring.bench.progress import progress
 from dflash_ring.bench.target_shapes import SHAPES, shape_config, tiny_config
 from dflash_ring.common.compile_cache import use_compile_cache
 from dflash_ring.common.drafter_config import DrafterConfig, target_text_config
+from dflash_ring.consumer.fp8 import check_precision, convert_to_fp8
 from dflash_ring.consumer.loss import dflash_loss
 from dflash_ring.consumer.model import Anchors, FrozenTargetHead, build_drafter, cu_seqlens_from_lengths, sample_anchors
 
@@ -122,11 +123,13 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int | None = Non
                       anchors: int | None = None, anchors_per_group: int = 64, attention: str = "auto",
                       loss_chunk: int = 1024, check: bool = True, profile: bool = False, compile: bool = True,
                       compile_cache: str = "", peak_flops: float = H200_BF16_PEAK, shape: str = "qwen3-8b",
-                      recipe: str = "paper", gpu_memory_gib: float | None = None) -> dict:
+                      recipe: str = "paper", gpu_memory_gib: float | None = None, precision: str = "bf16") -> dict:
     """seqs, seq_len: None to fit the GPU. gpu_memory_gib: what the step must fit in (default: the visible GPU's
-    total; given without a GPU, the check runs for the GPU shape and the bench then runs its CPU smoke size)."""
+    total; given without a GPU, the check runs for the GPU shape and the bench then runs its CPU smoke size).
+    precision: drafter.precision (fp8: refused in one line where it cannot run)."""
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
+    check_precision(precision, dev)
     gpu_bytes = (gpu_memory_gib * GiB if gpu_memory_gib is not None
                  else torch.cuda.get_device_properties(dev).total_memory if cuda else None)
     if gpu_bytes is not None:
@@ -136,9 +139,11 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int | None = Non
     target = bench_target(shape, tiny or not cuda)
     if not cuda:
         seqs, seq_len, anchors, steps = 2, 256, 32, 2
-    drafter = _drafter_config(target, recipe, anchors, loss_chunk)
+    drafter = replace(_drafter_config(target, recipe, anchors, loss_chunk), precision=precision)
     anchors = drafter.num_anchors
     model = build_drafter(drafter, target).to(dev)
+    if precision == "fp8":  # as the Trainer does: before the optimizer and the compile
+        convert_to_fp8(model)
     n_ctx = len(model.target_layer_ids)
     h, vocab = target["hidden_size"], target["vocab_size"]
     head = FrozenTargetHead(torch.randn(vocab, h, dtype=torch.bfloat16, device=dev) * 0.02,
@@ -173,7 +178,7 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int | None = Non
                                cuda)
         progress("drafter", "gradient_check", {"flex_vs_sdpa_grad_rel_err": round(grad_err, 5)})
     if compile:
-        model.compile_layers()
+        model.compile_layers(include_fc=precision == "fp8")
 
     def step() -> tuple[float, ...]:
         t0 = sync()
@@ -234,6 +239,7 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int | None = Non
                   "block_size": drafter.block_size, "anchors_per_seq": anchors, "seqs": seqs, "seq_len": seq_len,
                   "blocks_per_step": blocks, "vocab": vocab},
         "attention": attention,
+        "precision": precision,  # the trainable linears' GEMMs; the frozen head's products as consumer/loss.py does them
         "anchors_per_group": anchors_per_group if attention == "sdpa" else None,
         "loss_chunk_tokens": loss_chunk,
         "compiled_layers": compile,
