@@ -25,6 +25,19 @@ SHAPE_NAMES = ("tiny", "qwen3-8b", "qwen3.6-27b", "qwen3-30b-a3b", "gpt-oss-20b"
                "nemotron-3-nano-30b-a3b")
 
 
+# With torchao installed (the fp8 extra), transformers imports it in every process that loads a model, and at import
+# torchao warns about kernels it cannot offer here (its C++/CUDA extensions on a CPU torch or another Python, Triton
+# missing) and torch that torchao registers enums the old way: nothing the float8 training uses (Python over
+# torch._scaled_mm), and lines that would break a refusal's one line. So torchao logs errors only, unless --verbose,
+# and torch's note is dropped by its words (its other warnings still show).
+TORCH_IMPORT_NOISE = "%s is an Enum subclass and is now natively supported"
+
+
+class _TorchImportNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(TORCH_IMPORT_NOISE)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -33,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s {args.command}[%(process)d] %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if not getattr(args, "verbose", False):
+        logging.getLogger("torchao").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils._pytree").addFilter(_TorchImportNoise())
     try:
         return args.func(args)
     except (ConfigError, RunNameError, TargetConfigError, DataError, RegenerateConfigError, RuntimeError,
