@@ -148,6 +148,8 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int | None = Non
     h, vocab = target["hidden_size"], target["vocab_size"]
     head = FrozenTargetHead(torch.randn(vocab, h, dtype=torch.bfloat16, device=dev) * 0.02,
                             torch.randn(vocab, h, dtype=torch.bfloat16, device=dev) * 0.02)
+    if precision == "fp8":
+        head.quantize_fp8()
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, fused=cuda)
     tokens = seqs * seq_len
 
