@@ -218,6 +218,9 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--drafter-steps", type=int, default=5, help="timed drafter steps")
     bp.add_argument("--gpus", type=int, default=8, help="GPUs of the host to lay out")
     bp.add_argument("--profile", action="store_true", help="add the top GPU kernels of both")
+    bp.add_argument("--precision", type=_precisions, default=("bf16",),
+                    help="drafter.precision of the drafter half, or several comma-separated (bf16,fp8): each drafter "
+                         "half against the one target half")
     bp.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
     bp.set_defaults(func=cmd_bench_topology)
     bp = bench.add_parser("pipeline", help="random-weight target + drafter as real processes vs each alone; "
@@ -321,6 +324,13 @@ def _positive(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
+
+
+def _precisions(text: str) -> tuple[str, ...]:
+    precisions = tuple(dict.fromkeys(part.strip() for part in text.split(",")))
+    if bad := [p for p in precisions if p not in ("bf16", "fp8")]:
+        raise argparse.ArgumentTypeError(f"expected bf16, fp8 or both comma-separated, got {bad}")
+    return precisions
 
 
 def _budgets(text: str) -> tuple[int, ...]:
@@ -715,7 +725,8 @@ def cmd_bench_topology(args: argparse.Namespace) -> int:
 
     report = run_topology_bench(shape=args.shape, recipe=args.recipe, tiny=args.tiny,
                                 target_batches=args.target_batches, seqs=args.seqs, seq_len=args.seq_len,
-                                drafter_steps=args.drafter_steps, gpus=args.gpus, profile=args.profile)
+                                drafter_steps=args.drafter_steps, gpus=args.gpus, profile=args.profile,
+                                precisions=args.precision)
     print(json.dumps(report, indent=2))
     return 0
 

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from dflash_ring.consumer.fp8 import check_precision
+
 from .drafter import run_drafter_bench
 from .progress import progress
 from .target import run_target_bench
@@ -67,17 +69,25 @@ def _free() -> None:
 
 def run_topology_bench(*, shape: str = "qwen3.6-27b", recipe: str = "ddtree", tiny: bool = False,
                        target_batches: int = 3, seqs: int = 1, seq_len: int = 4096, drafter_steps: int = 5,
-                       gpus: int = 8, profile: bool = False) -> dict[str, Any]:
+                       gpus: int = 8, profile: bool = False, precisions: tuple[str, ...] = ("bf16",)) -> dict[str, Any]:
+    """precisions: drafter.precision values whose drafter half runs against the one target half (the first one's
+    figures are the report's "drafter" and "topology", the others' under "other_precisions")."""
+    for precision in precisions:  # an FP8 drafter that cannot run here is refused before the target's minutes
+        check_precision(precision, "auto")
     target = run_target_bench(shape="tiny" if tiny else shape, batches=target_batches, profile=profile)
     progress("topology", "target", {"tokens_per_s": target["forward_tokens_per_s"], "mfu": target["mfu"]["forward"],
                         "probe_passed": target["probe"]["passed"]})
     _free()
-    drafter = run_drafter_bench(tiny, drafter_steps, seqs=seqs, seq_len=seq_len, shape=shape, recipe=recipe,
-                                check=False, profile=profile)
-    progress("topology", "drafter", {"tokens_per_s": drafter["tokens_per_s"], "mfu": drafter["mfu"]})
-    _free()
     target_tps = target["forward_tokens_per_s"]
-    drafter_tps = drafter["tokens_per_s"]
+    halves = {}
+    for precision in precisions:
+        drafter = run_drafter_bench(tiny, drafter_steps, seqs=seqs, seq_len=seq_len, shape=shape, recipe=recipe,
+                                    check=False, profile=profile, precision=precision)
+        part = "drafter" if precision == precisions[0] else f"drafter-{precision}"
+        progress("topology", part, {"tokens_per_s": drafter["tokens_per_s"], "mfu": drafter["mfu"]})
+        _free()
+        halves[precision] = {"drafter": drafter, "topology": topology(target_tps, drafter["tokens_per_s"], gpus)}
+    drafter = halves[precisions[0]]["drafter"]
     return {
         "benchmark": "topology",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -87,7 +97,9 @@ def run_topology_bench(*, shape: str = "qwen3.6-27b", recipe: str = "ddtree", ti
         "drafter_block_positions_per_token": round(drafter["shape"]["anchors_per_seq"] * drafter["shape"]["block_size"]
                                                    / drafter["shape"]["seq_len"], 2),
         "target_mean_sequence_tokens": target["batches"]["mean_length"],
-        "topology": topology(target_tps, drafter_tps, gpus),
+        "precision": precisions[0],
+        "topology": halves[precisions[0]]["topology"],
         "target": target,
         "drafter": drafter,
+        "other_precisions": {p: halves[p] for p in precisions[1:]},
     }

@@ -43,3 +43,15 @@ def test_tiny_topology_bench_runs_end_to_end():
     # Each half on stderr as it completes (what a run cut off by a time limit keeps).
     assert f'topology target: {{"tokens_per_s": {top["target_tokens_per_s"]}' in out.stderr
     assert f'topology drafter: {{"tokens_per_s": {top["drafter_tokens_per_s"]}' in out.stderr
+
+
+@pytest.mark.processes
+def test_an_fp8_drafter_half_that_cannot_run_is_refused_before_the_target_half():
+    out = subprocess.run([sys.executable, "-m", "dflash_ring", "bench", "topology", "--tiny", "--precision", "bf16,fp8"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and 'drafter.precision = "fp8" cannot run here' in lines[0], out.stderr
+    bad = subprocess.run([sys.executable, "-m", "dflash_ring", "bench", "topology", "--tiny", "--precision", "fp16"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "expected bf16, fp8 or both" in bad.stderr
