@@ -13,6 +13,7 @@ from pathlib import Path
 # Only light modules here: `--help` and argument errors must not wait for torch or transformers
 # (~1.5 s on a small box). The ring (torch, numpy) and every role are imported by the command that runs.
 from dflash_ring.common.config import Config, ConfigError, default_runtime_root, load_config
+from dflash_ring.common.drafter_config import FP8_RECIPES
 from dflash_ring.common.output_dir import check_output_dir
 from dflash_ring.common.run_name import RunNameError, check_run_name
 from dflash_ring.common.data_config import DataError
@@ -221,6 +222,7 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--precision", type=_precisions, default=("bf16",),
                     help="drafter.precision of the drafter half, or several comma-separated (bf16,fp8): each drafter "
                          "half against the one target half")
+    _fp8_recipe_argument(bp)
     bp.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
     bp.set_defaults(func=cmd_bench_topology)
     bp = bench.add_parser("pipeline", help="random-weight target + drafter as real processes vs each alone; "
@@ -276,6 +278,7 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--no-compile", action="store_true", help="run the decoder layers eagerly")
     bp.add_argument("--precision", choices=["bf16", "fp8"], default="bf16",
                     help="drafter.precision: the trainable linears in bf16 or FP8 (refused without a capable GPU)")
+    _fp8_recipe_argument(bp)
     bp.add_argument("--compile-cache", default="",
                     help="persistent compile cache root (run.compile_cache_dir); run twice to see a warm start")
     bp.set_defaults(func=cmd_bench_drafter)
@@ -289,6 +292,7 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--seq-len", type=_at_least_one, default=2048, help="tokens per sample")
     bp.add_argument("--seed", type=int, default=0, help="initial weights, items and anchors")
     bp.add_argument("--every", type=_at_least_one, default=10, help="steps per point of the curves")
+    _fp8_recipe_argument(bp)
     bp.set_defaults(func=cmd_bench_precision)
     bp = bench.add_parser("recipes", help="the embedded default trained with each recipe: chain and tree tau on the "
                                           "same held-out prompts, two seeds (CPU, ~1 h)")
@@ -324,6 +328,11 @@ def _positive(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
+
+
+def _fp8_recipe_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="rowwise",
+                        help="drafter.fp8_recipe: torchao's float8 recipe where a drafter trains in fp8")
 
 
 def _precisions(text: str) -> tuple[str, ...]:
@@ -644,7 +653,8 @@ def cmd_bench_drafter(args: argparse.Namespace) -> int:
                                        attention=args.attention, loss_chunk=args.loss_chunk,
                                        check=not args.no_check, profile=args.profile,
                                        compile=not args.no_compile, compile_cache=args.compile_cache,
-                                       gpu_memory_gib=args.gpu_memory_gib, precision=args.precision), indent=2))
+                                       gpu_memory_gib=args.gpu_memory_gib, precision=args.precision,
+                                       fp8_recipe=args.fp8_recipe), indent=2))
     return 0
 
 
@@ -652,7 +662,8 @@ def cmd_bench_precision(args: argparse.Namespace) -> int:
     from dflash_ring.bench.precision import run_precision_bench
 
     print(json.dumps(run_precision_bench(steps=args.steps, shape=args.shape, recipe=args.recipe, seqs=args.seqs,
-                                         seq_len=args.seq_len, seed=args.seed, every=args.every, tiny=args.tiny),
+                                         seq_len=args.seq_len, seed=args.seed, every=args.every, tiny=args.tiny,
+                                         fp8_recipe=args.fp8_recipe),
                      indent=2))
     return 0
 
@@ -726,7 +737,7 @@ def cmd_bench_topology(args: argparse.Namespace) -> int:
     report = run_topology_bench(shape=args.shape, recipe=args.recipe, tiny=args.tiny,
                                 target_batches=args.target_batches, seqs=args.seqs, seq_len=args.seq_len,
                                 drafter_steps=args.drafter_steps, gpus=args.gpus, profile=args.profile,
-                                precisions=args.precision)
+                                precisions=args.precision, fp8_recipe=args.fp8_recipe)
     print(json.dumps(report, indent=2))
     return 0
 

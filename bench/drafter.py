@@ -123,7 +123,8 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int | None = Non
                       anchors: int | None = None, anchors_per_group: int = 64, attention: str = "auto",
                       loss_chunk: int = 1024, check: bool = True, profile: bool = False, compile: bool = True,
                       compile_cache: str = "", peak_flops: float = H200_BF16_PEAK, shape: str = "qwen3-8b",
-                      recipe: str = "paper", gpu_memory_gib: float | None = None, precision: str = "bf16") -> dict:
+                      recipe: str = "paper", gpu_memory_gib: float | None = None, precision: str = "bf16",
+                      fp8_recipe: str = "rowwise") -> dict:
     """seqs, seq_len: None to fit the GPU. gpu_memory_gib: what the step must fit in (default: the visible GPU's
     total; given without a GPU, the check runs for the GPU shape and the bench then runs its CPU smoke size).
     precision: drafter.precision (fp8: refused in one line where it cannot run)."""
@@ -139,11 +140,12 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int | None = Non
     target = bench_target(shape, tiny or not cuda)
     if not cuda:
         seqs, seq_len, anchors, steps = 2, 256, 32, 2
-    drafter = replace(_drafter_config(target, recipe, anchors, loss_chunk), precision=precision)
+    drafter = replace(_drafter_config(target, recipe, anchors, loss_chunk), precision=precision,
+                      fp8_recipe=fp8_recipe)
     anchors = drafter.num_anchors
     model = build_drafter(drafter, target).to(dev)
     if precision == "fp8":  # as the Trainer does: before the optimizer and the compile
-        convert_to_fp8(model)
+        convert_to_fp8(model, fp8_recipe)
     n_ctx = len(model.target_layer_ids)
     h, vocab = target["hidden_size"], target["vocab_size"]
     head = FrozenTargetHead(torch.randn(vocab, h, dtype=torch.bfloat16, device=dev) * 0.02,
@@ -242,6 +244,7 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int | None = Non
                   "blocks_per_step": blocks, "vocab": vocab},
         "attention": attention,
         "precision": precision,  # the trainable linears' GEMMs; the frozen head's products as consumer/loss.py does them
+        "fp8_recipe": fp8_recipe if precision == "fp8" else None,
         "anchors_per_group": anchors_per_group if attention == "sdpa" else None,
         "loss_chunk_tokens": loss_chunk,
         "compiled_layers": compile,

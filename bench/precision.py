@@ -73,9 +73,10 @@ def markov_items(steps: int, seqs: int, seq_len: int, vocab: int, n_ctx: int, hi
 
 
 def _train(precision: str, target: dict[str, Any], recipe: str, items: Items, seqs: int, seq_len: int, seed: int,
-           every: int, dev: torch.device) -> dict[str, Any]:
+           every: int, dev: torch.device, fp8_recipe: str) -> dict[str, Any]:
     """One run; its per-step figures, and the curve every `every` steps (means over the steps since the last)."""
-    drafter = DrafterConfig(recipe=recipe, mask_token_id=target["vocab_size"] - 1, precision=precision)
+    drafter = DrafterConfig(recipe=recipe, mask_token_id=target["vocab_size"] - 1, precision=precision,
+                            fp8_recipe=fp8_recipe)
     steps = items.ids.shape[0]
     torch.manual_seed(seed)  # the same initial weights and head in both runs
     with torch.device(dev):
@@ -118,7 +119,8 @@ def _train(precision: str, target: dict[str, Any], recipe: str, items: Items, se
 
 
 def run_precision_bench(steps: int = 300, shape: str = "qwen3-8b", recipe: str = "paper", seqs: int = 1,
-                        seq_len: int = 2048, seed: int = 0, every: int = 10, tiny: bool = False) -> dict[str, Any]:
+                        seq_len: int = 2048, seed: int = 0, every: int = 10, tiny: bool = False,
+                        fp8_recipe: str = "rowwise") -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     check_precision("fp8", dev)  # the comparison needs both: refused in one line before anything is built
@@ -126,7 +128,7 @@ def run_precision_bench(steps: int = 300, shape: str = "qwen3-8b", recipe: str =
     drafter = DrafterConfig(recipe=recipe, mask_token_id=target["vocab_size"] - 1)
     items = markov_items(steps, seqs, seq_len, target["vocab_size"], len(drafter.resolved_target_layer_ids(
         target["num_hidden_layers"])), target["hidden_size"], seed)
-    runs = {p: _train(p, target, recipe, items, seqs, seq_len, seed, every, dev) for p in PRECISIONS}
+    runs = {p: _train(p, target, recipe, items, seqs, seq_len, seed, every, dev, fp8_recipe) for p in PRECISIONS}
     ratios = {key: round(runs["fp8"][f"final_{key}"] / runs["bf16"][f"final_{key}"], 5)
               for key in ("loss", "accept_len")}
     return {
@@ -139,6 +141,7 @@ def run_precision_bench(steps: int = 300, shape: str = "qwen3-8b", recipe: str =
                                                                       "num_anchors", "loss", "kl_weight")},
         "items": {"steps": steps, "seqs": seqs, "seq_len": seq_len, "seed": seed, "markov_states": STATES,
                   "successor_p": list(SUCCESSOR_P)},
+        "fp8_recipe": fp8_recipe,
         "final_over_steps": FINAL_STEPS,
         "bf16": runs["bf16"],
         "fp8": runs["fp8"],

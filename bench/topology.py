@@ -69,7 +69,8 @@ def _free() -> None:
 
 def run_topology_bench(*, shape: str = "qwen3.6-27b", recipe: str = "ddtree", tiny: bool = False,
                        target_batches: int = 3, seqs: int = 1, seq_len: int = 4096, drafter_steps: int = 5,
-                       gpus: int = 8, profile: bool = False, precisions: tuple[str, ...] = ("bf16",)) -> dict[str, Any]:
+                       gpus: int = 8, profile: bool = False, precisions: tuple[str, ...] = ("bf16",),
+                       fp8_recipe: str = "rowwise") -> dict[str, Any]:
     """precisions: drafter.precision values whose drafter half runs against the one target half (the first one's
     figures are the report's "drafter" and "topology", the others' under "other_precisions")."""
     for precision in precisions:  # an FP8 drafter that cannot run here is refused before the target's minutes
@@ -82,7 +83,7 @@ def run_topology_bench(*, shape: str = "qwen3.6-27b", recipe: str = "ddtree", ti
     halves = {}
     for precision in precisions:
         drafter = run_drafter_bench(tiny, drafter_steps, seqs=seqs, seq_len=seq_len, shape=shape, recipe=recipe,
-                                    check=False, profile=profile, precision=precision)
+                                    check=False, profile=profile, precision=precision, fp8_recipe=fp8_recipe)
         part = "drafter" if precision == precisions[0] else f"drafter-{precision}"
         progress("topology", part, {"tokens_per_s": drafter["tokens_per_s"], "mfu": drafter["mfu"]})
         _free()

@@ -20,8 +20,13 @@ ATTENTION_TYPES = ("full_attention", "sliding_attention")
 Objective = Literal["ce", "dpace"]
 LabelSource = Literal["data", "target_argmax"]
 Precision = Literal["bf16", "fp8"]
+# torchao's float8 recipes (consumer/fp8.py); the 27B ddtree step on the H200 (docs/benchmarks.md, issue 30):
+# rowwise 0.979 s (all three GEMMs of a linear in FP8, rowwise scales: the one the quality guard ran on),
+# rowwise_with_gw_hp 0.875 s (the weight gradient's GEMM in bf16), tensorwise 0.861 s (one scale per tensor).
+Fp8Recipe = Literal["rowwise", "rowwise_with_gw_hp", "tensorwise"]
+FP8_RECIPES = ("rowwise", "rowwise_with_gw_hp", "tensorwise")
 # Fields that choose how the drafter's arithmetic is done, not which model it is (model_fields leaves them out).
-NUMERIC_FORMAT_FIELDS = ("precision",)
+NUMERIC_FORMAT_FIELDS = ("precision", "fp8_recipe")
 
 # Named recipes: one line (`drafter.recipe = "ddtree"`) for the settings below; a key set explicitly wins.
 # paper:  the DFlash paper's Qwen3-8B drafter: 5 full-attention layers, B16, 512 anchors, position-decayed CE.
@@ -103,6 +108,8 @@ class DrafterConfig:
     # (compute capability < 8.9) or torchao is missing. The same model either way: the weights, checkpoints and
     # export are laid out alike, so a run may resume in the other format (see model_fields).
     precision: Precision = "bf16"
+    # With precision = "fp8": the float8 recipe of the trainable linears (Fp8Recipe above).
+    fp8_recipe: Fp8Recipe = "rowwise"
 
     def __post_init__(self) -> None:
         if self.recipe is not None and self.recipe not in RECIPES:
@@ -129,6 +136,8 @@ class DrafterConfig:
                              "'target_argmax'")
         if self.precision not in ("bf16", "fp8"):
             raise ValueError(f"precision {self.precision!r} must be 'bf16' or 'fp8'")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(f"fp8_recipe {self.fp8_recipe!r} must be one of {', '.join(map(repr, FP8_RECIPES))}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         if unknown := set(self.layer_types) - set(ATTENTION_TYPES):

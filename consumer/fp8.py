@@ -71,9 +71,9 @@ def fits_fp8(linear: nn.Linear) -> bool:
     return linear.in_features % GEMM_MULTIPLE == 0 and linear.out_features % GEMM_MULTIPLE == 0
 
 
-def convert_to_fp8(model: nn.Module) -> list[str]:
+def convert_to_fp8(model: nn.Module, recipe: str = "rowwise") -> list[str]:
     """Swap, in place, every nn.Linear of the drafter whose dims fit torch._scaled_mm for torchao's Float8Linear
-    with rowwise scales; returns the names of those left in bf16 (logged).
+    with the named float8 recipe (drafter.fp8_recipe); returns the names of those left in bf16 (logged).
 
     Call before compiling and before building the optimizer. Float8Linear keeps the same weight Parameter, so the
     state_dict's names and shapes and the parameters' order are those of the bf16 model: checkpoints, replica
@@ -92,10 +92,10 @@ def convert_to_fp8(model: nn.Module) -> list[str]:
         raise Fp8Unavailable(f"drafter.precision = \"fp8\": none of the drafter's {len(linears)} linears has dims "
                              f"that are multiples of {GEMM_MULTIPLE} (torch._scaled_mm needs them): set "
                              "drafter.precision = \"bf16\"")
-    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"),
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
                                module_filter_fn=lambda m, _name: isinstance(m, nn.Linear) and fits_fp8(m))
     if skipped:
         log.warning("fp8: %d of %d linears stay in bf16, their dims not multiples of %d: %s", len(skipped),
                     len(linears), GEMM_MULTIPLE, ", ".join(skipped))
-    log.info("fp8: %d linears train in FP8 (torchao float8, rowwise scales)", len(linears) - len(skipped))
+    log.info("fp8: %d linears train in FP8 (torchao float8, %s)", len(linears) - len(skipped), recipe)
     return skipped

@@ -84,7 +84,7 @@ class Trainer:
         fp8 = drafter.precision == "fp8"
         if fp8:  # before compiling (the casts are traced into the layers) and before the optimizer takes the weights
             check_precision(drafter.precision, device)
-            convert_to_fp8(self.model)
+            convert_to_fp8(self.model, drafter.fp8_recipe)
             head.quantize_fp8()  # and the frozen head's products of the draft in the loss (consumer/fp8_head.py)
         if train.compile and device.type == "cuda" and train.attention_for("cuda") == "flex":  # sdpa groups vary
             self.model.compile_layers(include_fc=fp8)

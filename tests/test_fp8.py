@@ -42,13 +42,17 @@ def test_a_bad_precision_is_refused_by_name():
     with pytest.raises(ValueError, match="precision 'fp16' must be 'bf16' or 'fp8'"):
         DrafterConfig(precision="fp16")
     assert DrafterConfig().precision == "bf16" and load_config(None, [FP8]).drafter.precision == "fp8"
+    with pytest.raises(ConfigError, match=r"drafter.fp8_recipe = 'columnwise': expected one of 'rowwise'"):
+        load_config(None, ['drafter.fp8_recipe="columnwise"'])
+    assert load_config(None, [FP8, 'drafter.fp8_recipe="tensorwise"']).drafter.fp8_recipe == "tensorwise"
 
 
 def test_precision_is_a_format_not_a_model_for_the_fingerprints():
     """A bf16 config's ring fingerprint is what it was before the field existed (no drafter.precision in it), and a
     fp8 run has the same: bf16 and fp8 replicas are the same model."""
-    bf16, fp8 = load_config(None, []), load_config(None, [FP8])
+    bf16, fp8 = load_config(None, []), load_config(None, [FP8, 'drafter.fp8_recipe="tensorwise"'])
     assert "drafter.precision" not in bf16.fingerprint_fields()
+    assert "drafter.fp8_recipe" not in bf16.fingerprint_fields()
     assert fingerprint_digest(bf16.fingerprint_fields()) == fingerprint_digest(fp8.fingerprint_fields())
     model = nn.Linear(16, 16)
     assert fingerprint_fields(bf16, bf16.drafter, model) == fingerprint_fields(fp8, fp8.drafter, model)
@@ -136,12 +140,13 @@ def _cpu_fp8_gemm() -> bool:
 
 @needs_torchao
 @pytest.mark.skipif(not _cpu_fp8_gemm(), reason="this torch build has no CPU float8 _scaled_mm")
-def test_a_converted_drafter_trains_about_as_the_unconverted_one(tiny):
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp", "tensorwise"])
+def test_a_converted_drafter_trains_about_as_the_unconverted_one(tiny, recipe):
     """One forward and backward of the same drafter and batch, FP8 GEMMs against fp32: the loss within 1% and every weight's gradient pointing the same
     way. A sanity check of the conversion; `bench precision` is the guard over training, on a GPU."""
     drafter, _, model, head = tiny
     converted = copy.deepcopy(model)
-    convert_to_fp8(converted)
+    convert_to_fp8(converted, recipe)
     total = sum(LENGTHS)
     g = torch.Generator().manual_seed(3)
     context, ids = torch.randn(total, model.fc.in_features, generator=g), torch.randint(0, 250, (total,), generator=g)
