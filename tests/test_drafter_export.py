@@ -13,7 +13,13 @@ from transformers import Qwen3Config
 from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.consumer.drafter_hf_config import drafter_hf_config
 from dflash_ring.consumer.export import export_drafter, load_drafter
-from dflash_ring.consumer.model import Anchors, build_drafter, cu_seqlens_from_lengths, load_target_head
+from dflash_ring.consumer.model import (
+    Anchors,
+    block_attention_mask,
+    build_drafter,
+    cu_seqlens_from_lengths,
+    load_target_head,
+)
 from support import save_tiny_qwen3
 
 HIDDEN, NUM_LAYERS = 64, 2
@@ -183,3 +189,24 @@ def test_load_refuses_mismatched_weights(tmp_path, target, drafter, tamper, mess
     save_file(tensors, out / "model.safetensors")
     with pytest.raises(ValueError, match=message):
         load_drafter(out)
+
+
+@pytest.mark.parametrize("recipe", ["paper", "ddtree"])
+def test_an_export_serves_its_layers_as_they_trained(tmp_path, target, recipe):
+    """The engines read a drafter's attention semantics off its config.json (shared/reference/dspark-dflash2.md,
+    "Causality of sliding layers"): vLLM takes top-level is_causal, then dflash_config.causal, else sliding => causal
+    and full => not; z-lab and SGLang the same default. Our sliding layers train causal inside the block and our
+    full ones bidirectional, which is that default: so an export must write neither key (is_causal: false would
+    serve every layer non-causal), and must keep use_sliding_window true exactly when a layer slides."""
+    target_config, _ = target
+    cfg = DrafterConfig(recipe=recipe, num_hidden_layers=NUM_LAYERS, mask_token_id=250,
+                        sliding_window=64 if recipe == "ddtree" else None)
+    out = export_drafter(build_drafter(cfg, target_config), cfg, target_config, tmp_path / recipe)
+    config = json.loads((out / "config.json").read_text())
+    assert "is_causal" not in config and "causal" not in config["dflash_config"]
+    sliding = [kind == "sliding_attention" for kind in config["layer_types"]]
+    assert config["use_sliding_window"] is any(sliding) is (recipe == "ddtree")
+    # and what training does for a sliding layer is causal inside the block: block keys at or before the query only
+    mask = block_attention_mask(torch.tensor([5]), ctx_len=5, block_size=4, sliding_window=16)[:, 5:]
+    assert torch.equal(mask, torch.ones(4, 4, dtype=torch.bool).tril())
+    assert block_attention_mask(torch.tensor([5]), ctx_len=5, block_size=4)[:, 5:].all()
