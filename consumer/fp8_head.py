@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_ring.consumer.fp8 import Fp8Unavailable
+
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 
@@ -41,7 +43,7 @@ class Fp8Head:
     @classmethod
     def of(cls, weight: torch.Tensor) -> Fp8Head:
         if weight.shape[0] % 16 or weight.shape[1] % 16:
-            raise ValueError(f"the FP8 head needs a vocabulary and width divisible by 16 (torch._scaled_mm), got "
+            raise Fp8Unavailable(f"the FP8 head needs a vocabulary and width divisible by 16 (torch._scaled_mm), got "
                              f"{tuple(weight.shape)}; train this target with drafter.precision = \"bf16\"")
         by_vocab, vocab_scale = quantize_rows(weight)
         by_hidden, hidden_scale = quantize_rows(weight.t())
