@@ -33,7 +33,7 @@ def _model_dir_without_weights(tmp: Path, name: str) -> list[str]:
     (d / "config.json").write_text(json.dumps({
         "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 6, "vocab_size": 100,
         "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 128, "head_dim": 32}))
-    return ["--set", f'target.path="{d}"']
+    return ["--set", f'target.path="{d}"', "--set", "target.mask_token_id=95"]  # a mask: the drafter gets to the weights
 
 
 def _huge_config(tmp: Path, name: str) -> list[str]:
