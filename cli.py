@@ -174,7 +174,7 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--target", required=True, help="target model directory (HF format, with tokenizer)")
     sp.add_argument("--data", required=True, help="jsonl of chats; each row's last assistant turn is regenerated")
     sp.add_argument("--max-new-tokens", type=int, default=256)
-    sp.add_argument("--limit", type=int, default=None, help="evaluate only the first K prompts")
+    sp.add_argument("--limit", type=_at_least_one, default=None, help="evaluate only the first K prompts (K >= 1)")
     sp.add_argument("--device", default="cpu")
     sp.add_argument("--threads", type=int, default=1,
                     help="CPU threads for torch (default 1, as inside `run`: small forwards; 0: torch's default)")
@@ -342,6 +342,13 @@ def _precisions(text: str) -> tuple[str, ...]:
     return precisions
 
 
+# The largest --tree-budget a tree eval verifies: a round holds its (N + 1) x (prefix + N + 1) float mask, the
+# target's N + 1 rows of logits ([N + 1, vocab], 2.4 GiB in float32 at 4096 nodes and Qwen3's 151,936 rows) and
+# the N x N ancestor matrix at once, and building the tree pops up to N paths from a heap; the measured budgets
+# are 1..256 (docs/benchmarks.md), so 4096 leaves room without letting a typo take the host's memory.
+MAX_TREE_BUDGET = 4096
+
+
 def _budgets(text: str) -> tuple[int, ...]:
     try:
         budgets = tuple(int(part) for part in text.split(","))
@@ -349,6 +356,10 @@ def _budgets(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated node counts such as 16,64,256, got {text!r}")
     if bad := [b for b in budgets if b < 1]:
         raise argparse.ArgumentTypeError(f"a tree budget counts draft nodes and must be at least 1, got {bad}")
+    if bad := [b for b in budgets if b > MAX_TREE_BUDGET]:
+        raise argparse.ArgumentTypeError(
+            f"a tree budget is at most {MAX_TREE_BUDGET} draft nodes, got {bad}: each round holds an "
+            f"(N + 1) x (prefix + N + 1) attention mask and N + 1 rows of target logits at once")
     return budgets
 
 
@@ -383,10 +394,13 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         print(f"dflash-ring chaos: error: --stop-modes {','.join(unknown)}: not a whole-run stop; choose among "
               f"{', '.join(RUN_STOP_MODES)}", file=sys.stderr)
         return 2
-    report = run_chaos(ChaosOptions(kills=args.kills, seconds=args.seconds, seed=args.seed, workdir=Path(args.workdir),
-                                    config=args.config, overrides=args.set, epochs=args.epochs,
-                                    baseline=not args.no_baseline, whole_run_stops=args.whole_run_stops,
-                                    stop_modes=modes))
+    opts = ChaosOptions(kills=args.kills, seconds=args.seconds, seed=args.seed, workdir=Path(args.workdir),
+                        config=args.config, overrides=args.set, epochs=args.epochs, baseline=not args.no_baseline,
+                        whole_run_stops=args.whole_run_stops, stop_modes=modes)
+    if why := opts.refusal():
+        print(f"dflash-ring chaos: error: {why}", file=sys.stderr)
+        return 2
+    report = run_chaos(opts)
     print(report_json(report) if args.json else format_report(report))
     return 0 if report["passed"] else 1
 
@@ -523,12 +537,20 @@ def cmd_check_target(args: argparse.Namespace) -> int:
 def cmd_check_config(args: argparse.Namespace) -> int:
     """What every role does first (load_config: types, each number's range, the sections' own checks), alone:
     the cheap way to vet a config before a run, and what tests/test_config_bounds.py drives. With
-    drafter.precision = "fp8" also what a drafter checks first: this host's GPU (train.device) and torchao."""
+    drafter.precision = "fp8" also what a drafter checks first: this host's GPU (train.device) and torchao. With a
+    target.path that exists, also its config.json as every role reads it and the drafter's settings against it."""
     cfg = _config(args)
     if cfg.drafter.precision == "fp8":
         from dflash_ring.consumer.fp8 import check_precision  # torch: only for a config that needs a GPU's look
 
         check_precision(cfg.drafter.precision, cfg.train.device)
+    if cfg.target.path and Path(cfg.target.path).expanduser().is_dir():
+        # What every role reads of the target (config.json's geometry; transformers' config class only where the
+        # file names its geometry otherwise, or names it with values of the wrong type) and what a drafter checks
+        # against it (mask token, layers): JSON and config classes, no weights.
+        from dflash_ring.common.config import drafter_target_settings
+
+        drafter_target_settings(cfg)
     print(f"config OK: run {cfg.run.name!r}" + (f" from {args.config}" if args.config else " (defaults)"))
     return 0
 
@@ -743,8 +765,10 @@ def cmd_bench_topology(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from dflash_ring.common.device import checked_device
     from dflash_ring.consumer.evaluate import evaluate_drafter, format_report, report_json
 
+    checked_device(args.device)  # before any model loads
     try:
         report = evaluate_drafter(args.drafter, args.target, args.data, max_new_tokens=args.max_new_tokens,
                                   limit=args.limit, device=args.device, cpu_threads=args.threads or None,

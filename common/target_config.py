@@ -116,7 +116,7 @@ class TargetConfig:
         # A config.json that also writes num_layers otherwise (LongCat-Flash saved by transformers 5.17 writes
         # num_hidden_layers = 2 x num_layers) is read through its class, which says which one counts.
         plain = config.get("num_layers") in (None, config.get("num_hidden_layers"))
-        if plain and all(isinstance(config.get(k), int) for k in GEOMETRY_KEYS):
+        if plain and all(type(config.get(k)) is int and config[k] > 0 for k in GEOMETRY_KEYS):  # noqa: E721
             hidden, layers, vocab = (config[k] for k in GEOMETRY_KEYS)
         else:
             hidden, layers, vocab = _geometry_from_config_class(self.path)
@@ -140,22 +140,39 @@ class TargetConfig:
         return ids
 
 
+def load_target_hf_config(path: str | Path) -> Any:
+    """The target's transformers config (PretrainedConfig) from its local directory: the one place the project
+    has transformers read a target's config.json, so every command that loads a target refuses a config.json
+    transformers will not take (a field of the wrong type: "hidden_size": [64], 1e400, NaN; an unknown
+    model_type; a file that is not JSON) in one line naming the file and the field, as TargetConfigError."""
+    from transformers import AutoConfig  # the installed config classes only, never modeling code
+
+    try:
+        from huggingface_hub.errors import StrictDataclassError  # transformers >= 5.2x validates config fields
+    except ImportError:  # an older huggingface_hub: no strict dataclasses, nothing of theirs to catch
+        StrictDataclassError = ValueError  # noqa: N806
+    file = Path(path).expanduser() / "config.json"
+    try:
+        return AutoConfig.from_pretrained(Path(path).expanduser(), local_files_only=True)
+    except (StrictDataclassError, ValueError, TypeError, KeyError, OSError, RecursionError) as e:
+        why = " ".join(str(e).split()) or type(e).__name__
+        raise TargetConfigError(f"target config {file}: transformers refuses it ({why}); fix that field of the "
+                                "file or point target.path at another model") from None
+
+
 def _geometry_from_config_class(path: str) -> tuple[int, int, int]:
     """Hidden size, decoder layer count and vocabulary as transformers reads them: the family's config class
     (through get_text_config) resolves renamed and derived keys, and the layer count is the one HF counts
     hidden states by (its output recorder's key: longcat_flash's num_layers, not its 2 x num_layers attention
     sublayers)."""
-    from transformers import AutoConfig  # only for configs that name their geometry otherwise (module docstring)
-
-    try:
-        text = AutoConfig.from_pretrained(Path(path).expanduser(), local_files_only=True).get_text_config()
-    except (ValueError, KeyError, OSError) as e:
-        raise TargetConfigError(f"target config.json in {path}: transformers cannot read it ({e})") from None
-    values = (getattr(text, "hidden_size", None), getattr(text, layer_count_key(text), None),
-              getattr(text, "vocab_size", None))
-    if not all(isinstance(v, int) for v in values):
-        raise TargetConfigError(f"target config.json in {path}: its config class {type(text).__name__} gives no "
-                                f"hidden size, layer count or vocabulary ({values})")
+    text = load_target_hf_config(path).get_text_config()
+    keys = ("hidden_size", layer_count_key(text), "vocab_size")
+    values = tuple(getattr(text, k, None) for k in keys)
+    file = Path(path).expanduser() / "config.json"
+    for key, value in zip(keys, values):
+        if type(value) is not int or value < 1:  # noqa: E721 (a bool is no count)
+            raise TargetConfigError(f"target config {file}: {key} = {value!r} as its config class "
+                                    f"{type(text).__name__} reads it: must be a positive integer")
     return values
 
 

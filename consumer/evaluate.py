@@ -24,6 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash_ring.common.chat_encoding import conversation_of, decode_json_row, eos_ids
+from dflash_ring.common.target_config import load_target_hf_config
 
 from .draft_tree import build_draft_tree, check_tree_target, follow_greedy, keep_path, tree_attention_mask
 from .export import load_drafter
@@ -310,6 +311,7 @@ def _evaluate(drafter_dir: str | Path, target_dir: str | Path, data: str | Path,
               limit: int | None, device: str, tree_budgets: Sequence[int]) -> AcceptanceReport:
     if bad := [b for b in tree_budgets if b < 1]:
         raise ValueError(f"tree budgets count draft nodes and must be at least 1, got {bad}")
+    load_target_hf_config(target_dir)  # a config.json transformers refuses: one line naming its field
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
     drafter = load_drafter(drafter_dir, device=device, dtype=torch.float32).eval()

@@ -34,7 +34,8 @@ import torch
 
 from dflash_ring.common import sd_notify
 from dflash_ring.common.compile_cache import use_compile_cache
-from dflash_ring.common.config import Config
+from dflash_ring.common.config import Config, drafter_target_settings
+from dflash_ring.common.device import checked_device
 from dflash_ring.common.crash_points import crash_point
 from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.common.gpu_metrics import device_uuid
@@ -76,20 +77,13 @@ def target_config_dict(target_path: str) -> dict[str, Any]:
 
 def resolve_drafter_config(cfg: Config) -> DrafterConfig:
     """The drafter's settings with the target's choices filled in (mask token, captured layers)."""
-    mask = cfg.drafter.mask_token_id
-    if mask is None:
-        mask = cfg.target.mask_token_id
-    # One source of truth for the features: the layers the producers capture.
-    layer_ids = list(cfg.target.geometry().layer_ids)
-    if cfg.drafter.target_layer_ids and list(cfg.drafter.target_layer_ids) != layer_ids:
-        raise ValueError(f"drafter.target_layer_ids {cfg.drafter.target_layer_ids} differs from the layers the "
-                         f"producers capture {layer_ids}: set target.layer_ids instead")
+    mask, layer_ids = drafter_target_settings(cfg)  # refusals are ConfigErrors: one line at the boundary
     return replace(cfg.drafter, mask_token_id=mask, target_layer_ids=layer_ids)
 
 
 def pick_device(requested: str, index: int) -> torch.device:
     if requested != "auto":
-        return torch.device(requested)
+        return checked_device(requested)
     if torch.cuda.is_available():
         return torch.device("cuda", index % torch.cuda.device_count())
     return torch.device("cpu")

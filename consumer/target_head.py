@@ -21,6 +21,7 @@ from torch import nn
 
 from dflash_ring.common.bounded_read import CONFIG_BYTES, read_text
 from dflash_ring.common.safetensors_check import DamagedWeightsError, weight_files
+from dflash_ring.common.target_config import load_target_hf_config
 from dflash_ring.consumer.fp8_head import Fp8Head
 
 # Checkpoint names, in order: text models, transformers-5 multimodal wrappers (Qwen3.5, Gemma3 as
@@ -63,8 +64,6 @@ class HeadSpec:
 def config_tied(root: Path) -> bool:
     """tie_word_embeddings as the target's HF config class resolves it (defaults differ per family;
     transformers 5 ties a multimodal wrapper by its top-level flag, checked in the family tests)."""
-    from transformers import AutoConfig  # the installed config classes only, never modeling code
-
     file = root / "config.json"
     try:
         raw = json.loads(read_text(file, CONFIG_BYTES, DamagedWeightsError, "the target's config"))
@@ -74,7 +73,7 @@ def config_tied(root: Path) -> bool:
         raise DamagedWeightsError(f"{file} is not valid JSON ({type(e).__name__}: {e})") from None
     if not isinstance(raw, dict):
         raise DamagedWeightsError(f"{file} is not a JSON object")
-    return bool(AutoConfig.from_pretrained(root).tie_word_embeddings)
+    return bool(load_target_hf_config(root).tie_word_embeddings)
 
 
 class FrozenTargetHead(nn.Module):
@@ -191,15 +190,13 @@ def read_head(root: Path, files: dict[str, Path], embed_key: str, lm_head_key: s
 def probe_target_head(target_dir: str | Path, embed: torch.Tensor | None = None, lm_head: torch.Tensor | None = None):
     """The head probe on a target directory (head_probe.py): (HeadSpec, HeadErrors), or HeadProbeError.
     `embed`/`lm_head`: the tensors, when the caller has read them already."""
-    from transformers import AutoConfig
-
     from .head_probe import probe_head
 
     root = Path(target_dir)
     if embed is None:
         files, embed_key, lm_head_key = head_tensor_keys(root)
         embed, lm_head = read_head(root, files, embed_key, lm_head_key, config_tied(root))
-    return probe_head(AutoConfig.from_pretrained(root), embed.cpu(), None if lm_head is None else lm_head.cpu(),
+    return probe_head(load_target_hf_config(root), embed.cpu(), None if lm_head is None else lm_head.cpu(),
                       str(root))
 
 

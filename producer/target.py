@@ -29,8 +29,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from .packing import PerSequence, packed_implementation, packed_spans, packing_refusal, recurrent_mixers
 from .varlen_gated_deltanet import FlaKernels, VarlenGatedDeltaNet, varlen_refusal
+from dflash_ring.common.device import checked_device
 from dflash_ring.common.safetensors_check import weight_files
-from dflash_ring.common.target_config import TargetConfig, TargetConfigError
+from dflash_ring.common.target_config import TargetConfig, TargetConfigError, load_target_hf_config
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class TargetOutput:
 
 def resolve_device(name: str) -> torch.device:
     """"auto" -> cuda if present, else cpu; a bare "cuda" gets the current index (streams need one)."""
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+    device = checked_device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
@@ -78,6 +79,7 @@ def load_causal_lm(cfg: TargetConfig, device: torch.device) -> PreTrainedModel:
     """The whole causal LM (head included) from a local directory of safetensors weights, on `device` in
     eval mode: nothing is downloaded and nothing is unpickled, and a directory without weights is named."""
     root = check_weights(cfg)
+    load_target_hf_config(root)  # a config.json transformers refuses: one line naming its field, before the weights
     attn = None if cfg.attn_implementation == "auto" else cfg.attn_implementation  # HF: sdpa, else eager
     from safetensors import SafetensorError
 

@@ -33,7 +33,7 @@ def _model_dir_without_weights(tmp: Path, name: str) -> list[str]:
     (d / "config.json").write_text(json.dumps({
         "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 6, "vocab_size": 100,
         "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 128, "head_dim": 32}))
-    return ["--set", f'target.path="{d}"']
+    return ["--set", f'target.path="{d}"', "--set", "target.mask_token_id=95"]  # a mask: the drafter gets to the weights
 
 
 def _huge_config(tmp: Path, name: str) -> list[str]:
@@ -232,6 +232,58 @@ def _damaged_cursor_file(tmp: Path, name: str) -> list[str]:
     return [a for s in sets for a in ("--set", s)]
 
 
+def _target_with(field: str, raw: str) -> typing.Callable[[Path, str], list[str]]:
+    """A tiny target whose config.json writes `field` as the JSON text `raw` (a value of the wrong type: [64],
+    1e400, NaN), with a mask token: what transformers' strict config classes refuse (issue 34 item 1)."""
+    def setup(tmp: Path, name: str) -> list[str]:
+        from support import build_target
+
+        model = build_target(tmp / "model", "qwen3", layers=4)
+        text = (model / "config.json").read_text()
+        value = json.loads(text)[field]
+        (model / "config.json").write_text(text.replace(f'"{field}": {value}', f'"{field}": {raw}', 1))
+        return ["--set", f'target.path="{model}"', "--set", "target.mask_token_id=95"]
+    return setup
+
+
+def _target_without_mask(tmp: Path, name: str) -> list[str]:
+    from support import build_target
+
+    return ["--set", f'target.path="{build_target(tmp / "model", "qwen3", layers=4)}"']
+
+
+def _eval_files(tmp: Path, name: str) -> list[str]:
+    """A tiny target and chat rows for `dflash-ring eval` (the drafter directory is never reached)."""
+    from support import build_target, write_chat_rows
+
+    build_target(tmp / "model", "qwen3", layers=4)
+    write_chat_rows(tmp / "chat.jsonl", 2)
+    return []
+
+
+def _eval_target_with(field: str, raw: str) -> typing.Callable[[Path, str], list[str]]:
+    def setup(tmp: Path, name: str) -> list[str]:
+        from support import write_chat_rows
+
+        _target_with(field, raw)(tmp, name)
+        write_chat_rows(tmp / "chat.jsonl", 2)
+        return []
+    return setup
+
+
+def _records(*lines: str) -> typing.Callable[[Path, str], list[str]]:
+    """RUN_DIR/tracking/drafter-0.jsonl holding these lines (a header first)."""
+    def setup(tmp: Path, name: str) -> list[str]:
+        (tmp / "tracking").mkdir()
+        (tmp / "tracking" / "drafter-0.jsonl").write_text(
+            '{"series": "config", "run": "r", "fingerprint": "abc"}\n' + "".join(f"{x}\n" for x in lines))
+        return []
+    return setup
+
+
+EVAL = ["eval", "--drafter", "{tmp}/nodrafter", "--target", "{tmp}/model", "--data", "{tmp}/chat.jsonl"]
+
+
 # (id, setup(tmp, run) -> extra args, argv with {run} and {tmp}, what the line must say)
 CASES = [
     ("status-invalid-name", None, ["status", ".."], "is not allowed"),
@@ -317,6 +369,32 @@ CASES = [
     ("bench-drafter-does-not-fit", None, ["bench", "drafter", "--shape", "qwen3.6-27b", "--recipe", "ddtree",
                                           "--seqs", "4", "--seq-len", "3072", "--gpu-memory-gib", "140"],
      "--seqs 4 --seq-len 3072 does not fit"),
+    # Issue 34: inputs that ended in a traceback. A target config.json field transformers' strict config classes
+    # refuse is one TargetConfigError at the one loading point (common/target_config.load_target_hf_config).
+    ("check-target-hidden-size-a-list", _target_with("hidden_size", "[64]"), ["check-target"],
+     "{tmp}/model/config.json: transformers refuses it (Validation error for field 'hidden_size'"),
+    ("check-config-hidden-size-inf", _target_with("hidden_size", "1e400"), ["check-config"],
+     "{tmp}/model/config.json: transformers refuses it (Validation error for field 'hidden_size'"),
+    ("drafter-layers-nan", _target_with("num_hidden_layers", "NaN"), ["drafter", "--index", "0", *NO_METRICS],
+     "Validation error for field 'num_hidden_layers'"),
+    ("eval-hidden-size-a-list", _eval_target_with("hidden_size", "[64]"), EVAL,
+     "{tmp}/model/config.json: transformers refuses it (Validation error for field 'hidden_size'"),
+    ("drafter-no-mask-token", _target_without_mask, ["drafter", "--index", "0", *NO_METRICS],
+     "target.mask_token_id is unset"),
+    ("check-config-no-mask-token", _target_without_mask, ["check-config"], "target.mask_token_id is unset"),
+    ("eval-no-cuda", _eval_files, [*EVAL, "--device", "cuda:0"], "device 'cuda:0': no CUDA device here"),
+    ("report-record-not-an-object", _records("[1, 2]"), ["report", "{tmp}"],
+     "record file {tmp}/tracking/drafter-0.jsonl, line 2: expected a JSON object, got list"),
+    ("report-record-without-step", _records('{"series": "train", "loss": 1.0}'), ["report", "{tmp}"],
+     "line 2: a logged step needs an integer \"step\", got None"),
+    ("report-record-string-loss", _records('{"step": 1, "series": "train", "loss": "low"}'), ["report", "{tmp}"],
+     "line 2: 'loss' = 'low': expected a number"),
+    ("report-record-without-series", _records('{"step": 1, "loss": 1.0}'), ["report", "{tmp}"],
+     "line 2: a logged step needs a string \"series\""),
+    ("chaos-stops-without-kills", None, ["chaos", "--kills", "0", "--whole-run-stops", "3", "--workdir", "{tmp}/c"],
+     "--whole-run-stops 3 with --kills 0"),
+    ("chaos-negative-seconds", None, ["chaos", "--seconds", "-1", "--workdir", "{tmp}/c"],
+     "--seconds -1.0: the fault window must be a finite number of seconds > 0"),
 ]
 
 
@@ -326,6 +404,11 @@ def test_bad_invocation_is_one_line_exit_2(tmp_path, case):
     ident, setup, argv, says = case
     if setup is _foreign_ring and os.geteuid() != 0:
         pytest.skip("needs root to hand a segment to another uid")
+    if ident == "eval-no-cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this host has a CUDA device")
     name = f"e{os.getpid()}-{ident[:20]}"
     try:
         extra = setup(tmp_path, name) if setup else []
@@ -382,3 +465,32 @@ def test_a_late_error_ends_in_one_line_exit_2(tmp_path, case):
     assert last.startswith(f"dflash-ring {args[0]}: error: ") and says.format(tmp=tmp_path, run=name) in last, last
     if args[0] == "regenerate":
         assert not list((tmp_path / "out" / ".regenerate").glob("shard-*.json")), "a failed shard was recorded"
+
+
+def test_report_prints_the_file_it_writes(tmp_path, capsys):
+    """`report --out X` writes X.png (matplotlib adds the suffix): the line names X.png, which exists."""
+    from dflash_ring.cli import main
+
+    _records('{"step": 1, "series": "train", "loss": 2.0, "accept_len": 1.5}',
+             '{"step": 2, "series": "train", "loss": 1.0, "accept_len": 2.0}')(tmp_path, "")
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "X")]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"{tmp_path / 'X.png'}: ") and (tmp_path / "X.png").is_file(), printed
+
+
+# Refused by argparse itself (its usage lines, then the error line, exit 2), before anything loads.
+ARGPARSE_CASES = [
+    (["--limit", "0"], "argument --limit: must be at least 1, got 0"),
+    (["--limit", "-1"], "argument --limit: must be at least 1, got -1"),
+    (["--tree-budget", "16,1000000000"], "a tree budget is at most 4096 draft nodes, got [1000000000]"),
+]
+
+
+@pytest.mark.parametrize("extra,says", ARGPARSE_CASES, ids=["limit-0", "limit-negative", "tree-budget-huge"])
+def test_eval_argument_refused_exit_2(capsys, extra, says):
+    from dflash_ring.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--drafter", "d", "--target", "t", "--data", "x.jsonl", *extra])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and last.startswith("dflash-ring eval: error: ") and says in last, last

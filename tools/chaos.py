@@ -103,6 +103,20 @@ class ChaosOptions:
     whole_run_stops: int = 0  # also stop the whole run this many times (taking turns among stop_modes), start it again
     stop_modes: tuple[str, ...] = RUN_STOP_MODES
 
+    def refusal(self) -> str | None:
+        """Why these options cannot do what they ask, before anything starts (None: they can). The fault window
+        opens when the first kill is due (Phase.execute: `kills` and training under way), and the whole-run stops
+        are scheduled inside it, so stops without kills would never happen and the run would pass untested."""
+        if self.kills < 0 or self.whole_run_stops < 0 or self.epochs < 0:
+            return (f"--kills {self.kills}, --whole-run-stops {self.whole_run_stops}, --epochs {self.epochs}: "
+                    "none may be negative")
+        if not self.seconds > 0 or self.seconds == float("inf"):
+            return f"--seconds {self.seconds}: the fault window must be a finite number of seconds > 0"
+        if self.whole_run_stops and not self.kills:
+            return (f"--whole-run-stops {self.whole_run_stops} with --kills 0: the stops are scheduled in the fault "
+                    "window, which the first kill opens, so none would happen; give --kills 1 or more")
+        return None
+
 
 @dataclass
 class Kill:

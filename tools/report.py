@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from dflash_ring.consumer.tracking import TRAIN, read_records
+from dflash_ring.consumer.tracking import EVAL, TRAIN, read_records
 
 RECORD = re.compile(r"drafter-(\d+)\.jsonl$")
 SOURCE_KEY = re.compile(r"^source/(.+)/(loss|accept_len)$")
@@ -33,6 +33,35 @@ def record_files(run_dir: Path) -> dict[int, Path]:
                       "the run's directory (the one holding train.checkpoint_dir) or its tracking.dir")
 
 
+# The keys the report reads as numbers (besides "step"): the per-drafter curves, held-out points, per-source curves.
+NUMBER_KEY = re.compile(r"^(eval/)?(loss|accept_len|accept_len_prob)$|^source/.+/(loss|accept_len)$")
+
+
+def checked_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a record file as the report reads them, each checked first: a line that is not an object,
+    a logged step without an integer "step" or a string "series", or a curve's value that is not a number is
+    refused (ReportError) naming the file, the line and what is wrong, instead of failing while drawing."""
+    records = read_records(path)
+    for line, r in enumerate(records, 1):
+        where = f"record file {path}, line {line}"
+        if not isinstance(r, dict):
+            raise ReportError(f"{where}: expected a JSON object, got {type(r).__name__}: the file is not a drafter's "
+                              "record file, or was edited; move it out of the directory")
+        logged = "step" in r or r.get("series") in (TRAIN, EVAL)
+        if logged:
+            if type(r.get("step")) is not int:  # noqa: E721 (a bool is no step)
+                raise ReportError(f"{where}: a logged step needs an integer \"step\", got {r.get('step')!r}")
+            if not isinstance(r.get("series"), str):
+                raise ReportError(f"{where}: a logged step needs a string \"series\" ({TRAIN!r} or {EVAL!r}), got "
+                                  f"{r.get('series')!r}")
+        for key, value in r.items():
+            if NUMBER_KEY.match(key) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ReportError(f"{where}: {key!r} = {value!r}: expected a number")
+        if "fingerprint" in r and not isinstance(r["fingerprint"], str):
+            raise ReportError(f"{where}: 'fingerprint' = {r['fingerprint']!r}: expected a string")
+    return records
+
+
 def series(records: list[dict[str, Any]], key: str, kind: str = TRAIN) -> tuple[list[int], list[float]]:
     points = [(r["step"], r[key]) for r in records if r.get("series") == kind and key in r]
     return [s for s, _ in points], [v for _, v in points]
@@ -49,7 +78,7 @@ def write_report(run_dir: Path, out: Path | None = None) -> tuple[Path, str]:
     except ImportError:
         raise ReportError("dflash-ring report draws with matplotlib: pip install 'dflash-ring[tracking]'") from None
     files = record_files(run_dir)
-    records = {j: read_records(p) for j, p in files.items()}
+    records = {j: checked_records(p) for j, p in files.items()}
     header = next((r for rs in records.values() for r in rs if r.get("series") == "config"), {})
     sources = sorted({m.group(1) for rs in records.values() for r in rs for k in r if (m := SOURCE_KEY.match(k))})
     cols = 2 if sources else 1
@@ -89,6 +118,8 @@ def write_report(run_dir: Path, out: Path | None = None) -> tuple[Path, str]:
                  + (f", config fingerprint {header['fingerprint'][:12]}" if "fingerprint" in header else ""))
     fig.tight_layout()
     out = out or run_dir / "report.png"
+    if not out.suffix:  # savefig adds .png to a name without a suffix: report the file it writes
+        out = out.with_suffix(".png")
     fig.savefig(out, dpi=100)
     plt.close(fig)
     last = {j: max((r["step"] for r in rs if r.get("series") == TRAIN), default=0) for j, rs in records.items()}
