@@ -17,6 +17,10 @@ PAPER_LOSS_GAMMA: dict[int, float] = {16: 7.0, 10: 5.0, 8: 4.0}
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
+Arch = Literal["dflash", "dspark"]
+ARCHS = ("dflash", "dspark")
+MarkovHeadType = Literal["vanilla", "gated", "rnn"]
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 Objective = Literal["ce", "dpace"]
 LabelSource = Literal["data", "target_argmax"]
 Precision = Literal["bf16", "fp8"]
@@ -27,6 +31,12 @@ Fp8Recipe = Literal["rowwise", "rowwise_with_gw_hp", "tensorwise"]
 FP8_RECIPES = ("rowwise", "rowwise_with_gw_hp", "tensorwise")
 # Fields that choose how the drafter's arithmetic is done, not which model it is (model_fields leaves them out).
 NUMERIC_FORMAT_FIELDS = ("precision", "fp8_recipe")
+# Fields added with DSpark, at the values every config had before them: model_fields leaves them out there, so a
+# DFlash config's fingerprint (and a running DFlash run's checkpoints) stay what they were.
+PRE_DSPARK_VALUES: dict[str, Any] = {"arch": "dflash", "ce_weight": 1.0, "tv_weight": 0.0, "confidence_weight": 0.0,
+                                     "markov_rank": 0, "markov_head": None}
+# Keys that only a DSpark drafter has: set on an arch = "dflash" drafter, they are refused.
+DSPARK_ONLY_FIELDS = ("markov_rank", "markov_head", "confidence_weight")
 
 # Named recipes: one line (`drafter.recipe = "ddtree"`) for the settings below; a key set explicitly wins.
 # paper:  the DFlash paper's Qwen3-8B drafter: 5 full-attention layers, B16, 512 anchors, position-decayed CE.
@@ -34,6 +44,9 @@ NUMERIC_FORMAT_FIELDS = ("precision", "fp8_recipe")
 #         NVIDIA Model-Optimizer and vLLM speculators).
 # ddtree: the recipe of the pipeline this project replaces (`ddtree-g10-bs32-a1024-swa-kl15-cap01`): B32,
 #         1024 anchors, gamma 10, 4 sliding-window layers (2048) + 1 full, soft KL 0.15, CAP 0.1.
+# dspark: DeepSeek's DSpark (arXiv 2607.05147; DeepSpec config/dspark/dspark_qwen3_8b.py): the DFlash backbone
+#         with the anchor as the first prediction (block 7 = 7 drafts), a vanilla Markov head of rank 256 and a
+#         confidence head; loss 0.1 CE + 0.9 L1 (= 2 TV) + 1.0 BCE of the confidence, weights exp(-k/4).
 RECIPES: dict[str, dict[str, Any]] = {
     "paper": {"num_hidden_layers": 5, "block_size": 16, "num_anchors": 512, "loss": "ce", "kl_weight": 0.0,
               "cap_weight": 0.0},
@@ -41,6 +54,9 @@ RECIPES: dict[str, dict[str, Any]] = {
               "kl_weight": 0.0, "cap_weight": 0.0},
     "ddtree": {"num_hidden_layers": 5, "block_size": 32, "num_anchors": 1024, "loss": "ce", "loss_gamma": 10.0,
                "kl_weight": 0.15, "cap_weight": 0.1, "sliding_window": 2048},
+    "dspark": {"arch": "dspark", "num_hidden_layers": 5, "block_size": 7, "num_anchors": 512, "loss": "ce",
+               "loss_gamma": 4.0, "ce_weight": 0.1, "tv_weight": 0.9, "confidence_weight": 1.0, "kl_weight": 0.0,
+               "cap_weight": 0.0, "markov_rank": 256, "markov_head": "vanilla"},
 }
 # A recipe's layer pattern, for however many layers the drafter has (ddtree: all sliding but the last).
 RECIPE_LAYER_TYPES = {"ddtree": lambda n: ["sliding_attention"] * (n - 1) + ["full_attention"]}
@@ -72,6 +88,10 @@ class DrafterConfig:
 
     # None, or a name in RECIPES whose settings fill the fields not set explicitly.
     recipe: str | None = None
+    # "dflash": the block is [anchor, MASK x (B-1)] and slots 1..B-1 draft (B - 1 drafts). "dspark": the same
+    # backbone, but every slot drafts (slot k predicts anchor + k + 1: B drafts), with a low-rank Markov head over
+    # the previous token's logits and a confidence head (consumer/dspark_heads.py).
+    arch: Arch | None = None  # default "dflash"
     # At most 256: the drafter builds every layer (and a layer_types entry each) at start; DFlash drafters have 1 to
     # 8 and the largest targets fewer than 200, so more is a typo, not a model.
     num_hidden_layers: Annotated[int, Range(1, 256)] | None = None  # default 1
@@ -88,6 +108,15 @@ class DrafterConfig:
     kl_weight: float | None = None  # default 0
     # CAP: -cap_weight * mean over blocks of the expected accepted length / (B - 1), gradients through it.
     cap_weight: float | None = None  # default 0
+    # The weight of the position-weighted CE term (DSpark: 0.1).
+    ce_weight: float | None = None  # default 1
+    # The L1 distance between the draft's and the target's distributions (= 2 TV), position-weighted like CE.
+    tv_weight: float | None = None  # default 0 (DSpark: 0.9)
+    # DSpark: BCE of the confidence head against the detached analytic acceptance 1 - TV, position-weighted.
+    confidence_weight: float | None = None  # DSpark only; default 1
+    # DSpark: the rank of the Markov head's factorisation (markov_w1 [V, r], markov_w2 [V, r]), and its kind.
+    markov_rank: Annotated[int, Range(0, 4096)] | None = None  # DSpark only (>= 1 there; 0: none); default 256
+    markov_head: MarkovHeadType | None = None  # DSpark only; default "vanilla"
     # What each position is trained to predict: the data's token, or the target's own greedy next token.
     label: LabelSource | None = None  # default "data"
     mask_token_id: int | None = None
@@ -114,9 +143,20 @@ class DrafterConfig:
     def __post_init__(self) -> None:
         if self.recipe is not None and self.recipe not in RECIPES:
             raise ValueError(f"recipe {self.recipe!r} is not one of {', '.join(map(repr, RECIPES))}")
-        for name, value in {**_DEFAULTS, **RECIPES.get(self.recipe, {})}.items():
+        recipe = RECIPES.get(self.recipe, {})
+        arch = self.arch or recipe.get("arch", "dflash")
+        if arch not in ARCHS:
+            raise ValueError(f"arch {arch!r} must be one of {', '.join(map(repr, ARCHS))}")
+        # A resolved DFlash config written back (a checkpoint's, the launcher's) holds their DFlash values: not a refusal.
+        if arch == "dflash" and (set_here := [k for k in DSPARK_ONLY_FIELDS
+                                              if getattr(self, k) not in (None, PRE_DSPARK_VALUES[k])]):
+            raise ValueError(f"{', '.join(set_here)} {'is' if len(set_here) == 1 else 'are'} DSpark-only; this drafter "
+                             f"has arch = 'dflash' (set arch = 'dspark' or recipe = 'dspark', or remove them)")
+        defaults = _DSPARK_DEFAULTS if arch == "dspark" else _DEFAULTS
+        for name, value in {**defaults, **recipe}.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
+        self.arch = arch
         if self.loss_gamma is None and (self.block_size in PAPER_LOSS_GAMMA or self.loss == "ce"):
             if self.block_size not in PAPER_LOSS_GAMMA:
                 raise ValueError(
@@ -144,19 +184,42 @@ class DrafterConfig:
             raise ValueError(f"unknown layer_types {sorted(unknown)}; expected {ATTENTION_TYPES}")
         if "sliding_attention" in self.layer_types and (self.sliding_window or 0) < self.block_size:
             raise ValueError("sliding_attention layers need sliding_window >= block_size")
+        if self.markov_head is not None and self.markov_head not in MARKOV_HEAD_TYPES:
+            raise ValueError(f"markov_head {self.markov_head!r} must be one of {', '.join(map(repr, MARKOV_HEAD_TYPES))}")
+        if min(self.ce_weight, self.tv_weight, self.kl_weight, self.cap_weight, self.confidence_weight) < 0:
+            raise ValueError("ce_weight, tv_weight, kl_weight, cap_weight and confidence_weight must be >= 0")
+        if self.arch == "dspark" and "sliding_attention" in self.layer_types:
+            raise ValueError("arch 'dspark' takes full_attention layers only: the engines that serve DSpark (vLLM, "
+                             "SGLang, llama.cpp) read no sliding window from its layout; remove layer_types or the "
+                             "sliding layers")
+        if self.arch == "dspark" and self.markov_rank < 1:
+            raise ValueError("arch 'dspark' needs markov_rank >= 1 (the Markov head and the confidence head read it)")
+        if self.confidence_weight > 0 and self.loss != "ce":
+            raise ValueError("confidence_weight > 0 needs loss = 'ce': the confidence's BCE is weighted by the "
+                             "position decay, which D-PACE replaces")
 
     def model_fields(self) -> dict[str, Any]:
         """Every field but the numeric format: what the ring's and the replica group's fingerprints compare. A
         format is not another model (bf16 and fp8 replicas may average their weights, a drafter may resume in
         the other format), and leaving it out keeps the fingerprint of every bf16 config as it was before the
         field existed."""
-        return {k: v for k, v in asdict(self).items() if k not in NUMERIC_FORMAT_FIELDS}
+        return {k: v for k, v in asdict(self).items() if k not in NUMERIC_FORMAT_FIELDS
+                and not (k in PRE_DSPARK_VALUES and v == PRE_DSPARK_VALUES[k])}
 
     @property
     def needs_target_logits(self) -> bool:
         """The objective reads the target's distribution (KL, or its argmax as the label): the producers must
         ship the final hidden state."""
-        return self.kl_weight > 0 or self.label == "target_argmax"
+        return self.kl_weight > 0 or self.tv_weight > 0 or self.confidence_weight > 0 or self.label == "target_argmax"
+
+    @property
+    def sample_from_anchor(self) -> bool:
+        """Whether the anchor's slot drafts too (DSpark): the block then drafts B tokens, not B - 1."""
+        return self.arch == "dspark"
+
+    @property
+    def drafts_per_block(self) -> int:
+        return self.block_size if self.sample_from_anchor else self.block_size - 1
 
     def resolved_target_layer_ids(self, num_target_layers: int) -> list[int]:
         ids = self.target_layer_ids or build_target_layer_ids(num_target_layers, self.num_hidden_layers)
@@ -166,7 +229,10 @@ class DrafterConfig:
 
 
 _DEFAULTS: dict[str, Any] = {"num_hidden_layers": 1, "block_size": 16, "num_anchors": 512, "loss": "ce",
-                             "dpace_alpha": 0.5, "kl_weight": 0.0, "cap_weight": 0.0, "label": "data"}
+                             "dpace_alpha": 0.5, "kl_weight": 0.0, "cap_weight": 0.0, "label": "data",
+                             "ce_weight": 1.0, "tv_weight": 0.0, "confidence_weight": 0.0, "markov_rank": 0}
+_DSPARK_DEFAULTS: dict[str, Any] = {**_DEFAULTS, "confidence_weight": 1.0, "markov_rank": 256,
+                                    "markov_head": "vanilla"}
 
 
 def target_text_config(target_config: Any) -> dict[str, Any]:

@@ -212,12 +212,18 @@ class CheckpointStore:
 
 
 def check_same_shape(ckpt: Checkpoint, model: torch.nn.Module, drafter: dict[str, Any]) -> None:
-    """Before a resume: a checkpoint of another drafter shape (e.g. layer count) is refused by field name."""
+    """Before a resume: a checkpoint of another drafter shape (e.g. layer count) is refused by field name, one of
+    another architecture (DSpark into DFlash, or the reverse) by naming both."""
+    saved = ckpt.info.get("drafter") or {}
+    theirs_arch, my_arch = saved.get("arch", "dflash"), drafter.get("arch", "dflash")  # absent: before DSpark
+    if theirs_arch != my_arch:
+        raise CheckpointError(f"checkpoint {ckpt.path} holds a drafter of arch = {theirs_arch!r}, this run trains "
+                              f"arch = {my_arch!r}: resume it with arch = {theirs_arch!r}, or move {ckpt.path.parent} "
+                              "away to start afresh")
     mine = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     theirs = {k: tuple(v.shape) for k, v in ckpt.model.items()}
     if mine == theirs:
         return
-    saved = ckpt.info.get("drafter") or {}
     diffs = [f"drafter.{k} = {saved[k]!r} there, {v!r} here" for k, v in drafter.items() if k in saved and saved[k] != v]
     if not diffs:
         name = next(k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k))

@@ -183,6 +183,7 @@ def drafter_rope(target: Mapping[str, Any], rope_theta: float | None = None) -> 
 
 
 TRAINING_KEYS = ("recipe", "loss", "loss_gamma", "dpace_alpha", "kl_weight", "cap_weight", "label", "num_anchors")
+DSPARK_TRAINING_KEYS = ("ce_weight", "tv_weight", "confidence_weight")
 
 
 def drafter_geometry(cfg: DrafterConfig, target: Mapping[str, Any]) -> dict[str, Any]:
@@ -221,17 +222,22 @@ def drafter_hf_config(
     if not 0 <= cfg.mask_token_id < _require(target, "vocab_size"):
         raise ValueError(f"mask_token_id {cfg.mask_token_id} is not a row of the target embedding")
     layers = num_target_layers(target_config)
-    config: dict[str, Any] = {
-        "architectures": ["DFlashDraftModel"],
-        # transformers' AutoModel with trust_remote_code reads this; vLLM and SGLang ignore it.
-        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
-        "model_type": "qwen3",
-        "block_size": cfg.block_size,
-        "num_target_layers": layers,
-        "dflash_config": {
-            "mask_token_id": cfg.mask_token_id,
-            "target_layer_ids": cfg.resolved_target_layer_ids(layers),
-        },
+    if cfg.arch == "dspark":
+        config = _dspark_keys(cfg, layers)
+    else:
+        config = {
+            "architectures": ["DFlashDraftModel"],
+            # transformers' AutoModel with trust_remote_code reads this; vLLM and SGLang ignore it.
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "model_type": "qwen3",
+            "block_size": cfg.block_size,
+            "num_target_layers": layers,
+            "dflash_config": {
+                "mask_token_id": cfg.mask_token_id,
+                "target_layer_ids": cfg.resolved_target_layer_ids(layers),
+            },
+        }
+    config |= {
         "num_hidden_layers": cfg.num_hidden_layers,
         **drafter_geometry(cfg, target),
         "layer_types": list(cfg.layer_types),
@@ -243,12 +249,35 @@ def drafter_hf_config(
         "dtype": str(dtype).removeprefix("torch."),
         # How it was trained (the resolved recipe): serving stacks ignore it, a reader of the export need not
         # find the run's config to know the objective.
-        "dflash_training": {key: getattr(cfg, key) for key in TRAINING_KEYS},
+        "dflash_training": {key: getattr(cfg, key)
+                            for key in TRAINING_KEYS + (DSPARK_TRAINING_KEYS if cfg.arch == "dspark" else ())},
     }
     for key in ("bos_token_id", "eos_token_id"):
         if target.get(key) is not None:
             config[key] = target[key]
     return config
+
+
+def _dspark_keys(cfg: DrafterConfig, layers: int) -> dict[str, Any]:
+    """DeepSeek's flat Qwen3DSparkModel layout (DeepSpec's save_pretrained; what vLLM's "dspark" method, SGLang's
+    DSPARK, TRT-LLM and llama.cpp load): every DFlash key top-level, head_dim explicit (drafter_geometry writes it),
+    sample_from_anchor top-level (vLLM's DFlash base refuses it inside dflash_config), the confidence head fed with
+    the Markov embedding (the only form SGLang loads)."""
+    return {
+        "architectures": ["Qwen3DSparkModel"],
+        "auto_map": {"AutoModel": "dspark.Qwen3DSparkModel"},
+        "model_type": "qwen3",
+        "block_size": cfg.block_size,
+        "num_target_layers": layers,
+        "target_layer_ids": cfg.resolved_target_layer_ids(layers),
+        "mask_token_id": cfg.mask_token_id,
+        "num_anchors": cfg.num_anchors,
+        "sample_from_anchor": True,
+        "markov_rank": cfg.markov_rank,
+        "markov_head_type": cfg.markov_head,
+        "enable_confidence_head": True,
+        "confidence_head_with_markov": True,
+    }
 
 
 def qwen3_config(hf_config: Mapping[str, Any]) -> Qwen3Config:
@@ -257,5 +286,6 @@ def qwen3_config(hf_config: Mapping[str, Any]) -> Qwen3Config:
 
 
 def block_size_of(config: Qwen3Config) -> int:
-    """Newer checkpoints move block_size into dflash_config; SGLang reads both, so do we."""
-    return int(config.dflash_config.get("block_size", getattr(config, "block_size", 0)))
+    """Newer checkpoints move block_size into dflash_config; SGLang reads both, so do we (DSpark: top-level only)."""
+    nested = getattr(config, "dflash_config", None) or {}
+    return int(nested.get("block_size", getattr(config, "block_size", 0)))

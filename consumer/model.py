@@ -22,6 +22,7 @@ from transformers import PretrainedConfig, Qwen3Config
 
 from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.consumer.drafter_hf_config import block_size_of, drafter_hf_config, qwen3_config
+from dflash_ring.consumer.dspark_heads import ConfidenceHead, MarkovHead
 from dflash_ring.consumer.qwen3_blocks import Qwen3MLP, Qwen3RMSNorm, rope_frequencies, rotate_half
 # The frozen head lives in target_head.py; re-exported for callers that import it from here.
 from .target_head import EMBED_KEYS, LM_HEAD_KEYS, FrozenTargetHead, load_target_head  # noqa: F401
@@ -362,15 +363,23 @@ class DFlashDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _drafter_key(config: Qwen3Config, key: str) -> Any:
+    """A DFlash setting where the layout keeps it: nested in dflash_config (z-lab), or top-level (DeepSeek's DSpark)."""
+    nested = getattr(config, "dflash_config", None) or {}
+    return nested[key] if key in nested else getattr(config, key)
+
+
 class DFlashDraftModel(nn.Module):
     """Parameter names match the public checkpoints exactly (no prefix, no embed/lm_head)."""
+
+    sample_from_anchor = False  # slot 0 is the given anchor; slots 1..B-1 draft
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
         self.config = config
         self.block_size = block_size_of(config)
-        self.mask_token_id = int(config.dflash_config["mask_token_id"])
-        self.target_layer_ids = list(config.dflash_config["target_layer_ids"])
+        self.mask_token_id = int(_drafter_key(config, "mask_token_id"))
+        self.target_layer_ids = list(_drafter_key(config, "target_layer_ids"))
         if self.block_size < 2:
             raise ValueError("config has no block_size >= 2 (top level or in dflash_config)")
         hidden = config.hidden_size
@@ -468,6 +477,46 @@ class DFlashDraftModel(nn.Module):
         return self(padded, committed_ids, anchors, head)[0]
 
 
+class DSparkDraftModel(DFlashDraftModel):
+    """DSpark (consumer/dspark_heads.py): the DFlash backbone, every slot drafting (slot k predicts anchor + k + 1),
+    plus the Markov and confidence heads. Parameter names are DeepSeek's flat Qwen3DSparkModel names."""
+
+    sample_from_anchor = True
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__(config)
+        rank, hidden = int(config.markov_rank), config.hidden_size
+        self.markov_head = MarkovHead(config.vocab_size, rank, hidden, config.markov_head_type)
+        self.confidence_head = ConfidenceHead(hidden, rank)
+        for module in (self.markov_head, self.confidence_head):
+            for sub in module.modules():
+                if isinstance(sub, nn.Linear):
+                    nn.init.normal_(sub.weight, std=config.initializer_range)
+                    if sub.bias is not None:
+                        nn.init.zeros_(sub.bias)
+        nn.init.normal_(self.markov_head.markov_w1.weight, std=0.01)
+
+    def prev_ids(self, input_ids: torch.Tensor, anchors: Anchors) -> torch.Tensor:
+        return dspark_prev_ids(input_ids, anchors, self.block_size)
+
+    def heads(self, hidden: torch.Tensor, prev_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Markov features e [N, B, r], confidence logits [N, B] fp32) of backbone output hidden [N, B, H]."""
+        prev_emb = self.markov_head.prev_embedding(prev_ids)
+        return self.markov_head.features(hidden, prev_emb), self.confidence_head(hidden, prev_emb)
+
+
+def dspark_prev_ids(input_ids: torch.Tensor, anchors: Anchors, block_size: int) -> torch.Tensor:
+    """[N, B] teacher-forced previous tokens of DSpark's slots: prev_k = input_ids[anchor + k] (prev_0 is the anchor).
+    A slot past its sequence's end reads the anchor: its label lies outside the sequence, so it is never supervised."""
+    positions = anchors.positions[:, None] + torch.arange(block_size, device=input_ids.device)
+    inside = positions < anchors.seq_bounds()[1][:, None]
+    return input_ids[torch.where(inside, positions, anchors.positions[:, None])]
+
+
 def build_drafter(cfg: DrafterConfig, target_config: Mapping[str, Any] | PretrainedConfig) -> DFlashDraftModel:
-    """A freshly initialised drafter as wide as the target."""
-    return DFlashDraftModel(qwen3_config(drafter_hf_config(cfg, target_config)))
+    """A freshly initialised drafter as wide as the target, of the configured architecture."""
+    return drafter_class(cfg.arch)(qwen3_config(drafter_hf_config(cfg, target_config)))
+
+
+def drafter_class(arch: str) -> type[DFlashDraftModel]:
+    return {"dflash": DFlashDraftModel, "dspark": DSparkDraftModel}[arch]

@@ -18,8 +18,9 @@ import torch
 from dflash_ring.consumer.checkpoint import Checkpoint
 from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.common.slot_contract import item_sources
+from dflash_ring.consumer.dspark_heads import check_dspark_head
 from dflash_ring.consumer.fp8 import check_precision, convert_to_fp8
-from dflash_ring.consumer.loss import DFlashLoss, dflash_loss
+from dflash_ring.consumer.loss import DFlashLoss, DSparkHeads, dflash_loss
 from dflash_ring.consumer.model import Anchors, DFlashDraftModel, FrozenTargetHead, sample_anchors
 from dflash_ring.consumer.source_metrics import SourceLabels, SourceStats, add_sources, by_source
 from dflash_ring.common.train_config import TrainConfig
@@ -65,6 +66,36 @@ class StepMetrics:
     step_s: float
     # Per data source, summed over the step's micro-batches (empty when items carry no sources).
     by_source: dict[str, SourceStats] = field(default_factory=dict)
+    # With L1 to the target (DSpark): its weighted term, accept_rate@k (mean analytic acceptance per draft position)
+    # and tau_probabilistic; with a confidence head, its weighted BCE and the mean absolute error, bias and
+    # cumulative-product bias of its probabilities against alpha* over supervised drafts. None where not trained.
+    dspark: DSparkFigures | None = None
+
+
+@dataclass(frozen=True)
+class DSparkFigures:
+    tv: float
+    accept_rate_per_position: list[float]
+    tau_probabilistic: float
+    confidence_loss: float | None = None
+    confidence_abs_error: float | None = None
+    confidence_bias: float | None = None
+    confidence_cumprod_bias: float | None = None
+
+    @classmethod
+    def of(cls, out: DFlashLoss) -> DSparkFigures | None:
+        if out.alpha_per_position is None:
+            return None
+        rate = (out.alpha_per_position / out.valid_per_position.clamp_min(1)).tolist()
+        calib = {}
+        if out.calibration is not None:
+            drafts = max(int(out.num_valid_tokens), 1)
+            c = out.calibration
+            calib = {"confidence_loss": float(out.confidence), "confidence_abs_error": float(c.abs_error.sum()) / drafts,
+                     "confidence_bias": float(c.bias.sum()) / drafts,
+                     "confidence_cumprod_bias": float(c.cumprod_bias.sum()) / drafts}
+        return cls(tv=float(out.tv), accept_rate_per_position=[round(r, 4) for r in rate],
+                   tau_probabilistic=float(out.tau_probabilistic), **calib)
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -80,6 +111,8 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
 class Trainer:
     def __init__(self, model: DFlashDraftModel, head: FrozenTargetHead, drafter: DrafterConfig,
                  train: TrainConfig, device: torch.device, sources: SourceLabels | None = None):
+        if drafter.arch == "dspark":
+            check_dspark_head(head.spec)
         self.model = model.to(device)  # fp32 master weights; bf16 only inside autocast on GPU
         fp8 = drafter.precision == "fp8"
         if fp8:  # before compiling (the casts are traced into the layers) and before the optimizer takes the weights
@@ -137,7 +170,7 @@ class Trainer:
             accuracy_per_position=[round(float(a), 4) for a in out.accuracy_per_position],
             accept_len=float(out.accept_len), accept_len_prob=float(out.accept_len_prob), lr=lr,
             grad_norm=float(grad_norm), tokens=batch.num_tokens,
-            step_s=time.perf_counter() - t0, by_source=step_sources,
+            step_s=time.perf_counter() - t0, by_source=step_sources, dspark=DSparkFigures.of(out),
         )
 
     def _update(self, total_steps: int) -> tuple[float, torch.Tensor]:
@@ -192,8 +225,13 @@ class Trainer:
             hidden = self.model(batch.features, batch.input_ids, anchors, self.head,
                                 attention=self.cfg.attention_for(self.device.type),
                                 anchors_per_group=self.cfg.anchors_per_group)
+            dspark = None
+            if self.drafter.arch == "dspark":
+                markov, confidence = self.model.heads(hidden, self.model.prev_ids(batch.input_ids, anchors))
+                dspark = DSparkHeads(markov, self.model.markov_head.markov_w2.weight, confidence)
             return dflash_loss(hidden, anchors, batch.input_ids, batch.loss_mask, self.head, self.drafter,
-                               target_hidden=batch.final_hidden if self.drafter.needs_target_logits else None)
+                               target_hidden=batch.final_hidden if self.drafter.needs_target_logits else None,
+                               dspark=dspark)
 
     def _by_source(self, batch: DeviceBatch, anchors: Anchors, out: DFlashLoss) -> dict[str, SourceStats]:
         if batch.source_ids is None:

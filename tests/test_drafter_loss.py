@@ -11,14 +11,11 @@ import torch.nn.functional as F
 from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.consumer.fp8 import Fp8Unavailable
 from dflash_ring.consumer.fp8_head import E5M2, Fp8Head, quantize_rows
-from dflash_ring.consumer.loss import (
-    accept_products,
-    block_labels,
-    dflash_loss,
-    dpace_weights,
-    position_weights,
-    teacher_logits,
-)
+from dflash_ring.consumer.loss import block_labels, dflash_loss
+from dflash_ring.consumer.objectives.cap import accept_products
+from dflash_ring.consumer.objectives.dpace import dpace_weights
+from dflash_ring.consumer.objectives.position_decay import position_weights
+from dflash_ring.consumer.objectives.teacher import teacher_logits
 from dflash_ring.consumer.model import (
     FrozenTargetHead,
     build_drafter,
