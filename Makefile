@@ -6,6 +6,12 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+# Test oracles: peers' DFlash code that tests/test_peer_conformance.py runs our exports through (z-lab's dflash,
+# vLLM's speculators; versions pinned in constraints.txt). Installed --no-deps on purpose: they are test references
+# only, imported for their model classes on top of our own torch and transformers; their full dependency sets would
+# pull CUDA builds of torchvision/torchaudio (speculators) and older transformers/datasets pins. hs-connectors and
+# loguru are what speculators needs to import.
+TEST_ORACLES := dflash speculators hs-connectors loguru
 
 .PHONY: setup deploy-tools run test bench-ring clean-venv
 
@@ -14,6 +20,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
+	$(PY) -m pip install -q --no-deps -c constraints.txt $(TEST_ORACLES)
 	touch $@
 
 setup: $(VENV)/.installed

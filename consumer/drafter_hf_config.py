@@ -3,6 +3,7 @@
 The exported config.json must load unchanged in vLLM, SGLang and z-lab's
 `trust_remote_code` model, so every key written here follows the published
 DFlash checkpoints (z-lab/Qwen3-8B-DFlash-b16, SpecForge configs/qwen3-8b-dflash.json).
+z-lab's model class loads it in tests/test_peer_conformance.py (every weight, the same drafts).
 """
 
 from __future__ import annotations

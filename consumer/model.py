@@ -85,7 +85,8 @@ def block_attention_mask(
     Keys are [context 0..ctx_len-1 | block 0 | block 1 | ...]; `anchors` are
     positions within the sequence. Sliding layers follow SpecForge/z-lab: the
     window is per query position (a query at anchor+k keeps the last W keys,
-    itself included) and attention inside the block is causal.
+    itself included) and attention inside the block is causal (against z-lab's
+    own model: tests/test_peer_conformance.py).
     """
     n, device = anchors.numel(), anchors.device
     offsets = torch.arange(block_size, device=device).repeat(n)
