@@ -221,6 +221,15 @@ class DrafterMetrics:
         self.position_accuracy = Gauge("dflash_ring_drafter_position_accuracy",
                                        "Top-1 accuracy of the last step at each block position (1..B-1)",
                                        ["position"], registry=r)
+        self.accept_rate = Gauge("dflash_ring_drafter_position_accept_rate",
+                                 "DSpark: mean analytic acceptance 1 - TV of the last step at each draft position "
+                                 "(1 = the first draft)", ["position"], registry=r)
+        self.tau_probabilistic = Gauge("dflash_ring_drafter_tau_probabilistic",
+                                       "DSpark: 1 + sum over the block of the cumulative product of the analytic "
+                                       "acceptance, mean over the last step's blocks", registry=r)
+        self.confidence_error = Gauge("dflash_ring_drafter_confidence_abs_error",
+                                      "DSpark: mean |confidence - analytic acceptance| over the last step's drafts",
+                                      registry=r)
         self.lr = Gauge("dflash_ring_drafter_learning_rate", "Learning rate of the last step", registry=r)
         self.step_number = Gauge("dflash_ring_drafter_step", "Optimizer step reached (survives restarts)",
                                  registry=r)
@@ -252,9 +261,15 @@ class DrafterMetrics:
         self.step_number.set(step)
         for key, gauge in self.gauges.items():
             gauge.set(record[key])
+        for key, gauge in {"tau_probabilistic": self.tau_probabilistic,
+                           "confidence/abs_error": self.confidence_error}.items():
+            if key in record:  # DSpark's
+                gauge.set(record[key])
         for key, value in record.items():
             if key.startswith("accuracy/pos_"):
                 self.position_accuracy.labels(key.removeprefix("accuracy/pos_")).set(value)
+            elif key.startswith("accept_rate/pos_"):
+                self.accept_rate.labels(key.removeprefix("accept_rate/pos_")).set(value)
         self.publish_sources(record)
 
     def publish_sources(self, record: dict[str, float]) -> None:

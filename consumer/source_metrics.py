@@ -41,10 +41,22 @@ class SourceStats:
     valid: int = 0
     accept_sum: float = 0.0  # teacher-forced accepted prefix + 1, summed over blocks
     accept_prob_sum: float = 0.0  # probabilistic accept length, summed over blocks
+    # With L1 to the target (DSpark): tau_probabilistic summed over the blocks that have it; with a confidence
+    # head, |c - alpha*|, c - alpha* and the cumulative products' difference summed over supervised drafts.
+    analytic_blocks: int = 0
+    tau_prob_sum: float = 0.0
+    confidence_drafts: int = 0
+    confidence_sums: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def add(self, other: SourceStats) -> None:
         for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            setattr(self, f.name, tuple(a + b for a, b in zip(mine, theirs)) if isinstance(mine, tuple)
+                    else mine + theirs)
+
+    @property
+    def tau_probabilistic(self) -> float:
+        return self.tau_prob_sum / self.analytic_blocks if self.analytic_blocks else 0.0
 
     @property
     def loss(self) -> float:
@@ -112,8 +124,10 @@ def by_source(out: DFlashLoss, anchors: Anchors, source_ids: torch.Tensor, loss_
     def per_source(index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         return torch.zeros(k, dtype=torch.float64, device=device).index_add_(0, index, values.double())
 
+    ones = torch.ones_like(out.block_loss_sum)
+    calib = out.calibration
     sums = torch.stack([
-        per_source(block_source, torch.ones_like(out.block_loss_sum)),
+        per_source(block_source, ones),
         per_source(token_source, loss_mask.to(device)),
         per_source(block_source, out.block_loss_sum),
         per_source(block_source, out.block_weight_sum),
@@ -121,12 +135,21 @@ def by_source(out: DFlashLoss, anchors: Anchors, source_ids: torch.Tensor, loss_
         per_source(block_source, out.block_valid),
         per_source(block_source, out.block_accept),
         per_source(block_source, out.block_accept_prob),
+        *((per_source(block_source, ones), per_source(block_source, out.block_tau_probabilistic))
+          if out.block_tau_probabilistic is not None else ()),
+        *((per_source(block_source, calib.abs_error), per_source(block_source, calib.bias),
+           per_source(block_source, calib.cumprod_bias)) if calib is not None else ()),
     ]).tolist()
     result: dict[str, SourceStats] = {}
     for j, label in enumerate(labels):
-        b, t, ls, ws, c, v, a, ap = (row[j] for row in sums)
-        if b or t:
-            result.setdefault(label, SourceStats()).add(
-                SourceStats(int(b), int(t), ls, ws, int(c), int(v), a, ap))
+        b, t, ls, ws, c, v, a, ap, *dspark = (row[j] for row in sums)
+        if not (b or t):
+            continue
+        extra = {}
+        if out.block_tau_probabilistic is not None:
+            extra |= {"analytic_blocks": int(dspark[0]), "tau_prob_sum": dspark[1]}
+        if calib is not None:
+            extra |= {"confidence_drafts": int(v), "confidence_sums": tuple(dspark[2:5])}
+        result.setdefault(label, SourceStats()).add(SourceStats(int(b), int(t), ls, ws, int(c), int(v), a, ap, **extra))
     return result
 

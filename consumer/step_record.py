@@ -77,14 +77,30 @@ def step_scalars(m: StepMetrics, w: WindowStats) -> dict[str, float]:
         "tokens_per_s": w.tokens / w.seconds,
         "ring/depth": float(w.depth), "ring/wait_s": w.wait_s,
         "producers/items_per_s": w.produced / w.seconds, "producers/tokens_per_s": w.produced_tokens / w.seconds,
+        **dspark_scalars(m),
         **source_scalars(w.by_source),  # over the window: a source missing from one batch still has a figure
     }
 
 
+def dspark_scalars(m: StepMetrics) -> dict[str, float]:
+    """With L1 to the target (DSpark): `tv`, `tau_probabilistic`, `accept_rate/pos_<k>` (k = 1: the first draft);
+    with a confidence head `confidence_loss` and `confidence/{abs_error,bias,cumprod_bias}`. None for DFlash."""
+    d = m.dspark
+    if d is None:
+        return {}
+    out = {"tv": d.tv, "tau_probabilistic": d.tau_probabilistic,
+           **{f"accept_rate/pos_{k}": a for k, a in enumerate(d.accept_rate_per_position, 1)}}
+    if d.confidence_loss is not None:
+        out |= {"confidence_loss": d.confidence_loss, "confidence/abs_error": d.confidence_abs_error,
+                "confidence/bias": d.confidence_bias, "confidence/cumprod_bias": d.confidence_cumprod_bias}
+    return out
+
+
 def source_scalars(by_source: dict[str, SourceStats], prefix: str = "") -> dict[str, float]:
     """`<prefix>source/<name>/{loss,accuracy,accept_len,accept_len_prob,blocks,tokens}`: the ratios only where
-    the source had blocks (a source without a block has no figure, not a zero). Names are [A-Za-z0-9_.-]
-    (data_config.py), so every key is valid in every tracker."""
+    the source had blocks (a source without a block has no figure, not a zero); DSpark's `tau_probabilistic` and
+    `confidence_{abs_error,bias,cumprod_bias}` where it had them. Names are [A-Za-z0-9_.-] (data_config.py), so
+    every key is valid in every tracker."""
     out: dict[str, float] = {}
     for name, s in sorted(by_source.items()):
         key = f"{prefix}source/{name}/"
@@ -93,6 +109,12 @@ def source_scalars(by_source: dict[str, SourceStats], prefix: str = "") -> dict[
         if s.blocks:
             out |= {key + "loss": s.loss, key + "accuracy": s.accuracy, key + "accept_len": s.accept_len,
                     key + "accept_len_prob": s.accept_len_prob}
+        if s.analytic_blocks:
+            out[key + "tau_probabilistic"] = s.tau_probabilistic
+        if s.confidence_drafts:
+            out |= {key + "confidence_abs_error": s.confidence_sums[0] / s.confidence_drafts,
+                    key + "confidence_bias": s.confidence_sums[1] / s.confidence_drafts,
+                    key + "confidence_cumprod_bias": s.confidence_sums[2] / s.confidence_drafts}
     return out
 
 
@@ -129,4 +151,6 @@ def log_line(step: int, total: int, r: dict[str, float]) -> str:
             f"accept_len {r['accept_len']:.2f} accept_len_prob {r['accept_len_prob']:.2f} lr {r['lr']:.2e} "
             f"grad_norm {r['grad_norm']:.3g} tok/s {r['tokens_per_s']:.0f} ring_wait {r['ring/wait_s']:.1f}s "
             f"depth {r['ring/depth']:.0f} producers {r['producers/items_per_s']:.2f} items/s "
-            f"{r['producers/tokens_per_s']:.0f} tok/s")
+            f"{r['producers/tokens_per_s']:.0f} tok/s"
+            + (f" tau_prob {r['tau_probabilistic']:.2f}" if "tau_probabilistic" in r else "")
+            + (f" conf_err {r['confidence/abs_error']:.3f}" if "confidence/abs_error" in r else ""))

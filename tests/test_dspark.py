@@ -230,3 +230,49 @@ def test_a_dspark_drafter_trains_on_a_tiny_target(tmp_path):
     assert last.dspark is not None and len(last.dspark.accept_rate_per_position) == 7
     assert last.dspark.confidence_abs_error is not None
     assert last.loss < first.loss
+
+
+def test_dspark_figures_reach_the_record_per_source_and_prometheus():
+    from prometheus_client import CollectorRegistry
+
+    from dflash_ring.common.metrics import DrafterMetrics
+    from dflash_ring.consumer.source_metrics import by_source
+    from dflash_ring.consumer.step_record import WindowStats, step_scalars
+    from dflash_ring.consumer.trainer import DSparkFigures, StepMetrics
+
+    torch.manual_seed(3)
+    vocab, hidden_size, rank, block = 20, 6, 3, 4
+    head = FrozenTargetHead(torch.randn(vocab, hidden_size), torch.randn(vocab, hidden_size))
+    lengths = [12, 10]
+    input_ids = torch.randint(0, vocab, (22,))
+    loss_mask = torch.ones(22, dtype=torch.bool)
+    anchors = sample_anchors(loss_mask, cu_seqlens_from_lengths(lengths), 4, torch.Generator())
+    hidden, target_hidden = torch.randn(anchors.num_blocks, block, hidden_size), torch.randn(22, hidden_size)
+    cfg = DrafterConfig(recipe="dspark", block_size=block, markov_rank=rank)
+    heads = DSparkHeads(torch.randn(anchors.num_blocks, block, rank), torch.randn(vocab, rank),
+                        torch.randn(anchors.num_blocks, block))
+    out = dflash_loss(hidden, anchors, input_ids, loss_mask, head, cfg, target_hidden, dspark=heads)
+    # Two sources (one per sequence) add up to the batch; each source's figures are its blocks' own.
+    stats = by_source(out, anchors, torch.tensor([0, 1]), loss_mask, ["code", "chat"])
+    n0 = int(anchors.cu_anchors[1])
+    torch.testing.assert_close(stats["code"].tau_probabilistic,
+                               float(out.block_tau_probabilistic[:n0].mean()), rtol=1e-6, atol=1e-6)
+    total_tau = sum(s.tau_prob_sum for s in stats.values()) / anchors.num_blocks
+    torch.testing.assert_close(total_tau, float(out.tau_probabilistic), rtol=1e-6, atol=1e-6)
+    drafts = sum(s.confidence_drafts for s in stats.values())
+    figures = DSparkFigures.of(out)
+    torch.testing.assert_close(sum(s.confidence_sums[0] for s in stats.values()) / drafts,
+                               figures.confidence_abs_error, rtol=1e-6, atol=1e-6)
+    m = StepMetrics(step=1, loss=float(out.loss), ce=float(out.ce), kl=0.0, cap=0.0, accuracy_per_position=[0.5] * 4,
+                    accept_len=1.0, accept_len_prob=1.0, lr=1e-3, grad_norm=1.0, tokens=22, step_s=0.1,
+                    by_source=stats, dspark=figures)
+    record = step_scalars(m, WindowStats(1.0, 22, 0.0, 1, 22, 0, stats))
+    assert record["tau_probabilistic"] == figures.tau_probabilistic
+    assert [record[f"accept_rate/pos_{k}"] for k in range(1, 5)] == figures.accept_rate_per_position
+    assert {"confidence_loss", "confidence/abs_error", "confidence/bias", "confidence/cumprod_bias",
+            "source/code/tau_probabilistic", "source/chat/confidence_cumprod_bias"} <= set(record)
+    registry = CollectorRegistry()
+    DrafterMetrics(registry).publish(1, 0.1, record)
+    assert registry.get_sample_value("dflash_ring_drafter_tau_probabilistic") == figures.tau_probabilistic
+    assert registry.get_sample_value("dflash_ring_drafter_position_accept_rate", {"position": "1"}) == \
+        figures.accept_rate_per_position[0]
