@@ -20,6 +20,7 @@ import platform
 import time
 from dataclasses import asdict, replace
 from datetime import datetime, timezone
+from statistics import fmean
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from dflash_ring.bench.target_shapes import SHAPES, shape_config, tiny_config
 from dflash_ring.common.compile_cache import use_compile_cache
 from dflash_ring.common.drafter_config import DrafterConfig, target_text_config
 from dflash_ring.consumer.fp8 import check_precision, convert_to_fp8
-from dflash_ring.consumer.loss import dflash_loss
+from dflash_ring.consumer.loss import drafter_loss
 from dflash_ring.consumer.model import Anchors, FrozenTargetHead, build_drafter, cu_seqlens_from_lengths, sample_anchors
 
 H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s (spec sheet)
@@ -72,8 +73,10 @@ def step_flops(cfg: dict[str, Any], drafter: DrafterConfig, n_ctx_layers: int, t
     fc = 2 * tokens * n_ctx_layers * h * h
     trainable_fwd = drafter.num_hidden_layers * (per_layer_block + per_layer_ctx) + attention + fc
     head = 2 * h * cfg["vocab_size"]  # per row of a [rows, H] x [H, vocab] product
+    # DSpark: the Markov bias [rows, r] x [r, vocab], and its gradients to the features and to markov_w2
+    markov = 3 * 2 * drafter.markov_rank * cfg["vocab_size"] if drafter.arch == "dspark" else 0
     # the draft's logits and their gradient per supervised row; the teacher's once per distinct position
-    return 3 * trainable_fwd + head * (2 * supervised + teacher_positions)
+    return 3 * trainable_fwd + head * (2 * supervised + teacher_positions) + markov * supervised
 
 
 def drafter_mlp(cfg: dict[str, Any], drafter: DrafterConfig) -> int:
@@ -89,7 +92,7 @@ def _grad_check(model, head, drafter, ctx, ids, mask, anchors, teacher, cuda: bo
         model.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
             hidden = model(ctx, ids, anchors, head, attention=attention)
-            dflash_loss(hidden, anchors, ids, mask, head, drafter, teacher).loss.backward()
+            drafter_loss(model, hidden, anchors, ids, mask, head, drafter, teacher).loss.backward()
         grads[attention] = [p.grad.float().clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     return max(float((f - s_).norm() / s_.norm().clamp_min(1e-30)) for f, s_ in zip(grads["flex"], grads["sdpa"]))
@@ -143,6 +146,7 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int | None = Non
     drafter = replace(_drafter_config(target, recipe, anchors, loss_chunk), precision=precision,
                       fp8_recipe=fp8_recipe)
     anchors = drafter.num_anchors
+    backbone_only = replace(drafter, confidence_weight=0.0)  # DSpark's step without its heads (heads_overhead)
     model = build_drafter(drafter, target).to(dev)
     if precision == "fp8":  # as the Trainer does: before the optimizer and the compile
         convert_to_fp8(model, fp8_recipe)
@@ -184,7 +188,7 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int | None = Non
     if compile:
         model.compile_layers(include_fc=precision == "fp8")
 
-    def step() -> tuple[float, ...]:
+    def step(heads: bool = True) -> tuple[float, ...]:
         t0 = sync()
         ctx = host.to(dev, non_blocking=True)
         ids, mask = ids_host.to(dev, non_blocking=True), mask_host.to(dev, non_blocking=True)
@@ -193,7 +197,8 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int | None = Non
         a = sample_anchors(mask, cu, anchors, gen)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
             hidden = model(ctx, ids, a, head, attention=attention, anchors_per_group=anchors_per_group)
-            out = dflash_loss(hidden, a, ids, mask, head, drafter, teacher)
+            out = drafter_loss(model, hidden, a, ids, mask, head, drafter if heads else backbone_only, teacher,
+                               heads=heads)
         t2 = sync()
         out.loss.backward()
         t3 = sync()
@@ -212,6 +217,12 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int | None = Non
             phases[k].append(v)
         progress("drafter", "step", {"step": i + 1, **{k: round(v[-1], 4) for k, v in phases.items()}})
     a = step.anchors
+    heads_overhead = None
+    if drafter.arch == "dspark":  # the same steps with the Markov bias and the confidence left out
+        backbone = [step(heads=False)[-1] for _ in range(2 + steps)][2:]
+        heads_overhead = round(fmean(phases["step_s"]) / fmean(backbone) - 1, 4)
+        progress("drafter", "dspark_heads", {"backbone_step_s": round(fmean(backbone), 4),
+                                             "heads_overhead": heads_overhead})
     blocks = a.num_blocks
     mean = {k: sum(v) / len(v) for k, v in phases.items()}
     flops = step_flops(target, drafter, n_ctx, tokens, a, step.supervised, step.teacher_positions)
@@ -238,7 +249,8 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int | None = Non
         "torch": torch.__version__,
         "target_shape": shape if cuda and not tiny else f"{shape} (tiny: same family, hidden {h})",
         "recipe": {k: v for k, v in asdict(drafter).items()
-                   if k in ("recipe", "loss", "kl_weight", "cap_weight", "label", "layer_types", "sliding_window")},
+                   if k in ("recipe", "arch", "loss", "kl_weight", "cap_weight", "tv_weight", "confidence_weight",
+                            "markov_rank", "markov_head", "label", "layer_types", "sliding_window")},
         "shape": {"hidden": h, "draft_layers": drafter.num_hidden_layers, "target_layers_fed": n_ctx,
                   "block_size": drafter.block_size, "anchors_per_seq": anchors, "seqs": seqs, "seq_len": seq_len,
                   "blocks_per_step": blocks, "vocab": vocab},
@@ -258,6 +270,8 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int | None = Non
         "peak_tflop_per_s": round(peak_flops / 1e12, 1),
         "mfu": summary["mfu"],
         "peak_memory_gib": summary["peak_memory_gib"],
+        # DSpark: step time with the Markov and confidence heads / the same steps without them, - 1
+        "dspark_heads_overhead": heads_overhead,
     }
     if top is not None:
         report["top_kernels_ms_per_step"] = top

@@ -85,7 +85,16 @@ def trainable_parameters(target: Mapping[str, Any], drafter: DrafterConfig) -> i
     q, kv = g["num_attention_heads"] * hd, g["num_key_value_heads"] * hd
     layer = h * q + 2 * h * kv + q * h + 3 * h * inner + 2 * h + 2 * hd  # projections, MLP, 2 norms, q/k norms
     fed = len(drafter.resolved_target_layer_ids(int(target["num_hidden_layers"])))
-    return drafter.num_hidden_layers * layer + fed * h * h + 2 * h
+    return drafter.num_hidden_layers * layer + fed * h * h + 2 * h + dspark_head_parameters(g, drafter)
+
+
+def dspark_head_parameters(g: Mapping[str, Any], drafter: DrafterConfig) -> int:
+    """DSpark's Markov head (markov_w1, markov_w2: [V, r] each, and the gated/rnn projections) and confidence head."""
+    if drafter.arch != "dspark":
+        return 0
+    h, r, vocab = g["hidden_size"], drafter.markov_rank, g["vocab_size"]
+    extra = {"vanilla": 0, "gated": (h + r + 1) * r, "rnn": (2 * r + h + 1) * 3 * r}[drafter.markov_head]
+    return 2 * vocab * r + extra + h + r + 1
 
 
 def step_memory(target: Mapping[str, Any], drafter: DrafterConfig, seqs: int, seq_len: int, *, compiled: bool,

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_ring.common.drafter_config import DrafterConfig
-from .model import Anchors, FrozenTargetHead
+from .model import Anchors, DFlashDraftModel, DSparkDraftModel, FrozenTargetHead
 from .objectives.cap import Cap, accept_products
 from .objectives.confidence import Calibration, calibration, confidence_loss
 from .objectives.dpace import DPace
@@ -106,6 +106,18 @@ class DFlashLoss:
         return self.valid_per_position.sum()
 
 
+def drafter_loss(model: DFlashDraftModel, hidden: torch.Tensor, anchors: Anchors, input_ids: torch.Tensor,
+                 loss_mask: torch.Tensor, head: FrozenTargetHead, cfg: DrafterConfig,
+                 target_hidden: torch.Tensor | None = None, heads: bool = True) -> DFlashLoss:
+    """dflash_loss of a drafter's output, with its DSpark heads' outputs when it has them (heads=False leaves them
+    out: the backbone alone, for timing): the one call the trainer and the benches make."""
+    dspark = None
+    if heads and isinstance(model, DSparkDraftModel):
+        markov, confidence = model.heads(hidden, model.prev_ids(input_ids, anchors))
+        dspark = DSparkHeads(markov, model.markov_head.markov_w2.weight, confidence)
+    return dflash_loss(hidden, anchors, input_ids, loss_mask, head, cfg, target_hidden, dspark)
+
+
 def _weighting(cfg: DrafterConfig, valid: torch.Tensor) -> PositionDecay | DPace:
     if cfg.loss == "dpace":
         return DPace(cfg.dpace_alpha, int(valid.sum()))
@@ -127,13 +139,15 @@ def dflash_loss(
     target_hidden: optional [T, H] final-normed target hidden states, needed iff the objective reads the
     target (cfg.needs_target_logits: KL, L1, the confidence, or target-argmax labels); head.logits(target_hidden[p])
     is the target's distribution for token p+1, so the teacher for the draft of token p sits at p-1.
-    dspark: the DSpark heads' outputs, exactly when cfg.arch is "dspark".
+    dspark: the DSpark heads' outputs (arch "dspark" only; None there: the backbone's logits alone, which only a
+    config without the confidence term may ask for, as bench drafter does to time the heads).
     """
     if cfg.needs_target_logits != (target_hidden is not None):
         raise ValueError("target_hidden must be given exactly when kl_weight, tv_weight or confidence_weight > 0 "
                          "or label = 'target_argmax'")
-    if (cfg.arch == "dspark") != (dspark is not None):
-        raise ValueError("the DSpark heads' outputs must be given exactly when arch = 'dspark'")
+    if dspark is not None and cfg.arch != "dspark" or dspark is None and cfg.confidence_weight > 0:
+        raise ValueError("the DSpark heads' outputs are given with arch = 'dspark' only, and there whenever "
+                         "confidence_weight > 0")
     block_size = hidden.shape[1]
     if block_size != cfg.block_size:
         raise ValueError(f"hidden has blocks of {block_size}, config says {cfg.block_size}")

@@ -20,7 +20,7 @@ from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.common.slot_contract import item_sources
 from dflash_ring.consumer.dspark_heads import check_dspark_head
 from dflash_ring.consumer.fp8 import check_precision, convert_to_fp8
-from dflash_ring.consumer.loss import DFlashLoss, DSparkHeads, dflash_loss
+from dflash_ring.consumer.loss import DFlashLoss, drafter_loss
 from dflash_ring.consumer.model import Anchors, DFlashDraftModel, FrozenTargetHead, sample_anchors
 from dflash_ring.consumer.source_metrics import SourceLabels, SourceStats, add_sources, by_source
 from dflash_ring.common.train_config import TrainConfig
@@ -225,13 +225,8 @@ class Trainer:
             hidden = self.model(batch.features, batch.input_ids, anchors, self.head,
                                 attention=self.cfg.attention_for(self.device.type),
                                 anchors_per_group=self.cfg.anchors_per_group)
-            dspark = None
-            if self.drafter.arch == "dspark":
-                markov, confidence = self.model.heads(hidden, self.model.prev_ids(batch.input_ids, anchors))
-                dspark = DSparkHeads(markov, self.model.markov_head.markov_w2.weight, confidence)
-            return dflash_loss(hidden, anchors, batch.input_ids, batch.loss_mask, self.head, self.drafter,
-                               target_hidden=batch.final_hidden if self.drafter.needs_target_logits else None,
-                               dspark=dspark)
+            return drafter_loss(self.model, hidden, anchors, batch.input_ids, batch.loss_mask, self.head,
+                                self.drafter, batch.final_hidden if self.drafter.needs_target_logits else None)
 
     def _by_source(self, batch: DeviceBatch, anchors: Anchors, out: DFlashLoss) -> dict[str, SourceStats]:
         if batch.source_ids is None:
