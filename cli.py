@@ -164,9 +164,11 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", help="the PNG to write (default: RUN_DIR/report.png)")
     sp.set_defaults(func=cmd_report)
 
-    sp = sub.add_parser("export", help="write a training checkpoint as an HF DFlash drafter directory")
+    sp = sub.add_parser("export", help="write a training checkpoint as an HF drafter directory (DFlash or DSpark)")
     sp.add_argument("checkpoint", help="a step-N directory, or a checkpoint root (its latest)")
     sp.add_argument("out_dir")
+    sp.add_argument("--target", help="the target model directory: a DSpark export ships its embed_tokens and lm_head "
+                                     "(default: the target.path recorded in the checkpoint)")
     sp.set_defaults(func=cmd_export)
 
     sp = sub.add_parser("eval", help="offline acceptance (tau) of a drafter against its target on chat prompts")
@@ -647,7 +649,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     check_output_dir(args.out_dir)  # before loading anything
 
-    print(f"exported {export_checkpoint(args.checkpoint, args.out_dir)}")
+    print(f"exported {export_checkpoint(args.checkpoint, args.out_dir, args.target)}")
     return 0
 
 

@@ -255,8 +255,14 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
-    """`dflash-ring export`: a training checkpoint (a step dir, or a checkpoint root) -> HF DFlash dir."""
+def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike,
+                      target: str | os.PathLike | None = None) -> Path:
+    """`dflash-ring export`: a training checkpoint (a step dir, or a checkpoint root) -> an HF drafter dir, in the
+    layout of its arch (DFlash, or DeepSeek's flat DSpark layout).
+
+    A DSpark export ships the target's embed_tokens and lm_head: they are read from `target` (a model directory),
+    else from the target.path the run recorded in the checkpoint; with neither, or where that directory holds no
+    head of the trained shapes, the export is refused in one line."""
     from dflash_ring.common.drafter_config import DrafterConfig
     from dflash_ring.consumer.export import export_drafter
     from dflash_ring.consumer.model import build_drafter
@@ -271,5 +277,43 @@ def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike) 
     model = build_drafter(drafter, ckpt.info["target_config"])
     model.load_state_dict(ckpt.model)
     head = ckpt.info.get("target_head")  # what the head probe derived (checkpoints before it: none recorded)
-    return export_drafter(model, drafter, ckpt.info["target_config"], out_dir,
-                          head_spec=None if head is None else HeadSpec.from_json(head))
+    spec = None if head is None else HeadSpec.from_json(head)
+    frozen = None
+    if drafter.arch == "dspark":
+        frozen = _checkpoint_target_head(ckpt, target, spec)
+    return export_drafter(model, drafter, ckpt.info["target_config"], out_dir, head_spec=spec, head=frozen)
+
+
+def _checkpoint_target_head(ckpt: Checkpoint, target: str | os.PathLike | None, spec):
+    """The target's embedding and lm_head for a DSpark checkpoint's export, as stored (no head probe: the transforms
+    are the ones the checkpoint recorded), checked against the shapes the drafter trained with."""
+    from dflash_ring.common.drafter_config import target_text_config
+    from dflash_ring.common.target_config import TargetConfigError
+    from dflash_ring.consumer.target_head import FrozenTargetHead, HeadSpec, config_tied, head_tensor_keys, read_head
+
+    recorded = ckpt.info.get("target_path")
+    where = target if target is not None else recorded
+    if not where:
+        raise CheckpointError(f"checkpoint {ckpt.path} holds a DSpark drafter, whose export ships the target's "
+                              "embed_tokens and lm_head, and records no target path (written before it was "
+                              "recorded): pass the target model directory (dflash-ring export --target DIR)")
+    root = Path(where).expanduser()
+    origin = "--target" if target is not None else "the target path recorded in the checkpoint"
+    try:
+        files, embed_key, lm_head_key = head_tensor_keys(root)
+        embed, lm_head = read_head(root, files, embed_key, lm_head_key, config_tied(root))
+    except (OSError, KeyError, ValueError, TargetConfigError) as e:
+        raise CheckpointError(f"the DSpark export ships the target's embed_tokens and lm_head, but {root} ({origin}) "
+                              f"gives none: {' '.join(str(e).split())}; pass the target model directory "
+                              "(dflash-ring export --target DIR)") from None
+    text = target_text_config(ckpt.info["target_config"])
+    want = (int(text["vocab_size"]), int(text["hidden_size"]))
+    for name, weight in (("embedding", embed), ("lm_head", lm_head)):
+        if weight is not None and tuple(weight.shape) != want:
+            raise CheckpointError(f"{root} ({origin}) is not the target this drafter trained with: its {name} is "
+                                  f"{tuple(weight.shape)}, the checkpoint's target has [vocab, hidden] = {list(want)}")
+    if spec is not None and spec.tied != (lm_head is None):
+        raise CheckpointError(f"{root} ({origin}) is not the target this drafter trained with: its lm_head is "
+                              f"{'tied' if lm_head is None else 'untied'}, the checkpoint's target head "
+                              f"{'tied' if spec.tied else 'untied'}")
+    return FrozenTargetHead(embed, lm_head, spec=spec or HeadSpec(tied=lm_head is None))

@@ -253,17 +253,32 @@ def drafter_hf_config(
         "dflash_training": {key: getattr(cfg, key)
                             for key in TRAINING_KEYS + (DSPARK_TRAINING_KEYS if cfg.arch == "dspark" else ())},
     }
+    if cfg.arch == "dspark":
+        config["rope_parameters"] = rope_parameters(config["rope_theta"], config["rope_scaling"])
     for key in ("bos_token_id", "eos_token_id"):
         if target.get(key) is not None:
             config[key] = target[key]
     return config
 
 
+def rope_parameters(theta: float, scaling: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The rotary as transformers 5 writes it (`rope_parameters`: rope_type and rope_theta inside), from the legacy
+    rope_theta/rope_scaling pair: the same RoPE in the spelling transformers-5 readers and the third-party DSpark
+    loaders' schema (rope_parameters.rope_type) read."""
+    rest = {k: v for k, v in (scaling or {}).items() if k not in ("rope_type", "type")}
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    return {"rope_type": rope_type, "rope_theta": theta, **rest}
+
+
 def _dspark_keys(cfg: DrafterConfig, layers: int) -> dict[str, Any]:
     """DeepSeek's flat Qwen3DSparkModel layout (DeepSpec's save_pretrained; what vLLM's "dspark" method, SGLang's
-    DSPARK, TRT-LLM and llama.cpp load): every DFlash key top-level, head_dim explicit (drafter_geometry writes it),
-    sample_from_anchor top-level (vLLM's DFlash base refuses it inside dflash_config), the confidence head fed with
-    the Markov embedding (the only form SGLang loads)."""
+    DSPARK, TRT-LLM and llama.cpp load): every DFlash key top-level, head_dim explicit (drafter_geometry writes it;
+    SGLang refuses a derived one), sample_from_anchor top-level (vLLM's DFlash base refuses it inside dflash_config)
+    and dspark_bonus_anchor false (the key vLLM's DSpark speculator and older speculators mappings read for the 1+N
+    layout: written so no build can take this anchor-first checkpoint for the other), the confidence head fed with
+    the Markov embedding (the only form SGLang loads). The RoPE is written in both spellings (drafter_hf_config):
+    rope_theta/rope_scaling for transformers-4 readers and engines that read rope_theta, rope_parameters as
+    transformers 5 writes it (and a third-party loader's schema requires); transformers 5 reads either, equal."""
     return {
         "architectures": ["Qwen3DSparkModel"],
         "auto_map": {"AutoModel": "dspark.Qwen3DSparkModel"},
@@ -274,6 +289,7 @@ def _dspark_keys(cfg: DrafterConfig, layers: int) -> dict[str, Any]:
         "mask_token_id": cfg.mask_token_id,
         "num_anchors": cfg.num_anchors,
         "sample_from_anchor": True,
+        "dspark_bonus_anchor": False,
         "markov_rank": cfg.markov_rank,
         "markov_head_type": cfg.markov_head,
         "enable_confidence_head": True,

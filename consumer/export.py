@@ -1,7 +1,13 @@
-"""Write and read drafters in the public DFlash layout: config.json + model.safetensors + dflash.py.
+"""Write and read drafters in the public layouts: config.json + model.safetensors + the model's code.
 
-dflash.py is consumer/hf_dflash.py copied verbatim: config.json's auto_map points transformers'
-AutoModel (trust_remote_code) at it, so that path gives the real drafter, not a bare Qwen3Model.
+Two layouts, told apart by config.json's `architectures`:
+- DFlash (["DFlashDraftModel"], z-lab / SpecForge): settings nested in dflash_config, the drafter's own tensors
+  only (the target's embed/lm_head are shared at serve time); dflash.py is consumer/hf_dflash.py copied verbatim.
+- DSpark (["Qwen3DSparkModel"], DeepSeek's flat layout: vLLM's "dspark" method, SGLang's DSPARK): settings
+  top-level, the tensors with no prefix plus the target's embed_tokens.weight and lm_head.weight (SGLang refuses
+  a checkpoint without them; a tied target's lm_head is its embedding); dspark.py is consumer/hf_dspark.py.
+config.json's auto_map points transformers' AutoModel (trust_remote_code) at the code file, so that path gives the
+real drafter, not a bare Qwen3Model.
 
 Export is atomic (temp dir in the same parent, fsync, rename) so a crash never
 leaves a half-written drafter where a server or a resume would pick it up.
@@ -25,17 +31,41 @@ from dflash_ring.common.durable import fsync
 
 from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.consumer.drafter_hf_config import drafter_hf_config, qwen3_config
-from .model import DFlashDraftModel
-from .target_head import HeadSpec
+from .dspark_heads import check_dspark_head
+from .model import DFlashDraftModel, drafter_class
+from .target_head import FrozenTargetHead, HeadSpec
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 MODEL_CODE_NAME = "dflash.py"  # what config.json's auto_map names ("dflash.DFlashDraftModel")
 MODEL_CODE_SOURCE = Path(__file__).with_name("hf_dflash.py")
+DSPARK_CODE_NAME = "dspark.py"  # "dspark.Qwen3DSparkModel"
+DSPARK_CODE_SOURCE = Path(__file__).with_name("hf_dspark.py")
 TARGET_HEAD_KEY = "dflash_target_head"
 
+ARCHITECTURES = {"dflash": ["DFlashDraftModel"], "dspark": ["Qwen3DSparkModel"]}
+ARCH_NAMES = {"dflash": "DFlash", "dspark": "DSpark"}
+MODEL_CODE = {"dflash": (MODEL_CODE_NAME, MODEL_CODE_SOURCE), "dspark": (DSPARK_CODE_NAME, DSPARK_CODE_SOURCE)}
+# The target's head in a DSpark export: in the file, not parameters of our DSparkDraftModel (its FrozenTargetHead).
+HEAD_TENSORS = ("embed_tokens.weight", "lm_head.weight")
 
-def _check_weights(state: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], source: str) -> None:
+
+def export_arch(config: Mapping[str, Any], source: str = "config.json") -> str:
+    """"dflash" or "dspark", by the config's architectures; anything else refused naming both layouts."""
+    found = config.get("architectures")
+    for arch, names in ARCHITECTURES.items():
+        if found == names:
+            return arch
+    raise ValueError(f"{source}: architectures is {found}, neither {ARCHITECTURES['dflash']} (DFlash) nor "
+                     f"{ARCHITECTURES['dspark']} (DSpark)")
+
+
+def _describe(arch: str) -> str:
+    return f"a {ARCH_NAMES[arch]} drafter (architectures {ARCHITECTURES[arch]})"
+
+
+def _check_weights(state: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], source: str,
+                   arch: str = "dflash") -> None:
     """Refuse, naming the offending tensors, when names or shapes differ from what the config implies."""
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     wrong_shape = sorted(
@@ -45,15 +75,24 @@ def _check_weights(state: Mapping[str, torch.Tensor], expected: Mapping[str, tor
     )
     if missing or unexpected or wrong_shape:
         raise ValueError(
-            f"{source} does not match its DFlash config: missing {missing}, unexpected {unexpected}, "
+            f"{source} does not match its {ARCH_NAMES[arch]} config: missing {missing}, unexpected {unexpected}, "
             f"wrong shapes {wrong_shape}"
         )
 
 
-def _expected_state(config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """Names and shapes the config implies, without allocating real weights."""
+def _expected_state(config: Mapping[str, Any], arch: str = "dflash") -> dict[str, torch.Tensor]:
+    """Names and shapes the config implies, without allocating real weights (DSpark: with the target's head)."""
     with torch.device("meta"):
-        return DFlashDraftModel(qwen3_config(config)).state_dict()
+        state = drafter_class(arch)(qwen3_config(config)).state_dict()
+        if arch == "dspark":
+            state |= {name: torch.empty(config["vocab_size"], config["hidden_size"]) for name in HEAD_TENSORS}
+    return state
+
+
+def _settings(config: Mapping[str, Any], arch: str) -> tuple[int, int, list[int]]:
+    """(block_size, mask_token_id, target_layer_ids) where the layout keeps them."""
+    where = config if arch == "dspark" else config["dflash_config"]
+    return config["block_size"], where["mask_token_id"], where["target_layer_ids"]
 
 
 def export_drafter(
@@ -64,32 +103,50 @@ def export_drafter(
     *,
     dtype: torch.dtype = torch.bfloat16,
     head_spec: HeadSpec | None = None,
+    head: FrozenTargetHead | None = None,
 ) -> Path:
-    """Write the drafter (its weights and model code; the target's embed/lm_head are shared at serve time).
+    """Write the drafter: its weights and model code, in the layout of drafter_config.arch.
 
-    head_spec, the target head the drafter trained with (the head probe's result), is recorded as
-    `dflash_target_head`: a server must apply the same embedding scale, logit multiplier and softcap when
-    it embeds the drafter's block and scores its drafts with the target's head (serving stacks ignore the key).
+    head: the target's frozen head the drafter trained with. A DSpark export needs it (its embed_tokens and lm_head
+    ship in the file); a DFlash export reads only its spec. head_spec (default: head's), the target head the drafter
+    trained with (the head probe's result), is recorded as `dflash_target_head`: a server must apply the same
+    embedding scale, logit multiplier and softcap when it embeds the drafter's block and scores its drafts with the
+    target's head (serving stacks ignore the key; a DSpark drafter's target head is always plain).
     """
     out = Path(out_dir)
     if out.exists():
         raise FileExistsError(f"{out} exists; export never overwrites a drafter in place")
+    arch = drafter_config.arch
+    if model.sample_from_anchor != (arch == "dspark"):
+        model_arch = "dspark" if model.sample_from_anchor else "dflash"
+        raise ValueError(f"the model is {_describe(model_arch)}, its drafter config says arch = {arch!r} "
+                         f"({_describe(arch)}): export it with the config it was trained with")
+    if head_spec is None and head is not None:
+        head_spec = head.spec
     config = drafter_hf_config(drafter_config, target_config, dtype=dtype)
     if head_spec is not None:
         config[TARGET_HEAD_KEY] = head_spec.to_json()
-    dflash = config["dflash_config"]
-    exported = (config["block_size"], dflash["mask_token_id"], dflash["target_layer_ids"])
+    exported = _settings(config, arch)
     if exported != (model.block_size, model.mask_token_id, model.target_layer_ids):
         raise ValueError(f"config (block_size, mask_token_id, target_layer_ids) {exported} differs from the model's")
     state = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in model.state_dict().items()}
-    _check_weights(state, _expected_state(config), "model")
+    if arch == "dspark":
+        if head is None:
+            raise ValueError("a DSpark export ships the target's embed_tokens and lm_head (SGLang refuses a checkpoint "
+                             "without them): pass the target's head (head=FrozenTargetHead)")
+        check_dspark_head(head.spec)
+        # Clones: a tied target's lm_head is its embedding, and safetensors refuses tensors that share memory.
+        state |= {name: weight.detach().to(device="cpu", dtype=dtype).clone()
+                  for name, weight in zip(HEAD_TENSORS, (head.embed_weight, head.lm_head_weight))}
+    _check_weights(state, _expected_state(config, arch), "model", arch)
+    code_name, code_source = MODEL_CODE[arch]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_file(state, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
-        (tmp / MODEL_CODE_NAME).write_bytes(MODEL_CODE_SOURCE.read_bytes())
-        for path in (tmp / CONFIG_NAME, tmp / WEIGHTS_NAME, tmp / MODEL_CODE_NAME, tmp):
+        (tmp / code_name).write_bytes(code_source.read_bytes())
+        for path in (tmp / CONFIG_NAME, tmp / WEIGHTS_NAME, tmp / code_name, tmp):
             fsync(path)
         tmp.rename(out)
     except BaseException:
@@ -100,15 +157,33 @@ def export_drafter(
 
 
 def load_drafter(
-    path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+    path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+    arch: str | None = "dflash", target_head: FrozenTargetHead | None = None,
 ) -> DFlashDraftModel:
-    """Load an exported drafter; dtype None keeps the stored dtype."""
+    """Load an exported drafter (DFlashDraftModel or DSparkDraftModel); dtype None keeps the stored dtype.
+
+    arch: the layout the caller serves, "dflash" (the default: what every caller before DSpark decodes), "dspark",
+    or None for either; an export of the other is refused in one line naming both. A DSpark export's embed_tokens
+    and lm_head are checked by shape and not loaded into the model (the target's head serves them); with
+    target_head they must equal its embedding and lm_head (as the export's dtype rounds them), or the drafter was
+    exported for another target.
+    """
     root = Path(path)
     config = json.loads((root / CONFIG_NAME).read_text())
-    if config.get("architectures") != ["DFlashDraftModel"]:
-        raise ValueError(f"{root}: architectures is {config.get('architectures')}, not ['DFlashDraftModel']")
-    state = load_file(root / WEIGHTS_NAME)
-    _check_weights(state, _expected_state(config), str(root / WEIGHTS_NAME))
-    model = DFlashDraftModel(qwen3_config(config))
+    found = export_arch(config, str(root / CONFIG_NAME))
+    if arch is not None and found != arch:
+        raise ValueError(f"{root} is {_describe(found)}, {_describe(arch)} is expected here")
+    weights = root / WEIGHTS_NAME
+    state = load_file(weights)
+    _check_weights(state, _expected_state(config, found), str(weights), found)
+    if found == "dspark":
+        stored = [state.pop(name) for name in HEAD_TENSORS]
+        if target_head is not None:
+            for name, tensor, theirs in zip(HEAD_TENSORS, stored, (target_head.embed_weight,
+                                                                  target_head.lm_head_weight)):
+                if not torch.equal(theirs.detach().to(device="cpu", dtype=tensor.dtype), tensor):
+                    raise ValueError(f"{weights}: {name} differs from the target's: this drafter was exported for "
+                                     "another target")
+    model = drafter_class(found)(qwen3_config(config))
     model.load_state_dict(state, strict=True)
     return model.to(device=device, dtype=dtype or state["fc.weight"].dtype)

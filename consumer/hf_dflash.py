@@ -93,7 +93,11 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__(config)
-        dflash = config.dflash_config
+        dflash = getattr(config, "dflash_config", None)
+        if dflash is None:
+            raise ValueError(f"config has no dflash_config: not a DFlash drafter (architectures ['DFlashDraftModel']) "
+                             f"but architectures {getattr(config, 'architectures', None)}; a DSpark drafter "
+                             "(architectures ['Qwen3DSparkModel']) loads with the dspark.py its export ships")
         self.block_size = int(dflash.get("block_size", getattr(config, "block_size", 0)))
         self.mask_token_id = int(dflash["mask_token_id"])
         self.target_layer_ids = list(dflash["target_layer_ids"])

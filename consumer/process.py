@@ -500,7 +500,9 @@ def train(cfg: Config, seat: Seat, proc: RoleProcess, built: Built, resumed: Res
     checkpoints = Checkpoints(resumed.store, cfg.train.checkpoint_every_steps, cfg.train.keep_checkpoints,
                               lambda: {"consumed": consumed.by_producer, "items": consumed.items,
                                        "drafter": asdict(drafter_cfg), "target_config": built.target_config,
-                                       "target_head": built.head.spec.to_json()},
+                                       "target_head": built.head.spec.to_json(),
+                                       # where a DSpark export reads the target's embed_tokens/lm_head from
+                                       "target_path": str(Path(cfg.target.path).expanduser().resolve())},
                               trainer, journal, proc.ledger, background=cfg.train.async_checkpoints)
     if proc.ledger is not None:
         proc.ledger.write("start", step=trainer.step, **({"took_over": seat.predecessor_pid} if seat.takeover else {}))

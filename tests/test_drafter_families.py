@@ -21,7 +21,8 @@ from transformers import AutoModel, AutoModelForCausalLM
 from dflash_ring.bench.target_shapes import shape_config
 from dflash_ring.common.drafter_config import DrafterConfig, build_target_layer_ids
 from dflash_ring.consumer.drafter_hf_config import drafter_hf_config, drafter_rope
-from dflash_ring.consumer.export import MODEL_CODE_SOURCE, TARGET_HEAD_KEY, export_drafter, load_drafter
+from dflash_ring.consumer.export import (DSPARK_CODE_SOURCE, MODEL_CODE_SOURCE, TARGET_HEAD_KEY, export_drafter,
+                                         load_drafter)
 from dflash_ring.consumer.head_probe import HeadProbeError, TargetHeadProbe, check, derive
 from dflash_ring.consumer.loss import dflash_loss
 from dflash_ring.consumer.model import Anchors, build_drafter, load_target_head
@@ -354,8 +355,9 @@ def test_real_shapes_give_the_published_drafter_geometry():
     assert drafter_hf_config(override, shape_config("gpt-oss-20b"))["intermediate_size"] == 4096
 
 
-def test_shipped_model_file_imports_only_torch_and_transformers():
-    tree = ast.parse(MODEL_CODE_SOURCE.read_text())
+@pytest.mark.parametrize("source", [MODEL_CODE_SOURCE, DSPARK_CODE_SOURCE], ids=["dflash.py", "dspark.py"])
+def test_shipped_model_file_imports_only_torch_and_transformers(source):
+    tree = ast.parse(source.read_text())
     roots = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
              for alias in node.names}
     roots |= {node.module.split(".")[0] for node in ast.walk(tree)
