@@ -1,4 +1,4 @@
-"""Our DFlash exports run through peers' own model code: the same drafts as our training model, in fp32.
+"""Our DFlash and DSpark exports run through peers' own model code: the same drafts as our training model, in fp32.
 
 The oracle is z-lab's `dflash` package (PyPI dflash, module dflash.model: the DFlash authors' reference model,
 the one their `dflash_generate` and the published checkpoints run on). A tiny drafter is built and exported by our
@@ -14,9 +14,15 @@ Sliding layers: ours train causal inside the block with keys in (q - W, q]; z-la
 what trained. What the key would do is measured here too (shared/reference/dspark-dflash2.md, "Causality of
 sliding layers").
 
+DSpark drafters (the tests at the end) are checked three ways: our training model (packed forward and heads()),
+our export in DeepSeek's flat Qwen3DSparkModel layout loaded by transformers' AutoModel through the dspark.py it
+ships, and vLLM speculators' DSparkDraftModel (speculators.models.dspark: its full training forward on CPU, eager
+attention and its eager losses, with our export's tensors, whose names it shares) give the same backbone output,
+draft logits, Markov bias and confidence logits to 1e-5 for the vanilla, gated and rnn Markov heads.
+
 The oracles are test-only packages, installed by `make setup` with --no-deps (Makefile TEST_ORACLES, pins in
 constraints.txt). Without them these tests skip, and fail when CI is set. By hand:
-`.venv/bin/pip install --no-deps -c constraints.txt dflash && .venv/bin/python -m pytest -q tests/test_peer_conformance.py`.
+`.venv/bin/pip install --no-deps -c constraints.txt dflash speculators hs-connectors loguru && .venv/bin/python -m pytest -q tests/test_peer_conformance.py`.
 Note that z-lab's model runs here on our transformers (constraints.txt), not on the one its package pins.
 """
 
@@ -30,10 +36,11 @@ from importlib import metadata
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from safetensors.torch import load_file
+from transformers import AutoModel, AutoModelForCausalLM, Qwen3Config
 
 from dflash_ring.common.drafter_config import DrafterConfig
-from dflash_ring.consumer.export import export_drafter
+from dflash_ring.consumer.export import WEIGHTS_NAME, export_drafter
 from dflash_ring.consumer.model import build_drafter, load_target_head
 from dflash_ring.producer.target import TargetModel
 from support import anchors_from_local, save_tiny_qwen3
@@ -224,3 +231,178 @@ def test_what_zlab_would_serve_with_an_is_causal_key(zlab, targets, tmp_path):
         (edited / "config.json").write_text(json.dumps({**config, **keys}))
         served = zlab_draft(load_zlab(zlab, edited), target, features, ids, anchor)
         assert max_diff(served, ours) > 1e-3, keys
+
+
+# --- DSpark: our training model, our export through transformers' AutoModel, and vLLM's speculators ---------------
+
+MARKOV_RANK = 8
+MARKOV_KINDS = ["vanilla", "gated", "rnn"]
+
+
+@pytest.fixture(scope="module")
+def speculators_dspark():
+    """vLLM speculators' DSpark model module (speculators.models.dspark.core), and its version for the messages."""
+    return oracle("speculators.models.dspark.core", "speculators"), metadata.version("speculators")
+
+
+def dspark_features(target, ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+    """The target's features of a sequence: hidden_states[l + 1] of each layer l, concatenated (what the producer
+    ships, checked against z-lab's selection above)."""
+    with torch.no_grad():
+        hidden = target(ids[None], output_hidden_states=True, use_cache=False).hidden_states
+    return torch.cat([hidden[i + 1][0] for i in layer_ids], dim=-1)
+
+
+@pytest.fixture(scope="module", params=MARKOV_KINDS)
+def dspark_exported(request, targets, tmp_path_factory):
+    """(kind, our fp32 DSpark drafter, its fp32 export dir, target dir, HF target, our head, DrafterConfig)."""
+    path, target_config, target, head = targets(DEFAULT_ROPE)
+    torch.manual_seed(5)
+    cfg = DrafterConfig(recipe="dspark", num_hidden_layers=2, block_size=BLOCK, markov_rank=MARKOV_RANK,
+                        markov_head=request.param, mask_token_id=MASK_ID)
+    model = build_drafter(cfg, target_config).eval()
+    with torch.no_grad():  # norms off 1 and heads of some size: a dropped weight or a swapped input would show
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            elif name.startswith(("markov_head.gate_proj", "markov_head.joint_proj")):
+                param.normal_(0.0, 0.15)  # pre-activations of order 1: the gates neither saturate nor amplify
+            elif name.startswith(("markov_head.", "confidence_head.")):
+                param.normal_(0.0, 0.5)
+    out = export_drafter(model, cfg, target_config, tmp_path_factory.mktemp("dspark") / "drafter",
+                         dtype=torch.float32, head=head)
+    return request.param, model, out, path, target, head, cfg
+
+
+def dspark_blocks():
+    """The blocks of the packed batch as (sequence, local anchor): each leaves room for its B previous tokens."""
+    return [(seq, a) for seq, local in enumerate(LOCAL_ANCHORS) for a in local]
+
+
+def ours_dspark(model, head, seqs, features):
+    """Our training forward on the packed batch, then heads(): (hidden, logits, Markov bias, confidence) per block."""
+    anchors = anchors_from_local(LENGTHS, LOCAL_ANCHORS)
+    ids = torch.cat(seqs)
+    with torch.no_grad():
+        hidden = model(torch.cat(features), ids, anchors, head, attention="sdpa", anchors_per_group=2)
+        markov, confidence = model.heads(hidden, model.prev_ids(ids, anchors))
+        bias = model.markov_head.bias(markov)
+        return {"hidden": hidden, "logits": head.logits(hidden) + bias, "bias": bias, "confidence": confidence}
+
+
+def hf_dspark(hf, seqs, features):
+    """The export through transformers (its dspark.py), one block at a time as a server would draft it: the context's
+    features before the anchor, the block [anchor, MASK...] embedded by the export's own embed_tokens, positions
+    0..a+B-1, the previous tokens teacher-forced (prev_k = token a + k)."""
+    rows = {"hidden": [], "logits": [], "bias": [], "confidence": []}
+    for seq, a in dspark_blocks():
+        ids = seqs[seq]
+        block = torch.full((1, hf.block_size), hf.mask_token_id)
+        block[0, 0] = ids[a]
+        prev = ids[a:a + hf.block_size][None]
+        with torch.no_grad():
+            hidden = hf(hf.embed_tokens(block), features[seq][:a][None],
+                        position_ids=torch.arange(a + hf.block_size)[None])
+            rows["hidden"].append(hidden[0])
+            rows["logits"].append(hf.draft_logits(prev, hidden)[0])
+            rows["bias"].append(hf.markov_bias(prev, hidden)[0])
+            rows["confidence"].append(hf.confidence_logits(prev, hidden)[0])
+    return {k: torch.stack(v) for k, v in rows.items()}
+
+
+def build_speculators_dspark(module, out, target_dir):
+    """speculators' DSparkDraftModel as its from_training_args builds one (the verifier's embed, lm_head and final
+    norm read from the tiny target), its transformer config our export's, eager attention, then our export's tensors
+    loaded by name: their names are ours, only the verifier's own copies (targets of their loss) are not in the file."""
+    config = json.loads((out / "config.json").read_text())
+    layer_config = Qwen3Config(**{k: config[k] for k in (
+        "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "intermediate_size", "hidden_act", "rms_norm_eps", "rope_parameters", "max_position_embeddings", "vocab_size",
+        "layer_types", "attention_bias", "attention_dropout", "tie_word_embeddings")})
+    model = module.DSparkDraftModel.from_training_args(
+        layer_config, verifier_name_or_path=str(target_dir), draft_vocab_size=config["vocab_size"],
+        block_size=config["block_size"], mask_token_id=config["mask_token_id"],
+        target_layer_ids=[i + 1 for i in config["target_layer_ids"]],  # theirs count HF hidden_states indices
+        markov_rank=config["markov_rank"], markov_head_type=config["markov_head_type"], draft_attn_impl="eager")
+    assert model.config.sample_from_anchor
+    loaded = model.load_state_dict(load_file(out / WEIGHTS_NAME), strict=False)
+    assert (sorted(loaded.missing_keys), loaded.unexpected_keys) == (["verifier_lm_head.weight",
+                                                                      "verifier_norm.weight"], [])
+    return model.eval()
+
+
+def speculators_dspark_forward(module, model, seqs, features, monkeypatch):
+    """Their full training forward on the packed batch, its logits (Markov bias included) and confidence logits taken
+    where it hands them to its loss, the backbone's output and logits where its norm and lm_head emit them. Their
+    anchors are drawn at random among loss_mask positions: with loss_mask set exactly at our anchors and as many
+    anchors as those, they are ours, sorted."""
+    seen = {}
+    original = module.compute_metrics
+
+    def capture(logits, targets, confidence_logits, *args, **kwargs):
+        seen["logits"], seen["confidence"] = logits, confidence_logits
+        return original(logits, targets, confidence_logits, *args, **kwargs)
+
+    monkeypatch.setattr(module, "compute_metrics", capture)
+    hooks = [model.norm.register_forward_hook(lambda m, i, o: seen.__setitem__("hidden", o)),
+             model.lm_head.register_forward_hook(lambda m, i, o: seen.__setitem__("backbone", o))]
+    anchors = anchors_from_local(LENGTHS, LOCAL_ANCHORS).positions
+    total = sum(LENGTHS)
+    loss_mask = torch.zeros(1, total, dtype=torch.long)
+    loss_mask[0, anchors] = 1
+    document_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(LENGTHS)])[None]
+    position_ids = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    # Their DSpark objective in its eager implementation (the fused one needs Triton): the loss is not compared.
+    loss_kwargs, _ = module.DSparkDraftModel.get_trainer_kwargs(loss_fn='{"ce": 0.1, "tv": 0.9}',
+                                                               loss_implementation="eager", max_anchors=anchors.numel())
+    try:
+        with torch.no_grad():
+            model(hidden_states=torch.cat(features)[None], input_ids=torch.cat(seqs)[None], loss_mask=loss_mask,
+                  verifier_last_hidden_states=torch.zeros(1, total, model.hidden_size), document_ids=document_ids,
+                  position_ids=position_ids, **loss_kwargs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    n, block = anchors.numel(), model.block_size
+    logits = seen["logits"].view(n, block, -1)
+    return {"hidden": seen["hidden"].view(n, block, -1), "logits": logits,
+            "bias": logits - seen["backbone"].view(n, block, -1), "confidence": seen["confidence"].view(n, block)}
+
+
+def test_a_dspark_export_loads_in_transformers_with_every_weight(dspark_exported):
+    kind, model, out, _, _, head, _ = dspark_exported
+    hf, info = AutoModel.from_pretrained(out, trust_remote_code=True, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info
+    assert type(hf).__name__ == "Qwen3DSparkModel"
+    assert (hf.block_size, hf.mask_token_id, hf.target_layer_ids) == (model.block_size, model.mask_token_id,
+                                                                      model.target_layer_ids)
+    theirs = hf.state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(theirs[name], tensor), name
+    assert torch.equal(theirs["embed_tokens.weight"], head.embed_weight)
+    assert torch.equal(theirs["lm_head.weight"], head.lm_head_weight)
+
+
+def test_dspark_training_model_export_and_speculators_agree(dspark_exported, speculators_dspark, monkeypatch):
+    """The same weights and inputs through (a) our training model (packed forward + heads()), (b) our export loaded
+    by transformers' AutoModel (dspark.py, block by block) and (c) speculators' DSparkDraftModel (its full training
+    forward, our export's tensors): the backbone's output, the draft logits (backbone logits + Markov bias), the
+    Markov bias alone and the confidence logits agree in fp32 to 1e-5 max abs, for the vanilla, gated and rnn heads.
+    Measured on CPU (torch 2.13, transformers 5.24, speculators 0.9.0), max abs against (a), with |hidden| up to ~4,
+    |logits| and |bias| up to ~3.5, |confidence logit| up to ~13:
+        (b) export:      hidden 1.2e-6, logits/bias 3e-7 (vanilla 0 on the bias; rnn 1.8e-6), confidence 2.9e-6
+        (c) speculators: hidden 9.5e-7, logits/bias 3e-7 (rnn 1.5e-6), confidence 1.9e-6"""
+    kind, model, out, target_dir, target, head, _ = dspark_exported
+    module, version = speculators_dspark
+    seqs = sequences()
+    features = [dspark_features(target, ids, model.target_layer_ids) for ids in seqs]
+    ours = ours_dspark(model, head, seqs, features)
+    hf = AutoModel.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    exported = hf_dspark(hf, seqs, features)
+    theirs = speculators_dspark_forward(module, build_speculators_dspark(module, out, target_dir), seqs, features,
+                                        monkeypatch)
+    diffs = {f"{who}/{k}": max_diff(got[k], ours[k]) for who, got in (("export", exported), ("speculators", theirs))
+             for k in ours}
+    assert max(diffs.values()) <= TOLERANCE, f"{kind} against speculators {version}: {diffs}"
+    assert ours["bias"].abs().max() > 0.1 and ours["confidence"].abs().max() > 0.1  # heads of some size
+    assert max_diff(ours["logits"], head.logits(ours["hidden"])) > 0.1  # the bias changes the logits
