@@ -159,9 +159,12 @@ def _parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_regenerate)
 
     sp = sub.add_parser("report", help="a PNG of loss and acceptance length per drafter and per data source, from "
-                                       "the record files a run leaves (no tracker needed)")
-    sp.add_argument("run_dir", help="the run's directory (holding tracking/), or its tracking.dir")
-    sp.add_argument("--out", help="the PNG to write (default: RUN_DIR/report.png)")
+                                       "the record files a run leaves (no tracker needed); given an eval JSON, a "
+                                       "reliability diagram of its DSpark drafter's confidence")
+    sp.add_argument("run_dir", help="the run's directory (holding tracking/), or its tracking.dir; or a JSON file "
+                                    "of `dflash-ring eval --json` with calibration data (a DSpark drafter's eval)")
+    sp.add_argument("--out", help="the PNG to write (default: RUN_DIR/report.png; for EVAL.json, "
+                                  "EVAL.reliability.png beside it)")
     sp.set_defaults(func=cmd_report)
 
     sp = sub.add_parser("export", help="write a training checkpoint as an HF drafter directory (DFlash or DSpark)")
@@ -183,6 +186,10 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--tree-budget", type=_budgets, default=(), metavar="N[,N...]",
                     help="also verify DDTree draft trees of N draft nodes per round (e.g. 16,64,256), on the same "
                          "prompts; their tau is reported next to the chain's")
+    sp.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                    help="0 (the default): greedy; T > 0: drafts and target tokens sampled at T, verified losslessly "
+                         "(speculative sampling: the output is distributed as the target's own sampling at T)")
+    sp.add_argument("--seed", type=int, default=0, help="the sampling's seed at --temperature > 0 (default 0)")
     sp.add_argument("--json", action="store_true", help="print the report as JSON")
     sp.set_defaults(func=cmd_eval)
 
@@ -774,7 +781,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     try:
         report = evaluate_drafter(args.drafter, args.target, args.data, max_new_tokens=args.max_new_tokens,
                                   limit=args.limit, device=args.device, cpu_threads=args.threads or None,
-                                  tree_budgets=args.tree_budget)
+                                  tree_budgets=args.tree_budget, temperature=args.temperature, seed=args.seed)
     except (OSError, ValueError) as e:  # missing files, a drafter of another target, a malformed data row
         print(f"dflash-ring eval: error: {e}", file=sys.stderr)
         return 2

@@ -1,20 +1,37 @@
-"""Offline acceptance eval: greedy speculative decoding with a DFlash drafter against its target.
+"""Offline acceptance eval: speculative decoding with a DFlash or DSpark drafter against its target.
 
 Follows z-lab's `dflash_generate` (dflash.md section 5): the target prefills the prompt and gives
-the first token; each round the drafter proposes B-1 tokens after the last committed one, the
-target checks the whole block in one forward, the matching prefix is accepted and the target's
-own next token is added as a bonus. The output is therefore exactly greedy target decoding; the
-drafter only changes how many tokens each target forward yields, which is what tau measures.
+the first token; each round the drafter proposes tokens after the last committed one (a DFlash
+block of B proposes B - 1, a DSpark block B: its anchor slot drafts too), the target checks the
+whole block in one forward, a prefix of the drafts is accepted and one token of the target's own is
+added (at the first rejection, or as a bonus after the last draft). What is drafted only changes how
+many tokens each target forward yields, which is what tau measures, never the output:
+
+- greedy (temperature 0, the default): drafts are argmaxes, the matching prefix is accepted and the
+  target's argmax follows; the output is exactly the target's greedy decode;
+- sampling at temperature T > 0: drafts are sampled from the drafter's distribution q_k at T and
+  verified by speculative sampling (Leviathan et al. 2023; Chen et al. 2023): draft x_k is accepted
+  with probability min(1, p_k(x_k) / q_k(x_k)), p_k the target's distribution at T; at the first
+  rejection the target's token is sampled from norm(max(p_k - q_k, 0)), after the last draft from
+  p. The output is then distributed exactly as sampling from the target alone at T.
+
+A DSpark drafter (DSparkDraftModel) drafts in two stages: one backbone forward per block gives every
+slot's hidden state, then B cheap Markov steps left to right: slot k's logits are the backbone's plus
+the Markov bias of the token before it (the anchor for slot 0, else the token drafted at slot k - 1),
+so q_k is conditioned on the drafted prefix. Its confidence head's cumulative product is scored
+against the rounds' acceptance (consumer/calibration.py).
 
 Tree verification (`tree_speculative_generate`, DDTree) spends a node budget on a best-first tree of the
 drafter's likeliest paths instead of one chain (draft_tree.py) and accepts the longest path the target's
-greedy decode follows; the eval reports its tau per budget next to the chain's, on the same prompts.
+greedy decode follows; the eval reports its tau per budget next to the chain's, on the same prompts
+(greedy, DFlash drafters).
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,12 +43,27 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 from dflash_ring.common.chat_encoding import conversation_of, decode_json_row, eos_ids
 from dflash_ring.common.target_config import load_target_hf_config
 
+from .calibration import ConfidenceCalibration, confidence_calibration
 from .draft_tree import build_draft_tree, check_tree_target, follow_greedy, keep_path, tree_attention_mask
 from .export import load_drafter
-from .model import DFlashDraftModel, FrozenTargetHead, load_target_head
+from .model import DFlashDraftModel, DSparkDraftModel, FrozenTargetHead, load_target_head
 
-DraftFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""(committed ids [S + 1] ending with the anchor, target features [S, n*H]) -> B - 1 draft token ids."""
+
+@dataclass(frozen=True)
+class Draft:
+    """One round's drafts, in block order."""
+
+    tokens: torch.Tensor  # [n] ids: n = B - 1 for a DFlash block, B for a DSpark block
+    # [n, V] q_k: the distribution tokens[k] was sampled from, given the drafts before it; what sampled
+    # verification (temperature > 0) needs. None for greedy drafts.
+    probs: torch.Tensor | None = None
+    # [n] confidence logits c_k (DSpark): sigmoid(c_k) estimates P(draft k accepted | every earlier one accepted)
+    confidence: torch.Tensor | None = None
+
+
+DraftFn = Callable[[torch.Tensor, torch.Tensor], "Draft | torch.Tensor"]
+"""(committed ids [S + 1] ending with the anchor, target features [S, n*H]) -> the round's Draft, or just its
+token ids [n] (greedy)."""
 
 DistributionFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """As DraftFn, but -> [B - 1, V] log-probabilities of block positions 1..B-1 (what a draft tree is built from)."""
@@ -40,7 +72,8 @@ DistributionFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 @dataclass(frozen=True)
 class Generation:
     tokens: list[int]  # generated ids, prompt excluded; ends with EOS if one was produced
-    accepted: list[int]  # drafts accepted in each verification round, each in 0..B-1
+    accepted: list[int]  # drafts accepted in each verification round, each in 0..n (n drafts per round)
+    confidence: list[list[float]] = field(default_factory=list)  # per round, its drafts' confidence logits (DSpark)
 
 
 @dataclass(frozen=True)
@@ -61,13 +94,19 @@ class TreeAcceptance:
 @dataclass(frozen=True)
 class AcceptanceReport:
     block_size: int
+    drafts_per_round: int  # n: B - 1 for a DFlash drafter, B for a DSpark drafter (its anchor slot drafts too)
     num_prompts: int
     tau: float  # mean acceptance length: per prompt mean(accepted + 1) over rounds, averaged over prompts
     tau_per_prompt: list[float | None]  # None for a prompt that ended before any round
-    accepted_histogram: list[int]  # [B]: rounds that accepted k drafts, k = 0..B-1
+    accepted_histogram: list[int]  # [n + 1]: rounds that accepted k drafts, k = 0..n
     rounds: int
     tokens_generated: int
     trees: list[TreeAcceptance] = field(default_factory=list)  # one per tree budget asked for, in that order
+    temperature: float = 0.0  # 0: greedy; else sampling at this temperature, verified losslessly
+    seed: int | None = None  # the sampling's seed (None when greedy)
+    # A DSpark drafter's confidence, per position k: prod_{j<=k} sigmoid(c_j) against "the first k drafts were
+    # all accepted", over every chain round (consumer/calibration.py). None for a DFlash drafter.
+    calibration: ConfidenceCalibration | None = None
 
 
 def target_features(hidden_states: Sequence[torch.Tensor], target_layer_ids: Sequence[int]) -> torch.Tensor:
@@ -84,13 +123,57 @@ def cache_argument(model: PreTrainedModel) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def drafter_draft_fn(drafter: DFlashDraftModel, head: FrozenTargetHead) -> DraftFn:
-    """Drafts from a DFlash drafter: its block hidden states through the target's lm_head, argmax."""
+def sample_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Ids [...] from logits [..., V]: the argmax at temperature 0 (distribution None), else a sample of
+    softmax(logits / temperature) (fp32), returned with it."""
+    if temperature == 0:
+        return logits.argmax(dim=-1), None
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator)
+    return flat.reshape(probs.shape[:-1]), probs
 
-    def draft(committed: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        return _draft_logits(drafter, head, committed, context).argmax(dim=-1)
+
+def drafter_draft_fn(drafter: DFlashDraftModel, head: FrozenTargetHead, *, temperature: float = 0.0,
+                     generator: torch.Generator | None = None) -> DraftFn:
+    """Drafts from an exported drafter, argmaxes at temperature 0, else samples at `temperature` from `generator`.
+
+    DFlash (slots 1..B-1 draft): the block's hidden states through the target's lm_head, each slot independently
+    (ids alone when greedy, as before). DSpark (`sample_from_anchor`: every slot drafts): `dspark_draft`."""
+    if getattr(drafter, "sample_from_anchor", False):
+
+        def draft_dspark(committed: torch.Tensor, context: torch.Tensor) -> Draft:
+            return dspark_draft(drafter, head, committed, context, temperature=temperature, generator=generator)
+
+        return draft_dspark
+
+    def draft(committed: torch.Tensor, context: torch.Tensor) -> Draft | torch.Tensor:
+        tokens, probs = sample_tokens(_draft_logits(drafter, head, committed, context), temperature, generator)
+        return tokens if probs is None else Draft(tokens, probs)
 
     return draft
+
+
+def dspark_draft(drafter: DSparkDraftModel, head: FrozenTargetHead, committed: torch.Tensor, context: torch.Tensor,
+                 *, temperature: float = 0.0, generator: torch.Generator | None = None) -> Draft:
+    """A DSpark block's B drafts: one backbone forward (slot k's hidden state h_k drafts token anchor + k + 1), then
+    B Markov steps left to right. Step k forms the Markov features and the confidence of slot k from the drafted
+    prefix, prev = [anchor, x_0 .. x_{k-1}], with the training forward's own `heads` (exact for the recurrent head
+    too: it re-reads the prefix), adds the bias to lm_head(h_k) and picks x_k: the argmax, or a sample of
+    q_k = softmax(logits_k / temperature), which the Draft carries for verification."""
+    hidden = drafter.draft_block(context.to(drafter.fc.weight.dtype), committed, head)  # [B, H]
+    base = head.logits(hidden).float()  # [B, V]
+    prev = committed[-1:]
+    tokens, probs, confidence = [], [], []
+    for k in range(drafter.block_size):
+        features, conf = drafter.heads(hidden[None, : k + 1], prev[None])
+        token, q = sample_tokens(base[k] + drafter.markov_head.bias(features[0, -1]).float(), temperature, generator)
+        tokens.append(token)
+        probs.append(q)
+        confidence.append(conf[0, -1])
+        prev = torch.cat([prev, token.view(1).to(prev.device)])
+    return Draft(tokens=torch.stack(tokens), probs=None if temperature == 0 else torch.stack(probs),
+                 confidence=torch.stack(confidence).float())
 
 
 def drafter_distribution_fn(drafter: DFlashDraftModel, head: FrozenTargetHead) -> DistributionFn:
@@ -108,20 +191,54 @@ def _draft_logits(drafter: DFlashDraftModel, head: FrozenTargetHead, committed: 
     return head.logits(hidden[1:])
 
 
-def _prefill(target: PreTrainedModel, cache: DynamicCache, prompt_ids: Sequence[int], target_layer_ids: Sequence[int]
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def _prefill(target: PreTrainedModel, cache: DynamicCache, prompt_ids: Sequence[int], target_layer_ids: Sequence[int],
+             temperature: float = 0.0, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The prompt through the target into the empty `cache`: (its features [S, n*H], the committed ids [S + 1]
-    ending with the target's first token). From here on the cache and the features cover committed[:-1]."""
+    ending with the target's first token, its argmax or a sample at `temperature`). From here on the cache and the
+    features cover committed[:-1]."""
     prompt = torch.tensor([list(prompt_ids)], device=target.device)
     out = target(input_ids=prompt, **{cache_argument(target): cache}, output_hidden_states=True, logits_to_keep=1)
     context = target_features(out.hidden_states, target_layer_ids)[0]
-    return context, torch.cat([prompt[0], out.logits[0, -1:].argmax(dim=-1)])
+    first, _ = sample_tokens(out.logits[0, -1:], temperature, generator)
+    return context, torch.cat([prompt[0], first])
 
 
-def _finish(generated: list[int], accepted: list[int], eos: set[int], max_new_tokens: int) -> Generation:
+def verify_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+    """(drafts accepted, the target's token after them): drafts [n] against the target's logits [n + 1, V] at
+    [anchor, drafts]. The longest prefix equal to the target's argmaxes is accepted, then its argmax follows."""
+    verified = target_logits.argmax(dim=-1)  # verified[k]: the target's token after the anchor and k drafts
+    n = int((drafts == verified[:-1]).long().cumprod(dim=0).sum())
+    return n, int(verified[n])
+
+
+def verify_sampled(drafts: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                   generator: torch.Generator | None) -> tuple[int, int]:
+    """Speculative sampling: (drafts accepted, the target's token after them), distributed as sampling the target.
+
+    drafts [n] were sampled from draft_probs [n, V] (q_k, each given the drafts before it); target_probs [n + 1, V]
+    (p_k) are the target's at [anchor, drafts]. Draft k is accepted with probability min(1, p_k(x_k) / q_k(x_k)),
+    in order; at the first rejection the next token is sampled from norm(max(p_k - q_k, 0)), and after n accepted
+    drafts from p_n. Then every token is distributed as p given what precedes it (Leviathan et al. 2023, thm. 1)."""
+    n = drafts.shape[0]
+    rows = torch.arange(n, device=drafts.device)
+    p, q = target_probs[rows, drafts], draft_probs[rows, drafts]
+    uniform = torch.rand(n, generator=generator, device=drafts.device, dtype=p.dtype)
+    accepted = int((uniform * q < p).long().cumprod(dim=0).sum())  # u < p / q, without dividing by q
+    if accepted == n:
+        residual = target_probs[n]
+    else:
+        residual = (target_probs[accepted] - draft_probs[accepted]).clamp(min=0)
+        if not residual.sum() > 0:  # p_k == q_k up to rounding: a rejection is then a rounding event
+            residual = target_probs[accepted]
+    return accepted, int(torch.multinomial(residual, 1, generator=generator))
+
+
+def _finish(generated: list[int], accepted: list[int], eos: set[int], max_new_tokens: int,
+            confidence: list[list[float]] | None = None) -> Generation:
     tokens = generated[:max_new_tokens]
     stop = next((i for i, t in enumerate(tokens) if t in eos), None)
-    return Generation(tokens=tokens if stop is None else tokens[: stop + 1], accepted=accepted)
+    return Generation(tokens=tokens if stop is None else tokens[: stop + 1], accepted=accepted,
+                      confidence=confidence or [])
 
 
 @torch.inference_mode()
@@ -134,34 +251,54 @@ def speculative_generate(
     target_layer_ids: Sequence[int],
     eos_token_ids: Iterable[int],
     max_new_tokens: int,
+    num_drafts: int | None = None,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
 ) -> Generation:
-    """Greedy decoding of `prompt_ids` by draft-then-verify rounds, stopping at EOS or max_new_tokens."""
+    """Decoding of `prompt_ids` by draft-then-verify rounds, stopping at EOS or max_new_tokens: greedy at temperature
+    0, else sampling at `temperature` (from `generator`) with speculative-sampling verification (`verify_sampled`).
+    Each round `draft` proposes `num_drafts` tokens (default B - 1, DFlash's; a DSpark block drafts B)."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature}")
+    num_drafts = block_size - 1 if num_drafts is None else num_drafts
     eos = set(eos_token_ids)
     device = target.device
     cache = DynamicCache(config=target.config)
-    context, committed = _prefill(target, cache, prompt_ids, target_layer_ids)
+    context, committed = _prefill(target, cache, prompt_ids, target_layer_ids, temperature, generator)
     generated = committed[-1:].tolist()
     accepted: list[int] = []
+    confidence: list[list[float]] = []
     finished = generated[0] in eos
     while len(generated) < max_new_tokens and not finished:
-        drafts = draft(committed, context)
-        if drafts.shape != (block_size - 1,):
-            raise ValueError(f"draft returned shape {tuple(drafts.shape)}, expected ({block_size - 1},)")
-        block = torch.cat([committed[-1:], drafts.to(device)])
+        proposal = draft(committed, context)
+        if isinstance(proposal, torch.Tensor):
+            proposal = Draft(tokens=proposal)
+        if proposal.tokens.shape != (num_drafts,):
+            raise ValueError(f"draft returned shape {tuple(proposal.tokens.shape)}, expected ({num_drafts},)")
+        if temperature > 0 and proposal.probs is None:
+            raise ValueError("sampled verification (temperature > 0) needs the distributions the drafts were "
+                             "sampled from (Draft.probs)")
+        block = torch.cat([committed[-1:], proposal.tokens.to(device)])
         out = target(input_ids=block[None], **{cache_argument(target): cache}, output_hidden_states=True)
-        verified = out.logits[0].argmax(dim=-1)  # verified[k]: the target's token after block[: k + 1]
-        n = int((block[1:] == verified[:-1]).long().cumprod(dim=0).sum())
-        # Keep the anchor and the n accepted drafts; the bonus verified[n] is the next round's anchor.
-        cache.crop(-(block_size - 1 - n))
+        logits = out.logits[0]  # [n + 1, V]: logits[k] is the target's next-token distribution after block[: k + 1]
+        if temperature == 0:
+            n, bonus = verify_greedy(block[1:], logits)
+        else:
+            target_probs = torch.softmax(logits.float() / temperature, dim=-1)
+            n, bonus = verify_sampled(block[1:], proposal.probs.to(device).float(), target_probs, generator)
+        # Keep the anchor and the n accepted drafts; the target's own token is the next round's anchor.
+        cache.crop(-(num_drafts - n))
         context = torch.cat([context, target_features(out.hidden_states, target_layer_ids)[0, : n + 1]])
-        new = torch.cat([block[1 : n + 1], verified[n : n + 1]])
+        new = torch.cat([block[1 : n + 1], torch.tensor([bonus], device=device)])
         committed = torch.cat([committed, new])
         generated += new.tolist()
         accepted.append(n)
+        if proposal.confidence is not None:
+            confidence.append(proposal.confidence.float().tolist())
         finished = not eos.isdisjoint(new.tolist())
-    return _finish(generated, accepted, eos, max_new_tokens)
+    return _finish(generated, accepted, eos, max_new_tokens, confidence)
 
 
 @torch.inference_mode()
@@ -219,8 +356,8 @@ def tree_speculative_generate(
     return _finish(generated, accepted, eos, max_new_tokens)
 
 
-def _acceptance(generations: Sequence[Generation], block_size: int) -> dict:
-    histogram = [0] * block_size
+def _acceptance(generations: Sequence[Generation], outcomes: int) -> dict:
+    histogram = [0] * outcomes  # accepted = 0 .. outcomes - 1
     for generation in generations:
         for n in generation.accepted:
             histogram[n] += 1
@@ -236,8 +373,14 @@ def _acceptance(generations: Sequence[Generation], block_size: int) -> dict:
 
 
 def summarize(generations: Sequence[Generation], block_size: int,
-              trees: Mapping[int, Sequence[Generation]] | None = None) -> AcceptanceReport:
-    """The chain's figures, and for each tree budget (its generations on the same prompts) the tree's."""
+              trees: Mapping[int, Sequence[Generation]] | None = None, *, drafts_per_round: int | None = None,
+              temperature: float = 0.0, seed: int | None = None) -> AcceptanceReport:
+    """The chain's figures (rounds of `drafts_per_round` drafts, default B - 1), the confidence's calibration where
+    the rounds carry confidences (DSpark), and for each tree budget (its generations on the same prompts) the tree's."""
+    drafts = block_size - 1 if drafts_per_round is None else drafts_per_round
+    rounds = [(c, n) for g in generations for c, n in zip(g.confidence, g.accepted)]
+    if any(len(g.confidence) != len(g.accepted) for g in generations if g.confidence):
+        raise ValueError("a generation carries confidences for some of its rounds only")
     tree_reports = [
         TreeAcceptance(
             budget=budget,
@@ -246,8 +389,9 @@ def summarize(generations: Sequence[Generation], block_size: int,
         )
         for budget, tree_generations in (trees or {}).items()
     ]
-    return AcceptanceReport(block_size=block_size, num_prompts=len(generations), **_acceptance(generations, block_size),
-                            trees=tree_reports)
+    return AcceptanceReport(block_size=block_size, drafts_per_round=drafts, num_prompts=len(generations),
+                            **_acceptance(generations, drafts + 1), trees=tree_reports, temperature=temperature,
+                            seed=seed, calibration=confidence_calibration(rounds))
 
 
 def chat_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: int | None = None) -> list[list[int]]:
@@ -279,6 +423,10 @@ def check_compatible(drafter: DFlashDraftModel, target: PreTrainedModel) -> None
         )
     if drafter.mask_token_id >= config.vocab_size:
         raise ValueError(f"drafter mask_token_id {drafter.mask_token_id} is not a row of the target's embedding")
+    markov = getattr(drafter, "markov_head", None)
+    if markov is not None and markov.markov_w1.num_embeddings != config.vocab_size:
+        raise ValueError(f"the DSpark drafter's Markov head covers {markov.markov_w1.num_embeddings} tokens but the "
+                         f"target's vocabulary has {config.vocab_size}")
 
 
 def evaluate_drafter(
@@ -291,9 +439,15 @@ def evaluate_drafter(
     device: str = "cpu",
     cpu_threads: int | None = 1,
     tree_budgets: Sequence[int] = (),
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> AcceptanceReport:
-    """tau and the acceptance histogram of an exported drafter on the prompts of a chat jsonl file: by chain
-    verification, and by tree verification at each of `tree_budgets` (draft nodes per round) on the same prompts.
+    """tau and the acceptance histogram of an exported drafter (DFlash or DSpark) on the prompts of a chat jsonl
+    file: by chain verification, and by tree verification at each of `tree_budgets` (draft nodes per round; greedy
+    DFlash only) on the same prompts; for a DSpark drafter the confidence's calibration too.
+
+    Greedy at temperature 0; at temperature > 0 drafts and target tokens are sampled (losslessly verified), each
+    prompt from its own generator seeded from `seed`, so a prompt's tokens do not depend on `limit`.
 
     On the CPU, torch runs `cpu_threads` threads (None: torch's default). One, as inside `dflash-ring run`:
     decoding is many small forwards, where more threads only add overhead (2.4x slower with 2 on 2 cores).
@@ -302,45 +456,89 @@ def evaluate_drafter(
     if device == "cpu" and cpu_threads is not None:
         torch.set_num_threads(cpu_threads)
     try:
-        return _evaluate(drafter_dir, target_dir, data, max_new_tokens, limit, device, tree_budgets)
+        return _evaluate(drafter_dir, target_dir, data, max_new_tokens, limit, device, tree_budgets, temperature,
+                         seed)
     finally:
         torch.set_num_threads(previous)
 
 
+def prompt_generators(seed: int, count: int, device: str | torch.device) -> list[torch.Generator]:
+    """One generator per prompt, each seeded by a draw of a generator seeded with `seed`, one draw at a time: the
+    first k prompts get the same generators whatever the count."""
+    root = torch.Generator().manual_seed(seed)
+    seeds = [int(torch.randint(2**62, (1,), generator=root)) for _ in range(count)]
+    return [torch.Generator(device=device).manual_seed(s) for s in seeds]
+
+
 def _evaluate(drafter_dir: str | Path, target_dir: str | Path, data: str | Path, max_new_tokens: int,
-              limit: int | None, device: str, tree_budgets: Sequence[int]) -> AcceptanceReport:
+              limit: int | None, device: str, tree_budgets: Sequence[int], temperature: float,
+              seed: int) -> AcceptanceReport:
     if bad := [b for b in tree_budgets if b < 1]:
         raise ValueError(f"tree budgets count draft nodes and must be at least 1, got {bad}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature}")
+    if tree_budgets and temperature > 0:
+        raise ValueError("tree verification (tree budgets) is greedy only: evaluate trees at temperature 0")
     load_target_hf_config(target_dir)  # a config.json transformers refuses: one line naming its field
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
-    drafter = load_drafter(drafter_dir, device=device, dtype=torch.float32).eval()
-    check_compatible(drafter, target)
     # From the checkpoint, not target.get_input_embeddings().weight: the head also carries the family's
     # embedding scale and logit softcap (Gemma3), which a bare weight would drop.
     head = load_target_head(target_dir, dtype=torch.float32, device=device)
-    draft = drafter_draft_fn(drafter, head)
+    # Either layout; a DSpark export's embed_tokens and lm_head must be this target's (load_drafter checks them).
+    drafter = load_drafter(drafter_dir, device=device, dtype=torch.float32, arch=None, target_head=head).eval()
+    dspark = isinstance(drafter, DSparkDraftModel) or getattr(drafter, "sample_from_anchor", False)
+    if dspark and tree_budgets:
+        raise ValueError("tree verification (tree budgets) takes a DFlash drafter: a DSpark drafter's slots depend "
+                         "on the drafted prefix (its Markov head), which a tree of independent slots would drop")
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
+    check_compatible(drafter, target)
     eos = eos_ids(target, tokenizer)
     prompts = chat_prompts(data, tokenizer, limit)
+    num_drafts = drafter.block_size if dspark else drafter.block_size - 1
     decoding = dict(block_size=drafter.block_size, target_layer_ids=drafter.target_layer_ids, eos_token_ids=eos,
                     max_new_tokens=max_new_tokens)
-    generations = [speculative_generate(target, prompt, draft, **decoding) for prompt in prompts]
+    generators = prompt_generators(seed, len(prompts), device) if temperature > 0 else [None] * len(prompts)
+    generations = [
+        speculative_generate(target, prompt, drafter_draft_fn(drafter, head, temperature=temperature, generator=g),
+                             num_drafts=num_drafts, temperature=temperature, generator=g, **decoding)
+        for prompt, g in zip(prompts, generators)
+    ]
     distributions = drafter_distribution_fn(drafter, head)
     trees = {
         budget: [tree_speculative_generate(target, prompt, distributions, budget=budget, **decoding)
                  for prompt in prompts]
         for budget in dict.fromkeys(tree_budgets)
     }
-    return summarize(generations, drafter.block_size, trees)
+    return summarize(generations, drafter.block_size, trees, drafts_per_round=num_drafts, temperature=temperature,
+                     seed=seed if temperature > 0 else None)
+
+
+def _optional(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def format_calibration(calibration: ConfidenceCalibration) -> list[str]:
+    lines = [f"confidence calibration: prod_{{j<=k}} sigmoid(c_j) against the first k drafts all accepted, over "
+             f"{calibration.pooled.count // max(len(calibration.positions), 1)} rounds ({calibration.bins} bins)",
+             "      k  accepted  predicted    ECE  AUROC  Brier"]
+    for row in [*calibration.positions, calibration.pooled]:
+        name = f"{row.position:>7}" if row.position else " pooled"
+        lines.append(f"{name}  {row.observed:8.3f}  {row.mean_predicted:9.3f}  {row.ece:5.3f}  "
+                     f"{_optional(row.auroc):>5}  {row.brier:5.3f}")
+    return lines
 
 
 def format_report(report: AcceptanceReport) -> str:
+    decoding = "greedy" if report.temperature == 0 else f"temperature {report.temperature:g}, seed {report.seed}"
     lines = [
-        f"tau {report.tau:.3f} (block size {report.block_size}) over {report.num_prompts} prompts: "
-        f"{report.rounds} rounds, {report.tokens_generated} tokens generated",
+        f"tau {report.tau:.3f} (block size {report.block_size}, {report.drafts_per_round} drafts per round, "
+        f"{decoding}) over {report.num_prompts} prompts: {report.rounds} rounds, {report.tokens_generated} tokens "
+        "generated",
         "accepted drafts per round: "
         + ", ".join(f"{k}: {count}" for k, count in enumerate(report.accepted_histogram) if count),
     ]
+    if report.calibration is not None:
+        lines += format_calibration(report.calibration)
     for tree in report.trees:
         gain = f" ({tree.tau / report.tau:.2f}x chain)" if report.tau else ""
         lines += [

@@ -3,10 +3,16 @@
 It reads the record files every drafter writes whatever the trackers (`<tracking dir>/drafter-<j>.jsonl`,
 consumer/tracking.py) and draws loss and acceptance length per drafter, and per data source where the records
 have `source/<name>/...` keys, into one PNG (matplotlib, from the `tracking` extra).
+
+Given instead a JSON file of `dflash-ring eval --json` whose drafter has a confidence head (DSpark), it draws that
+confidence's reliability diagram: per position k and pooled over positions, the mean predicted
+prod_{j<=k} sigmoid(c_j) against the observed fraction of rounds whose first k drafts were all accepted, per bin
+(consumer/calibration.py), with each position's ECE, AUROC and Brier score beside it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
@@ -67,8 +73,7 @@ def series(records: list[dict[str, Any]], key: str, kind: str = TRAIN) -> tuple[
     return [s for s, _ in points], [v for _, v in points]
 
 
-def write_report(run_dir: Path, out: Path | None = None) -> tuple[Path, str]:
-    """Draw the run's curves; returns the PNG's path and one line saying what it shows."""
+def _pyplot():
     logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its first import logs building a font cache
     try:
         import matplotlib
@@ -77,6 +82,19 @@ def write_report(run_dir: Path, out: Path | None = None) -> tuple[Path, str]:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ReportError("dflash-ring report draws with matplotlib: pip install 'dflash-ring[tracking]'") from None
+    return plt
+
+
+def _png(out: Path) -> Path:
+    return out.with_suffix(".png") if not out.suffix else out  # savefig adds .png to a name without a suffix
+
+
+def write_report(run_dir: Path, out: Path | None = None) -> tuple[Path, str]:
+    """Draw the run's curves (or, given an eval JSON file, its reliability diagram); returns the PNG's path and one
+    line saying what it shows."""
+    if run_dir.is_file():
+        return write_reliability(run_dir, out)
+    plt = _pyplot()
     files = record_files(run_dir)
     records = {j: checked_records(p) for j, p in files.items()}
     header = next((r for rs in records.values() for r in rs if r.get("series") == "config"), {})
@@ -117,11 +135,100 @@ def write_report(run_dir: Path, out: Path | None = None) -> tuple[Path, str]:
     fig.suptitle(f"run {run}: {len(records)} drafter(s)" + (f", {len(sources)} source(s)" if sources else "")
                  + (f", config fingerprint {header['fingerprint'][:12]}" if "fingerprint" in header else ""))
     fig.tight_layout()
-    out = out or run_dir / "report.png"
-    if not out.suffix:  # savefig adds .png to a name without a suffix: report the file it writes
-        out = out.with_suffix(".png")
+    out = _png(out or run_dir / "report.png")
     fig.savefig(out, dpi=100)
     plt.close(fig)
     last = {j: max((r["step"] for r in rs if r.get("series") == TRAIN), default=0) for j, rs in records.items()}
     return out, (f"loss and accept length of {len(records)} drafter(s) to step "
                  f"{', '.join(f'{s}' for s in last.values())}" + (f", per source: {', '.join(sources)}" if sources else ""))
+
+
+def calibration_of(path: Path) -> dict[str, Any]:
+    """The `calibration` object of an eval JSON file, checked enough to draw: ReportError naming what is wrong."""
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ReportError(f"{path} is neither a run directory nor a readable JSON file ({type(e).__name__}: {e})"
+                          ) from None
+    if not isinstance(report, dict) or "tau" not in report:
+        raise ReportError(f"{path} is not the JSON of `dflash-ring eval --json`: give a run's directory, or an eval's "
+                          "JSON to draw its confidence's reliability diagram")
+    calibration = report.get("calibration")
+    if calibration is None:
+        raise ReportError(f"{path} holds no calibration data: only a drafter with a confidence head (DSpark) has it")
+    try:
+        rows = [*calibration["positions"], calibration["pooled"]]
+        for row in rows:
+            for b in row["bins"]:
+                for key in ("count", "lo", "hi"):
+                    if isinstance(b[key], bool) or not isinstance(b[key], (int, float)):
+                        raise TypeError(f"bin {key} = {b[key]!r}")
+            for key in ("position", "count", "ece", "brier"):
+                if isinstance(row[key], bool) or not isinstance(row[key], (int, float)):
+                    raise TypeError(f"{key} = {row[key]!r}")
+    except (KeyError, TypeError) as e:
+        raise ReportError(f"{path}: its calibration data is malformed ({type(e).__name__}: {e})") from None
+    return report
+
+
+def write_reliability(path: Path, out: Path | None = None) -> tuple[Path, str]:
+    """The reliability diagram of an eval JSON's confidence calibration, beside it as NAME.reliability.png."""
+    report = calibration_of(path)
+    plt = _pyplot()
+    calibration = report["calibration"]
+    positions, pooled = calibration["positions"], calibration["pooled"]
+    fig, (ax, counts_ax, metrics_ax) = plt.subplots(
+        1, 3, figsize=(17, 5.5), gridspec_kw={"width_ratios": [1.25, 1, 1]})
+    ax.plot([0, 1], [0, 1], linestyle=":", color="grey", label="perfect calibration")
+    for i, row in enumerate([*positions, pooled]):
+        filled = [b for b in row["bins"] if b["count"]]
+        is_pooled = row is pooled
+        label = (f"pooled (ECE {row['ece']:.3f})" if is_pooled else f"k = {row['position']} (ECE {row['ece']:.3f})")
+        style = dict(color="black", linewidth=2.5, marker="s", zorder=3) if is_pooled else dict(
+            color=f"C{i % 10}", linewidth=1, marker="o", alpha=0.8)
+        ax.plot([b["mean_predicted"] for b in filled], [b["observed"] for b in filled], label=label, **style)
+    ax.set_xlim(-0.02, 1.02)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_aspect("equal")
+    ax.set_xlabel("predicted: prod_{j<=k} sigmoid(c_j), mean per bin")
+    ax.set_ylabel("observed: fraction with the first k drafts all accepted")
+    ax.set_title("reliability diagram")
+    ax.legend(fontsize=7, loc="upper left")
+    bins = pooled["bins"]
+    width = bins[0]["hi"] - bins[0]["lo"]
+    counts_ax.bar([b["lo"] for b in bins], [b["count"] for b in bins], width=width, align="edge", color="lightgrey",
+                  edgecolor="black", label="pooled")
+    for i, row in enumerate(positions):
+        counts_ax.plot([b["lo"] + width / 2 for b in row["bins"]], [b["count"] for b in row["bins"]], marker=".",
+                       color=f"C{i % 10}", linewidth=1, label=f"k = {row['position']}")
+    counts_ax.set_xlim(0, 1)
+    counts_ax.set_xlabel("predicted (bin)")
+    counts_ax.set_ylabel("predictions in the bin")
+    counts_ax.set_title("how the predictions spread")
+    counts_ax.legend(fontsize=7)
+    ks = [row["position"] for row in positions]
+    metrics_ax.plot(ks, [row["ece"] for row in positions], marker="o", label="ECE")
+    metrics_ax.plot(ks, [row["brier"] for row in positions], marker="o", label="Brier")
+    aurocs = [(row["position"], row["auroc"]) for row in positions if row["auroc"] is not None]
+    if aurocs:
+        metrics_ax.plot(*zip(*aurocs), marker="o", label="AUROC")
+    metrics_ax.plot(ks, [row["observed"] for row in positions], linestyle="--", color="grey",
+                    label="observed acceptance of the first k")
+    metrics_ax.set_ylim(0, 1)
+    metrics_ax.set_xticks(ks)
+    metrics_ax.set_xlabel("position k")
+    metrics_ax.set_title("per position")
+    metrics_ax.legend(fontsize=7)
+    for a in (ax, counts_ax, metrics_ax):
+        a.grid(alpha=0.3)
+    temperature = report.get("temperature", 0)
+    decoding = "greedy" if not temperature else f"temperature {temperature:g}"
+    rounds = pooled["count"] // max(len(positions), 1)
+    fig.suptitle(f"{path.name}: confidence of {len(positions)} drafts per round over {rounds} rounds, {decoding}, "
+                 f"tau {report['tau']:.3f}")
+    fig.tight_layout()
+    out = _png(out or path.with_suffix(".reliability.png"))
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out, (f"reliability diagram of the confidence at {len(positions)} positions over {rounds} rounds, "
+                 f"pooled ECE {pooled['ece']:.3f}")
