@@ -220,7 +220,7 @@ def _parser() -> argparse.ArgumentParser:
     bp = bench.add_parser("topology", help="target and drafter alone for a shape and recipe: the balanced "
                                            "target:drafter ratio and the layout for a host of GPUs")
     bp.add_argument("--shape", default="qwen3.6-27b", choices=sorted(SHAPE_NAMES), help="target shape")
-    bp.add_argument("--recipe", default="ddtree", help="drafter.recipe: paper, dpace, ddtree")
+    bp.add_argument("--recipe", default="ddtree", help="drafter.recipe: paper, dpace, ddtree, dspark")
     bp.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke run)")
     bp.add_argument("--target-batches", type=int, default=3, help="timed target batches of 32,768 tokens")
     bp.add_argument("--seqs", type=int, default=1, help="drafter samples per step")
@@ -269,7 +269,7 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--tiny", action="store_true", help="a small shape (CPU smoke run)")
     bp.add_argument("--steps", type=int, default=5)
     bp.add_argument("--shape", default="qwen3-8b", help="target shape (bench/target_shapes.py): qwen3-8b, qwen3.6-27b")
-    bp.add_argument("--recipe", default="paper", help="drafter.recipe: paper, dpace, ddtree")
+    bp.add_argument("--recipe", default="paper", help="drafter.recipe: paper, dpace, ddtree, dspark")
     bp.add_argument("--seqs", type=_at_least_one, default=None,
                     help="samples per step (default: 4 x 3072 tokens where the step fits the GPU, else as many "
                          "samples of the shape's length as fit; given values that do not fit are refused)")
@@ -296,7 +296,7 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--steps", type=_at_least_one, default=300)
     bp.add_argument("--shape", default="qwen3-8b", choices=sorted(set(SHAPE_NAMES) - {"tiny"}), help="target shape")
     bp.add_argument("--tiny", action="store_true", help="a small member of the shape's family (a quick GPU smoke run)")
-    bp.add_argument("--recipe", default="paper", help="drafter.recipe: paper, dpace, ddtree")
+    bp.add_argument("--recipe", default="paper", help="drafter.recipe: paper, dpace, ddtree, dspark")
     bp.add_argument("--seqs", type=_at_least_one, default=1, help="samples per step")
     bp.add_argument("--seq-len", type=_at_least_one, default=2048, help="tokens per sample")
     bp.add_argument("--seed", type=int, default=0, help="initial weights, items and anchors")
@@ -307,7 +307,7 @@ def _parser() -> argparse.ArgumentParser:
                                           "same held-out prompts, two seeds (CPU, ~1 h)")
     bp.add_argument("--workdir", default="runs/bench-recipes", help="where the runs and recipes.jsonl go")
     bp.add_argument("--variants", default="paper,dpace,ddtree,paper+target_argmax",
-                    help="comma-separated: paper, dpace, ddtree, paper+target_argmax")
+                    help="comma-separated: paper, dpace, ddtree, paper+target_argmax, dspark")
     bp.add_argument("--seeds", default="0,1", help="comma-separated train/data seeds")
     bp.add_argument("--tree-budget", type=_budgets, default=(16, 64, 256), metavar="N[,N...]")
     bp.add_argument("--prompts", type=_at_least_one, default=100, help="held-out prompts evaluated")

@@ -32,7 +32,11 @@ VARIANTS: dict[str, list[str]] = {
     "dpace": ["drafter.recipe=dpace"],
     "ddtree": ["drafter.recipe=ddtree"],
     "paper+target_argmax": ["drafter.recipe=paper", "drafter.label=target_argmax"],
+    # DSpark on the embedded geometry (B=8: 8 drafts a block, DFlash's 7); chain verification only, as eval
+    # verifies a DSpark drafter (its Markov head makes every draft depend on the one before: no tree).
+    "dspark": ["drafter.recipe=dspark"],
 }
+NO_TREE = {"dspark"}
 BASELINE = "paper"
 
 
@@ -66,10 +70,11 @@ def run_recipes_bench(workdir: str | Path, variants: Sequence[str] = tuple(VARIA
             train_s = time.monotonic() - started
             started = time.monotonic()
             report = evaluate_drafter(exported, cfg.target.path, Path(cfg.target.path) / HELDOUT_FILE, limit=prompts,
-                                      max_new_tokens=max_new_tokens, tree_budgets=budgets)
+                                      max_new_tokens=max_new_tokens,
+                                      tree_budgets=() if variant in NO_TREE else budgets)
             run = {
                 "variant": variant, "seed": seed, "overrides": VARIANTS[variant], "steps": steps,
-                "drafter": {k: getattr(cfg.drafter, k) for k in ("recipe", "num_hidden_layers", "block_size",
+                "drafter": {k: getattr(cfg.drafter, k) for k in ("recipe", "arch", "num_hidden_layers", "block_size",
                                                                  "num_anchors", "loss", "loss_gamma", "kl_weight",
                                                                  "cap_weight", "label", "layer_types")},
                 "train_s": round(train_s, 1), "eval_s": round(time.monotonic() - started, 1),
@@ -98,8 +103,8 @@ def summarize_runs(runs: Sequence[dict[str, Any]], budgets: Sequence[int]) -> li
     ratio to the baseline variant's figure of the same seed (where that seed's baseline ran)."""
     figures = ["chain_tau", *(f"tree_tau_{b}" for b in budgets)]
 
-    def value(run: dict[str, Any], figure: str) -> float:
-        return run["chain_tau"] if figure == "chain_tau" else run["tree_tau"][figure.removeprefix("tree_tau_")]
+    def value(run: dict[str, Any], figure: str) -> float | None:
+        return run["chain_tau"] if figure == "chain_tau" else run["tree_tau"].get(figure.removeprefix("tree_tau_"))
 
     baseline = {r["seed"]: r for r in runs if r["variant"] == BASELINE}
     table = []
@@ -107,7 +112,9 @@ def summarize_runs(runs: Sequence[dict[str, Any]], budgets: Sequence[int]) -> li
         mine = [r for r in runs if r["variant"] == variant]
         row: dict[str, Any] = {"variant": variant, "seeds": [r["seed"] for r in mine]}
         for figure in figures:
-            values = [value(r, figure) for r in mine]
+            values = [v for r in mine if (v := value(r, figure)) is not None]
+            if not values:  # a variant that is not tree-verified (NO_TREE)
+                continue
             ratios = [value(r, figure) / value(baseline[r["seed"]], figure) for r in mine if r["seed"] in baseline]
             row[figure] = {"mean": round(fmean(values), 3), "spread": round(max(values) - min(values), 3),
                            **({"vs_baseline": round(fmean(ratios), 3)} if ratios else {})}

@@ -31,3 +31,9 @@ def test_unknown_variant_is_refused_before_any_run(tmp_path, capsys):
     assert main(["bench", "recipes", "--workdir", str(tmp_path / "w"), "--variants", "paper,eagle3"]) == 2
     assert "unknown variants ['eagle3']" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()
+
+
+def test_a_variant_without_tree_verification_has_chain_figures_only():
+    runs = [run("paper", 0, 2.0, 3.0), {"variant": "dspark", "seed": 0, "chain_tau": 3.0, "tree_tau": {}}]
+    _, dspark = summarize_runs(runs, [16])
+    assert dspark["chain_tau"] == {"mean": 3.0, "spread": 0.0, "vs_baseline": 1.5} and "tree_tau_16" not in dspark
