@@ -17,8 +17,8 @@ PAPER_LOSS_GAMMA: dict[int, float] = {16: 7.0, 10: 5.0, 8: 4.0}
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
-Arch = Literal["dflash", "dspark"]
-ARCHS = ("dflash", "dspark")
+Arch = Literal["dflash", "dspark", "dflash2"]
+ARCHS = ("dflash", "dspark", "dflash2")
 MarkovHeadType = Literal["vanilla", "gated", "rnn"]
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 Objective = Literal["ce", "dpace"]
@@ -37,6 +37,11 @@ PRE_DSPARK_VALUES: dict[str, Any] = {"arch": "dflash", "ce_weight": 1.0, "tv_wei
                                      "markov_rank": 0, "markov_head": None}
 # Keys that only a DSpark drafter has: set on an arch = "dflash" drafter, they are refused.
 DSPARK_ONLY_FIELDS = ("markov_rank", "markov_head", "confidence_weight")
+# Fields added with DFlash2, at the values every other config has (0: no convolution, no selector): left out of
+# model_fields there, so DFlash and DSpark fingerprints stay what they were; set on another arch, they are refused.
+PRE_DFLASH2_VALUES: dict[str, Any] = {"conv_kernel_size": 0, "conv_group_size": 0, "selector_rank": 0,
+                                      "selector_top_k": 0, "selector_weight": 0.0}
+DFLASH2_ONLY_FIELDS = tuple(PRE_DFLASH2_VALUES)
 
 # Named recipes: one line (`drafter.recipe = "ddtree"`) for the settings below; a key set explicitly wins.
 # paper:  the DFlash paper's Qwen3-8B drafter: 5 full-attention layers, B16, 512 anchors, position-decayed CE.
@@ -47,6 +52,12 @@ DSPARK_ONLY_FIELDS = ("markov_rank", "markov_head", "confidence_weight")
 # dspark: DeepSeek's DSpark (arXiv 2607.05147; DeepSpec config/dspark/dspark_qwen3_8b.py): the DFlash backbone
 #         with the anchor as the first prediction (block 7 = 7 drafts), a vanilla Markov head of rank 256 and a
 #         confidence head; loss 0.1 CE + 0.9 L1 (= 2 TV) + 1.0 BCE of the confidence, weights exp(-k/4).
+# dflash2: z-lab's DFlash2 ("Keep Drafting Parallel"). From the released checkpoint's config.json
+#         (incoai/Qwen3.8-27B-DFlash2, shared/reference/dspark-dflash2.md 2.1): 5 layers, all sliding_attention
+#         with window 2048, block 8, dflash_config conv_kernel_size 2, conv_group_size 16, selector_rank 256,
+#         selector_top_k 16. z-lab published no objective; from the peers' trainers (2.2): selector loss weight
+#         1.0 (SpecForge/speculators/NeMo AM alpha_sel), 512 anchors (speculators' max_anchors). The backbone's
+#         loss is the paper's position-decayed CE with its B8 gamma 4 (speculators' default is KL: set kl_weight).
 RECIPES: dict[str, dict[str, Any]] = {
     "paper": {"num_hidden_layers": 5, "block_size": 16, "num_anchors": 512, "loss": "ce", "kl_weight": 0.0,
               "cap_weight": 0.0},
@@ -57,9 +68,15 @@ RECIPES: dict[str, dict[str, Any]] = {
     "dspark": {"arch": "dspark", "num_hidden_layers": 5, "block_size": 7, "num_anchors": 512, "loss": "ce",
                "loss_gamma": 4.0, "ce_weight": 0.1, "tv_weight": 0.9, "confidence_weight": 1.0, "kl_weight": 0.0,
                "cap_weight": 0.0, "markov_rank": 256, "markov_head": "vanilla"},
+    "dflash2": {"arch": "dflash2", "num_hidden_layers": 5, "block_size": 8, "num_anchors": 512, "loss": "ce",
+                "loss_gamma": 4.0, "kl_weight": 0.0, "cap_weight": 0.0, "sliding_window": 2048,
+                "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16,
+                "selector_weight": 1.0},
 }
-# A recipe's layer pattern, for however many layers the drafter has (ddtree: all sliding but the last).
-RECIPE_LAYER_TYPES = {"ddtree": lambda n: ["sliding_attention"] * (n - 1) + ["full_attention"]}
+# A recipe's layer pattern, for however many layers the drafter has (ddtree: all sliding but the last; dflash2: all
+# sliding, as the released checkpoint).
+RECIPE_LAYER_TYPES = {"ddtree": lambda n: ["sliding_attention"] * (n - 1) + ["full_attention"],
+                      "dflash2": lambda n: ["sliding_attention"] * n}
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -117,6 +134,15 @@ class DrafterConfig:
     # DSpark: the rank of the Markov head's factorisation (markov_w1 [V, r], markov_w2 [V, r]), and its kind.
     markov_rank: Annotated[int, Range(0, 4096)] | None = None  # DSpark only (>= 1 there; 0: none); default 256
     markov_head: MarkovHeadType | None = None  # DSpark only; default "vanilla"
+    # DFlash2 (consumer/dflash2_blocks.py): the grouped dynamic causal convolution around every attention and MLP
+    # sublayer (taps per channel, kernel_size of them, the dynamic part shared by conv_group_size channels), and the
+    # candidate selector (codebooks of rank selector_rank rescoring the unary top selector_top_k), whose K-way CE
+    # against the true predecessor's candidates weighs selector_weight (consumer/objectives/selector.py).
+    conv_kernel_size: Annotated[int, Range(0, 64)] | None = None  # DFlash2 only; default 2
+    conv_group_size: Annotated[int, Range(0, 1 << 16)] | None = None  # DFlash2 only; default 16
+    selector_rank: Annotated[int, Range(0, 4096)] | None = None  # DFlash2 only; default 256
+    selector_top_k: Annotated[int, Range(0, 4096)] | None = None  # DFlash2 only; default 16
+    selector_weight: float | None = None  # DFlash2 only; default 1
     # What each position is trained to predict: the data's token, or the target's own greedy next token.
     label: LabelSource | None = None  # default "data"
     mask_token_id: int | None = None
@@ -148,11 +174,14 @@ class DrafterConfig:
         if arch not in ARCHS:
             raise ValueError(f"arch {arch!r} must be one of {', '.join(map(repr, ARCHS))}")
         # A resolved DFlash config written back (a checkpoint's, the launcher's) holds their DFlash values: not a refusal.
-        if arch == "dflash" and (set_here := [k for k in DSPARK_ONLY_FIELDS
-                                              if getattr(self, k) not in (None, PRE_DSPARK_VALUES[k])]):
-            raise ValueError(f"{', '.join(set_here)} {'is' if len(set_here) == 1 else 'are'} DSpark-only; this drafter "
-                             f"has arch = 'dflash' (set arch = 'dspark' or recipe = 'dspark', or remove them)")
-        defaults = _DSPARK_DEFAULTS if arch == "dspark" else _DEFAULTS
+        for other, only, before in (("dspark", DSPARK_ONLY_FIELDS, PRE_DSPARK_VALUES),
+                                    ("dflash2", DFLASH2_ONLY_FIELDS, PRE_DFLASH2_VALUES)):
+            if arch != other and (set_here := [k for k in only if getattr(self, k) not in (None, before[k])]):
+                name = {"dspark": "DSpark", "dflash2": "DFlash2"}[other]
+                raise ValueError(f"{', '.join(set_here)} {'is' if len(set_here) == 1 else 'are'} {name}-only; this "
+                                 f"drafter has arch = {arch!r} (set arch = {other!r} or recipe = {other!r}, or remove "
+                                 f"{'it' if len(set_here) == 1 else 'them'})")
+        defaults = {"dspark": _DSPARK_DEFAULTS, "dflash2": _DFLASH2_DEFAULTS}.get(arch, _DEFAULTS)
         for name, value in {**defaults, **recipe}.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
@@ -194,6 +223,15 @@ class DrafterConfig:
                              "sliding layers")
         if self.arch == "dspark" and self.markov_rank < 1:
             raise ValueError("arch 'dspark' needs markov_rank >= 1 (the Markov head and the confidence head read it)")
+        if self.arch == "dflash2" and min(self.conv_kernel_size, self.conv_group_size, self.selector_rank,
+                                          self.selector_top_k) < 1:
+            raise ValueError("arch 'dflash2' needs conv_kernel_size, conv_group_size, selector_rank and selector_top_k "
+                             ">= 1")
+        if self.arch == "dflash2" and self.conv_kernel_size > self.block_size:
+            raise ValueError(f"conv_kernel_size {self.conv_kernel_size} exceeds block_size {self.block_size}: its taps "
+                             "never cross a block, so the extra ones would read nothing")
+        if self.selector_weight < 0:
+            raise ValueError("selector_weight must be >= 0")
         if self.confidence_weight > 0 and self.loss != "ce":
             raise ValueError("confidence_weight > 0 needs loss = 'ce': the confidence's BCE is weighted by the "
                              "position decay, which D-PACE replaces")
@@ -204,7 +242,8 @@ class DrafterConfig:
         the other format), and leaving it out keeps the fingerprint of every bf16 config as it was before the
         field existed."""
         return {k: v for k, v in asdict(self).items() if k not in NUMERIC_FORMAT_FIELDS
-                and not (k in PRE_DSPARK_VALUES and v == PRE_DSPARK_VALUES[k])}
+                and not (k in PRE_DSPARK_VALUES and v == PRE_DSPARK_VALUES[k])
+                and not (k in PRE_DFLASH2_VALUES and v == PRE_DFLASH2_VALUES[k])}
 
     @property
     def needs_target_logits(self) -> bool:
@@ -230,9 +269,12 @@ class DrafterConfig:
 
 _DEFAULTS: dict[str, Any] = {"num_hidden_layers": 1, "block_size": 16, "num_anchors": 512, "loss": "ce",
                              "dpace_alpha": 0.5, "kl_weight": 0.0, "cap_weight": 0.0, "label": "data",
-                             "ce_weight": 1.0, "tv_weight": 0.0, "confidence_weight": 0.0, "markov_rank": 0}
+                             "ce_weight": 1.0, "tv_weight": 0.0, "confidence_weight": 0.0, "markov_rank": 0,
+                             **PRE_DFLASH2_VALUES}
 _DSPARK_DEFAULTS: dict[str, Any] = {**_DEFAULTS, "confidence_weight": 1.0, "markov_rank": 256,
                                     "markov_head": "vanilla"}
+_DFLASH2_DEFAULTS: dict[str, Any] = {**_DEFAULTS, "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256,
+                                     "selector_top_k": 16, "selector_weight": 1.0}
 
 
 def target_text_config(target_config: Any) -> dict[str, Any]:

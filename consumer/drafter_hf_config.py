@@ -185,6 +185,7 @@ def drafter_rope(target: Mapping[str, Any], rope_theta: float | None = None) -> 
 
 TRAINING_KEYS = ("recipe", "loss", "loss_gamma", "dpace_alpha", "kl_weight", "cap_weight", "label", "num_anchors")
 DSPARK_TRAINING_KEYS = ("ce_weight", "tv_weight", "confidence_weight")
+DFLASH2_TRAINING_KEYS = ("selector_weight",)
 
 
 def drafter_geometry(cfg: DrafterConfig, target: Mapping[str, Any]) -> dict[str, Any]:
@@ -225,6 +226,8 @@ def drafter_hf_config(
     layers = num_target_layers(target_config)
     if cfg.arch == "dspark":
         config = _dspark_keys(cfg, layers)
+    elif cfg.arch == "dflash2":
+        config = _dflash2_keys(cfg, layers)
     else:
         config = {
             "architectures": ["DFlashDraftModel"],
@@ -251,7 +254,8 @@ def drafter_hf_config(
         # How it was trained (the resolved recipe): serving stacks ignore it, a reader of the export need not
         # find the run's config to know the objective.
         "dflash_training": {key: getattr(cfg, key)
-                            for key in TRAINING_KEYS + (DSPARK_TRAINING_KEYS if cfg.arch == "dspark" else ())},
+                            for key in TRAINING_KEYS + {"dspark": DSPARK_TRAINING_KEYS,
+                                                        "dflash2": DFLASH2_TRAINING_KEYS}.get(cfg.arch, ())},
     }
     if cfg.arch == "dspark":
         config["rope_parameters"] = rope_parameters(config["rope_theta"], config["rope_scaling"])
@@ -294,6 +298,29 @@ def _dspark_keys(cfg: DrafterConfig, layers: int) -> dict[str, Any]:
         "markov_head_type": cfg.markov_head,
         "enable_confidence_head": True,
         "confidence_head_with_markov": True,
+    }
+
+
+def _dflash2_keys(cfg: DrafterConfig, layers: int) -> dict[str, Any]:
+    """z-lab's DFlash2DraftModel layout (the released checkpoint's; vLLM and SGLang serve it under "dflash"): the
+    drafter's keys nested in dflash_config, and top-level is_causal false, because DFlash2 trains its sliding layers
+    bidirectional inside the block (vLLM's _dflash_layer_causal and z-lab read top-level is_causal first; without
+    it a sliding layer would serve causal)."""
+    return {
+        "architectures": ["DFlash2DraftModel"],
+        "auto_map": {"AutoModel": "dflash2.DFlash2DraftModel"},
+        "model_type": "qwen3",
+        "num_target_layers": layers,
+        "is_causal": False,
+        "dflash_config": {
+            "block_size": cfg.block_size,
+            "conv_kernel_size": cfg.conv_kernel_size,
+            "conv_group_size": cfg.conv_group_size,
+            "selector_rank": cfg.selector_rank,
+            "selector_top_k": cfg.selector_top_k,
+            "mask_token_id": cfg.mask_token_id,
+            "target_layer_ids": cfg.resolved_target_layer_ids(layers),
+        },
     }
 
 

@@ -22,6 +22,7 @@ from transformers import PretrainedConfig, Qwen3Config
 
 from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.consumer.drafter_hf_config import block_size_of, drafter_hf_config, qwen3_config
+from dflash_ring.consumer.dflash2_blocks import CandidateSelector, GroupedDynamicCausalConv
 from dflash_ring.consumer.dspark_heads import ConfidenceHead, MarkovHead
 from dflash_ring.consumer.qwen3_blocks import Qwen3MLP, Qwen3RMSNorm, rope_frequencies, rotate_half
 # The frozen head lives in target_head.py; re-exported for callers that import it from here.
@@ -78,7 +79,8 @@ def sample_anchors(
 
 
 def block_attention_mask(
-    anchors: torch.Tensor, ctx_len: int, block_size: int, sliding_window: int | None = None
+    anchors: torch.Tensor, ctx_len: int, block_size: int, sliding_window: int | None = None,
+    sliding_causal: bool = True,
 ) -> torch.Tensor:
     """Boolean [n*B, ctx_len + n*B] mask (True = attend) for n blocks of one sequence.
 
@@ -86,7 +88,8 @@ def block_attention_mask(
     positions within the sequence. Sliding layers follow SpecForge/z-lab: the
     window is per query position (a query at anchor+k keeps the last W keys,
     itself included) and attention inside the block is causal (against z-lab's
-    own model: tests/test_peer_conformance.py).
+    own model: tests/test_peer_conformance.py), unless sliding_causal is False
+    (DFlash2: the whole block, as full layers see it; B <= W keeps it inside the window).
     """
     n, device = anchors.numel(), anchors.device
     offsets = torch.arange(block_size, device=device).repeat(n)
@@ -97,7 +100,8 @@ def block_attention_mask(
     block_visible = block_ids[:, None] == block_ids[None, :]
     if sliding_window is not None:
         ctx_visible &= key > q_anchor + offsets[:, None] - sliding_window
-        block_visible &= offsets[None, :] <= offsets[:, None]
+        if sliding_causal:
+            block_visible &= offsets[None, :] <= offsets[:, None]
     return torch.cat([ctx_visible, block_visible], dim=1)
 
 
@@ -111,7 +115,7 @@ class _AttentionGroup:
 
 
 def _attention_groups(
-    anchors: Anchors, block_size: int, windows: set[int | None], anchors_per_group: int
+    anchors: Anchors, block_size: int, windows: set[int | None], anchors_per_group: int, sliding_causal: bool = True
 ) -> list[_AttentionGroup]:
     """Split each sequence's blocks into groups: block-to-block keys grow with group size, so small groups
     keep the mask and the wasted block-block scores small; a group's context stops at its last anchor."""
@@ -124,7 +128,7 @@ def _attention_groups(
         for first in range(cu_anc[seq], cu_anc[seq + 1], anchors_per_group):
             last = min(first + anchors_per_group, cu_anc[seq + 1])
             ctx_len = local_host[last - 1]  # anchors are sorted: the last one sees the most context
-            masks = {w: block_attention_mask(local[first:last], ctx_len, block_size, w) for w in windows}
+            masks = {w: block_attention_mask(local[first:last], ctx_len, block_size, w, sliding_causal) for w in windows}
             groups.append(
                 _AttentionGroup(
                     rows=slice(first * block_size, last * block_size),
@@ -174,7 +178,9 @@ def _tile_rows(slot: torch.Tensor, ranges: list[tuple[torch.Tensor, torch.Tensor
     return begin.to(torch.int32), rows.clamp(max=kv_tiles - 1).to(torch.int32)
 
 
-def flex_layout(anchors: Anchors, context_len: int, block_size: int, windows: set[int | None]) -> FlexLayout:
+def flex_layout(anchors: Anchors, context_len: int, block_size: int, windows: set[int | None],
+                sliding_causal: bool = True) -> FlexLayout:
+    """sliding_causal: as block_attention_mask's (False: a sliding layer sees its whole block, DFlash2)."""
     n, dev = anchors.num_blocks, anchors.positions.device
     rows = n * block_size
     q_len, t_pad = _round_up(max(rows, 1), FLEX_TILE), _round_up(context_len, FLEX_TILE)
@@ -229,7 +235,8 @@ def flex_layout(anchors: Anchors, context_len: int, block_size: int, windows: se
             blk_ok = key // block_size == q_block
             if window is not None:
                 ctx_ok = ctx_ok & (kv_idx > a + offset - window)
-                blk_ok = blk_ok & (key % block_size <= offset)
+                if sliding_causal:
+                    blk_ok = blk_ok & (key % block_size <= offset)
             return torch.where(kv_idx < t_pad, ctx_ok, blk_ok)
         return mask_mod
 
@@ -374,6 +381,9 @@ class DFlashDraftModel(nn.Module):
     """Parameter names match the public checkpoints exactly (no prefix, no embed/lm_head)."""
 
     sample_from_anchor = False  # slot 0 is the given anchor; slots 1..B-1 draft
+    # Sliding layers attend causally inside the block (what the engines serve when config.json names no is_causal);
+    # DFlash2 trains them bidirectional there and its export writes is_causal: false.
+    sliding_causal = True
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
@@ -384,7 +394,7 @@ class DFlashDraftModel(nn.Module):
         if self.block_size < 2:
             raise ValueError("config has no block_size >= 2 (top level or in dflash_config)")
         hidden = config.hidden_size
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self._make_layer(config, i) for i in range(config.num_hidden_layers))
         self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
@@ -396,6 +406,9 @@ class DFlashDraftModel(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=config.initializer_range)
+
+    def _make_layer(self, config: Qwen3Config, layer_idx: int) -> nn.Module:
+        return DFlashDecoderLayer(config, layer_idx)
 
     def compile_layers(self, include_fc: bool = False) -> None:
         """torch.compile each decoder layer in place (one graph serves all: they share code and shapes), fusing
@@ -447,9 +460,9 @@ class DFlashDraftModel(nn.Module):
         block_positions = ((anchors.positions - anchors.seq_bounds()[0])[:, None] + offsets).reshape(-1)
         block_rope, context_rope = self._rope(block_positions, x.dtype), self._rope(context_positions, x.dtype)
         if attention == "flex":
-            groups = flex_layout(anchors, context.shape[0], block, self._windows)
+            groups = flex_layout(anchors, context.shape[0], block, self._windows, self.sliding_causal)
         elif attention == "sdpa":
-            groups = _attention_groups(anchors, block, self._windows, anchors_per_group)
+            groups = _attention_groups(anchors, block, self._windows, anchors_per_group, self.sliding_causal)
         else:
             raise ValueError(f"attention must be 'flex' or 'sdpa', got {attention!r}")
         for layer in self.layers:
@@ -506,6 +519,60 @@ class DSparkDraftModel(DFlashDraftModel):
         return self.markov_head.features(hidden, prev_emb), self.confidence_head(hidden, prev_emb)
 
 
+class DFlash2DecoderLayer(DFlashDecoderLayer):
+    """A DFlash layer with DFlash2's grouped dynamic causal convolution around its attention and its MLP
+    (consumer/dflash2_blocks.py): taps along each block of B rows, never across."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        dflash = config.dflash_config
+        self.block_size = block_size_of(config)
+        kernel, group = int(dflash["conv_kernel_size"]), int(dflash["conv_group_size"])
+        self.attention_conv = GroupedDynamicCausalConv(config.hidden_size, kernel, group)
+        self.mlp_conv = GroupedDynamicCausalConv(config.hidden_size, kernel, group)
+
+    def forward(self, x, context, block_rope, context_rope, groups):
+        blocks = x.view(-1, self.block_size, x.shape[-1])  # [N, B, H]: rows are whole blocks
+        h, delta = self.attention_conv.prepare(self.input_layernorm(blocks))
+        attended = self.self_attn(h.flatten(0, 1), context, block_rope, context_rope, groups)
+        blocks = blocks + self.attention_conv.finish(attended.view_as(blocks), delta)
+        h, delta = self.mlp_conv.prepare(self.post_attention_layernorm(blocks))
+        return (blocks + self.mlp_conv.finish(self.mlp(h), delta)).view_as(x)
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """DFlash2 (z-lab's DFlash2DraftModel): the DFlash layout (slot 0 the anchor) with each layer's convolutions,
+    sliding layers bidirectional inside the block, and the candidate selector after the target's head."""
+
+    sliding_causal = False
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__(config)  # the convolutions start as the identity: _make_layer builds them after the init
+        dflash = config.dflash_config
+        self.candidate_selector = CandidateSelector(config.vocab_size, config.hidden_size,
+                                                    int(dflash["selector_rank"]), int(dflash["selector_top_k"]),
+                                                    config.initializer_range)
+        for layer in self.layers:  # the Linear init above drew kernel_projection: back to the identity
+            layer.attention_conv.reset_parameters()
+            layer.mlp_conv.reset_parameters()
+
+    def _make_layer(self, config: Qwen3Config, layer_idx: int) -> nn.Module:
+        return DFlash2DecoderLayer(config, layer_idx)
+
+    def prev_ids(self, input_ids: torch.Tensor, anchors: Anchors) -> torch.Tensor:
+        """[N, B] teacher-forced predecessors: slot k's is input_ids[anchor + k - 1] (slot 0 never drafts: the anchor;
+        past the sequence's end, the anchor, never supervised)."""
+        return _predecessors(input_ids, anchors, self.block_size)
+
+
+def _predecessors(input_ids: torch.Tensor, anchors: Anchors, block_size: int) -> torch.Tensor:
+    """[N, B]: input_ids[anchor + k - 1] for k >= 1 (inside the sequence, else the anchor), the anchor at k = 0."""
+    offsets = (torch.arange(block_size, device=input_ids.device) - 1).clamp_min(0)
+    positions = anchors.positions[:, None] + offsets
+    inside = positions < anchors.seq_bounds()[1][:, None]
+    return input_ids[torch.where(inside, positions, anchors.positions[:, None])]
+
+
 def dspark_prev_ids(input_ids: torch.Tensor, anchors: Anchors, block_size: int) -> torch.Tensor:
     """[N, B] teacher-forced previous tokens of DSpark's slots: prev_k = input_ids[anchor + k] (prev_0 is the anchor).
     A slot past its sequence's end reads the anchor: its label lies outside the sequence, so it is never supervised."""
@@ -520,4 +587,4 @@ def build_drafter(cfg: DrafterConfig, target_config: Mapping[str, Any] | Pretrai
 
 
 def drafter_class(arch: str) -> type[DFlashDraftModel]:
-    return {"dflash": DFlashDraftModel, "dspark": DSparkDraftModel}[arch]
+    return {"dflash": DFlashDraftModel, "dspark": DSparkDraftModel, "dflash2": DFlash2DraftModel}[arch]
