@@ -230,6 +230,13 @@ class DrafterMetrics:
         self.confidence_error = Gauge("dflash_ring_drafter_confidence_abs_error",
                                       "DSpark: mean |confidence - analytic acceptance| over the last step's drafts",
                                       registry=r)
+        self.selector_accept_len = Gauge("dflash_ring_drafter_selector_accept_len",
+                                         "DFlash2: mean accepted length over the last step's blocks of the greedy "
+                                         "walk through the candidate selector (teacher-forced, exact while it is "
+                                         "right)", registry=r)
+        self.selector_recall = Gauge("dflash_ring_drafter_selector_top_k_recall",
+                                     "DFlash2: share of the last step's drafts whose label is in the unary top-K",
+                                     registry=r)
         self.lr = Gauge("dflash_ring_drafter_learning_rate", "Learning rate of the last step", registry=r)
         self.step_number = Gauge("dflash_ring_drafter_step", "Optimizer step reached (survives restarts)",
                                  registry=r)
@@ -262,8 +269,10 @@ class DrafterMetrics:
         for key, gauge in self.gauges.items():
             gauge.set(record[key])
         for key, gauge in {"tau_probabilistic": self.tau_probabilistic,
-                           "confidence/abs_error": self.confidence_error}.items():
-            if key in record:  # DSpark's
+                           "confidence/abs_error": self.confidence_error,
+                           "selector/accept_len": self.selector_accept_len,
+                           "selector/top_k_recall": self.selector_recall}.items():
+            if key in record:  # DSpark's, DFlash2's
                 gauge.set(record[key])
         for key, value in record.items():
             if key.startswith("accuracy/pos_"):

@@ -15,6 +15,8 @@ CAP, DSpark's confidence):
   the confidence head's BCE against alpha* = 1 - L1 / 2; a draft after an unsupervised one is not supervised
   (DeepSpec's cumulative eval mask). Its figures: accept_rate@k (mean alpha*), tau_probabilistic = 1 + sum_k
   prod_{j<=k} alpha*_j, and the confidence's absolute error, bias and cumulative-product bias.
+- DFlash2: + selector_weight x the candidate selector's K-way CE over the unary top-K, scored with the true
+  predecessor (objectives/selector.py: rows whose gold is outside the top-K are left out, and counted in the recall).
 
 The vocabulary projection runs in chunks of whole blocks inside one autograd node (objectives/head_loss.py).
 """
@@ -27,13 +29,14 @@ import torch
 import torch.nn.functional as F
 
 from dflash_ring.common.drafter_config import DrafterConfig
-from .model import Anchors, DFlashDraftModel, DSparkDraftModel, FrozenTargetHead
+from .model import Anchors, DFlash2DraftModel, DFlashDraftModel, DSparkDraftModel, FrozenTargetHead
 from .objectives.cap import Cap, accept_products
 from .objectives.confidence import Calibration, calibration, confidence_loss
 from .objectives.dpace import DPace
 from .objectives.fused import ChunkSpec
 from .objectives.head_loss import ChunkedHeadLoss, TermWeights, chunk_plan
 from .objectives.position_decay import PositionDecay
+from .objectives.selector import selector_terms
 from .objectives.teacher import TeacherLogits, teacher_logits
 from .objectives.total_variation import analytic_acceptance
 
@@ -69,6 +72,28 @@ class DSparkHeads:
 
 
 @dataclass(frozen=True)
+class SelectorInputs:
+    """What DFlash2's selector objective needs of the model on a step's blocks (DFlash2DraftModel)."""
+
+    context: torch.Tensor  # [N, B, r] predecessor_codebook[true prev] * hidden_projection(h), per slot
+    successor_codebook: torch.Tensor  # [V, r]
+    top_k: int
+
+
+@dataclass(frozen=True)
+class SelectorStats:
+    """DFlash2's selector on a step (objectives/selector.py): sums over supervised rows, and per block [N]."""
+
+    loss: torch.Tensor  # detached: the selector's term (before selector_weight)
+    rows: torch.Tensor  # supervised rows
+    in_top_k: torch.Tensor  # rows whose gold is among the unary top-K (recall = in_top_k / rows)
+    correct: torch.Tensor  # rows the selector, teacher-forced, gets right (a gold outside the top-K is a miss)
+    top_k_mass: torch.Tensor  # sum over rows of the draft's probability mass on its top-K
+    block_accept: torch.Tensor  # [N] 1 + prefix of selector hits: the greedy serving walk's accepted length
+    block_oracle: torch.Tensor  # [N] 1 + prefix of rows with the gold in the top-K: the top-K oracle's
+
+
+@dataclass(frozen=True)
 class DFlashLoss:
     loss: torch.Tensor  # scalar to backward
     ce: torch.Tensor  # detached: the weighted CE term, sum w CE / S
@@ -96,6 +121,7 @@ class DFlashLoss:
     block_accept_prob: torch.Tensor
     block_tau_probabilistic: torch.Tensor | None  # with alpha*
     calibration: Calibration | None  # with a confidence head: per block sums over its supervised drafts
+    selector: SelectorStats | None = None  # with DFlash2's candidate selector
 
     @property
     def accuracy_per_position(self) -> torch.Tensor:
@@ -111,11 +137,15 @@ def drafter_loss(model: DFlashDraftModel, hidden: torch.Tensor, anchors: Anchors
                  target_hidden: torch.Tensor | None = None, heads: bool = True) -> DFlashLoss:
     """dflash_loss of a drafter's output, with its DSpark heads' outputs when it has them (heads=False leaves them
     out: the backbone alone, for timing): the one call the trainer and the benches make."""
-    dspark = None
+    dspark = selector = None
     if heads and isinstance(model, DSparkDraftModel):
         markov, confidence = model.heads(hidden, model.prev_ids(input_ids, anchors))
         dspark = DSparkHeads(markov, model.markov_head.markov_w2.weight, confidence)
-    return dflash_loss(hidden, anchors, input_ids, loss_mask, head, cfg, target_hidden, dspark)
+    if heads and isinstance(model, DFlash2DraftModel):
+        chooser = model.candidate_selector
+        selector = SelectorInputs(chooser.context(hidden, model.prev_ids(input_ids, anchors)),
+                                  chooser.successor_codebook, chooser.top_k)
+    return dflash_loss(hidden, anchors, input_ids, loss_mask, head, cfg, target_hidden, dspark, selector)
 
 
 def _weighting(cfg: DrafterConfig, valid: torch.Tensor) -> PositionDecay | DPace:
@@ -133,6 +163,7 @@ def dflash_loss(
     cfg: DrafterConfig,
     target_hidden: torch.Tensor | None = None,
     dspark: DSparkHeads | None = None,
+    selector: SelectorInputs | None = None,
 ) -> DFlashLoss:
     """Loss and metrics for drafter output hidden [N, B, H] (DFlashDraftModel.forward).
 
@@ -141,6 +172,7 @@ def dflash_loss(
     is the target's distribution for token p+1, so the teacher for the draft of token p sits at p-1.
     dspark: the DSpark heads' outputs (arch "dspark" only; None there: the backbone's logits alone, which only a
     config without the confidence term may ask for, as bench drafter does to time the heads).
+    selector: DFlash2's selector inputs (arch "dflash2" only, and there whenever selector_weight > 0).
     """
     if cfg.needs_target_logits != (target_hidden is not None):
         raise ValueError("target_hidden must be given exactly when kl_weight, tv_weight or confidence_weight > 0 "
@@ -148,6 +180,9 @@ def dflash_loss(
     if dspark is not None and cfg.arch != "dspark" or dspark is None and cfg.confidence_weight > 0:
         raise ValueError("the DSpark heads' outputs are given with arch = 'dspark' only, and there whenever "
                          "confidence_weight > 0")
+    if selector is not None and cfg.arch != "dflash2" or selector is None and cfg.selector_weight > 0:
+        raise ValueError("the selector's inputs are given with arch = 'dflash2' only, and there whenever "
+                         "selector_weight > 0")
     block_size = hidden.shape[1]
     if block_size != cfg.block_size:
         raise ValueError(f"hidden has blocks of {block_size}, config says {cfg.block_size}")
@@ -168,10 +203,12 @@ def dflash_loss(
     plan = chunk_plan(valid, cfg.loss_chunk_tokens, weighting=weighting,
                       terms=TermWeights(cfg.ce_weight, cfg.kl_weight, cfg.tv_weight),
                       cap=Cap(cfg.cap_weight, valid.shape[0], drafts) if cfg.cap_weight > 0 else None, spec=spec,
-                      fp8=head.fp8, teacher=teacher if spec.taught else None)
+                      fp8=head.fp8, teacher=teacher if spec.taught else None,
+                      top_k=0 if selector is None else selector.top_k)
     markov, w2 = (None, None) if dspark is None else (dspark.markov[valid], dspark.markov_w2)
-    loss, ce, kl, l1, w, predictions = ChunkedHeadLoss.apply(
-        hidden[:, first:][valid], markov, w2, head.lm_head_weight, used, valid, plan)
+    rows = hidden[:, first:][valid]
+    loss, ce, kl, l1, w, predictions, top_values, top_ids, row_lse = ChunkedHeadLoss.apply(
+        rows, markov, w2, head.lm_head_weight, used, valid, plan)
     normaliser = plan.normaliser
 
     def grid(rows: torch.Tensor) -> torch.Tensor:
@@ -184,6 +221,19 @@ def dflash_loss(
         loss = loss + cfg.confidence_weight * conf_term
         calib = calibration(torch.sigmoid(dspark.confidence.detach()), grid(alpha), valid)
     block_terms = cfg.ce_weight * ce + cfg.kl_weight * kl + cfg.tv_weight * l1
+    stats = None
+    if selector is not None:
+        terms = selector_terms(rows, selector.context[:, first:][valid], selector.successor_codebook, top_values,
+                               top_ids, row_lse, used, w, head.lm_head_weight, head.logit_multiplier, head.logit_softcap)
+        loss = loss + cfg.selector_weight * terms.loss
+        # the block's share of the selector term, in units of the head loss's normaliser: sum over blocks / S = term
+        scale = cfg.selector_weight * normaliser / terms.normaliser.clamp_min(torch.finfo(torch.float32).tiny)
+        block_terms = block_terms + scale * terms.ce
+        stats = SelectorStats(
+            loss=terms.loss.detach(), rows=valid.sum(), in_top_k=terms.in_top_k.sum(), correct=terms.correct.sum(),
+            top_k_mass=terms.top_k_mass.sum(),
+            block_accept=(grid(terms.correct).long().cumprod(dim=1).sum(dim=1) + 1).float(),
+            block_oracle=(grid(terms.in_top_k).long().cumprod(dim=1).sum(dim=1) + 1).float())
     if dspark is not None:
         block_terms = block_terms + cfg.confidence_weight * F.binary_cross_entropy_with_logits(
             dspark.confidence.detach()[valid], alpha, reduction="none")
@@ -216,4 +266,5 @@ def dflash_loss(
         block_accept_prob=block_accept_prob,
         block_tau_probabilistic=block_tau,
         calibration=calib,
+        selector=stats,
     )

@@ -78,6 +78,7 @@ def step_scalars(m: StepMetrics, w: WindowStats) -> dict[str, float]:
         "ring/depth": float(w.depth), "ring/wait_s": w.wait_s,
         "producers/items_per_s": w.produced / w.seconds, "producers/tokens_per_s": w.produced_tokens / w.seconds,
         **dspark_scalars(m),
+        **dflash2_scalars(m),
         **source_scalars(w.by_source),  # over the window: a source missing from one batch still has a figure
     }
 
@@ -94,6 +95,18 @@ def dspark_scalars(m: StepMetrics) -> dict[str, float]:
         out |= {"confidence_loss": d.confidence_loss, "confidence/abs_error": d.confidence_abs_error,
                 "confidence/bias": d.confidence_bias, "confidence/cumprod_bias": d.confidence_cumprod_bias}
     return out
+
+
+def dflash2_scalars(m: StepMetrics) -> dict[str, float]:
+    """With DFlash2's candidate selector: `selector_loss` and `selector/{unary_top1,top_k_recall,top_k_mass,accuracy,
+    accept_len,oracle_accept_len}` (DFlash2Figures). None for other archs."""
+    d = m.dflash2
+    if d is None:
+        return {}
+    return {"selector_loss": d.selector_loss, "selector/unary_top1": d.unary_top1,
+            "selector/top_k_recall": d.top_k_recall, "selector/top_k_mass": d.top_k_mass,
+            "selector/accuracy": d.selector_accuracy, "selector/accept_len": d.selector_accept_len,
+            "selector/oracle_accept_len": d.oracle_accept_len}
 
 
 def source_scalars(by_source: dict[str, SourceStats], prefix: str = "") -> dict[str, float]:
@@ -153,4 +166,6 @@ def log_line(step: int, total: int, r: dict[str, float]) -> str:
             f"depth {r['ring/depth']:.0f} producers {r['producers/items_per_s']:.2f} items/s "
             f"{r['producers/tokens_per_s']:.0f} tok/s"
             + (f" tau_prob {r['tau_probabilistic']:.2f}" if "tau_probabilistic" in r else "")
-            + (f" conf_err {r['confidence/abs_error']:.3f}" if "confidence/abs_error" in r else ""))
+            + (f" conf_err {r['confidence/abs_error']:.3f}" if "confidence/abs_error" in r else "")
+            + (f" sel_accept_len {r['selector/accept_len']:.2f} top_k_recall {r['selector/top_k_recall']:.3f}"
+               if "selector/accept_len" in r else ""))

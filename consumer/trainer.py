@@ -70,6 +70,35 @@ class StepMetrics:
     # and tau_probabilistic; with a confidence head, its weighted BCE and the mean absolute error, bias and
     # cumulative-product bias of its probabilities against alpha* over supervised drafts. None where not trained.
     dspark: DSparkFigures | None = None
+    # With DFlash2's candidate selector: its term and figures (DFlash2Figures). None for other archs.
+    dflash2: DFlash2Figures | None = None
+
+
+@dataclass(frozen=True)
+class DFlash2Figures:
+    """The selector's figures on a step (consumer/objectives/selector.py), over its supervised drafts: its weighted
+    K-way CE (before selector_weight), the backbone's unary top-1 accuracy, the top-K recall and the draft's own mass
+    on its top-K, the selector's teacher-forced accuracy (a gold outside the top-K is a miss), and mean accepted
+    lengths over blocks of the greedy serving walk through the selector and of the top-K oracle."""
+
+    selector_loss: float
+    unary_top1: float
+    top_k_recall: float
+    top_k_mass: float
+    selector_accuracy: float
+    selector_accept_len: float
+    oracle_accept_len: float
+
+    @classmethod
+    def of(cls, out: DFlashLoss) -> DFlash2Figures | None:
+        s = out.selector
+        if s is None:
+            return None
+        rows, blocks = max(int(s.rows), 1), max(out.num_blocks, 1)
+        return cls(selector_loss=float(s.loss), unary_top1=float(out.correct_per_position.sum()) / rows,
+                   top_k_recall=float(s.in_top_k) / rows, top_k_mass=float(s.top_k_mass) / rows,
+                   selector_accuracy=float(s.correct) / rows, selector_accept_len=float(s.block_accept.sum()) / blocks,
+                   oracle_accept_len=float(s.block_oracle.sum()) / blocks)
 
 
 @dataclass(frozen=True)
@@ -171,6 +200,7 @@ class Trainer:
             accept_len=float(out.accept_len), accept_len_prob=float(out.accept_len_prob), lr=lr,
             grad_norm=float(grad_norm), tokens=batch.num_tokens,
             step_s=time.perf_counter() - t0, by_source=step_sources, dspark=DSparkFigures.of(out),
+            dflash2=DFlash2Figures.of(out),
         )
 
     def _update(self, total_steps: int) -> tuple[float, torch.Tensor]:

@@ -161,3 +161,188 @@ def test_dflash2_sliding_layers_are_bidirectional_inside_the_block_in_both_atten
         # and the mask is not the DFlash one: its causal sliding layer drafts otherwise
         model.sliding_causal = True
         assert not torch.allclose(model(context, ids, anchors, head), sdpa, atol=1e-4)
+
+
+# --- the selector's objective ---------------------------------------------------------------------------------------
+
+
+def selector_case(seed=2, vocab=30, hidden_size=8, rank=4, block=5, top_k=4, spec=None):
+    from dflash_ring.consumer.dflash2_blocks import CandidateSelector
+    from dflash_ring.consumer.model import FrozenTargetHead, cu_seqlens_from_lengths, sample_anchors
+
+    torch.manual_seed(seed)
+    head = FrozenTargetHead(torch.randn(vocab, hidden_size), torch.randn(vocab, hidden_size), spec=spec)
+    lengths = [13, 9]
+    input_ids = torch.randint(0, vocab, (22,))
+    loss_mask = torch.rand(22) > 0.15
+    anchors = sample_anchors(loss_mask, cu_seqlens_from_lengths(lengths), 6, torch.Generator().manual_seed(seed))
+    hidden = torch.randn(anchors.num_blocks, block, hidden_size, requires_grad=True)
+    chooser = CandidateSelector(vocab, hidden_size, rank, top_k, init_std=0.5)
+    return head, input_ids, loss_mask, anchors, hidden, chooser
+
+
+def selector_reference(hidden, chooser, anchors, input_ids, loss_mask, head, cfg):
+    """The recipe's loss on full [N, B, V] logits, autograd: position-decayed CE + selector_weight x the w-weighted
+    mean K-way CE over rows whose gold is in the unary top-K (scores = top-K logits + the bilinear term of the true
+    predecessor input_ids[anchor + k - 1])."""
+    from dflash_ring.consumer.loss import block_labels
+    from dflash_ring.consumer.objectives.position_decay import position_weights
+
+    block = hidden.shape[1]
+    labels = block_labels(anchors, input_ids, loss_mask, block)
+    valid = labels.valid
+    w = position_weights(block, cfg.loss_gamma).expand_as(valid)[valid]
+    logits = head.logits(hidden[valid]).float()
+    gold = labels.tokens[valid]
+    ce = torch.nn.functional.cross_entropy(logits, gold, reduction="none")
+    prev = input_ids[(anchors.positions[:, None] + torch.arange(block) - 1).clamp(0, len(input_ids) - 1)][valid]
+    unary, cand = logits.topk(cfg.selector_top_k, -1)
+    scores = unary + (chooser.predecessor_codebook[prev][:, None] * chooser.hidden_projection(hidden[valid])[:, None]
+                      * chooser.successor_codebook[cand]).sum(-1)
+    inside = (cand == gold[:, None]).any(-1)
+    target = (cand == gold[:, None]).long().argmax(-1)
+    sel = torch.nn.functional.cross_entropy(scores[inside], target[inside], reduction="none")
+    sel_term = (w[inside] * sel).sum() / w[inside].sum() if inside.any() else scores.sum() * 0
+    return (w * ce).sum() / w.sum() + cfg.selector_weight * sel_term, inside, scores, target
+
+
+@pytest.mark.parametrize("spec", [None, "transformed"])
+def test_the_selector_loss_and_gradients_equal_the_full_logits_reference(spec):
+    from dflash_ring.consumer.loss import SelectorInputs, dflash_loss
+    from dflash_ring.consumer.model import _predecessors
+    from dflash_ring.consumer.target_head import HeadSpec
+
+    head_spec = HeadSpec(tied=False, logit_multiplier=0.7, logit_softcap=3.0) if spec else None
+    head, input_ids, loss_mask, anchors, hidden, chooser = selector_case(spec=head_spec)
+    cfg = DrafterConfig(arch="dflash2", block_size=5, loss_gamma=3.0, selector_top_k=4, selector_rank=4,
+                        selector_weight=0.7, conv_group_size=8)
+    params = [hidden, *chooser.parameters()]
+    reference, inside, *_ = selector_reference(hidden, chooser, anchors, input_ids, loss_mask, head, cfg)
+    assert 0 < int(inside.sum()) < inside.numel()  # both kinds of rows: the rule is exercised
+    expected = torch.autograd.grad(reference, params)
+    for chunk in (1, 7, 10_000):
+        chunked = DrafterConfig(**{**cfg.model_fields(), "loss_chunk_tokens": chunk})
+        context = chooser.context(hidden, _predecessors(input_ids, anchors, 5))
+        out = dflash_loss(hidden, anchors, input_ids, loss_mask, head, chunked,
+                          selector=SelectorInputs(context, chooser.successor_codebook, 4))
+        torch.testing.assert_close(out.loss.detach(), reference.detach())
+        for got, want in zip(torch.autograd.grad(out.loss, params), expected):
+            torch.testing.assert_close(got, want)
+        torch.testing.assert_close(out.block_loss_sum.sum() / out.block_weight_sum.sum(), reference.detach())
+        assert int(out.selector.in_top_k) == int(inside.sum()) and int(out.selector.rows) == inside.numel()
+
+
+def test_a_gold_outside_the_top_k_is_left_out_of_the_selector_and_counted_in_the_recall():
+    from dflash_ring.consumer.loss import SelectorInputs, dflash_loss
+    from dflash_ring.consumer.model import _predecessors
+
+    head, input_ids, loss_mask, anchors, hidden, chooser = selector_case(top_k=2)
+    cfg = DrafterConfig(arch="dflash2", block_size=5, loss_gamma=3.0, selector_top_k=2, selector_rank=4,
+                        conv_group_size=8, ce_weight=0.0)  # the selector's term alone
+    _, inside, scores, target = selector_reference(hidden, chooser, anchors, input_ids, loss_mask, head, cfg)
+    context = chooser.context(hidden, _predecessors(input_ids, anchors, 5))
+    out = dflash_loss(hidden, anchors, input_ids, loss_mask, head, cfg,
+                      selector=SelectorInputs(context, chooser.successor_codebook, 2))
+    # the gold tokens of the rows left out get no gradient in the successor codebook, unless a kept row has them
+    from dflash_ring.consumer.loss import block_labels
+
+    labels = block_labels(anchors, input_ids, loss_mask, 5)
+    gold = labels.tokens[labels.valid]
+    _, cand = head.logits(hidden[labels.valid]).topk(2, -1)
+    (grad,) = torch.autograd.grad(out.loss, chooser.successor_codebook)
+    untouched = set(gold[~inside].tolist()) - set(cand[inside].flatten().tolist())
+    assert untouched and all(grad[t].abs().max() == 0 for t in untouched)
+    assert int(out.selector.in_top_k) == int(inside.sum())
+    assert int(out.selector.correct) == int(((scores.argmax(-1) == target) & inside).sum())
+    # no gold in any top-K: a zero term with a zero gradient, not a NaN
+    hopeless = torch.zeros_like(input_ids)  # every label token 0, whose logit is below every other's
+    weight = head.lm_head_weight.clone()
+    weight[0] = -10 * weight.abs().max()
+    positive = hidden.abs()
+    out = dflash_loss(positive, anchors, hopeless, loss_mask, type(head)(head.embed_weight, weight), cfg,
+                      selector=SelectorInputs(chooser.context(positive, _predecessors(hopeless, anchors, 5)),
+                                              chooser.successor_codebook, 2))
+    assert int(out.selector.in_top_k) == 0 and float(out.selector.loss) == 0.0
+    assert all(torch.isfinite(g).all() for g in torch.autograd.grad(out.loss, [hidden, chooser.successor_codebook]))
+
+
+def test_the_selector_figures_are_their_definitions():
+    from dflash_ring.consumer.loss import SelectorInputs, dflash_loss
+    from dflash_ring.consumer.model import _predecessors
+    from dflash_ring.consumer.loss import block_labels
+    from dflash_ring.consumer.trainer import DFlash2Figures
+
+    head, input_ids, loss_mask, anchors, hidden, chooser = selector_case(top_k=3)
+    cfg = DrafterConfig(arch="dflash2", block_size=5, loss_gamma=3.0, selector_top_k=3, selector_rank=4,
+                        conv_group_size=8)
+    _, inside, scores, target = selector_reference(hidden, chooser, anchors, input_ids, loss_mask, head, cfg)
+    out = dflash_loss(hidden, anchors, input_ids, loss_mask, head, cfg,
+                      selector=SelectorInputs(chooser.context(hidden, _predecessors(input_ids, anchors, 5)),
+                                              chooser.successor_codebook, 3))
+    labels = block_labels(anchors, input_ids, loss_mask, 5)
+    valid = labels.valid[:, 1:]
+    logits = head.logits(hidden[:, 1:].detach()).float()
+    q = logits.softmax(-1)
+    rows = int(valid.sum())
+    figures = DFlash2Figures.of(out)
+    hit = torch.zeros_like(valid).masked_scatter(valid, (scores.argmax(-1) == target) & inside)
+    in_top = torch.zeros_like(valid).masked_scatter(valid, inside)
+    assert figures.top_k_recall == pytest.approx(float(inside.float().mean()))
+    assert figures.top_k_mass == pytest.approx(float(q.topk(3, -1).values.sum(-1)[valid].mean()), rel=1e-5)
+    assert figures.unary_top1 == pytest.approx(float((logits.argmax(-1) == labels.tokens[:, 1:])[valid].sum()) / rows)
+    assert figures.selector_accuracy == pytest.approx(float(hit.sum()) / rows)
+    assert figures.selector_accept_len == pytest.approx(float((hit.long().cumprod(1).sum(1) + 1).float().mean()))
+    assert figures.oracle_accept_len == pytest.approx(float((in_top.long().cumprod(1).sum(1) + 1).float().mean()))
+
+
+def test_the_serving_walk_is_greedy_over_the_scores_from_the_anchor():
+    """walk: slot 1's predecessor is the anchor, each later slot's the candidate chosen before it."""
+    _, _, _, _, _, chooser = selector_case(vocab=30, hidden_size=8, top_k=5)
+    hidden, logits = torch.randn(2, 4, 8), torch.randn(2, 4, 30)
+    anchor = torch.tensor([3, 7])
+    with torch.no_grad():
+        path, cand, scores = chooser.walk(hidden, logits, anchor)
+        prev = torch.cat([anchor[:, None], path[:, :-1]], 1)
+        unary = logits.gather(-1, cand)
+        torch.testing.assert_close(scores, chooser.scores(hidden, prev, unary, cand))
+    assert torch.equal(path, cand.gather(-1, scores.argmax(-1, keepdim=True))[..., 0])
+
+
+def test_a_dflash2_drafter_trains_on_a_tiny_target(tmp_path):
+    from dflash_ring.common.train_config import TrainConfig
+    from dflash_ring.consumer.trainer import DeviceBatch, Trainer
+
+    save_tiny_qwen3(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    drafter = DrafterConfig(recipe="dflash2", num_hidden_layers=1, sliding_window=16, num_anchors=8,
+                            conv_group_size=16, selector_rank=8, selector_top_k=4, mask_token_id=config["vocab_size"] - 1)
+    model = build_drafter(drafter, config)
+    assert isinstance(model, DFlash2DraftModel)
+    assert {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+            "candidate_selector.hidden_projection.weight", "layers.0.attention_conv.base_kernel",
+            "layers.0.mlp_conv.kernel_projection.weight"} <= set(model.state_dict())
+    head = load_target_head(tmp_path)
+    trainer = Trainer(model, head, drafter, TrainConfig(lr=3e-3, warmup_ratio=0.0), torch.device("cpu"))
+    torch.manual_seed(0)
+    n_layers, hidden = len(model.target_layer_ids), config["hidden_size"]
+    length = 40
+    ids = torch.arange(length) % 7 + 3  # a counting rule the drafter can learn
+    batch = DeviceBatch(features=torch.randn(length, n_layers * hidden), input_ids=ids,
+                        loss_mask=torch.ones(length, dtype=torch.bool), cu_seqlens=torch.tensor([0, length]))
+    first = last = None
+    for _ in range(25):
+        m = trainer.train_step(batch, total_steps=25)
+        first = first or m
+        last = m
+    assert last.loss < first.loss
+    # the random start has no gold in its top-K (no selector term yet); training brings them in and the selector learns
+    assert last.dflash2.top_k_recall > first.dflash2.top_k_recall and last.dflash2.selector_loss > 0
+    assert last.dflash2.selector_accuracy > first.dflash2.selector_accuracy
+    assert last.dflash2.selector_accept_len > first.dflash2.selector_accept_len
+    # the convolutions and the selector train: none is left at its initial value
+    assert model.layers[0].attention_conv.kernel_projection.weight.abs().max() > 0
+    from dflash_ring.consumer.step_record import WindowStats, step_scalars
+
+    record = step_scalars(last, WindowStats(1.0, 40, 0.0, 1, 40, 0, {}))
+    assert {"selector_loss", "selector/unary_top1", "selector/top_k_recall", "selector/top_k_mass",
+            "selector/accuracy", "selector/accept_len", "selector/oracle_accept_len"} <= set(record)

@@ -7,7 +7,9 @@ features and markov_w2, are all that get one).
 
 Per chunk: the fused pass (fused.py) gives each row's CE, KL and L1; the weighting (position_decay.py, dpace.py) gives
 each row's weight w, before the CE when it can (then the gradient comes out of the same pass) or from the chunk's CE
-grid; CAP (cap.py) adds its coefficients from the CE's products. The loop knows terms and coefficients, not recipes.
+grid; CAP (cap.py) adds its coefficients from the CE's products. With plan.top_k (DFlash2), each chunk's top-K logits and
+ids are kept for the selector's objective (selector.py), which runs after the loop on [rows, K] only. The loop knows
+terms and coefficients, not recipes.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class HeadLossPlan:
     spec: ChunkSpec
     fp8: Fp8Head | None  # the FP8 copies of the head, when the draft's products run in FP8
     teacher: TeacherLogits | None  # the teacher, per distinct position (None without KL or L1)
+    top_k: int = 0  # DFlash2's selector: keep each row's top-K logits and ids, and its log-normaliser (selector.py)
 
     @property
     def normaliser(self) -> float:
@@ -62,7 +65,8 @@ def chunk_plan(valid: torch.Tensor, chunk_tokens: int, **parts) -> HeadLossPlan:
 class ChunkedHeadLoss(torch.autograd.Function):
     """See the module docstring. Inputs: the supervised rows' hidden [R, H], their Markov features [R, r] and
     markov_w2 [V, r] (or None, None), the head weight [V, H], the labels [R], valid [N, K], the plan. Outputs: the
-    loss and, per row, CE, KL, L1 and the weight w (detached), and the draft's top-1."""
+    loss and, per row, CE, KL, L1 and the weight w (detached), the draft's top-1, and (plan.top_k = K; else K = 0)
+    its top-K logits [R, K] fp32, their ids [R, K] and the log-normaliser [R]."""
 
     @staticmethod
     def forward(ctx, hidden, markov, markov_w2, weight, labels, valid, plan: HeadLossPlan):
@@ -74,6 +78,9 @@ class ChunkedHeadLoss(torch.autograd.Function):
         needs_grad = any(g is not None for g in (grad, grad_markov, grad_w2))
         rows_out = [torch.empty(hidden.shape[0], device=hidden.device) for _ in range(4)]  # ce, kl, l1, weight
         predictions = torch.empty_like(labels)
+        top_values = torch.empty(hidden.shape[0], plan.top_k, device=hidden.device)
+        top_ids = torch.empty(hidden.shape[0], plan.top_k, dtype=torch.long, device=hidden.device)
+        row_lse = torch.empty(hidden.shape[0], device=hidden.device)
         loss = hidden.new_zeros((), dtype=torch.float32)
         # Coefficients known before the CE (fixed weights, no CAP): one fused pass per chunk.
         one_pass = plan.weighting.before_ce and cap is None
@@ -94,6 +101,9 @@ class ChunkedHeadLoss(torch.autograd.Function):
                 coefficients = Coefficients(terms.ce * w, terms.kl * w if spec.kl else None,
                                             terms.tv * w if spec.tv else None)
             ce, kl, l1, predictions[rows], lse_q, d_logits = first(logits, labels[rows], *taught, coefficients, spec)
+            if plan.top_k:
+                values, ids = torch.topk(logits, plan.top_k, dim=-1)
+                top_values[rows], top_ids[rows], row_lse[rows] = values.float(), ids, lse_q
             ce_grid = torch.zeros(grid.shape, device=ce.device).masked_scatter(grid, ce.detach())
             w = plan.weighting.weights(rows, ce_grid, grid)
             loss += (w * (terms.ce * ce + terms.kl * kl + terms.tv * l1)).sum() / s
@@ -121,8 +131,8 @@ class ChunkedHeadLoss(torch.autograd.Function):
         ctx.present = tuple(g is not None for g in (grad, grad_markov, grad_w2))
         ctx.w2_dtype = None if markov_w2 is None else markov_w2.dtype
         ctx.save_for_backward(*(g for g in (grad, grad_markov, grad_w2) if g is not None))
-        ctx.mark_non_differentiable(*rows_out, predictions)
-        return loss, *rows_out, predictions
+        ctx.mark_non_differentiable(*rows_out, predictions, top_values, top_ids, row_lse)
+        return loss, *rows_out, predictions, top_values, top_ids, row_lse
 
     @staticmethod
     def backward(ctx, d_loss, *_):
