@@ -6,6 +6,9 @@ Two layouts, told apart by config.json's `architectures`:
 - DSpark (["Qwen3DSparkModel"], DeepSeek's flat layout: vLLM's "dspark" method, SGLang's DSPARK): settings
   top-level, the tensors with no prefix plus the target's embed_tokens.weight and lm_head.weight (SGLang refuses
   a checkpoint without them; a tied target's lm_head is its embedding); dspark.py is consumer/hf_dspark.py.
+- DFlash2 (["DFlash2DraftModel"], z-lab's): settings nested in dflash_config, top-level is_causal false (its sliding
+  layers train bidirectional in the block), the codebooks stored without .weight; dflash2.py is consumer/hf_dflash2.py,
+  shipped with the dflash2_blocks.py it imports.
 config.json's auto_map points transformers' AutoModel (trust_remote_code) at the code file, so that path gives the
 real drafter, not a bare Qwen3Model.
 
@@ -43,21 +46,27 @@ DSPARK_CODE_NAME = "dspark.py"  # "dspark.Qwen3DSparkModel"
 DSPARK_CODE_SOURCE = Path(__file__).with_name("hf_dspark.py")
 TARGET_HEAD_KEY = "dflash_target_head"
 
-ARCHITECTURES = {"dflash": ["DFlashDraftModel"], "dspark": ["Qwen3DSparkModel"]}
-ARCH_NAMES = {"dflash": "DFlash", "dspark": "DSpark"}
-MODEL_CODE = {"dflash": (MODEL_CODE_NAME, MODEL_CODE_SOURCE), "dspark": (DSPARK_CODE_NAME, DSPARK_CODE_SOURCE)}
+ARCHITECTURES = {"dflash": ["DFlashDraftModel"], "dspark": ["Qwen3DSparkModel"], "dflash2": ["DFlash2DraftModel"]}
+ARCH_NAMES = {"dflash": "DFlash", "dspark": "DSpark", "dflash2": "DFlash2"}
+MODEL_CODE = {"dflash": (MODEL_CODE_NAME, MODEL_CODE_SOURCE), "dspark": (DSPARK_CODE_NAME, DSPARK_CODE_SOURCE),
+              "dflash2": ("dflash2.py", Path(__file__).with_name("hf_dflash2.py"))}
+# Files the model code imports (relative imports, which transformers' trust_remote_code copies along).
+MODEL_CODE_IMPORTS = {"dflash2": (("dflash2_blocks.py", Path(__file__).with_name("dflash2_blocks.py")),)}
+# DFlash2's dflash_config keys for a target head's transforms (z-lab's dflash_generate and compute_logits read them).
+DFLASH2_HEAD_KEYS = {"embed_scale": "input_embedding_scale", "logit_multiplier": "output_multiplier",
+                     "logit_softcap": "final_logit_softcapping"}
 # The target's head in a DSpark export: in the file, not parameters of our DSparkDraftModel (its FrozenTargetHead).
 HEAD_TENSORS = ("embed_tokens.weight", "lm_head.weight")
 
 
 def export_arch(config: Mapping[str, Any], source: str = "config.json") -> str:
-    """"dflash" or "dspark", by the config's architectures; anything else refused naming both layouts."""
+    """"dflash", "dspark" or "dflash2", by the config's architectures; anything else refused naming the layouts."""
     found = config.get("architectures")
     for arch, names in ARCHITECTURES.items():
         if found == names:
             return arch
-    raise ValueError(f"{source}: architectures is {found}, neither {ARCHITECTURES['dflash']} (DFlash) nor "
-                     f"{ARCHITECTURES['dspark']} (DSpark)")
+    raise ValueError(f"{source}: architectures is {found}, neither {ARCHITECTURES['dflash']} (DFlash), "
+                     f"{ARCHITECTURES['dflash2']} (DFlash2) nor {ARCHITECTURES['dspark']} (DSpark)")
 
 
 def _describe(arch: str) -> str:
@@ -92,7 +101,8 @@ def _expected_state(config: Mapping[str, Any], arch: str = "dflash") -> dict[str
 def _settings(config: Mapping[str, Any], arch: str) -> tuple[int, int, list[int]]:
     """(block_size, mask_token_id, target_layer_ids) where the layout keeps them."""
     where = config if arch == "dspark" else config["dflash_config"]
-    return config["block_size"], where["mask_token_id"], where["target_layer_ids"]
+    block_size = config["dflash_config"]["block_size"] if arch == "dflash2" else config["block_size"]
+    return block_size, where["mask_token_id"], where["target_layer_ids"]
 
 
 def export_drafter(
@@ -126,6 +136,9 @@ def export_drafter(
     config = drafter_hf_config(drafter_config, target_config, dtype=dtype)
     if head_spec is not None:
         config[TARGET_HEAD_KEY] = head_spec.to_json()
+        if arch == "dflash2":  # where z-lab's DFlash2 reads them
+            config["dflash_config"] |= {key: getattr(head_spec, ours) for ours, key in DFLASH2_HEAD_KEYS.items()
+                                        if getattr(head_spec, ours) is not None}
     exported = _settings(config, arch)
     if exported != (model.block_size, model.mask_token_id, model.target_layer_ids):
         raise ValueError(f"config (block_size, mask_token_id, target_layer_ids) {exported} differs from the model's")
@@ -139,14 +152,15 @@ def export_drafter(
         state |= {name: weight.detach().to(device="cpu", dtype=dtype).clone()
                   for name, weight in zip(HEAD_TENSORS, (head.embed_weight, head.lm_head_weight))}
     _check_weights(state, _expected_state(config, arch), "model", arch)
-    code_name, code_source = MODEL_CODE[arch]
+    code = (MODEL_CODE[arch], *MODEL_CODE_IMPORTS.get(arch, ()))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_file(state, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
-        (tmp / code_name).write_bytes(code_source.read_bytes())
-        for path in (tmp / CONFIG_NAME, tmp / WEIGHTS_NAME, tmp / code_name, tmp):
+        for code_name, code_source in code:
+            (tmp / code_name).write_bytes(code_source.read_bytes())
+        for path in (tmp / CONFIG_NAME, tmp / WEIGHTS_NAME, *(tmp / code_name for code_name, _ in code), tmp):
             fsync(path)
         tmp.rename(out)
     except BaseException:
@@ -160,10 +174,11 @@ def load_drafter(
     path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
     arch: str | None = "dflash", target_head: FrozenTargetHead | None = None,
 ) -> DFlashDraftModel:
-    """Load an exported drafter (DFlashDraftModel or DSparkDraftModel); dtype None keeps the stored dtype.
+    """Load an exported drafter (DFlashDraftModel, DSparkDraftModel or DFlash2DraftModel); dtype None keeps the
+    stored dtype.
 
     arch: the layout the caller serves, "dflash" (the default: what every caller before DSpark decodes), "dspark",
-    or None for either; an export of the other is refused in one line naming both. A DSpark export's embed_tokens
+    "dflash2", or None for any; an export of another is refused in one line naming both. A DSpark export's embed_tokens
     and lm_head are checked by shape and not loaded into the model (the target's head serves them); with
     target_head they must equal its embedding and lm_head (as the export's dtype rounds them), or the drafter was
     exported for another target.

@@ -346,3 +346,42 @@ def test_a_dflash2_drafter_trains_on_a_tiny_target(tmp_path):
     record = step_scalars(last, WindowStats(1.0, 40, 0.0, 1, 40, 0, {}))
     assert {"selector_loss", "selector/unary_top1", "selector/top_k_recall", "selector/top_k_mass",
             "selector/accuracy", "selector/accept_len", "selector/oracle_accept_len"} <= set(record)
+
+
+def test_a_dflash2_export_is_zlabs_layout_and_loads_back(target, tmp_path):
+    from safetensors import safe_open
+
+    from dflash_ring.consumer.export import export_drafter, load_drafter
+    from dflash_ring.consumer.target_head import HeadSpec
+
+    _, config, head = target
+    cfg = DrafterConfig(recipe="dflash2", num_hidden_layers=2, sliding_window=16, mask_token_id=250,
+                        selector_rank=8, selector_top_k=4)
+    model = tiny_drafter(cfg, config)
+    with torch.no_grad():
+        model.layers[1].mlp_conv.base_kernel.normal_()
+    out = export_drafter(model, cfg, config, tmp_path / "drafter", dtype=torch.float32,
+                         head_spec=HeadSpec(tied=False, logit_softcap=30.0))
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["architectures"] == ["DFlash2DraftModel"] and exported["is_causal"] is False
+    assert exported["auto_map"] == {"AutoModel": "dflash2.DFlash2DraftModel"}
+    assert exported["dflash_config"] == {"block_size": 8, "conv_kernel_size": 2, "conv_group_size": 16,
+                                         "selector_rank": 8, "selector_top_k": 4, "mask_token_id": 250,
+                                         "target_layer_ids": model.target_layer_ids,
+                                         "final_logit_softcapping": 30.0}
+    assert exported["use_sliding_window"] is True and exported["dflash_training"]["selector_weight"] == 1.0
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "dflash2.py", "dflash2_blocks.py"}
+    with safe_open(out / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+            "candidate_selector.hidden_projection.weight"} <= names
+    assert not {"candidate_selector.predecessor_codebook.weight", "candidate_selector.successor_codebook.weight"} & names
+    back = load_drafter(out, arch="dflash2")
+    assert isinstance(back, DFlash2DraftModel) and isinstance(load_drafter(out, arch=None), DFlash2DraftModel)
+    with pytest.raises(ValueError, match="is a DFlash2 drafter.*a DFlash drafter .* is expected"):
+        load_drafter(out)  # the default: callers that decode DFlash drafters
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name
+    context, ids, anchors = packed_inputs(len(model.target_layer_ids) * 64)
+    with torch.no_grad():
+        assert torch.equal(back(context, ids, anchors, head), model(context, ids, anchors, head))

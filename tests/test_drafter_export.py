@@ -191,25 +191,58 @@ def test_load_refuses_mismatched_weights(tmp_path, target, drafter, tamper, mess
         load_drafter(out)
 
 
-@pytest.mark.parametrize("recipe", ["paper", "ddtree"])
+def vllm_layer_causal(config: dict, layer: int) -> bool:
+    """vLLM's _dflash_layer_causal as read from its code (shared/reference/dspark-dflash2.md 2.1): top-level
+    is_causal, then dflash_config.causal, else a sliding layer is causal and a full one not."""
+    if config.get("is_causal") is not None:
+        return bool(config["is_causal"])
+    if config.get("dflash_config", {}).get("causal") is not None:
+        return bool(config["dflash_config"]["causal"])
+    return config["layer_types"][layer] == "sliding_attention"
+
+
+def zlab_layer_causal(config: dict, layer: int) -> bool:
+    """z-lab's Qwen3DFlashAttention (dflash 0.1.0): top-level is_causal, else sliding => causal."""
+    if config.get("is_causal") is not None:
+        return bool(config["is_causal"])
+    return config["layer_types"][layer] == "sliding_attention"
+
+
+def trained_layer_causal(model, layer: int) -> bool:
+    """Whether the training mask of this layer is causal inside the block (lower triangular), else bidirectional
+    there: read off the mask the model builds, not off its attributes."""
+    window = model.layers[layer].self_attn.sliding_window
+    mask = block_attention_mask(torch.tensor([5]), ctx_len=5, block_size=4, sliding_window=window,
+                                sliding_causal=model.sliding_causal)[:, 5:]
+    if torch.equal(mask, torch.ones(4, 4, dtype=torch.bool).tril()):
+        return True
+    assert mask.all()
+    return False
+
+
+@pytest.mark.parametrize("recipe", ["paper", "ddtree", "dflash2"])
 def test_an_export_serves_its_layers_as_they_trained(tmp_path, target, recipe):
     """The engines read a drafter's attention semantics off its config.json (shared/reference/dspark-dflash2.md,
     "Causality of sliding layers"): vLLM takes top-level is_causal, then dflash_config.causal, else sliding => causal
-    and full => not; z-lab and SGLang the same default. Our sliding layers train causal inside the block and our
-    full ones bidirectional, which is that default: so an export must write neither key (is_causal: false would
-    serve every layer non-causal), and must keep use_sliding_window true exactly when a layer slides.
-    For z-lab this is no longer read off their code: tests/test_peer_conformance.py runs exports through z-lab's own
-    model (the `dflash` package) and gets our drafts to 1e-5, and measures that either is_causal value would not.
-    vLLM's and SGLang's rules are still as read from their code."""
+    and full => not; z-lab top-level is_causal, else the same default. Our DFlash sliding layers train causal inside
+    the block and our full ones bidirectional, which is that default: so a DFlash export writes neither key
+    (is_causal: false would serve every layer non-causal). DFlash2 trains its sliding layers bidirectional too: its
+    export writes is_causal: false. Either way each layer, as both rules read the export, is what trained, and
+    use_sliding_window is true exactly when a layer slides. For z-lab this is also run, not only read:
+    tests/test_peer_conformance.py gets our drafts to 1e-5 through z-lab's own models (DFlash and DFlash2)."""
     target_config, _ = target
     cfg = DrafterConfig(recipe=recipe, num_hidden_layers=NUM_LAYERS, mask_token_id=250,
-                        sliding_window=64 if recipe == "ddtree" else None)
-    out = export_drafter(build_drafter(cfg, target_config), cfg, target_config, tmp_path / recipe)
+                        sliding_window=None if recipe == "paper" else 64)
+    model = build_drafter(cfg, target_config)
+    out = export_drafter(model, cfg, target_config, tmp_path / recipe)
     config = json.loads((out / "config.json").read_text())
-    assert "is_causal" not in config and "causal" not in config["dflash_config"]
+    trained = [trained_layer_causal(model, i) for i in range(NUM_LAYERS)]
+    assert [vllm_layer_causal(config, i) for i in range(NUM_LAYERS)] == trained
+    assert [zlab_layer_causal(config, i) for i in range(NUM_LAYERS)] == trained
+    if recipe == "dflash2":
+        assert config["is_causal"] is False and trained == [False] * NUM_LAYERS
+    else:
+        assert "is_causal" not in config and "causal" not in config["dflash_config"]
+        assert trained == [kind == "sliding_attention" for kind in config["layer_types"]]
     sliding = [kind == "sliding_attention" for kind in config["layer_types"]]
-    assert config["use_sliding_window"] is any(sliding) is (recipe == "ddtree")
-    # and what training does for a sliding layer is causal inside the block: block keys at or before the query only
-    mask = block_attention_mask(torch.tensor([5]), ctx_len=5, block_size=4, sliding_window=16)[:, 5:]
-    assert torch.equal(mask, torch.ones(4, 4, dtype=torch.bool).tril())
-    assert block_attention_mask(torch.tensor([5]), ctx_len=5, block_size=4)[:, 5:].all()
+    assert config["use_sliding_window"] is any(sliding) is (recipe != "paper")

@@ -20,6 +20,12 @@ ships, and vLLM speculators' DSparkDraftModel (speculators.models.dspark: its fu
 attention and its eager losses, with our export's tensors, whose names it shares) give the same backbone output,
 draft logits, Markov bias and confidence logits to 1e-5 for the vanilla, gated and rnn Markov heads.
 
+DFlash2 (arch = "dflash2"): the export loads in z-lab's DFlash2DraftModel (codebooks mapped to its .weight names),
+and our training model, that model and our export through trust_remote_code (dflash2.py) give the same draft hidden
+states, logits, the selector's greedy path and candidates, and q over the candidates at T = 1 along z-lab's sampled
+path; DFlash2 trains its sliding layers bidirectional in the block and its export writes is_causal: false, without
+which z-lab would serve them causal (measured).
+
 The oracles are test-only packages, installed by `make setup` with --no-deps (Makefile TEST_ORACLES, pins in
 constraints.txt). Without them these tests skip, and fail when CI is set. By hand:
 `.venv/bin/pip install --no-deps -c constraints.txt dflash speculators hs-connectors loguru && .venv/bin/python -m pytest -q tests/test_peer_conformance.py`.
@@ -406,3 +412,116 @@ def test_dspark_training_model_export_and_speculators_agree(dspark_exported, spe
     assert max(diffs.values()) <= TOLERANCE, f"{kind} against speculators {version}: {diffs}"
     assert ours["bias"].abs().max() > 0.1 and ours["confidence"].abs().max() > 0.1  # heads of some size
     assert max_diff(ours["logits"], head.logits(ours["hidden"])) > 0.1  # the bias changes the logits
+
+# --- DFlash2 -------------------------------------------------------------------------------------------------------
+
+DFLASH2 = {"arch": "dflash2", "num_hidden_layers": 3, "layer_types": SLIDING, "sliding_window": WINDOW,
+           "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}
+
+
+@pytest.fixture(scope="module")
+def dflash2_exported(targets, tmp_path_factory):
+    """(our fp32 DFlash2 drafter with non-trivial convolutions, its fp32 export, HF target, our head)."""
+    path, target_config, target, head = targets(DEFAULT_ROPE)
+    torch.manual_seed(5)
+    cfg = DrafterConfig(block_size=BLOCK, loss_gamma=2.0, mask_token_id=MASK_ID, **DFLASH2)
+    model = build_drafter(cfg, target_config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            elif name.endswith("base_kernel"):
+                param.normal_(0.5, 0.5)
+            elif "kernel_projection" in name:
+                param.normal_(std=0.1)
+            elif "codebook" in name:
+                param.normal_(std=1.0)  # a bilinear term that changes the selector's choices
+    out = export_drafter(model, cfg, target_config, tmp_path_factory.mktemp("dflash2") / "drafter",
+                         dtype=torch.float32)
+    return model, out, target, head
+
+
+def load_zlab_dflash2(zlab, out):
+    module, version = zlab
+    model, info = module.DFlash2DraftModel.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), f"z-lab dflash {version} loading {out}: {info}"
+    return model.eval()
+
+
+def test_zlab_loads_every_dflash2_weight_and_reads_our_layout(zlab, dflash2_exported):
+    model, out, *_ = dflash2_exported
+    theirs = load_zlab_dflash2(zlab, out)
+    assert (theirs.block_size, theirs.mask_token_id, theirs.target_layer_ids) == (
+        model.block_size, model.mask_token_id, model.target_layer_ids)
+    assert theirs.candidate_selector.top_k == model.candidate_selector.top_k
+    # is_causal false: every layer bidirectional inside the block, as DFlash2 trains; the windows kept
+    assert [layer.self_attn.is_causal for layer in theirs.layers] == [False] * len(SLIDING)
+    assert [layer.self_attn.sliding_window for layer in theirs.layers] == [
+        layer.self_attn.sliding_window for layer in model.layers]
+    mapped = {"candidate_selector.predecessor_codebook": "candidate_selector.predecessor_codebook.weight",
+              "candidate_selector.successor_codebook": "candidate_selector.successor_codebook.weight"}
+    theirs_state = theirs.state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(theirs_state[mapped.get(name, name)], tensor), name
+
+
+
+def test_without_is_causal_zlab_would_serve_dflash2_sliding_layers_causal(zlab, dflash2_exported, tmp_path):
+    """Why the DFlash2 export writes is_causal: false: without it z-lab's model (and vLLM's rule) serves a sliding
+    layer causal inside the block, which DFlash2 did not train."""
+    model, out, target, head = dflash2_exported
+    ids = sequences()[0]
+    features = zlab_features(zlab, target, ids, model.target_layer_ids)
+    anchor = LOCAL_ANCHORS[0][-1]
+    with torch.no_grad():
+        ours = model.draft_block(features[:anchor], ids[:anchor + 1], head)
+    assert max_diff(zlab_draft(load_zlab_dflash2(zlab, out), target, features, ids, anchor), ours) <= TOLERANCE
+    edited = shutil.copytree(out, tmp_path / "no-is-causal")
+    config = json.loads((edited / "config.json").read_text())
+    del config["is_causal"]
+    (edited / "config.json").write_text(json.dumps(config))
+    assert max_diff(zlab_draft(load_zlab_dflash2(zlab, edited), target, features, ids, anchor), ours) > 1e-3
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_zlab_and_our_remote_code_draft_and_select_what_our_dflash2_training_model_does(zlab, dflash2_exported,
+                                                                                       attention):
+    """Every block of a packed batch: draft hidden states and logits of our training forward, of z-lab's
+    DFlash2DraftModel and of our export through trust_remote_code; then the selector: the greedy path and its
+    candidates from the anchor, and at T = 1 q over the candidates along z-lab's sampled path against our scores."""
+    model, out, target, head = dflash2_exported
+    theirs = load_zlab_dflash2(zlab, out)
+    remote = AutoModel.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    assert type(remote).__name__ == "DFlash2DraftModel"
+    seqs = sequences()
+    features = [zlab_features(zlab, target, ids, model.target_layer_ids) for ids in seqs]
+    anchors = anchors_from_local(LENGTHS, LOCAL_ANCHORS)
+    blocks = [(seq, a) for seq, local in enumerate(LOCAL_ANCHORS) for a in local]
+    with torch.no_grad():
+        ours = model(torch.cat(features), torch.cat(seqs), anchors, head, attention=attention, anchors_per_group=2)
+        want = torch.stack([zlab_draft(theirs, target, features[seq], seqs[seq], a) for seq, a in blocks])
+        served = []
+        for seq, a in blocks:
+            block = torch.full((1, BLOCK), MASK_ID)
+            block[0, 0] = seqs[seq][a]
+            served.append(remote(target.get_input_embeddings()(block), features[seq][:a][None])[0])
+        served = torch.stack(served)
+        anchor_ids = torch.stack([seqs[seq][a] for seq, a in blocks])
+        ours_logits = head.logits(ours)
+        path, candidates, scores = model.candidate_selector.walk(ours[:, 1:], ours_logits[:, 1:], anchor_ids)
+        z_path, z_candidates, _ = theirs.propose(want[:, 1:], anchor_ids, target.lm_head, 0.0)
+        r_path, r_candidates, r_scores = remote.propose(served[:, 1:], anchor_ids, target.lm_head)
+        torch.manual_seed(11)
+        s_path, s_candidates, s_q = theirs.propose(want[:, 1:], anchor_ids, target.lm_head, 1.0)
+        prev = torch.cat([anchor_ids[:, None], s_path[:, :-1]], 1)
+        along = model.candidate_selector.scores(ours[:, 1:], prev, ours_logits[:, 1:].gather(-1, s_candidates),
+                                                s_candidates)
+    diffs = {"hidden": max_diff(ours, want), "remote_hidden": max_diff(served, want),
+             "logits": max_diff(ours_logits, theirs.compute_logits(want, target.lm_head)),
+             "remote_scores": max_diff(r_scores, scores), "q_along_sampled_path": max_diff(along.softmax(-1), s_q)}
+    assert max(diffs.values()) <= TOLERANCE, f"dflash2/{attention} against z-lab dflash {zlab[1]}: {diffs}"
+    assert torch.equal(path, z_path) and torch.equal(path, r_path), (path, z_path, r_path)
+    assert torch.equal(candidates.sort(-1).values, z_candidates.sort(-1).values)
+    assert torch.equal(candidates, r_candidates)
+    # the bilinear term matters here: the selector's greedy path is not the unary argmax everywhere
+    assert not torch.equal(path, ours_logits[:, 1:].argmax(-1))
