@@ -1,4 +1,4 @@
-"""Offline acceptance eval: speculative decoding with a DFlash or DSpark drafter against its target.
+"""Offline acceptance eval: speculative decoding with a DFlash, DSpark or DFlash2 drafter against its target.
 
 Follows z-lab's `dflash_generate` (dflash.md section 5): the target prefills the prompt and gives
 the first token; each round the drafter proposes tokens after the last committed one (a DFlash
@@ -21,10 +21,18 @@ the Markov bias of the token before it (the anchor for slot 0, else the token dr
 so q_k is conditioned on the drafted prefix. Its confidence head's cumulative product is scored
 against the rounds' acceptance (consumer/calibration.py).
 
+A DFlash2 drafter (DFlash2DraftModel) drafts through its candidate selector, as z-lab's `propose` does: one
+backbone forward gives slots 1..B-1 their hidden states and logits (the target's head); each slot's candidates are
+the K tokens of largest logit, scored with the token before it (the anchor for slot 1, else the candidate chosen
+at the slot before), and the path walks the block from the anchor: the scores' argmax when greedy, else a sample of
+q_k = softmax(scores_k / T) over the K candidates. That q_k, zero outside the candidates, is what the sampled
+verification divides by, so the output is again exactly the target's (greedy) or distributed as it (T > 0).
+
 Tree verification (`tree_speculative_generate`, DDTree) spends a node budget on a best-first tree of the
 drafter's likeliest paths instead of one chain (draft_tree.py) and accepts the longest path the target's
 greedy decode follows; the eval reports its tau per budget next to the chain's, on the same prompts
-(greedy, DFlash drafters).
+(greedy, DFlash drafters: a DSpark or DFlash2 drafter's slots depend on the drafted prefix, which a tree of
+independent slots would drop).
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ from dflash_ring.common.target_config import load_target_hf_config
 from .calibration import ConfidenceCalibration, confidence_calibration
 from .draft_tree import build_draft_tree, check_tree_target, follow_greedy, keep_path, tree_attention_mask
 from .export import load_drafter
-from .model import DFlashDraftModel, DSparkDraftModel, FrozenTargetHead, load_target_head
+from .model import DFlash2DraftModel, DFlashDraftModel, DSparkDraftModel, FrozenTargetHead, load_target_head
 
 
 @dataclass(frozen=True)
@@ -139,7 +147,14 @@ def drafter_draft_fn(drafter: DFlashDraftModel, head: FrozenTargetHead, *, tempe
     """Drafts from an exported drafter, argmaxes at temperature 0, else samples at `temperature` from `generator`.
 
     DFlash (slots 1..B-1 draft): the block's hidden states through the target's lm_head, each slot independently
-    (ids alone when greedy, as before). DSpark (`sample_from_anchor`: every slot drafts): `dspark_draft`."""
+    (ids alone when greedy, as before). DSpark (`sample_from_anchor`: every slot drafts): `dspark_draft`. DFlash2
+    (slots 1..B-1, through its candidate selector): `dflash2_draft`."""
+    if isinstance(drafter, DFlash2DraftModel):
+
+        def draft_dflash2(committed: torch.Tensor, context: torch.Tensor) -> Draft:
+            return dflash2_draft(drafter, head, committed, context, temperature=temperature, generator=generator)
+
+        return draft_dflash2
     if getattr(drafter, "sample_from_anchor", False):
 
         def draft_dspark(committed: torch.Tensor, context: torch.Tensor) -> Draft:
@@ -174,6 +189,25 @@ def dspark_draft(drafter: DSparkDraftModel, head: FrozenTargetHead, committed: t
         prev = torch.cat([prev, token.view(1).to(prev.device)])
     return Draft(tokens=torch.stack(tokens), probs=None if temperature == 0 else torch.stack(probs),
                  confidence=torch.stack(confidence).float())
+
+
+def dflash2_draft(drafter: DFlash2DraftModel, head: FrozenTargetHead, committed: torch.Tensor, context: torch.Tensor,
+                  *, temperature: float = 0.0, generator: torch.Generator | None = None) -> Draft:
+    """A DFlash2 block's B - 1 drafts, walked through the candidate selector from the anchor (z-lab's `propose`).
+
+    One backbone forward; slot k's candidates are the top-K of lm_head(h_k), scored with the token before it (the
+    anchor, then the path's), `CandidateSelector.walk`. Greedy: the path of argmaxes, ids only. At temperature T > 0
+    the path is sampled from q_k = softmax(scores_k / T) over the candidates, and the Draft carries q_k as a [V] row,
+    zero outside the candidates: the distribution the draft was sampled from, for `verify_sampled`."""
+    hidden = drafter.draft_block(context.to(drafter.fc.weight.dtype), committed, head)[1:]  # [B - 1, H]
+    logits = head.logits(hidden)
+    path, candidates, scores = drafter.candidate_selector.walk(hidden[None], logits[None], committed[-1:],
+                                                               temperature, generator)
+    if temperature == 0:
+        return Draft(tokens=path[0])
+    q = torch.softmax(scores[0].float() / temperature, dim=-1)  # [B - 1, K], as walk sampled from
+    probs = torch.zeros(logits.shape, dtype=q.dtype, device=q.device).scatter_(-1, candidates[0], q)
+    return Draft(tokens=path[0], probs=probs)
 
 
 def drafter_distribution_fn(drafter: DFlashDraftModel, head: FrozenTargetHead) -> DistributionFn:
@@ -423,6 +457,10 @@ def check_compatible(drafter: DFlashDraftModel, target: PreTrainedModel) -> None
         )
     if drafter.mask_token_id >= config.vocab_size:
         raise ValueError(f"drafter mask_token_id {drafter.mask_token_id} is not a row of the target's embedding")
+    selector = getattr(drafter, "candidate_selector", None)
+    if selector is not None and selector.successor_codebook.shape[0] != config.vocab_size:
+        raise ValueError(f"the DFlash2 drafter's selector covers {selector.successor_codebook.shape[0]} tokens but the "
+                         f"target's vocabulary has {config.vocab_size}")
     markov = getattr(drafter, "markov_head", None)
     if markov is not None and markov.markov_w1.num_embeddings != config.vocab_size:
         raise ValueError(f"the DSpark drafter's Markov head covers {markov.markov_w1.num_embeddings} tokens but the "
@@ -442,9 +480,9 @@ def evaluate_drafter(
     temperature: float = 0.0,
     seed: int = 0,
 ) -> AcceptanceReport:
-    """tau and the acceptance histogram of an exported drafter (DFlash or DSpark) on the prompts of a chat jsonl
-    file: by chain verification, and by tree verification at each of `tree_budgets` (draft nodes per round; greedy
-    DFlash only) on the same prompts; for a DSpark drafter the confidence's calibration too.
+    """tau and the acceptance histogram of an exported drafter (DFlash, DSpark or DFlash2: through its selector) on
+    the prompts of a chat jsonl file: by chain verification, and by tree verification at each of `tree_budgets` (draft
+    nodes per round; greedy DFlash only) on the same prompts; for a DSpark drafter the confidence's calibration too.
 
     Greedy at temperature 0; at temperature > 0 drafts and target tokens are sampled (losslessly verified), each
     prompt from its own generator seeded from `seed`, so a prompt's tokens do not depend on `limit`.
@@ -489,6 +527,9 @@ def _evaluate(drafter_dir: str | Path, target_dir: str | Path, data: str | Path,
     if dspark and tree_budgets:
         raise ValueError("tree verification (tree budgets) takes a DFlash drafter: a DSpark drafter's slots depend "
                          "on the drafted prefix (its Markov head), which a tree of independent slots would drop")
+    if isinstance(drafter, DFlash2DraftModel) and tree_budgets:
+        raise ValueError("tree verification (tree budgets) takes a DFlash drafter: a DFlash2 drafter's selector scores "
+                         "each slot with the token drafted before it, which a tree of independent slots would drop")
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
     check_compatible(drafter, target)
