@@ -35,8 +35,14 @@ VARIANTS: dict[str, list[str]] = {
     # DSpark on the embedded geometry (B=8: 8 drafts a block, DFlash's 7); chain verification only, as eval
     # verifies a DSpark drafter (its Markov head makes every draft depend on the one before: no tree).
     "dspark": ["drafter.recipe=dspark"],
+    # DFlash2 on the embedded geometry (2 layers, B=8: the released checkpoint's block too), its convolutions and
+    # selector at the recipe's sizes (K 16 of the tiny vocabulary, rank 256). The recipe's layers are all sliding,
+    # window 2048: wider than the tiny run's sequences (data.max_length 256), so the window never cuts and the
+    # layers attend as full bidirectional ones inside the block here. Chain verification only: eval decodes a
+    # DFlash2 drafter through its selector, which scores each draft with the one before it (no tree).
+    "dflash2": ["drafter.recipe=dflash2"],
 }
-NO_TREE = {"dspark"}
+NO_TREE = {"dspark", "dflash2"}
 BASELINE = "paper"
 
 

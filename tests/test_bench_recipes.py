@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_ring.bench.recipes import summarize_runs
+from dflash_ring.bench.recipes import NO_TREE, VARIANTS, summarize_runs
 from dflash_ring.cli import main
 
 
@@ -37,3 +37,32 @@ def test_a_variant_without_tree_verification_has_chain_figures_only():
     runs = [run("paper", 0, 2.0, 3.0), {"variant": "dspark", "seed": 0, "chain_tau": 3.0, "tree_tau": {}}]
     _, dspark = summarize_runs(runs, [16])
     assert dspark["chain_tau"] == {"mean": 3.0, "spread": 0.0, "vs_baseline": 1.5} and "tree_tau_16" not in dspark
+
+
+def test_the_embedded_default_trains_the_dflash2_variant(tmp_path):
+    """The dflash2 variant's overrides on the embedded config (as `bench recipes` writes it, without building the
+    tiny target): a valid DFlash2 drafter of the embedded geometry, whose sliding window is wider than the tiny
+    run's sequences, built at the tiny target's width; chain-verified only."""
+    from dataclasses import replace
+
+    from dflash_ring.common.config import dump_toml, load_config
+    from dflash_ring.consumer.model import DFlash2DraftModel, build_drafter
+    from dflash_ring.embedded.tiny_target import TinyTargetRecipe
+    from dflash_ring.tools.launcher import embedded_run_config
+    from support import tiny_qwen3_config
+
+    path = tmp_path / "run.toml"
+    path.write_text(dump_toml(embedded_run_config(tmp_path, tmp_path / "target", 700, tmp_path / "replies.jsonl")))
+    cfg = load_config(path, VARIANTS["dflash2"])
+    d = cfg.drafter
+    assert (d.arch, d.num_hidden_layers, d.block_size, d.num_anchors) == ("dflash2", 2, 8, 48)
+    assert d.layer_types == ["sliding_attention"] * 2 and d.sliding_window == 2048 > cfg.data.max_length
+    assert (d.conv_kernel_size, d.conv_group_size, d.selector_rank, d.selector_top_k) == (2, 16, 256, 16)
+    tiny = TinyTargetRecipe()
+    target = tiny_qwen3_config(hidden_size=tiny.hidden_size, num_hidden_layers=tiny.num_hidden_layers,
+                               num_attention_heads=tiny.num_attention_heads, head_dim=tiny.hidden_size //
+                               tiny.num_attention_heads, vocab_size=704, intermediate_size=tiny.intermediate_size)
+    # the run gives the drafter the target's mask token and layers (target.mask_token_id, target.layer_ids)
+    drafter = replace(d, mask_token_id=cfg.target.mask_token_id, target_layer_ids=cfg.target.layer_ids)
+    assert isinstance(build_drafter(drafter, target), DFlash2DraftModel)
+    assert "dflash2" in NO_TREE
