@@ -6,7 +6,9 @@ target with 4 x 3072-token samples. Model FLOPs count what the step must compute
 and fc forward + backward, attention over the keys each block may see in each layer (sliding-window
 layers see at most their window), and the frozen lm_head in the loss (the draft's logits, their gradient
 to the hidden states, and the target's logits where the objective reads them, KL or target-argmax labels,
-once per distinct position the step reads: what the loss computes, consumer/loss.py).
+once per distinct position the step reads: what the loss computes, consumer/loss.py). DSpark adds its Markov
+bias; DFlash2 its convolutions (two per layer, each with its kernel projection) and its selector objective (the
+hidden projection, the K-way bilinear scores and the candidates' logits' gradient; the top-K is a selection).
 
 Before anything is built, the step's peak memory is estimated (bench/drafter_memory.py) against the GPU's
 (--gpu-memory-gib, default the visible GPU's total): samples per step and tokens per sample left unset are
@@ -72,11 +74,37 @@ def step_flops(cfg: dict[str, Any], drafter: DrafterConfig, n_ctx_layers: int, t
                     for kind in drafter.layer_types)
     fc = 2 * tokens * n_ctx_layers * h * h
     trainable_fwd = drafter.num_hidden_layers * (per_layer_block + per_layer_ctx) + attention + fc
+    # DFlash2: the two convolutions of each layer (attention's and MLP's) on the block rows only (the context feeds
+    # the keys and values alone): per sublayer its kernel projection [h] x [h, 2 k G] and the input and output
+    # convolutions, k multiply-adds per channel each
+    trainable_fwd += drafter.num_hidden_layers * block_tokens * dflash2_conv_flops(cfg, drafter)
     head = 2 * h * cfg["vocab_size"]  # per row of a [rows, H] x [H, vocab] product
     # DSpark: the Markov bias [rows, r] x [r, vocab], and its gradients to the features and to markov_w2
     markov = 3 * 2 * drafter.markov_rank * cfg["vocab_size"] if drafter.arch == "dspark" else 0
     # the draft's logits and their gradient per supervised row; the teacher's once per distinct position
-    return 3 * trainable_fwd + head * (2 * supervised + teacher_positions) + markov * supervised
+    return (3 * trainable_fwd + head * (2 * supervised + teacher_positions) + markov * supervised
+            + selector_flops(cfg, drafter) * supervised)
+
+
+def dflash2_conv_flops(cfg: dict[str, Any], drafter: DrafterConfig) -> int:
+    """Forward FLOPs of one DFlash2 layer's convolutions per block token (0 for another arch): for each of its two
+    sublayers the kernel projection (2 h x 2 k G, G = h / group) and two convolutions of k taps (2 k h each)."""
+    if drafter.arch != "dflash2":
+        return 0
+    h, k = cfg["hidden_size"], drafter.conv_kernel_size
+    groups = h // drafter.conv_group_size
+    return 2 * (2 * h * 2 * k * groups + 2 * 2 * k * h)
+
+
+def selector_flops(cfg: dict[str, Any], drafter: DrafterConfig) -> int:
+    """FLOPs of DFlash2's selector objective per supervised row, forward and backward (0 for another arch): the
+    hidden projection [h] x [h, r], the predecessor product (r), the K-way bilinear scores (2 K r), each x 3, and the
+    candidates' logits' gradient to the hidden state through the head's K rows (2 K h; their forward is the head's
+    logits, counted). The unary top-K is a selection over the vocabulary, no arithmetic: not counted."""
+    if drafter.arch != "dflash2":
+        return 0
+    h, r, top_k = cfg["hidden_size"], drafter.selector_rank, drafter.selector_top_k
+    return 3 * (2 * h * r + r + 2 * top_k * r) + 2 * top_k * h
 
 
 def drafter_mlp(cfg: dict[str, Any], drafter: DrafterConfig) -> int:

@@ -24,6 +24,10 @@ chunks of C rows:
                                     gradient (20 h), and per layer what the layer keeps for its backward
   loss chunk      8 C V             two fp32 [C, V] temporaries of the chunked loss
 
+DSpark adds its heads' parameters; DFlash2 its convolutions' and selector's parameters, and per block token the
+convolutions' activations (per layer) and the selector objective's (dflash2_activation_bytes: counted from the
+code, not calibrated against a measured peak).
+
 `a`, the one fitted number, is bytes per block token, layer and unit of (h + I): 9 for the default step
 (flex attention, compiled layers), 20 for an eager one (--no-compile or --attention sdpa), 15.5 for the
 flex-vs-SDPA gradient check (its two passes run eager before the first optimizer step: no AdamW moments
@@ -85,7 +89,34 @@ def trainable_parameters(target: Mapping[str, Any], drafter: DrafterConfig) -> i
     q, kv = g["num_attention_heads"] * hd, g["num_key_value_heads"] * hd
     layer = h * q + 2 * h * kv + q * h + 3 * h * inner + 2 * h + 2 * hd  # projections, MLP, 2 norms, q/k norms
     fed = len(drafter.resolved_target_layer_ids(int(target["num_hidden_layers"])))
-    return drafter.num_hidden_layers * layer + fed * h * h + 2 * h + dspark_head_parameters(g, drafter)
+    return (drafter.num_hidden_layers * layer + fed * h * h + 2 * h + dspark_head_parameters(g, drafter)
+            + dflash2_parameters(g, drafter))
+
+
+def dflash2_parameters(g: Mapping[str, Any], drafter: DrafterConfig) -> int:
+    """DFlash2's additions: per layer two convolutions (base_kernel [2, k, h], kernel_projection [2 k G, h], G = h /
+    group), and the selector (two [V, r] codebooks, hidden_projection [r, h])."""
+    if drafter.arch != "dflash2":
+        return 0
+    h, k, vocab, r = g["hidden_size"], drafter.conv_kernel_size, g["vocab_size"], drafter.selector_rank
+    conv = 2 * k * h + 2 * k * (h // drafter.conv_group_size) * h
+    return drafter.num_hidden_layers * 2 * conv + 2 * vocab * r + r * h
+
+
+def dflash2_activation_bytes(g: Mapping[str, Any], drafter: DrafterConfig, compiled: bool) -> tuple[float, float]:
+    """(bytes per block token and layer for the convolutions, bytes per block token for the selector), 0 for another
+    arch. Counted from the code (consumer/dflash2_blocks.py, consumer/objectives/selector.py), not yet measured.
+
+    Convolutions: each tap of the four per layer keeps its shifted input and its h-wide coefficient for the
+    backward, in the sublayer's dtype: fp32 into the sublayer (prepare), bf16 out of it (finish): 2 x k x 2 x (4 + 2)
+    h = 24 k h eager; compiled, the taps are recomputed from each convolution's input: 2 x (4 + 2) h = 12 h.
+    Selector, per supervised row (at most one per block token): the candidates' successor codes gathered as fp32
+    and kept as bf16 (6 K r), the top-K's fp32 values and int64 ids (12 K), the projection and its predecessor
+    product (8 r)."""
+    if drafter.arch != "dflash2":
+        return 0.0, 0.0
+    h, k, r, top_k = g["hidden_size"], drafter.conv_kernel_size, drafter.selector_rank, drafter.selector_top_k
+    return (12 * h if compiled else 24 * k * h), 6 * top_k * r + 12 * top_k + 8 * r
 
 
 def dspark_head_parameters(g: Mapping[str, Any], drafter: DrafterConfig) -> int:
@@ -116,8 +147,12 @@ def step_memory(target: Mapping[str, Any], drafter: DrafterConfig, seqs: int, se
              + block_tokens * 20 * h
              + 8 * rows * vocab)
     per_unit = block_tokens * layers * (h + g["intermediate_size"])
-    return StepMemory(step=fixed + (COMPILED if compiled else EAGER) * per_unit,
-                      check=fixed + GRAD_CHECK * per_unit if check else None)
+    # DFlash2: its convolutions per layer and its selector objective per row (the gradient check runs eager)
+    conv, selector = dflash2_activation_bytes(g, drafter, compiled)
+    eager_conv, _ = dflash2_activation_bytes(g, drafter, False)
+    fixed += block_tokens * selector
+    return StepMemory(step=fixed + (COMPILED if compiled else EAGER) * per_unit + block_tokens * layers * conv,
+                      check=fixed + GRAD_CHECK * per_unit + block_tokens * layers * eager_conv if check else None)
 
 
 def usable_bytes(gpu_bytes: float) -> float:

@@ -25,12 +25,63 @@ def _shape(shape: str, recipe: str) -> tuple[dict, DrafterConfig]:
     return target, DrafterConfig(recipe=recipe, mask_token_id=target["vocab_size"] - 1)
 
 
-@pytest.mark.parametrize("shape,recipe", [("qwen3-8b", "paper"), ("qwen3.6-27b", "ddtree")])
+@pytest.mark.parametrize("shape,recipe", [("qwen3-8b", "paper"), ("qwen3.6-27b", "ddtree"), ("qwen3.6-27b", "dflash2")])
 def test_the_estimate_counts_the_parameters_of_the_model_it_does_not_build(shape, recipe):
     target, drafter = _shape(shape, recipe)
     with torch.device("meta"):
         model = build_drafter(drafter, target)
     assert trainable_parameters(target, drafter) == sum(p.numel() for p in model.parameters())
+
+
+def test_dflash2_flops_and_memory_count_the_convolutions_and_the_selector():
+    """Against the DFlash drafter of the same geometry: the step's FLOPs grow by 3 x the convolutions' forward per
+    layer and block token plus the selector's per supervised row; the kernel and hidden projections' matmuls are
+    what torch's FLOP counter measures on the built modules; the memory grows by the extra parameters and the
+    convolutions' and selector's activations."""
+    from dataclasses import replace
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dflash_ring.bench.drafter import dflash2_conv_flops, selector_flops, step_flops
+    from dflash_ring.bench.drafter_memory import dflash2_activation_bytes, dflash2_parameters
+    from dflash_ring.consumer.dflash2_blocks import CandidateSelector, GroupedDynamicCausalConv
+    from dflash_ring.consumer.drafter_hf_config import drafter_geometry
+    from dflash_ring.consumer.model import sample_anchors
+
+    target, d2 = _shape("qwen3.6-27b", "dflash2")
+    plain = DrafterConfig(num_hidden_layers=5, block_size=8, num_anchors=512, layer_types=d2.layer_types,
+                          sliding_window=2048, mask_token_id=d2.mask_token_id)
+    g = drafter_geometry(d2, target)
+    h, k, groups, r, top_k = g["hidden_size"], 2, g["hidden_size"] // 16, 256, 16
+    assert dflash2_conv_flops(target, d2) == 2 * (2 * h * 2 * k * groups + 4 * k * h)
+    assert selector_flops(target, d2) == 3 * (2 * h * r + r + 2 * top_k * r) + 2 * top_k * h
+    assert dflash2_conv_flops(target, plain) == selector_flops(target, plain) == 0
+    anchors = sample_anchors(torch.ones(4096, dtype=torch.bool), torch.tensor([0, 4096]), 512,
+                             torch.Generator().manual_seed(0))
+    supervised = anchors.num_blocks * 7
+    extra = step_flops(target, d2, 3, 4096, anchors, supervised, 0) - step_flops(target, plain, 3, 4096, anchors,
+                                                                                 supervised, 0)
+    want = 3 * 5 * anchors.num_blocks * 8 * dflash2_conv_flops(target, d2) + supervised * selector_flops(target, d2)
+    assert extra == pytest.approx(want, rel=1e-9)
+    # the matmul parts, measured on small modules of the same formulas
+    conv, selector = GroupedDynamicCausalConv(64, 2, 16), CandidateSelector(100, 64, 8, 4)
+    x = torch.randn(3, 8, 64)
+    with FlopCounterMode(display=False) as counter:
+        conv.prepare(x)
+    assert counter.get_total_flops() == 3 * 8 * 2 * 64 * (2 * 2 * 4)
+    with FlopCounterMode(display=False) as counter:
+        selector.hidden_projection(x)
+    assert counter.get_total_flops() == 3 * 8 * 2 * 64 * 8
+    with torch.device("meta"):
+        assert dflash2_parameters(g, d2) == (sum(p.numel() for p in build_drafter(d2, target).parameters())
+                                             - sum(p.numel() for p in build_drafter(plain, target).parameters()))
+    for compiled in (True, False):
+        conv_bytes, selector_bytes = dflash2_activation_bytes(g, d2, compiled)
+        grown = (step_memory(target, d2, 1, 4096, compiled=compiled, check=False).step
+                 - step_memory(target, plain, 1, 4096, compiled=compiled, check=False).step)
+        block_tokens = 512 * 8
+        assert grown == pytest.approx(14 * dflash2_parameters(g, d2) + block_tokens * (5 * conv_bytes + selector_bytes))
+    assert dflash2_activation_bytes(g, plain, True) == (0.0, 0.0)
 
 
 # docs/benchmarks.md, "Drafter training step on the H200": peak GiB of (shape, recipe, seqs, seq_len, compiled
