@@ -26,7 +26,8 @@ chunks of C rows:
 
 DSpark adds its heads' parameters; DFlash2 its convolutions' and selector's parameters, and per block token the
 convolutions' activations (per layer) and the selector objective's (dflash2_activation_bytes: counted from the
-code, not calibrated against a measured peak).
+code, not fitted; the two dflash2 rows below were measured before the count was written, and without these terms
+the estimate would read 35.5 and 60.9 GiB for them).
 
 `a`, the one fitted number, is bytes per block token, layer and unit of (h + I): 9 for the default step
 (flex attention, compiled layers), 20 for an eager one (--no-compile or --attention sdpa), 15.5 for the
@@ -46,6 +47,8 @@ sits above them by that term (2 GB per 4,096 tokens of the 27B):
   Qwen3-8B shape, paper, 4 x 3072, gradient check       62.1       60.2       60.2  (-3.1%)
   27B width, ddtree, 1 x 4096, gradient check           84.6       89.6       87.7  (+3.7%)
   Qwen3-8B shape, paper, 4 x 3072, eager SDPA           71.2       71.4       71.4  (+0.3%)
+  27B width, dflash2, 1 x 4096                          40.3       39.3       39.3  (-2.4%)
+  27B width, dflash2, 4 x 3072, gradient check          78.9       82.6       82.6  (+4.6%)
 
 The eager SDPA run is docs/bench-drafter-h200-sdpa.json (2026-11-29); tests/test_drafter_bench.py checks the
 table. A step fits when its estimate is at most (1 - MARGIN) of the GPU's memory: the margin covers the

@@ -94,6 +94,9 @@ MEASURED = [
     ("qwen3-8b", "paper", 4, 3072, True, True, 62.1),
     ("qwen3.6-27b", "ddtree", 1, 4096, True, True, 84.6),
     ("qwen3-8b", "paper", 4, 3072, False, False, 71.2),  # --attention sdpa: eager layers
+    # issue 33 (docs/bench-drafter-h200-27b-dflash2*.json): the estimate counts DFlash2's convolutions and selector
+    ("qwen3.6-27b", "dflash2", 1, 4096, True, False, 40.3),
+    ("qwen3.6-27b", "dflash2", 4, 3072, True, True, 78.9),
 ]
 
 
