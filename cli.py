@@ -514,7 +514,7 @@ def cmd_check_target(args: argparse.Namespace) -> int:
     from dflash_ring.producer.conformance import choose_packing, report_json
     from dflash_ring.producer.target import TargetModel, resolve_device
     from dflash_ring.common.target_config import TargetConfigError
-    from dflash_ring.consumer.target_head import probe_target_head
+    from dflash_ring.consumer.head_loader import probe_target_head
 
     cfg = _config(args).target
     mode = cfg.packing

@@ -61,7 +61,8 @@ from dflash_ring.bench.target_shapes import SHAPES
 from dflash_ring.common.config import Config, load_config
 from dflash_ring.common.metrics import DRAFTER, SUPERVISOR, TARGET, port_of
 from dflash_ring.common.drafter_config import build_target_layer_ids
-from dflash_ring.consumer.model import build_drafter, load_target_head
+from dflash_ring.consumer.head_loader import load_target_head
+from dflash_ring.consumer.model import build_drafter
 from dflash_ring.consumer.process import resolve_drafter_config, target_config_dict
 from dflash_ring.consumer.trainer import DeviceBatch, Trainer
 from dflash_ring.producer.batching import Batch, ShardBatcher

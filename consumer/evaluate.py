@@ -54,7 +54,8 @@ from dflash_ring.common.target_config import load_target_hf_config
 from .calibration import ConfidenceCalibration, confidence_calibration
 from .draft_tree import build_draft_tree, check_tree_target, follow_greedy, keep_path, tree_attention_mask
 from .export import load_drafter
-from .model import DFlash2DraftModel, DFlashDraftModel, DSparkDraftModel, FrozenTargetHead, load_target_head
+from .head_loader import load_target_head
+from .model import DFlash2DraftModel, DFlashDraftModel, DSparkDraftModel, FrozenTargetHead
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ from dflash_ring.consumer.dflash2_blocks import CandidateSelector, GroupedDynami
 from dflash_ring.consumer.dspark_heads import ConfidenceHead, MarkovHead
 from dflash_ring.consumer.qwen3_blocks import Qwen3MLP, Qwen3RMSNorm, rope_frequencies, rotate_half
 # The frozen head lives in target_head.py; re-exported for callers that import it from here.
-from .target_head import EMBED_KEYS, LM_HEAD_KEYS, FrozenTargetHead, load_target_head  # noqa: F401
+from .head_loader import load_target_head  # noqa: F401
+from .target_head import EMBED_KEYS, LM_HEAD_KEYS, FrozenTargetHead  # noqa: F401
 
 
 def cu_seqlens_from_lengths(lengths: Sequence[int] | torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,8 @@ from dflash_ring.consumer.async_checkpoint import BackgroundWriter, HostSnapshot
 from dflash_ring.consumer.checkpoint import CheckpointStore, check_same_shape
 from dflash_ring.consumer.fp8 import check_precision
 from dflash_ring.consumer.head_cache import CACHE_NAME as HEAD_CACHE_NAME
-from dflash_ring.consumer.model import build_drafter, load_target_head
+from dflash_ring.consumer.head_loader import load_target_head
+from dflash_ring.consumer.model import build_drafter
 from dflash_ring.consumer.replica_group import ReplicaGroup
 from dflash_ring.consumer.replicas import ReplicaAverager
 from dflash_ring.consumer.source_metrics import SourceLabels, SourceStats, add_sources

@@ -4,7 +4,8 @@ The drafter embeds its block tokens and scores its drafts in the target's token 
 exactly what the target computes: the rows its first layer receives and the logits it emits. Which
 transforms a family applies (embedding scale, logit multiplier, softcap) is not listed here: the head
 probe (head_probe.py) derives them from the target's own modules and verifies them, once per target;
-head_cache.py keeps the result so that a restart reads it without importing any modeling code.
+head_cache.py keeps the result so that a restart reads it without importing any modeling code; head_loader.py
+puts the three together.
 """
 
 from __future__ import annotations
@@ -185,37 +186,3 @@ def read_head(root: Path, files: dict[str, Path], embed_key: str, lm_head_key: s
     if lm_head_key is None:
         raise KeyError(f"{root}: no lm_head.weight although tie_word_embeddings is false")
     return embed, read(lm_head_key)
-
-
-def probe_target_head(target_dir: str | Path, embed: torch.Tensor | None = None, lm_head: torch.Tensor | None = None):
-    """The head probe on a target directory (head_probe.py): (HeadSpec, HeadErrors), or HeadProbeError.
-    `embed`/`lm_head`: the tensors, when the caller has read them already."""
-    from .head_probe import probe_head
-
-    root = Path(target_dir)
-    if embed is None:
-        files, embed_key, lm_head_key = head_tensor_keys(root)
-        embed, lm_head = read_head(root, files, embed_key, lm_head_key, config_tied(root))
-    return probe_head(load_target_hf_config(root), embed.cpu(), None if lm_head is None else lm_head.cpu(),
-                      str(root))
-
-
-def load_target_head(
-    target_dir: str | Path, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-    cache: str | Path | None = None,
-) -> FrozenTargetHead:
-    """Read only embed_tokens and lm_head from a target checkpoint (never the whole model), with the
-    transforms the head probe derives; `cache` (a JSON file) keeps them for the next start of this target."""
-    from .head_cache import cached_spec, fingerprint, store_spec
-
-    root = Path(target_dir)
-    files, embed_key, lm_head_key = head_tensor_keys(root)
-    key = fingerprint(root, files, [k for k in (embed_key, lm_head_key) if k is not None])
-    spec = cached_spec(cache, key)
-    embed, lm_head = read_head(root, files, embed_key, lm_head_key, spec.tied if spec else config_tied(root), device)
-    if spec is None:
-        spec, errors = probe_target_head(root, embed, lm_head)
-        store_spec(cache, key, spec, errors)
-    if dtype is not None:
-        embed, lm_head = embed.to(dtype), None if lm_head is None else lm_head.to(dtype)
-    return FrozenTargetHead(embed, lm_head, spec=spec)

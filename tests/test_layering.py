@@ -1,7 +1,9 @@
-"""The roles are peers over common/: common imports no role, no role imports another, the supervisor only common.
+"""The floors of the house: common/ at the bottom; the roles (producer, consumer, supervisor) peers over it, with
+the embedded default beside them; tools above the roles; the benchmarks above the tools; the CLI on top. Nothing
+imports a floor above its own, no role imports another, and no set of modules imports itself in a circle.
 
 Read from the source (every import statement, also those inside functions), so a lazy import that
-crosses a boundary is caught as well as a top-level one.
+crosses a boundary or closes a circle is caught as well as a top-level one.
 """
 
 from __future__ import annotations
@@ -9,54 +11,142 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+
 ROOT = Path(__file__).resolve().parents[1]
 ROLES = ("producer", "consumer", "supervisor")
-# What each package may import from dflash_ring (besides itself). Tools, the embedded default and the
-# benchmarks sit above the roles and may use them; the CLI dispatches to all.
+# What each package may import from dflash_ring (besides itself); the CLI (cli.py, __main__.py) dispatches to all.
 ALLOWED = {
     "common": set(),
     "producer": {"common"},
     "consumer": {"common"},
     "supervisor": {"common"},
+    "embedded": {"common"},
+    "tools": {"common", *ROLES, "embedded"},
+    "bench": {"common", *ROLES, "embedded", "tools"},
 }
+TOP = {"cli", "__main__"}
 
 
-def imported_packages(path: Path) -> set[str]:
-    """dflash_ring sub-packages a module imports (absolute or relative)."""
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(("dflash_ring", *(parts[:-1] if parts[-1] == "__init__" else parts)))
+
+
+def imported_modules(path: Path, root: Path = ROOT) -> set[str]:
+    """dflash_ring modules a module imports (absolute or relative, at any depth of the file); `from P import x`
+    counts x when it is a module of P, else P."""
     found = set()
+    name = module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: resolve against the module's package
-                base = path.relative_to(ROOT).parts[:-1]
-                base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
-                names = [".".join(("dflash_ring", *base, node.module or ""))]
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join((*base, node.module)) if node.module else ".".join(base)
             else:
-                names = [node.module or ""]
-        else:
-            continue
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "dflash_ring" and len(parts) > 1 and parts[1]:
-                found.add(parts[1])
-    return found
+                module = node.module or ""
+            found.add(module)
+            found.update(f"{module}.{a.name}" for a in node.names)
+    return {name for name in found if name.startswith("dflash_ring.")}
 
 
-def violations() -> list[str]:
+def sources(root: Path = ROOT) -> dict[str, Path]:
+    """Every module of the package by its dotted name (tests, the venv and caches left out)."""
+    return {module_name(path, root): path for path in sorted(root.rglob("*.py"))
+            if not {"tests", ".venv", "build"} & set(path.relative_to(root).parts)}
+
+
+def imported_packages(path: Path, root: Path = ROOT) -> set[str]:
+    """dflash_ring sub-packages (floors) a module imports."""
+    return {name.split(".")[1] for name in imported_modules(path, root)}
+
+
+def violations(root: Path = ROOT) -> list[str]:
     out = []
-    for package, allowed in ALLOWED.items():
-        for path in sorted((ROOT / package).glob("*.py")):
-            for other in imported_packages(path) - allowed - {package}:
-                out.append(f"{path.relative_to(ROOT)} imports dflash_ring.{other}")
+    for name, path in sources(root).items():
+        floor = name.split(".")[1] if name.count(".") else "__init__"
+        if floor in TOP or floor == "__init__":
+            continue
+        if floor not in ALLOWED:
+            out.append(f"{path.relative_to(root)}: package {floor} has no floor in tests/test_layering.py")
+            continue
+        for other in imported_packages(path, root) - ALLOWED[floor] - {floor}:
+            out.append(f"{path.relative_to(root)} imports dflash_ring.{other}")
     return out
 
 
-def test_roles_are_peers_over_common():
+def import_graph(modules: dict[str, Path], root: Path = ROOT) -> dict[str, set[str]]:
+    """module -> the modules of `modules` it imports (a package's __init__ counts as the package)."""
+    return {name: {m for m in imported_modules(path, root) if m in modules and m != name}
+            for name, path in modules.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles: strongly connected sets of more than one module (Tarjan's algorithm), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_every_floor_imports_only_the_floors_below():
     assert violations() == []
+
+
+def test_no_import_circle_anywhere():
+    """Function-level imports included: a lazy import that closes a circle is still a circle."""
+    assert circles(import_graph(sources())) == []
+
+
+def test_the_check_sees_a_circle_through_a_function_level_import(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    sources = {"a": "from dflash_ring.pkg import b\n", "b": "def f():\n    from .a import g\n", "c": "from . import b\n"}
+    modules = {}
+    for stem, text in sources.items():
+        (package / f"{stem}.py").write_text(text)
+        modules[f"dflash_ring.pkg.{stem}"] = package / f"{stem}.py"
+    assert circles(import_graph(modules, tmp_path)) == [["dflash_ring.pkg.a", "dflash_ring.pkg.b"]]
+
+
+def test_the_check_refuses_an_upward_import_and_an_unplaced_package(tmp_path):
+    for where, text in {"embedded/a.py": "from dflash_ring.consumer import model\n",
+                        "tools/b.py": "def f():\n    from ..bench import ring\n",
+                        "producer/c.py": "from dflash_ring.common import ring\n",
+                        "extras/d.py": "import os\n"}.items():
+        (tmp_path / where).parent.mkdir(exist_ok=True)
+        (tmp_path / where).write_text(text)
+    assert violations(tmp_path) == ["embedded/a.py imports dflash_ring.consumer", "extras/d.py: package extras has no "
+                                    "floor in tests/test_layering.py", "tools/b.py imports dflash_ring.bench"]
 
 
 def test_the_check_sees_a_crossing(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from dflash_ring.consumer.model import X\n")
-    assert "consumer" in imported_packages(module)
+    assert "consumer" in imported_packages(module, tmp_path)

@@ -1,0 +1,48 @@
+"""Loading a target's frozen head: the checkpoint's embedding and lm_head (target_head.py) with the transforms the head
+probe derives (head_probe.py), kept across restarts by head_cache.py.
+
+It sits above those three so that none of them imports another's caller: the probe needs the head's types, the
+cache the spec, and only this module needs all of them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dflash_ring.common.target_config import load_target_hf_config
+
+from .head_cache import cached_spec, fingerprint, store_spec
+from .head_probe import probe_head
+from .target_head import FrozenTargetHead, config_tied, head_tensor_keys, read_head
+
+
+def probe_target_head(target_dir: str | Path, embed: torch.Tensor | None = None, lm_head: torch.Tensor | None = None):
+    """The head probe on a target directory (head_probe.py): (HeadSpec, HeadErrors), or HeadProbeError.
+    `embed`/`lm_head`: the tensors, when the caller has read them already."""
+    root = Path(target_dir)
+    if embed is None:
+        files, embed_key, lm_head_key = head_tensor_keys(root)
+        embed, lm_head = read_head(root, files, embed_key, lm_head_key, config_tied(root))
+    return probe_head(load_target_hf_config(root), embed.cpu(), None if lm_head is None else lm_head.cpu(),
+                      str(root))
+
+
+def load_target_head(
+    target_dir: str | Path, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+    cache: str | Path | None = None,
+) -> FrozenTargetHead:
+    """Read only embed_tokens and lm_head from a target checkpoint (never the whole model), with the
+    transforms the head probe derives; `cache` (a JSON file) keeps them for the next start of this target."""
+    root = Path(target_dir)
+    files, embed_key, lm_head_key = head_tensor_keys(root)
+    key = fingerprint(root, files, [k for k in (embed_key, lm_head_key) if k is not None])
+    spec = cached_spec(cache, key)
+    embed, lm_head = read_head(root, files, embed_key, lm_head_key, spec.tied if spec else config_tied(root), device)
+    if spec is None:
+        spec, errors = probe_target_head(root, embed, lm_head)
+        store_spec(cache, key, spec, errors)
+    if dtype is not None:
+        embed, lm_head = embed.to(dtype), None if lm_head is None else lm_head.to(dtype)
+    return FrozenTargetHead(embed, lm_head, spec=spec)
