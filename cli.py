@@ -462,7 +462,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_stop(args: argparse.Namespace) -> int:
     from dflash_ring.common.layout import Counter
     from dflash_ring.common.ring import Ring
-    from dflash_ring.supervisor.supervisor import STOP_DRAIN, STOP_NOW
+    from dflash_ring.common.layout import STOP_DRAIN, STOP_NOW
 
     run, _ = _run_and_lock_dir(args)
     with Ring.open(run) as ring:

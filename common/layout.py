@@ -35,6 +35,11 @@ FINGERPRINT_BLOB_MAX = HEADER_BYTES - FINGERPRINT_BLOB_OFFSET
 _IDENTITY = struct.Struct("<8sIIIQQQQQ32s48sI")
 
 
+# The values of Counter.STOP_REQUEST (and of the supervisor's own signals): drain, then stop now.
+STOP_DRAIN = 1
+STOP_NOW = 2
+
+
 class Counter(enum.IntEnum):
     """Offsets of the header's atomic 64-bit words (one cache line each)."""
 
@@ -46,7 +51,7 @@ class Counter(enum.IntEnum):
     PRODUCERS_DONE = 576  # published by the supervisor, which owns the count
     DRAIN = 640  # 1: producers take no new work (SIGTERM or `stop`)
     SHUTDOWN = 704  # 1: everyone exits; set only by the supervisor (or `stop --now`)
-    STOP_REQUEST = 768  # 1 drain, 2 now: written by `dflash-ring stop`
+    STOP_REQUEST = 768  # STOP_DRAIN or STOP_NOW: written by `dflash-ring stop`
     SUPERVISOR_ADOPTIONS = 832
     CORRUPT = 896  # READY slots dropped because their header failed validation, and slots whose state word
     # the protocol cannot produce (Ring.repair_impossible_words: their items redelivered where their header reads)

@@ -320,7 +320,10 @@ class DrafterLoop:
 
     def take(self, taken: tuple[DeviceBatch, SlotReader]) -> None:
         """One item from the ring: evaluated if held out, else trained."""
-        (self.evaluate if taken[0].is_eval else self.train)(taken)
+        if taken[0].is_eval:
+            self.evaluate(taken)
+        else:
+            self.train(taken)
 
     def evaluate(self, taken: tuple[DeviceBatch, SlotReader]) -> None:
         batch, slot = taken

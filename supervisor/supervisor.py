@@ -17,7 +17,7 @@ from pathlib import Path
 
 from dflash_ring.common import sd_notify
 from dflash_ring.common.config import Config
-from dflash_ring.common.layout import Counter, RingHeaderError, Role, RowStatus
+from dflash_ring.common.layout import STOP_DRAIN, STOP_NOW, Counter, RingHeaderError, Role, RowStatus
 from dflash_ring.common.ledger import Ledger
 from dflash_ring.common.liveness import LockFile, ensure_lock_dir, live_lock_files, lock_path
 from dflash_ring.common.metrics import SUPERVISOR, RingCollector, serve
@@ -33,10 +33,6 @@ from dflash_ring.supervisor.owed import owed
 from dflash_ring.supervisor.unfinished import save_unfinished, seal_journals
 
 log = logging.getLogger(__name__)
-
-STOP_DRAIN = 1
-STOP_NOW = 2
-
 
 class SupervisorError(RuntimeError):
     pass

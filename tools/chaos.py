@@ -129,7 +129,7 @@ class Kill:
 
 # ---- configuration of one phase -------------------------------------------------------------------
 
-def phase_overrides(base: list[str], name: str, directory: Path, epochs: int, has_metrics: bool) -> list[str]:
+def phase_overrides(base: list[str], name: str, directory: Path, epochs: int) -> list[str]:
     d = directory.resolve()
     sets = list(base) + [
         f"run.name={name}",
@@ -140,9 +140,8 @@ def phase_overrides(base: list[str], name: str, directory: Path, epochs: int, ha
         f'target.state_dir="{d / "state"}"',
         f"data.epochs={epochs}",
         "supervisor.reap_interval_s=0.2",
+        "metrics.enabled=false",  # fixed ports would collide with a run beside this one
     ]
-    if has_metrics:
-        sets.append("metrics.enabled=false")  # fixed ports would collide with a run beside this one
     return sets
 
 
@@ -452,7 +451,6 @@ def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
     else:
         cfg_path = Path(opts.config).resolve()
     base_sets += opts.overrides
-    has_metrics = hasattr(Config(), "metrics")
     env = {"PYTHONUNBUFFERED": "1"}
     env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
     started = time.time()
@@ -467,7 +465,7 @@ def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
     if opts.baseline:
         d = work / "baseline"
         _fresh(d)
-        sets = phase_overrides(base_sets, f"chaos{opts.seed}-base", d, 1, has_metrics)
+        sets = phase_overrides(base_sets, f"chaos{opts.seed}-base", d, 1)
         phase = Phase("baseline", cfg_path, sets, d, env, opts)
         phase.execute(0, 0, deadline_s=900)
         ledgers, _ = read_ledgers(phase.ledger_dir())
@@ -491,7 +489,7 @@ def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
             epochs = 10
     d = work / "chaos"
     _fresh(d)
-    sets = phase_overrides(base_sets, f"chaos{opts.seed}", d, epochs, has_metrics)
+    sets = phase_overrides(base_sets, f"chaos{opts.seed}", d, epochs)
     phase = Phase("chaos", cfg_path, sets, d, env, opts)
     t0 = time.monotonic()
     phase.execute(opts.kills, opts.seconds,
