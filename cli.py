@@ -560,6 +560,11 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         from dflash_ring.common.config import drafter_target_settings
 
         drafter_target_settings(cfg)
+        if cfg.target.tensor_parallel > 1:  # the target's counts and family, this host's devices
+            from dflash_ring.producer.target import resolve_device
+            from dflash_ring.producer.tensor_group import check_group
+
+            check_group(cfg.target, resolve_device(cfg.target.device))
     print(f"config OK: run {cfg.run.name!r}" + (f" from {args.config}" if args.config else " (defaults)"))
     return 0
 

@@ -88,6 +88,10 @@ class TargetConfig:
     # features equal to each sequence's own forward; "auto": packed when the probe passes, padded (with a
     # warning naming the first layer that differs) otherwise; "padded": no probe, padded batches.
     packing: Packing = "auto"
+    # Ranks of one host the target is sharded over with transformers' own tensor-parallel plan (the family's
+    # base_model_tp_plan, `tp_plan="auto"`): the producer process leads the group and starts the other ranks
+    # (producer/tensor_group.py), on GPUs device .. device + N - 1 (NCCL) or on the CPU (gloo). 1: no group.
+    tensor_parallel: Annotated[int, Range(1, 64)] = 1
     # torch.compile each decoder layer on a GPU for packed batches (fuses norms, RoPE, SiLU and residual adds
     # around the matmuls; the first batches compile, later starts load from run.compile_cache_dir).
     compile: bool = True
@@ -138,6 +142,41 @@ class TargetConfig:
                 f"target (use target.ship_final_hidden for the final normed state)"
             )
         return ids
+
+
+# What a tensor-parallel plan splits N ways: attention heads (column-wise q, k, v) and the MLP's inner width
+# (column-wise gate/up, row-wise down). A count N does not divide would split inside a head or leave ranks
+# unequal shards, so it is refused before any rank starts.
+SHARDED_COUNTS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size")
+
+
+def tensor_parallel_refusal(cfg: TargetConfig) -> str | None:
+    """Why target.tensor_parallel cannot shard this target (None: it can): a count the ranks do not divide (from
+    config.json, no torch), or a family whose transformers config has no tensor-parallel plan (its config class:
+    the one place this needs transformers). One line, naming the families that have a plan."""
+    n = cfg.tensor_parallel
+    if n == 1:
+        return None
+    config = cfg.model_config()
+    for key in SHARDED_COUNTS:
+        value = config.get(key)
+        if type(value) is int and value % n:  # noqa: E721 (a bool is no count)
+            return (f"target.tensor_parallel = {n} does not divide the target's {key} = {value}: use a divisor "
+                    f"of it (the ranks shard it evenly)")
+    text = load_target_hf_config(cfg.path).get_text_config()
+    if not getattr(text, "base_model_tp_plan", None):
+        return (f"target.tensor_parallel = {n} refused: transformers has no tensor-parallel plan for "
+                f"{text.model_type!r} (set target.tensor_parallel = 1); families with one: "
+                f"{', '.join(tensor_parallel_families())}")
+    return None
+
+
+def tensor_parallel_families() -> list[str]:
+    """The model types whose installed transformers config carries a tensor-parallel plan (base_model_tp_plan)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return sorted(name for name, config_class in CONFIG_MAPPING.items()
+                  if getattr(config_class, "base_model_tp_plan", None))
 
 
 def load_target_hf_config(path: str | Path) -> Any:

@@ -53,6 +53,7 @@ from .conformance import choose_packing
 from .data_stats import data_stats, log_lines
 from .pretokenized import load_sources, target_tokenizer
 from .target import TargetModel, TargetOutput, resolve_device, resolve_dtype
+from .tensor_group import TensorGroup, check_group
 
 log = logging.getLogger(__name__)
 
@@ -425,21 +426,24 @@ def run_producer(cfg: Config, index: int, device_name: str | None, startup: Star
     device = resolve_device(device_name or cfg.target.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    check_group(cfg.target, device)  # target.tensor_parallel against the target and this host, before any wait
     with role_process(cfg, Role.PRODUCER, index, device_uuid(device), startup) as proc:
         metrics = ProducerMetrics(proc.registry)
         ring = proc.attach(pin=device.type == "cuda")  # a mismatched config fails before any loading
         startup.mark("attach")  # metrics port, and the wait for the supervisor's ring
         try:
-            return _produce(cfg, index, device, startup, proc, metrics, ring)
+            with TensorGroup.held(cfg.target, device, proc.interruptible) as group:
+                return _produce(cfg, index, device, startup, proc, metrics, ring, group)
         except StopSignal as e:  # in a phase that never looks at the stop flag: it unwound instead
             log.info("stopped by %s while starting (before the first publish)", e)
             return 0
 
 
 def _produce(cfg: Config, index: int, device: torch.device, startup: Startup, proc: RoleProcess,
-             metrics: ProducerMetrics, ring: Ring) -> int:
+             metrics: ProducerMetrics, ring: Ring, group: TensorGroup | None = None) -> int:
     """The producer after `attach`: loading and planning are interruptible (`RoleProcess.interruptible`); the
-    publish loop checks the stop flag itself."""
+    publish loop checks the stop flag itself. With a tensor-parallel group, this process is its leader: the only
+    rank that touches the ring."""
     producers = cfg.topology.producers
     with proc.interruptible():
         tokenizer = target_tokenizer(cfg.target)
@@ -450,7 +454,7 @@ def _produce(cfg: Config, index: int, device: torch.device, startup: Startup, pr
         for line in log_lines(composition):
             log.info("%s", line)
         startup.mark("data")  # tokenizer, tokenized data (cached after the first start), its statistics
-        target = TargetModel.load(cfg.target, device, packed=False)
+        target = TargetModel.load(cfg.target, device, packed=False, group=group)
         startup.mark("model")
         probe = choose_packing(target, cfg.target.packing)  # before anything is published
         startup.mark("probe")

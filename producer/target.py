@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from .packing import PerSequence, packed_implementation, packed_spans, packing_refusal, recurrent_mixers
 from .varlen_gated_deltanet import FlaKernels, VarlenGatedDeltaNet, varlen_refusal
+from .tensor_group import TensorGroup, load_sharded, send_run
 from dflash_ring.common.device import checked_device
 from dflash_ring.common.safetensors_check import weight_files
 from dflash_ring.common.target_config import TargetConfig, TargetConfigError, load_target_hf_config
@@ -140,14 +141,19 @@ class TargetModel:
         self.packed = packed
 
     @classmethod
-    def load(cls, cfg: TargetConfig, device: torch.device, *, packed: bool) -> TargetModel:
-        """From a local directory only; the LM head is dropped with the wrapper (no logits, less memory)."""
+    def load(cls, cfg: TargetConfig, device: torch.device, *, packed: bool, group: TensorGroup | None = None,
+             ) -> TargetModel:
+        """From a local directory only; the LM head is dropped with the wrapper (no logits, less memory). With a
+        group (target.tensor_parallel > 1, this process its leader), sharded by the family's plan over its ranks."""
         geometry = cfg.geometry()
-        model = load_causal_lm(cfg, device)
-        target = cls(model, list(geometry.layer_ids), final_hidden=bool(cfg.ship_final_hidden), packed=packed)
+        model = load_causal_lm(cfg, device) if group is None else load_sharded(cfg, device)
+        args = (model, list(geometry.layer_ids))
+        target = (cls(*args, final_hidden=bool(cfg.ship_final_hidden), packed=packed) if group is None else
+                  ShardedTarget(*args, final_hidden=bool(cfg.ship_final_hidden), packed=packed, group=group))
         del model
-        log.info("target %s (%s) on %s (%s, %s attention): layers %s of %d%s", cfg.path, target.config.model_type,
-                 device, target.dtype, target.attn_implementation, target.layer_ids, len(target.decoder.layers),
+        log.info("target %s (%s) on %s%s (%s, %s attention): layers %s of %d%s", cfg.path, target.config.model_type,
+                 device, "" if group is None else f" and {group.size - 1} more rank(s), tensor parallel",
+                 target.dtype, target.attn_implementation, target.layer_ids, len(target.decoder.layers),
                  ", final hidden shipped" if cfg.ship_final_hidden else f", stops after layer {target.deepest}")
         if target.recurrent_path is not None:
             log.info("recurrent token mixers of a pack: %s", target.recurrent_description())
@@ -260,3 +266,21 @@ class TargetModel:
         finally:
             self._active = False
         return out.last_hidden_state
+
+
+class ShardedTarget(TargetModel):
+    """The group leader's target: every forward (a batch's, the probe's) goes to the group's ranks first, so their
+    collectives meet; the features are the leader's, replicated after each layer's all-reduce."""
+
+    def __init__(self, model: PreTrainedModel, layer_ids: list[int], *, final_hidden: bool, packed: bool,
+                 group: TensorGroup):
+        self.group = group
+        super().__init__(model, layer_ids, final_hidden=final_hidden, packed=packed)
+
+    def compile_layers(self, backend: str = "inductor") -> list[int]:
+        self.group.compile()
+        return super().compile_layers(backend)
+
+    def _run(self, **inputs) -> torch.Tensor | None:
+        send_run(inputs, self.packed, self.device)
+        return super()._run(**inputs)

@@ -1,0 +1,267 @@
+"""A target sharded over N ranks of one host by transformers' own tensor parallelism: one producer to the ring.
+
+    leader (rank 0) = the producer process: data, ring row, cursor, replay list, ledger, metrics
+        | starts ranks 1..N-1 (`python -m dflash_ring.producer.tensor_rank`), serves their rendezvous (a TCPStore
+        | on 127.0.0.1), joins one torch.distributed group with them: NCCL on GPUs, gloo on the CPU
+    every rank: `from_pretrained(..., tp_plan="auto")`: transformers shards the linears by the family's own
+        base_model_tp_plan (DTensor; never a sharding of ours), and the decoder is truncated as on one device
+
+Each forward the leader runs (every batch, and each of the conformance probe's) is first broadcast to the ranks:
+the packing mode and the model inputs; then all ranks run the same forward, whose collectives meet. A decoder
+layer's output is replicated after its row-wise all-reduce, so the leader's captured features are the whole
+features; the other ranks only compute and drop theirs. So the group is one producer to the ring: one row, one
+cursor, one replay list, the leader's.
+
+Faults. The leader watches its ranks: a rank that exits while the group runs takes the leader down at once (exit
+1), and every rank dies with its leader (PR_SET_PDEATHSIG), so the group always stops and restarts as one
+(systemd: one unit per group, the leader's; `dflash-ring run`'s restarter likewise). To the ring the group's
+death is its producer's death: the reaper or the restarted leader undoes the WRITING slot and rolls the cursor
+back, so nothing is lost or published twice.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from dflash_ring.common.target_config import TargetConfig, TargetConfigError, tensor_parallel_refusal
+
+from .packing import packed_spans
+
+log = logging.getLogger(__name__)
+
+# One header per message, int64: [op, packed, max_length, then per input key: present, ndim, dim0, dim1, dtype].
+RUN, COMPILE, STOP = 1, 2, 3
+INPUT_KEYS = ("input_ids", "position_ids", "attention_mask", "cu_seq_lens_q", "cu_seq_lens_k")
+DTYPES = (torch.int64, torch.int32)
+HEADER = 3 + 5 * len(INPUT_KEYS)
+JOIN_TIMEOUT = datetime.timedelta(minutes=30)  # ranks load their shard of the target before the first collective
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """A group's ranks take consecutive GPUs from the leader's (a systemd group unit sees just its N)."""
+    return torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
+
+
+def check_group(cfg: TargetConfig, device: torch.device) -> None:
+    """target.tensor_parallel against the target and this host, in one line each: a count the ranks do not divide,
+    a family without a plan, more ranks than GPUs (or CPU cores), or the CPU asked for on a host whose accelerator
+    transformers' tensor parallelism would bind instead."""
+    n = cfg.tensor_parallel
+    if n == 1:
+        return
+    if why := tensor_parallel_refusal(cfg):
+        raise TargetConfigError(why)
+    if device.type == "cuda":
+        first, count = device.index or 0, torch.cuda.device_count()
+        if first + n > count:
+            raise TargetConfigError(f"target.tensor_parallel = {n} from {device} needs GPUs {first}..{first + n - 1}, "
+                                    f"but {count} are visible: lower it or start the group on an earlier GPU")
+    elif torch.cuda.is_available():
+        raise TargetConfigError(f"target.tensor_parallel = {n} on the CPU refused on a host with CUDA devices: "
+                                "transformers' tensor parallelism binds the accelerator; use a cuda device")
+    elif n > (os.cpu_count() or 1):
+        raise TargetConfigError(f"target.tensor_parallel = {n}: more ranks than this host's {os.cpu_count()} CPU "
+                                "cores; lower it")
+
+
+def load_sharded(cfg: TargetConfig, device: torch.device):
+    """The causal LM sharded by its family's tensor-parallel plan, in the group this process has joined. The plan is
+    named as the installed transformers takes it: DistributedConfig where it has one (5.2x), `tp_plan` otherwise."""
+    from transformers import AutoModelForCausalLM
+
+    from .target import check_weights, resolve_dtype
+
+    root = check_weights(cfg)
+    attn = None if cfg.attn_implementation == "auto" else cfg.attn_implementation
+    try:
+        from transformers.distributed.configuration_utils import DistributedConfig
+
+        plan = {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=dist.get_world_size())}
+    except ImportError:
+        plan = {"tp_plan": "auto"}
+    model = AutoModelForCausalLM.from_pretrained(str(root), dtype=resolve_dtype(cfg.dtype, device),
+                                                 attn_implementation=attn, local_files_only=True,
+                                                 use_safetensors=True, **plan)
+    return model.eval().requires_grad_(False)
+
+
+def _send(header: list[int], tensors: list[torch.Tensor], device: torch.device) -> None:
+    dist.broadcast(torch.tensor(header + [0] * (HEADER - len(header)), dtype=torch.int64, device=device), src=0)
+    for t in tensors:
+        dist.broadcast(t.contiguous(), src=0)
+
+
+def send_run(inputs: dict, packed: bool, device: torch.device) -> None:
+    """The leader's side of one forward: what every rank needs to run the same one."""
+    header, tensors = [RUN, int(packed), int(inputs.get("max_length_q", 0))], []
+    for key in INPUT_KEYS:
+        t = inputs.get(key)
+        if t is None:
+            header += [0, 0, 0, 0, 0]
+            continue
+        if t.dim() > 2 or t.dtype not in DTYPES:
+            raise TypeError(f"{key}: a {t.dim()}-d {t.dtype} tensor cannot go to the group's ranks")
+        shape = list(t.shape) + [0] * (2 - t.dim())
+        header += [1, t.dim(), *shape, DTYPES.index(t.dtype)]
+        tensors.append(t.to(device))
+    unknown = set(inputs) - set(INPUT_KEYS) - {"max_length_q", "max_length_k"}
+    if unknown:
+        raise TypeError(f"forward inputs {sorted(unknown)} cannot go to the group's ranks")
+    _send(header, tensors, device)
+
+
+def receive(device: torch.device) -> tuple[int, bool, dict]:
+    """A rank's side: (op, packed, the forward's inputs)."""
+    header = torch.empty(HEADER, dtype=torch.int64, device=device)
+    dist.broadcast(header, src=0)
+    h = header.tolist()
+    op, packed, max_length = h[:3]
+    inputs: dict = {}
+    for i, key in enumerate(INPUT_KEYS):
+        present, ndim, d0, d1, dtype = h[3 + 5 * i: 8 + 5 * i]
+        if present:
+            t = torch.empty([d0, d1][:ndim], dtype=DTYPES[dtype], device=device)
+            dist.broadcast(t, src=0)
+            inputs[key] = t
+    if "cu_seq_lens_q" in inputs:
+        inputs["max_length_q"] = inputs["max_length_k"] = max_length
+    return op, bool(packed), inputs
+
+
+def serve_rank(target, device: torch.device) -> None:
+    """A rank's loop: mirror each of the leader's forwards (features dropped) until the leader says stop."""
+    while True:
+        op, packed, inputs = receive(device)
+        if op == STOP:
+            return
+        if op == COMPILE:
+            target.compile_layers()
+            continue
+        if packed != target.packed:
+            target.use_packing(packed)
+        with torch.inference_mode():
+            try:
+                if "cu_seq_lens_q" in inputs:
+                    bounds = inputs["cu_seq_lens_q"].tolist()
+                    with packed_spans(list(zip(bounds[:-1], bounds[1:])), device):
+                        target._run(**inputs)
+                else:
+                    target._run(**inputs)
+            except Exception as e:  # noqa: BLE001 - the leader's same forward raised it too (a probe's finding)
+                log.warning("rank forward raised %s: %s (the leader's did as well)", type(e).__name__, e)
+            finally:
+                target._captured.clear()
+
+
+def _die_with_parent() -> None:
+    """In a rank, before exec: SIGKILL when the leader dies, however it dies (Linux prctl PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
+class TensorGroup:
+    """The leader's hold on its ranks: their processes, the group, and the watch that ends the leader with them."""
+
+    def __init__(self, cfg: TargetConfig, device: torch.device):
+        self.cfg, self.device, self.size = cfg, device, cfg.tensor_parallel
+        self.ranks: list[subprocess.Popen] = []
+        self._closing = threading.Event()
+
+    @classmethod
+    def start(cls, cfg: TargetConfig, device: torch.device) -> TensorGroup:
+        """Check the group, start ranks 1..N-1, and join the group as rank 0 (returns once all have joined)."""
+        check_group(cfg, device)
+        group = cls(cfg, device)
+        store = dist.TCPStore("127.0.0.1", 0, group.size, is_master=True, timeout=JOIN_TIMEOUT,
+                              wait_for_workers=False)
+        spec = json.dumps(asdict(cfg))
+        for rank in range(1, group.size):
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(group.size),
+                   "LOCAL_RANK": str(rank_device(device, rank).index or 0)}
+            group.ranks.append(subprocess.Popen(
+                [sys.executable, "-m", "dflash_ring.producer.tensor_rank", "--store-port", str(store.port),
+                 "--rank", str(rank), "--device", str(rank_device(device, rank)), "--target", spec],
+                env=env, preexec_fn=_die_with_parent))
+        for rank, proc in enumerate(group.ranks, start=1):
+            threading.Thread(target=group._watch, args=(rank, proc), name=f"rank-{rank}", daemon=True).start()
+        os.environ.update(RANK="0", WORLD_SIZE=str(group.size), LOCAL_RANK=str(device.index or 0))
+        dist.init_process_group(backend_for(device), store=store, rank=0, world_size=group.size,
+                                timeout=JOIN_TIMEOUT)
+        group._store = store
+        log.info("tensor-parallel group of %d ranks (%s) joined: ranks %s", group.size, backend_for(device),
+                 [p.pid for p in group.ranks])
+        return group
+
+    @classmethod
+    @contextmanager
+    def held(cls, cfg: TargetConfig, device: torch.device,
+             interruptible: Callable[[], AbstractContextManager[None]]) -> Iterator[TensorGroup | None]:
+        """The group for a producer's lifetime (None when target.tensor_parallel = 1): started in an interruptible
+        phase (its ranks load for minutes), stopped in order on a clean exit, its ranks killed on any other."""
+        if cfg.tensor_parallel == 1:
+            yield None
+            return
+        with interruptible():
+            group = cls.start(cfg, device)
+        try:
+            yield group
+        except BaseException:
+            group.kill()
+            raise
+        group.close()
+
+    def kill(self) -> None:
+        """The ranks SIGKILLed (the leader is going down anyway: no collective may wait on them)."""
+        self._closing.set()
+        for proc in self.ranks:
+            proc.kill()
+            proc.wait()
+
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        if self._closing.is_set():
+            return
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
+        log.error("tensor-parallel rank %d (pid %d) exited with %s: the group goes down to restart as one",
+                  rank, proc.pid, how)
+        logging.shutdown()
+        os._exit(1)  # a producer's death to the ring: its slot and cursor are undone by whoever takes the row
+
+    def compile(self) -> None:
+        _send([COMPILE], [], self.device)
+
+    def close(self) -> None:
+        """Tell the ranks to stop, wait for them, leave the group."""
+        self._closing.set()
+        try:
+            _send([STOP], [], self.device)
+        except Exception as e:  # noqa: BLE001 - a rank already gone: the others still get the kill below
+            log.warning("stopping the ranks: %s", e)
+        for proc in self.ranks:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        dist.destroy_process_group()
+
+
+def rank_target_config(spec: str) -> TargetConfig:
+    return TargetConfig(**json.loads(spec))
