@@ -1,0 +1,71 @@
+"""A tensor-parallel target group under faults, in a real run: the supervisor, a 2-rank gloo group of the tiny target
+(the leader is the producer, rank 1 its own process) and a drafter, the ledger on. A rank SIGKILLed mid-run takes
+its leader down; a leader SIGKILLed takes its rank with it; the group is started again as one (what systemd's
+Restart= does with the group's one unit) and every planned batch trains exactly once."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from support import build_target, cyclic_rows, pipeline_config, wait_exit, wait_for
+
+from dflash_ring.common.ledger import read_ledger
+from dflash_ring.tools.reconcile import read_ledgers, reconcile
+
+
+def children(pid: int) -> list[int]:
+    """The live child processes of `pid` (the group's ranks of a leader)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("killed", ["rank", "leader"])
+def test_a_group_member_killed_mid_run_restarts_the_group_and_the_ledger_is_exact(run, killed):
+    target = build_target(run.tmp / "target", "qwen3", layers=4)
+    data = cyclic_rows(run.tmp / "chat.jsonl", 96)
+    ledger = run.tmp / "ledger"
+    pipeline_config(run, target, data, {"run": {"ledger_dir": str(ledger)}, "data": {"epochs": 3},
+                                        "target": {"tensor_parallel": 2},
+                                        "train": {"checkpoint_every_steps": 4}}, consumers=1, slots=6)
+    sup, leader, drafter = run.supervisor(), run.role("target", 0), run.role("drafter", 0)
+    published = lambda: sum(r["ev"] == "pub" for r in read_ledger(ledger / "target-0.jsonl").records)  # noqa: E731
+    wait_for(lambda: (ledger / "target-0.jsonl").exists() and published() >= 3, timeout=300,
+             what="the group publishing")
+    ranks = children(leader.pid)
+    assert len(ranks) == 1, ranks  # the group's rank 1, started by its leader
+    if killed == "rank":
+        os.kill(ranks[0], signal.SIGKILL)
+        assert wait_exit(leader, 60) == 1  # the leader goes down with its rank
+        assert "tensor-parallel rank 1" in (err := leader.stderr.read()) and "SIGKILL" in err, err[-2000:]
+    else:
+        leader.send_signal(signal.SIGKILL)
+        assert wait_exit(leader, 60) == -signal.SIGKILL
+        wait_for(lambda: not alive(ranks[0]), timeout=60, what="the rank dying with its leader")
+    again = run.role("target", 0)  # the group started again as one
+    for p in (again, drafter, sup):
+        assert wait_exit(p, 600) == 0, p.stderr.read()[-3000:]
+    rec = reconcile(read_ledgers(ledger)[0])
+    assert rec["problems"] == [], rec["problems"]
+    assert rec["lost_in_flight"] == 0 and rec["trained_twice"] == 0
+    assert rec["trained_exactly_once"] == rec["planned_batches"] > 0, rec
+    assert run.leftovers() == []
