@@ -216,6 +216,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="eager layers only (default on a GPU: eager as the same-run baseline, then compiled layers)")
     bp.add_argument("--profile", action="store_true",
                     help="add the top GPU kernels of one batch (hybrid targets: also of the per-sequence baseline)")
+    bp.add_argument("--tensor-parallel", type=_at_least_one, default=1, metavar="N",
+                    help="shard the target over N ranks (target.tensor_parallel: NCCL on N GPUs, gloo on the CPU) "
+                         "and measure it against one rank of the same weights, same run")
+    bp.add_argument("--no-baseline", action="store_true",
+                    help="with --tensor-parallel: skip the one-rank run (a shape that does not fit one device)")
     bp.set_defaults(func=cmd_bench_target)
     bp = bench.add_parser("topology", help="target and drafter alone for a shape and recipe: the balanced "
                                            "target:drafter ratio and the layout for a host of GPUs")
@@ -759,6 +764,16 @@ def cmd_bench_recipes(args: argparse.Namespace) -> int:
 
 def cmd_bench_target(args: argparse.Namespace) -> int:
     from dflash_ring.bench.target import run_target_bench
+
+    if args.tensor_parallel > 1:
+        from dflash_ring.bench.target_parallel import run_tensor_parallel_bench
+
+        report = run_tensor_parallel_bench(shape="tiny" if args.tiny else args.shape, device=args.device,
+                                           tensor_parallel=args.tensor_parallel, batches=args.batches,
+                                           max_tokens=args.max_tokens, draft_layers=args.draft_layers,
+                                           packed=not args.padded, baseline=not args.no_baseline)
+        print(json.dumps(report, indent=2))
+        return 0
 
     report = run_target_bench(shape="tiny" if args.tiny else args.shape, device=args.device, batches=args.batches, max_tokens=args.max_tokens,
                               draft_layers=args.draft_layers, final_hidden=args.final_hidden, packed=not args.padded,

@@ -22,7 +22,7 @@ from deploy_support import (DASHBOARD, DATASOURCE_UID, DEPLOY, INSTALLED_BIN, PR
                             dashboard_panels, metric_names, panel_exprs, require)
 
 SERVICES = ["dflash-ring-supervisor.service", "dflash-ring-target@.service", "dflash-ring-drafter@.service",
-            "dflash-ring-drafter-standby@.service"]
+            "dflash-ring-drafter-standby@.service", "dflash-ring-target-group@.service"]
 CONFIG = "/etc/dflash-ring/run.toml"
 ENV_FILE = "/etc/dflash-ring/env"
 
@@ -62,6 +62,7 @@ def installed_binary() -> str:
 @pytest.mark.processes
 @pytest.mark.parametrize("unit", ["dflash-ring-supervisor.service", "dflash-ring.target",
                                   "dflash-ring-target@0.service", "dflash-ring-drafter@6.service",
+                                  "dflash-ring-target-group@2.service",
                                   "dflash-ring-drafter-standby@7.service"])
 def test_units_pass_systemd_analyze_verify(tmp_path, unit):
     tool = require("systemd-analyze", "apt-get install systemd")
@@ -93,7 +94,9 @@ def test_services_are_notify_watchdogged_restartable_and_part_of_the_target():
         if name != "dflash-ring-supervisor.service":
             assert one(u, "Unit", "After") == "dflash-ring-supervisor.service", name
             assert one(u, "Unit", "Wants") == "dflash-ring-supervisor.service", name
-            assert {"CUDA_VISIBLE_DEVICES=%i", "CUDA_DEVICE_ORDER=PCI_BUS_ID"} <= set(s["Environment"]), name
+            assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in s["Environment"], name
+            if name != "dflash-ring-target-group@.service":  # a group's ExecStart sets its N GPUs
+                assert "CUDA_VISIBLE_DEVICES=%i" in s["Environment"], name
     drafter = read_unit("dflash-ring-drafter@.service")
     # A drafter checkpoints on SIGTERM: minutes, not systemd's default 90 s.
     assert one(drafter, "Service", "TimeoutStopSec").endswith("min")
@@ -166,6 +169,19 @@ def test_instance_is_the_gpu_and_the_role_index_comes_from_the_env_file(unit, in
     assert parsed.command == unit.split("-")[2].split("@")[0]
     assert (parsed.index, parsed.device, parsed.config) == (index, "cuda:0", CONFIG)
     assert env["CUDA_VISIBLE_DEVICES"] == instance and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("instance, ranks, index, gpus", [("0", "2", 0, "0,1"), ("2", "2", 1, "2,3"),
+                                                         ("4", "4", 1, "4,5,6,7")])
+def test_a_target_group_unit_sees_its_n_gpus_and_is_producer_first_gpu_over_n(instance, ranks, index, gpus):
+    from dflash_ring.cli import _parser
+
+    args, env = run_exec("dflash-ring-target-group@.service", "ExecStart", instance,
+                         {"DFLASH_TARGET_TENSOR_PARALLEL": ranks})
+    parsed = _parser().parse_args(args)
+    assert (parsed.command, parsed.index, parsed.device, parsed.config) == ("target", index, "cuda:0", CONFIG)
+    assert env["CUDA_VISIBLE_DEVICES"] == gpus and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
 
 
 @pytest.mark.processes

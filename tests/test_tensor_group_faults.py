@@ -14,21 +14,8 @@ import pytest
 from support import build_target, cyclic_rows, pipeline_config, wait_exit, wait_for
 
 from dflash_ring.common.ledger import read_ledger
+from dflash_ring.tools.chaos import group_ranks
 from dflash_ring.tools.reconcile import read_ledgers, reconcile
-
-
-def children(pid: int) -> list[int]:
-    """The live child processes of `pid` (the group's ranks of a leader)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                found.append(int(entry.name))
-    return found
 
 
 def alive(pid: int) -> bool:
@@ -51,7 +38,7 @@ def test_a_group_member_killed_mid_run_restarts_the_group_and_the_ledger_is_exac
     published = lambda: sum(r["ev"] == "pub" for r in read_ledger(ledger / "target-0.jsonl").records)  # noqa: E731
     wait_for(lambda: (ledger / "target-0.jsonl").exists() and published() >= 3, timeout=300,
              what="the group publishing")
-    ranks = children(leader.pid)
+    ranks = group_ranks(leader.pid)
     assert len(ranks) == 1, ranks  # the group's rank 1, started by its leader
     if killed == "rank":
         os.kill(ranks[0], signal.SIGKILL)

@@ -379,14 +379,46 @@ class Phase:
                     else:
                         if victim == "supervisor" and sig == "SIGTERM":
                             drained_by_us = True
-                        pid = r.signal(victim, getattr(signal, sig))
-                        self.kills.append(Kill(time.time(), victim, victim.split("-")[0], sig, pid))
+                        rank = self._kill_rank(victim, rng) if sig == "SIGKILL" else None
+                        pid = rank if rank is not None else r.signal(victim, getattr(signal, sig))
+                        self.kills.append(Kill(time.time(), victim, victim.split("-")[0],
+                                               sig if rank is None else "SIGKILL-rank", pid))
             time.sleep(0.05)
         if self.hung:
             r.kill_all()
         self.unsent = len(schedule)
         if self.window is not None and self.kills:  # postponed kills stretch the window
             self.window = (self.window[0], max(self.window[1], self.kills[-1].t))
+
+
+    def _kill_rank(self, victim: str, rng: random.Random) -> int | None:
+        """With tensor-parallel target groups (target.tensor_parallel > 1), half of a target's SIGKILLs go to one of
+        its group's other ranks instead: its leader must go down with it (exit 1) and the restarter bring the group
+        back as one. The pid killed, or None (the leader itself is to be killed)."""
+        if not victim.startswith("target-") or self.cfg.target.tensor_parallel == 1 or rng.random() < 0.5:
+            return None
+        ranks = group_ranks(self.restarter.procs[victim].pid)
+        if not ranks:  # the leader has not started its ranks yet
+            return None
+        pid = rng.choice(ranks)
+        self.restarter.signalled.add(victim)
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+
+def group_ranks(leader: int) -> list[int]:
+    """The live child processes of a target group's leader: its ranks (producer/tensor_group.py)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state, parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+        except OSError:  # gone meanwhile
+            continue
+        if int(parent) == leader and state != "Z":
+            found.append(int(entry.name))
+    return sorted(found)
 
 
 def _roles(n: int, rng: random.Random) -> list[str]:
