@@ -32,12 +32,13 @@ def split(t: torch.Tensor, batch) -> list[torch.Tensor]:
 
 
 @pytest.mark.processes
-def test_two_rank_gloo_group_gives_the_unsharded_features(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_two_rank_gloo_group_gives_the_unsharded_features(tmp_path, arch):
     """Rank 1 runs in its own process; every linear of the plan is a DTensor shard of half the rows or columns, so a
     forward that skipped a rank's all-reduce or read only its own shard would be off by O(1), not by rounding. The
     bound is the packed-vs-alone one (FEATURE_TOLERANCE, 1e-4 relative RMS): row-wise all-reduce sums the two halves
     of each product in another order than one GEMM does (measured ~2e-7 on this target)."""
-    path = build_target(tmp_path / "qwen3", "qwen3")
+    path = build_target(tmp_path / arch, arch)
     cfg = TargetConfig(path=str(path), num_draft_layers=2, tensor_parallel=2, ship_final_hidden=False)
     with TensorGroup.held(cfg, CPU, contextlib.nullcontext) as group:
         target = TargetModel.load(cfg, CPU, packed=False, group=group)
