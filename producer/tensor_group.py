@@ -95,7 +95,7 @@ def load_sharded(cfg: TargetConfig, device: torch.device):
         from transformers.distributed.configuration_utils import DistributedConfig
 
         plan = {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=dist.get_world_size())}
-    except ImportError:
+    except (ImportError, TypeError):  # a transformers before DistributedConfig took the plan (5.17)
         plan = {"tp_plan": "auto"}
     model = AutoModelForCausalLM.from_pretrained(str(root), dtype=resolve_dtype(cfg.dtype, device),
                                                  attn_implementation=attn, local_files_only=True,
@@ -189,6 +189,10 @@ class TensorGroup:
         """Check the group, start ranks 1..N-1, and join the group as rank 0 (returns once all have joined)."""
         check_group(cfg, device)
         group = cls(cfg, device)
+        # One host: the collectives' sockets on the loopback only (gloo's and NCCL's bootstrap would otherwise bind
+        # the host's interface), as the store is; the ranks inherit it.
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(name, "lo")
         store = dist.TCPStore("127.0.0.1", 0, group.size, is_master=True, timeout=JOIN_TIMEOUT,
                               wait_for_workers=False)
         spec = json.dumps(asdict(cfg))
