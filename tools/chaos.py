@@ -6,7 +6,8 @@ drafters) with the ledger on (`run.ledger_dir`, common/ledger.py):
 1. a baseline without faults (same config, one epoch), for the throughput it reaches;
 2. the chaos run, sized to outlast the fault window. Once training is under way, `kills`
    signals go out at seeded random moments within `seconds`, to random targets, drafters and
-   the supervisor: SIGKILL, or SIGTERM (a target or drafter then stops cleanly; the supervisor
+   the supervisor (with target.tensor_parallel > 1, half of a target's SIGKILLs go to one of its group's other
+   ranks: its leader goes down with it, and is restarted as any dead target is): SIGKILL, or SIGTERM (a target or drafter then stops cleanly; the supervisor
    drains the run, after which the whole run is started again, as an operator would).
    A restarter (tools/restarter.py) brings back every process that was signalled or exited
    non-zero, after a random delay, with the command it was started with (Restart=on-failure).
