@@ -171,9 +171,13 @@ def serve_rank(target, device: torch.device) -> None:
                 target._captured.clear()
 
 
-def _die_with_parent() -> None:
-    """In a rank, before exec: SIGKILL when the leader dies, however it dies (Linux prctl PR_SET_PDEATHSIG)."""
+def die_with_leader(leader: int) -> None:
+    """In a rank, first thing: SIGKILL when the leader dies, however it dies (Linux prctl PR_SET_PDEATHSIG), set by
+    the rank itself (a preexec_fn is unsafe in a leader that already runs threads); a leader already gone by then
+    is seen as another parent."""
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    if os.getppid() != leader:
+        os._exit(1)
 
 
 class TensorGroup:
@@ -201,8 +205,8 @@ class TensorGroup:
                    "LOCAL_RANK": str(rank_device(device, rank).index or 0)}
             group.ranks.append(subprocess.Popen(
                 [sys.executable, "-m", "dflash_ring.producer.tensor_rank", "--store-port", str(store.port),
-                 "--rank", str(rank), "--device", str(rank_device(device, rank)), "--target", spec],
-                env=env, preexec_fn=_die_with_parent))
+                 "--rank", str(rank), "--device", str(rank_device(device, rank)), "--leader", str(os.getpid()),
+                 "--target", spec], env=env))
         for rank, proc in enumerate(group.ranks, start=1):
             threading.Thread(target=group._watch, args=(rank, proc), name=f"rank-{rank}", daemon=True).start()
         os.environ.update(RANK="0", WORLD_SIZE=str(group.size), LOCAL_RANK=str(device.index or 0))

@@ -15,7 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .tensor_group import JOIN_TIMEOUT, backend_for, load_sharded, rank_target_config, serve_rank
+from .tensor_group import JOIN_TIMEOUT, backend_for, die_with_leader, load_sharded, rank_target_config, serve_rank
 from .target import TargetModel
 
 
@@ -24,8 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store-port", type=int, required=True)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--device", required=True)
+    p.add_argument("--leader", type=int, required=True, help="the leader's pid: this rank dies with it")
     p.add_argument("--target", required=True, help="the leader's target settings, as JSON")
     args = p.parse_args(argv)
+    die_with_leader(args.leader)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s target-rank-{args.rank}[%(process)d] %(levelname)s %(name)s: %(message)s")
     # systemd's stop (SIGTERM to the unit's every process) and a terminal's Ctrl-C reach the ranks too: the leader
