@@ -24,12 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from .packing import PerSequence, packed_implementation, packed_spans, packing_refusal, recurrent_mixers
 from .varlen_gated_deltanet import FlaKernels, VarlenGatedDeltaNet, varlen_refusal
-from .tensor_group import TensorGroup, load_sharded, send_run
+from .tensor_group import TensorGroup, send_run
 from dflash_ring.common.device import checked_device
 from dflash_ring.common.safetensors_check import weight_files
 from dflash_ring.common.target_config import TargetConfig, TargetConfigError, load_target_hf_config
@@ -92,6 +93,23 @@ def load_causal_lm(cfg: TargetConfig, device: torch.device) -> PreTrainedModel:
         raise TargetConfigError(f"target.path = {cfg.path}: its safetensors weights do not load ({e}); copy or "
                                 "download them again") from None
     return model.to(device).eval().requires_grad_(False)
+
+
+def load_sharded(cfg: TargetConfig, device: torch.device):
+    """The causal LM sharded by its family's tensor-parallel plan, in the group this process has joined. The plan is
+    named as the installed transformers takes it: DistributedConfig where it has one (5.2x), `tp_plan` otherwise."""
+    root = check_weights(cfg)
+    attn = None if cfg.attn_implementation == "auto" else cfg.attn_implementation
+    try:
+        from transformers.distributed.configuration_utils import DistributedConfig
+
+        plan = {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=dist.get_world_size())}
+    except (ImportError, TypeError):  # a transformers before DistributedConfig took the plan (5.17)
+        plan = {"tp_plan": "auto"}
+    model = AutoModelForCausalLM.from_pretrained(str(root), dtype=resolve_dtype(cfg.dtype, device),
+                                                 attn_implementation=attn, local_files_only=True,
+                                                 use_safetensors=True, **plan)
+    return model.eval().requires_grad_(False)
 
 
 def decoder_of(model: nn.Module) -> nn.Module:

@@ -82,27 +82,6 @@ def check_group(cfg: TargetConfig, device: torch.device) -> None:
                                 "cores; lower it")
 
 
-def load_sharded(cfg: TargetConfig, device: torch.device):
-    """The causal LM sharded by its family's tensor-parallel plan, in the group this process has joined. The plan is
-    named as the installed transformers takes it: DistributedConfig where it has one (5.2x), `tp_plan` otherwise."""
-    from transformers import AutoModelForCausalLM
-
-    from .target import check_weights, resolve_dtype
-
-    root = check_weights(cfg)
-    attn = None if cfg.attn_implementation == "auto" else cfg.attn_implementation
-    try:
-        from transformers.distributed.configuration_utils import DistributedConfig
-
-        plan = {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=dist.get_world_size())}
-    except (ImportError, TypeError):  # a transformers before DistributedConfig took the plan (5.17)
-        plan = {"tp_plan": "auto"}
-    model = AutoModelForCausalLM.from_pretrained(str(root), dtype=resolve_dtype(cfg.dtype, device),
-                                                 attn_implementation=attn, local_files_only=True,
-                                                 use_safetensors=True, **plan)
-    return model.eval().requires_grad_(False)
-
-
 def _send(header: list[int], tensors: list[torch.Tensor], device: torch.device) -> None:
     dist.broadcast(torch.tensor(header + [0] * (HEADER - len(header)), dtype=torch.int64, device=device), src=0)
     for t in tensors:

@@ -15,8 +15,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .tensor_group import JOIN_TIMEOUT, backend_for, die_with_leader, load_sharded, rank_target_config, serve_rank
-from .target import TargetModel
+from .target import TargetModel, load_sharded
+from .tensor_group import JOIN_TIMEOUT, backend_for, die_with_leader, rank_target_config, serve_rank
 
 
 def main(argv: list[str] | None = None) -> int:
