@@ -14,11 +14,9 @@ from pathlib import Path
 # (~1.5 s on a small box). The ring (torch, numpy) and every role are imported by the command that runs.
 from dflash_ring.common.config import Config, ConfigError, default_runtime_root, load_config
 from dflash_ring.common.drafter_config import FP8_RECIPES
-from dflash_ring.common.output_dir import check_output_dir
-from dflash_ring.common.run_name import RunNameError, check_run_name
-from dflash_ring.common.data_config import DataError
-from dflash_ring.common.regenerate_config import RegenerateConfigError
-from dflash_ring.common.target_config import TargetConfigError
+from dflash_ring.common.output_dir import OutputDirError, check_output_dir
+from dflash_ring.common.refusal import Refusal
+from dflash_ring.common.run_name import check_run_name
 
 log = logging.getLogger("dflash_ring")
 # bench target --shape choices, named here so `--help` needs no transformers (bench/target_shapes.py holds them).
@@ -52,11 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("torch.utils._pytree").addFilter(_TorchImportNoise())
     try:
         return args.func(args)
-    except (ConfigError, RunNameError, TargetConfigError, DataError, RegenerateConfigError, RuntimeError,
-            TimeoutError, MemoryError, OSError) as e:
-        # Bad input, a missing file, a refused ring: one line that says what and what to do, exit 2.
-        # The ring's own errors are among these (ConfigMismatchError and RingHeaderError are RuntimeErrors,
-        # RingNotFound an OSError), so naming them needs no import of the ring here.
+    except (Refusal, RuntimeError, TimeoutError, MemoryError, OSError) as e:
+        # The boundary's one rule (common/refusal.py): an input refused by our code, or by a library while it read
+        # or built from the user's file, a missing file, a refused ring: one line that says what and what to do,
+        # exit 2. The ring's own errors are among these (ConfigMismatchError and RingHeaderError are
+        # RuntimeErrors, RingNotFound an OSError), so naming them needs no import of the ring here.
         print(f"dflash-ring {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
 
@@ -273,7 +271,8 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--json", action="store_true")
     bp.add_argument("--tiny", action="store_true", help="a small shape (CPU smoke run)")
     bp.add_argument("--steps", type=int, default=5)
-    bp.add_argument("--shape", default="qwen3-8b", help="target shape (bench/target_shapes.py): qwen3-8b, qwen3.6-27b")
+    bp.add_argument("--shape", default="qwen3-8b", choices=sorted(set(SHAPE_NAMES) - {"tiny"}),
+                    help="target shape (bench/target_shapes.py); --tiny for the CPU smoke run")
     bp.add_argument("--recipe", default="paper", help="drafter.recipe: paper, dpace, ddtree, dspark")
     bp.add_argument("--seqs", type=_at_least_one, default=None,
                     help="samples per step (default: 4 x 3072 tokens where the step fits the GPU, else as many "
@@ -523,13 +522,10 @@ def cmd_check_target(args: argparse.Namespace) -> int:
 
     cfg = _config(args).target
     mode = cfg.packing
-    try:
-        target = TargetModel.load(cfg, resolve_device(args.device or cfg.device), packed=False)
-        report = choose_packing(target, "auto" if mode == "packed" else mode)  # report first, refuse below
-        head, head_errors = probe_target_head(cfg.path)  # what the drafter derives at its start
-    except (OSError, TargetConfigError, KeyError, ValueError) as e:  # HeadProbeError is a ValueError
-        print(f"dflash-ring check-target: error: {e}", file=sys.stderr)
-        return 2
+    # Refusals of the model (TargetConfigError, HeadProbeError) are one line at main's boundary.
+    target = TargetModel.load(cfg, resolve_device(args.device or cfg.device), packed=False)
+    report = choose_packing(target, "auto" if mode == "packed" else mode)  # report first, refuse below
+    head, head_errors = probe_target_head(cfg.path)  # what the drafter derives at its start
     if args.json:
         body = json.loads(report_json(report, mode, target.packed))
         body["head"] = {**head.to_json(), "verified_relative_error": asdict(head_errors)}
@@ -551,20 +547,29 @@ def cmd_check_target(args: argparse.Namespace) -> int:
 def cmd_check_config(args: argparse.Namespace) -> int:
     """What every role does first (load_config: types, each number's range, the sections' own checks), alone:
     the cheap way to vet a config before a run, and what tests/test_config_bounds.py drives. With
-    drafter.precision = "fp8" also what a drafter checks first: this host's GPU (train.device) and torchao. With a
-    target.path that exists, also its config.json as every role reads it and the drafter's settings against it."""
+    drafter.precision = "fp8" also what a drafter checks first: this host's GPU (train.device) and torchao. Then
+    tracking.dir as a drafter checks it at start. With a target.path that exists, also its config.json as every
+    role reads it, the drafter's settings against it, and the model transformers builds from it (on the meta
+    device) against its weights' shapes."""
     cfg = _config(args)
     if cfg.drafter.precision == "fp8":
         from dflash_ring.consumer.fp8 import check_precision  # torch: only for a config that needs a GPU's look
 
         check_precision(cfg.drafter.precision, cfg.train.device)
+    # The output directories a role refuses at its start (tracking.dir: every drafter's record file).
+    try:
+        check_output_dir(cfg.tracking_dir())
+    except (OutputDirError, OSError) as e:  # OSError: a path it cannot even stat
+        raise ConfigError(f"tracking.dir: {e}") from None
     if cfg.target.path and Path(cfg.target.path).expanduser().is_dir():
-        # What every role reads of the target (config.json's geometry; transformers' config class only where the
-        # file names its geometry otherwise, or names it with values of the wrong type) and what a drafter checks
-        # against it (mask token, layers): JSON and config classes, no weights.
+        # What every role reads of the target (config.json's geometry) and what a drafter checks against it (mask
+        # token, layers); then the model as transformers builds it from config.json, on the meta device, against
+        # the weights' shapes (common/target_config.check_target_builds): config classes and headers, no weights.
         from dflash_ring.common.config import drafter_target_settings
+        from dflash_ring.common.target_config import check_target_builds
 
         drafter_target_settings(cfg)
+        check_target_builds(cfg.target.path)
         if cfg.target.tensor_parallel > 1:  # the target's counts and family, this host's devices
             from dflash_ring.producer.target import resolve_device
             from dflash_ring.producer.tensor_group import check_group

@@ -29,6 +29,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from dflash_ring.common.device import checked_device
 from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 from dflash_ring.producer.generation import GenerationSettings, Prompt
 from dflash_ring.producer.hf_engine import HfEngine
@@ -71,7 +72,7 @@ def _sync(device: torch.device) -> None:
 def run_regenerate_bench(*, shape: str = "qwen3-8b", device: str | None = None, prompts: int = 256,
                          max_new_tokens: int = 128, batch_size: int = 64, batch_tokens: int = 65536,
                          median_words: int = 150, max_words: int = 1500) -> dict[str, Any]:
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = checked_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))  # one line if not here
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = tiny_chat_tokenizer(Path(tmp) / "tokenizer", corpus=[" ".join(WORDS)] * 4)

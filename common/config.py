@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
+from dflash_ring.common.refusal import Refusal
 from dflash_ring.common.bounded_read import CONFIG_BYTES, read_text
 from dflash_ring.common.range_config import DEFAULT, PositiveSeconds, Range, Seconds, range_of, refusal
 from dflash_ring.common.run_name import RunNameError, check_run_name
@@ -32,7 +33,7 @@ from dflash_ring.common.regenerate_config import RegenerateConfig
 from dflash_ring.common.tracking_config import TrackingConfig
 
 
-class ConfigError(ValueError):
+class ConfigError(Refusal, ValueError):
     """A config file or override that cannot be used; the message says which key and why."""
 
 

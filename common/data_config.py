@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
+from dflash_ring.common.refusal import Refusal
 from dflash_ring.common.range_config import AtLeastOne, Positive, Range, Share
 
 DataFormat = Literal["auto", "json", "jsonl", "parquet", "arrow", "disk"]
@@ -17,7 +18,7 @@ MAX_SOURCES, MAX_SOURCE_NAME = 16, 64
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")  # valid in a metric label, a tracker key and a file name alike
 
 
-class DataError(ValueError):
+class DataError(Refusal, ValueError):
     """The data set (or its configuration) cannot be used; the message says what to fix."""
 
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
+from dflash_ring.common.refusal import Refusal
 from dflash_ring.common.range_config import AtLeastOne, PositiveSeconds, Range
 
 EngineName = Literal["hf", "openai"]
 
 
-class RegenerateConfigError(ValueError):
+class RegenerateConfigError(Refusal, ValueError):
     """The [regenerate] settings cannot be used; the message says which key and why."""
 
 

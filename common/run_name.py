@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import re
 
+from dflash_ring.common.refusal import Refusal
+
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,47}$")
 RULE = "1-48 characters of [A-Za-z0-9_.-], starting with a letter or digit"
 
 
-class RunNameError(ValueError):
+class RunNameError(Refusal, ValueError):
     """A run name that could leave the lock directory or the IPC namespace; the message says where it came from."""
 
 

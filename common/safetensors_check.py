@@ -11,18 +11,19 @@ import json
 from pathlib import Path
 
 from .bounded_read import INDEX_BYTES, read_text
-from .target_config import TargetConfigError
+from .refusal import Refusal
 
 _HEADER_BYTES = 100 << 20  # the format's own limit on the JSON header
 
 
-class DamagedWeightsError(TargetConfigError):
+class DamagedWeightsError(Refusal, ValueError):
     """A safetensors file (or its index) that does not parse; the message names the file and what is wrong (a
-    TargetConfigError, so every command prints it as its one error line)."""
+    Refusal, so every command prints it as its one error line)."""
 
 
-def check_safetensors_file(path: Path) -> None:
-    """Raise DamagedWeightsError unless `path` has a readable header whose tensors all lie within the file."""
+def check_safetensors_file(path: Path) -> dict:
+    """Raise DamagedWeightsError unless `path` has a readable header whose tensors all lie within the file; return
+    the header."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -52,6 +53,22 @@ def check_safetensors_file(path: Path) -> None:
         end = max(end, stop)
     if end != data:
         raise _damaged(path, f"its tensors end at byte {end} of {data} bytes of data")
+    return header
+
+
+def weight_shapes(root: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape as the model directory's safetensors headers give it (none without weights)."""
+    if not any((root / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+        return {}
+    shapes = {}
+    for f in weight_files(root):
+        for name, info in check_safetensors_file(f).items():
+            if name != "__metadata__":
+                try:
+                    shapes[name] = tuple(int(x) for x in info["shape"])
+                except (KeyError, TypeError, ValueError):
+                    raise _damaged(f, f"tensor {name!r} has no valid shape") from None
+    return shapes
 
 
 def weight_files(root: Path) -> list[Path]:

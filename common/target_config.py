@@ -15,10 +15,13 @@ same geometry; only such configs make a role import transformers (and torch) to 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from dflash_ring.common.refusal import Refusal
 from dflash_ring.common.drafter_config import build_target_layer_ids, target_text_config
 from dflash_ring.common.range_config import Range
 
@@ -31,7 +34,7 @@ Packing = Literal["auto", "packed", "padded"]
 GEOMETRY_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size")
 
 
-class TargetConfigError(ValueError):
+class TargetConfigError(Refusal, ValueError):
     """The target settings (or the model they point at) cannot be used; the message says what to fix."""
 
 
@@ -113,6 +116,12 @@ class TargetConfig:
             raise TargetConfigError(f"target.path: {file} does not exist (a local HF model directory is needed)") from None
         except json.JSONDecodeError as e:
             raise TargetConfigError(f"target.path: {file} is not valid JSON: {e}") from None
+        except (UnicodeDecodeError, RecursionError) as e:
+            raise TargetConfigError(f"target.path: {file} is not a JSON text ({type(e).__name__})") from None
+        if not isinstance(config, dict) or not isinstance(config.get("text_config") or {}, dict):
+            what = "the file" if not isinstance(config, dict) else "its text_config"
+            raise TargetConfigError(f"target.path: {file}: {what} is not a JSON object; point target.path at a "
+                                    "Hugging Face model directory")
         return target_text_config(config)
 
     def geometry(self) -> TargetGeometry:
@@ -186,17 +195,58 @@ def load_target_hf_config(path: str | Path) -> Any:
     model_type; a file that is not JSON) in one line naming the file and the field, as TargetConfigError."""
     from transformers import AutoConfig  # the installed config classes only, never modeling code
 
-    try:
-        from huggingface_hub.errors import StrictDataclassError  # transformers >= 5.2x validates config fields
-    except ImportError:  # an older huggingface_hub: no strict dataclasses, nothing of theirs to catch
-        StrictDataclassError = ValueError  # noqa: N806
     file = Path(path).expanduser() / "config.json"
     try:
         return AutoConfig.from_pretrained(Path(path).expanduser(), local_files_only=True)
-    except (StrictDataclassError, ValueError, TypeError, KeyError, OSError, RecursionError) as e:
-        why = " ".join(str(e).split()) or type(e).__name__
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 (the reading phase's rule: whatever transformers raises reading the
+        # file is the file's: strict-dataclass validation errors, a dtype it cannot name (AttributeError), ...)
+        why = " ".join(str(e).split())[:500] or type(e).__name__
         raise TargetConfigError(f"target config {file}: transformers refuses it ({why}); fix that field of the "
                                 "file or point target.path at another model") from None
+
+
+@contextmanager
+def building_from(path: str | Path) -> Iterator[None]:
+    """While transformers builds (or loads) a model from the target directory: whatever it raises there, but for
+    our own refusals and running out of memory, is the directory's fault (a config.json that its config class
+    takes yet the model code cannot build: zero heads divide by zero, a negative width is a negative dimension;
+    weights of other shapes than config.json gives), so it becomes one TargetConfigError naming the directory,
+    the library's exception and its message. The rule for the loading phase, at every place a target is built;
+    errors after it (our code running the model) still show their traceback."""
+    import torch
+
+    try:
+        yield
+    except (Refusal, MemoryError, torch.OutOfMemoryError):
+        raise
+    except Exception as e:  # noqa: BLE001 (the phase's rule, see above)
+        why = " ".join(str(e).split())[:500] or "no message"
+        raise TargetConfigError(f"target {Path(path).expanduser()}: transformers cannot build the model its "
+                                f"config.json describes ({type(e).__name__}: {why}); fix config.json (or the "
+                                "weights) or point target.path at another model") from None
+
+
+def check_target_builds(path: str | Path) -> None:
+    """What a role does with the target directory short of reading its weights, for `check-config`: its config
+    class (load_target_hf_config), the causal LM built from it on the meta device (no memory, no weights: the
+    arithmetic the config class does not validate), and where there are safetensors weights, every tensor of that
+    model that the weights hold has their shape (a config.json of another width than its weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dflash_ring.common.safetensors_check import weight_shapes
+
+    config = load_target_hf_config(path)
+    with building_from(path), torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    for name, shape in weight_shapes(Path(path).expanduser()).items():
+        if name in expected and expected[name] != shape:
+            raise TargetConfigError(f"target {Path(path).expanduser()}: config.json makes {name} of shape "
+                                    f"{list(expected[name])}, its weights hold {list(shape)}: fix config.json or "
+                                    "point target.path at the model these weights belong to")
 
 
 def _geometry_from_config_class(path: str) -> tuple[int, int, int]:

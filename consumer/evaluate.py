@@ -49,7 +49,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash_ring.common.chat_encoding import conversation_of, decode_json_row, eos_ids
-from dflash_ring.common.target_config import load_target_hf_config
+from dflash_ring.common.target_config import building_from, load_target_hf_config
 
 from .calibration import ConfidenceCalibration, confidence_calibration
 from .draft_tree import build_draft_tree, check_tree_target, follow_greedy, keep_path, tree_attention_mask
@@ -532,7 +532,8 @@ def _evaluate(drafter_dir: str | Path, target_dir: str | Path, data: str | Path,
         raise ValueError("tree verification (tree budgets) takes a DFlash drafter: a DFlash2 drafter's selector scores "
                          "each slot with the token drafted before it, which a tree of independent slots would drop")
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
+    with building_from(target_dir):  # a config.json the model code cannot build: one line naming the directory
+        target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
     check_compatible(drafter, target)
     eos = eos_ids(target, tokenizer)
     prompts = chat_prompts(data, tokenizer, limit)

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_ring.common.refusal import Refusal
 from .target_head import FrozenTargetHead, HeadSpec
 
 # float32 arithmetic: a head that does what the model does is exact or a few ulp off; a wrong scale,
@@ -37,7 +38,7 @@ TOLERANCE = 1e-5
 _TOKENS = 32
 
 
-class HeadProbeError(ValueError):
+class HeadProbeError(Refusal, ValueError):
     """The drafter's head cannot reproduce the target's (one line: which part, the measured error)."""
 
 

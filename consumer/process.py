@@ -59,7 +59,7 @@ from dflash_ring.consumer.head_loader import load_target_head
 from dflash_ring.consumer.model import build_drafter
 from dflash_ring.consumer.replica_group import ReplicaGroup
 from dflash_ring.consumer.replicas import ReplicaAverager
-from dflash_ring.consumer.source_metrics import SourceLabels, SourceStats, add_sources
+from dflash_ring.consumer.source_metrics import SourceLabels, SourceStats, add_sources, held_out_sources
 from dflash_ring.consumer.step_record import (RingReading, Window, eval_scalars, log_line, source_line,
                                               step_scalars)
 from dflash_ring.consumer.target_head import FrozenTargetHead
@@ -315,8 +315,17 @@ class DrafterLoop:
         self.log_every, self.ledger, self.release, self.eval_every = log_every, ledger, release, eval_every
         self.window = Window(read_ring)
         self.unlogged: tuple[int, int, dict[str, float]] | None = None  # the newest step, when not logged
-        self.eval_sources: dict[str, SourceStats] = {}  # the held-out items since the last evaluation record
-        self.eval_items = 0
+        # The held-out items since the last evaluation record, by batch identity: those a killed predecessor
+        # evaluated (their sums in the record file, tracking.HELD_OUT) first, so a kill between two evaluation
+        # records loses none of them, and one evaluated again (redelivered before its release) counts once.
+        self.eval_sources: dict[str, SourceStats] = {}
+        self.eval_seen: set[str] = set()
+        for line in tracking.record.held_out:
+            try:
+                self._count_held_out(str(line["item"]), held_out_sources(line["sources"]))
+            except (KeyError, TypeError, ValueError) as e:
+                log.warning("tracking: a held-out line of %s is malformed (%s): left out of the next evaluation "
+                            "record", tracking.record.f.name, " ".join(str(e).split()) or type(e).__name__)
 
     def take(self, taken: tuple[DeviceBatch, SlotReader]) -> None:
         """One item from the ring: evaluated if held out, else trained."""
@@ -325,12 +334,24 @@ class DrafterLoop:
         else:
             self.train(taken)
 
+    @property
+    def eval_items(self) -> int:
+        return len(self.eval_seen)
+
+    def _count_held_out(self, item: str, stats: dict[str, SourceStats]) -> bool:
+        if item in self.eval_seen:
+            return False
+        self.eval_seen.add(item)
+        add_sources(self.eval_sources, stats)
+        return True
+
     def evaluate(self, taken: tuple[DeviceBatch, SlotReader]) -> None:
         batch, slot = taken
         self.consumed.add(batch.meta)
         stats = self.trainer.evaluate(batch)
-        add_sources(self.eval_sources, stats)
-        self.eval_items += 1
+        item = json.dumps(identity(batch.meta), sort_keys=True)
+        if self._count_held_out(item, stats):  # its sums kept before the release: a kill cannot lose them
+            self.tracking.record.hold_out({"item": item, "sources": {n: asdict(s) for n, s in stats.items()}})
         if self.ledger is not None:  # before the release: a kill in between redelivers it (reconcile knows)
             self.ledger.write("eval", step=self.trainer.step, item=slot.item, deliveries=slot.deliveries,
                               **identity(batch.meta))
@@ -345,13 +366,16 @@ class DrafterLoop:
         if not self.eval_items:
             return
         record = eval_scalars(self.eval_sources, self.eval_items)
-        self.eval_sources, self.eval_items = {}, 0
+        # A restarted drafter's step at or below its series' last evaluation record has one already: these items
+        # wait for the next step past it instead of being dropped with the record.
+        if not self.tracking.emit(self.trainer.step, record):  # the record file and the trackers: the eval series
+            return
+        self.eval_sources, self.eval_seen = {}, set()
         self.metrics.publish_sources(record)
         text = (f"eval at step {self.trainer.step}: {int(record['eval/items'])} held-out items, loss "
                 f"{record.get('eval/loss', float('nan')):.4f} acc {record.get('eval/accuracy', float('nan')):.3f} "
                 f"accept_len {record.get('eval/accept_len', float('nan')):.2f}")
         log.info("%s; by source: %s", text, source_line(record, "eval/"))
-        self.tracking.emit(self.trainer.step, record)  # the record file and the trackers: the eval series
 
     def train(self, taken: tuple[DeviceBatch, SlotReader]) -> None:
         batch, slot = taken

@@ -75,6 +75,22 @@ class SourceStats:
         return self.accept_prob_sum / self.blocks if self.blocks else 0.0
 
 
+def held_out_sources(saved: dict[str, dict[str, float]]) -> dict[str, SourceStats]:
+    """Per-source sums as a record file keeps them (`asdict` of each SourceStats), read back: ValueError or
+    TypeError for a value that is not one of the numbers written there."""
+    out = {}
+    for name, d in saved.items():
+        if set(d) != {f.name for f in fields(SourceStats)}:
+            raise ValueError(f"source {name!r}: keys {sorted(d)}")
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+        for k, v in values.items():
+            for x in v if isinstance(v, tuple) else (v,):
+                if isinstance(x, bool) or not isinstance(x, (int, float)) or x != x or abs(x) == float("inf"):
+                    raise ValueError(f"source {name!r}: {k} = {v!r}")
+        out[str(name)] = SourceStats(**values)
+    return out
+
+
 def add_sources(total: dict[str, SourceStats], part: dict[str, SourceStats]) -> None:
     for name, stats in part.items():
         total.setdefault(name, SourceStats()).add(stats)

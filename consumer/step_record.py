@@ -80,7 +80,20 @@ def step_scalars(m: StepMetrics, w: WindowStats) -> dict[str, float]:
         **dspark_scalars(m),
         **dflash2_scalars(m),
         **source_scalars(w.by_source),  # over the window: a source missing from one batch still has a figure
+        **window_scalars(w.by_source),
     }
+
+
+def window_scalars(by_source: dict[str, SourceStats]) -> dict[str, float]:
+    """`window/{loss,accuracy,accept_len,accept_len_prob,blocks}`: every source's blocks of the window together,
+    by the very sums `source/<name>/...` are ratios of. `loss` and `accept_len` above are the logged step's own;
+    these are the window's, so `dflash-ring report` draws one definition of a window's value in its per-drafter
+    and per-source panels (a window of one source gives that source's figures). Nothing without a block."""
+    total = overall(by_source)
+    if not total.blocks:
+        return {}
+    return {"window/loss": total.loss, "window/accuracy": total.accuracy, "window/accept_len": total.accept_len,
+            "window/accept_len_prob": total.accept_len_prob, "window/blocks": float(total.blocks)}
 
 
 def dspark_scalars(m: StepMetrics) -> dict[str, float]:

@@ -22,7 +22,7 @@ from torch import nn
 
 from dflash_ring.common.bounded_read import CONFIG_BYTES, read_text
 from dflash_ring.common.safetensors_check import DamagedWeightsError, weight_files
-from dflash_ring.common.target_config import load_target_hf_config
+from dflash_ring.common.target_config import TargetConfigError, load_target_hf_config
 from dflash_ring.consumer.fp8_head import Fp8Head
 
 # Checkpoint names, in order: text models, transformers-5 multimodal wrappers (Qwen3.5, Gemma3 as
@@ -155,7 +155,7 @@ def _tensor_files(root: Path) -> dict[str, Path]:
 def _one_key(files: dict[str, Any], keys: tuple[str, ...], root: Path, what: str) -> str | None:
     found = [k for k in keys if k in files]
     if len(found) > 1:
-        raise ValueError(f"{root}: the checkpoint holds several {what} tensors {found}; keep only the model's own")
+        raise TargetConfigError(f"{root}: the checkpoint holds several {what} tensors {found}; keep only the model's own")
     return found[0] if found else None
 
 
@@ -164,7 +164,7 @@ def head_tensor_keys(root: Path) -> tuple[dict[str, Path], str, str | None]:
     files = _tensor_files(root)
     embed_key = _one_key(files, EMBED_KEYS, root, "embedding")
     if embed_key is None:
-        raise KeyError(f"{root}: none of {EMBED_KEYS} in the checkpoint")
+        raise TargetConfigError(f"{root}: none of {EMBED_KEYS} in the checkpoint")
     return files, embed_key, _one_key(files, LM_HEAD_KEYS, root, "lm_head")
 
 
@@ -180,9 +180,9 @@ def read_head(root: Path, files: dict[str, Path], embed_key: str, lm_head_key: s
     if tied:
         # The model uses the embedding as its lm_head; a stored copy that differs would be ignored by it.
         if lm_head_key is not None and not torch.equal(read(lm_head_key), embed):
-            raise ValueError(f"{root}: tie_word_embeddings is true but {lm_head_key} differs from {embed_key}; "
-                             "fix the checkpoint or set tie_word_embeddings false in its config.json")
+            raise TargetConfigError(f"{root}: tie_word_embeddings is true but {lm_head_key} differs from {embed_key}; "
+                                    "fix the checkpoint or set tie_word_embeddings false in its config.json")
         return embed, None
     if lm_head_key is None:
-        raise KeyError(f"{root}: no lm_head.weight although tie_word_embeddings is false")
+        raise TargetConfigError(f"{root}: no lm_head.weight although tie_word_embeddings is false")
     return embed, read(lm_head_key)

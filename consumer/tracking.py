@@ -41,6 +41,9 @@ from dflash_ring.common.output_dir import OutputDirError, check_output_dir
 log = logging.getLogger(__name__)
 
 TRAIN, EVAL = "train", "eval"
+# A held-out item's sums, written to the record file before the item is released: the evaluation record that
+# will hold them comes at the next multiple of train.eval_every_steps, and a kill before it must not lose them.
+HELD_OUT = "held-out"
 INSTALL = "pip install 'dflash-ring[tracking]'"
 
 
@@ -82,6 +85,13 @@ class RecordFile:
         self.last: dict[str, int] = {}
         lines, whole = _complete_lines(path.read_bytes()) if path.exists() else ([], 0)
         self.logged = [x for x in lines if "step" in x]  # what a restarted drafter may send a tracker again
+        # The held-out items evaluated after the last evaluation record: the next one's (a restart's too).
+        self.held_out: list[dict[str, Any]] = []
+        for x in lines:
+            if x.get("series") == EVAL:
+                self.held_out = []
+            elif x.get("series") == HELD_OUT:
+                self.held_out.append(x)
         for x in lines:
             if "step" in x:
                 self.last[x["series"]] = max(self.last.get(x["series"], 0), int(x["step"]))
@@ -96,6 +106,15 @@ class RecordFile:
             self._line(self.header)
         self._line({"step": step, "series": series, "time": round(time.time(), 3), **record})
         self.last[series] = step
+        if series == EVAL:
+            self.held_out = []
+
+    def hold_out(self, line: dict[str, Any]) -> None:
+        """One held-out item's sums (HELD_OUT, no "step": no tracker's series), synced before its slot is released."""
+        if self.f.tell() == 0:
+            self._line(self.header)
+        self._line({"series": HELD_OUT, **line})
+        self.held_out.append({"series": HELD_OUT, **line})
 
     def _line(self, value: dict[str, Any]) -> None:
         self.f.write(json.dumps(value).encode() + b"\n")
@@ -292,15 +311,16 @@ class Tracking:
                      ", ".join(f"{b.name}{'' if b.kept is None else f' had {b.kept}'}" for b in self.backends)
                      or "record file only")
 
-    def emit(self, step: int, record: dict[str, float]) -> None:
+    def emit(self, step: int, record: dict[str, float]) -> bool:
         """One logged step's record, once per series: a restarted drafter's steps up to its last logged one are
-        in the series already."""
+        in the series already. Whether it was written (False: that series has this step)."""
         series = series_of(record)
         if step <= self.record.last.get(series, 0):
-            return
+            return False
         self.record.write(step, series, record)
         for b in list(self.backends):
             self._send(b, [{"step": step, **record}])
+        return True
 
     def _send(self, b: Backend, lines: list[dict[str, Any]]) -> None:
         step = 0

@@ -38,7 +38,7 @@ from dflash_ring.common.durable import fsync
 from dflash_ring.common.metrics import RegenerateMetrics
 from dflash_ring.common.output_dir import check_output_dir
 from dflash_ring.common.regenerate_config import RegenerateConfigError
-from dflash_ring.common.target_config import TargetConfigError
+from dflash_ring.common.refusal import Refusal
 
 from .data_source import DataFiles, batch_rows, check_row_size, locate, max_row_bytes, open_dataset
 from .generation import Engine, GenerationSettings, Prompt, Reply
@@ -283,7 +283,7 @@ def _opened(cfg: Config, device: str | None, finished: int) -> Engine:
     """The engine, or a one-line error: a failure to load it ends the job with finished shards kept."""
     try:
         return open_engine(cfg, device)
-    except (TargetConfigError, RegenerateConfigError, OSError):  # already one clear line
+    except (Refusal, OSError):  # already one clear line
         raise
     except Exception as e:
         log.debug("engine failure", exc_info=True)

@@ -33,7 +33,7 @@ from .varlen_gated_deltanet import FlaKernels, VarlenGatedDeltaNet, varlen_refus
 from .tensor_group import TensorGroup, send_run
 from dflash_ring.common.device import checked_device
 from dflash_ring.common.safetensors_check import weight_files
-from dflash_ring.common.target_config import TargetConfig, TargetConfigError, load_target_hf_config
+from dflash_ring.common.target_config import TargetConfig, TargetConfigError, building_from, load_target_hf_config
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +85,14 @@ def load_causal_lm(cfg: TargetConfig, device: torch.device) -> PreTrainedModel:
     attn = None if cfg.attn_implementation == "auto" else cfg.attn_implementation  # HF: sdpa, else eager
     from safetensors import SafetensorError
 
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(root), dtype=resolve_dtype(cfg.dtype, device),
-                                                     attn_implementation=attn, local_files_only=True,
-                                                     use_safetensors=True)
-    except SafetensorError as e:  # damage the header check cannot see (a tensor's bytes of the wrong kind)
-        raise TargetConfigError(f"target.path = {cfg.path}: its safetensors weights do not load ({e}); copy or "
-                                "download them again") from None
+    with building_from(root):  # a config.json the model code cannot build, weights of other shapes: one line
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(root), dtype=resolve_dtype(cfg.dtype, device),
+                                                         attn_implementation=attn, local_files_only=True,
+                                                         use_safetensors=True)
+        except SafetensorError as e:  # damage the header check cannot see (a tensor's bytes of the wrong kind)
+            raise TargetConfigError(f"target.path = {cfg.path}: its safetensors weights do not load ({e}); copy "
+                                    "or download them again") from None
     return model.to(device).eval().requires_grad_(False)
 
 

@@ -34,6 +34,13 @@ from dflash_ring.supervisor.unfinished import save_unfinished, seal_journals
 
 log = logging.getLogger(__name__)
 
+# The run ended and was torn down after a silent straggler was fenced (SIGKILLed, what it held handed to the replay
+# lists): a clean end, not a failure, yet one an operator should hear of (the log's error lines say which process).
+# Its own code, so scripts can tell it from 0 and from 1; the supervisor unit lists it in SuccessExitStatus=, so
+# systemd's Restart=on-failure does not restart a run that ended. A straggler that survives SIGKILL is still 1.
+EXIT_FENCED = 3
+
+
 class SupervisorError(RuntimeError):
     pass
 
@@ -197,7 +204,7 @@ class Supervisor:
                             self.close()
                             return 1
                         self._teardown(ring)
-                        return 1
+                        return EXIT_FENCED
                 time.sleep(self.cfg.supervisor.reap_interval_s)
         finally:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -395,6 +395,21 @@ CASES = [
      "--whole-run-stops 3 with --kills 0"),
     ("chaos-negative-seconds", None, ["chaos", "--seconds", "-1", "--workdir", "{tmp}/c"],
      "--seconds -1.0: the fault window must be a finite number of seconds > 0"),
+    ("supervisor-hidden-size-a-list", _target_with("hidden_size", "[64]"),
+     ["supervisor", "--set", "run.name={run}", "--set", 'run.run_dir="{tmp}/locks"', *NO_METRICS],
+     "{tmp}/model/config.json: transformers refuses it (Validation error for field 'hidden_size'"),
+    ("check-target-zero-heads", _target_with("num_attention_heads", "0"), ["check-target"],
+     "{tmp}/model: transformers cannot build the model its config.json describes (ZeroDivisionError"),
+    ("check-config-zero-heads", _target_with("num_attention_heads", "0"), ["check-config"],
+     "{tmp}/model: transformers cannot build the model its config.json describes (ZeroDivisionError"),
+    ("check-config-width-not-the-weights", _target_with("hidden_size", "65"), ["check-config"],
+     "config.json makes lm_head.weight of shape [410, 65], its weights hold [410, 64]"),
+    ("check-config-tracking-dir-a-file", _a_file, ["check-config", "--set", 'tracking.dir="{tmp}/afile/x"'],
+     "tracking.dir: output directory {tmp}/afile/x: {tmp}/afile is not a directory"),
+    ("report-out-not-png", _records('{"step": 1, "series": "train", "loss": 1.0}'),
+     ["report", "{tmp}", "--out", "{tmp}/x.jpgx"], "--out {tmp}/x.jpgx: the report is a PNG"),
+    ("bench-regenerate-no-cuda", None, ["bench", "regenerate", "--shape", "tiny", "--device", "cuda:0"],
+     "device 'cuda:0': no CUDA device here"),
 ]
 
 
@@ -404,7 +419,7 @@ def test_bad_invocation_is_one_line_exit_2(tmp_path, case):
     ident, setup, argv, says = case
     if setup is _foreign_ring and os.geteuid() != 0:
         pytest.skip("needs root to hand a segment to another uid")
-    if ident == "eval-no-cuda":
+    if ident in ("eval-no-cuda", "bench-regenerate-no-cuda"):
         import torch
 
         if torch.cuda.is_available():

@@ -122,6 +122,10 @@ def test_a_mixture_reports_per_source_and_evaluates_held_out_items_exactly_once_
     evals = [r for r in records if r["series"] == "eval"]
     assert evals and all(r["eval/items"] >= 1 and "eval/accept_len" in r for r in evals)
     assert {k.split("/")[2] for r in evals for k in r if k.startswith("eval/source/")} == {"code", "chat"}
+    # Every held-out batch is in the evaluation series once: those the killed drafter evaluated before its next
+    # evaluation record were kept in the record file (series "held-out") and reported by its successor, and the
+    # redelivered one, evaluated twice, counts once.
+    assert sum(r["eval/items"] for r in evals) == len(held), (evals, held)
     # Held-out items take no step: the LR schedule's estimate of the run's steps counts training items only,
     # from the first step after the restart to the last (a third of the items are held out here). Batches the killed
     # drafter's journal had produced again arrive unannounced, so the estimate learns of them late.

@@ -54,9 +54,9 @@ def imported_modules(path: Path, root: Path = ROOT) -> set[str]:
 
 
 def sources(root: Path = ROOT) -> dict[str, Path]:
-    """Every module of the package by its dotted name (tests, the venv and caches left out)."""
+    """Every module of the package by its dotted name (tests, builds and hidden folders such as the venv left out)."""
     return {module_name(path, root): path for path in sorted(root.rglob("*.py"))
-            if not {"tests", ".venv", "build"} & set(path.relative_to(root).parts)}
+            if not any(part in ("tests", "build") or part.startswith(".") for part in path.relative_to(root).parts)}
 
 
 def imported_packages(path: Path, root: Path = ROOT) -> set[str]:

@@ -215,3 +215,54 @@ def test_the_report_draws_each_drafter_and_source_the_records_have(tmp_path):
                                                        "per source: chat, code")
     height, width, _ = matplotlib.image.imread(out).shape
     assert width > height  # two columns: per drafter, per source
+
+
+def test_both_panels_draw_one_definition_of_a_windows_value_and_the_held_out_curves(tmp_path):
+    """A drafter trained on one source: its per-drafter curve (window/...) and that source's curve are the same
+    numbers, the last step's own loss (another value) is not drawn; held-out points appear in both panels."""
+    import matplotlib
+
+    from dflash_ring.tools.report import _pyplot, checked_records, figure
+
+    cfg = load_config(None, [f'tracking.dir="{tmp_path / "tracking"}"', "run.name=one"])
+    with Tracking(cfg, 0) as tracking:
+        for step in range(1, 5):
+            tracking.emit(step, {"loss": 9.0 + step, "accept_len": 9.0, "window/loss": 3.0 / step,
+                                 "window/accept_len": 1 + step / 4, "source/code/loss": 3.0 / step,
+                                 "source/code/accept_len": 1 + step / 4})
+        tracking.emit(2, {"eval/loss": 2.0, "eval/accept_len": 1.4, "eval/source/code/loss": 2.0,
+                          "eval/source/code/accept_len": 1.4})
+    records = {0: checked_records(tmp_path / "tracking" / "drafter-0.jsonl")}
+    plt = _pyplot()
+    fig, sources = figure(plt, records, "one", tmp_path)
+    try:
+        assert sources == ["code"] and matplotlib.get_backend().lower() == "agg"
+        axes = fig.axes
+        lines = {(i, ln.get_label()): list(ln.get_ydata()) for i, ax in enumerate(axes) for ln in ax.get_lines()}
+        # axes: [0] per-drafter loss, [1] per-source loss, [2] per-drafter accept length, [3] per-source
+        assert lines[(0, "drafter-0")] == lines[(1, "code (drafter-0)")] == [3.0 / s for s in range(1, 5)]
+        assert lines[(2, "drafter-0")] == lines[(3, "code (drafter-0)")] == [1 + s / 4 for s in range(1, 5)]
+        assert lines[(0, "drafter-0 held-out")] == lines[(1, "code (drafter-0) held-out")] == [2.0]
+    finally:
+        plt.close(fig)
+
+
+def test_held_out_sums_wait_in_the_record_file_for_their_evaluation_record(tmp_path):
+    """A held-out item's sums, written before its slot is released, are what a restarted drafter reads back as
+    pending until an evaluation record covers them; a torn line of a kill mid-write is dropped, not misread."""
+    cfg = load_config(None, [f'tracking.dir="{tmp_path / "tracking"}"', "run.name=held"])
+    with Tracking(cfg, 0) as tracking:
+        tracking.emit(1, {"loss": 1.0})
+        tracking.record.hold_out({"item": "a", "sources": {}})
+        tracking.emit(2, {"eval/items": 1.0})
+        tracking.record.hold_out({"item": "b", "sources": {}})
+        tracking.record.hold_out({"item": "c", "sources": {}})
+        assert [x["item"] for x in tracking.record.held_out] == ["b", "c"]
+    with open(tmp_path / "tracking" / "drafter-0.jsonl", "ab") as f:
+        f.write(b'{"series": "held-out", "it')  # a kill mid-write
+    with Tracking(cfg, 0) as tracking:
+        assert [x["item"] for x in tracking.record.held_out] == ["b", "c"]  # after the last evaluation record
+        assert not tracking.emit(2, {"eval/items": 2.0})  # its series has step 2: the sums must wait
+        assert tracking.emit(3, {"eval/items": 2.0}) and tracking.record.held_out == []
+    records = read_records(tmp_path / "tracking" / "drafter-0.jsonl")
+    assert [r["step"] for r in records if r.get("series") == "eval"] == [2, 3]

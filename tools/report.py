@@ -2,7 +2,12 @@
 
 It reads the record files every drafter writes whatever the trackers (`<tracking dir>/drafter-<j>.jsonl`,
 consumer/tracking.py) and draws loss and acceptance length per drafter, and per data source where the records
-have `source/<name>/...` keys, into one PNG (matplotlib, from the `tracking` extra).
+have `source/<name>/...` keys, into one PNG (matplotlib, from the `tracking` extra). Both panels draw one value
+per logged step, by one definition: the window since the previous logged step, every block of it (per drafter:
+`window/...`, all sources together; per source: `source/<name>/...`, that source's blocks), so one drafter's curve
+of one source is the same line in both. Records written before `window/...` existed fall back to the logged step's
+own figures, labelled "(last step)". Held-out figures (`eval/...`, `eval/source/<name>/...`) are drawn as marked
+dashed lines over the training curves, in both panels.
 
 Given instead a JSON file of `dflash-ring eval --json` whose drafter has a confidence head (DSpark), it draws that
 confidence's reliability diagram: per position k and pooled over positions, the mean predicted
@@ -40,7 +45,7 @@ def record_files(run_dir: Path) -> dict[int, Path]:
 
 
 # The keys the report reads as numbers (besides "step"): the per-drafter curves, held-out points, per-source curves.
-NUMBER_KEY = re.compile(r"^(eval/)?(loss|accept_len|accept_len_prob)$|^source/.+/(loss|accept_len)$")
+NUMBER_KEY = re.compile(r"^(eval/|window/)?(loss|accept_len|accept_len_prob)$|^(eval/)?source/.+/(loss|accept_len)$")
 
 
 def checked_records(path: Path) -> list[dict[str, Any]]:
@@ -85,18 +90,24 @@ def _pyplot():
     return plt
 
 
-def _png(out: Path) -> Path:
-    return out.with_suffix(".png") if not out.suffix else out  # savefig adds .png to a name without a suffix
-
-
 def write_report(run_dir: Path, out: Path | None = None) -> tuple[Path, str]:
     """Draw the run's curves (or, given an eval JSON file, its reliability diagram); returns the PNG's path and one
     line saying what it shows."""
     if run_dir.is_file():
         return write_reliability(run_dir, out)
+    out = checked_out(out or run_dir / "report.png")
     plt = _pyplot()
     files = record_files(run_dir)
     records = {j: checked_records(p) for j, p in files.items()}
+    fig, sources = figure(plt, records, run_dir.name, files[next(iter(files))].parent)
+    _save(plt, fig, out)
+    last = {j: max((r["step"] for r in rs if r.get("series") == TRAIN), default=0) for j, rs in records.items()}
+    return out, (f"loss and accept length of {len(records)} drafter(s) to step "
+                 f"{', '.join(f'{s}' for s in last.values())}" + (f", per source: {', '.join(sources)}" if sources else ""))
+
+
+def figure(plt: Any, records: dict[int, list[dict[str, Any]]], name: str, where: Path) -> tuple[Any, list[str]]:
+    """The picture of these drafters' records, and the sources it draws (see the module docstring)."""
     header = next((r for rs in records.values() for r in rs if r.get("series") == "config"), {})
     sources = sorted({m.group(1) for rs in records.values() for r in rs for k in r if (m := SOURCE_KEY.match(k))})
     cols = 2 if sources else 1
@@ -105,25 +116,33 @@ def write_report(run_dir: Path, out: Path | None = None) -> tuple[Path, str]:
     for j, rs in records.items():
         for row, (key, label) in enumerate((("loss", "loss"), ("accept_len", "accept length (teacher-forced)"))):
             ax = axes[row][0]
-            steps, values = series(rs, key)
+            steps, values = series(rs, f"window/{key}")
+            last_step = not steps
+            if last_step:  # a record file from before window/ figures: the logged steps' own
+                steps, values = series(rs, key)
             drawn += bool(steps)
-            line, = ax.plot(steps, values, label=f"drafter-{j}")
-            if key == "accept_len" and (prob := series(rs, "accept_len_prob"))[0]:
+            line, = ax.plot(steps, values, label=f"drafter-{j}" + (" (last step)" if last_step else ""))
+            prob_key = "accept_len_prob" if last_step else "window/accept_len_prob"
+            if key == "accept_len" and (prob := series(rs, prob_key))[0]:
                 ax.plot(*prob, linestyle=":", color=line.get_color(), label=f"drafter-{j} (probabilistic)")
-            if (ev := series(rs, f"eval/{key}", "eval"))[0]:
+            if (ev := series(rs, f"eval/{key}", EVAL))[0]:
                 ax.plot(*ev, linestyle="--", marker="o", color=line.get_color(), label=f"drafter-{j} held-out")
             ax.set_ylabel(label)
         for row, key in enumerate(("loss", "accept_len")):
-            for i, name in enumerate(sources):  # a colour per source, a line style per drafter
-                steps, values = series(rs, f"source/{name}/{key}")
+            for i, source in enumerate(sources):  # a colour per source, a line style per drafter
+                steps, values = series(rs, f"source/{source}/{key}")
                 if steps:
                     axes[row][1].plot(steps, values, color=f"C{i % 10}", linestyle=STYLES[j % len(STYLES)],
-                                      label=f"{name} (drafter-{j})")
+                                      label=f"{source} (drafter-{j})")
+                if (ev := series(rs, f"eval/source/{source}/{key}", EVAL))[0]:
+                    axes[row][1].plot(*ev, color=f"C{i % 10}", linestyle="--", marker="o",
+                                      label=f"{source} (drafter-{j}) held-out")
     if not drawn:
-        raise ReportError(f"the record files in {files[next(iter(files))].parent} hold no logged step yet")
-    axes[0][0].set_title("per drafter")
+        plt.close(fig)
+        raise ReportError(f"the record files in {where} hold no logged step yet")
+    axes[0][0].set_title("per drafter (each window since the last logged step)")
     if cols == 2:
-        axes[0][1].set_title("per data source")
+        axes[0][1].set_title("per data source (each window since the last logged step)")
         axes[0][1].set_ylabel("loss")
         axes[1][1].set_ylabel("accept length (teacher-forced)")
     for ax in axes.flat:
@@ -131,16 +150,30 @@ def write_report(run_dir: Path, out: Path | None = None) -> tuple[Path, str]:
         ax.legend(fontsize=8)
     for ax in axes[1]:
         ax.set_xlabel("optimizer step")
-    run = header.get("run", run_dir.name)
+    run = header.get("run", name)
     fig.suptitle(f"run {run}: {len(records)} drafter(s)" + (f", {len(sources)} source(s)" if sources else "")
                  + (f", config fingerprint {header['fingerprint'][:12]}" if "fingerprint" in header else ""))
     fig.tight_layout()
-    out = _png(out or run_dir / "report.png")
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    last = {j: max((r["step"] for r in rs if r.get("series") == TRAIN), default=0) for j, rs in records.items()}
-    return out, (f"loss and accept length of {len(records)} drafter(s) to step "
-                 f"{', '.join(f'{s}' for s in last.values())}" + (f", per source: {', '.join(sources)}" if sources else ""))
+    return fig, sources
+
+
+def checked_out(out: Path) -> Path:
+    """The file the picture goes to: `--out X` is X.png (what savefig writes for a name without a suffix, and what
+    the line printed then names); a suffix other than .png is refused before anything is read or drawn."""
+    if not out.suffix:
+        return out.with_suffix(".png")
+    if out.suffix.lower() != ".png":
+        raise ReportError(f"--out {out}: the report is a PNG; give a path ending in .png (or none, and .png is added)")
+    return out
+
+
+def _save(plt: Any, fig: Any, out: Path) -> None:
+    try:
+        fig.savefig(out, dpi=100)
+    except OSError as e:
+        raise ReportError(f"cannot write {out}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
 
 
 def calibration_of(path: Path) -> dict[str, Any]:
@@ -173,6 +206,7 @@ def calibration_of(path: Path) -> dict[str, Any]:
 
 def write_reliability(path: Path, out: Path | None = None) -> tuple[Path, str]:
     """The reliability diagram of an eval JSON's confidence calibration, beside it as NAME.reliability.png."""
+    out = checked_out(out or path.with_suffix(".reliability.png"))
     report = calibration_of(path)
     plt = _pyplot()
     calibration = report["calibration"]
@@ -227,8 +261,6 @@ def write_reliability(path: Path, out: Path | None = None) -> tuple[Path, str]:
     fig.suptitle(f"{path.name}: confidence of {len(positions)} drafts per round over {rounds} rounds, {decoding}, "
                  f"tau {report['tau']:.3f}")
     fig.tight_layout()
-    out = _png(out or path.with_suffix(".reliability.png"))
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, out)
     return out, (f"reliability diagram of the confidence at {len(positions)} positions over {rounds} rounds, "
                  f"pooled ECE {pooled['ece']:.3f}")

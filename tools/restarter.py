@@ -3,7 +3,8 @@
 Each process of a run (supervisor, target-i, drafter-j) is started with the same command every
 time (`dflash-ring <role> --config F --set ...`) and its output appended to logs/<name>.log.
 A process that exits after being signalled, or with a non-zero code, is started again after a
-random delay, until the run is over.
+random delay, until the run is over; as in the units, the supervisor's exit 3 (a clean end after it fenced a
+straggler, SuccessExitStatus=3) is a success.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+
+from dflash_ring.supervisor.supervisor import EXIT_FENCED
 
 
 class Restarter:
@@ -60,7 +63,8 @@ class Restarter:
                 continue
             exited[name] = rc
             self.exits[name].append(rc)
-            if restart and (name in self.signalled or rc != 0):
+            failed = rc != 0 and not (name == "supervisor" and rc == EXIT_FENCED)
+            if restart and (name in self.signalled or failed):
                 self.pending[name] = now + self.rng.uniform(*self.delay_s)
             self.signalled.discard(name)
         for name, at in list(self.pending.items()):
