@@ -38,7 +38,7 @@ def load_target_head(
     root = Path(target_dir)
     files, embed_key, lm_head_key = head_tensor_keys(root)
     key = fingerprint(root, files, [k for k in (embed_key, lm_head_key) if k is not None])
-    spec = cached_spec(cache, key)
+    spec = cached_spec(cache, key, untied_head=lm_head_key is not None)
     embed, lm_head = read_head(root, files, embed_key, lm_head_key, spec.tied if spec else config_tied(root), device)
     if spec is None:
         spec, errors = probe_target_head(root, embed, lm_head)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dflash_ring.common.config import Config, dump_toml, fingerprint_digest
+from dflash_ring.common.damaged_file import keep_aside, write_atomic
 from dflash_ring.common.output_dir import OutputDirError, check_output_dir
 
 log = logging.getLogger(__name__)
@@ -58,20 +59,42 @@ def series_of(record: dict[str, float]) -> str:
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
-    """The lines of a record file (a torn last line, from a kill mid-write, left out)."""
-    return _complete_lines(path.read_bytes())[0]
+    """The lines of a record file (a torn last line, from a kill mid-write, left out; damaged lines too, see
+    `checked_lines`: the report reads what a restarted drafter would keep)."""
+    return checked_lines(path.read_bytes())[0]
 
 
-def _complete_lines(data: bytes) -> tuple[list[dict[str, Any]], int]:
-    """The records of whole lines, and how many bytes they take (a torn tail starts there)."""
-    out, kept = [], 0
-    for line in data.split(b"\n")[:-1]:  # the last piece has no newline: torn, or empty
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            break
-        kept += len(line) + 1
-    return out, kept
+def _record(line: bytes) -> dict[str, Any] | None:
+    """A line's record, or None when it is none: a JSON object that is either the header (series "config") or a
+    logged step (an integer step >= 0, series train or eval, and a number for every other key but "series")."""
+    try:
+        r = json.loads(line.decode("utf-8"))
+    except (ValueError, RecursionError):  # not UTF-8, not JSON
+        return None
+    if not isinstance(r, dict):
+        return None
+    if "step" not in r:
+        return r if r.get("series") == "config" else None
+    if type(r["step"]) is not int or r["step"] < 0 or r.get("series") not in (TRAIN, EVAL):  # noqa: E721
+        return None
+    if any(k != "series" and (isinstance(v, bool) or not isinstance(v, (int, float))) for k, v in r.items()):
+        return None
+    return r
+
+
+def checked_lines(data: bytes) -> tuple[list[dict[str, Any]], list[int], int]:
+    """(the records of the whole lines that check, the 1-based numbers of those that do not, the length of the
+    whole lines). The last piece without a newline is a torn write of a killed drafter: not a record, not
+    damage. Each line is checked on its own, so one damaged line costs that line, not the rest of the file."""
+    pieces = data.split(b"\n")
+    whole = len(data) - len(pieces[-1])
+    out, bad = [], []
+    for n, line in enumerate(pieces[:-1], 1):
+        if (r := _record(line)) is None:
+            bad.append(n)
+        else:
+            out.append(r)
+    return out, bad, whole
 
 
 class RecordFile:
@@ -80,11 +103,17 @@ class RecordFile:
 
     def __init__(self, path: Path, header: dict[str, Any]):
         self.last: dict[str, int] = {}
-        lines, whole = _complete_lines(path.read_bytes()) if path.exists() else ([], 0)
+        lines, bad, whole = checked_lines(path.read_bytes()) if path.exists() else ([], [], 0)
+        if bad:  # rebuilt from its good lines before this drafter appends: the damaged copy is kept aside
+            keep_aside(path, f"{len(bad)} record line(s) unreadable (line {', '.join(map(str, bad[:5]))}"
+                             f"{', ...' if len(bad) > 5 else ''}), {len(lines)} kept; the curves lack those steps")
+            if lines and lines[0].get("series") != "config":  # the header was the damaged line: this config's
+                lines.insert(0, header)
+            write_atomic(path, b"".join(json.dumps(x).encode() + b"\n" for x in lines))
+            whole = path.stat().st_size
         self.logged = [x for x in lines if "step" in x]  # what a restarted drafter may send a tracker again
-        for x in lines:
-            if "step" in x:
-                self.last[x["series"]] = max(self.last.get(x["series"], 0), int(x["step"]))
+        for x in self.logged:
+            self.last[x["series"]] = max(self.last.get(x["series"], 0), x["step"])
         self.fresh = whole == 0
         self.header = header  # written with the first step: a drafter that fails to start leaves the file fresh
         self.f = open(path, "r+b" if path.exists() else "wb")  # noqa: SIM115 (open for the drafter's lifetime)
