@@ -255,3 +255,23 @@ def test_a_damaged_cursor_file_is_read_or_refused_in_one_line(data):
             cursor.read()
         except CursorFileError as e:
             assert str(cursor.path) in str(e) and "\n" not in str(e)
+
+
+@pytest.mark.parametrize("head, redigest", [(dict(tied=True), True), (dict(tied=False), True),
+                                            (dict(embed_scale=math.nan), True), (dict(logit_softcap=1e-6), False)])
+def test_a_real_target_head_read_through_a_doubted_cache_is_the_probes(tmp_path, head, redigest):
+    """Through the real loader on a real (untied) checkpoint: the issue's edits give the head the probe derives
+    and a rewritten cache. A value the probe could derive with the digest made to match (a tiny softcap, so
+    re-digested) is no damage but a forgery, as a rewritten checkpoint would be: only the digest catches it."""
+    from support import build_target
+
+    from dflash_ring.consumer.target_head import load_target_head
+
+    target = build_target(tmp_path / "target", "qwen3", layers=1, hidden=32)
+    cache = tmp_path / "drafter-0" / "target-head.json"
+    probed = load_target_head(target, cache=cache).spec
+    _edited(cache, redigest, **head)
+    got = load_target_head(target, cache=cache).spec
+    assert got == probed and cached_spec(cache, json.loads(cache.read_text())["key"], not probed.tied) == probed
+    unchanged = HeadSpec.from_json({**probed.to_json(), **head}) == probed
+    assert len(asides(cache)) == (0 if unchanged else 1)
