@@ -782,7 +782,7 @@ class Ring:
             if (why := impossible_word(word, roles)) is not None and (c := self._repair(slot, word, why)):
                 found.append(c)
         # A READY word rewritten to a FREE one the protocol can reach: only the slot's contents tell (_unconsumed).
-        maybe = (words & 0xFF == SlotState.FREE) & (words != 0) & (self._desc["deliveries"] == 0)
+        maybe = ((words & 0xFF) == SlotState.FREE) & (words != 0) & (self._desc["deliveries"] == 0)
         for slot in np.flatnonzero(maybe).tolist():
             word = int(words[slot])
             if impossible_word(word, roles) is None and self._unconsumed(slot):

@@ -199,3 +199,31 @@ def test_a_corrupted_word_of_an_unpublished_slot_never_passes_off_the_slots_prev
         assert ring.repair_impossible_words() == []
         del w
     Ring.unlink(run.name)
+
+
+def test_a_ready_word_rewritten_free_is_found_by_the_supervisors_pass_and_by_a_claim_alike(run):
+    """The issue's race: the producer takes the slot before the reaper's pass. Both look at the slot itself: a
+    published header that no drafter ever claimed (no delivery) is an item still owed, made READY again."""
+    run.write_config(1, 1, slots=2)
+    with Ring.create(load_config(run.config)) as ring:
+        for position in (0, 1):
+            w = ring.try_acquire(1)
+            w.tensor("x", torch.float32, (4,)).fill_(1.0)
+            w.meta = {"producer": 0, "epoch": 0, "position": position}
+            ring.publish(w, 1)
+        ring.release(ring.try_claim(2))  # item 0 trained: its slot is FREE with its header still in its bytes
+        trained = next(s for s, w in enumerate(ring._desc["state"].tolist()) if w & 0xFF == SlotState.FREE)
+        slot, item = corrupt_a_ready_slot(ring, _free)
+        [c] = ring.repair_impossible_words()  # the supervisor's pass
+        assert (c.slot, c.item) == (slot, item) and c.outcome.startswith("made READY again"), c
+        assert ring.slot_counts()["ready"] == 1 and ring.counter(RingCounter.CORRUPT) == 1
+        assert ring.repair_impossible_words() == []  # a trained item's FREE slot is no suspect
+        w = ring.try_acquire(1)  # the one FREE slot: the trained item's
+        assert w is not None and w.slot == trained
+        slot, item = corrupt_a_ready_slot(ring, _free_with_owner_outside_the_table)
+        assert ring.try_acquire(1) is None  # a producer first: the one FREE slot is owed, so it is made READY again
+        assert ring.slot_counts()["ready"] == 1 and ring.counter(RingCounter.CORRUPT) == 2
+        r = ring.try_claim(2)
+        assert (r.slot, r.item, r.meta["position"]) == (slot, item, 1)
+        del w, r
+    Ring.unlink(run.name)
