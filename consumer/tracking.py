@@ -58,10 +58,23 @@ def series_of(record: dict[str, float]) -> str:
     return EVAL if record and all(k.startswith("eval/") for k in record) else TRAIN
 
 
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The lines of a record file (a torn last line, from a kill mid-write, left out; damaged lines too, see
-    `checked_lines`: the report reads what a restarted drafter would keep)."""
-    return checked_lines(path.read_bytes())[0]
+class RecordFileError(RuntimeError):
+    """A record file line that is not JSON, for a reader that does not own the file (`dflash-ring report`): the
+    message names the file, the line and what to do. The drafter, which owns it, rebuilds it instead."""
+
+
+def read_records(path: Path) -> list[Any]:
+    """The JSON values of a record file's whole lines (a torn last line, from a kill mid-write, left out), as they
+    are: the report checks their shape itself. A line that is not JSON is RecordFileError."""
+    out = []
+    for n, line in enumerate(path.read_bytes().split(b"\n")[:-1], 1):
+        try:
+            out.append(json.loads(line.decode("utf-8")))
+        except (ValueError, RecursionError) as e:
+            raise RecordFileError(f"record file {path}, line {n}: not JSON ({type(e).__name__}): a damaged byte or "
+                                  "an edit; the drafter rebuilds the file at its next start, keeping the damaged "
+                                  "copy, or move the file out of the directory") from None
+    return out
 
 
 def _record(line: bytes) -> dict[str, Any] | None:

@@ -275,3 +275,14 @@ def test_a_real_target_head_read_through_a_doubted_cache_is_the_probes(tmp_path,
     assert got == probed and cached_spec(cache, json.loads(cache.read_text())["key"], not probed.tied) == probed
     unchanged = HeadSpec.from_json({**probed.to_json(), **head}) == probed
     assert len(asides(cache)) == (0 if unchanged else 1)
+
+
+def test_the_report_refuses_a_line_that_is_not_json_in_one_line_naming_it(tmp_path):
+    """The report reads a file it does not own: it refuses (the drafter that owns it rebuilds it)."""
+    from dflash_ring.consumer.tracking import RecordFileError
+
+    path = tmp_path / "drafter-0.jsonl"
+    path.write_bytes(_records(path).replace(b'"step": 3', b'"step": \xff3'))
+    with pytest.raises(RecordFileError, match=r"drafter-0.jsonl, line 4: not JSON") as e:
+        read_records(path)
+    assert "\n" not in str(e.value)
