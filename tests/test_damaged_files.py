@@ -265,7 +265,7 @@ def test_a_real_target_head_read_through_a_doubted_cache_is_the_probes(tmp_path,
     re-digested) is no damage but a forgery, as a rewritten checkpoint would be: only the digest catches it."""
     from support import build_target
 
-    from dflash_ring.consumer.target_head import load_target_head
+    from dflash_ring.consumer.head_loader import load_target_head
 
     target = build_target(tmp_path / "target", "qwen3", layers=1, hidden=32)
     cache = tmp_path / "drafter-0" / "target-head.json"
