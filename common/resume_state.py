@@ -75,7 +75,7 @@ class CursorFile:
             return str(saved.get("plan", "")), str(saved.get("plan_description", "")), state
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError) as e:
             raise CursorFileError(
                 f"cursor file {self.path} cannot be read ({type(e).__name__}: {e}): restore it, or delete "
                 "it to start this producer's shard again from the beginning (epoch 0)") from None

@@ -556,6 +556,13 @@ class Ring:
             word = int(states[slot])
             if word & 0xFF != SlotState.FREE:
                 continue
+            if self._unconsumed(slot):  # a READY word rewritten to FREE: its item is not this producer's to drop
+                if self._restore_unconsumed(slot, word):
+                    log.error("slot %d (item %d) is corrupt: its state word %#x says FREE over a published item no "
+                              "drafter claimed (the protocol cannot produce that: another process wrote the "
+                              "segment); made READY again, redelivered, counted corrupt", slot,
+                              int(self._desc[slot]["item"]), word)
+                continue
             mine = pack_state(word >> 24, row, SlotState.WRITING)
             if self._states[slot].cmpxchg_strong(expected=word, desired=mine):
                 crash_point("claimed")  # the descriptor still shows the slot's previous item here
@@ -611,6 +618,7 @@ class Ring:
 
     def abort(self, w: SlotWriter) -> None:
         """Give a claimed slot back unpublished (e.g. on shutdown)."""
+        self._clear_header(w.slot)  # a FREE slot with a header and no delivery is an unconsumed item (_unconsumed)
         if self._states[w.slot].cmpxchg_strong(expected=w.word, desired=pack_state((w.word >> 24) + 1, NO_OWNER, SlotState.FREE)):
             self._hint(self._sem_free)
 
@@ -691,6 +699,7 @@ class Ring:
             state = word & 0xFF
             if state == SlotState.WRITING:
                 new, c = pack_state((word >> 24) + 1, NO_OWNER, SlotState.FREE), Counter.RECLAIMED
+                self._clear_header(slot)  # written but never published: no item (see _unconsumed)
             elif state == SlotState.READING:
                 new, c = pack_state((word >> 24) + 1, NO_OWNER, SlotState.READY), Counter.REDELIVERED
             else:
@@ -772,12 +781,23 @@ class Ring:
             word = int(words[slot])
             if (why := impossible_word(word, roles)) is not None and (c := self._repair(slot, word, why)):
                 found.append(c)
+        # A READY word rewritten to a FREE one the protocol can reach: only the slot's contents tell (_unconsumed).
+        maybe = ((words & 0xFF) == SlotState.FREE) & (words != 0) & (self._desc["deliveries"] == 0)
+        for slot in np.flatnonzero(maybe).tolist():
+            word = int(words[slot])
+            if impossible_word(word, roles) is None and self._unconsumed(slot):
+                if self._restore_unconsumed(slot, word):
+                    found.append(CorruptSlot(slot, int(self._desc[slot]["item"]), word, "says FREE over a published "
+                                             "item no drafter claimed", "made READY again: redelivered"))
         return found
 
     def _repair(self, slot: int, word: int, why: str) -> CorruptSlot | None:
         item = int(self._desc[slot]["item"])
         gen = word >> 24
-        if word & 0xFF == SlotState.FREE:
+        if word & 0xFF == SlotState.FREE and self._unconsumed(slot):
+            new, outcome = pack_state(gen + 1, NO_OWNER, SlotState.READY), ("made READY again: a published item "
+                                                                            "nobody consumed, redelivered")
+        elif word & 0xFF == SlotState.FREE:
             new, outcome = pack_state(gen + 1, NO_OWNER, SlotState.FREE), "owner cleared (a free slot holds no item)"
         else:
             try:
@@ -790,6 +810,35 @@ class Ring:
         self._counters[Counter.CORRUPT].fetch_add(1)
         self._hint(self._sem_ready if new & 0xFF == SlotState.READY else self._sem_free)
         return CorruptSlot(slot, item, word, why, outcome)
+
+    def _unconsumed(self, slot: int) -> bool:
+        """Whether the slot, whatever its word says, holds a published item that no consumer ever claimed.
+
+        Every item that reaches FREE by the protocol either was never published (its claim cleared the
+        header, and an abort or a reclaim of a dead writer clears what a publish may have written) or was
+        claimed by a consumer first (its claim counts a delivery before any release). So a readable header
+        with no delivery is a published item whose READY word was rewritten by someone outside the protocol
+        (a same-user process can write the segment): the item is still owed."""
+        if int(self._desc[slot]["deliveries"]) != 0:
+            return False
+        off = self.geometry.slot_offset(slot)
+        if self._mv[off : off + 4] == b"\0\0\0\0":  # cleared by a claim (or a new ring): the common case, cheap
+            return False
+        try:
+            self._header(slot)
+        except SlotFormatError:
+            return False
+        return True
+
+    def _restore_unconsumed(self, slot: int, word: int) -> bool:
+        """CAS a FREE word over an unconsumed item back to READY, counted corrupt (a process that moved it
+        meanwhile wins); the caller names it."""
+        if not self._states[slot].cmpxchg_strong(expected=word, desired=pack_state((word >> 24) + 1, NO_OWNER,
+                                                                                    SlotState.READY)):
+            return False
+        self._counters[Counter.CORRUPT].fetch_add(1)
+        self._hint(self._sem_ready)
+        return True
 
     # ---- observation --------------------------------------------------------
 
@@ -804,6 +853,8 @@ class Ring:
         for slot, word in enumerate(desc["state"].tolist()):
             why = impossible_word(word, roles)
             published = word & 0xFF in (SlotState.READY, SlotState.READING)
+            if word & 0xFF == SlotState.FREE and self._unconsumed(slot):
+                published, why = True, "says FREE over a published item no drafter claimed"
             if not published and (why is None or word & 0xFF == SlotState.FREE):
                 continue  # free, or being written by a producer: nothing published to keep
             name = f"slot {slot} (item {int(desc['item'][slot])})"

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_ring.common.durable import fsync
+from dflash_ring.common.damaged_file import keep_aside, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -79,16 +79,52 @@ def segments(directory: Path, kind: str | None = None) -> list[Segment]:
     return out
 
 
+def _entry(line: bytes) -> Entry | None:
+    """One line's entry, or None when it is not one: exactly the line `Journal.append` writes, each field a
+    non-negative JSON integer (a float such as 1e400, a bool, a repeated key, bytes that are not UTF-8 or any
+    byte the writer would not have written make the line damaged, never a guess)."""
+    try:
+        r = json.loads(line.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return None
+    if not isinstance(r, dict) or set(r) != {"p", "e", "q", "i"}:
+        return None
+    values = [r[k] for k in ("p", "e", "q", "i")]
+    if any(type(v) is not int or v < 0 for v in values):  # noqa: E721 (a bool is no number here)
+        return None
+    e = Entry(*values)
+    return e if _line(e) == line + b"\n" else None
+
+
 def read_entries(path: Path) -> list[Entry]:
-    """A segment's entries; a line that does not parse (only a host crash can cut one) is skipped and named."""
-    out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        try:
-            r = json.loads(line)
-            out.append(Entry(int(r["p"]), int(r["e"]), int(r["q"]), int(r["i"])))
-        except (ValueError, KeyError, TypeError) as e:
-            log.error("journal %s line %d unreadable (%s): skipped", path, n, e)
+    """A segment's entries. A segment with a line that is not an entry (a flipped byte, a hand edit, a line cut by
+    a host crash) is rebuilt from its readable lines and the damaged copy kept aside (common/damaged_file.py),
+    with one warning: the reader never crashes on it (the drafter at join, the supervisor at teardown, `clean`),
+    and the batches of the unreadable lines are named as possibly missing from the model, not skipped silently."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []  # sealed or covered meanwhile by another process
+    lines = data.split(b"\n")
+    tail = lines.pop()  # b"" when the file ends with a newline
+    out, bad = [], [n for n, x in enumerate(lines, 1) if not x]
+    for n, line in enumerate(lines, 1):
+        if line and (e := _entry(line)) is not None:
+            out.append(e)
+        elif line:
+            bad.append(n)
+    if tail:
+        bad.append(len(lines) + 1)
+    if bad and path.exists() and path.read_bytes() == data:  # another reader may have rebuilt it already
+        keep_aside(path, f"{len(bad)} journal line(s) unreadable (line {', '.join(map(str, sorted(bad)[:5]))}"
+                         f"{', ...' if len(bad) > 5 else ''}), {len(out)} kept: the batches those lines named "
+                         "cannot be produced again and may be missing from the drafter's model")
+        write_atomic(path, b"".join(_line(e) for e in out))
     return out
+
+
+def _line(e: Entry) -> bytes:
+    return json.dumps({"p": e.producer, "e": e.epoch, "q": e.position, "i": e.item}, separators=(",", ":")).encode() + b"\n"
 
 
 def latest_step(checkpoint_dir: str | os.PathLike, index: int) -> int:
@@ -114,9 +150,7 @@ class Journal:
             self.directory.mkdir(parents=True, exist_ok=True)
             path = self.directory / f"open-{self.after_step:08d}-{self._pid}-{self.ring}.jsonl"
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        line = json.dumps({"p": int(meta["producer"]), "e": int(meta["epoch"]), "q": int(meta["position"]),
-                           "i": int(item)}, separators=(",", ":"))
-        os.write(self._fd, (line + "\n").encode())
+        os.write(self._fd, _line(Entry(int(meta["producer"]), int(meta["epoch"]), int(meta["position"]), int(item))))
 
     def rotate(self, step: int) -> None:
         """A checkpoint's state was taken at `step`: what is trained from now on goes into the next segment."""
@@ -153,15 +187,7 @@ def seal(directory: Path, resumes_from: int, ring: int, in_ring: Iterable[int], 
         lost = s.path.with_name("lost" + s.path.name[len("open"):])
         if not lost.exists():  # the first seal wins: the ring has moved on since
             entries = [e for e in read_entries(s.path) if not (s.ring == ring and e.item in still)]
-            tmp = lost.with_name(f".{lost.name}.tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.writelines(json.dumps({"p": e.producer, "e": e.epoch, "q": e.position, "i": e.item},
-                                        separators=(",", ":")) + "\n" for e in entries)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, lost)
-            fsync(directory)
+            write_atomic(lost, b"".join(_line(e) for e in entries))
             sealed += len(entries)
             if entries:
                 log.warning("drafter journal %s: %d batch(es) trained after checkpoint step %d died with pid %d; "

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
 
 from safetensors import safe_open
 
+from dflash_ring.common.damaged_file import keep_aside
 from dflash_ring.common.durable import fsync
 
 from .target_head import HeadSpec
@@ -37,15 +39,65 @@ def fingerprint(root: Path, files: dict[str, Path], keys: list[str]) -> str:
     return digest.hexdigest()
 
 
-def cached_spec(cache: str | Path | None, key: str) -> HeadSpec | None:
-    """The cached head for `key`, or None (no cache, another target, an unreadable file: probe again)."""
+def _digest(key: str, head: dict) -> str:
+    """sha256 of what the entry says: a byte changed in the file (its key, a flag, a value) no longer matches."""
+    return hashlib.sha256(json.dumps({"key": key, "head": head}, sort_keys=True).encode()).hexdigest()
+
+
+def _plausible(spec: HeadSpec) -> bool:
+    """What the probe can derive: every factor finite, the scale and the cap positive (a softcap is a
+    magnitude), the multiplier non-zero."""
+    return ((spec.embed_scale is None or (math.isfinite(spec.embed_scale) and spec.embed_scale > 0))
+            and (spec.logit_multiplier is None or (math.isfinite(spec.logit_multiplier) and spec.logit_multiplier != 0))
+            and (spec.logit_softcap is None or (math.isfinite(spec.logit_softcap) and spec.logit_softcap > 0)))
+
+
+def cached_spec(cache: str | Path | None, key: str, untied_head: bool) -> HeadSpec | None:
+    """The cached head for `key`, or None: probe again. The cache is only a cache, trusted only when it is
+    exactly what `store_spec` wrote for this target: its digest matches, its values are ones the probe can
+    derive, and an untied head is one the checkpoint holds (`untied_head`: it has an lm_head of its own; a tied
+    head read against a stored lm_head that differs is doubted by the caller, `doubt`). On any
+    doubt the damaged file is kept aside (common/damaged_file.py) and the probe's result replaces it; another
+    target's entry (a different key) is simply probed again."""
     if cache is None:
         return None
+    path = Path(cache)
     try:
-        data = json.loads(Path(cache).read_text())
-        return HeadSpec.from_json(data["head"]) if data.get("key") == key else None
-    except (OSError, ValueError, KeyError, TypeError):
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
         return None
+    except (OSError, ValueError, RecursionError) as e:
+        return _doubt(path, f"unreadable ({type(e).__name__})")
+    if not isinstance(data, dict) or not isinstance(data.get("key"), str):
+        return _doubt(path, "not a head cache entry")
+    if data["key"] != key:
+        return None
+    head = data.get("head")
+    if not isinstance(head, dict) or data.get("digest") != _digest(key, head):
+        return _doubt(path, "its digest does not match its content")
+    try:
+        if not isinstance(head["tied"], bool) or any(
+                not (head.get(k) is None or (type(head[k]) in (int, float)))
+                for k in ("embed_scale", "logit_multiplier", "logit_softcap")):
+            raise TypeError("a value of the wrong type")
+        spec = HeadSpec.from_json(head)
+    except (KeyError, TypeError, ValueError) as e:
+        return _doubt(path, f"its head does not read ({type(e).__name__}: {e})")
+    if not _plausible(spec):
+        return _doubt(path, f"its values are none the probe derives ({spec.describe()})")
+    if not spec.tied and not untied_head:
+        return _doubt(path, "tied=false but the checkpoint has no lm_head of its own")
+    return spec
+
+
+def doubt(cache: str | Path, why: str) -> None:
+    """A cached head the checkpoint contradicts: kept aside, to be probed again."""
+    _doubt(Path(cache), why)
+
+
+def _doubt(path: Path, why: str) -> None:
+    keep_aside(path, f"head cache {why}: the head probe runs again and rewrites it")
+    return None
 
 
 def store_spec(cache: str | Path | None, key: str, spec: HeadSpec, errors) -> None:
@@ -54,7 +106,8 @@ def store_spec(cache: str | Path | None, key: str, spec: HeadSpec, errors) -> No
         return
     path = Path(cache)
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"key": key, "head": spec.to_json(),
+    head = spec.to_json()
+    record = {"key": key, "head": head, "digest": _digest(key, head),
               "verified_relative_error": {"embedding": errors.embedding, "logits": errors.logits}}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

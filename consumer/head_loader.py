@@ -13,7 +13,7 @@ import torch
 
 from dflash_ring.common.target_config import load_target_hf_config
 
-from .head_cache import cached_spec, fingerprint, store_spec
+from .head_cache import cached_spec, doubt, fingerprint, store_spec
 from .head_probe import probe_head
 from .target_head import FrozenTargetHead, config_tied, head_tensor_keys, read_head
 
@@ -38,8 +38,16 @@ def load_target_head(
     root = Path(target_dir)
     files, embed_key, lm_head_key = head_tensor_keys(root)
     key = fingerprint(root, files, [k for k in (embed_key, lm_head_key) if k is not None])
-    spec = cached_spec(cache, key)
-    embed, lm_head = read_head(root, files, embed_key, lm_head_key, spec.tied if spec else config_tied(root), device)
+    spec = cached_spec(cache, key, untied_head=lm_head_key is not None)
+    try:
+        embed, lm_head = read_head(root, files, embed_key, lm_head_key, spec.tied if spec else config_tied(root),
+                                   device)
+    except ValueError as e:
+        if spec is None or cache is None:
+            raise
+        doubt(cache, f"tied=true, which the checkpoint contradicts ({e})")  # the cache, not the target
+        spec = None
+        embed, lm_head = read_head(root, files, embed_key, lm_head_key, config_tied(root), device)
     if spec is None:
         spec, errors = probe_target_head(root, embed, lm_head)
         store_spec(cache, key, spec, errors)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dflash_ring.common.config import Config, dump_toml, fingerprint_digest
+from dflash_ring.common.damaged_file import keep_aside, write_atomic
 from dflash_ring.common.output_dir import OutputDirError, check_output_dir
 
 log = logging.getLogger(__name__)
@@ -60,21 +61,60 @@ def series_of(record: dict[str, float]) -> str:
     return EVAL if record and all(k.startswith("eval/") for k in record) else TRAIN
 
 
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The lines of a record file (a torn last line, from a kill mid-write, left out)."""
-    return _complete_lines(path.read_bytes())[0]
+class RecordFileError(RuntimeError):
+    """A record file line that is not JSON, for a reader that does not own the file (`dflash-ring report`): the
+    message names the file, the line and what to do. The drafter, which owns it, rebuilds it instead."""
 
 
-def _complete_lines(data: bytes) -> tuple[list[dict[str, Any]], int]:
-    """The records of whole lines, and how many bytes they take (a torn tail starts there)."""
-    out, kept = [], 0
-    for line in data.split(b"\n")[:-1]:  # the last piece has no newline: torn, or empty
+def read_records(path: Path) -> list[Any]:
+    """The JSON values of a record file's whole lines (a torn last line, from a kill mid-write, left out), as they
+    are: the report checks their shape itself. A line that is not JSON is RecordFileError."""
+    out = []
+    for n, line in enumerate(path.read_bytes().split(b"\n")[:-1], 1):
         try:
-            out.append(json.loads(line))
-        except ValueError:
-            break
-        kept += len(line) + 1
-    return out, kept
+            out.append(json.loads(line.decode("utf-8")))
+        except (ValueError, RecursionError) as e:
+            raise RecordFileError(f"record file {path}, line {n}: not JSON ({type(e).__name__}): a damaged byte or "
+                                  "an edit; the drafter rebuilds the file at its next start, keeping the damaged "
+                                  "copy, or move the file out of the directory") from None
+    return out
+
+
+def _record(line: bytes) -> dict[str, Any] | None:
+    """A line's record, or None when it is none: a JSON object that is either the header (series "config"), a
+    held-out item's sums (series HELD_OUT, a string item and a sources object: their values are checked where they
+    are read, held_out_sources) or a logged step (an integer step >= 0, series train or eval, and a number for every
+    other key but "series")."""
+    try:
+        r = json.loads(line.decode("utf-8"))
+    except (ValueError, RecursionError):  # not UTF-8, not JSON
+        return None
+    if not isinstance(r, dict):
+        return None
+    if "step" not in r:
+        if r.get("series") == HELD_OUT:
+            return r if isinstance(r.get("item"), str) and isinstance(r.get("sources"), dict) else None
+        return r if r.get("series") == "config" else None
+    if type(r["step"]) is not int or r["step"] < 0 or r.get("series") not in (TRAIN, EVAL):  # noqa: E721
+        return None
+    if any(k != "series" and (isinstance(v, bool) or not isinstance(v, (int, float))) for k, v in r.items()):
+        return None
+    return r
+
+
+def checked_lines(data: bytes) -> tuple[list[dict[str, Any]], list[int], int]:
+    """(the records of the whole lines that check, the 1-based numbers of those that do not, the length of the
+    whole lines). The last piece without a newline is a torn write of a killed drafter: not a record, not
+    damage. Each line is checked on its own, so one damaged line costs that line, not the rest of the file."""
+    pieces = data.split(b"\n")
+    whole = len(data) - len(pieces[-1])
+    out, bad = [], []
+    for n, line in enumerate(pieces[:-1], 1):
+        if (r := _record(line)) is None:
+            bad.append(n)
+        else:
+            out.append(r)
+    return out, bad, whole
 
 
 class RecordFile:
@@ -83,7 +123,14 @@ class RecordFile:
 
     def __init__(self, path: Path, header: dict[str, Any]):
         self.last: dict[str, int] = {}
-        lines, whole = _complete_lines(path.read_bytes()) if path.exists() else ([], 0)
+        lines, bad, whole = checked_lines(path.read_bytes()) if path.exists() else ([], [], 0)
+        if bad:  # rebuilt from its good lines before this drafter appends: the damaged copy is kept aside
+            keep_aside(path, f"{len(bad)} record line(s) unreadable (line {', '.join(map(str, bad[:5]))}"
+                             f"{', ...' if len(bad) > 5 else ''}), {len(lines)} kept; the curves lack those steps")
+            if lines and lines[0].get("series") != "config":  # the header was the damaged line: this config's
+                lines.insert(0, header)
+            write_atomic(path, b"".join(json.dumps(x).encode() + b"\n" for x in lines))
+            whole = path.stat().st_size
         self.logged = [x for x in lines if "step" in x]  # what a restarted drafter may send a tracker again
         # The held-out items evaluated after the last evaluation record: the next one's (a restart's too).
         self.held_out: list[dict[str, Any]] = []
@@ -92,9 +139,8 @@ class RecordFile:
                 self.held_out = []
             elif x.get("series") == HELD_OUT:
                 self.held_out.append(x)
-        for x in lines:
-            if "step" in x:
-                self.last[x["series"]] = max(self.last.get(x["series"], 0), int(x["step"]))
+        for x in self.logged:
+            self.last[x["series"]] = max(self.last.get(x["series"], 0), int(x["step"]))
         self.fresh = whole == 0
         self.header = header  # written with the first step: a drafter that fails to start leaves the file fresh
         self.f = open(path, "r+b" if path.exists() else "wb")  # noqa: SIM115 (open for the drafter's lifetime)

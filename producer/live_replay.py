@@ -16,8 +16,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from dflash_ring.common.damaged_file import keep_aside
 from dflash_ring.common.ledger import Ledger
 from dflash_ring.common.resume_state import CursorFile, ResumeState
 from dflash_ring.common.trained_journal import owed_to
@@ -29,13 +31,23 @@ POLL_S = 1.0  # how often a producer looks for sealed segments: a drafter's deat
 
 class LiveReplay:
     def __init__(self, index: int, start: ResumeState, cursor_file: CursorFile, checkpoint_dir: str | Path,
-                 ledger: Ledger | None = None):
+                 in_plan: Callable[[int, int], bool], ledger: Ledger | None = None):
         self.index, self.cursor_file, self.checkpoint_dir, self.ledger = index, cursor_file, checkpoint_dir, ledger
+        self.in_plan = in_plan  # (epoch, position) -> whether this shard's plan has that batch
         self._replay = list(start.replay)
         self._taken = list(start.taken)
         self._committed = (start.epoch, start.position, start.replayed)
         self._lock = threading.Lock()
         self._polled = 0.0
+        pending = start.replay[start.replayed:]
+        if outside := [x for x in pending if not in_plan(*x)]:
+            # Saved by an older version, or edited: nothing of them is published yet (they are after `replayed`), so
+            # the list is rebuilt without them, the damaged file kept aside; kept, they would be owed for ever.
+            keep_aside(cursor_file.path, f"its replay list names {len(outside)} batch(es) not in producer {index}'s "
+                                         f"plan ({', '.join(f'epoch {e} position {q}' for e, q in outside[:5])}): "
+                                         "they are not produced", copy=True)
+            self._replay = self._replay[:start.replayed] + [x for x in pending if in_plan(*x)]
+            self._save(durable=True)
 
     def __len__(self) -> int:
         with self._lock:
@@ -54,12 +66,22 @@ class LiveReplay:
             owed = owed_to(self.index, self.checkpoint_dir, self._taken)
             if not owed:
                 return 0
-            added = [(e.epoch, e.position) for _, entries in owed for e in entries]
+            added = [(e.epoch, e.position) for _, entries in owed for e in entries if self.in_plan(e.epoch, e.position)]
+            # Checked before the list is saved: a saved entry that no batch of the plan has would stop this producer
+            # at every start. The segment is taken all the same (its other entries are), and the entries refused.
+            for key, entries in owed:
+                if outside := [(e.epoch, e.position) for e in entries if not self.in_plan(e.epoch, e.position)]:
+                    log.error("sealed journal segment %s names %d batch(es) that are not in producer %d's plan (%s): "
+                              "refused, not produced (the segment belongs to another data plan, or was edited)",
+                              key, len(outside), self.index,
+                              ", ".join(f"epoch {e} position {q}" for e, q in outside[:5]))
             self._replay += added
             self._taken += [key for key, _ in owed]
             self._save(durable=True)  # before any of them can be published
         if self.ledger is not None:
             self.ledger.write("intake", segments=[key for key, _ in owed], replay=[list(x) for x in added])
+        if not added:
+            return 0
         log.warning("producing again %d batch(es) that dead drafters trained after their last checkpoint (%s)",
                     len(added), ", ".join(key for key, _ in owed))
         return len(added)

@@ -490,7 +490,8 @@ def _produce(cfg: Config, index: int, device: torch.device, startup: Startup, pr
             return Loader(batches, lambda b: prepare(b, packed=target.packed, pad_id=pad_id,
                                                      pin=device.type == "cuda"))
 
-        replay = LiveReplay(index, start, cursor_file, cfg.train.checkpoint_dir, proc.ledger)
+        replay = LiveReplay(index, start, cursor_file, cfg.train.checkpoint_dir,
+                            lambda e, q: 0 <= e < len(plan) and 0 <= q < plan[e], proc.ledger)
         loader = load(resumed_batches(batcher, start, replay))
         producer = Producer(ring, me.row, index, target, stop=proc.stop, replay=replay, metrics=metrics,
                             source_names=tuple(s.name for s in sources))

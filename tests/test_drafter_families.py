@@ -376,7 +376,7 @@ def test_a_restart_reuses_the_derived_head_without_modeling_code(tmp_path):
     path = build_target(tmp_path / "target", "gemma3", layers=2, hidden=32)
     cache = tmp_path / "drafter-0" / "target-head.json"
     first = load_target_head(path, cache=cache)
-    code = ("import json, sys; from dflash_ring.consumer.target_head import load_target_head; "
+    code = ("import json, sys; from dflash_ring.consumer.head_loader import load_target_head; "
             f"head = load_target_head({str(path)!r}, cache={str(cache)!r}); "
             "print(json.dumps([head.spec.to_json(), [m for m in sys.modules if 'modeling' in m]]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ from support import build_target, cyclic_rows, free_port_base, load_tokenizer, t
 
 from dflash_ring.common.config import Config, dump_toml, load_config
 from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.resume_state import CursorFile, cursor_path
 from dflash_ring.tools.launcher import embedded_run_config
 
 DONE = re.compile(r"drafter-(\d) \| .*drafter \d done: (\d+) steps, (\d+) items")
@@ -86,3 +88,30 @@ def test_run_reports_exact_totals_and_clean_logs(tmp_path):
     for j, (steps, _) in done.items():
         assert len(tensorboard_scalars(tmp_path / "tracking" / "tensorboard" / f"drafter-{j}", "loss")) == steps
     print(log[log.index(header) - 400:])  # the table, for a reader of -s output
+
+
+@pytest.mark.processes
+def test_a_full_disk_under_the_checkpoints_ends_the_run_with_the_drafters_exit_code(tmp_path):
+    """A real full disk: train.checkpoint_dir is a 64 KiB tmpfs (mounted in a mount namespace of its own, so
+    nothing outlives the test), too small for a drafter's checkpoint. Each drafter exits 2 with one line; the
+    launcher, which restarts nobody, then drains the run: it ends, with exit code 2 and a line saying why, instead
+    of the supervisor waiting for ever for drafters that are gone; what the ring held goes to the replay lists."""
+    as_root = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    if subprocess.run(["unshare", *as_root, "--mount", "true"], capture_output=True).returncode != 0:
+        pytest.skip("a full disk needs a tmpfs mount: unshare --mount is not allowed here")
+    cfg = _launcher_config(tmp_path)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "run.toml").write_text(dump_toml(replace(cfg, train=replace(cfg.train, checkpoint_every_steps=2))))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    script = (f"mount --make-rprivate / && mount -t tmpfs -o size=64k tmpfs {tmp_path / 'ckpt'} && exec "
+              f"{sys.executable} -m dflash_ring run --config {tmp_path / 'run.toml'} --no-eval")
+    out = subprocess.run(["unshare", *as_root, "--mount", "sh", "-c", script], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=540, env=env)
+    log = out.stderr
+    assert out.returncode == 2, log[-4000:]
+    assert "No space left on device" in log, log[-4000:]
+    assert "launcher | every drafter exited (drafter-0 with 2, drafter-1 with 2): the run cannot finish" in log, \
+        log[-4000:]
+    assert not (Path("/dev/shm") / f"dflash-ring.{cfg.run.name}").exists()  # the supervisor tore the ring down
+    saved = CursorFile(cursor_path(cfg.target.state_dir, cfg.run.name, 0), "").read()
+    assert saved is not None and saved[2].pending_replay, log[-4000:]  # the untrained items, to be produced again

@@ -299,6 +299,10 @@ class Launch:
                         printed = now
                 if self.procs["supervisor"].poll() is not None and not stopping:
                     drain()  # the supervisor died: stop the rest rather than train blind
+                elif not stopping and (why := self.cannot_finish()) is not None:
+                    print(f"  launcher | {why}: the run cannot finish, so it drains (what the ring holds goes to "
+                          "the replay lists) and ends with that exit code", file=sys.stderr, flush=True)
+                    drain()
                 time.sleep(0.2)
         finally:
             signal.signal(signal.SIGINT, old[0])
@@ -308,6 +312,22 @@ class Launch:
         for t in self._threads:
             t.join(timeout=5)
         return max(abs(p.returncode) for p in self.procs.values())
+
+    def cannot_finish(self) -> str | None:
+        """Why the run can no longer end by itself, or None. This launcher restarts nobody (systemd does, under
+        the units): a target that failed leaves its shard unfinished, and once every drafter has exited and one
+        failed (a full disk under train.checkpoint_dir, a refused setting) nothing trains what the ring holds.
+        The supervisor would wait for them for ever; a run that ends with the failure's exit code is seen."""
+        def failed(role: str) -> dict[str, int]:
+            return {n: p.returncode for n, p in self.procs.items()
+                    if n.startswith(role) and p.poll() not in (None, 0)}
+
+        if targets := failed("target-"):
+            return ", ".join(f"{n} exited with {rc}" for n, rc in targets.items())
+        drafters = [p for n, p in self.procs.items() if n.startswith("drafter-")]
+        if drafters and all(p.poll() is not None for p in drafters) and (bad := failed("drafter-")):
+            return "every drafter exited (" + ", ".join(f"{n} with {rc}" for n, rc in bad.items()) + ")"
+        return None
 
     def summary(self) -> Table:
         """Steps and items from each drafter's last checkpoint (what its final line says); the rest as last seen."""
