@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -189,12 +190,25 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm().clamp_min(1e-12))
 
 
-def choose_packing(target: TargetModel, mode: str) -> ProbeReport | None:
-    """Set the target's batch layout for `target.packing` = mode; refuse "packed" when the probe fails."""
+def choose_packing(target: TargetModel, mode: str, cache: tuple[Path, str] | None = None) -> ProbeReport | None:
+    """Set the target's batch layout for `target.packing` = mode; refuse "packed" when the probe fails. `cache`:
+    (directory, model directory): the probe's report kept there for restarts (producer/probe_cache.py)."""
     if mode == "padded":
         target.use_packing(False)
         return None
-    report = probe(target)
+    report = None
+    if cache is not None:
+        from .probe_cache import cached_report, probe_key
+
+        key = probe_key(target, cache[1])
+        if (report := cached_report(cache[0], key)) is not None:
+            log.info("conformance probe: the result saved for this model, code and device (%s)", cache[0] / key)
+    if report is None:
+        report = probe(target)
+        if cache is not None:
+            from .probe_cache import save_report
+
+            save_report(cache[0], key, report)
     if report.passed:
         log.info("conformance probe: %s; packed batches", report.summary())
         target.use_packing(True)
