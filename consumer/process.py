@@ -12,9 +12,10 @@ checkpoints, and exits 0.
 What does not depend on which replica it is (the frozen head, the drafter, the
 Trainer, the ring) is built first; then it takes its index's seat (common/seat.py),
 and only then does it become drafter K: metrics port, checkpoint, tracker series,
-row and journal. A warm standby (`--standby`) builds and attaches the same way and
-waits there for a drafter to die, so a takeover costs the checkpoint load and the
-first step, not the imports and the build.
+row and journal. A warm standby (`--standby`) builds and attaches the same way,
+precompiles its first step, and waits there for a drafter to die, so a takeover costs
+the checkpoint load and a step, not the imports, the build and the compile. A drafter
+started for its index precompiles while its checkpoint loads (`Resumed.load`).
 """
 
 from __future__ import annotations
