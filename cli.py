@@ -90,6 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--stop-modes", default="", metavar="MODE[,MODE...]",
                     help="the whole-run stops to take turns among (default: all of stop-now, sigterm-all, "
                          "sigkill-all, stall-stop-now); e.g. stall-stop-now alone for a run of fenced stragglers")
+    sp.add_argument("--standbys", type=int, default=0,
+                    help="also run this many warm standbys (drafter --standby), killed and started again like drafters")
     sp.add_argument("--epochs", type=int, default=0, help="epochs of the chaos run (0: outlast the window)")
     sp.add_argument("--workdir", default="runs/chaos")
     sp.add_argument("--no-baseline", action="store_true", help="skip the run without faults")
@@ -409,7 +411,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         return 2
     opts = ChaosOptions(kills=args.kills, seconds=args.seconds, seed=args.seed, workdir=Path(args.workdir),
                         config=args.config, overrides=args.set, epochs=args.epochs, baseline=not args.no_baseline,
-                        whole_run_stops=args.whole_run_stops, stop_modes=modes)
+                        whole_run_stops=args.whole_run_stops, stop_modes=modes, standbys=args.standbys)
     if why := opts.refusal():
         print(f"dflash-ring chaos: error: {why}", file=sys.stderr)
         return 2

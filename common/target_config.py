@@ -125,14 +125,7 @@ class TargetConfig:
         return target_text_config(config)
 
     def geometry(self) -> TargetGeometry:
-        config = self.model_config()
-        # A config.json that also writes num_layers otherwise (LongCat-Flash saved by transformers 5.17 writes
-        # num_hidden_layers = 2 x num_layers) is read through its class, which says which one counts.
-        plain = config.get("num_layers") in (None, config.get("num_hidden_layers"))
-        if plain and all(type(config.get(k)) is int and config[k] > 0 for k in GEOMETRY_KEYS):  # noqa: E721
-            hidden, layers, vocab = (config[k] for k in GEOMETRY_KEYS)
-        else:
-            hidden, layers, vocab = _geometry_from_config_class(self.path)
+        hidden, layers, vocab = plain_geometry(self.model_config()) or _geometry_from_config_class(self.path)
         ids = tuple(self.resolved_layer_ids(layers))
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < vocab:
             raise TargetConfigError(
@@ -186,6 +179,19 @@ def tensor_parallel_families() -> list[str]:
 
     return sorted(name for name, config_class in CONFIG_MAPPING.items()
                   if getattr(config_class, "base_model_tp_plan", None))
+
+
+def plain_geometry(text_config: dict[str, Any]) -> tuple[int, int, int] | None:
+    """(hidden, layers, vocab) as a text config.json writes them, or None where only its config class can say: a
+    count missing or not a positive integer, or a num_layers beside num_hidden_layers that differs from it
+    (LongCat-Flash saved by transformers 5.17 writes num_hidden_layers = 2 x num_layers). The one rule every role
+    reads the target's geometry by (the producers' fingerprint, the drafter's layer count), and the one that keeps
+    transformers' config classes, whose import costs a drafter seconds at each start, out of most starts."""
+    if text_config.get("num_layers") not in (None, text_config.get("num_hidden_layers")):
+        return None
+    if all(type(text_config.get(k)) is int and text_config[k] > 0 for k in GEOMETRY_KEYS):  # noqa: E721
+        return tuple(text_config[k] for k in GEOMETRY_KEYS)
+    return None
 
 
 def load_target_hf_config(path: str | Path) -> Any:

@@ -9,13 +9,16 @@ z-lab's model class loads it in tests/test_peer_conformance.py (every weight, th
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PretrainedConfig, Qwen3Config
 
 from dflash_ring.common.drafter_config import DrafterConfig, target_text_config
-from dflash_ring.common.target_config import layer_count_key
+from dflash_ring.common.target_config import layer_count_key, plain_geometry
+
+if TYPE_CHECKING:  # transformers only where a config class is needed: its import costs a drafter's start seconds
+    from transformers import PretrainedConfig, Qwen3Config
 
 
 def _require(target: Mapping[str, Any], key: str) -> Any:
@@ -110,13 +113,15 @@ def num_target_layers(target_config: Mapping[str, Any] | PretrainedConfig) -> in
     """The target's decoder layer count as its config class resolves it and HF counts hidden states by:
     Nemotron-H counts its layers_block_type, LongCat-Flash's decoder layers are its num_layers (its
     num_hidden_layers is twice that, one per attention sublayer); neither writes num_hidden_layers."""
-    from transformers import AutoConfig  # the config classes only
-
     config = target_config
-    if not isinstance(config, PretrainedConfig):
+    if isinstance(config, Mapping):
         raw = _special_floats(dict(target_config))
         if raw.get("model_type") is None:  # no class to ask: the count as written
             return int(_require(target_text_config(raw), "num_hidden_layers"))
+        if (plain := plain_geometry(target_text_config(raw))) is not None:  # as the producers read it
+            return plain[1]
+        from transformers import AutoConfig  # the config classes only
+
         config = AutoConfig.for_model(raw.pop("model_type"), **raw)
     text = config.get_text_config()
     key = layer_count_key(text)  # the producers' count too (common/target_config.py): the same layer ids
@@ -326,7 +331,27 @@ def _dflash2_keys(cfg: DrafterConfig, layers: int) -> dict[str, Any]:
 
 def qwen3_config(hf_config: Mapping[str, Any]) -> Qwen3Config:
     """Qwen3Config carrying the DFlash extras (block_size, dflash_config) as attributes, like z-lab's model."""
+    from transformers import Qwen3Config
+
     return Qwen3Config(**{k: v for k, v in hf_config.items() if k != "model_type"})
+
+
+# What the drafter's modules read from their config that drafter_hf_config may leave out, with Qwen3Config's defaults.
+_MODEL_DEFAULTS = {"initializer_range": 0.02}
+
+
+def model_config(hf_config: Mapping[str, Any]) -> SimpleNamespace | Qwen3Config:
+    """The config a drafter is built from in the training processes: drafter_hf_config's keys as attributes, with
+    the RoPE in transformers 5's `rope_parameters` spelling, as Qwen3Config reads them. Not Qwen3Config itself: with
+    transformers 5.17 that class's import (its docstring decorator imports the auto-model registry, and with it
+    torch.distributed's tensor parallelism, sympy, accelerate and scikit-learn) took a restarted drafter on the H200
+    seconds before its first step. A non-default RoPE goes through Qwen3Config, whose rope initialisers
+    (transformers' ROPE_INIT_FUNCTIONS) read the class; tests/test_drafter_model.py checks both builds are equal."""
+    params = hf_config.get("rope_parameters") or rope_parameters(hf_config["rope_theta"], hf_config.get("rope_scaling"))
+    if params.get("rope_type", "default") != "default":
+        return qwen3_config(hf_config)
+    return SimpleNamespace(**(_MODEL_DEFAULTS | {k: v for k, v in hf_config.items() if k != "model_type"}
+                              | {"rope_parameters": dict(params)}))
 
 
 def block_size_of(config: Qwen3Config) -> int:

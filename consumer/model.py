@@ -11,23 +11,25 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
-from transformers import PretrainedConfig, Qwen3Config
 
 from dflash_ring.common.drafter_config import DrafterConfig
-from dflash_ring.consumer.drafter_hf_config import block_size_of, drafter_hf_config, qwen3_config
+from dflash_ring.consumer.drafter_hf_config import block_size_of, drafter_hf_config, model_config
 from dflash_ring.consumer.dflash2_blocks import CandidateSelector, GroupedDynamicCausalConv
 from dflash_ring.consumer.dspark_heads import ConfidenceHead, MarkovHead
 from dflash_ring.consumer.qwen3_blocks import Qwen3MLP, Qwen3RMSNorm, rope_frequencies, rotate_half
 # The frozen head lives in target_head.py; re-exported for callers that import it from here.
 from .head_loader import load_target_head  # noqa: F401
 from .target_head import EMBED_KEYS, LM_HEAD_KEYS, FrozenTargetHead  # noqa: F401
+
+if TYPE_CHECKING:  # built from consumer/drafter_hf_config.model_config: no transformers import at a drafter's start
+    from transformers import PretrainedConfig, Qwen3Config
 
 
 def cu_seqlens_from_lengths(lengths: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -584,7 +586,7 @@ def dspark_prev_ids(input_ids: torch.Tensor, anchors: Anchors, block_size: int) 
 
 def build_drafter(cfg: DrafterConfig, target_config: Mapping[str, Any] | PretrainedConfig) -> DFlashDraftModel:
     """A freshly initialised drafter as wide as the target, of the configured architecture."""
-    return drafter_class(cfg.arch)(qwen3_config(drafter_hf_config(cfg, target_config)))
+    return drafter_class(cfg.arch)(model_config(drafter_hf_config(cfg, target_config)))
 
 
 def drafter_class(arch: str) -> type[DFlashDraftModel]:

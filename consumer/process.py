@@ -12,9 +12,10 @@ checkpoints, and exits 0.
 What does not depend on which replica it is (the frozen head, the drafter, the
 Trainer, the ring) is built first; then it takes its index's seat (common/seat.py),
 and only then does it become drafter K: metrics port, checkpoint, tracker series,
-row and journal. A warm standby (`--standby`) builds and attaches the same way and
-waits there for a drafter to die, so a takeover costs the checkpoint load and the
-first step, not the imports and the build.
+row and journal. A warm standby (`--standby`) builds and attaches the same way,
+precompiles its first step, and waits there for a drafter to die, so a takeover costs
+the checkpoint load and a step, not the imports, the build and the compile. A drafter
+started for its index precompiles while its checkpoint loads (`Resumed.load`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -463,13 +465,23 @@ class Resumed:
         self.consumed = Consumed()
         self.loaded: tuple[str, tuple[str, ...]] | None = None  # the store's contents when last loaded
 
-    def load(self) -> None:
-        """The latest checkpoint into the trainer, unless the store is as it was at the last load."""
+    def load(self, beside: Callable[[], None] | None = None) -> None:
+        """The latest checkpoint into the trainer, unless the store is as it was at the last load. `beside` runs while
+        the checkpoint is read, verified and copied to the device on another thread (page cache, hashing and copies
+        release the GIL): a restarted drafter precompiles its first step there. The trainer takes the checkpoint only
+        once `beside` has returned, so nothing it runs sees the weights change under it."""
         contents = self.store.contents()
         if contents == self.loaded:
+            if beside is not None:
+                beside()
             return
         self.loaded = contents
-        if (ckpt := self.store.load_latest(device=self.trainer.device)) is not None:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint") as pool:
+            reading = pool.submit(self.store.load_latest, device=self.trainer.device)
+            if beside is not None:
+                beside()
+            ckpt = reading.result()
+        if ckpt is not None:
             check_same_shape(ckpt, self.trainer.model, self.drafter_cfg.model_fields())  # either precision
             self.trainer.restore(ckpt)
             self.consumed = Consumed(ckpt.info.get("consumed", {}), int(ckpt.info.get("items", 0)))
@@ -494,10 +506,15 @@ def run_drafter(cfg: Config, indices: list[int], device_name: str | None, startu
         resumed = None
         if not standby:
             resumed = Resumed(cfg, indices[0], built.trainer, built.drafter_cfg)
-            resumed.load()
-        startup.mark("checkpoint")
+            resumed.load(beside=lambda: _precompile(cfg, built.trainer))
+        startup.mark("checkpoint")  # read and verified; beside it, the first step precompiled
         ring = proc.attach(pin=True)  # after loading: a wrong model fails at once, not after a ring appears
         startup.mark("attach")
+        if standby:  # compiled while nothing waits on it, so a takeover's first step is a step, not a compile
+            _precompile(cfg, built.trainer)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # its activations' memory back to the drafters sharing the GPU
+        startup.mark("precompile")
         seat = take_seat(ring, cfg.lock_dir(), Role.CONSUMER, indices, proc.stop, standby)
         if seat is None:
             log.info("drafter %s: the run %s before %s", "standby" if standby else indices[0],
@@ -515,6 +532,12 @@ def run_drafter(cfg: Config, indices: list[int], device_name: str | None, startu
         with Tracking(cfg, seat.index) as tracking:
             train(cfg, seat, proc, built, resumed, tracking, startup)
     return 0
+
+
+def _precompile(cfg: Config, trainer: Trainer) -> None:
+    """The first step's compile ahead of the first item (Trainer.precompile), at the widths the producers batch to."""
+    if seconds := trainer.precompile(cfg.data.max_tokens_per_batch, cfg.data.max_length):
+        log.info("first step precompiled in %.2fs", seconds)
 
 
 def train(cfg: Config, seat: Seat, proc: RoleProcess, built: Built, resumed: Resumed, tracking: Tracking,

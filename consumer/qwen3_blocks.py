@@ -3,17 +3,21 @@
 The same code and parameter names as transformers' modeling_qwen3 (tests/test_drafter_model.py checks
 them against it), written here because importing that module costs a drafter more than a second of
 start-up on a small box (generation, masking and tensor-parallel machinery it never uses): a drafter
-restarted after a kill trains that much sooner. The RoPE frequencies come from transformers'
-modeling_rope_utils, which the config classes load anyway, so every rope type means what HF means.
+restarted after a kill trains that much sooner. The default RoPE is computed here as transformers computes
+it; every other rope type comes from transformers' modeling_rope_utils (on a Qwen3Config), so it means what HF
+means.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class Qwen3RMSNorm(nn.Module):
@@ -54,6 +58,8 @@ def rope_frequencies(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim / 2], attention scaling) as Qwen3RotaryEmbedding(config) computes them."""
     params = config.rope_parameters
     if params["rope_type"] != "default":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # of a Qwen3Config (model_config)
+
         return ROPE_INIT_FUNCTIONS[params["rope_type"]](config)
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0

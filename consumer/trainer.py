@@ -148,7 +148,8 @@ class Trainer:
             check_precision(drafter.precision, device)
             convert_to_fp8(self.model, drafter.fp8_recipe)
             head.quantize_fp8()  # and the frozen head's products of the draft in the loss (consumer/fp8_head.py)
-        if train.compile and device.type == "cuda" and train.attention_for("cuda") == "flex":  # sdpa groups vary
+        self.cfg, self.device = train, device
+        if self.compiled:  # sdpa groups vary
             self.model.compile_layers(include_fc=fp8)
         elif fp8:
             log.warning("fp8 with eager layers (train.compile = false or attention sdpa): the casts to FP8 are not "
@@ -264,6 +265,55 @@ class Trainer:
         names = item_sources(batch.meta)
         labels = self.sources.of(names) if self.sources is not None else names
         return by_source(out, anchors, batch.source_ids, batch.loss_mask, labels)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the first steps compile (train.compile with flex attention on a GPU: consumer/model.py)."""
+        return self.cfg.compile and self.device.type == "cuda" and self.cfg.attention_for("cuda") == "flex"
+
+    def precompile(self, max_tokens: int, max_length: int, force: bool = False) -> float:
+        """Compile what the first steps compile, before any item arrives: forward and backward on two synthetic
+        packed batches of real batches' widths (`max_tokens` tokens in sequences of at most `max_length`; two token
+        counts, so that the graphs torch.compile makes dynamic on its second shape are made too). Nothing that
+        training depends on moves: the gradients are dropped, no optimizer step is taken, the anchors come from a
+        generator of their own and the RNG states are put back, so a step after this is the step it would have been.
+        A warm standby does it while it waits, a restarted drafter while its checkpoint loads; with the persistent
+        compile cache (common/compile_cache.py) it loads graphs rather than compiles them. No-op when nothing compiles
+        (`force`: run it anyway, as the CPU tests do). Returns the seconds it took."""
+        if not (self.compiled or force):
+            return 0.0
+        t0 = time.perf_counter()
+        self.model.train()  # as train_step runs it (a mode change would recompile)
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        rng = torch.Generator(device=self.device).manual_seed(0)
+        width, hidden = self.model.fc.in_features, self.model.config.hidden_size
+        dtype = self.head.embed_weight.dtype
+        for tokens in (max_tokens, max(2, max_tokens * 3 // 4)):
+            lengths = [min(max_length, tokens - start) for start in range(0, tokens, max_length)]
+            cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.long, device=self.device)
+            # Every sequence's second half is its reply: the part the loss supervises.
+            position = torch.arange(tokens, device=self.device) - torch.repeat_interleave(
+                cu[:-1], torch.tensor(lengths, device=self.device))
+            batch = DeviceBatch(
+                features=torch.randn(tokens, width, generator=rng, device=self.device).to(dtype),
+                input_ids=torch.randint(0, self.head.embed_weight.shape[0], (tokens,), generator=rng,
+                                        device=self.device),
+                loss_mask=position >= torch.repeat_interleave(torch.tensor(lengths, device=self.device) // 2,
+                                                              torch.tensor(lengths, device=self.device)),
+                cu_seqlens=cu,
+                final_hidden=(torch.randn(tokens, hidden, generator=rng, device=self.device).to(dtype)
+                              if self.drafter.needs_target_logits else None))
+            anchors = sample_anchors(batch.loss_mask, batch.cu_seqlens, self.drafter.num_anchors, rng)
+            if anchors.num_blocks:
+                self._forward(batch, anchors).loss.backward()
+        for p in self.model.parameters():
+            p.grad = None
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, self.device)
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
 
     def hold_updates(self, copied: torch.cuda.Event | None) -> None:
         """The next optimizer step waits, on the device and not the host, until `copied` has passed: a checkpoint

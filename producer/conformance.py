@@ -17,8 +17,10 @@ by 1e-1 and more. The tolerance depends on the dtype only (see TOLERANCE).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 import logging
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -189,12 +191,14 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm().clamp_min(1e-12))
 
 
-def choose_packing(target: TargetModel, mode: str) -> ProbeReport | None:
-    """Set the target's batch layout for `target.packing` = mode; refuse "packed" when the probe fails."""
+def choose_packing(target: TargetModel, mode: str,
+                   run_probe: Callable[[TargetModel], ProbeReport] | None = None) -> ProbeReport | None:
+    """Set the target's batch layout for `target.packing` = mode; refuse "packed" when the probe fails. `run_probe`:
+    the probe to run, when not this module's own (producer/probe_cache.py's keeps its result for restarts)."""
     if mode == "padded":
         target.use_packing(False)
         return None
-    report = probe(target)
+    report = (run_probe or probe)(target)
     if report.passed:
         log.info("conformance probe: %s; packed batches", report.summary())
         target.use_packing(True)

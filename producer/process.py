@@ -27,6 +27,7 @@ import logging
 import queue
 import threading
 import time
+from pathlib import Path
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 
@@ -50,6 +51,7 @@ from dflash_ring.common.startup import Startup
 from .batching import Batch, Cursor, ShardBatcher
 from .live_replay import LiveReplay
 from .conformance import choose_packing
+from .probe_cache import cached_probe
 from .data_stats import data_stats, log_lines
 from .pretokenized import load_sources, target_tokenizer
 from .target import TargetModel, TargetOutput, resolve_device, resolve_dtype
@@ -456,7 +458,9 @@ def _produce(cfg: Config, index: int, device: torch.device, startup: Startup, pr
         startup.mark("data")  # tokenizer, tokenized data (cached after the first start), its statistics
         target = TargetModel.load(cfg.target, device, packed=False, group=group)
         startup.mark("model")
-        probe = choose_packing(target, cfg.target.packing)  # before anything is published
+        # Before anything is published; a restart on the same model, code and device reads the saved result.
+        probe = choose_packing(target, cfg.target.packing,
+                               cached_probe(Path(cfg.target.state_dir).expanduser() / "probe", cfg.target.path))
         startup.mark("probe")
         metrics.packing.labels("packed" if target.packed else "padded", target.config.model_type).set(1)
         metrics.conformance_error.set(float("nan") if probe is None or probe.max_error is None else probe.max_error)

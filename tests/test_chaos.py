@@ -142,13 +142,14 @@ def test_ledger_reader_counts_a_line_cut_by_a_kill(tmp_path):
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("seed,stops", [(11, 3), (12, 1)])
-def test_chaos_minute_loses_nothing(tmp_path, seed, stops):
+@pytest.mark.parametrize("seed,stops,standbys", [(11, 3, 0), (12, 1, 1)])
+def test_chaos_minute_loses_nothing(tmp_path, seed, stops, standbys):
     """A minute of random SIGKILL/SIGTERM across targets, drafters and the supervisor, and whole-run stops
-    (stop --now, SIGTERM to all, SIGKILL to all then clean) each followed by a restart (CI's chaos run)."""
+    (stop --now, SIGTERM to all, SIGKILL to all then clean) each followed by a restart (CI's chaos run); the second
+    with a warm standby beside the drafters (`--standbys 1`), which takes over a killed drafter's seat."""
     out = subprocess.run([sys.executable, "-m", "dflash_ring", "chaos", "--kills", "12", "--seconds", "60",
                           "--seed", str(seed), "--whole-run-stops", str(stops), "--workdir", str(tmp_path / "chaos"),
-                          "--json"],
+                          "--standbys", str(standbys), "--json"],
                          capture_output=True, text=True, timeout=1500)
     assert out.stdout, out.stderr[-5000:]
     rep = json.loads(out.stdout)
@@ -168,6 +169,7 @@ def test_chaos_minute_loses_nothing(tmp_path, seed, stops):
     assert c["hung"] == [] and c["clean"]["rc"] == 0 and c["clean"]["leftovers"] == []
     assert all("step" in v and "exported" in v for v in c["checkpoints"].values()), c["checkpoints"]
     assert c["recoveries"] + c["not_recovered_before_the_end"] == kills["sent"]
+    assert c["standbys"] == standbys and (c["takeovers"] >= 1 if standbys else c["takeovers"] == 0), c["kill_log"]
     # Every role's start-up, phase by phase in its order, from the processes' `startup` ledger records.
     phases = {"supervisor": SUPERVISOR_PHASES, "target": TARGET_PHASES, "drafter": DRAFTER_PHASES}
     for role, names in phases.items():

@@ -72,6 +72,49 @@ def test_qwen3_blocks_equal_transformers_qwen3(rope):
     assert torch.equal(inv_freq, rotary.inv_freq) and scaling == rotary.attention_scaling
 
 
+# Every config attribute the drafter's modules read (consumer/model.py, qwen3_blocks.py, dspark_heads.py,
+# dflash2_blocks.py): what model_config must give exactly as Qwen3Config does.
+MODEL_READS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "num_hidden_layers", "rms_norm_eps", "hidden_act", "initializer_range", "layer_types",
+               "sliding_window", "vocab_size", "rope_parameters", "dflash_config", "block_size", "mask_token_id",
+               "target_layer_ids", "markov_head_type", "markov_rank")
+
+
+@pytest.mark.parametrize("arch", ["dflash", "dspark", "dflash2"])
+@pytest.mark.parametrize("rope_theta", [None, 5e5])
+def test_the_drafter_is_built_without_transformers_config_class_as_with_it(arch, rope_theta):
+    """A drafter process builds from model_config (no transformers import at its start: seconds of a restart on
+    the H200's transformers 5.17), the export from Qwen3Config: every attribute the modules read is the same, and
+    the same seed gives the same weights and the same RoPE."""
+    from dflash_ring.consumer.drafter_hf_config import drafter_hf_config, model_config, qwen3_config
+    from dflash_ring.consumer.model import drafter_class
+
+    layer_types = ["sliding_attention", "full_attention"] if arch == "dflash2" else ["full_attention"] * 2
+    cfg = DrafterConfig(arch=arch, num_hidden_layers=2, block_size=8, mask_token_id=MASK_ID, rope_theta=rope_theta,
+                        layer_types=layer_types, **({"sliding_window": 8} if arch == "dflash2" else {}))
+    hf = drafter_hf_config(cfg, tiny_qwen3_config().to_dict())
+    light, full = model_config(hf), qwen3_config(hf)
+    assert type(light).__name__ == "SimpleNamespace"
+    for key in MODEL_READS:
+        assert getattr(light, key, None) == getattr(full, key, None), key
+    models = []
+    for config in (light, full):
+        torch.manual_seed(0)
+        models.append(drafter_class(arch)(config))
+    ours, theirs = (m.state_dict() for m in models)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert torch.equal(qwen3_blocks.rope_frequencies(light)[0], qwen3_blocks.rope_frequencies(full)[0])
+
+
+def test_a_non_default_rope_builds_through_qwen3_config():
+    from dflash_ring.consumer.drafter_hf_config import drafter_hf_config, model_config
+
+    target = tiny_qwen3_config(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}).to_dict()
+    config = model_config(drafter_hf_config(DrafterConfig(num_hidden_layers=2, block_size=8, mask_token_id=MASK_ID),
+                                            target))
+    assert isinstance(config, Qwen3Config) and config.rope_parameters["rope_type"] == "linear"
+
+
 def test_build_target_layer_ids_matches_published_drafters():
     assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B
     assert build_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]  # Qwen3.6-27B

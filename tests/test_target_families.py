@@ -4,6 +4,7 @@ model's own forward of each sequence alone, and the conformance probe guards wha
 from __future__ import annotations
 
 import json
+import os
 import logging
 import re
 import shutil
@@ -20,6 +21,7 @@ from dflash_ring.bench.target_shapes import FAMILIES, PADDED_ONLY, SPARSE_INDEXE
 from dflash_ring.producer import packing
 from dflash_ring.producer.batching import Batch
 from dflash_ring.producer.conformance import choose_packing, layer_kinds, probe
+from dflash_ring.producer.probe_cache import cached_probe
 from dflash_ring.producer.process import prepare, run_target
 from dflash_ring.producer.target import TargetModel
 from dflash_ring.common.target_config import TargetConfig, TargetConfigError
@@ -259,3 +261,31 @@ def test_an_attention_implementation_packing_cannot_mirror_falls_back_or_refuses
         choose_packing(target, "packed")
     report = choose_packing(target, "auto")
     assert report.error is not None and "flex_attention" in report.error and not target.packed
+
+
+def test_a_restart_reads_the_probe_result_saved_for_exactly_this_model_and_probes_again_otherwise(tmp_path, caplog,
+                                                                                                  monkeypatch):
+    """producer/probe_cache.py: the second start on the same model directory reads the saved report (the probe does
+    not run); a model file touched, or a damaged entry (moved aside, with a warning), makes it probe again."""
+    from dflash_ring.producer import conformance
+
+    path = build_target(tmp_path / "qwen3", "qwen3", layers=4)
+    cache = (tmp_path / "state" / "probe", str(path))
+    cached = cached_probe(*cache)
+    runs = []
+    real_probe = conformance.probe
+    monkeypatch.setattr(conformance, "probe", lambda target: runs.append(1) or real_probe(target))
+    first = choose_packing(load(path, True), "auto", cached)
+    again = choose_packing(load(path, True), "auto", cached)
+    assert len(runs) == 1 and again.to_json() == first.to_json() and first.passed
+    entry, = cache[0].glob("*.json")
+    assert entry.stat().st_mode & 0o777 == 0o600
+    original = (path / "config.json").stat().st_mtime_ns
+    os.utime(path / "config.json", ns=(1, 1))  # a model file touched: another key
+    choose_packing(load(path, True), "auto", cached)
+    assert len(runs) == 2 and len(list(cache[0].glob("*.json"))) == 2
+    entry.write_text('{"model_type": "qwen3"')  # cut short
+    os.utime(path / "config.json", ns=(original, original))  # the first key again
+    with caplog.at_level(logging.WARNING):
+        report = choose_packing(load(path, True), "auto", cached)
+    assert report.passed and "probe cache" in caplog.text and entry.with_suffix(".damaged").exists()

@@ -99,6 +99,27 @@ def test_export_from_checkpoint_loads_back_with_identical_weights(tmp_path):
         assert torch.equal(reloaded.state_dict()[name], value.to(torch.bfloat16).float()), name
 
 
+def test_a_precompile_changes_nothing_the_following_steps_train_on(tmp_path):
+    """The standby's and the restart's precompile (Trainer.precompile: forward and backward on synthetic batches)
+    leaves weights, optimizer, gradients and every RNG as they were: the steps after it are bit for bit the steps
+    without it, and its synthetic batches did reach the loss (their gradient existed before it was dropped)."""
+    runs = []
+    for warm in (False, True):
+        trainer, _ = make_trainer(tmp_path / str(warm))
+        if warm:
+            reached = []
+            for p in trainer.model.parameters():
+                p.register_hook(lambda g, reached=reached: reached.append(1) or g)
+            assert trainer.precompile(max_tokens=48, max_length=20, force=True) > 0
+            assert reached and all(p.grad is None for p in trainer.model.parameters())
+        assert trainer.precompile(max_tokens=48, max_length=20) == 0.0  # on the CPU nothing compiles: no-op
+        runs.append(([trainer.train_step(batch(s), 20).loss for s in range(3)],
+                     {k: v.clone() for k, v in trainer.model.state_dict().items()}))
+    (cold_losses, cold_state), (warm_losses, warm_state) = runs
+    assert cold_losses == warm_losses
+    assert all(torch.equal(cold_state[k], warm_state[k]) for k in cold_state)
+
+
 def test_lr_schedule_warms_up_then_decays():
     cfg = TrainConfig(lr=1.0, warmup_ratio=0.1, min_lr_ratio=0.1)
     lrs = [lr_at(s, 100, cfg) for s in range(100)]

@@ -103,14 +103,15 @@ class ChaosOptions:
     exit_timeout_s: float = 120.0
     whole_run_stops: int = 0  # also stop the whole run this many times (taking turns among stop_modes), start it again
     stop_modes: tuple[str, ...] = RUN_STOP_MODES
+    standbys: int = 0  # warm standbys (`drafter --standby`, processes standby-N) beside the drafters, killed like them
 
     def refusal(self) -> str | None:
         """Why these options cannot do what they ask, before anything starts (None: they can). The fault window
         opens when the first kill is due (Phase.execute: `kills` and training under way), and the whole-run stops
         are scheduled inside it, so stops without kills would never happen and the run would pass untested."""
-        if self.kills < 0 or self.whole_run_stops < 0 or self.epochs < 0:
-            return (f"--kills {self.kills}, --whole-run-stops {self.whole_run_stops}, --epochs {self.epochs}: "
-                    "none may be negative")
+        if self.kills < 0 or self.whole_run_stops < 0 or self.epochs < 0 or self.standbys < 0:
+            return (f"--kills {self.kills}, --whole-run-stops {self.whole_run_stops}, --epochs {self.epochs}, "
+                    f"--standbys {self.standbys}: none may be negative")
         if not self.seconds > 0 or self.seconds == float("inf"):
             return f"--seconds {self.seconds}: the fault window must be a finite number of seconds > 0"
         if self.whole_run_stops and not self.kills:
@@ -161,19 +162,27 @@ def _p50_max(values: list[float]) -> dict[str, float | None]:
 
 def recoveries(kills: list[Kill], spawns: list[tuple[float, str, int]],
                ledgers: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, list[float]], int]:
-    """Seconds from each kill to its role's next incarnation doing work, by role; and kills never recovered."""
+    """Seconds from each kill to its role's next incarnation doing work, by role; and kills never recovered.
+
+    The next incarnation of a killed process is the process started again under its name, or whichever process
+    works next in its ledger (the seat's): with standbys (`--standbys`), a standby started long before takes a
+    killed drafter's seat, and the drafter started again for that index waits as a standby."""
     work = {"supervisor": {"start"}, "target": {"pub", "done"}, "drafter": {"train", "exit"}}
     first_work: dict[int, float] = {}
+    workers: dict[str, set[int]] = {}  # ledger (seat) name -> pids that worked in it
     for name, recs in ledgers.items():
         kinds = work[name.split("-")[0]]
         for r in recs:
-            if r["ev"] in kinds and r["pid"] not in first_work:
-                first_work[r["pid"]] = r["t"]
+            if r["ev"] in kinds:
+                workers.setdefault(name, set()).add(r["pid"])
+                first_work.setdefault(r["pid"], r["t"])
     times: dict[str, list[float]] = {}
     unrecovered = 0
     for k in kills:
-        nxt = [(t, pid) for t, name, pid in spawns if name == k.name and t >= k.t]
-        done = min((first_work[pid] for _, pid in nxt if pid in first_work and first_work[pid] >= k.t),
+        seats = {k.name} | {name for name, pids in workers.items() if k.pid in pids}  # a standby's: the one it took
+        nxt = {pid for t, name, pid in spawns if name == k.name and t >= k.t}
+        nxt |= {pid for name in seats for pid in workers.get(name, set())}
+        done = min((first_work[pid] for pid in nxt - {k.pid} if pid in first_work and first_work[pid] >= k.t),
                    default=None)
         if done is None:
             unrecovered += 1
@@ -218,7 +227,8 @@ class Phase:
 
     def names(self) -> list[str]:
         t = self.cfg.topology
-        return ["supervisor"] + [f"target-{i}" for i in range(t.producers)] + [f"drafter-{j}" for j in range(t.consumers)]
+        return (["supervisor"] + [f"target-{i}" for i in range(t.producers)] + [f"drafter-{j}" for j in range(t.consumers)]
+                + [f"standby-{k}" for k in range(self.opts.standbys)])
 
     def ledger_dir(self) -> Path:
         return Path(self.cfg.run.ledger_dir)
@@ -382,8 +392,8 @@ class Phase:
                             drained_by_us = True
                         rank = self._kill_rank(victim, rng) if sig == "SIGKILL" else None
                         pid = rank if rank is not None else r.signal(victim, getattr(signal, sig))
-                        self.kills.append(Kill(time.time(), victim, victim.split("-")[0],
-                                               sig if rank is None else "SIGKILL-rank", pid))
+                        role = "drafter" if victim.startswith("standby-") else victim.split("-")[0]
+                        self.kills.append(Kill(time.time(), victim, role, sig if rank is None else "SIGKILL-rank", pid))
             time.sleep(0.05)
         if self.hung:
             r.kill_all()
@@ -548,6 +558,10 @@ def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
                   "by_role": {r: by_role.get(r, 0) for r in ("supervisor", "target", "drafter")},
                   "by_role_and_signal": dict(sorted(by_signal.items()))},
         "restarts": phase.restarter.restarts, "full_restarts_after_drain": phase.full_restarts,
+        # Seats a warm standby (--standbys) took over from a dead drafter: its ledger start record names the dead pid.
+        "standbys": opts.standbys,
+        "takeovers": sum(1 for name, recs in ledgers.items() if name.startswith("drafter-")
+                         for r in recs if r["ev"] == "start" and "took_over" in r),
         "whole_run_stops": phase.run_stops,
         "recoveries": sum(map(len, rec_times.values())), "not_recovered_before_the_end": unrecovered,
         "recovery_s": _p50_max([t for times in rec_times.values() for t in times]),

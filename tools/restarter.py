@@ -40,7 +40,8 @@ class Restarter:
 
     def command(self, name: str) -> list[str]:
         role, _, index = name.partition("-")
-        args = ["supervisor"] if role == "supervisor" else [role, "--index", index]
+        args = (["supervisor"] if role == "supervisor" else ["drafter", "--standby"] if role == "standby"
+                else [role, "--index", index])
         return [sys.executable, "-m", "dflash_ring", *args, "--config", str(self.cfg_path),
                 *[a for s in self.sets for a in ("--set", s)]]
 
@@ -82,7 +83,8 @@ class Restarter:
     def pick(self, role: str, rng: random.Random) -> str | None:
         """A running process of `role` (else of any role) that is not already on its way out."""
         candidates = [n for n in self.alive() if n not in self.signalled]
-        mine = [n for n in candidates if n.split("-")[0] == role]
+        # A standby is a drafter too: waiting, or holding the seat of one it took over.
+        mine = [n for n in candidates if n.split("-")[0] == role or (role == "drafter" and n.startswith("standby-"))]
         pool = mine or candidates
         return rng.choice(sorted(pool)) if pool else None
 
