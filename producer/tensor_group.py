@@ -1,8 +1,8 @@
 """A target sharded over N ranks of one host by transformers' own tensor parallelism: one producer to the ring.
 
     leader (rank 0) = the producer process: data, ring row, cursor, replay list, ledger, metrics
-        | starts ranks 1..N-1 (`python -m dflash_ring.producer.tensor_rank`), serves their rendezvous (a TCPStore
-        | on 127.0.0.1), joins one torch.distributed group with them: NCCL on GPUs, gloo on the CPU
+        | starts ranks 1..N-1 (`python -m dflash_ring.producer.tensor_rank`), holds their rendezvous (a FileStore
+        | in a private directory: no port), joins one torch.distributed group with them: NCCL on GPUs, gloo on the CPU
     every rank: `from_pretrained(..., tp_plan="auto")`: transformers shards the linears by the family's own
         base_model_tp_plan (DTensor; never a sharding of ours), and the decoder is truncated as on one device
 
@@ -26,13 +26,16 @@ import datetime
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -166,6 +169,7 @@ class TensorGroup:
         self.cfg, self.device, self.size = cfg, device, cfg.tensor_parallel
         self.ranks: list[subprocess.Popen] = []
         self._closing = threading.Event()
+        self._rendezvous: Path | None = None
 
     @classmethod
     def start(cls, cfg: TargetConfig, device: torch.device) -> TensorGroup:
@@ -176,14 +180,19 @@ class TensorGroup:
         # the host's interface), as the store is; the ranks inherit it.
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             os.environ.setdefault(name, "lo")
-        store = dist.TCPStore("127.0.0.1", 0, group.size, is_master=True, timeout=JOIN_TIMEOUT,
-                              wait_for_workers=False)
+        # The rendezvous is a file in a directory only this user can enter (mkdtemp: 0700), not a port: another local
+        # user can neither join the group nor disturb its start. A fresh one per start: a FileStore left by a killed
+        # group would hand its stale keys to the next.
+        group._rendezvous = Path(tempfile.mkdtemp(prefix="dflash-ring-tp-"))
+        store_file = group._rendezvous / "store"
+        store = dist.FileStore(str(store_file), group.size)
+        store.set_timeout(JOIN_TIMEOUT)
         spec = json.dumps(asdict(cfg))
         for rank in range(1, group.size):
             env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(group.size),
                    "LOCAL_RANK": str(rank_device(device, rank).index or 0)}
             group.ranks.append(subprocess.Popen(
-                [sys.executable, "-m", "dflash_ring.producer.tensor_rank", "--store-port", str(store.port),
+                [sys.executable, "-m", "dflash_ring.producer.tensor_rank", "--store-file", str(store_file),
                  "--rank", str(rank), "--device", str(rank_device(device, rank)), "--leader", str(os.getpid()),
                  "--target", spec], env=env))
         for rank, proc in enumerate(group.ranks, start=1):
@@ -191,7 +200,7 @@ class TensorGroup:
         os.environ.update(RANK="0", WORLD_SIZE=str(group.size), LOCAL_RANK=str(device.index or 0))
         dist.init_process_group(backend_for(device), store=store, rank=0, world_size=group.size,
                                 timeout=JOIN_TIMEOUT)
-        group._store = store
+        group._store = store  # kept for the group's lifetime (the ranks' keys live in it)
         log.info("tensor-parallel group of %d ranks (%s) joined: ranks %s", group.size, backend_for(device),
                  [p.pid for p in group.ranks])
         return group
@@ -220,6 +229,11 @@ class TensorGroup:
         for proc in self.ranks:
             proc.kill()
             proc.wait()
+        self._remove_rendezvous()
+
+    def _remove_rendezvous(self) -> None:
+        if self._rendezvous is not None:
+            shutil.rmtree(self._rendezvous, ignore_errors=True)
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
@@ -248,6 +262,7 @@ class TensorGroup:
                 proc.kill()
                 proc.wait()
         dist.destroy_process_group()
+        self._remove_rendezvous()
 
 
 def rank_target_config(spec: str) -> TargetConfig:

@@ -21,7 +21,7 @@ from .tensor_group import JOIN_TIMEOUT, backend_for, die_with_leader, rank_targe
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash_ring.producer.tensor_rank", description=__doc__)
-    p.add_argument("--store-port", type=int, required=True)
+    p.add_argument("--store-file", required=True, help="the leader's rendezvous file (a FileStore)")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--device", required=True)
     p.add_argument("--leader", type=int, required=True, help="the leader's pid: this rank dies with it")
@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = dist.TCPStore("127.0.0.1", args.store_port, cfg.tensor_parallel, is_master=False, timeout=JOIN_TIMEOUT)
+    store = dist.FileStore(args.store_file, cfg.tensor_parallel)
+    store.set_timeout(JOIN_TIMEOUT)
     dist.init_process_group(backend_for(device), store=store, rank=args.rank, world_size=cfg.tensor_parallel,
                             timeout=JOIN_TIMEOUT)
     model = load_sharded(cfg, device)

@@ -5,6 +5,7 @@ of target.tensor_parallel in one line."""
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -52,7 +53,10 @@ def test_two_rank_gloo_group_gives_the_unsharded_features(tmp_path, arch):
         target.use_packing(False)
         padded = run_target(target, prepare(batch, packed=False, pad_id=0, pin=False)).features
         assert group.ranks[0].poll() is None  # the rank is alive and mirrored every forward
+        rendezvous = group._rendezvous  # a file in a directory of this user's alone, no port
+        assert rendezvous.stat().st_mode & 0o777 == 0o700 and rendezvous.stat().st_uid == os.getuid()
     assert group.ranks[0].returncode == 0  # told to stop, it left the group and exited cleanly
+    assert not rendezvous.exists()  # removed with the group
     expected = reference_features(path, sequences(batch), target.layer_ids)
     assert_same_features(split(packed, batch), expected)
     assert_same_features(split(padded, batch), expected)
