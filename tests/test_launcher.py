@@ -86,3 +86,12 @@ def test_run_reports_exact_totals_and_clean_logs(tmp_path):
     for j, (steps, _) in done.items():
         assert len(tensorboard_scalars(tmp_path / "tracking" / "tensorboard" / f"drafter-{j}", "loss")) == steps
     print(log[log.index(header) - 400:])  # the table, for a reader of -s output
+
+
+def test_paired_difference_is_over_the_prompts_both_scored():
+    from dflash_ring.tools.launcher import paired_difference
+
+    mean, half, n = paired_difference([3.0, 2.0, None, 4.0], [2.0, 2.0, 5.0, 2.0])
+    assert (mean, n) == (1.0, 3)
+    assert half == pytest.approx(1.96 * 1.0 / 3 ** 0.5)  # differences 1, 0, 2: sample sd 1
+    assert paired_difference([3.0, None], [2.0, 2.0]) is None
