@@ -56,7 +56,7 @@ def embedded_run_config(workdir: Path, target: Path, mask_token_id: int, data: P
         run=replace(d.run, name="tiny", run_dir=str(workdir / "locks")),
         ring=replace(d.ring, slots=8, slot_bytes=8 << 20, slot_header_bytes=64 << 10, wait_s=0.05),
         topology=replace(d.topology, producers=1, consumers=2),
-        data=replace(d.data, path=str(data), max_length=256, max_tokens_per_batch=2048, epochs=3,
+        data=replace(d.data, path=str(data), max_length=256, max_tokens_per_batch=2048, epochs=2,
                      cache_dir=str(workdir / "data-cache")),
         target=replace(d.target, path=str(target), layer_ids=[1, 2], mask_token_id=mask_token_id,
                        state_dir=str(workdir / "state"), device="cpu"),
