@@ -6,7 +6,7 @@ worked template, so a small model can learn it on a CPU in minutes and a drafter
 guessable runs to learn, while the numbers and word choices still need the prompt to be read.
 
 Its wording is not: at each phrase of a template the writer picks one of three phrasings
-(PHRASINGS), uniformly and independently of the prompt, as people writing a data set do. A target
+(`_pick`), uniformly and independently of the prompt, as people writing a data set do. A target
 trained on it has genuine next-token entropy there (about ln 3 nats), not the near one-hot
 distributions of a fully determined corpus, and its greedy replies settle on its own preferred
 phrasing, so they differ from the corpus's: a drafter trained on the target's regenerated replies
@@ -175,7 +175,8 @@ def _describe(rng: random.Random) -> Row:
     facts = _pick(rng, f"The {animal} is a {size} animal and lives in the {home}.",
                   f"It is a {size} animal that lives in the {home}.",
                   f"This {size} animal lives in the {home}.")
-    hobby = _pick(rng, f"It likes to {likes}.", f"Its favourite thing is to {likes}.", f"Most of all it likes to {likes}.")
+    hobby = _pick(rng, f"It likes to {likes}.", f"Its favourite thing is to {likes}.",
+                  f"Most of all it likes to {likes}.")
     ending = _pick(rng, f"{name} loves the {color} {animal}.", f"{name} is very fond of it.", "They are good friends.")
     reply = f"{name} has a {color} {animal}. {facts} {hobby} {ending}"
     return _chat(prompt, reply)

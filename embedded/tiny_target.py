@@ -69,8 +69,8 @@ class TinyTargetRecipe:
 @dataclass(frozen=True)
 class TargetQuality:
     heldout_token_accuracy: float  # teacher-forced next-token top-1 on held-out assistant tokens
-    # Mean entropy (nats) of the next-token distribution there: what a drafter and its KL terms face. A corpus
-    # with one wording per reply gave a near one-hot target (most tokens near 0); PHRASINGS give ~ln 3 at phrases.
+    # Mean entropy (nats) of the next-token distribution there: what a drafter and its KL terms face. A corpus with
+    # one wording per reply gave a near one-hot target (most tokens near 0); three phrasings give ~ln 3 at a phrase.
     heldout_mean_entropy: float
     heldout_exact_match: float  # greedy replies equal to the reference, over generation_checks prompts
     final_train_loss: float
