@@ -1,9 +1,18 @@
 """A synthetic chat data set for the embedded tiny target, generated offline from a seed.
 
-Acceptance only means something if the target's replies are predictable: each reply here is a
+Acceptance only means something if the target's replies are predictable: each reply's content is a
 fixed function of its prompt (copy, reverse, sort, count, add, recall a fact), written out in a
 worked template, so a small model can learn it on a CPU in minutes and a drafter has long
 guessable runs to learn, while the numbers and word choices still need the prompt to be read.
+
+Its wording is not: at each phrase of a template the writer picks one of three phrasings
+(`_pick`), uniformly and independently of the prompt, as people writing a data set do. A target
+trained on it has genuine next-token entropy there (about ln 3 nats), not the near one-hot
+distributions of a fully determined corpus, and its greedy replies settle on its own preferred
+phrasing, so they differ from the corpus's: a drafter trained on the target's regenerated replies
+then learns what the target says, one trained on the corpus's replies only what writers say
+(`dflash-ring run` compares the two), and objectives that read the target's distribution (KL, the
+tree's second choices) have something to read.
 """
 
 from __future__ import annotations
@@ -61,6 +70,11 @@ def _chat(prompt: str, reply: str) -> Row:
     return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]}
 
 
+def _pick(rng: random.Random, *phrasings: str) -> str:
+    """One of a phrase's equally likely phrasings (the module docstring says why there are several)."""
+    return rng.choice(phrasings)
+
+
 def _numbers(values: Iterable[int]) -> str:
     return " ".join(str(v) for v in values)
 
@@ -75,13 +89,16 @@ def _addition(rng: random.Random) -> Row:
             f"What is {a} plus {b}?",
         )
     )
+    add = _pick(rng, f"We add {a} and {b}.", f"Let us add {a} and {b}.", f"We need {a} plus {b}.")
+    answer = _pick(rng, f"The answer is {a + b}.", f"So the answer is {a + b}.", f"That gives {a + b}.")
     if prompt.startswith("What"):
-        reply = f"We add {a} and {b}. {a} plus {b} is {a + b}. The answer is {a + b}."
+        reply = f"{add} {a} plus {b} is {a + b}. {answer}"
     else:
-        reply = (
-            f"{name} starts with {a} {things}. Then {name} gets {b} more. "
-            f"So we add {a} and {b}. {a} plus {b} is {a + b}. {name} has {a + b} {things}. The answer is {a + b}."
-        )
+        start = _pick(rng, f"{name} starts with {a} {things}.", f"At first {name} has {a} {things}.",
+                      f"{name} begins with {a} {things}.")
+        then = _pick(rng, f"Then {name} gets {b} more.", f"After that {name} gets {b} more.",
+                     f"Later {name} is given {b} more.")
+        reply = f"{start} {then} {add} {a} plus {b} is {a + b}. {name} has {a + b} {things}. {answer}"
     return _chat(prompt, reply)
 
 
@@ -95,13 +112,15 @@ def _subtraction(rng: random.Random) -> Row:
             f"What is {a} minus {b}?",
         )
     )
+    take = _pick(rng, f"We take {b} from {a}.", f"Let us take {b} away from {a}.", f"We need {a} minus {b}.")
+    answer = _pick(rng, f"The answer is {left}.", f"So the answer is {left}.", f"That gives {left}.")
     if prompt.startswith("What"):
-        reply = f"We take {b} from {a}. {a} minus {b} is {left}. The answer is {left}."
+        reply = f"{take} {a} minus {b} is {left}. {answer}"
     else:
-        reply = (
-            f"{name} starts with {a} {things} and gives away {b}. "
-            f"So we take {b} from {a}. {a} minus {b} is {left}. {name} has {left} {things} left. The answer is {left}."
-        )
+        start = _pick(rng, f"{name} starts with {a} {things} and gives away {b}.",
+                      f"At first {name} has {a} {things}, then gives {b} away.",
+                      f"{name} has {a} {things} and gives {b} of them away.")
+        reply = f"{start} {take} {a} minus {b} is {left}. {name} has {left} {things} left. {answer}"
     return _chat(prompt, reply)
 
 
@@ -114,34 +133,37 @@ def _count(rng: random.Random) -> Row:
         prompt, counted = f"Help {name} count the {things} from {values[0]} to {values[-1]}.", values
     else:
         prompt, counted = f"Help {name} count the {things} down from {values[-1]} to {values[0]}.", values[::-1]
-    reply = f"Sure. {', '.join(map(str, counted))}. That is {NUMBER_WORDS[length]} {things}."
+    opener = _pick(rng, "Sure.", "Okay, let us count.", "Of course! Here we go.")
+    total = _pick(rng, f"That is {NUMBER_WORDS[length]} {things}.", f"That makes {NUMBER_WORDS[length]} {things}.",
+                  f"So there are {NUMBER_WORDS[length]} {things}.")
+    reply = f"{opener} {', '.join(map(str, counted))}. {total}"
     return _chat(prompt, reply)
 
 
 def _repeat(rng: random.Random) -> Row:
     words = rng.sample(WORDS, rng.randint(3, 6))
-    return _chat(
-        f"Repeat these words: {' '.join(words)}.",
-        f"Here are the words again: {' '.join(words)}. That is {NUMBER_WORDS[len(words)]} words.",
-    )
+    opener = _pick(rng, "Here are the words again:", "Sure, the words are:", "Okay. Once more:")
+    total = _pick(rng, f"That is {NUMBER_WORDS[len(words)]} words.", f"There are {NUMBER_WORDS[len(words)]} words.",
+                  f"That makes {NUMBER_WORDS[len(words)]} words in all.")
+    return _chat(f"Repeat these words: {' '.join(words)}.", f"{opener} {' '.join(words)}. {total}")
 
 
 def _reverse(rng: random.Random) -> Row:
     words = rng.sample(WORDS, rng.randint(3, 5))
-    return _chat(
-        f"Reverse these words: {' '.join(words)}.",
-        f"Here are the words in reverse order: {' '.join(reversed(words))}. The first word is now {words[-1]}.",
-    )
+    opener = _pick(rng, "Here are the words in reverse order:", "Sure, in reverse order:", "Okay, the reverse order:")
+    first = _pick(rng, f"The first word is now {words[-1]}.", f"Now {words[-1]} comes first.",
+                  f"So {words[-1]} is first now.")
+    return _chat(f"Reverse these words: {' '.join(words)}.", f"{opener} {' '.join(reversed(words))}. {first}")
 
 
 def _sort(rng: random.Random) -> Row:
     values = rng.sample(range(10), rng.randint(3, 6))
     ordered = sorted(values)
-    return _chat(
-        f"Sort these numbers: {_numbers(values)}.",
-        f"In order from small to big: {_numbers(ordered)}. "
-        f"The smallest is {ordered[0]} and the biggest is {ordered[-1]}.",
-    )
+    opener = _pick(rng, "In order from small to big:", "Sorted from small to big:", "Okay, from small to big:")
+    ends = _pick(rng, f"The smallest is {ordered[0]} and the biggest is {ordered[-1]}.",
+                 f"So {ordered[0]} is the smallest and {ordered[-1]} is the biggest.",
+                 f"The biggest is {ordered[-1]} and the smallest is {ordered[0]}.")
+    return _chat(f"Sort these numbers: {_numbers(values)}.", f"{opener} {_numbers(ordered)}. {ends}")
 
 
 def _describe(rng: random.Random) -> Row:
@@ -150,10 +172,13 @@ def _describe(rng: random.Random) -> Row:
     prompt = rng.choice(
         (f"{name} has a {color} {animal}. Tell me about it.", f"Describe the {color} {animal} of {name}.")
     )
-    reply = (
-        f"{name} has a {color} {animal}. The {animal} is a {size} animal and lives in the {home}. "
-        f"It likes to {likes}. {name} loves the {color} {animal}."
-    )
+    facts = _pick(rng, f"The {animal} is a {size} animal and lives in the {home}.",
+                  f"It is a {size} animal that lives in the {home}.",
+                  f"This {size} animal lives in the {home}.")
+    hobby = _pick(rng, f"It likes to {likes}.", f"Its favourite thing is to {likes}.",
+                  f"Most of all it likes to {likes}.")
+    ending = _pick(rng, f"{name} loves the {color} {animal}.", f"{name} is very fond of it.", "They are good friends.")
+    reply = f"{name} has a {color} {animal}. {facts} {hobby} {ending}"
     return _chat(prompt, reply)
 
 

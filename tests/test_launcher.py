@@ -115,3 +115,12 @@ def test_a_full_disk_under_the_checkpoints_ends_the_run_with_the_drafters_exit_c
     assert not (Path("/dev/shm") / f"dflash-ring.{cfg.run.name}").exists()  # the supervisor tore the ring down
     saved = CursorFile(cursor_path(cfg.target.state_dir, cfg.run.name, 0), "").read()
     assert saved is not None and saved[2].pending_replay, log[-4000:]  # the untrained items, to be produced again
+
+
+def test_paired_difference_is_over_the_prompts_both_scored():
+    from dflash_ring.tools.launcher import paired_difference
+
+    mean, half, n = paired_difference([3.0, 2.0, None, 4.0], [2.0, 2.0, 5.0, 2.0])
+    assert (mean, n) == (1.0, 3)
+    assert half == pytest.approx(1.96 * 1.0 / 3 ** 0.5)  # differences 1, 0, 2: sample sd 1
+    assert paired_difference([3.0, None], [2.0, 2.0]) is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import replace
 
@@ -57,7 +58,7 @@ def test_corpus_rows_are_chats_with_correct_answers():
         prompt, reply = user["content"], assistant["content"]
         if m := re.fullmatch(r"What is (\d+) (plus|minus) (\d+)\?", prompt):
             a, op, b = int(m[1]), m[2], int(m[3])
-            assert reply.endswith(f"The answer is {a + b if op == 'plus' else a - b}.")
+            assert re.search(rf"(answer is|gives) {a + b if op == 'plus' else a - b}\.$", reply), reply
             checked += 1
         elif m := re.fullmatch(r"Sort these numbers: ([\d ]+)\.", prompt):
             assert f"big: {' '.join(sorted(m[1].split()))}." in reply
@@ -66,6 +67,21 @@ def test_corpus_rows_are_chats_with_correct_answers():
             assert f"order: {' '.join(m[1].split()[::-1])}." in reply
             checked += 1
     assert checked > 100
+
+
+def test_corpus_words_each_phrase_three_ways_independently_of_the_prompt():
+    """The target's entropy comes from here: each phrasing about a third of the time, whatever the prompt."""
+    rows = generate_corpus(CorpusSpec(num_train=1400, num_heldout=0)).train
+    openers = [conversation_of(r)[1]["content"].split(":")[0] for r in rows
+               if prompt_of(r).startswith("Repeat these words")]
+    counts = {o: openers.count(o) for o in set(openers)}
+    assert sorted(counts) == ["Here are the words again", "Okay. Once more", "Sure, the words are"], counts
+    assert all(abs(n / len(openers) - 1 / 3) < 0.1 for n in counts.values()), counts
+    by_length = {}  # the opener does not depend on the prompt (here: its number of words)
+    for r in rows:
+        if prompt_of(r).startswith("Repeat these words"):
+            by_length.setdefault(len(prompt_of(r).split()), set()).add(conversation_of(r)[1]["content"].split(":")[0])
+    assert all(len(o) == 3 for o in by_length.values()), by_length
 
 
 def test_write_jsonl_round_trips(tmp_path):
@@ -91,6 +107,7 @@ def test_builds_a_loadable_hf_target_with_its_data(built):
     assert marker["mask_token_id"] == len(tokenizer) < config.vocab_size
     assert config.eos_token_id == tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert 0.0 <= marker["quality"]["heldout_token_accuracy"] <= 1.0
+    assert 0.0 < marker["quality"]["heldout_mean_entropy"] <= math.log(config.vocab_size)
     assert len((path / TRAIN_FILE).read_text().splitlines()) == 64
     assert len((path / HELDOUT_FILE).read_text().splitlines()) == 8
     with torch.no_grad():

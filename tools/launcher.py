@@ -12,6 +12,7 @@ corpus, built on first use and cached, on the CPU.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -22,6 +23,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from statistics import fmean, stdev
 
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
@@ -54,7 +56,7 @@ def embedded_run_config(workdir: Path, target: Path, mask_token_id: int, data: P
         run=replace(d.run, name="tiny", run_dir=str(workdir / "locks")),
         ring=replace(d.ring, slots=8, slot_bytes=8 << 20, slot_header_bytes=64 << 10, wait_s=0.05),
         topology=replace(d.topology, producers=1, consumers=2),
-        data=replace(d.data, path=str(data), max_length=256, max_tokens_per_batch=2048, epochs=3,
+        data=replace(d.data, path=str(data), max_length=256, max_tokens_per_batch=2048, epochs=2,
                      cache_dir=str(workdir / "data-cache")),
         target=replace(d.target, path=str(target), layer_ids=[1, 2], mask_token_id=mask_token_id,
                        state_dir=str(workdir / "state"), device="cpu"),
@@ -440,7 +442,24 @@ def _compare(cfg: Config, trained: dict[str, tuple[Path, int]], con: Console) ->
     table.add_column("steps")
     table.add_column("tau (mean accepted + 1)")
     table.add_column("rounds")
+    per_prompt = {}
     for name, (path, steps) in {"untrained": (untrained_dir, 0), **trained}.items():
         report = evaluate_drafter(path, cfg.target.path, heldout, limit=100, max_new_tokens=64)
         table.add_row(name, str(steps), f"{report.tau:.2f}", str(report.rounds))
+        per_prompt[name] = report.tau_per_prompt
     con.print(table)
+    (first, a), (second, b) = list(per_prompt.items())[-2:]
+    if (diff := paired_difference(a, b)) is not None:
+        mean, half, n = diff
+        con.print(f"{first} minus {second}: tau {mean:+.2f} ± {half:.2f} (95% interval over the {n} prompts, "
+                  f"paired: the same prompts decoded by both)")
+
+
+def paired_difference(a: list[float | None], b: list[float | None]) -> tuple[float, float, int] | None:
+    """Mean of the per-prompt differences a - b and its 95% interval's half-width (normal approximation), over the
+    prompts both scored; None under two such prompts. The spread the run reports for its comparison: which prompts
+    happen to be held out. The spread between training runs (seeds) is measured in docs/benchmarks.md."""
+    diffs = [x - y for x, y in zip(a, b) if x is not None and y is not None]
+    if len(diffs) < 2:
+        return None
+    return fmean(diffs), 1.96 * stdev(diffs) / math.sqrt(len(diffs)), len(diffs)
