@@ -14,6 +14,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3 import modeling_qwen3
 
 from dflash_ring.common.drafter_config import DrafterConfig, build_target_layer_ids
+from dflash_ring.common.target_config import TargetConfigError
 from dflash_ring.consumer import qwen3_blocks
 from dflash_ring.consumer.model import (
     FLEX_TILE,
@@ -185,7 +186,7 @@ def test_frozen_head_refuses_untied_checkpoint_without_lm_head(tmp_path, target_
     del tensors["lm_head.weight"]
     save_file(tensors, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text((target_dir / "config.json").read_text())
-    with pytest.raises(KeyError, match="lm_head"):
+    with pytest.raises(TargetConfigError, match="lm_head"):  # a refusal: one line at the CLI
         load_target_head(tmp_path)
 
 

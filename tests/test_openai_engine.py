@@ -185,6 +185,15 @@ def collect(eng: OpenAIEngine, ps: list[Prompt], settings: GenerationSettings = 
     return out
 
 
+def cut_tails(replies: dict[int, Reply]) -> dict[int, Reply]:
+    """Replies with the trailing whitespace of those cut at max_new_tokens removed. `transformers serve` streams its
+    text through tokenizers' DecodeStream, which holds back a token's text until it is sure of it and is not flushed
+    at the end: a reply cut at the limit right after a space token arrives without that space (seen on the tiny
+    target with entropy, 2026-12-04). Only the text of the last token of a cut reply differs; tokens, counts and
+    every other reply are compared exactly."""
+    return {i: replace(r, text=r.text.rstrip()) if r.finish_reason == "length" else r for i, r in replies.items()}
+
+
 def count_sends(eng: OpenAIEngine) -> list[str]:
     """Every HTTP attempt the engine makes, by URL (wraps its one sending method)."""
     sent: list[str] = []
@@ -256,7 +265,7 @@ def test_sampled_replies_follow_each_prompts_seed(server, reference):
     sampled = replace(GREEDY, temperature=1.0, top_p=0.95, seed=5)
     ps = prompts()
     got = collect(engine([server.base_url], concurrency=1), ps, sampled)
-    assert got == {p.index: reference(p, sampled) for p in ps}
+    assert cut_tails(got) == cut_tails({p.index: reference(p, sampled) for p in ps})
     again = collect(engine([server.base_url], concurrency=1), ps, sampled)
     assert again == got, "the same seed samples the same replies"
     other = collect(engine([server.base_url], concurrency=1), ps, replace(sampled, seed=6))

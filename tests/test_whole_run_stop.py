@@ -19,6 +19,7 @@ from dflash_ring.common.layout import Counter
 from dflash_ring.common.ledger import read_ledger
 from dflash_ring.common.resume_state import CursorFile, cursor_path
 from dflash_ring.common.ring import Ring, RingNotFound
+from dflash_ring.supervisor.supervisor import EXIT_FENCED
 from dflash_ring.tools.reconcile import read_ledgers, reconcile
 
 
@@ -102,7 +103,7 @@ def test_a_drafter_stalled_through_stop_now_is_fenced_and_nothing_trains_twice(r
              timeout=300, what="training under way with items waiting in the ring")
     drafter.send_signal(signal.SIGSTOP)
     run.cli("stop", "--now", "--config", str(run.config), "--timeout", "120", check=False)
-    assert wait_exit(sup, 180) == 1  # it gave up on the drafter
+    assert wait_exit(sup, 180) == EXIT_FENCED  # it gave up on the drafter: a clean end after a fence (3)
     drafter.send_signal(signal.SIGCONT)  # were it alive, it would now train what it held and checkpoint it
     assert wait_exit(drafter, 60) == -signal.SIGKILL
     wait_exit(producer, 60)
