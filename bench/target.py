@@ -53,6 +53,13 @@ from .target_shapes import SHAPES, model_class, shape_config
 HEADER_BYTES = 64 * 1024
 
 
+
+def host_info(dev: torch.device) -> dict[str, Any]:
+    """The machine a target bench ran on, for its JSON: CPU, library versions, the device's name."""
+    return {"machine": platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
+
 def build_target(shape: str, device: torch.device, dtype: torch.dtype, layer_ids: list[int], *,
                  final_hidden: bool, packed: bool) -> TargetModel:
     """Random weights made on the device itself: no download, no host copy of 16-60 GB."""
@@ -326,9 +333,7 @@ def run_target_bench(*, shape: str = "qwen3-8b", device: str | None = None, batc
     return {
         "benchmark": "target",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                 "transformers": transformers.__version__,
-                 "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"},
+        "host": host_info(dev),
         "method": "same process, model and samples: (0) conformance probe; (a) loader + truncated forward; (b) the "
                   "producer loop into a real ring (side-stream D2H into registered slots) with a consumer thread "
                   "releasing slots; (c) forward of the same samples in the other layout; tokens/s over the timed "

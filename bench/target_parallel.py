@@ -16,8 +16,6 @@ protocol and the collectives' overhead, not a speed-up.
 from __future__ import annotations
 
 import contextlib
-import os
-import platform
 import shutil
 import tempfile
 import time
@@ -27,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 
 from dflash_ring.common.drafter_config import build_target_layer_ids
 from dflash_ring.common.target_config import TargetConfig
@@ -36,7 +33,7 @@ from dflash_ring.producer.target import TargetModel, resolve_device, resolve_dty
 from dflash_ring.producer.tensor_group import TensorGroup
 
 from .progress import progress
-from .target import synthetic_batches, time_forward, time_into_ring
+from .target import host_info, synthetic_batches, time_forward, time_into_ring
 from .target_shapes import SHAPES, model_class, shape_config
 
 
@@ -100,9 +97,7 @@ def run_tensor_parallel_bench(*, shape: str, tensor_parallel: int, device: str |
     return {
         "benchmark": "target_tensor_parallel",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                 "transformers": transformers.__version__,
-                 "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"},
+        "host": host_info(dev),
         "method": "same process and samples: one rank unsharded (forward), then an N-rank group of the same weights "
                   "sharded by transformers' tensor-parallel plan (probe, forward, into a real ring); tokens/s over "
                   "the timed batches after warm-up",

@@ -5,7 +5,10 @@ of target.tensor_parallel in one line."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -89,3 +92,19 @@ def test_more_ranks_than_cpu_cores_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 1)
     with pytest.raises(TargetConfigError, match="more ranks than this host's 1 CPU cores"):
         check_group(TargetConfig(path=str(path), tensor_parallel=2), CPU)
+
+
+@pytest.mark.processes
+def test_bench_target_tensor_parallel_runs_the_group_end_to_end(tmp_path):
+    """`dflash-ring bench target --tiny --tensor-parallel 2`, the command the two-GPU run will be: a real gloo group
+    loads, passes the probe, forwards and writes into a ring, and the JSON carries the ratios against one rank of the
+    same run (speeds are not asserted: two ranks on two shared cores)."""
+    out = subprocess.run([sys.executable, "-m", "dflash_ring", "bench", "target", "--tiny", "--tensor-parallel", "2"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["benchmark"] == "target_tensor_parallel" and report["tensor_parallel"] == 2
+    assert report["backend"] == "gloo" and report["probe"]["passed"]
+    assert report["host"]["device"] == "cpu" and report["batches"]["tokens"] > 0
+    assert report["ring_tokens_per_s"] > 0 and report["ratio_group_over_one_rank"] > 0
