@@ -42,6 +42,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dflash_ring.common.crash_points import crash_point
+from dflash_ring.common.damaged_file import keep_aside
 from dflash_ring.common.durable import fsync
 
 log = logging.getLogger(__name__)
@@ -133,9 +134,7 @@ class CheckpointStore:
         device: where the weights and optimizer moments go (a resuming drafter: its GPU, without a host copy).
         """
         candidates = self._complete_dirs()
-        latest = self.root / "latest"
-        if latest.exists():
-            name = latest.read_text().strip()
+        if name := self._latest_name():
             candidates.sort(key=lambda p: (p.name != name, -int(STEP_DIR.match(p.name).group(1))))
         for path in candidates:
             try:
@@ -192,9 +191,24 @@ class CheckpointStore:
     def contents(self) -> tuple[str, tuple[str, ...]]:
         """What `load_latest` chooses from (the `latest` pointer, the complete checkpoints): it differs after any
         save or prune, so a process that loaded before another wrote here knows to load again."""
+        return self._latest_name(), tuple(p.name for p in self._complete_dirs())
+
+    def _latest_name(self) -> str:
+        """The checkpoint the `latest` pointer names ("" without one). It only orders the candidates (each is
+        verified, and the complete directories are what there is), so a damaged pointer (not ASCII, not a
+        checkpoint's name) is kept aside with a warning and the newest complete checkpoint comes first; the next
+        save writes it again."""
         latest = self.root / "latest"
-        return (latest.read_text().strip() if latest.exists() else "",
-                tuple(p.name for p in self._complete_dirs()))
+        try:
+            name = latest.read_bytes().decode("ascii").strip()
+        except FileNotFoundError:
+            return ""
+        except UnicodeDecodeError:
+            name = ""
+        if not STEP_DIR.match(name):
+            keep_aside(latest, "it names no checkpoint directory (step-NNNNNNNN); the newest complete one is used")
+            return ""
+        return name
 
     def oldest_step(self, keep: int) -> int:
         """The step of the oldest of the `keep` newest checkpoints (0 without one): what the journal must still

@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -286,3 +288,40 @@ def test_the_report_refuses_a_line_that_is_not_json_in_one_line_naming_it(tmp_pa
     with pytest.raises(RecordFileError, match=r"drafter-0.jsonl, line 4: not JSON") as e:
         read_records(path)
     assert "\n" not in str(e.value)
+
+
+# --- a drafter's checkpoint directory: the `latest` pointer ---------------------------------------------------------
+
+def _two_checkpoints(root: Path):
+    from dflash_ring.consumer.checkpoint import Checkpoint, CheckpointStore
+
+    store = CheckpointStore(root)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    for step in (1, 2):
+        store.save(Checkpoint(step, {k: v.detach().clone() for k, v in model.state_dict().items()},
+                              opt.state_dict(), {"rng": torch.get_rng_state()}), keep=2)
+    return store
+
+
+@FUZZ
+@given(st.data())
+def test_a_damaged_latest_pointer_orders_nothing_and_the_newest_complete_checkpoint_loads(data):
+    """The pointer only says which complete checkpoint comes first; damaged, it is kept aside with a warning and the
+    newest complete checkpoint loads (it raised UnicodeDecodeError on a non-UTF-8 byte, a traceback at start)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store = _two_checkpoints(Path(tmp) / "ckpt")
+        latest = store.root / "latest"
+        written = latest.read_bytes()
+        latest.write_bytes(data.draw(damaged(written)))
+        name = latest.read_bytes()
+        ckpt = store.load_latest()
+        assert ckpt is not None
+        text = name.decode("ascii", errors="replace").strip()
+        if text in ("step-00000001", "step-00000002"):  # still a checkpoint's name: followed, kept
+            assert ckpt.path.name == text and latest.read_bytes() == name and not asides(latest)
+        elif re.fullmatch(r"step-\d{8}", text, re.ASCII):  # a checkpoint's name, of none that is complete: no order
+            assert ckpt.step == 2 and latest.read_bytes() == name and not asides(latest)
+        else:
+            assert ckpt.step == 2 and not latest.exists() and asides(latest)[0].read_bytes() == name
+        assert sorted(store.contents()[1]) == ["step-00000001", "step-00000002"]
