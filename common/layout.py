@@ -111,8 +111,8 @@ ROW_DTYPE = np.dtype(
         # cursor is the committed (epoch, position); pending_word the state word of the WRITING claim
         # that committed it (generation included: a later claim of the same slot never matches it),
         # and prev_cursor what to roll back to if that very claim is reclaimed unpublished.
-        # intent_*: a count about to change with a slot's CAS (see Ring._arm): if the process dies
-        # between the CAS and the count, whoever reclaims the row completes or drops the count.
+        # intent_*: a count about to change with a slot's CAS (common/ring/slots.py, Slots._commit): if the process
+        # dies between the CAS and the count, whoever reclaims the row completes or drops the count.
         # intent_slot is the slot + 1 (0: no intent), so a fresh zeroed row holds none.
         # cursor_plan: the data plan (producer/process.py plan_key) the cursor counts batches of, so a
         # producer restarted with other data or batching never resumes from a position of another plan.

@@ -20,10 +20,11 @@ undoes and reads back), `ports.py` (a role's side, bound to its row). `Ring` put
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from dflash_ring.common.layout import Counter, Geometry, Role, RowStatus
+from dflash_ring.common.layout import Counter, Geometry, Identity, Role, RowStatus
 from dflash_ring.common.ring import segment
 from dflash_ring.common.ring.ports import ConsumerPort, ProducerPort
 from dflash_ring.common.ring.repair import CorruptSlot, Repair, RingStatus, impossible_word
@@ -111,7 +112,7 @@ class Ring:
         return self.segment.name
 
     @property
-    def identity(self):
+    def identity(self) -> Identity:
         return self.segment.identity
 
     @property
@@ -119,7 +120,7 @@ class Ring:
         return self.segment.geometry
 
     @property
-    def fingerprint_fields(self) -> dict:
+    def fingerprint_fields(self) -> dict[str, Any]:
         return self.segment.fields
 
     @property
@@ -208,7 +209,7 @@ class Ring:
     def repair_impossible_words(self) -> list[CorruptSlot]:
         return self.repair.repair_impossible_words()
 
-    def unfinished_items(self) -> tuple[list[dict], list[str]]:
+    def unfinished_items(self) -> tuple[list[dict[str, Any]], list[str]]:
         return self.repair.unfinished_items()
 
     def unfinished_item_numbers(self) -> set[int]:
