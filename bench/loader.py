@@ -18,8 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_ring.common.config import load_config
-from dflash_ring.common.ring import Ring
+from dflash_ring.common.ring import Ring, RingSpec
 from dflash_ring.common.slot_contract import HOST_TENSORS, item_tensors
 from dflash_ring.producer.batching import ShardBatcher
 from dflash_ring.producer.pretokenized import TokenizedData
@@ -38,25 +37,26 @@ def run_loader_bench(samples: int = 200_000, max_tokens: int = 32768, max_length
                          loss_mask=np.ones(offsets[-1], np.uint8), offsets=offsets,
                          row_ids=np.arange(samples, dtype=np.int64), num_rows=samples, bad_rows=(),
                          directory=Path("."), from_cache=False)
-    cfg = load_config(None, [f"run.name=bench-loader-{os.getpid()}", "ring.slots=1",
-                             "ring.slot_bytes=2097152", "ring.slot_header_bytes=65536"])
-    Ring.unlink(cfg.run.name)
-    with Ring.create(cfg) as ring:
+    spec = RingSpec.of(f"bench-loader-{os.getpid()}", producers=1, consumers=1, slots=1, slot_bytes=2097152,
+                       slot_header_bytes=65536)
+    Ring.unlink(spec.run)
+    with Ring.create(spec) as ring:
+        port = ring.producer(1)
         t0 = time.perf_counter()
         batcher = ShardBatcher(data, rank=0, world_size=1, max_tokens_per_batch=max_tokens, epochs=1)
         tokens = batches = 0
         for batch in batcher.batches():
             prepare(batch, packed=True, pad_id=0, pin=False)
-            w = ring.try_acquire(1)
+            w = port.try_acquire()
             for name, dtype, shape in item_tensors(batch.num_tokens, len(batch.lengths), 0, None, torch.float32):
                 if name in HOST_TENSORS:
                     w.tensor(name, dtype, shape).copy_(torch.from_numpy(getattr(batch, name)))
-            ring.abort(w)
+            port.abort(w)
             tokens += batch.num_tokens
             batches += 1
         seconds = time.perf_counter() - t0
         del w
-    Ring.unlink(cfg.run.name)
+    Ring.unlink(spec.run)
     rate = tokens / seconds
     return {
         "benchmark": "loader",

@@ -24,59 +24,59 @@ import numpy as np
 import torch
 
 from dflash_ring.bench.progress import progress
-from dflash_ring.common.config import load_config
 from dflash_ring.common.layout import Counter, Role
-from dflash_ring.common.membership import Membership
-from dflash_ring.common.ring import Ring
+from dflash_ring.common.ring import Ring, RingSpec
 
 MB = 1_000_000
 TINY_BYTES = 4096
 
 
-def _ring_config(run: str, producers: int, consumers: int, nbytes: int, lock_dir: str):
-    return load_config(None, [
-        f"run.name={run}", f'run.run_dir="{lock_dir}"', "ring.slots=4",
-        f"ring.slot_bytes={nbytes + 8192}", "ring.slot_header_bytes=4096", "ring.wait_s=0.05",
-        f"topology.producers={producers}", f"topology.consumers={consumers}",
-    ])
+def _ring_spec(run: str, producers: int, consumers: int, nbytes: int) -> RingSpec:
+    return RingSpec.of(run, producers=producers, consumers=consumers, slots=4, slot_bytes=nbytes + 8192,
+                       slot_header_bytes=4096, wait_s=0.05)
 
 
-def _ring_producer(cfg_args, index, items, nbytes, ready, start, cpu):
-    cfg = _ring_config(*cfg_args)
+def _seat(ring: Ring, role: Role, index: int) -> int:
+    """The row of a bench process: taken, with no lock (no reaper watches a bench ring)."""
+    row = ring.row_of(role, index)
+    ring.take_row(row, role, index)
+    return row
+
+
+def _ring_producer(spec_args, index, items, nbytes, ready, start, cpu):
     torch.set_num_threads(1)
     src = torch.full((nbytes,), index, dtype=torch.uint8)
-    with Ring.attach(cfg) as ring:
-        me = Membership.join(ring, cfg, Role.PRODUCER, index)
+    with Ring.attach(_ring_spec(*spec_args)) as ring:
+        row = _seat(ring, Role.PRODUCER, index)
+        port = ring.producer(row)
         ready.put(index)
         start.wait()
         c0 = time.process_time()
         for _ in range(items):
-            w = ring.acquire(me.row)
+            w = port.acquire()
             w.tensor("x", torch.uint8, (nbytes,)).copy_(src)
-            ring.publish(w, me.row)
+            port.publish(w)
             del w
         cpu.put(time.process_time() - c0)
-        me.leave()
 
 
-def _ring_consumer(cfg_args, index, nbytes, ready, start, done, cpu):
-    cfg = _ring_config(*cfg_args)
+def _ring_consumer(spec_args, index, nbytes, ready, start, done, cpu):
     torch.set_num_threads(1)
     dst = torch.empty(nbytes, dtype=torch.uint8)
-    with Ring.attach(cfg) as ring:
-        me = Membership.join(ring, cfg, Role.CONSUMER, index)
+    with Ring.attach(_ring_spec(*spec_args)) as ring:
+        row = _seat(ring, Role.CONSUMER, index)
+        port = ring.consumer(row)
         ready.put(index)
         start.wait()
         c0 = time.process_time()
         last = time.monotonic()
-        while (r := ring.claim(me.row)) is not None:
+        while (r := port.claim()) is not None:
             dst.copy_(r.tensors["x"])
-            ring.release(r)
+            port.release(r)
             del r
             last = time.monotonic()  # the last get; the shutdown that ends the loop comes later
         cpu.put(time.process_time() - c0)
         done.put(last)
-        me.leave()
 
 
 def _mpq_producer(q, index, items, nbytes, ready, start, cpu, sent):
@@ -139,14 +139,12 @@ def measure(transport: str, pairs: int, items: int, nbytes: int) -> tuple[float,
     total = pairs * items
     ring = services = None
     if transport == "ring":
-        run = f"bench-{os.getpid()}"
-        lock_dir = f"/tmp/dflash-ring-bench-{os.getpid()}"
-        cfg_args = (run, pairs, pairs, nbytes, lock_dir)
-        Ring.unlink(run)
-        ring = Ring.create(_ring_config(*cfg_args))
-        prod = [ctx.Process(target=_ring_producer, args=(cfg_args, i, items, nbytes, ready, start, cpu))
+        spec_args = (f"bench-{os.getpid()}", pairs, pairs, nbytes)
+        Ring.unlink(spec_args[0])
+        ring = Ring.create(_ring_spec(*spec_args))
+        prod = [ctx.Process(target=_ring_producer, args=(spec_args, i, items, nbytes, ready, start, cpu))
                 for i in range(pairs)]
-        cons = [ctx.Process(target=_ring_consumer, args=(cfg_args, i, nbytes, ready, start, done, cpu))
+        cons = [ctx.Process(target=_ring_consumer, args=(spec_args, i, nbytes, ready, start, done, cpu))
                 for i in range(pairs)]
     elif transport == "iceoryx2":
         from dflash_ring.bench import iceoryx2_peer
@@ -198,8 +196,6 @@ def measure(transport: str, pairs: int, items: int, nbytes: int) -> tuple[float,
         if ring is not None:
             ring.close()
             Ring.unlink(ring.identity.run_name)
-            import shutil
-            shutil.rmtree(lock_dir, ignore_errors=True)
         if services is not None:
             services.close()
 
@@ -213,9 +209,9 @@ def _items_for(nbytes: int, requested: int) -> int:
 def _gpu_copy_cases(nbytes: int = 256 * 2**20, repeats: int = 10) -> dict[str, Any]:
     """GPU <-> slot copy rates: a registered ring slot against the same mapping unregistered and a
     pinned torch buffer, all in this run (the ring's reason to cudaHostRegister its mapping)."""
-    cfg = load_config(None, [f"run.name=bench-gpu-{os.getpid()}", "ring.slots=1", f"ring.slot_bytes={nbytes + 8192}",
-                             "ring.slot_header_bytes=4096", "topology.producers=1", "topology.consumers=1"])
-    Ring.unlink(cfg.run.name)
+    spec = RingSpec.of(f"bench-gpu-{os.getpid()}", producers=1, consumers=1, slots=1, slot_bytes=nbytes + 8192,
+                       slot_header_bytes=4096)
+    Ring.unlink(spec.run)
     dev = torch.device("cuda")
     gpu = torch.empty(nbytes, dtype=torch.uint8, device=dev)
 
@@ -229,14 +225,14 @@ def _gpu_copy_cases(nbytes: int = 256 * 2**20, repeats: int = 10) -> dict[str, A
         return round(repeats * nbytes / (time.perf_counter() - t0) / 1e9, 2)
 
     out: dict[str, Any] = {"bytes": nbytes, "device": torch.cuda.get_device_name(dev)}
-    with Ring.create(cfg) as ring:
-        w = ring.try_acquire(1)
+    with Ring.create(spec) as ring:
+        w = ring.producer(1).try_acquire()
         slot = w.tensor("x", torch.uint8, (nbytes,))
         out["unregistered_h2d_gb_per_s"] = rate(lambda: gpu.copy_(slot, non_blocking=True))
         out["unregistered_d2h_gb_per_s"] = rate(lambda: slot.copy_(gpu, non_blocking=True))
         t0 = time.perf_counter()
         from dflash_ring.common.pinning import HostRegistration
-        reg = HostRegistration(ring._tensor())
+        reg = HostRegistration(ring.segment.tensor())
         out["register_s"] = round(time.perf_counter() - t0, 3)
         out["registered"] = reg.pinned
         out["slot_h2d_gb_per_s"] = rate(lambda: gpu.copy_(slot, non_blocking=True))
@@ -247,7 +243,7 @@ def _gpu_copy_cases(nbytes: int = 256 * 2**20, repeats: int = 10) -> dict[str, A
         out["ratio_slot_over_pinned_h2d"] = round(out["slot_h2d_gb_per_s"] / out["pinned_buffer_h2d_gb_per_s"], 2)
         del slot, w
         reg.close()
-    Ring.unlink(cfg.run.name)
+    Ring.unlink(spec.run)
     progress("ring", "gpu_copies", out)
     return out
 

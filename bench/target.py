@@ -39,6 +39,7 @@ from dflash_ring.common.drafter_config import build_target_layer_ids
 from dflash_ring.common.layout import Role
 from dflash_ring.common.membership import Membership
 from dflash_ring.common.ring import Ring
+from dflash_ring.common.ring_spec import ring_spec
 from dflash_ring.common.slot_contract import item_tensors
 from dflash_ring.common.slot_format import ALIGN
 from dflash_ring.producer.batching import Batch, ShardBatcher
@@ -189,13 +190,14 @@ def time_forward(target: TargetModel, warm: list[Batch], timed: list[Batch]) -> 
 
 def _release_all(cfg, stop: threading.Event, ready: threading.Event) -> None:
     """The consumer side: claim and release at once, so the ring is never the bottleneck by design."""
-    with Ring.attach(cfg) as ring:
+    with Ring.attach(ring_spec(cfg)) as ring:
         me = Membership.join(ring, cfg, Role.CONSUMER, 0)
+        port = ring.consumer(me.row)
         ready.set()
         while not stop.is_set():
-            r = ring.claim(me.row, timeout_s=0.2)
+            r = port.claim(timeout_s=0.2)
             if r is not None:
-                ring.release(r)
+                port.release(r)
                 del r
         me.leave()
 
@@ -213,11 +215,11 @@ def time_into_ring(target: TargetModel, warm: list[Batch], timed: list[Batch], m
         "topology.producers=1", "topology.consumers=1",
     ])
     Ring.unlink(cfg.run.name)
-    owner = Ring.create(cfg)  # what the supervisor would do
+    owner = Ring.create(ring_spec(cfg))  # what the supervisor would do
     stop, ready = threading.Event(), threading.Event()
     consumer = threading.Thread(target=_release_all, args=(cfg, stop, ready), daemon=True)
     try:
-        with Ring.attach(cfg, pin=target.device.type == "cuda") as ring:
+        with Ring.attach(ring_spec(cfg), pin=target.device.type == "cuda") as ring:
             consumer.start()
             ready.wait(60)
             me = Membership.join(ring, cfg, Role.PRODUCER, 0)

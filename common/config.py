@@ -9,7 +9,6 @@ fingerprint stored in the ring header, so a mismatched process is refused.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import os
 import re
@@ -282,11 +281,6 @@ def default_runtime_root() -> Path:
     if xdg := os.environ.get("XDG_RUNTIME_DIR"):
         return Path(xdg) / "dflash-ring"
     return Path(f"/tmp/dflash-ring-{os.getuid()}")
-
-
-def fingerprint_digest(fields: dict[str, typing.Any]) -> bytes:
-    text = "\n".join(f"{k}={fields[k]!r}" for k in sorted(fields))
-    return hashlib.sha256(text.encode()).digest()
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()) -> Config:

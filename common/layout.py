@@ -111,8 +111,8 @@ ROW_DTYPE = np.dtype(
         # cursor is the committed (epoch, position); pending_word the state word of the WRITING claim
         # that committed it (generation included: a later claim of the same slot never matches it),
         # and prev_cursor what to roll back to if that very claim is reclaimed unpublished.
-        # intent_*: a count about to change with a slot's CAS (see Ring._arm): if the process dies
-        # between the CAS and the count, whoever reclaims the row completes or drops the count.
+        # intent_*: a count about to change with a slot's CAS (common/ring/slots.py, Slots._commit): if the process
+        # dies between the CAS and the count, whoever reclaims the row completes or drops the count.
         # intent_slot is the slot + 1 (0: no intent), so a fresh zeroed row holds none.
         # cursor_plan: the data plan (producer/process.py plan_key) the cursor counts batches of, so a
         # producer restarted with other data or batching never resumes from a position of another plan.
@@ -218,9 +218,9 @@ def is_initialized(buf: memoryview) -> bool:
     return bytes(buf[0:8]) != b"\0" * 8
 
 
-def read_identity(buf: memoryview, segment_bytes: int, segment_name: str) -> Identity:
-    """Parse and cross-check the identity block; raise RingHeaderError on anything off."""
-    fix = f"Stop every process of this run, then remove it with `dflash-ring clean {segment_name.removeprefix('/dflash-ring.')}` and start again."
+def read_identity(buf: memoryview, segment_bytes: int, segment_name: str, run: str) -> Identity:
+    """Parse and cross-check the identity block of run `run`'s segment; raise RingHeaderError on anything off."""
+    fix = f"Stop every process of this run, then remove it with `dflash-ring clean {run}` and start again."
     if segment_bytes < HEADER_BYTES:
         raise RingHeaderError(f"segment {segment_name} is {segment_bytes} bytes, smaller than a ring header. {fix}")
     (magic, version, n_slots, n_rows, slot_bytes, slot_header_bytes, payload_offset, total, created_ns,
@@ -248,7 +248,7 @@ def read_identity(buf: memoryview, segment_bytes: int, segment_name: str) -> Ide
         name = run_name.rstrip(b"\0").decode()
     except UnicodeDecodeError:
         name = ""
-    if f"/dflash-ring.{name}" != segment_name or not is_valid_run_name(name):
+    if name != run or not is_valid_run_name(name):
         raise RingHeaderError(f"segment {segment_name} header names another run ({run_name!r:.60}). {fix}")
     return Identity(version, geo, created_ns, fingerprint, name, blob_len)
 

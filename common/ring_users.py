@@ -14,12 +14,7 @@ import os
 from pathlib import Path
 
 from dflash_ring.common.liveness import live_lock_files
-
-SHM_DIR = Path("/dev/shm")
-
-
-def segment_files(run: str) -> list[Path]:
-    return [SHM_DIR / f"dflash-ring.{run}", SHM_DIR / f"dflash-ring.{run}.replicas"]
+from dflash_ring.common.ring.segment import segment_files
 
 
 def mapping_pids(paths: list[Path]) -> dict[int, str]:

@@ -35,6 +35,7 @@ from dflash_ring.common.liveness import LockFile
 from dflash_ring.common.membership import Membership
 from dflash_ring.common.metrics import serve
 from dflash_ring.common.ring import Ring
+from dflash_ring.common.ring_spec import ring_spec
 from dflash_ring.common.startup import Startup
 
 
@@ -72,7 +73,7 @@ class RoleProcess:
 
     def attach(self, *, pin: bool) -> Ring:
         """Wait for the supervisor's ring (run.attach_timeout_s), then let SIGTERM/SIGINT set `stop`."""
-        self.ring = self._stack.enter_context(Ring.attach(self.cfg, pin=pin))
+        self.ring = self._stack.enter_context(Ring.attach(ring_spec(self.cfg), pin=pin))
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         return self.ring

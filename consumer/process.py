@@ -136,7 +136,7 @@ class Prefetcher(threading.Thread):
 
     def __init__(self, ring: Ring, row: int, device: torch.device, metrics: DrafterMetrics | None = None):
         super().__init__(name="prefetch", daemon=True)
-        self.ring, self.row, self.device = ring, row, device
+        self.ring, self.port, self.device = ring, ring.consumer(row), device
         self.metrics = metrics or DrafterMetrics()
         self.ledger: Ledger | None = None  # run.ledger_dir: one record per batch taken from the ring
         self.items: queue.Queue[tuple[DeviceBatch, SlotReader] | None] = queue.Queue()
@@ -150,7 +150,7 @@ class Prefetcher(threading.Thread):
                 continue
             waited = self.ring.wait_seconds
             try:
-                r = self.ring.claim(self.row, timeout_s=0.5)
+                r = self.port.claim(timeout_s=0.5)
             except SlotFormatError as e:
                 log.error("%s", e)
                 r = None
@@ -585,7 +585,7 @@ def train(cfg: Config, seat: Seat, proc: RoleProcess, built: Built, resumed: Res
                        lambda: cfg.train.total_steps or _estimated_steps(ring, cfg, trainer, _prefetched(prefetch)),
                        lambda: RingReading(ring.wait_seconds, ring.counter(Counter.PRODUCED),
                                            ring.produced_tokens(), ring.slot_counts()["ready"]),
-                       cfg.train.log_every_steps, proc.ledger, ring.release, journal, cfg.train.eval_every_steps)
+                       cfg.train.log_every_steps, proc.ledger, prefetch.port.release, journal, cfg.train.eval_every_steps)
     prefetch.start()
     while (taken := _next(prefetch, proc.stop, me)) is not None:
         startup.mark("first_item")  # waited for and copied out of the ring

@@ -35,7 +35,8 @@ import tomllib
 from pathlib import Path
 from typing import Any, Protocol
 
-from dflash_ring.common.config import Config, dump_toml, fingerprint_digest
+from dflash_ring.common.config import Config, dump_toml
+from dflash_ring.common.ring import fingerprint_digest
 from dflash_ring.common.damaged_file import keep_aside, write_atomic
 from dflash_ring.common.output_dir import OutputDirError, check_output_dir
 

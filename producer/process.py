@@ -39,11 +39,11 @@ from dflash_ring.common import sd_notify
 from dflash_ring.common.compile_cache import use_compile_cache
 from dflash_ring.common.config import Config
 from dflash_ring.common.gpu_metrics import device_uuid
-from dflash_ring.common.layout import Role, RowStatus
+from dflash_ring.common.layout import Role
 from dflash_ring.common.ledger import Ledger
 from dflash_ring.common.resume_state import CursorFile, ResumeState, cursor_path
 from dflash_ring.common.metrics import DeviceSpan, ProducerMetrics
-from dflash_ring.common.ring import Ring, SlotWriter
+from dflash_ring.common.ring import ProducerPort, Ring, SlotWriter
 from dflash_ring.common.role_process import RoleProcess, StopSignal, role_process
 from dflash_ring.common.slot_contract import FEATURES, FINAL_HIDDEN, HOST_TENSORS, META_KEYS, check_fits, item_tensors
 from dflash_ring.common.startup import Startup
@@ -215,7 +215,7 @@ class Producer:
     def __init__(self, ring: Ring, row: int, index: int, target: TargetModel, *,
                  stop: threading.Event, replay: LiveReplay | None = None,
                  metrics: ProducerMetrics | None = None, source_names: tuple[str, ...] = ("data",)):
-        self.ring, self.row, self.target = ring, row, target
+        self.ring, self.port, self.target = ring, ring.producer(row), target
         self.source_names = source_names  # Batch.source_ids index these
         self.stop = stop
         self.replay = replay  # the replay list the batches' `replayed` counts refer to, and the cursor file
@@ -265,7 +265,7 @@ class Producer:
             sd_notify.watchdog()
             waited = self.ring.wait_seconds
             try:
-                w = self.ring.acquire(self.row, timeout_s=1.0)
+                w = self.port.acquire(timeout_s=1.0)
             except posix_ipc.SignalError:  # our SIGTERM handler ran inside the semaphore wait
                 continue
             finally:
@@ -278,14 +278,14 @@ class Producer:
         if f.copied is not None:
             f.copied.synchronize()
         b = f.batch
-        self.ring.publish(f.writer, self.row, cursor=(b.cursor.epoch, b.cursor.position), replayed=b.replayed,
+        self.port.publish(f.writer, cursor=(b.cursor.epoch, b.cursor.position), replayed=b.replayed,
                           tokens=b.num_tokens)
         if self.ledger is not None:
             self.ledger.write("pub", item=f.writer.item, epoch=b.epoch, pos=b.position,
                               **({"replay": True} if b.is_replay else {}), **({"eval": True} if b.eval else {}))
         if self.replay is not None:
             self.replay.commit(b.cursor.epoch, b.cursor.position, b.replayed)
-        self.ring.heartbeat(self.row)
+        self.port.heartbeat()
         self.stats.add(f.batch)
         m = self.metrics
         m.tokens.inc(f.batch.num_tokens)
@@ -305,7 +305,7 @@ class Producer:
     def _abort(self, f: InFlight) -> None:
         if f.copied is not None:
             f.copied.synchronize()  # no DMA may still write into a slot handed back
-        self.ring.abort(f.writer)
+        self.port.abort(f.writer)
 
     def _log(self) -> None:
         self._logged = time.monotonic()
@@ -353,17 +353,17 @@ class PlanMismatchError(RuntimeError):
     """The ring row's resume point counts batches of another data plan: resuming there would skip or redo data."""
 
 
-def resume_point(ring: Ring, row: int, cursor_file: CursorFile) -> tuple[ResumeState, str]:
+def resume_point(port: ProducerPort, cursor_file: CursorFile) -> tuple[ResumeState, str]:
     """Where to start; the ring's cursor is checked against our plan exactly as the cursor file's is.
 
     The replay list always comes from the file (only a ring's removal changes it); how much of it is
     published comes from the ring while it holds our resume point.
     """
     saved = cursor_file.load()
-    if (committed := ring.committed_cursor(row)) is not None:
-        theirs = ring.cursor_plan(row)
+    if (committed := port.committed_cursor()) is not None:
+        theirs = port.cursor_plan()
         if theirs != cursor_file.plan:
-            run = ring.identity.run_name
+            run = port.run
             what = cursor_file.description_of(theirs) or "its settings are not on this host"
             raise PlanMismatchError(
                 f"the ring of run {run!r} holds this producer's resume point (epoch {committed[0]}, position "
@@ -372,8 +372,8 @@ def resume_point(ring: Ring, row: int, cursor_file: CursorFile) -> tuple[ResumeS
                 f"`dflash-ring stop {run}` (or `dflash-ring clean {run}` if its processes are dead) before "
                 f"starting one with other data or batching, or restore the old data and data.* settings")
         replay, taken = (saved.replay, saved.taken) if saved is not None else ((), ())
-        return ResumeState(*committed, replay, min(ring.committed_replayed(row), len(replay)), taken), "ring"
-    ring.set_cursor_plan(row, cursor_file.plan)  # before our first publish: the cursors to come are of our plan
+        return ResumeState(*committed, replay, min(port.committed_replayed(), len(replay)), taken), "ring"
+    port.set_cursor_plan(cursor_file.plan)  # before our first publish: the cursors to come are of our plan
     if saved is not None:
         return saved, f"cursor file {cursor_file.path}"
     return ResumeState(), "start"
@@ -409,10 +409,10 @@ def serve_replays(producer: Producer, replay: LiveReplay, batcher: ShardBatcher,
     still has its lost batches produced again. Returns the last loader (for the caller to close)."""
     ring, loader = producer.ring, None
     while not (stop.is_set() or ring.shutting_down or ring.draining):
-        producer.ring.heartbeat(producer.row)
+        producer.port.heartbeat()
         sd_notify.watchdog()
         replay.poll()
-        done = ring.committed_replayed(producer.row)
+        done = producer.port.committed_replayed()
         if replay.pending:
             loader = load(replays_after_the_end(batcher, replay, done, epochs))
             producer.run(loader)
@@ -479,10 +479,11 @@ def _produce(cfg: Config, index: int, device: torch.device, startup: Startup, pr
     with proc.interruptible():
         plan = [len(batcher.epoch_plan(e)) for e in range(cfg.data.epochs)]
         eval_positions = [batcher.eval_positions(e) for e in range(cfg.data.epochs)]
-    ring.set_planned_items(me.row, sum(plan), sum(map(len, eval_positions)))
+    port = ring.producer(me.row)
+    port.set_planned_items(sum(plan), sum(map(len, eval_positions)))
     loader = None
     try:
-        start, source = resume_point(ring, me.row, cursor_file)
+        start, source = resume_point(port, cursor_file)
         log.info("producer %d of %d: %d samples an epoch, %d epochs, %s features; resuming at epoch %d "
                  "position %d (from the %s)%s", index, producers, composition.total.epoch_rows, cfg.data.epochs,
                  resolve_dtype(cfg.target.dtype, device), start.epoch, start.position, source,
@@ -506,7 +507,7 @@ def _produce(cfg: Config, index: int, device: torch.device, startup: Startup, pr
             producer.ledger = proc.ledger
         producer.startup = startup
         if producer.run(loader):
-            ring.set_row_status(me.row, RowStatus.DONE)
+            port.done()
             if proc.ledger is not None:
                 proc.ledger.write("done")
             # Keep the end, not nothing: a run drained now and started again must not redo this shard.

@@ -22,6 +22,7 @@ from dflash_ring.common.ledger import Ledger
 from dflash_ring.common.liveness import LockFile, ensure_lock_dir, live_lock_files, lock_path
 from dflash_ring.common.metrics import SUPERVISOR, RingCollector, serve
 from dflash_ring.common.ring import ConfigMismatchError, HalfCreatedRingError, Ring
+from dflash_ring.common.ring_spec import ring_spec
 from dflash_ring.common.rendezvous import serve_rendezvous
 from dflash_ring.common.startup import Startup
 from dflash_ring.common.trained_journal import remove_all
@@ -88,7 +89,7 @@ class Supervisor:
             self.ring = self._adopt_or_reclaim(run)
         else:
             Ring.unlink(run)  # semaphores left by a crash during create or teardown
-            self.ring = Ring.create(self.cfg)
+            self.ring = Ring.create(ring_spec(self.cfg))
             log.info("created ring %s: %d slots x %.1f MiB, %d producer(s), %d consumer(s)",
                      self.ring.name, self.cfg.ring.slots, self.cfg.ring.slot_bytes / 2**20,
                      self.cfg.topology.producers, self.cfg.topology.consumers)
@@ -123,7 +124,7 @@ class Supervisor:
             dirs = [d for d in (ring.lock_dir, self.lock_dir) if d is not None]
             live = ring_users(run, dirs, ignore={self._lock.path})
             try:
-                ring.check_config(self.cfg)
+                ring.check(ring_spec(self.cfg))
             except ConfigMismatchError as e:
                 ring.close()
                 if live:  # e.g. another config's run_dir: never ours to adopt or remove
@@ -156,7 +157,7 @@ class Supervisor:
             log.error("the stale ring's header is unreadable: the items it held cannot be produced again")
         removed = Ring.unlink(run)
         log.warning("reclaimed stale run %r: removed %s", run, ", ".join(removed))
-        return Ring.create(self.cfg)
+        return Ring.create(ring_spec(self.cfg))
 
     # ---- main loop ---------------------------------------------------------------
 

@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 
 from dflash_ring.common.config import load_config
-from dflash_ring.common.layout import Role, RowStatus
+from dflash_ring.common.layout import Role
 from dflash_ring.common.membership import Membership
 from dflash_ring.common.ring import Ring
+from dflash_ring.common.ring_spec import ring_spec
 
 
 def value_of(producer: int, k: int) -> float:
@@ -25,15 +26,15 @@ def value_of(producer: int, k: int) -> float:
 
 
 def produce(args: argparse.Namespace, ring: Ring, me: Membership, ledger) -> None:
-    start = 0
-    if args.ring_cursor and (cursor := ring.committed_cursor(me.row)) is not None:
+    start, port = 0, ring.producer(me.row)
+    if args.ring_cursor and (cursor := port.committed_cursor()) is not None:
         start = cursor[1]  # exact resume from the cursor committed with the last publish
     elif args.resume and Path(args.ledger).exists():
         # A restarted producer continues after the last item it published.
         lines = [ln.split() for ln in Path(args.ledger).read_text().splitlines() if ln.startswith("P ")]
         start = 1 + max((int(f[2]) for f in lines), default=-1)
     for k in range(start, args.items):
-        w = ring.acquire(me.row)
+        w = port.acquire()
         if w is None:
             return  # drain or shutdown: stop taking work
         n = args.floats
@@ -43,20 +44,20 @@ def produce(args: argparse.Namespace, ring: Ring, me: Membership, ledger) -> Non
         if args.hold_s and k == args.hold_at:
             Path(args.marker).write_text(str(w.item))
             time.sleep(args.hold_s)  # the test kills us here, mid-write
-        ring.publish(w, me.row, cursor=(0, k + 1) if args.ring_cursor else None)
+        port.publish(w, cursor=(0, k + 1) if args.ring_cursor else None)
         ledger.write(f"P {args.index} {k} {w.item}\n")
         ledger.flush()
         if args.delay_s:
             time.sleep(args.delay_s)
     while args.wait_file and not Path(args.wait_file).exists():
         time.sleep(0.05)  # the test looks at the live run first
-    ring.set_row_status(me.row, RowStatus.DONE)
+    port.done()
 
 
 def consume(args: argparse.Namespace, ring: Ring, me: Membership, ledger) -> None:
-    seen = 0
+    seen, port = 0, ring.consumer(me.row)
     while True:
-        r = ring.claim(me.row)
+        r = port.claim()
         if r is None:
             return  # shutdown: the only reason a consumer stops
         producer, k = (int(x) for x in r.tensors["ids"])
@@ -72,7 +73,7 @@ def consume(args: argparse.Namespace, ring: Ring, me: Membership, ledger) -> Non
             time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
         item, deliveries = r.item, r.deliveries
         del data
-        ring.release(r)
+        port.release(r)
         ledger.write(f"C {args.index} {producer} {k} {item} {deliveries} {'ok' if ok else 'BAD'}\n")
         ledger.flush()
         seen += 1
@@ -97,7 +98,7 @@ def main() -> int:
     args = p.parse_args()
     cfg = load_config(args.config)
     role = Role.PRODUCER if args.role == "producer" else Role.CONSUMER
-    with Ring.attach(cfg) as ring:
+    with Ring.attach(ring_spec(cfg)) as ring:
         me = Membership.join(ring, cfg, role, args.index)
         with open(args.ledger, "a") as ledger:
             (produce if role == Role.PRODUCER else consume)(args, ring, me, ledger)

@@ -14,6 +14,7 @@ import pytest
 
 from dflash_ring.common.config import load_config
 from dflash_ring.common.ring import Ring
+from dflash_ring.common.ring_spec import ring_spec
 
 NO_METRICS = ["--set", "metrics.enabled=false"]
 PROGRESS_BAR = re.compile(r"^\s*$|examples/s\]$")  # the data set reader's progress bars: not messages
@@ -21,8 +22,8 @@ PROGRESS_BAR = re.compile(r"^\s*$|examples/s\]$")  # the data set reader's progr
 
 def _foreign_ring(tmp: Path, name: str) -> list[str]:
     """A ring of this run name whose segment belongs to another user."""
-    Ring.create(load_config(None, [f"run.name={name}", "ring.slots=1", "ring.slot_bytes=8192",
-                                   "ring.slot_header_bytes=4096"])).close()
+    Ring.create(ring_spec(load_config(None, [f"run.name={name}", "ring.slots=1", "ring.slot_bytes=8192",
+                                             "ring.slot_header_bytes=4096"]))).close()
     os.chown(f"/dev/shm/dflash-ring.{name}", 65534, 65534)
     return []
 
@@ -86,7 +87,7 @@ def _ring_for_target(tmp: Path, name: str, data: Path, tokenizer: Path | None = 
             "ring.slot_header_bytes=4096"]
     if tokenizer is not None:
         sets.append(f'target.tokenizer="{tokenizer}"')
-    Ring.create(load_config(None, [*sets, f"run.name={name}"])).close()
+    Ring.create(ring_spec(load_config(None, [*sets, f"run.name={name}"]))).close()
     return [a for s in sets for a in ("--set", s)]
 
 
@@ -226,7 +227,7 @@ def _damaged_cursor_file(tmp: Path, name: str) -> list[str]:
             f'target.state_dir="{tmp / "state"}"', f'data.path="{write_chat_rows(tmp / "chat.jsonl", 4)}"',
             f'data.cache_dir="{tmp / "cache"}"', "data.max_length=128", "data.max_tokens_per_batch=256",
             "ring.slots=2", f"ring.slot_bytes={1 << 20}", "ring.slot_header_bytes=65536"]
-    Ring.create(load_config(None, [*sets, f"run.name={name}"])).close()
+    Ring.create(ring_spec(load_config(None, [*sets, f"run.name={name}"]))).close()
     (tmp / "state" / name).mkdir(parents=True)
     (tmp / "state" / name / "producer-0.json").write_text('{"epoch": 1, "posit')
     return [a for s in sets for a in ("--set", s)]

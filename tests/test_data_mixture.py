@@ -15,6 +15,7 @@ from dflash_ring.common.data_config import DataConfig, DataError
 from dflash_ring.common.layout import Role
 from dflash_ring.common.resume_state import CursorFile, ResumeState
 from dflash_ring.common.ring import Ring
+from dflash_ring.common.ring_spec import ring_spec
 from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 from dflash_ring.producer.batching import Batch, ShardBatcher, epoch_counts
 from dflash_ring.producer.pretokenized import SourceData, TokenizedData, load_sources, load_tokenized
@@ -174,14 +175,14 @@ def test_a_resume_with_another_mix_is_refused_naming_both(tmp_path):
                              "ring.slot_header_bytes=4096", "topology.consumers=1"])
     Ring.unlink(cfg.run.name)
     try:
-        with Ring.create(cfg) as ring:
-            row = ring.row_of(Role.PRODUCER, 0)
-            assert resume_point(ring, row, old) == (ResumeState(), "start")
-            ring.publish(ring.try_acquire(row), row, cursor=(0, 3))
+        with Ring.create(ring_spec(cfg)) as ring:
+            port = ring.producer(ring.row_of(Role.PRODUCER, 0))
+            assert resume_point(port, old) == (ResumeState(), "start")
+            port.publish(port.try_acquire(), cursor=(0, 3))
             old.save(ResumeState(0, 3))
-            assert resume_point(ring, row, old) == (ResumeState(0, 3), "ring")
+            assert resume_point(port, old) == (ResumeState(0, 3), "ring")
             with pytest.raises(PlanMismatchError) as e:
-                resume_point(ring, row, new)
+                resume_point(port, new)
     finally:
         Ring.unlink(cfg.run.name)
     assert old.description in str(e.value) and new.description in str(e.value)

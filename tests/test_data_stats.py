@@ -24,6 +24,7 @@ from dflash_ring.common.data_config import DataError
 from dflash_ring.common.layout import Counter, Role
 from dflash_ring.common.membership import Membership
 from dflash_ring.common.ring import Ring
+from dflash_ring.common.ring_spec import ring_spec
 from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 from dflash_ring.producer.data_stats import HISTOGRAM_EDGES, bucket_labels, data_stats, histogram, log_lines
 from dflash_ring.producer.batching import ShardBatcher
@@ -208,16 +209,17 @@ def test_producers_of_a_mixture_log_its_composition_and_publish_exactly_its_plan
     batchers = [ShardBatcher.from_config(sources, cfg.data, rank=p, world_size=2) for p in (0, 1)]
     sup, producers = run.supervisor(), [run.role("target", p) for p in (0, 1)]
     items = []
-    with Ring.attach(cfg) as ring:
+    with Ring.attach(ring_spec(cfg)) as ring:
         wait_for(lambda: ring.counter(Counter.PRODUCED) == 4, timeout=180, what="a full ring")
         # A producer still starting (it may not have published yet) serves its metrics only once its port is up.
         wait_for(lambda: all(serves(cfg.metrics.port_base + 1 + p) for p in (0, 1)), timeout=120,
                  what="both producers' metrics")
         published = [scrape(cfg.metrics.port_base + 1 + p, "dflash_ring_target_trained_tokens_total") for p in (0, 1)]
         me = Membership.join(ring, cfg, Role.CONSUMER, 0)
-        while (r := ring.claim(me.row, timeout_s=60)) is not None:
+        port = ring.consumer(me.row)
+        while (r := port.claim(timeout_s=60)) is not None:
             items.append((dict(r.meta), r.tensors["sample_ids"].tolist(), r.tensors["loss_mask"].sum().item()))
-            ring.release(r)
+            port.release(r)
             del r
         me.leave()
     for p in producers:

@@ -336,6 +336,7 @@ def exported_names(tmp_path: Path) -> set[str]:
     from dflash_ring.common.layout import Role
     from dflash_ring.common.metrics import DrafterMetrics, ProducerMetrics, RingCollector
     from dflash_ring.common.ring import Ring
+    from dflash_ring.common.ring_spec import ring_spec
 
     registry = CollectorRegistry()
     # Labelled series export samples once they have a label: one source's, through the drafter's own path.
@@ -347,7 +348,7 @@ def exported_names(tmp_path: Path) -> set[str]:
     cfg = load_config(None, [f"run.name=deploy-names-{tmp_path.name[-20:]}", f"run.run_dir={tmp_path / 'locks'}",
                              "ring.slots=2", "ring.slot_bytes=65536", "ring.slot_header_bytes=4096"])
     (tmp_path / "locks").mkdir()
-    ring = Ring.create(cfg)
+    ring = Ring.create(ring_spec(cfg))
     try:
         ring.take_row(0, Role.SUPERVISOR, 0)
         collector = RingCollector(tmp_path / "locks")

@@ -150,3 +150,18 @@ def test_the_check_sees_a_crossing(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from dflash_ring.consumer.model import X\n")
     assert "consumer" in imported_packages(module, tmp_path)
+
+
+def test_the_ring_reaches_no_config():
+    """The ring is the IPC primitive config stands on: it takes a RingSpec (common/ring_spec.py makes one from a
+    Config), and nothing it imports, at any depth, imports config."""
+    modules = sources()
+    graph = import_graph(modules)
+    ring = {n for n in modules if n == "dflash_ring.common.ring" or n.startswith("dflash_ring.common.ring.")}
+    assert len(ring) >= 5, ring
+    reached, todo = set(), list(ring)
+    while todo:
+        if (name := todo.pop()) not in reached:
+            reached.add(name)
+            todo.extend(graph[name])
+    assert not {n for n in reached if n == "dflash_ring.common.config" or n.endswith("_config")}, reached

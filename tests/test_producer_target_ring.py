@@ -17,6 +17,7 @@ from dflash_ring.common.config import Config, load_config
 from dflash_ring.common.layout import Counter, Role, RowStatus
 from dflash_ring.common.membership import Membership
 from dflash_ring.common.ring import ConfigMismatchError, Ring
+from dflash_ring.common.ring_spec import ring_spec
 from dflash_ring.producer.batching import ShardBatcher
 from dflash_ring.producer.pretokenized import TokenizedData, load_tokenized
 from support import (assert_same_features, build_target, load_tokenizer, reference_features, reference_final_hidden, wait_exit,
@@ -79,11 +80,12 @@ def tokenized(cfg: Config) -> TokenizedData:
 def consume(cfg: Config, after_each=None) -> list[Item]:
     """Everything the producers publish, until the supervisor's shutdown; `after_each(n)` after the n-th."""
     items = []
-    with Ring.attach(cfg) as ring:
+    with Ring.attach(ring_spec(cfg)) as ring:
         me = Membership.join(ring, cfg, Role.CONSUMER, 0)
-        while (r := ring.claim(me.row, timeout_s=60)) is not None:
+        port = ring.consumer(me.row)
+        while (r := port.claim(timeout_s=60)) is not None:
             items.append(Item(dict(r.meta), {k: v.clone() for k, v in r.tensors.items()}))
-            ring.release(r)
+            port.release(r)
             del r
             if after_each is not None:
                 after_each(len(items))
@@ -186,14 +188,14 @@ def test_interrupted_producer_restarts_with_exactly_the_remaining_batches(run, w
 def test_a_drafter_built_for_another_target_geometry_is_refused_by_name(run, world):
     cfg = configure(run, world)
     sup = run.supervisor()
-    with Ring.attach(cfg) as ring:  # the producers' own config attaches
-        ring.check_config(cfg)
+    with Ring.attach(ring_spec(cfg)) as ring:  # the producers' own config attaches
+        ring.check(ring_spec(cfg))
     other_layers = load_config(run.config, ["target.num_draft_layers=1"])
     with pytest.raises(ConfigMismatchError, match=r"target\.layer_ids: ring has \[1, 3\], this process has \[3\]"):
-        Ring.attach(other_layers, timeout_s=5)
+        Ring.attach(ring_spec(other_layers), timeout_s=5)
     narrow = load_config(run.config, [f'target.path="{world.targets["narrow"]}"'])
     with pytest.raises(ConfigMismatchError, match=r"target\.hidden_size: ring has 64, this process has 32"):
-        Ring.attach(narrow, timeout_s=5)
+        Ring.attach(ring_spec(narrow), timeout_s=5)
     out = run.cli("target", "--config", str(run.config), "--index", "0", "--set", "target.ship_final_hidden=true",
                   check=False)
     assert out.returncode == 2 and "target.ship_final_hidden" in out.stderr
@@ -239,19 +241,20 @@ def test_a_producer_restarted_with_other_data_refuses_the_old_plans_ring_cursor(
     other = write_chat_rows(run.tmp / "other.jsonl", ROWS, seed=1)
     sup = run.supervisor()
     first = run.role("target", 0)
-    with Ring.attach(cfg) as ring:
+    with Ring.attach(ring_spec(cfg)) as ring:
         row = ring.row_of(Role.PRODUCER, 0)
         wait_for(lambda: ring.committed_cursor(row) is not None and ring.counter(Counter.PRODUCED) == 2,
                  timeout=120, what="a full ring")  # nobody consumed yet: the producer waits, its cursor set
         first.send_signal(signal.SIGKILL)
         assert wait_exit(first) == -signal.SIGKILL
         me = Membership.join(ring, cfg, Role.CONSUMER, 0)
+        port = ring.consumer(me.row)
         again = run.spawn("-m", "dflash_ring", "target", "--config", str(run.config), "--index", "0",
                           "--set", f'data.path="{other}"')
         consumed, deadline = 0, time.monotonic() + 120
         while again.poll() is None and time.monotonic() < deadline:  # before the fix it ran to "shard done"
-            if (r := ring.claim(me.row, timeout_s=0.2)) is not None:
-                ring.release(r)
+            if (r := port.claim(timeout_s=0.2)) is not None:
+                port.release(r)
                 consumed += 1
                 del r
         me.leave()

@@ -18,6 +18,7 @@ from support import wait_exit, wait_for
 from dflash_ring.common.config import ConfigError, load_config
 from dflash_ring.common.layout import HEADER_BYTES, RingHeaderError, read_identity
 from dflash_ring.common.ring import ConfigMismatchError, Ring, segment_name
+from dflash_ring.common.ring_spec import ring_spec
 from dflash_ring.common.slot_format import SlotFormatError, SlotHeader, SlotLayout, decode_header, encode_header
 
 
@@ -66,19 +67,20 @@ def test_drafter_replicas_with_other_drafter_settings_are_refused_by_field_name(
     together silently. The drafter.* settings are part of the ring's fingerprint, checked at attach."""
     run.write_config(1, 2, drafter={"block_size": 8})
     sup = run.supervisor()
-    with Ring.attach(cfg_for(run)) as ring:  # a replica with the run's settings attaches
+    with Ring.attach(ring_spec(cfg_for(run))) as ring:  # a replica with the run's settings attaches
         with pytest.raises(ConfigMismatchError) as e:
-            Ring.attach(cfg_for(run, **{"drafter.block_size": 10}), timeout_s=5)
+            Ring.attach(ring_spec(cfg_for(run, **{"drafter.block_size": 10})), timeout_s=5)
         msg = str(e.value)
         assert "drafter.block_size: ring has 8, this process has 10" in msg, msg
         assert "drafter.loss_gamma: ring has 4.0, this process has 5.0" in msg, msg
         assert "ring.slots" not in msg and "topology" not in msg
         with pytest.raises(ConfigMismatchError, match=r"drafter\.num_hidden_layers: ring has 1, this process has 2"):
-            Ring.attach(cfg_for(run, **{"drafter.num_hidden_layers": 2, "drafter.block_size": 8}), timeout_s=5)
+            Ring.attach(ring_spec(cfg_for(run, **{"drafter.num_hidden_layers": 2, "drafter.block_size": 8})),
+                        timeout_s=5)
         # Same shape, another objective (issue 21): the recipe's resolved fields are named.
         with pytest.raises(ConfigMismatchError) as e:
-            Ring.attach(cfg_for(run, **{"drafter.recipe": "dpace", "drafter.num_hidden_layers": 1,
-                                        "drafter.block_size": 8, "drafter.num_anchors": 512}), timeout_s=5)
+            Ring.attach(ring_spec(cfg_for(run, **{"drafter.recipe": "dpace", "drafter.num_hidden_layers": 1,
+                                                  "drafter.block_size": 8, "drafter.num_anchors": 512})), timeout_s=5)
         msg = str(e.value)
         assert "drafter.loss: ring has 'ce', this process has 'dpace'" in msg, msg
         assert "drafter.recipe: ring has None, this process has 'dpace'" in msg, msg
@@ -89,9 +91,9 @@ def test_drafter_replicas_with_other_drafter_settings_are_refused_by_field_name(
 
 def test_mismatched_config_is_refused_naming_the_fields(run):
     run.write_config(1, 2, slots=4)
-    with Ring.create(cfg_for(run)) as ring:
+    with Ring.create(ring_spec(cfg_for(run))) as ring:
         with pytest.raises(ConfigMismatchError) as e:
-            Ring.attach(cfg_for(run, **{"ring.slots": 8, "topology.consumers": 3}), timeout_s=0)
+            Ring.attach(ring_spec(cfg_for(run, **{"ring.slots": 8, "topology.consumers": 3})), timeout_s=0)
         msg = str(e.value)
         assert "ring.slots: ring has 4, this process has 8" in msg
         assert "topology.consumers: ring has 2, this process has 3" in msg
@@ -118,7 +120,7 @@ def test_fuzzed_ring_header_gives_a_clear_error(data):
     cfg = load_config(None, ["run.name=fuzzhdr", "ring.slots=2", "ring.slot_bytes=8192",
                              "ring.slot_header_bytes=4096"])
     Ring.unlink("fuzzhdr")
-    with Ring.create(cfg) as ring:
+    with Ring.create(ring_spec(cfg)) as ring:
         size = ring.geometry.total_bytes
         del ring
     shm = posix_ipc.SharedMemory(segment_name("fuzzhdr"))
@@ -129,7 +131,7 @@ def test_fuzzed_ring_header_gives_a_clear_error(data):
         mm[offset : offset + len(junk)] = junk[: max(0, HEADER_BYTES - offset)]
         original = bytes(mm[:HEADER_BYTES])
     try:
-        ring = Ring.attach(cfg, timeout_s=0)
+        ring = Ring.attach(ring_spec(cfg), timeout_s=0)
     except (RingHeaderError, ConfigMismatchError) as e:
         assert "dflash-ring clean" in str(e) or "ring has" in str(e) or "damaged" in str(e)
     else:
@@ -169,24 +171,25 @@ def test_structurally_valid_msgpack_with_hostile_fields_is_bounded(entries, meta
 def test_corrupted_slot_is_dropped_with_a_clear_error_and_the_reader_goes_on(run):
     run.write_config(1, 1, slots=2)
     cfg = cfg_for(run)
-    with Ring.create(cfg) as ring:
-        w = ring.try_acquire(1)
+    with Ring.create(ring_spec(cfg)) as ring:
+        producer, drafter = ring.producer(1), ring.consumer(2)
+        w = producer.try_acquire()
         w.tensor("x", torch.float32, (4,)).fill_(1.0)
-        ring.publish(w, 1)
-        w2 = ring.try_acquire(1)
+        producer.publish(w)
+        w2 = producer.try_acquire()
         w2.tensor("x", torch.float32, (4,)).fill_(2.0)
-        ring.publish(w2, 1)
+        producer.publish(w2)
         # Damage the first slot's header so its tensor points past the slot.
         off = ring.geometry.slot_offset(w.slot)
         bad = encode_header(SlotHeader([], {}), 4096)
         body = msgpack.packb({"tensors": [["x", "float32", [1 << 30], 4096]], "meta": {}})
         bad = b"DFS1" + struct.pack("<I", len(body)) + body
-        ring._mv[off : off + len(bad)] = bad
+        ring.segment.mv[off : off + len(bad)] = bad
         with pytest.raises(SlotFormatError, match=f"item {w.item}.*runs past"):
-            ring.try_claim(2)
-        r = ring.try_claim(2)  # the next item is intact and still delivered
+            drafter.try_claim()
+        r = drafter.try_claim()  # the next item is intact and still delivered
         assert r.item == w2.item and float(r.tensors["x"][0]) == 2.0
-        ring.release(r)
+        drafter.release(r)
         assert ring.status().counters["corrupt"] == 1
         assert ring.slot_counts()["free"] == 2
         del w, w2, r
@@ -202,7 +205,7 @@ def test_slot_layout_refuses_what_does_not_fit():
 
 def test_identity_of_a_too_small_segment_is_an_error():
     with pytest.raises(RingHeaderError, match="smaller than a ring header"):
-        read_identity(memoryview(bytearray(16)), 16, "/x")
+        read_identity(memoryview(bytearray(16)), 16, "/x", "x")
 
 
 def test_an_unhashable_dtype_is_a_slot_format_error():

@@ -25,7 +25,9 @@ from support import wait_exit, wait_for
 from dflash_ring.common.config import load_config
 from dflash_ring.common.layout import NO_OWNER, Counter as RingCounter, Role, SlotState, pack_state
 from dflash_ring.common.resume_state import CursorFile, cursor_path
-from dflash_ring.common.ring import Ring, _suspects, impossible_word, segment_name
+from dflash_ring.common.ring import Ring, impossible_word, segment_name
+from dflash_ring.common.ring.repair import _suspects
+from dflash_ring.common.ring_spec import ring_spec
 
 ITEMS = 8
 
@@ -72,10 +74,10 @@ def corrupt_a_ready_slot(ring: Ring, corrupt) -> tuple[int, int]:
     """CAS one READY slot's state word to corrupt(word), as a foreign writer would; return (slot, item)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        for slot, word in enumerate(ring._desc["state"].tolist()):
+        for slot, word in enumerate(ring.segment.desc["state"].tolist()):
             if word & 0xFF == SlotState.READY:
-                item = int(ring._desc["item"][slot])  # fenced by the CAS below: a new claim changes the word
-                if ring._states[slot].cmpxchg_strong(expected=word, desired=corrupt(word)):
+                item = int(ring.segment.desc["item"][slot])  # fenced by the CAS below: a new claim changes the word
+                if ring.segment.states[slot].cmpxchg_strong(expected=word, desired=corrupt(word)):
                     return slot, item
         time.sleep(0.01)
     raise AssertionError("no READY slot to corrupt")
@@ -183,15 +185,16 @@ def test_a_corrupted_word_of_an_unpublished_slot_never_passes_off_the_slots_prev
     """A claim clears the slot header: else the previous, trained item's header still reads, and a corrupted
     word over a slot being written would be made READY with that old item in it (trained twice)."""
     run.write_config(1, 1, slots=1)
-    with Ring.create(load_config(run.config)) as ring:
-        w = ring.try_acquire(1)
+    with Ring.create(ring_spec(load_config(run.config))) as ring:
+        producer, drafter = ring.producer(1), ring.consumer(2)
+        w = producer.try_acquire()
         w.tensor("x", torch.float32, (4,)).fill_(1.0)
         w.meta = {"producer": 0, "epoch": 0, "position": 0}
-        ring.publish(w, 1)
-        ring.release(ring.try_claim(2))  # item 0 trained; its header is still in the slot's bytes
-        w = ring.try_acquire(1)  # the same slot, claimed for item 1, nothing written yet
-        word = int(ring._desc["state"][w.slot])
-        assert ring._states[w.slot].cmpxchg_strong(expected=word, desired=_no_state(word))
+        producer.publish(w)
+        drafter.release(drafter.try_claim())  # item 0 trained; its header is still in the slot's bytes
+        w = producer.try_acquire()  # the same slot, claimed for item 1, nothing written yet
+        word = int(ring.segment.desc["state"][w.slot])
+        assert ring.segment.states[w.slot].cmpxchg_strong(expected=word, desired=_no_state(word))
         [c] = ring.repair_impossible_words()
         assert (c.slot, c.item) == (w.slot, w.item) and c.outcome.startswith("freed"), c
         assert ring.slot_counts() == {"free": 1, "writing": 0, "ready": 0, "reading": 0}
@@ -205,25 +208,26 @@ def test_a_ready_word_rewritten_free_is_found_by_the_supervisors_pass_and_by_a_c
     """The issue's race: the producer takes the slot before the reaper's pass. Both look at the slot itself: a
     published header that no drafter ever claimed (no delivery) is an item still owed, made READY again."""
     run.write_config(1, 1, slots=2)
-    with Ring.create(load_config(run.config)) as ring:
+    with Ring.create(ring_spec(load_config(run.config))) as ring:
+        producer, drafter = ring.producer(1), ring.consumer(2)
         for position in (0, 1):
-            w = ring.try_acquire(1)
+            w = producer.try_acquire()
             w.tensor("x", torch.float32, (4,)).fill_(1.0)
             w.meta = {"producer": 0, "epoch": 0, "position": position}
-            ring.publish(w, 1)
-        ring.release(ring.try_claim(2))  # item 0 trained: its slot is FREE with its header still in its bytes
-        trained = next(s for s, w in enumerate(ring._desc["state"].tolist()) if w & 0xFF == SlotState.FREE)
+            producer.publish(w)
+        drafter.release(drafter.try_claim())  # item 0 trained: its slot is FREE with its header still in its bytes
+        trained = next(s for s, w in enumerate(ring.segment.desc["state"].tolist()) if w & 0xFF == SlotState.FREE)
         slot, item = corrupt_a_ready_slot(ring, _free)
         [c] = ring.repair_impossible_words()  # the supervisor's pass
         assert (c.slot, c.item) == (slot, item) and c.outcome.startswith("made READY again"), c
         assert ring.slot_counts()["ready"] == 1 and ring.counter(RingCounter.CORRUPT) == 1
         assert ring.repair_impossible_words() == []  # a trained item's FREE slot is no suspect
-        w = ring.try_acquire(1)  # the one FREE slot: the trained item's
+        w = producer.try_acquire()  # the one FREE slot: the trained item's
         assert w is not None and w.slot == trained
         slot, item = corrupt_a_ready_slot(ring, _free_with_owner_outside_the_table)
-        assert ring.try_acquire(1) is None  # a producer first: the one FREE slot is owed, so it is made READY again
+        assert producer.try_acquire() is None  # a producer first: the one FREE slot is owed, so it is made READY again
         assert ring.slot_counts()["ready"] == 1 and ring.counter(RingCounter.CORRUPT) == 2
-        r = ring.try_claim(2)
+        r = drafter.try_claim()
         assert (r.slot, r.item, r.meta["position"]) == (slot, item, 1)
         del w, r
     Ring.unlink(run.name)

@@ -83,14 +83,15 @@ def test_a_segment_or_semaphore_others_could_touch_is_refused(run):
     from dflash_ring.common.config import load_config
     from dflash_ring.common.ownership import ForeignObjectError
     from dflash_ring.common.ring import Ring
+    from dflash_ring.common.ring_spec import ring_spec
 
     run.write_config(1, 1)
     cfg = load_config(run.config)
-    Ring.create(cfg).close()
+    Ring.create(ring_spec(cfg)).close()
     segment, sem = _shm(run.name), Path(f"/dev/shm/sem.dflash-ring.{run.name}.ready")
     os.chmod(segment, 0o666)  # what `shm_open(..., 0666)` by someone else looks like
     with pytest.raises(ForeignObjectError, match=r"segment /dflash-ring\.\S+ has mode 0666, wider than 0600"):
-        Ring.attach(cfg, timeout_s=0)
+        Ring.attach(ring_spec(cfg), timeout_s=0)
     line = one_line_error(run.cli("status", "--config", str(run.config), check=False))
     assert "mode 0666" in line and "not used" in line
     sup = run.supervisor()  # adopting it is refused the same way
@@ -99,15 +100,15 @@ def test_a_segment_or_semaphore_others_could_touch_is_refused(run):
     if os.geteuid() == 0:
         os.chown(segment, 65534, 65534)
         with pytest.raises(ForeignObjectError, match="belongs to uid 65534, not to this user"):
-            Ring.attach(cfg, timeout_s=0)
+            Ring.attach(ring_spec(cfg), timeout_s=0)
         line = one_line_error(run.cli("clean", "--config", str(run.config), check=False))
         assert "belongs to uid 65534" in line and segment.exists()
         os.chown(segment, 0, 0)
     os.chmod(sem, 0o666)
     with pytest.raises(ForeignObjectError, match=r"semaphore /dflash-ring\.\S+\.ready has mode 0666"):
-        Ring.attach(cfg, timeout_s=0)
+        Ring.attach(ring_spec(cfg), timeout_s=0)
     os.chmod(sem, 0o600)
-    Ring.attach(cfg, timeout_s=0).close()  # ours and private again: accepted
+    Ring.attach(ring_spec(cfg), timeout_s=0).close()  # ours and private again: accepted
 
 
 def test_lock_directory_parents_are_made_private_and_foreign_ones_refused(run):

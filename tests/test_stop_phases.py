@@ -13,6 +13,7 @@ import signal
 import pytest
 
 from dflash_ring.common.ring import Ring
+from dflash_ring.common.ring_spec import ring_spec
 from support import build_target, load_tokenizer, wait_exit, wait_for, write_chat_rows
 
 ROWS = 40_000  # tokenizing them takes long enough (seconds even on a fast box) to be stopped in the middle
@@ -26,7 +27,7 @@ def test_a_producer_stopped_while_tokenizing_stops_there(run, tmp_path):
                                                 "max_length": 256, "max_tokens_per_batch": 512},
                            target={"path": str(target), "state_dir": str(tmp_path / "state"), "device": "cpu"},
                            metrics={"enabled": False})
-    Ring.create(cfg).close()
+    Ring.create(ring_spec(cfg)).close()
     proc = run.role("target", 0)
     log = tmp_path / "proc-0.stderr"
     wait_for(lambda: "tokenizing" in log.read_text(), timeout=120, what="the producer to start tokenizing")
@@ -48,7 +49,7 @@ def test_a_drafter_stopped_while_waiting_for_its_first_item_exits_zero_and_leave
                                                   "mask_token_id": len(load_tokenizer(target))},
                            train={"device": "cpu", "checkpoint_dir": str(tmp_path / "ckpt")},
                            metrics={"enabled": False})
-    with Ring.create(cfg) as ring:
+    with Ring.create(ring_spec(cfg)) as ring:
         proc = run.role("drafter", 0)
         log = tmp_path / "proc-0.stderr"
         wait_for(lambda: "drafter 0 on cpu" in log.read_text(), timeout=300, what="the drafter to join")

@@ -13,7 +13,8 @@ import signal
 import numpy as np
 import pytest
 
-from dflash_ring.common.config import fingerprint_digest, load_config
+from dflash_ring.common.config import load_config
+from dflash_ring.common.ring import fingerprint_digest
 from dflash_ring.consumer.tracking import Tracking, read_records
 from dflash_ring.consumer.wandb_offline import offline_runs
 from support import (STEP, build_target, cyclic_rows, merged, pipeline_settings, tensorboard_scalars, tensorboard_text,
@@ -186,13 +187,14 @@ def test_the_ring_counts_the_tokens_producers_publish(run):
 
     from dflash_ring.common.layout import Counter
     from dflash_ring.common.ring import Ring
+    from dflash_ring.common.ring_spec import ring_spec
 
     cfg = run.write_config(2, 1, slots=4)
-    with Ring.create(cfg) as ring:
+    with Ring.create(ring_spec(cfg)) as ring:
         for row, tokens in ((1, 100), (2, 7), (1, 30)):
-            w = ring.try_acquire(row)
+            w = ring.producer(row).try_acquire()
             w.tensor("x", torch.float32, (4,))
-            ring.publish(w, row, tokens=tokens)
+            ring.producer(row).publish(w, tokens=tokens)
         assert (ring.produced_tokens(), ring.counter(Counter.PRODUCED)) == (137, 3)
 
 

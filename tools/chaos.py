@@ -62,6 +62,7 @@ from typing import Any
 from dflash_ring.common.config import Config, load_config
 from dflash_ring.common.ledger import read_ledger
 from dflash_ring.common.ring import Ring, RingNotFound
+from dflash_ring.common.ring.segment import leftover_files
 from dflash_ring.tools.reconcile import read_ledgers, reconcile, throughput
 from dflash_ring.tools.restarter import Restarter
 
@@ -454,10 +455,7 @@ def _clean(cfg_path: Path, sets: list[str]) -> subprocess.CompletedProcess:
 
 
 def leftovers(cfg: Config) -> list[str]:
-    run = cfg.run.name
-    found = [f"/dev/shm/{n}" for n in os.listdir("/dev/shm")
-             if n.startswith(f"dflash-ring.{run}.") or n == f"dflash-ring.{run}"
-             or n.startswith(f"sem.dflash-ring.{run}.")]
+    found = [str(p) for p in leftover_files(cfg.run.name)]
     lock_dir = cfg.lock_dir()
     if lock_dir.exists():
         found += [str(p) for p in lock_dir.iterdir()] or [str(lock_dir)]
