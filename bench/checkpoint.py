@@ -44,8 +44,8 @@ from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.common.trained_journal import Journal
 from dflash_ring.common.train_config import TrainConfig
 from dflash_ring.consumer.checkpoint import Checkpoint, CheckpointStore, optimizer_to_flat
+from dflash_ring.consumer.checkpoint_policy import Checkpoints
 from dflash_ring.consumer.model import FrozenTargetHead, build_drafter, cu_seqlens_from_lengths
-from dflash_ring.consumer.process import Checkpoints
 from dflash_ring.consumer.trainer import DeviceBatch, Trainer
 
 
