@@ -2,7 +2,7 @@
 written in the background (train.async_checkpoints), measured in one run.
 
 The drafter (the Qwen3-8B shape of `bench drafter` on a GPU, `--tiny` or no GPU: a small one) trains
-through the drafter process's own Trainer and checkpoint policy (consumer/process.py `Checkpoints`),
+through the drafter process's own Trainer and checkpoint policy (consumer/checkpoint_policy.py `Checkpoints`),
 one host-to-device batch copy per step as the prefetcher does. In order:
 
 1. steps without a checkpoint: the baseline step time;

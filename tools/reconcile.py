@@ -1,6 +1,6 @@
 """Ledger reconciliation for `dflash-ring chaos`: what the producers planned against what the drafters
-took and trained, from the per-process ledgers (common/ledger.py). The windows it allows per kill
-are documented in tools/chaos.py."""
+took and trained, from the per-process ledgers (common/ledger.py; their records in common/ledger_events.py). The
+windows it allows per kill are documented in tools/chaos.py."""
 
 from __future__ import annotations
 
@@ -95,7 +95,8 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
     def lost(t: dict[str, Any]) -> bool:
         # (An `empty` batch had nothing to supervise: it made no update to lose.)
-        return kind(t) == Trained.KIND and not t.get("empty") and t["pid"] in killed and t["t"] > last_snapshot[t["pid"]]
+        return (kind(t) == Trained.KIND and not t.get("empty") and t["pid"] in killed
+                and t["t"] > last_snapshot[t["pid"]])
 
     def undone(t: dict[str, Any], k: tuple[int, int, int]) -> bool:
         """The trained slot was never released and was delivered again later (its holder died; the reaper
