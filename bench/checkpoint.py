@@ -2,7 +2,7 @@
 written in the background (train.async_checkpoints), measured in one run.
 
 The drafter (the Qwen3-8B shape of `bench drafter` on a GPU, `--tiny` or no GPU: a small one) trains
-through the drafter process's own Trainer and checkpoint policy (consumer/process.py `Checkpoints`),
+through the drafter process's own Trainer and checkpoint policy (consumer/checkpoint_policy.py `Checkpoints`),
 one host-to-device batch copy per step as the prefetcher does. In order:
 
 1. steps without a checkpoint: the baseline step time;
@@ -44,8 +44,8 @@ from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.common.trained_journal import Journal
 from dflash_ring.common.train_config import TrainConfig
 from dflash_ring.consumer.checkpoint import Checkpoint, CheckpointStore, optimizer_to_flat
+from dflash_ring.consumer.checkpoint_policy import Checkpoints
 from dflash_ring.consumer.model import FrozenTargetHead, build_drafter, cu_seqlens_from_lengths
-from dflash_ring.consumer.process import Checkpoints
 from dflash_ring.consumer.trainer import DeviceBatch, Trainer
 
 

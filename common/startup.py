@@ -15,6 +15,8 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from dflash_ring.common.ledger_events import StartupDone
+
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry, Gauge
 
@@ -85,4 +87,4 @@ class Startup:
         log.info("%s started in %.2fs: %s", self.what, self.total_s,
                  ", ".join(f"{p} {s:.2f}s" for p, s in self.phases.items()))
         if ledger is not None:
-            ledger.write("startup", phases=self.phases, total=self.total_s)
+            ledger.write(StartupDone(self.phases, self.total_s))

@@ -16,6 +16,12 @@ row and journal. A warm standby (`--standby`) builds and attaches the same way,
 precompiles its first step, and waits there for a drafter to die, so a takeover costs
 the checkpoint load and a step, not the imports, the build and the compile. A drafter
 started for its index precompiles while its checkpoint loads (`Resumed.load`).
+
+This file keeps the assembly and the loop (`DrafterLoop`); the loop's parts are components of their own: the ring's
+items onto the device (`Prefetcher`, consumer/ring_input.py), each item settled in the one order exactly once rests on
+(`ItemAccount`, consumer/accounting.py), what a step reports (`StepReport`, consumer/step_report.py), replica averaging
+(`Averaging`, consumer/replicas.py), the checkpoint policy (`Checkpoints`, consumer/checkpoint_policy.py) and the LR
+schedule's length (`StepSchedule`, consumer/trainer.py).
 """
 
 from __future__ import annotations
@@ -23,50 +29,44 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
-import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dflash_ring.common import sd_notify
 from dflash_ring.common.compile_cache import use_compile_cache
 from dflash_ring.common.config import Config, drafter_target_settings
 from dflash_ring.common.device import checked_device
-from dflash_ring.common.crash_points import crash_point
 from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.common.gpu_metrics import device_uuid
-from dflash_ring.common.layout import Counter, Role
-from dflash_ring.common.ledger import Ledger, identity
-from dflash_ring.common.membership import Membership
+from dflash_ring.common.layout import Role
+from dflash_ring.common.ledger_events import DrafterStart, Evaluated, Exited, Trained
 from dflash_ring.common.liveness import is_alive, lock_path
 from dflash_ring.common.metrics import DRAFTER, DrafterMetrics, check_port_free
 from dflash_ring.common.ring import Ring, SlotReader
 from dflash_ring.common.role_process import RoleProcess, role_process
 from dflash_ring.common.seat import Seat, take_seat
-from dflash_ring.common.slot_contract import read_item
-from dflash_ring.common.slot_format import SlotFormatError
 from dflash_ring.common.startup import Startup
 from dflash_ring.common.trained_journal import Journal, drop_covered, journal_dir, seal
-from dflash_ring.consumer.async_checkpoint import BackgroundWriter, HostSnapshot
+from dflash_ring.consumer.accounting import Consumed, ItemAccount
 from dflash_ring.consumer.checkpoint import CheckpointStore, check_same_shape
+from dflash_ring.consumer.checkpoint_policy import Checkpoints
 from dflash_ring.consumer.fp8 import check_precision
 from dflash_ring.consumer.head_cache import CACHE_NAME as HEAD_CACHE_NAME
 from dflash_ring.consumer.head_loader import load_target_head
 from dflash_ring.consumer.model import build_drafter
 from dflash_ring.consumer.replica_group import ReplicaGroup
-from dflash_ring.consumer.replicas import ReplicaAverager
-from dflash_ring.consumer.source_metrics import SourceLabels, SourceStats, add_sources, held_out_sources
-from dflash_ring.consumer.step_record import (RingReading, Window, eval_scalars, log_line, source_line,
-                                              step_scalars)
+from dflash_ring.consumer.replicas import Averaging, ReplicaAverager
+from dflash_ring.consumer.ring_input import Prefetcher, ring_reading
+from dflash_ring.consumer.source_metrics import SourceLabels
+from dflash_ring.consumer.step_report import StepReport
 from dflash_ring.consumer.target_head import FrozenTargetHead
 from dflash_ring.consumer.tracking import Tracking, check_tracking_dir
-from dflash_ring.consumer.trainer import DeviceBatch, Trainer
+from dflash_ring.consumer.trainer import DeviceBatch, StepSchedule, Trainer
 
 log = logging.getLogger(__name__)
 
@@ -92,242 +92,33 @@ def pick_device(requested: str, index: int) -> torch.device:
     return torch.device("cpu")
 
 
-def to_device(r: SlotReader, device: torch.device, stream: torch.cuda.Stream | None) -> DeviceBatch:
-    """Copy one slot's tensors to the device; returns once the copy has landed (the slot may then go)."""
-    t = read_item(r.tensors, r.meta)
-    with torch.cuda.stream(stream) if stream is not None else _null():
-        batch = DeviceBatch(
-            features=t.features.to(device, non_blocking=True),
-            input_ids=t.input_ids.to(device, dtype=torch.long, non_blocking=True),
-            loss_mask=t.loss_mask.to(device, dtype=torch.bool, non_blocking=True),
-            cu_seqlens=t.cu_seqlens.to(device, dtype=torch.long, non_blocking=True),
-            final_hidden=None if t.final_hidden is None else t.final_hidden.to(device, non_blocking=True),
-            meta=t.meta,
-            source_ids=t.source_ids.to(device, dtype=torch.long, non_blocking=True),
-        )
-    if stream is not None:
-        stream.synchronize()
-        # Allocated on the side stream, used on the default one: keep the allocator from reusing them early.
-        for x in (batch.features, batch.input_ids, batch.loss_mask, batch.cu_seqlens, batch.final_hidden,
-                  batch.source_ids):
-            if x is not None:
-                x.record_stream(torch.cuda.default_stream(device))
-    elif device.type == "cpu":  # .to(cpu) aliases the slot: take a private copy
-        batch.features, batch.input_ids = batch.features.clone(), batch.input_ids.clone()
-        if batch.final_hidden is not None:
-            batch.final_hidden = batch.final_hidden.clone()
-    return batch
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-class Prefetcher(threading.Thread):
-    """Claims the next item and copies it to the device while the current step computes.
-
-    At most one item is prefetched ahead (`room`). Its slot stays claimed until it is trained (`take`
-    hands out the reader with the batch, and the training loop releases it).
-    """
-
-    def __init__(self, ring: Ring, row: int, device: torch.device, metrics: DrafterMetrics | None = None):
-        super().__init__(name="prefetch", daemon=True)
-        self.ring, self.port, self.device = ring, ring.consumer(row), device
-        self.metrics = metrics or DrafterMetrics()
-        self.ledger: Ledger | None = None  # run.ledger_dir: one record per batch taken from the ring
-        self.items: queue.Queue[tuple[DeviceBatch, SlotReader] | None] = queue.Queue()
-        self.room = threading.Semaphore(1)
-        self.stopping = threading.Event()
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    def run(self) -> None:
-        while not self.stopping.is_set():
-            if not self.room.acquire(timeout=0.5):
-                continue
-            waited = self.ring.wait_seconds
-            try:
-                r = self.port.claim(timeout_s=0.5)
-            except SlotFormatError as e:
-                log.error("%s", e)
-                r = None
-            self.metrics.wait.inc(self.ring.wait_seconds - waited)
-            if r is None:
-                self.room.release()
-                if self.ring.shutting_down:
-                    break
-                continue
-            t0 = time.perf_counter()
-            batch = to_device(r, self.device, self.stream)
-            self.metrics.h2d.observe(time.perf_counter() - t0)  # to_device returns once the copy landed
-            if self.ledger is not None:
-                self.ledger.write("got", item=r.item, deliveries=r.deliveries, **identity(r.meta))
-            self.items.put((batch, r))
-        self.items.put(None)
-
-    def take(self, timeout_s: float) -> tuple[DeviceBatch, SlotReader] | None:
-        """The next batch and the slot it came from (None at the end); raises queue.Empty on timeout."""
-        taken = self.items.get(timeout=timeout_s)
-        self.room.release()
-        return taken
-
-
-@dataclass
-class Consumed:
-    """What this drafter has taken, saved with every checkpoint: items, and per producer the newest
-    (epoch, position) trained."""
-
-    by_producer: dict[str, list[int]] = field(default_factory=dict)
-    items: int = 0
-
-    def add(self, meta: dict[str, Any]) -> None:
-        self.items += 1
-        producer = str(meta.get("producer", "?"))
-        mark = [int(meta.get("epoch", 0)), int(meta.get("position", 0))]
-        self.by_producer[producer] = max(self.by_producer.get(producer, mark), mark)
-
-
-class Averaging:
-    """Replica averaging every train.average_every_steps: with this host's replicas through shared memory,
-    then (this host's leader) with the other hosts' leaders through the group."""
-
-    def __init__(self, cfg: Config, index: int, model: torch.nn.Module, drafter_cfg: DrafterConfig):
-        self.every = cfg.train.average_every_steps
-        self.replicas, self.group = None, None
-        caught = 0
-        if cfg.topology.consumers > 1 and self.every:
-            self.replicas = ReplicaAverager(cfg.run.name, index, cfg.topology.consumers, model, cfg.lock_dir())
-            caught = self.replicas.catch_up()
-        if cfg.group.rendezvous and self.every:  # other hosts: this host's leader meets them
-            self.group = ReplicaGroup.from_config(cfg, index, model, drafter_cfg, fresh=caught == 0)
-            self.group.start()  # a restarted host takes the live hosts' weights before its first step
-
-    def after_step(self, step: int) -> None:
-        if not self.every or step % self.every:
-            return
-        if self.replicas is not None:
-            self.replicas.publish(step)
-            self.replicas.average()
-        if self.group is not None and self.group.sync(step) and self.replicas is not None:
-            self.replicas.publish(step)  # this host's other replicas take the group mean from here
-
-    def leave_group(self) -> None:
-        """At once on stop: a peer waiting on this host in a collective re-forms without it."""
-        if self.group is not None:
-            self.group.close()
-            self.group = None
-
-    def close(self, step: int) -> None:
-        self.leave_group()
-        if self.replicas is not None:
-            self.replicas.publish(step)  # a restarted or late peer catches up from here
-            self.replicas.close()
-
-
-class Checkpoints:
-    """The checkpoint policy: every train.checkpoint_every_steps, and once more at the end.
-
-    With train.async_checkpoints (the default) a checkpoint costs the step only a copy of the state into host
-    memory (`HostSnapshot`); a thread writes it while training goes on (`BackgroundWriter`), and its `ckpt`
-    ledger record and log line come once it is durable. The consumed items and high-water marks are taken
-    in the same call as the weights, so a resumed drafter's state is one moment's.
-
-    Each checkpoint's state starts a new journal segment (common/trained_journal.py), and once it is durable the
-    segments every kept checkpoint covers go: what the journal holds is exactly what a crash would lose.
-
-    A checkpoint that comes due while the previous one is still being written waits for it rather than
-    being skipped: a SIGKILL then loses at most two intervals of updates (since the last durable snapshot,
-    plus the one being written: the bound `reconcile` checks), where skipping would stretch that without
-    limit on a disk slower than the interval. The wait is logged: checkpoint_every_steps is shorter than a
-    write takes. The final checkpoint, and any write in flight, are durable before `final` returns.
-    """
-
-    def __init__(self, store: CheckpointStore, every: int, keep: int, state: Callable[[], dict[str, Any]],
-                 trainer: Trainer, journal: Journal, ledger: Ledger | None, background: bool = True):
-        self.store, self.every, self.keep, self.state, self.trainer = store, every, keep, state, trainer
-        self.journal, self.ledger = journal, ledger
-        self.saved_at = trainer.step  # the step of the newest checkpoint taken (durable once `wait` returns)
-        self.snapshot = HostSnapshot() if background else None
-        self.writer = BackgroundWriter(store, keep) if background else None
-
-    def save(self) -> None:
-        info = self.state()
-        taken_t = time.time()
-        ckpt = self.trainer.state(info)
-        step, items = ckpt.step, info["items"]
-        self.journal.rotate(step)  # what trains from here on is not in this state
-        if self.writer is None:
-            self.store.save(ckpt, keep=self.keep, on_latest=lambda path: self._durable(path, step, items, taken_t))
-        else:
-            busy, t0 = self.writer.busy, time.perf_counter()
-            self.writer.wait()  # the buffer is free only once the previous write is done (raises if it failed)
-            if busy:
-                log.warning("checkpoint at step %d waited %.1f s for the write of step %d: a write takes longer than "
-                            "train.checkpoint_every_steps = %d steps", step, time.perf_counter() - t0,
-                            self.saved_at, self.every)
-            host = self.snapshot.take(ckpt)
-            self.trainer.hold_updates(self.snapshot.copied)
-            self.writer.start(host, self.snapshot.copied, lambda path: self._durable(path, step, items, taken_t))
-        self.saved_at = step
-
-    def _durable(self, path: Path, step: int, items: int, taken_t: float) -> None:
-        self.journal.covered(self.store.oldest_step(keep=self.keep))
-        if self.ledger is not None:
-            self.ledger.write("ckpt", step=step, items=items, snapshot_t=round(taken_t, 4))
-        log.info("checkpoint %s", path)
-
-    def after_step(self, step: int) -> None:
-        if self.writer is not None:
-            self.writer.check()  # a failed background write stops the drafter now, as a failed save in the step did
-        if step - self.saved_at >= self.every:
-            self.save()
-
-    def wait(self) -> None:
-        """Until the checkpoint being written is durable (raises if its write failed)."""
-        if self.writer is not None:
-            self.writer.wait()
-
-    def final(self) -> None:
-        self.wait()
-        if self.trainer.step != self.saved_at or self.store.load_latest() is None:
-            self.save()
-            self.wait()
+def _averaging(cfg: Config, index: int, model: torch.nn.Module, drafter_cfg: DrafterConfig) -> Averaging:
+    """This drafter's replica averaging (consumer/replicas.py); joining it catches up with the live replicas' weights
+    before the first step."""
+    every, replicas, group, caught = cfg.train.average_every_steps, None, None, 0
+    if cfg.topology.consumers > 1 and every:
+        replicas = ReplicaAverager(cfg.run.name, index, cfg.topology.consumers, model, cfg.lock_dir())
+        caught = replicas.catch_up()
+    if cfg.group.rendezvous and every:  # other hosts: this host's leader meets them
+        group = ReplicaGroup.from_config(cfg, index, model, drafter_cfg, fresh=caught == 0)
+        group.start()  # a restarted host takes the live hosts' weights before its first step
+    return Averaging(every, replicas, group)
 
 
 class DrafterLoop:
-    """Each batch from the ring: train, then what follows a step (its record to the metrics, the log and the
-    trackers; averaging; checkpoint).
+    """Each batch from the ring: step, settle, report; then averaging and the checkpoint policy.
 
-    A held-out item is evaluated instead (`Trainer.evaluate`: no gradient, no step), then released, so a
-    drafter killed before that leaves it READING and it is evaluated once, by whoever gets it redelivered.
-    Its per-source sums wait in `eval_sources` for the next multiple of train.eval_every_steps (and the
-    end), where they become one evaluation record (`eval_scalars`), emitted like a step's.
+    The step is `Trainer.train_step`, or for a held-out item `Trainer.evaluate` (no gradient, no step). Settling
+    (`ItemAccount.settle`) records the item and releases its slot, in the one order exactly once rests on; the report
+    (`StepReport`) is what the metrics, the log and the trackers show of it. A held-out item's sums are kept in the
+    record file before it is settled, so a drafter killed before the release leaves it READING and it is evaluated
+    once, by whoever gets it redelivered.
     """
 
-    def __init__(self, trainer: Trainer, consumed: Consumed, averaging: Averaging, checkpoints: Checkpoints,
-                 metrics: DrafterMetrics, tracking: Tracking, total_steps: Callable[[], int],
-                 read_ring: Callable[[], RingReading], log_every: int, ledger: Ledger | None,
-                 release: Callable[[SlotReader], None], journal: Journal, eval_every: int = 100):
-        self.trainer, self.consumed, self.averaging, self.checkpoints = trainer, consumed, averaging, checkpoints
-        self.journal = journal
-        self.metrics, self.tracking, self.total_steps = metrics, tracking, total_steps
-        self.log_every, self.ledger, self.release, self.eval_every = log_every, ledger, release, eval_every
-        self.window = Window(read_ring)
-        self.unlogged: tuple[int, int, dict[str, float]] | None = None  # the newest step, when not logged
-        # The held-out items since the last evaluation record, by batch identity: those a killed predecessor
-        # evaluated (their sums in the record file, tracking.HELD_OUT) first, so a kill between two evaluation
-        # records loses none of them, and one evaluated again (redelivered before its release) counts once.
-        self.eval_sources: dict[str, SourceStats] = {}
-        self.eval_seen: set[str] = set()
-        for line in tracking.record.held_out:
-            try:
-                self._count_held_out(str(line["item"]), held_out_sources(line["sources"]))
-            except (KeyError, TypeError, ValueError) as e:
-                log.warning("tracking: a held-out line of %s is malformed (%s): left out of the next evaluation "
-                            "record", tracking.record.f.name, " ".join(str(e).split()) or type(e).__name__)
+    def __init__(self, trainer: Trainer, account: ItemAccount, report: StepReport, averaging: Averaging,
+                 checkpoints: Checkpoints, schedule: StepSchedule):
+        self.trainer, self.account, self.report = trainer, account, report
+        self.averaging, self.checkpoints, self.schedule = averaging, checkpoints, schedule
 
     def take(self, taken: tuple[DeviceBatch, SlotReader]) -> None:
         """One item from the ring: evaluated if held out, else trained."""
@@ -336,91 +127,23 @@ class DrafterLoop:
         else:
             self.train(taken)
 
-    @property
-    def eval_items(self) -> int:
-        return len(self.eval_seen)
-
-    def _count_held_out(self, item: str, stats: dict[str, SourceStats]) -> bool:
-        if item in self.eval_seen:
-            return False
-        self.eval_seen.add(item)
-        add_sources(self.eval_sources, stats)
-        return True
-
     def evaluate(self, taken: tuple[DeviceBatch, SlotReader]) -> None:
         batch, slot = taken
-        self.consumed.add(batch.meta)
         stats = self.trainer.evaluate(batch)
-        item = json.dumps(identity(batch.meta), sort_keys=True)
-        if self._count_held_out(item, stats):  # its sums kept before the release: a kill cannot lose them
-            self.tracking.record.hold_out({"item": item, "sources": {n: asdict(s) for n, s in stats.items()}})
-        if self.ledger is not None:  # before the release: a kill in between redelivers it (reconcile knows)
-            self.ledger.write("eval", step=self.trainer.step, item=slot.item, deliveries=slot.deliveries,
-                              **identity(batch.meta))
-        crash_point("evaluated")
-        self.release(slot)
-        self.metrics.items.inc()
-        self.metrics.eval_items.inc()
-        self.metrics.count_source_tokens({name: s.tokens for name, s in stats.items()}, "eval")
-
-    def report_eval(self) -> None:
-        """The held-out items evaluated since the last report, as one record (nothing if there were none)."""
-        if not self.eval_items:
-            return
-        record = eval_scalars(self.eval_sources, self.eval_items)
-        # A restarted drafter's step at or below its series' last evaluation record has one already: these items
-        # wait for the next step past it instead of being dropped with the record.
-        if not self.tracking.emit(self.trainer.step, record):  # the record file and the trackers: the eval series
-            return
-        self.eval_sources, self.eval_seen = {}, set()
-        self.metrics.publish_sources(record)
-        text = (f"eval at step {self.trainer.step}: {int(record['eval/items'])} held-out items, loss "
-                f"{record.get('eval/loss', float('nan')):.4f} acc {record.get('eval/accuracy', float('nan')):.3f} "
-                f"accept_len {record.get('eval/accept_len', float('nan')):.2f}")
-        log.info("%s; by source: %s", text, source_line(record, "eval/"))
+        self.report.held_out(batch, stats)
+        self.account.settle(Evaluated, batch, slot, self.trainer.step)
+        self.report.evaluated(stats)
 
     def train(self, taken: tuple[DeviceBatch, SlotReader]) -> None:
         batch, slot = taken
-        self.consumed.add(batch.meta)
-        total = self.total_steps()
+        total = self.schedule.total()
         before = self.trainer.micro_batches
         m = self.trainer.train_step(batch, total)
-        empty = self.trainer.micro_batches == before  # nothing to supervise: no update to lose
-        if not empty:  # before the release: from then on only this line brings it back
-            self.journal.append(batch.meta, slot.item)
-        if self.ledger is not None:  # before the release: a kill in between redelivers it (reconcile knows)
-            self.ledger.write("train", step=self.trainer.step, item=slot.item, deliveries=slot.deliveries,
-                              **identity(batch.meta), **({"empty": True} if empty else {}))
-        crash_point("trained")
-        self.release(slot)  # trained: only now may the producers refill the slot
-        self.metrics.items.inc()
-        self.metrics.tokens.inc(batch.num_tokens)
-        self.window.add(batch.num_tokens)
-        if m is None:  # accumulating gradients
-            return
-        self.window.add_sources(m.by_source)
-        self.metrics.count_source_tokens({name: s.tokens for name, s in m.by_source.items()}, "train")
-        record = step_scalars(m, self.window.stats())
-        self.metrics.publish(m.step, m.step_s, record)
-        self.averaging.after_step(m.step)
-        self.unlogged = (m.step, total, record)
-        if m.step % self.log_every == 0:
-            self.log_step()
-        if m.step % self.eval_every == 0:
-            self.report_eval()
-        self.checkpoints.after_step(m.step)
-
-    def log_step(self) -> None:
-        """The newest step to the log, the record file and the trackers: every log_every_steps, and the last one
-        at the end (a series ends where the drafter did)."""
-        if self.unlogged is not None:
-            step, total, record = self.unlogged
-            log.info("%s", log_line(step, total, record))
-            if any(k.startswith("source/") for k in record):
-                log.info("step %d by source: %s", step, source_line(record))
-            self.tracking.emit(step, record)  # the record file, then the trackers
-            self.window.restart()
-            self.unlogged = None
+        self.account.settle(Trained, batch, slot, self.trainer.step, empty=self.trainer.micro_batches == before)
+        self.report.trained(batch, m, total)
+        if m is not None:  # an optimizer step (not a micro-batch of one still accumulating)
+            self.averaging.after_step(m.step)
+            self.checkpoints.after_step(m.step)
 
 
 @dataclass
@@ -567,38 +290,37 @@ def train(cfg: Config, seat: Seat, proc: RoleProcess, built: Built, resumed: Res
     me = proc.join("model loaded, ring attached", seat.lock)  # seals a dead predecessor's journal first
     journal = resume_journal(cfg, index, ring, trainer.step)
     checkpoints = Checkpoints(resumed.store, cfg.train.checkpoint_every_steps, cfg.train.keep_checkpoints,
-                              lambda: {"consumed": consumed.by_producer, "items": consumed.items,
-                                       "drafter": asdict(drafter_cfg), "target_config": built.target_config,
+                              partial(consumed.saved_with,
+                                      {"drafter": asdict(drafter_cfg), "target_config": built.target_config,
                                        "target_head": built.head.spec.to_json(),
                                        # where a DSpark export reads the target's embed_tokens/lm_head from
-                                       "target_path": str(Path(cfg.target.path).expanduser().resolve())},
+                                       "target_path": str(Path(cfg.target.path).expanduser().resolve())}),
                               trainer, journal, proc.ledger, background=cfg.train.async_checkpoints)
     if proc.ledger is not None:
-        proc.ledger.write("start", step=trainer.step, **({"took_over": seat.predecessor_pid} if seat.takeover else {}))
-    averaging = Averaging(cfg, index, trainer.model, drafter_cfg)
+        proc.ledger.write(DrafterStart(trainer.step, seat.predecessor_pid if seat.takeover else None))
+    averaging = _averaging(cfg, index, trainer.model, drafter_cfg)
     startup.mark("join")  # the row (a dead predecessor's slots undone), the replicas' weights caught up
     log.info("drafter %d on %s: %d parameters, ring %s", index, trainer.device,
              sum(p.numel() for p in trainer.model.parameters()), ring.name)
-    prefetch = Prefetcher(ring, me.row, trainer.device, metrics)
-    prefetch.ledger = proc.ledger
-    loop = DrafterLoop(trainer, consumed, averaging, checkpoints, metrics, tracking,
-                       lambda: cfg.train.total_steps or _estimated_steps(ring, cfg, trainer, _prefetched(prefetch)),
-                       lambda: RingReading(ring.wait_seconds, ring.counter(Counter.PRODUCED),
-                                           ring.produced_tokens(), ring.slot_counts()["ready"]),
-                       cfg.train.log_every_steps, proc.ledger, prefetch.port.release, journal, cfg.train.eval_every_steps)
+    prefetch = Prefetcher(ring, me.row, trainer.device, metrics, proc.ledger)
+    report = StepReport(metrics, tracking, partial(ring_reading, ring), cfg.train.log_every_steps,
+                        cfg.train.eval_every_steps)
+    schedule = StepSchedule(trainer, cfg.train.total_steps, ring, cfg.topology.producers, cfg.topology.consumers,
+                            prefetch.pending)
+    loop = DrafterLoop(trainer, ItemAccount(consumed, journal, proc.ledger, prefetch.port.release), report, averaging,
+                       checkpoints, schedule)
     prefetch.start()
-    while (taken := _next(prefetch, proc.stop, me)) is not None:
+    while (taken := prefetch.next(proc.stop, me)) is not None:
         startup.mark("first_item")  # waited for and copied out of the ring
         loop.take(taken)
         if not taken[0].is_eval:  # a held-out item first is not the first step
             startup.finish("first_step", proc.ledger)  # the first training step (compiles, when it does)
     prefetch.stopping.set()
     averaging.leave_group()
-    for taken in _leftovers(prefetch):  # claimed already: train it, as the stop promises
+    for taken in prefetch.leftovers():  # claimed already: train it, as the stop promises
         loop.take(taken)
-    loop.log_step()
-    loop.report_eval()
-    if flushed := trainer.flush(loop.total_steps()):
+    report.end(trainer.step)
+    if flushed := trainer.flush(schedule.total()):
         log.info("the last %d micro-batch(es) of an unfinished accumulation applied as step %d", flushed,
                  trainer.step)
     averaging.close(trainer.step)
@@ -607,7 +329,7 @@ def train(cfg: Config, seat: Seat, proc: RoleProcess, built: Built, resumed: Res
     log.info("drafter %d done: %d steps, %d items; %s", index, trainer.step, consumed.items,
              "stopped by signal" if proc.stop.is_set() else "run finished")
     if proc.ledger is not None:
-        proc.ledger.write("exit", step=trainer.step)
+        proc.ledger.write(Exited(trainer.step))
 
 
 def resume_journal(cfg: Config, index: int, ring: Ring, step: int) -> Journal:
@@ -618,63 +340,3 @@ def resume_journal(cfg: Config, index: int, ring: Ring, step: int) -> Journal:
     seal(directory, step, ring.identity.created_ns, ring.unfinished_item_numbers(), mine=os.getpid())
     drop_covered(directory, step, os.getpid())
     return Journal(directory, ring.identity.created_ns, step)
-
-
-def _next(prefetch: Prefetcher, stop: threading.Event, me: Membership) -> tuple[DeviceBatch, SlotReader] | None:
-    while not stop.is_set():
-        me.heartbeat()
-        sd_notify.watchdog()
-        try:
-            return prefetch.take(0.5)
-        except queue.Empty:
-            continue
-    return None
-
-
-def _leftovers(prefetch: Prefetcher) -> list[tuple[DeviceBatch, SlotReader]]:
-    """Batches the prefetcher had taken when a stop came (at most one)."""
-    prefetch.join()
-    out = []
-    while True:
-        try:
-            batch = prefetch.items.get_nowait()
-        except queue.Empty:
-            return out
-        if batch is not None:
-            out.append(batch)
-
-
-def _prefetched(prefetch: Prefetcher) -> int:
-    """Batches taken from the ring and waiting to train (not held-out ones, nor the end-of-run None)."""
-    return sum(b is not None and not b[0].is_eval for b in list(prefetch.items.queue))
-
-
-def _estimated_steps(ring: Ring, cfg: Config, trainer: Trainer, pending: int) -> int:
-    """Optimizer steps this drafter will have taken at the run's end, counting the batch about to train.
-
-    Drafters take items as they come, so an even split of the plan (planned // consumers) was off by
-    however unevenly they got them: `step 170/167`, and an LR schedule that ended early. Instead: steps so
-    far, plus this batch, the one prefetched (`pending`) and an even share of the items no drafter has
-    taken yet. Re-estimated every step, it reaches the exact final step as the ring runs dry (who takes the
-    last few items is a race, so per drafter it cannot be known earlier). A producer that has not announced
-    its plan yet counts as planning what the others do.
-
-    Held-out items take no step: the items left are counted at the plans' share of training items (held-out
-    batches are spread evenly through every epoch, so what is left holds about that share too, and the
-    estimate is still exact as the ring runs dry); a prefetched held-out item is not counted in `pending`.
-    """
-    rows = ring.rows()
-    producers = rows["role"] == Role.PRODUCER
-    plans = rows["planned_items"][producers]
-    announced = int((plans > 0).sum())
-    if announced == 0:
-        return max(1, trainer.step + 1)
-    planned = int(plans.sum()) * cfg.topology.producers // announced
-    training_share = 1.0 - int(rows["planned_eval_items"][producers].sum()) / int(plans.sum())
-    # Released (trained) items are counted; claimed ones (READING: this batch, the prefetched ones, and what other
-    # drafters are training) will be trained by their holders, so they are not shared out again.
-    left = max(0, planned - ring.counter(Counter.CONSUMED) - ring.slot_counts()["reading"])
-    # Rounded down: the last few items race, the other drafters take them.
-    share = int(left * training_share) // cfg.topology.consumers
-    micro = trainer.accumulated + 1 + pending + share  # micro-batches still to train
-    return max(trainer.step + 1, trainer.step + micro // cfg.train.grad_accum)

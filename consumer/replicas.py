@@ -13,7 +13,8 @@ Caveats, by design: optimizer moments are not averaged (each replica keeps its
 own AdamW state, as the in-process pipeline did when it averaged every 50
 steps), and a peer caught mid-publish contributes a mix of two of its recent
 versions; both are within what periodic model averaging tolerates. Replicas
-on other hosts are not reached by this; they need a torch.distributed group.
+on other hosts are not reached by this; they need a torch.distributed group (consumer/replica_group.py), which
+`Averaging` runs beside it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dflash_ring.common.liveness import is_alive, lock_path
 from dflash_ring.common.ownership import ForeignObjectError, check_private_fd
 from dflash_ring.common.pinning import HostRegistration
 from dflash_ring.common.ring import replica_segment_name
+from dflash_ring.consumer.replica_group import ReplicaGroup
 
 log = logging.getLogger(__name__)
 
@@ -121,3 +123,33 @@ class ReplicaAverager:
             self._mm.close()
         except BufferError:
             pass
+
+
+class Averaging:
+    """Replica averaging every train.average_every_steps (`every`; 0: never): with this host's replicas through
+    shared memory (`replicas`), then (this host's leader) with the other hosts' leaders through the group (`group`).
+    Either may be None: one drafter on this host, one host."""
+
+    def __init__(self, every: int, replicas: ReplicaAverager | None = None, group: ReplicaGroup | None = None):
+        self.every, self.replicas, self.group = every, replicas, group
+
+    def after_step(self, step: int) -> None:
+        if not self.every or step % self.every:
+            return
+        if self.replicas is not None:
+            self.replicas.publish(step)
+            self.replicas.average()
+        if self.group is not None and self.group.sync(step) and self.replicas is not None:
+            self.replicas.publish(step)  # this host's other replicas take the group mean from here
+
+    def leave_group(self) -> None:
+        """At once on stop: a peer waiting on this host in a collective re-forms without it."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    def close(self, step: int) -> None:
+        self.leave_group()
+        if self.replicas is not None:
+            self.replicas.publish(step)  # a restarted or late peer catches up from here
+            self.replicas.close()

@@ -11,12 +11,14 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dflash_ring.consumer.checkpoint import Checkpoint
 from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.layout import Counter, Role
 from dflash_ring.common.slot_contract import item_sources
 from dflash_ring.consumer.dspark_heads import check_dspark_head
 from dflash_ring.consumer.fp8 import check_precision, convert_to_fp8
@@ -24,6 +26,9 @@ from dflash_ring.consumer.loss import DFlashLoss, drafter_loss
 from dflash_ring.consumer.model import Anchors, DFlashDraftModel, FrozenTargetHead, sample_anchors
 from dflash_ring.consumer.source_metrics import SourceLabels, SourceStats, add_sources, by_source
 from dflash_ring.common.train_config import TrainConfig
+
+if TYPE_CHECKING:
+    from dflash_ring.common.ring import Ring
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +140,49 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
         return cfg.lr * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class StepSchedule:
+    """The optimizer steps `lr_at` runs over: train.total_steps when set, else estimated again every step.
+
+    Drafters take items as they come, so an even split of the plan (planned // consumers) was off by
+    however unevenly they got them: `step 170/167`, and an LR schedule that ended early. Instead: steps so
+    far, plus this batch, the ones prefetched (`pending`) and an even share of the items no drafter has
+    taken yet. Re-estimated every step, it reaches the exact final step as the ring runs dry (who takes the
+    last few items is a race, so per drafter it cannot be known earlier). A producer that has not announced
+    its plan yet counts as planning what the others do.
+
+    Held-out items take no step: the items left are counted at the plans' share of training items (held-out
+    batches are spread evenly through every epoch, so what is left holds about that share too, and the
+    estimate is still exact as the ring runs dry); a prefetched held-out item is not counted in `pending`.
+    """
+
+    def __init__(self, trainer: Trainer, total_steps: int, ring: Ring, producers: int, consumers: int,
+                 pending: Callable[[], int]):
+        self.trainer, self.total_steps, self.ring, self.pending = trainer, total_steps, ring, pending
+        self.producers, self.consumers = producers, consumers
+
+    def total(self) -> int:
+        """Optimizer steps this drafter will have taken at the run's end, counting the batch about to train."""
+        return self.total_steps or self._estimated()
+
+    def _estimated(self) -> int:
+        ring, trainer = self.ring, self.trainer
+        rows = ring.rows()
+        producers = rows["role"] == Role.PRODUCER
+        plans = rows["planned_items"][producers]
+        announced = int((plans > 0).sum())
+        if announced == 0:
+            return max(1, trainer.step + 1)
+        planned = int(plans.sum()) * self.producers // announced
+        training_share = 1.0 - int(rows["planned_eval_items"][producers].sum()) / int(plans.sum())
+        # Released (trained) items are counted; claimed ones (READING: this batch, the prefetched ones, and what
+        # other drafters are training) will be trained by their holders, so they are not shared out again.
+        left = max(0, planned - ring.counter(Counter.CONSUMED) - ring.slot_counts()["reading"])
+        # Rounded down: the last few items race, the other drafters take them.
+        share = int(left * training_share) // self.consumers
+        micro = trainer.accumulated + 1 + self.pending() + share  # micro-batches still to train
+        return max(trainer.step + 1, trainer.step + micro // trainer.cfg.grad_accum)
 
 
 class Trainer:

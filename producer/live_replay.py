@@ -21,6 +21,7 @@ from pathlib import Path
 
 from dflash_ring.common.damaged_file import keep_aside
 from dflash_ring.common.ledger import Ledger
+from dflash_ring.common.ledger_events import Intake
 from dflash_ring.common.resume_state import CursorFile, ResumeState
 from dflash_ring.common.trained_journal import owed_to
 
@@ -79,7 +80,7 @@ class LiveReplay:
             self._taken += [key for key, _ in owed]
             self._save(durable=True)  # before any of them can be published
         if self.ledger is not None:
-            self.ledger.write("intake", segments=[key for key, _ in owed], replay=[list(x) for x in added])
+            self.ledger.write(Intake([key for key, _ in owed], [list(x) for x in added]))
         if not added:
             return 0
         log.warning("producing again %d batch(es) that dead drafters trained after their last checkpoint (%s)",

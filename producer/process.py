@@ -40,7 +40,7 @@ from dflash_ring.common.compile_cache import use_compile_cache
 from dflash_ring.common.config import Config
 from dflash_ring.common.gpu_metrics import device_uuid
 from dflash_ring.common.layout import Role
-from dflash_ring.common.ledger import Ledger
+from dflash_ring.common.ledger_events import ProducerStart, ShardDone
 from dflash_ring.common.resume_state import CursorFile, ResumeState, cursor_path
 from dflash_ring.common.metrics import DeviceSpan, ProducerMetrics
 from dflash_ring.common.ring import ProducerPort, Ring, SlotWriter
@@ -48,6 +48,7 @@ from dflash_ring.common.role_process import RoleProcess, StopSignal, role_proces
 from dflash_ring.common.slot_contract import FEATURES, FINAL_HIDDEN, HOST_TENSORS, META_KEYS, check_fits, item_tensors
 from dflash_ring.common.startup import Startup
 
+from .accounting import PublishAccount
 from .batching import Batch, Cursor, ShardBatcher
 from .live_replay import LiveReplay
 from .conformance import choose_packing
@@ -213,14 +214,14 @@ class Producer:
     """The main loop: one batch in the forward, the previous one's copy landing, at most one slot held."""
 
     def __init__(self, ring: Ring, row: int, index: int, target: TargetModel, *,
-                 stop: threading.Event, replay: LiveReplay | None = None,
-                 metrics: ProducerMetrics | None = None, source_names: tuple[str, ...] = ("data",)):
+                 stop: threading.Event, account: PublishAccount | None = None,
+                 metrics: ProducerMetrics | None = None, source_names: tuple[str, ...] = ("data",),
+                 startup: Startup | None = None):
         self.ring, self.port, self.target = ring, ring.producer(row), target
         self.source_names = source_names  # Batch.source_ids index these
         self.stop = stop
-        self.replay = replay  # the replay list the batches' `replayed` counts refer to, and the cursor file
-        self.ledger: Ledger | None = None  # run.ledger_dir: one record per published batch
-        self.startup: Startup | None = None  # finished by the first publish
+        self.account = account or PublishAccount(self.port)
+        self.startup = startup  # finished by the first publish
         self.metrics = metrics or ProducerMetrics()
         self.filler = SlotFiller(index, target.device, source_names)
         self.stats = Stats()
@@ -278,13 +279,7 @@ class Producer:
         if f.copied is not None:
             f.copied.synchronize()
         b = f.batch
-        self.port.publish(f.writer, cursor=(b.cursor.epoch, b.cursor.position), replayed=b.replayed,
-                          tokens=b.num_tokens)
-        if self.ledger is not None:
-            self.ledger.write("pub", item=f.writer.item, epoch=b.epoch, pos=b.position,
-                              **({"replay": True} if b.is_replay else {}), **({"eval": True} if b.eval else {}))
-        if self.replay is not None:
-            self.replay.commit(b.cursor.epoch, b.cursor.position, b.replayed)
+        self.account.publish(f.writer, b)
         self.port.heartbeat()
         self.stats.add(f.batch)
         m = self.metrics
@@ -298,7 +293,7 @@ class Producer:
             m.step.observe(f.target_span.seconds())
         m.items.inc()  # once it matches the ring's count, the item's other numbers are in
         if self.startup is not None:  # last: a scrape that shows it shows this item's numbers too
-            self.startup.finish("first_publish", self.ledger)  # resume point, loader, first forward and copy
+            self.startup.finish("first_publish", self.account.ledger)  # resume point, loader, first forward and copy
         if time.monotonic() - self._logged > LOG_EVERY_S:
             self._log()
 
@@ -498,18 +493,17 @@ def _produce(cfg: Config, index: int, device: torch.device, startup: Startup, pr
         replay = LiveReplay(index, start, cursor_file, cfg.train.checkpoint_dir,
                             lambda e, q: 0 <= e < len(plan) and 0 <= q < plan[e], proc.ledger)
         loader = load(resumed_batches(batcher, start, replay))
-        producer = Producer(ring, me.row, index, target, stop=proc.stop, replay=replay, metrics=metrics,
-                            source_names=tuple(s.name for s in sources))
         if proc.ledger is not None:
-            proc.ledger.write("start", plan=plan, resume=[start.epoch, start.position],
-                              replay=[list(x) for x in start.pending_replay],
-                              **({"eval": eval_positions} if any(eval_positions) else {}))
-            producer.ledger = proc.ledger
-        producer.startup = startup
+            proc.ledger.write(ProducerStart(plan, [start.epoch, start.position],
+                                            [list(x) for x in start.pending_replay],
+                                            eval_positions if any(eval_positions) else None))
+        producer = Producer(ring, me.row, index, target, stop=proc.stop,
+                            account=PublishAccount(port, proc.ledger, replay), metrics=metrics,
+                            source_names=tuple(s.name for s in sources), startup=startup)
         if producer.run(loader):
             port.done()
             if proc.ledger is not None:
-                proc.ledger.write("done")
+                proc.ledger.write(ShardDone())
             # Keep the end, not nothing: a run drained now and started again must not redo this shard.
             # The supervisor removes the file once every shard is done (the run is complete).
             replay.finish(cfg.data.epochs)

@@ -19,6 +19,7 @@ from dflash_ring.common import sd_notify
 from dflash_ring.common.config import Config
 from dflash_ring.common.layout import STOP_DRAIN, STOP_NOW, Counter, RingHeaderError, Role, RowStatus
 from dflash_ring.common.ledger import Ledger
+from dflash_ring.common.ledger_events import SupervisorStart
 from dflash_ring.common.liveness import LockFile, ensure_lock_dir, live_lock_files, lock_path
 from dflash_ring.common.metrics import SUPERVISOR, RingCollector, serve
 from dflash_ring.common.ring import ConfigMismatchError, HalfCreatedRingError, Ring
@@ -102,8 +103,8 @@ class Supervisor:
         self.ring.take_row(0, Role.SUPERVISOR, 0)
         ledger = Ledger.open(self.cfg, Role.SUPERVISOR, 0)
         if ledger is not None:  # which ring: created or adopted
-            ledger.write("start", ring_created_ns=self.ring.identity.created_ns,
-                         adoptions=self.ring.counter(Counter.SUPERVISOR_ADOPTIONS))
+            ledger.write(SupervisorStart(self.ring.identity.created_ns,
+                                         self.ring.counter(Counter.SUPERVISOR_ADOPTIONS)))
         self.startup.finish("ring", ledger)  # lock, metrics port, ring created or adopted, row taken
         if ledger is not None:
             ledger.close()

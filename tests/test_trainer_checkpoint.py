@@ -13,7 +13,7 @@ import torch
 from dflash_ring.consumer.async_checkpoint import BackgroundWriter, HostSnapshot
 from dflash_ring.common.trained_journal import Journal
 from dflash_ring.consumer.checkpoint import FILES, CheckpointError, CheckpointStore, export_checkpoint
-from dflash_ring.consumer.process import Checkpoints
+from dflash_ring.consumer.checkpoint_policy import Checkpoints
 from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.consumer.export import load_drafter
 from dflash_ring.consumer.model import build_drafter, load_target_head

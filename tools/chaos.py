@@ -61,6 +61,8 @@ from typing import Any
 
 from dflash_ring.common.config import Config, load_config
 from dflash_ring.common.ledger import read_ledger
+from dflash_ring.common.ledger_events import (DrafterStart, Exited, ProducerStart, Published, ShardDone, StartupDone,
+                                              SupervisorStart, Trained, is_one_of, kind)
 from dflash_ring.common.ring import Ring, RingNotFound
 from dflash_ring.common.ring.segment import leftover_files
 from dflash_ring.tools.reconcile import read_ledgers, reconcile, throughput
@@ -168,13 +170,13 @@ def recoveries(kills: list[Kill], spawns: list[tuple[float, str, int]],
     The next incarnation of a killed process is the process started again under its name, or whichever process
     works next in its ledger (the seat's): with standbys (`--standbys`), a standby started long before takes a
     killed drafter's seat, and the drafter started again for that index waits as a standby."""
-    work = {"supervisor": {"start"}, "target": {"pub", "done"}, "drafter": {"train", "exit"}}
+    work = {"supervisor": (SupervisorStart,), "target": (Published, ShardDone), "drafter": (Trained, Exited)}
     first_work: dict[int, float] = {}
     workers: dict[str, set[int]] = {}  # ledger (seat) name -> pids that worked in it
     for name, recs in ledgers.items():
         kinds = work[name.split("-")[0]]
         for r in recs:
-            if r["ev"] in kinds:
+            if is_one_of(r, *kinds):
                 workers.setdefault(name, set()).add(r["pid"])
                 first_work.setdefault(r["pid"], r["t"])
     times: dict[str, list[float]] = {}
@@ -197,7 +199,7 @@ def startup_phases(ledgers: dict[str, list[dict[str, Any]]]) -> dict[str, dict[s
     (the `startup` ledger records, common/startup.py)."""
     by_role: dict[str, list[dict[str, Any]]] = {}
     for name, recs in ledgers.items():
-        by_role.setdefault(name.split("-")[0], []).extend(r for r in recs if r["ev"] == "startup")
+        by_role.setdefault(name.split("-")[0], []).extend(r for r in recs if kind(r) == StartupDone.KIND)
     out = {}
     for role, recs in sorted(by_role.items()):
         phases: dict[str, list[float]] = {}
@@ -239,7 +241,7 @@ class Phase:
         first = None
         for path in self.ledger_dir().glob("drafter-*.jsonl"):
             for r in read_ledger(path).records:
-                if r["ev"] == "train":
+                if kind(r) == Trained.KIND:
                     first = r["t"] if first is None else min(first, r["t"])
                     break
         return first
@@ -248,14 +250,15 @@ class Phase:
         """Pids that joined the run (their ledger's start record; the supervisor's after taking its row)."""
         pids = set()
         for path in self.ledger_dir().glob("*.jsonl"):
-            pids |= {r["pid"] for r in read_ledger(path).records if r["ev"] == "start"}
+            pids |= {r["pid"] for r in read_ledger(path).records
+                     if is_one_of(r, SupervisorStart, ProducerStart, DrafterStart)}
         return pids
 
     def _all_done(self) -> bool:
         """Every producer's last ledger record says its shard is done: the run is complete."""
         n = self.cfg.topology.producers
         lasts = [read_ledger(p).records[-1:] for p in self.ledger_dir().glob("target-*.jsonl")]
-        return len(lasts) == n and all(last and last[0]["ev"] == "done" for last in lasts)
+        return len(lasts) == n and all(last and kind(last[0]) == ShardDone.KIND for last in lasts)
 
     def _ring_flags(self) -> tuple[bool, bool] | None:
         """(draining, shutting down) of the live ring; None when there is none."""
@@ -559,7 +562,7 @@ def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
         # Seats a warm standby (--standbys) took over from a dead drafter: its ledger start record names the dead pid.
         "standbys": opts.standbys,
         "takeovers": sum(1 for name, recs in ledgers.items() if name.startswith("drafter-")
-                         for r in recs if r["ev"] == "start" and "took_over" in r),
+                         for r in recs if kind(r) == DrafterStart.KIND and "took_over" in r),
         "whole_run_stops": phase.run_stops,
         "recoveries": sum(map(len, rec_times.values())), "not_recovered_before_the_end": unrecovered,
         "recovery_s": _p50_max([t for times in rec_times.values() for t in times]),

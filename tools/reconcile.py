@@ -1,6 +1,6 @@
 """Ledger reconciliation for `dflash-ring chaos`: what the producers planned against what the drafters
-took and trained, from the per-process ledgers (common/ledger.py). The windows it allows per kill
-are documented in tools/chaos.py."""
+took and trained, from the per-process ledgers (common/ledger.py; their records in common/ledger_events.py). The
+windows it allows per kill are documented in tools/chaos.py."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_ring.common.ledger import read_ledger
+from dflash_ring.common.ledger_events import (CheckpointDurable, Evaluated, Exited, Got, Intake, LedgerEvent,
+                                              ProducerStart, Published, Trained, is_one_of, kind)
 
 
 def read_ledgers(directory: Path) -> tuple[dict[str, list[dict[str, Any]]], int]:
@@ -47,7 +49,7 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             continue
         p = int(name.split("-")[1])
         for r in recs:
-            if r["ev"] == "start":
+            if kind(r) == ProducerStart.KIND:
                 if p in plans and plans[p] != r["plan"]:
                     problems.append(f"producer {p} changed its plan between restarts: {plans[p]} -> {r['plan']}")
                 plans[p] = r["plan"]
@@ -55,12 +57,12 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                 # A replay is known from the start record on: its publish may be claimed before the `pub` line.
                 for e, pos in r.get("replay", []):
                     replays[(p, e, pos)].append(r["t"])
-            elif r["ev"] == "intake":  # a dead drafter's sealed journal: produced again from here on
+            elif kind(r) == Intake.KIND:  # a dead drafter's sealed journal: produced again from here on
                 for e, pos in r.get("replay", []):
                     replays[(p, e, pos)].append(r["t"])
-            elif r["ev"] == "pub" and r.get("replay"):
+            elif kind(r) == Published.KIND and r.get("replay"):
                 replayed += 1
-            elif r["ev"] == "pub":
+            elif kind(r) == Published.KIND:
                 published[(p, r["epoch"], r["pos"])].add(int(r["item"]))
     for p, plan in plans.items():
         expected |= {(p, e, pos) for e, n in enumerate(plan) for pos in range(n)}
@@ -75,11 +77,11 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         for r in recs:
             r = dict(r, drafter=name)
             drafter_pids[r["pid"]].append(r)
-            if r["ev"] == "got":
+            if kind(r) == Got.KIND:
                 got[_ident(r)].append(r)
-            elif r["ev"] in ("train", "eval"):
+            elif is_one_of(r, Trained, Evaluated):
                 trained[_ident(r)].append(r)
-            elif r["ev"] == "exit":
+            elif kind(r) == Exited.KIND:
                 clean_exit.add(r["pid"])
     killed = {pid for pid in drafter_pids if pid not in clean_exit}
     for rs in (*got.values(), *trained.values()):
@@ -87,12 +89,14 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
     # The newest checkpoint of each drafter process whose state was taken and then became durable: a `train` record
     # after it, by a process that was killed, is in no surviving state (its successor resumed from that checkpoint).
-    last_snapshot = {pid: max((r.get("snapshot_t", r["t"]) for r in recs if r["ev"] == "ckpt"), default=float("-inf"))
+    last_snapshot = {pid: max((r.get("snapshot_t", r["t"]) for r in recs if kind(r) == CheckpointDurable.KIND),
+                              default=float("-inf"))
                      for pid, recs in drafter_pids.items()}
 
     def lost(t: dict[str, Any]) -> bool:
         # (An `empty` batch had nothing to supervise: it made no update to lose.)
-        return t["ev"] == "train" and not t.get("empty") and t["pid"] in killed and t["t"] > last_snapshot[t["pid"]]
+        return (kind(t) == Trained.KIND and not t.get("empty") and t["pid"] in killed
+                and t["t"] > last_snapshot[t["pid"]])
 
     def undone(t: dict[str, Any], k: tuple[int, int, int]) -> bool:
         """The trained slot was never released and was delivered again later (its holder died; the reaper
@@ -100,7 +104,7 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         batch was announced to be produced again after it (the ring's removal held it, or a sealed journal)."""
         again = any(g["t"] > t["t"] and g["item"] == t.get("item") and g["deliveries"] > t.get("deliveries", 0)
                     for g in got.get(k, []))
-        return again or (lost(t) or t["ev"] == "eval") and any(rt > t["t"] for rt in replays.get(k, []))
+        return again or (lost(t) or kind(t) == Evaluated.KIND) and any(rt > t["t"] for rt in replays.get(k, []))
 
     committed: dict[tuple[int, int, int], list[dict[str, Any]]] = {}
     undone_trains = 0
@@ -126,12 +130,13 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                 unexplained.append({"batch": k, "records": [first, later]})
     twice_trained = [{"batch": k, "records": rs} for k, rs in committed.items() if len(rs) > 1]
     # Each batch done as its kind: a held-out batch evaluated and never trained, a training batch trained.
-    held_out_trained = sorted(k for k, rs in committed.items() if k in held_out and any(r["ev"] == "train" for r in rs))
+    held_out_trained = sorted(k for k, rs in committed.items()
+                              if k in held_out and any(kind(r) == Trained.KIND for r in rs))
     evaluated_not_held_out = sorted(k for k, rs in committed.items()
-                                    if k not in held_out and any(r["ev"] == "eval" for r in rs))
+                                    if k not in held_out and any(kind(r) == Evaluated.KIND for r in rs))
 
-    def once_as(kind: str, k: tuple[int, int, int]) -> bool:
-        return [r["ev"] for r in committed.get(k, [])] == [kind]
+    def once_as(event: type[LedgerEvent], k: tuple[int, int, int]) -> bool:
+        return [kind(r) for r in committed.get(k, [])] == [event.KIND]
     republished = [{"batch": k, "items": sorted(items)} for k, items in published.items() if len(items) > 1]
 
     # Taken from the ring by a drafter and never trained by anyone for good: nothing may be lost in flight.
@@ -175,11 +180,11 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "published_without_record": len({k for k in got if k not in published and k not in replays}),
         "replayed_batches": replayed,
         "taken_by_drafters": len(got),
-        "trained_batches": sum(1 for rs in committed.values() if any(r["ev"] == "train" for r in rs)),
-        "trained_exactly_once": sum(1 for k in expected - held_out if once_as("train", k)),
+        "trained_batches": sum(1 for rs in committed.values() if any(kind(r) == Trained.KIND for r in rs)),
+        "trained_exactly_once": sum(1 for k in expected - held_out if once_as(Trained, k)),
         "planned_eval_batches": len(held_out & expected),
-        "evaluated_batches": sum(1 for rs in committed.values() if any(r["ev"] == "eval" for r in rs)),
-        "evaluated_exactly_once": sum(1 for k in held_out & expected if once_as("eval", k)),
+        "evaluated_batches": sum(1 for rs in committed.values() if any(kind(r) == Evaluated.KIND for r in rs)),
+        "evaluated_exactly_once": sum(1 for k in held_out & expected if once_as(Evaluated, k)),
         "held_out_trained": len(held_out_trained),
         "trains_undone_by_redelivery_or_replay": undone_trains,
         "missing": len(missing),
@@ -201,7 +206,7 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 def throughput(ledgers: dict[str, list[dict[str, Any]]], window: tuple[float, float] | None) -> dict[str, Any]:
     """Items the drafters got through (trained, or evaluated if held out) per second."""
     ts = sorted(r["t"] for name, recs in ledgers.items() if name.startswith("drafter-")
-                for r in recs if r["ev"] in ("train", "eval"))
+                for r in recs if is_one_of(r, Trained, Evaluated))
     if len(ts) < 2:
         return {"items_done": len(ts), "items_per_s": None}
     lo, hi = (ts[0], ts[-1]) if window is None else (window[0], min(window[1], ts[-1]))
