@@ -51,7 +51,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -62,6 +61,7 @@ from typing import Any
 from dflash_ring.common.config import Config, load_config
 from dflash_ring.common.ledger import read_ledger
 from dflash_ring.common.ring import Ring, RingNotFound
+from dflash_ring.tools.fleet import cli_command
 from dflash_ring.tools.reconcile import read_ledgers, reconcile, throughput
 from dflash_ring.tools.restarter import Restarter
 
@@ -276,8 +276,7 @@ class Phase:
                 stalled = rng.choice(drafters)
                 r.signal(stalled, signal.SIGSTOP)
         if mode in ("stop-now", "stall-stop-now"):
-            subprocess.Popen(_cli("stop", "--now", "--timeout", "300", "--config", str(self.cfg_path),
-                                  *[a for s in self.sets for a in ("--set", s)]),
+            subprocess.Popen(cli_command("stop", "--now", "--timeout", "300", config=self.cfg_path, sets=self.sets),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         else:
             sig = signal.SIGTERM if mode == "sigterm-all" else signal.SIGKILL
@@ -444,13 +443,9 @@ def _signal_for(role: str, rng: random.Random) -> str:
     return "SIGTERM" if rng.random() < share else "SIGKILL"
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "dflash_ring", *args]
-
-
 def _clean(cfg_path: Path, sets: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(_cli("clean", "--config", str(cfg_path), *[a for s in sets for a in ("--set", s)]),
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(cli_command("clean", config=cfg_path, sets=sets), capture_output=True, text=True,
+                          timeout=120)
 
 
 def leftovers(cfg: Config) -> list[str]:
