@@ -37,6 +37,7 @@ over, and its phases after its wait (`standby`): the takeover proper, whose sum 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -54,8 +55,8 @@ import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_ring.bench.progress import progress
-from dflash_ring.bench.target import time_forward
 from dflash_ring.bench.target_shapes import SHAPES
+from dflash_ring.bench.target_timing import time_forward
 from dflash_ring.common.config import Config, dump_toml, load_config
 from dflash_ring.common.drafter_config import DrafterConfig, build_target_layer_ids
 from dflash_ring.common.layout import Role
@@ -65,11 +66,11 @@ from dflash_ring.consumer.head_loader import load_target_head
 from dflash_ring.consumer.model import build_drafter
 from dflash_ring.consumer.process import resolve_drafter_config, target_config_dict
 from dflash_ring.consumer.trainer import DeviceBatch, Trainer
+from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 from dflash_ring.producer.batching import Batch, ShardBatcher
 from dflash_ring.producer.pretokenized import load_tokenized
 from dflash_ring.producer.process import prepare, run_target
 from dflash_ring.producer.target import TargetModel
-from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 from dflash_ring.tools.fleet import Readiness, cli_command, role_command, scrape, spawn, wait_for, wait_for_metrics
 
 WORDS = ("the model reads a block of tokens and drafts what comes next while the target checks every guess "
@@ -469,3 +470,28 @@ def run_pipeline_bench(*, tiny: bool = False, seconds: float = 90.0, warmup_step
         "ratio_pipeline_to_standalone_target": round(pipeline["drafter_tokens_per_s"] / standalone_target["tokens_per_s"], 3),
         "balanced_topology": balanced,
     }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`dflash-ring bench pipeline`'s own options (cli.py registers every bench by name, and hands it the rest)."""
+    parser.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke run)")
+    parser.add_argument("--seconds", type=float, default=90.0, help="steady-state window measured")
+    parser.add_argument("--warmup-steps", type=int, default=0, help="drafter steps before the window (0: 8, tiny 3)")
+    parser.add_argument("--workdir", help="where the target, data and logs go (default: a new temporary directory)")
+    parser.add_argument("--port-base", type=int, default=19460, help="metrics ports of the bench's processes")
+    parser.add_argument("--kill-drafter", action="store_true",
+                        help="after the window: SIGKILL the drafter, restart it; its start-up and everyone's tokens/s")
+    parser.add_argument("--kill-target", action="store_true",
+                        help="after the window (and a drafter kill): SIGKILL the target, restart it; likewise")
+    parser.add_argument("--standby", action="store_true",
+                        help="with --kill-drafter: a second drafter kill with a warm standby waiting (the first is the "
+                             "restart baseline); kill to the first step of the process that took over, its phases")
+
+
+def main(args: argparse.Namespace) -> int:
+    report = run_pipeline_bench(tiny=args.tiny, seconds=args.seconds, warmup_steps=args.warmup_steps,
+                                workdir=args.workdir, port_base=args.port_base, kill_drafter=args.kill_drafter,
+                                kill_target=args.kill_target, standby=args.standby)
+    print(json.dumps(report, indent=2))
+    return 0
