@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -13,15 +14,30 @@ from pathlib import Path
 # Only light modules here: `--help` and argument errors must not wait for torch or transformers
 # (~1.5 s on a small box). The ring (torch, numpy) and every role are imported by the command that runs.
 from dflash_ring.common.config import Config, ConfigError, default_runtime_root, load_config
-from dflash_ring.common.drafter_config import FP8_RECIPES
+from dflash_ring.common.arguments import at_least_one, tree_budgets
 from dflash_ring.common.output_dir import OutputDirError, check_output_dir
 from dflash_ring.common.refusal import Refusal
 from dflash_ring.common.run_name import check_run_name
 
 log = logging.getLogger("dflash_ring")
-# bench target --shape choices, named here so `--help` needs no transformers (bench/target_shapes.py holds them).
-SHAPE_NAMES = ("tiny", "qwen3-8b", "qwen3.6-27b", "qwen3-30b-a3b", "gpt-oss-20b", "moonlight-16b-a3b",
-               "nemotron-3-nano-30b-a3b")
+# The benchmarks, one module each (bench/NAME.py), which declares its own options (add_arguments) and runs
+# (main); their one-line help is here, so that `--help` imports no bench (they import torch and transformers).
+BENCHES = {
+    "ring": "ring throughput against multiprocessing and torch queues",
+    "target": "target forward alone and into the ring: tokens/s, ratio, FLOP utilization",
+    "topology": "target and drafter alone for a shape and recipe: the balanced target:drafter ratio and the layout "
+                "for a host of GPUs",
+    "pipeline": "random-weight target + drafter as real processes vs each alone; the balanced topology; with kills, "
+                "restart times",
+    "regenerate": "the regenerate hf engine's generated tokens/s vs plain model.generate",
+    "loader": "one core: token arrays -> batches in the slot format, vs the target rate",
+    "drafter": "one drafter training step: time split and FLOP utilization",
+    "precision": "FP8 quality guard (GPU): the same drafter, seed and learnable synthetic items trained in bf16 and "
+                 "in fp8; both curves and the final ratios",
+    "recipes": "the embedded default trained with each recipe: chain and tree tau on the same held-out prompts, two "
+               "seeds (CPU, ~1 h)",
+    "checkpoint": "a checkpoint's cost to the training step: in the step vs in the background",
+}
 
 
 # With torchao installed (the fp8 extra), transformers imports it in every process that loads a model, and at import
@@ -38,8 +54,11 @@ class _TorchImportNoise(logging.Filter):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # `bench NAME ...`: what follows NAME is the bench's own (its module's parser, built by cmd_bench).
+    bench_argv = argv[2:] if argv[:1] == ["bench"] and argv[1:2] and argv[1] in BENCHES else None
+    args = _parser().parse_args(argv if bench_argv is None else argv[:2])
+    args.bench_argv = bench_argv
     logging.basicConfig(
         level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
         format=f"%(asctime)s {args.command}[%(process)d] %(levelname)s %(name)s: %(message)s",
@@ -179,11 +198,11 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--target", required=True, help="target model directory (HF format, with tokenizer)")
     sp.add_argument("--data", required=True, help="jsonl of chats; each row's last assistant turn is regenerated")
     sp.add_argument("--max-new-tokens", type=int, default=256)
-    sp.add_argument("--limit", type=_at_least_one, default=None, help="evaluate only the first K prompts (K >= 1)")
+    sp.add_argument("--limit", type=at_least_one, default=None, help="evaluate only the first K prompts (K >= 1)")
     sp.add_argument("--device", default="cpu")
     sp.add_argument("--threads", type=int, default=1,
                     help="CPU threads for torch (default 1, as inside `run`: small forwards; 0: torch's default)")
-    sp.add_argument("--tree-budget", type=_budgets, default=(), metavar="N[,N...]",
+    sp.add_argument("--tree-budget", type=tree_budgets, default=(), metavar="N[,N...]",
                     help="also verify DDTree draft trees of N draft nodes per round (e.g. 16,64,256), on the same "
                          "prompts; their tau is reported next to the chain's")
     sp.add_argument("--temperature", type=float, default=0.0, metavar="T",
@@ -195,187 +214,15 @@ def _parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("bench", help="benchmarks that print JSON")
     bench = sp.add_subparsers(dest="bench", required=True)
-    bp = bench.add_parser("ring", help="ring throughput against multiprocessing and torch queues")
-    bp.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
-    bp.add_argument("--sizes-mb", default="1,64,256", help="comma-separated item sizes in MB")
-    bp.add_argument("--items", type=int, default=0, help="items per case (0: scale with size)")
-    bp.set_defaults(func=cmd_bench_ring)
-    bp = bench.add_parser("target", help="target forward alone and into the ring: tokens/s, ratio, FLOP utilization")
-    bp.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
-    bp.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPE_NAMES),
-                    help="random-weight target of this shape (tiny: a CPU smoke run)")
-    bp.add_argument("--tiny", action="store_true", help="same as --shape tiny")
-    bp.add_argument("--device", help="default: cuda if available, else cpu")
-    bp.add_argument("--batches", type=int, default=0, help="timed batches per phase (0: 10, or 3 with --tiny)")
-    bp.add_argument("--max-tokens", type=int, default=0, help="tokens per batch (0: 32768, or 2048 with --tiny)")
-    bp.add_argument("--draft-layers", type=int, default=5, help="target layers captured, by the DFlash rule")
-    bp.add_argument("--final-hidden", action="store_true", help="also ship the final hidden state")
-    bp.add_argument("--padded", action="store_true", help="padded batches instead of packed ones")
-    bp.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H200: 989)")
-    bp.add_argument("--no-compile", action="store_true",
-                    help="eager layers only (default on a GPU: eager as the same-run baseline, then compiled layers)")
-    bp.add_argument("--profile", action="store_true",
-                    help="add the top GPU kernels of one batch (hybrid targets: also of the per-sequence baseline)")
-    bp.add_argument("--tensor-parallel", type=_at_least_one, default=1, metavar="N",
-                    help="shard the target over N ranks (target.tensor_parallel: NCCL on N GPUs, gloo on the CPU) "
-                         "and measure it against one rank of the same weights, same run")
-    bp.add_argument("--no-baseline", action="store_true",
-                    help="with --tensor-parallel: skip the one-rank run (a shape that does not fit one device)")
-    bp.set_defaults(func=cmd_bench_target)
-    bp = bench.add_parser("topology", help="target and drafter alone for a shape and recipe: the balanced "
-                                           "target:drafter ratio and the layout for a host of GPUs")
-    bp.add_argument("--shape", default="qwen3.6-27b", choices=sorted(SHAPE_NAMES), help="target shape")
-    bp.add_argument("--recipe", default="ddtree", help="drafter.recipe: paper, dpace, ddtree, dspark")
-    bp.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke run)")
-    bp.add_argument("--target-batches", type=int, default=3, help="timed target batches of 32,768 tokens")
-    bp.add_argument("--seqs", type=int, default=1, help="drafter samples per step")
-    bp.add_argument("--seq-len", type=int, default=4096, help="drafter tokens per sample")
-    bp.add_argument("--drafter-steps", type=int, default=5, help="timed drafter steps")
-    bp.add_argument("--gpus", type=int, default=8, help="GPUs of the host to lay out")
-    bp.add_argument("--profile", action="store_true", help="add the top GPU kernels of both")
-    bp.add_argument("--precision", type=_precisions, default=("bf16",),
-                    help="drafter.precision of the drafter half, or several comma-separated (bf16,fp8): each drafter "
-                         "half against the one target half")
-    _fp8_recipe_argument(bp)
-    bp.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
-    bp.set_defaults(func=cmd_bench_topology)
-    bp = bench.add_parser("pipeline", help="random-weight target + drafter as real processes vs each alone; "
-                                                 "the balanced topology; with kills, restart times")
-    bp.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
-    bp.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke run)")
-    bp.add_argument("--seconds", type=float, default=90.0, help="steady-state window measured")
-    bp.add_argument("--warmup-steps", type=int, default=0, help="drafter steps before the window (0: 8, tiny 3)")
-    bp.add_argument("--workdir", help="where the target, data and logs go (default: a new temporary directory)")
-    bp.add_argument("--port-base", type=int, default=19460, help="metrics ports of the bench's processes")
-    bp.add_argument("--kill-drafter", action="store_true",
-                    help="after the window: SIGKILL the drafter, restart it; its start-up and everyone's tokens/s")
-    bp.add_argument("--kill-target", action="store_true",
-                    help="after the window (and a drafter kill): SIGKILL the target, restart it; likewise")
-    bp.add_argument("--standby", action="store_true",
-                    help="with --kill-drafter: a second drafter kill with a warm standby waiting (the first is the "
-                         "restart baseline); kill to the first step of the process that took over, its phases")
-    bp.set_defaults(func=cmd_bench_pipeline)
-    bp = bench.add_parser("regenerate", help="the regenerate hf engine's generated tokens/s vs plain model.generate")
-    bp.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
-    bp.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPE_NAMES),
-                    help="random-weight target of this shape (tiny: a CPU smoke run)")
-    bp.add_argument("--device", help="default: cuda if available, else cpu")
-    bp.add_argument("--prompts", type=int, default=256)
-    bp.add_argument("--max-new-tokens", type=int, default=128)
-    bp.add_argument("--batch-size", type=int, default=64)
-    bp.add_argument("--batch-tokens", type=int, default=65536)
-    bp.set_defaults(func=cmd_bench_regenerate)
-    bp = bench.add_parser("loader", help="one core: token arrays -> batches in the slot format, vs the target rate")
-    bp.add_argument("--json", action="store_true")
-    bp.add_argument("--samples", type=int, default=200_000)
-    bp.set_defaults(func=cmd_bench_loader)
-    bp = bench.add_parser("drafter", help="one drafter training step: time split and FLOP utilization")
-    bp.add_argument("--json", action="store_true")
-    bp.add_argument("--tiny", action="store_true", help="a small shape (CPU smoke run)")
-    bp.add_argument("--steps", type=int, default=5)
-    bp.add_argument("--shape", default="qwen3-8b", choices=sorted(set(SHAPE_NAMES) - {"tiny"}),
-                    help="target shape (bench/target_shapes.py); --tiny for the CPU smoke run")
-    bp.add_argument("--recipe", default="paper", help="drafter.recipe: paper, dpace, ddtree, dspark")
-    bp.add_argument("--seqs", type=_at_least_one, default=None,
-                    help="samples per step (default: 4 x 3072 tokens where the step fits the GPU, else as many "
-                         "samples of the shape's length as fit; given values that do not fit are refused)")
-    bp.add_argument("--seq-len", type=_at_least_one, default=None, help="tokens per sample (default: see --seqs)")
-    bp.add_argument("--gpu-memory-gib", type=_positive, default=None,
-                    help="GPU memory the step must fit, by the estimate of bench/drafter_memory.py, checked before "
-                         "anything is built (default: the visible GPU's total; given without a GPU, the shape is "
-                         "checked as a GPU would run it, then the CPU smoke run follows)")
-    bp.add_argument("--anchors", type=int, default=None, help="anchors per sample (default: the recipe's)")
-    bp.add_argument("--anchors-per-group", type=int, default=64, help="blocks per SDPA call (--attention sdpa)")
-    bp.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto")
-    bp.add_argument("--loss-chunk", type=int, default=1024, help="rows of [rows, vocab] logits at once")
-    bp.add_argument("--no-check", action="store_true", help="skip the flex-vs-sdpa gradient comparison (GPU)")
-    bp.add_argument("--profile", action="store_true", help="add the top GPU kernels of two steps")
-    bp.add_argument("--no-compile", action="store_true", help="run the decoder layers eagerly")
-    bp.add_argument("--precision", choices=["bf16", "fp8"], default="bf16",
-                    help="drafter.precision: the trainable linears in bf16 or FP8 (refused without a capable GPU)")
-    _fp8_recipe_argument(bp)
-    bp.add_argument("--compile-cache", default="",
-                    help="persistent compile cache root (run.compile_cache_dir); run twice to see a warm start")
-    bp.set_defaults(func=cmd_bench_drafter)
-    bp = bench.add_parser("precision", help="FP8 quality guard (GPU): the same drafter, seed and learnable synthetic "
-                                            "items trained in bf16 and in fp8; both curves and the final ratios")
-    bp.add_argument("--steps", type=_at_least_one, default=300)
-    bp.add_argument("--shape", default="qwen3-8b", choices=sorted(set(SHAPE_NAMES) - {"tiny"}), help="target shape")
-    bp.add_argument("--tiny", action="store_true", help="a small member of the shape's family (a quick GPU smoke run)")
-    bp.add_argument("--recipe", default="paper", help="drafter.recipe: paper, dpace, ddtree, dspark")
-    bp.add_argument("--seqs", type=_at_least_one, default=1, help="samples per step")
-    bp.add_argument("--seq-len", type=_at_least_one, default=2048, help="tokens per sample")
-    bp.add_argument("--seed", type=int, default=0, help="initial weights, items and anchors")
-    bp.add_argument("--every", type=_at_least_one, default=10, help="steps per point of the curves")
-    _fp8_recipe_argument(bp)
-    bp.set_defaults(func=cmd_bench_precision)
-    bp = bench.add_parser("recipes", help="the embedded default trained with each recipe: chain and tree tau on the "
-                                          "same held-out prompts, two seeds (CPU, ~1 h)")
-    bp.add_argument("--workdir", default="runs/bench-recipes", help="where the runs and recipes.jsonl go")
-    bp.add_argument("--variants", default="paper,dpace,ddtree,paper+target_argmax",
-                    help="comma-separated: paper, dpace, ddtree, paper+target_argmax, dspark")
-    bp.add_argument("--seeds", default="0,1", help="comma-separated train/data seeds")
-    bp.add_argument("--tree-budget", type=_budgets, default=(16, 64, 256), metavar="N[,N...]")
-    bp.add_argument("--prompts", type=_at_least_one, default=100, help="held-out prompts evaluated")
-    bp.add_argument("--max-new-tokens", type=_at_least_one, default=64)
-    bp.set_defaults(func=cmd_bench_recipes)
-    bp = bench.add_parser("checkpoint", help="a checkpoint's cost to the training step: in the step vs in the "
-                                             "background")
-    bp.add_argument("--tiny", action="store_true", help="a small shape (CPU smoke run)")
-    bp.add_argument("--every", type=_at_least_one, default=100,
-                    help="steps between checkpoints (costs are reported as a fraction of this many steps)")
-    bp.add_argument("--steps", type=_at_least_one, default=10, help="baseline steps before and after the checkpoints")
-    bp.add_argument("--dir", default=None, help="where to write the checkpoints (a fresh directory in it, removed "
-                                               "after; default: the system's temporary directory)")
-    bp.set_defaults(func=cmd_bench_checkpoint)
+    for name, what in BENCHES.items():  # each bench's own options are its module's (cmd_bench)
+        bench.add_parser(name, help=what, add_help=False).set_defaults(func=cmd_bench)
     return p
 
 
-def _at_least_one(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
-def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
 
 
-def _fp8_recipe_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="rowwise",
-                        help="drafter.fp8_recipe: torchao's float8 recipe where a drafter trains in fp8")
-
-
-def _precisions(text: str) -> tuple[str, ...]:
-    precisions = tuple(dict.fromkeys(part.strip() for part in text.split(",")))
-    if bad := [p for p in precisions if p not in ("bf16", "fp8")]:
-        raise argparse.ArgumentTypeError(f"expected bf16, fp8 or both comma-separated, got {bad}")
-    return precisions
-
-
-# The largest --tree-budget a tree eval verifies: a round holds its (N + 1) x (prefix + N + 1) float mask, the
-# target's N + 1 rows of logits ([N + 1, vocab], 2.4 GiB in float32 at 4096 nodes and Qwen3's 151,936 rows) and
-# the N x N ancestor matrix at once, and building the tree pops up to N paths from a heap; the measured budgets
-# are 1..256 (docs/benchmarks.md), so 4096 leaves room without letting a typo take the host's memory.
-MAX_TREE_BUDGET = 4096
-
-
-def _budgets(text: str) -> tuple[int, ...]:
-    try:
-        budgets = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated node counts such as 16,64,256, got {text!r}")
-    if bad := [b for b in budgets if b < 1]:
-        raise argparse.ArgumentTypeError(f"a tree budget counts draft nodes and must be at least 1, got {bad}")
-    if bad := [b for b in budgets if b > MAX_TREE_BUDGET]:
-        raise argparse.ArgumentTypeError(
-            f"a tree budget is at most {MAX_TREE_BUDGET} draft nodes, got {bad}: each round holds an "
-            f"(N + 1) x (prefix + N + 1) attention mask and N + 1 rows of target logits at once")
-    return budgets
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -685,119 +532,33 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_loader(args: argparse.Namespace) -> int:
-    from dflash_ring.bench.loader import run_loader_bench
-
-    print(json.dumps(run_loader_bench(args.samples), indent=2))
-    return 0
 
 
-def cmd_bench_drafter(args: argparse.Namespace) -> int:
-    from dflash_ring.bench.drafter import run_drafter_bench
-
-    print(json.dumps(run_drafter_bench(args.tiny, args.steps, seqs=args.seqs, seq_len=args.seq_len,
-                                       anchors=args.anchors, shape=args.shape, recipe=args.recipe,
-                                       anchors_per_group=args.anchors_per_group,
-                                       attention=args.attention, loss_chunk=args.loss_chunk,
-                                       check=not args.no_check, profile=args.profile,
-                                       compile=not args.no_compile, compile_cache=args.compile_cache,
-                                       gpu_memory_gib=args.gpu_memory_gib, precision=args.precision,
-                                       fp8_recipe=args.fp8_recipe), indent=2))
-    return 0
 
 
-def cmd_bench_precision(args: argparse.Namespace) -> int:
-    from dflash_ring.bench.precision import run_precision_bench
-
-    print(json.dumps(run_precision_bench(steps=args.steps, shape=args.shape, recipe=args.recipe, seqs=args.seqs,
-                                         seq_len=args.seq_len, seed=args.seed, every=args.every, tiny=args.tiny,
-                                         fp8_recipe=args.fp8_recipe),
-                     indent=2))
-    return 0
 
 
-def cmd_bench_checkpoint(args: argparse.Namespace) -> int:
-    from dflash_ring.bench.checkpoint import run_checkpoint_bench
-
-    print(json.dumps(run_checkpoint_bench(args.tiny, args.every, args.steps, args.dir), indent=2))
-    return 0
 
 
-def cmd_bench_regenerate(args: argparse.Namespace) -> int:
-    from dflash_ring.bench.regenerate import run_regenerate_bench
-
-    print(json.dumps(run_regenerate_bench(shape=args.shape, device=args.device, prompts=args.prompts,
-                                          max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                                          batch_tokens=args.batch_tokens), indent=2))
-    return 0
 
 
-def cmd_bench_ring(args: argparse.Namespace) -> int:
-    from dflash_ring.bench.ring import run_ring_bench
-
-    report = run_ring_bench([float(s) for s in args.sizes_mb.split(",")], args.items)
-    print(json.dumps(report, indent=2))
-    return 0
 
 
-def cmd_bench_pipeline(args: argparse.Namespace) -> int:
-    from dflash_ring.bench.pipeline import run_pipeline_bench
-
-    report = run_pipeline_bench(tiny=args.tiny, seconds=args.seconds, warmup_steps=args.warmup_steps,
-                                workdir=args.workdir, port_base=args.port_base, kill_drafter=args.kill_drafter,
-                                kill_target=args.kill_target, standby=args.standby)
-    print(json.dumps(report, indent=2))
-    return 0
 
 
-def cmd_bench_recipes(args: argparse.Namespace) -> int:
-    from dflash_ring.bench.recipes import run_recipes_bench
-
-    try:
-        seeds = [int(s) for s in args.seeds.split(",")]
-    except ValueError:
-        print(f"dflash-ring bench recipes: error: --seeds takes comma-separated integers, got {args.seeds!r}",
-              file=sys.stderr)
-        return 2
-    try:
-        report = run_recipes_bench(args.workdir, variants=args.variants.split(","), seeds=seeds,
-                                   budgets=args.tree_budget, prompts=args.prompts, max_new_tokens=args.max_new_tokens)
-    except ValueError as e:
-        print(f"dflash-ring bench recipes: error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(report, indent=2))
-    return 0
 
 
-def cmd_bench_target(args: argparse.Namespace) -> int:
-    from dflash_ring.bench.target import run_target_bench
-
-    if args.tensor_parallel > 1:
-        from dflash_ring.bench.target_parallel import run_tensor_parallel_bench
-
-        report = run_tensor_parallel_bench(shape="tiny" if args.tiny else args.shape, device=args.device,
-                                           tensor_parallel=args.tensor_parallel, batches=args.batches,
-                                           max_tokens=args.max_tokens, draft_layers=args.draft_layers,
-                                           packed=not args.padded, baseline=not args.no_baseline)
-        print(json.dumps(report, indent=2))
-        return 0
-
-    report = run_target_bench(shape="tiny" if args.tiny else args.shape, device=args.device, batches=args.batches, max_tokens=args.max_tokens,
-                              draft_layers=args.draft_layers, final_hidden=args.final_hidden, packed=not args.padded,
-                              peak_flops=args.peak_tflops * 1e12, compile=not args.no_compile, profile=args.profile)
-    print(json.dumps(report, indent=2))
-    return 0
 
 
-def cmd_bench_topology(args: argparse.Namespace) -> int:
-    from dflash_ring.bench.topology import run_topology_bench
 
-    report = run_topology_bench(shape=args.shape, recipe=args.recipe, tiny=args.tiny,
-                                target_batches=args.target_batches, seqs=args.seqs, seq_len=args.seq_len,
-                                drafter_steps=args.drafter_steps, gpus=args.gpus, profile=args.profile,
-                                precisions=args.precision, fp8_recipe=args.fp8_recipe)
-    print(json.dumps(report, indent=2))
-    return 0
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """`dflash-ring bench NAME ...`: bench/NAME.py parses its own options and runs."""
+    bench = importlib.import_module(f"dflash_ring.bench.{args.bench}")
+    parser = argparse.ArgumentParser(prog=f"dflash-ring bench {args.bench}", description=bench.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_arguments(parser)
+    return bench.main(parser.parse_args(args.bench_argv))
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

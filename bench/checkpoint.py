@@ -25,6 +25,8 @@ a tmpfs there measures memory, not a disk. Each measurement also goes to stderr 
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import platform
 import shutil
@@ -40,9 +42,10 @@ import torch
 
 from dflash_ring.bench.drafter import bench_target
 from dflash_ring.bench.progress import progress
+from dflash_ring.common.arguments import at_least_one
 from dflash_ring.common.drafter_config import DrafterConfig
-from dflash_ring.common.trained_journal import Journal
 from dflash_ring.common.train_config import TrainConfig
+from dflash_ring.common.trained_journal import Journal
 from dflash_ring.consumer.checkpoint import Checkpoint, CheckpointStore, optimizer_to_flat
 from dflash_ring.consumer.checkpoint_policy import Checkpoints
 from dflash_ring.consumer.model import FrozenTargetHead, build_drafter, cu_seqlens_from_lengths
@@ -210,3 +213,19 @@ def _filesystem(path: Path) -> str:
         return "unknown"
     device, mount, kind = max(inside, key=lambda m: len(m[1]))
     return f"{kind} {device} on {mount}"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`dflash-ring bench checkpoint`'s own options (cli.py registers every bench by name, and hands it the rest)."""
+    parser.add_argument("--tiny", action="store_true", help="a small shape (CPU smoke run)")
+    parser.add_argument("--every", type=at_least_one, default=100,
+                        help="steps between checkpoints (costs are reported as a fraction of this many steps)")
+    parser.add_argument("--steps", type=at_least_one, default=10,
+                        help="baseline steps before and after the checkpoints")
+    parser.add_argument("--dir", default=None, help="where to write the checkpoints (a fresh directory in it, removed "
+                                                   "after; default: the system's temporary directory)")
+
+
+def main(args: argparse.Namespace) -> int:
+    print(json.dumps(run_checkpoint_bench(args.tiny, args.every, args.steps, args.dir), indent=2))
+    return 0

@@ -18,6 +18,8 @@ as it is measured (bench/progress.py), so a run cut off by a time limit keeps wh
 
 from __future__ import annotations
 
+import argparse
+import json
 import platform
 import time
 from dataclasses import asdict, replace
@@ -30,6 +32,7 @@ import torch
 from dflash_ring.bench.drafter_memory import GiB, fit_samples
 from dflash_ring.bench.progress import progress
 from dflash_ring.bench.target_shapes import SHAPES, shape_config, tiny_config
+from dflash_ring.common.arguments import at_least_one, fp8_recipe_argument
 from dflash_ring.common.compile_cache import use_compile_cache
 from dflash_ring.common.drafter_config import DrafterConfig, target_text_config
 from dflash_ring.consumer.fp8 import check_precision, convert_to_fp8
@@ -304,3 +307,52 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int | None = Non
     if top is not None:
         report["top_kernels_ms_per_step"] = top
     return report
+
+
+def positive(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`dflash-ring bench drafter`'s own options (cli.py registers every bench by name, and hands it the rest)."""
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--tiny", action="store_true", help="a small shape (CPU smoke run)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--shape", default="qwen3-8b", choices=sorted(set(SHAPES) - {"tiny"}),
+                        help="target shape (bench/target_shapes.py); --tiny for the CPU smoke run")
+    parser.add_argument("--recipe", default="paper", help="drafter.recipe: paper, dpace, ddtree, dspark")
+    parser.add_argument("--seqs", type=at_least_one, default=None,
+                        help="samples per step (default: 4 x 3072 tokens where the step fits the GPU, else as many "
+                             "samples of the shape's length as fit; given values that do not fit are refused)")
+    parser.add_argument("--seq-len", type=at_least_one, default=None, help="tokens per sample (default: see --seqs)")
+    parser.add_argument("--gpu-memory-gib", type=positive, default=None,
+                        help="GPU memory the step must fit, by the estimate of bench/drafter_memory.py, checked before "
+                             "anything is built (default: the visible GPU's total; given without a GPU, the shape is "
+                             "checked as a GPU would run it, then the CPU smoke run follows)")
+    parser.add_argument("--anchors", type=int, default=None, help="anchors per sample (default: the recipe's)")
+    parser.add_argument("--anchors-per-group", type=int, default=64, help="blocks per SDPA call (--attention sdpa)")
+    parser.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto")
+    parser.add_argument("--loss-chunk", type=int, default=1024, help="rows of [rows, vocab] logits at once")
+    parser.add_argument("--no-check", action="store_true", help="skip the flex-vs-sdpa gradient comparison (GPU)")
+    parser.add_argument("--profile", action="store_true", help="add the top GPU kernels of two steps")
+    parser.add_argument("--no-compile", action="store_true", help="run the decoder layers eagerly")
+    parser.add_argument("--precision", choices=["bf16", "fp8"], default="bf16",
+                        help="drafter.precision: the trainable linears in bf16 or FP8 (refused without a capable GPU)")
+    fp8_recipe_argument(parser)
+    parser.add_argument("--compile-cache", default="",
+                        help="persistent compile cache root (run.compile_cache_dir); run twice to see a warm start")
+
+
+def main(args: argparse.Namespace) -> int:
+    print(json.dumps(run_drafter_bench(args.tiny, args.steps, seqs=args.seqs, seq_len=args.seq_len,
+                                       anchors=args.anchors, shape=args.shape, recipe=args.recipe,
+                                       anchors_per_group=args.anchors_per_group,
+                                       attention=args.attention, loss_chunk=args.loss_chunk,
+                                       check=not args.no_check, profile=args.profile,
+                                       compile=not args.no_compile, compile_cache=args.compile_cache,
+                                       gpu_memory_gib=args.gpu_memory_gib, precision=args.precision,
+                                       fp8_recipe=args.fp8_recipe), indent=2))
+    return 0

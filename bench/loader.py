@@ -10,6 +10,8 @@ at least 10x, so the loader never starves the GPU.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import time
 from datetime import datetime, timezone
@@ -70,3 +72,14 @@ def run_loader_bench(samples: int = 200_000, max_tokens: int = 32768, max_length
         "target_tokens_per_s": target_tokens_per_s,
         "ratio_loader_over_target": round(rate / target_tokens_per_s, 1),
     }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`dflash-ring bench loader`'s own options (cli.py registers every bench by name, and hands it the rest)."""
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--samples", type=int, default=200_000)
+
+
+def main(args: argparse.Namespace) -> int:
+    print(json.dumps(run_loader_bench(args.samples), indent=2))
+    return 0

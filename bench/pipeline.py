@@ -37,39 +37,41 @@ over, and its phases after its wait (`standby`): the takeover proper, whose sum 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import random
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_ring.bench.progress import progress
-from dflash_ring.bench.target import time_forward
 from dflash_ring.bench.target_shapes import SHAPES
-from dflash_ring.common.config import Config, load_config
-from dflash_ring.common.metrics import DRAFTER, SUPERVISOR, TARGET, port_of
-from dflash_ring.common.drafter_config import build_target_layer_ids
+from dflash_ring.bench.target_timing import time_forward
+from dflash_ring.common.config import Config, dump_toml, load_config
+from dflash_ring.common.drafter_config import DrafterConfig, build_target_layer_ids
+from dflash_ring.common.layout import Role
+from dflash_ring.common.metrics import DRAFTER, SUPERVISOR, TARGET
+from dflash_ring.common.ring import Ring
 from dflash_ring.consumer.head_loader import load_target_head
 from dflash_ring.consumer.model import build_drafter
 from dflash_ring.consumer.process import resolve_drafter_config, target_config_dict
 from dflash_ring.consumer.trainer import DeviceBatch, Trainer
+from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 from dflash_ring.producer.batching import Batch, ShardBatcher
 from dflash_ring.producer.pretokenized import load_tokenized
 from dflash_ring.producer.process import prepare, run_target
 from dflash_ring.producer.target import TargetModel
-from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
+from dflash_ring.tools.fleet import Readiness, cli_command, role_command, scrape, spawn, wait_for, wait_for_metrics
 
 WORDS = ("the model reads a block of tokens and drafts what comes next while the target checks every guess "
          "so that accepted tokens cost one forward pass instead of many").split()
@@ -100,55 +102,29 @@ def _write_chat_rows(path: Path, rows: int, words: int, seed: int = 0) -> Path:
 
 def _write_config(work: Path, target: Path, data: Path, *, shape: dict[str, int], tiny: bool, target_device: str,
                   drafter_device: str, port_base: int, checkpoint_every: int) -> Path:
+    """The bench's run as a Config, written by the one writer (dump_toml); its path."""
     layers = 2 if tiny else 5
     layer_ids = build_target_layer_ids(shape["num_hidden_layers"], layers)
     max_length, max_tokens = (256, 1024) if tiny else (3072, 12288)
     slot_bytes = max_tokens * (len(layer_ids) * shape["hidden_size"] * (4 if tiny else 2) + 32) + (8 << 20)
+    d = Config()
+    cfg = Config(
+        run=replace(d.run, name=f"bench-pipeline-{os.getpid()}", run_dir=str(work / "locks")),
+        ring=replace(d.ring, slots=4, slot_bytes=slot_bytes, slot_header_bytes=65536),
+        topology=replace(d.topology, producers=1, consumers=1),
+        data=replace(d.data, path=str(data), max_length=max_length, max_tokens_per_batch=max_tokens, epochs=100,
+                     num_proc=min(8, os.cpu_count() or 1), cache_dir=str(work / "data-cache")),
+        target=replace(d.target, path=str(target), layer_ids=layer_ids, mask_token_id=shape["vocab_size"] - 1,
+                       state_dir=str(work / "state"), device=target_device),
+        drafter=DrafterConfig(num_hidden_layers=layers, block_size=8 if tiny else 16,  # derives layer_types
+                              num_anchors=32 if tiny else 512),
+        train=replace(d.train, device=drafter_device, total_steps=100000, checkpoint_dir=str(work / "checkpoints"),
+                      checkpoint_every_steps=checkpoint_every, keep_checkpoints=1, log_every_steps=20),
+        metrics=replace(d.metrics, port_base=port_base),
+    )
+    cfg.validate()
     path = work / "run.toml"
-    path.write_text(f"""[run]
-name = "bench-pipeline-{os.getpid()}"
-run_dir = "{work / 'locks'}"
-
-[ring]
-slots = 4
-slot_bytes = {slot_bytes}
-slot_header_bytes = 65536
-
-[topology]
-producers = 1
-consumers = 1
-
-[data]
-path = "{data}"
-max_length = {max_length}
-max_tokens_per_batch = {max_tokens}
-epochs = 100
-num_proc = {min(8, os.cpu_count() or 1)}
-cache_dir = "{work / 'data-cache'}"
-
-[target]
-path = "{target}"
-layer_ids = {layer_ids}
-mask_token_id = {shape['vocab_size'] - 1}
-state_dir = "{work / 'state'}"
-device = "{target_device}"
-
-[drafter]
-num_hidden_layers = {layers}
-block_size = {8 if tiny else 16}
-num_anchors = {32 if tiny else 512}
-
-[train]
-device = "{drafter_device}"
-total_steps = 100000
-checkpoint_dir = "{work / 'checkpoints'}"
-checkpoint_every_steps = {checkpoint_every}
-keep_checkpoints = 1
-log_every_steps = 20
-
-[metrics]
-port_base = {port_base}
-""")
+    path.write_text(dump_toml(cfg, header="The run of `dflash-ring bench pipeline`."))
     return path
 
 
@@ -218,36 +194,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _scrape(port: int) -> dict[str, float]:
-    """Sample name (labels folded in as name{k=v,...}) -> value."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
-
-
 def _startup(sample: dict[str, float]) -> dict[str, float]:
     """A process's start-up phases (dflash_ring_startup_seconds), in seconds."""
     prefix = "dflash_ring_startup_seconds{phase="
     return {k[len(prefix):-1]: round(v, 2) for k, v in sample.items() if k.startswith(prefix)}
-
-
-def _wait_for(predicate, timeout: float, what: str, procs: dict[str, subprocess.Popen], poll_s: float = 1.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for name, p in procs.items():
-            if p.poll() is not None:
-                raise RuntimeError(f"{name} exited with {p.returncode} while waiting for {what}")
-        try:
-            if predicate():
-                return
-        except OSError:
-            pass  # metrics not served yet
-        time.sleep(poll_s)
-    raise TimeoutError(f"no {what} within {timeout:.0f}s")
 
 
 def _gpu_util(sample: dict[str, float]) -> float | None:
@@ -264,32 +214,37 @@ KILL_REPORT = {DRAFTER: "drafter_kill", STANDBY: "drafter_kill_with_standby", TA
 
 
 class PipelineRun:
-    """The supervisor, target and drafter processes of one run, and their scrapes over time."""
+    """The supervisor, target and drafter processes of one run (tools/fleet.py), and their scrapes over time."""
 
     def __init__(self, cfg_path: Path, target_device: str, drafter_device: str, work: Path):
         self.cfg_path, self.work = cfg_path, work
         cfg = load_config(cfg_path)
+        self.run_name, self.metrics = cfg.run.name, cfg.metrics
         self.latest_checkpoint = Path(cfg.train.checkpoint_dir) / "drafter-0" / "latest"
-        self.ports = {role: port_of(cfg.metrics, role, 0) for role in (SUPERVISOR, TARGET, DRAFTER)}
-        self.base = [sys.executable, "-m", "dflash_ring"]
-        self.logs = {role: open(work / f"{role}.log", "w") for role in self.ports}
-        self.cmds = {
-            SUPERVISOR: [*self.base, "supervisor", "--config", str(cfg_path)],
-            TARGET: [*self.base, "target", "--config", str(cfg_path), "--index", "0", "--device", target_device],
-            DRAFTER: [*self.base, "drafter", "--config", str(cfg_path), "--index", "0", "--device", drafter_device],
-        }
-        self.standby_cmd = [*self.base, "drafter", "--config", str(cfg_path), "--standby", "--device", drafter_device]
-        self.procs = {role: subprocess.Popen(cmd, stderr=self.logs[role]) for role, cmd in self.cmds.items()}
+        self.devices = {SUPERVISOR: None, TARGET: target_device, DRAFTER: drafter_device, STANDBY: drafter_device}
+        for role in self.devices:  # each log holds this run's starts of its process, one after the other
+            (work / f"{role}.log").unlink(missing_ok=True)
+        self.procs = {role: self._start(role) for role in (SUPERVISOR, TARGET, DRAFTER)}
         self.history: list[tuple[float, dict[str, dict[str, float]]]] = []  # (monotonic, scrape per role)
 
+    def _start(self, role: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        name = role if role == SUPERVISOR else f"{role}-0"
+        return spawn(role_command(name, self.cfg_path, device=self.devices[role]), self.work / f"{role}.log", env,
+                     name)
+
+    def scrape(self, role: str) -> dict[str, float]:
+        if (sample := scrape(self.metrics, role, 0, timeout_s=5.0)) is None:
+            raise RuntimeError(f"the {role}'s /metrics did not answer (its log: {self.work / f'{role}.log'})")
+        return sample
+
     def sample(self) -> dict[str, dict[str, float]]:
-        scrape = {role: _scrape(port) for role, port in self.ports.items()}
-        self.history.append((time.monotonic(), scrape))
-        return scrape
+        scrapes = {role: self.scrape(role) for role in (SUPERVISOR, TARGET, DRAFTER)}
+        self.history.append((time.monotonic(), scrapes))
+        return scrapes
 
     def wait_steps(self, steps: int) -> None:
-        _wait_for(lambda: _scrape(self.ports[DRAFTER]).get("dflash_ring_drafter_steps_total", 0) >= steps,
-                  KILL_TIMEOUT_S, f"{steps} drafter steps", self.procs)
+        wait_for_metrics(self.metrics, DRAFTER, 0, lambda s: s.get("dflash_ring_drafter_steps_total", 0) >= steps,
+                         KILL_TIMEOUT_S, f"{steps} drafter steps", self.procs)
 
     def watch(self, seconds: float) -> None:
         """Scrape every process every ~2 s for `seconds`."""
@@ -298,30 +253,40 @@ class PipelineRun:
             time.sleep(min(2.0, seconds / 10))
             self.sample()
 
-    def start_standby(self) -> Path:
-        """A warm standby for the drafter, waiting (built and attached) when this returns; its log."""
-        log = self.work / "standby.log"
-        self.procs[STANDBY] = subprocess.Popen(self.standby_cmd, stderr=open(log, "w"))
-        _wait_for(lambda: "standby for 0: built, ring attached, waiting" in log.read_text(), KILL_TIMEOUT_S,
-                  "the standby to wait", self.procs)
-        return log
+    def start_standby(self) -> None:
+        """A warm standby for the drafter, waiting (built and attached: its READY=1, as systemd would read it) when
+        this returns."""
+        readiness = Readiness()
+        try:
+            self.procs[STANDBY] = self._start(STANDBY, readiness.env())
+            wait_for(readiness.ready, KILL_TIMEOUT_S, "the standby to wait", self.procs)
+        finally:
+            readiness.close()
+
+    def drafter_seat_holder(self) -> int | None:
+        """The pid in drafter 0's ring row, as the process that holds the seat wrote it when it joined."""
+        with Ring.open(self.run_name) as ring:
+            rows = ring.status().rows
+        return next((row["pid"] for row in rows if row["role"] == Role.CONSUMER.name.lower() and row["index"] == 0),
+                    None)
 
     def kill_and_restart(self, role: str, standby: bool = False) -> dict[str, Any]:
         """SIGKILL `role`, start it again at once (Restart=on-failure), wait for its first work; what everyone saw.
         With `standby`, a warm standby waits beside the drafter before the kill (the module docstring)."""
         other = TARGET if role == DRAFTER else DRAFTER
         other_pid = self.procs[other].pid
-        standby_log = self.start_standby() if standby else None
+        if standby:
+            self.start_standby()
         if role == DRAFTER:  # a restart that resumes: its checkpoint load is part of what is measured
-            _wait_for(self.latest_checkpoint.exists, KILL_TIMEOUT_S, "a durable drafter checkpoint", self.procs)
+            wait_for(self.latest_checkpoint.exists, KILL_TIMEOUT_S, "a durable drafter checkpoint", self.procs)
         pre = self.sample()
         t_pre = time.monotonic()
         self.procs[role].kill()
         self.procs[role].wait()
         t_kill = time.monotonic()
-        self.procs[role] = subprocess.Popen(self.cmds[role], stderr=self.logs[role])
-        _wait_for(lambda: FIRST_WORK[role] in _startup(_scrape(self.ports[role])), KILL_TIMEOUT_S,
-                  f"the restarted {role}'s {FIRST_WORK[role].replace('_', ' ')}", self.procs, poll_s=0.1)
+        self.procs[role] = self._start(role)
+        wait_for_metrics(self.metrics, role, 0, lambda s: FIRST_WORK[role] in _startup(s), KILL_TIMEOUT_S,
+                         f"the restarted {role}'s {FIRST_WORK[role].replace('_', ' ')}", self.procs, poll_s=0.1)
         outage_s = time.monotonic() - t_kill
         after = self.sample()
         # Tokens from the kill to its recovery: the restarted process counts from 0, the other process on.
@@ -345,7 +310,7 @@ class PipelineRun:
             f"{role}_starts": sup_after.get(f"dflash_ring_process_starts_total{{index=0,role={role}}}"),
         }
         if standby:  # the port is the index's: after a takeover, the standby's phases (its wait among them)
-            took_over = "takes over drafter 0" in standby_log.read_text()
+            took_over = self.drafter_seat_holder() == self.procs[STANDBY].pid
             takeover = dict(list(phases.items())[list(phases).index("standby") + 1:])
             report |= {"took_over_by": "standby" if took_over else "restarted drafter",
                        "standby_wait_s": phases.get("standby"),
@@ -373,14 +338,13 @@ class PipelineRun:
         return earlier[-1] if earlier else self.history[0]
 
     def stop(self) -> None:
-        subprocess.run([*self.base, "stop", "--now", "--config", str(self.cfg_path), "--timeout", "120"],
-                       capture_output=True)
+        subprocess.run(cli_command("stop", "--now", "--timeout", "120", config=self.cfg_path), capture_output=True)
         for p in self.procs.values():
             try:
                 p.wait(180)
             except subprocess.TimeoutExpired:
                 p.kill()
-        subprocess.run([*self.base, "clean", "--config", str(self.cfg_path)], capture_output=True)
+        subprocess.run(cli_command("clean", config=self.cfg_path), capture_output=True)
 
 
 def _pipeline(cfg_path: Path, target_device: str, drafter_device: str, seconds: float,
@@ -506,3 +470,28 @@ def run_pipeline_bench(*, tiny: bool = False, seconds: float = 90.0, warmup_step
         "ratio_pipeline_to_standalone_target": round(pipeline["drafter_tokens_per_s"] / standalone_target["tokens_per_s"], 3),
         "balanced_topology": balanced,
     }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`dflash-ring bench pipeline`'s own options (cli.py registers every bench by name, and hands it the rest)."""
+    parser.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke run)")
+    parser.add_argument("--seconds", type=float, default=90.0, help="steady-state window measured")
+    parser.add_argument("--warmup-steps", type=int, default=0, help="drafter steps before the window (0: 8, tiny 3)")
+    parser.add_argument("--workdir", help="where the target, data and logs go (default: a new temporary directory)")
+    parser.add_argument("--port-base", type=int, default=19460, help="metrics ports of the bench's processes")
+    parser.add_argument("--kill-drafter", action="store_true",
+                        help="after the window: SIGKILL the drafter, restart it; its start-up and everyone's tokens/s")
+    parser.add_argument("--kill-target", action="store_true",
+                        help="after the window (and a drafter kill): SIGKILL the target, restart it; likewise")
+    parser.add_argument("--standby", action="store_true",
+                        help="with --kill-drafter: a second drafter kill with a warm standby waiting (the first is the "
+                             "restart baseline); kill to the first step of the process that took over, its phases")
+
+
+def main(args: argparse.Namespace) -> int:
+    report = run_pipeline_bench(tiny=args.tiny, seconds=args.seconds, warmup_steps=args.warmup_steps,
+                                workdir=args.workdir, port_base=args.port_base, kill_drafter=args.kill_drafter,
+                                kill_target=args.kill_target, standby=args.standby)
+    print(json.dumps(report, indent=2))
+    return 0

@@ -18,6 +18,8 @@ host among them) it is refused in one line, like every fp8 setting.
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -27,6 +29,8 @@ import torch
 
 from dflash_ring.bench.drafter import bench_target
 from dflash_ring.bench.progress import progress
+from dflash_ring.bench.target_shapes import SHAPES
+from dflash_ring.common.arguments import at_least_one, fp8_recipe_argument
 from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.common.train_config import TrainConfig
 from dflash_ring.consumer.fp8 import check_precision
@@ -149,3 +153,25 @@ def run_precision_bench(steps: int = 300, shape: str = "qwen3-8b", recipe: str =
         "tolerance": TOLERANCE,
         "within_tolerance": all(abs(r - 1) <= TOLERANCE for r in ratios.values()),
     }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`dflash-ring bench precision`'s own options (cli.py registers every bench by name, and hands it the rest)."""
+    parser.add_argument("--steps", type=at_least_one, default=300)
+    parser.add_argument("--shape", default="qwen3-8b", choices=sorted(set(SHAPES) - {"tiny"}), help="target shape")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a small member of the shape's family (a quick GPU smoke run)")
+    parser.add_argument("--recipe", default="paper", help="drafter.recipe: paper, dpace, ddtree, dspark")
+    parser.add_argument("--seqs", type=at_least_one, default=1, help="samples per step")
+    parser.add_argument("--seq-len", type=at_least_one, default=2048, help="tokens per sample")
+    parser.add_argument("--seed", type=int, default=0, help="initial weights, items and anchors")
+    parser.add_argument("--every", type=at_least_one, default=10, help="steps per point of the curves")
+    fp8_recipe_argument(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    print(json.dumps(run_precision_bench(steps=args.steps, shape=args.shape, recipe=args.recipe, seqs=args.seqs,
+                                         seq_len=args.seq_len, seed=args.seed, every=args.every, tiny=args.tiny,
+                                         fp8_recipe=args.fp8_recipe),
+                     indent=2))
+    return 0

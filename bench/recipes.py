@@ -15,8 +15,10 @@ bench keeps what it measured.
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
+import sys
 import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -25,6 +27,7 @@ from statistics import fmean
 from typing import Any
 
 from dflash_ring.bench.progress import progress
+from dflash_ring.common.arguments import at_least_one, tree_budgets
 
 # variant -> its `--set` overrides on the embedded config.
 VARIANTS: dict[str, list[str]] = {
@@ -126,3 +129,31 @@ def summarize_runs(runs: Sequence[dict[str, Any]], budgets: Sequence[int]) -> li
                            **({"vs_baseline": round(fmean(ratios), 3)} if ratios else {})}
         table.append(row)
     return table
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`dflash-ring bench recipes`'s own options (cli.py registers every bench by name, and hands it the rest)."""
+    parser.add_argument("--workdir", default="runs/bench-recipes", help="where the runs and recipes.jsonl go")
+    parser.add_argument("--variants", default="paper,dpace,ddtree,paper+target_argmax",
+                        help="comma-separated: paper, dpace, ddtree, paper+target_argmax, dspark")
+    parser.add_argument("--seeds", default="0,1", help="comma-separated train/data seeds")
+    parser.add_argument("--tree-budget", type=tree_budgets, default=(16, 64, 256), metavar="N[,N...]")
+    parser.add_argument("--prompts", type=at_least_one, default=100, help="held-out prompts evaluated")
+    parser.add_argument("--max-new-tokens", type=at_least_one, default=64)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        print(f"dflash-ring bench recipes: error: --seeds takes comma-separated integers, got {args.seeds!r}",
+              file=sys.stderr)
+        return 2
+    try:
+        report = run_recipes_bench(args.workdir, variants=args.variants.split(","), seeds=seeds,
+                                   budgets=args.tree_budget, prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+    except ValueError as e:
+        print(f"dflash-ring bench recipes: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2))
+    return 0

@@ -17,6 +17,8 @@ as soon as they are measured (bench/progress.py).
 
 from __future__ import annotations
 
+import argparse
+import json
 import platform
 import tempfile
 import time
@@ -35,7 +37,7 @@ from dflash_ring.producer.generation import GenerationSettings, Prompt
 from dflash_ring.producer.hf_engine import HfEngine
 
 from .progress import progress
-from .target_shapes import shape_config
+from .target_shapes import SHAPES, shape_config
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu one two three four five six seven "
@@ -144,3 +146,22 @@ def _baseline(model, encoded: list[list[int]], pad: int, stop: list[int], max_ne
                              generation_config=config)
         generated += (out.shape[1] - width) * len(rows)
     return generated
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`dflash-ring bench regenerate`'s own options (cli.py registers every bench by name, and hands it the rest)."""
+    parser.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
+    parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES),
+                        help="random-weight target of this shape (tiny: a CPU smoke run)")
+    parser.add_argument("--device", help="default: cuda if available, else cpu")
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batch-tokens", type=int, default=65536)
+
+
+def main(args: argparse.Namespace) -> int:
+    print(json.dumps(run_regenerate_bench(shape=args.shape, device=args.device, prompts=args.prompts,
+                                          max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                                          batch_tokens=args.batch_tokens), indent=2))
+    return 0

@@ -13,6 +13,8 @@ torch.multiprocessing's queue, and iceoryx2's zero-copy publish/subscribe
 
 from __future__ import annotations
 
+import argparse
+import json
 import multiprocessing as mp
 import os
 import platform
@@ -284,3 +286,15 @@ def run_ring_bench(sizes_mb: list[float], items: int = 0) -> dict[str, Any]:
         "cases": cases,
         "gpu_copies": _gpu_copy_cases() if torch.cuda.is_available() else "no CUDA device: not measured",
     }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`dflash-ring bench ring`'s own options (cli.py registers every bench by name, and hands it the rest)."""
+    parser.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
+    parser.add_argument("--sizes-mb", default="1,64,256", help="comma-separated item sizes in MB")
+    parser.add_argument("--items", type=int, default=0, help="items per case (0: scale with size)")
+
+
+def main(args: argparse.Namespace) -> int:
+    print(json.dumps(run_ring_bench([float(s) for s in args.sizes_mb.split(",")], args.items), indent=2))
+    return 0

@@ -20,46 +20,26 @@ projections only), against a dense bf16 peak.
 
 from __future__ import annotations
 
-import os
-import platform
-import shutil
-import tempfile
-import threading
+import argparse
+import json
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import transformers
 
-from dflash_ring.common.config import load_config
+from dflash_ring.common.arguments import at_least_one
 from dflash_ring.common.drafter_config import build_target_layer_ids
-from dflash_ring.common.layout import Role
-from dflash_ring.common.membership import Membership
-from dflash_ring.common.ring import Ring
-from dflash_ring.common.ring_spec import ring_spec
-from dflash_ring.common.slot_contract import item_tensors
-from dflash_ring.common.slot_format import ALIGN
-from dflash_ring.producer.batching import Batch, ShardBatcher
+from dflash_ring.producer.batching import Batch
 from dflash_ring.producer.conformance import active_sliding_window, layer_kinds, probe
-from dflash_ring.producer.pretokenized import TokenizedData
-from dflash_ring.producer.process import Loader, Producer, prepare, run_target
+from dflash_ring.producer.process import run_target
 from dflash_ring.producer.target import TargetModel, resolve_device, resolve_dtype
 
 from .progress import progress
 from .target_shapes import SHAPES, model_class, shape_config
+from .target_timing import batch_loader, host_info, sync, synthetic_batches, time_forward, time_into_ring
 
-HEADER_BYTES = 64 * 1024
-
-
-
-def host_info(dev: torch.device) -> dict[str, Any]:
-    """The machine a target bench ran on, for its JSON: CPU, library versions, the device's name."""
-    return {"machine": platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
 
 def build_target(shape: str, device: torch.device, dtype: torch.dtype, layer_ids: list[int], *,
                  final_hidden: bool, packed: bool) -> TargetModel:
@@ -68,28 +48,6 @@ def build_target(shape: str, device: torch.device, dtype: torch.dtype, layer_ids
     with torch.device(device):
         model = model_class(SHAPES[shape][0])._from_config(config, dtype=dtype)
     return TargetModel(model, layer_ids, final_hidden=final_hidden, packed=packed)
-
-
-def synthetic_batches(n: int, *, max_tokens: int, max_length: int, vocab: int, packed: bool) -> list[Batch]:
-    """Log-normal lengths (median ~600 tokens for full size, a long tail cut at max_length), random ids."""
-    rng = np.random.default_rng(0)
-    median = min(600, max_length // 4)
-    count = int(2 * n * max_tokens / median) + 16
-    lengths = np.clip(rng.lognormal(np.log(median), 0.8, count), 16, max_length).astype(np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    data = TokenizedData(
-        tokens=rng.integers(0, vocab, offsets[-1]).astype(np.int32), loss_mask=np.ones(offsets[-1], np.uint8),
-        offsets=offsets, row_ids=np.arange(count, dtype=np.int64), num_rows=count, bad_rows=(),
-        directory=Path("."), from_cache=False,
-    )
-    batcher = ShardBatcher(data, rank=0, world_size=1, max_tokens_per_batch=max_tokens, epochs=1, packing=packed,
-                           bucket_window=256)
-    batches = []
-    for batch in batcher.batches():
-        batches.append(batch)
-        if len(batches) == n:
-            return batches
-    raise RuntimeError(f"only {len(batches)} synthetic batches for the {n} asked")
 
 
 def active_parameters(target: TargetModel, run: int) -> float:
@@ -129,19 +87,10 @@ def model_flops(target: TargetModel, batches: list[Batch]) -> float:
     return 2.0 * active_parameters(target, run) * tokens + attention
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _loader(batches: list[Batch], target: TargetModel, device: torch.device) -> Loader:
-    return Loader(iter(batches), lambda b: prepare(b, packed=target.packed, pad_id=0, pin=device.type == "cuda"))
-
-
 def _features(target: TargetModel, batch: Batch) -> torch.Tensor:
-    prep = next(iter(_loader([batch], target, target.device)))
+    prep = next(iter(batch_loader([batch], target, target.device)))
     out = run_target(target, prep).features.clone()
-    _sync(target.device)
+    sync(target.device)
     return out
 
 
@@ -175,69 +124,6 @@ def _profile(target: TargetModel, batch: Batch, n: int = 20) -> list[list]:
     total = sum(e.self_device_time_total for e in prof.key_averages())
     return [["(all kernels)", round(total / 1e3, 2), None]] + [
         [e.key[:90], round(e.self_device_time_total / 1e3, 2), e.count] for e in rows]
-
-
-def time_forward(target: TargetModel, warm: list[Batch], timed: list[Batch]) -> float:
-    for prep in _loader(warm, target, target.device):
-        run_target(target, prep)
-    _sync(target.device)
-    t0 = time.perf_counter()
-    for prep in _loader(timed, target, target.device):
-        run_target(target, prep)
-    _sync(target.device)
-    return time.perf_counter() - t0
-
-
-def _release_all(cfg, stop: threading.Event, ready: threading.Event) -> None:
-    """The consumer side: claim and release at once, so the ring is never the bottleneck by design."""
-    with Ring.attach(ring_spec(cfg)) as ring:
-        me = Membership.join(ring, cfg, Role.CONSUMER, 0)
-        port = ring.consumer(me.row)
-        ready.set()
-        while not stop.is_set():
-            r = port.claim(timeout_s=0.2)
-            if r is not None:
-                port.release(r)
-                del r
-        me.leave()
-
-
-def time_into_ring(target: TargetModel, warm: list[Batch], timed: list[Batch], max_tokens: int,
-                   slots: int) -> tuple[float, float, int]:
-    """(seconds for the timed batches, seconds blocked on a full ring, slot bytes)."""
-    hidden = target.hidden_size if target.final_hidden else None
-    specs = item_tensors(max_tokens, max_tokens, target.feature_width, hidden, target.dtype)
-    slot_bytes = HEADER_BYTES + sum(-(-int(np.prod(s)) * d.itemsize // ALIGN) * ALIGN for _, d, s in specs)
-    lock_dir = tempfile.mkdtemp(prefix="dflash-bench-target-")
-    cfg = load_config(None, [
-        f"run.name=bench-target-{os.getpid()}", f'run.run_dir="{lock_dir}"', f"ring.slots={slots}",
-        f"ring.slot_bytes={slot_bytes}", f"ring.slot_header_bytes={HEADER_BYTES}", "ring.wait_s=0.05",
-        "topology.producers=1", "topology.consumers=1",
-    ])
-    Ring.unlink(cfg.run.name)
-    owner = Ring.create(ring_spec(cfg))  # what the supervisor would do
-    stop, ready = threading.Event(), threading.Event()
-    consumer = threading.Thread(target=_release_all, args=(cfg, stop, ready), daemon=True)
-    try:
-        with Ring.attach(ring_spec(cfg), pin=target.device.type == "cuda") as ring:
-            consumer.start()
-            ready.wait(60)
-            me = Membership.join(ring, cfg, Role.PRODUCER, 0)
-            producer = Producer(ring, me.row, 0, target, stop=threading.Event())
-            producer.run(_loader(warm, target, target.device))
-            waited = ring.wait_seconds
-            t0 = time.perf_counter()
-            producer.run(_loader(timed, target, target.device))
-            elapsed = time.perf_counter() - t0
-            waited = ring.wait_seconds - waited
-            me.leave()
-    finally:
-        stop.set()
-        consumer.join(30)
-        owner.close()
-        Ring.unlink(cfg.run.name)
-        shutil.rmtree(lock_dir, ignore_errors=True)
-    return elapsed, waited, slot_bytes
 
 
 def run_target_bench(*, shape: str = "qwen3-8b", device: str | None = None, batches: int = 0, max_tokens: int = 0,
@@ -367,3 +253,46 @@ def run_target_bench(*, shape: str = "qwen3-8b", device: str | None = None, batc
                 "per_sequence_eager_forward": None if recurrent is None or "per_sequence_eager_tokens_per_s" not in recurrent
                 else float(f"{flops / per_sequence_s / peak_flops:.4g}")},
     }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`dflash-ring bench target`'s own options (cli.py registers every bench by name, and hands it the rest)."""
+    parser.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
+    parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES),
+                        help="random-weight target of this shape (tiny: a CPU smoke run)")
+    parser.add_argument("--tiny", action="store_true", help="same as --shape tiny")
+    parser.add_argument("--device", help="default: cuda if available, else cpu")
+    parser.add_argument("--batches", type=int, default=0, help="timed batches per phase (0: 10, or 3 with --tiny)")
+    parser.add_argument("--max-tokens", type=int, default=0, help="tokens per batch (0: 32768, or 2048 with --tiny)")
+    parser.add_argument("--draft-layers", type=int, default=5, help="target layers captured, by the DFlash rule")
+    parser.add_argument("--final-hidden", action="store_true", help="also ship the final hidden state")
+    parser.add_argument("--padded", action="store_true", help="padded batches instead of packed ones")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H200: 989)")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="eager layers only (default on a GPU: eager as the same-run baseline, then compiled "
+                             "layers)")
+    parser.add_argument("--profile", action="store_true",
+                        help="add the top GPU kernels of one batch (hybrid targets: also of the per-sequence baseline)")
+    parser.add_argument("--tensor-parallel", type=at_least_one, default=1, metavar="N",
+                        help="shard the target over N ranks (target.tensor_parallel: NCCL on N GPUs, gloo on the CPU) "
+                             "and measure it against one rank of the same weights, same run")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="with --tensor-parallel: skip the one-rank run (a shape that does not fit one device)")
+
+
+def main(args: argparse.Namespace) -> int:
+    shape = "tiny" if args.tiny else args.shape
+    if args.tensor_parallel > 1:
+        from dflash_ring.bench.target_parallel import run_tensor_parallel_bench
+
+        report = run_tensor_parallel_bench(shape=shape, device=args.device, tensor_parallel=args.tensor_parallel,
+                                           batches=args.batches, max_tokens=args.max_tokens,
+                                           draft_layers=args.draft_layers, packed=not args.padded,
+                                           baseline=not args.no_baseline)
+    else:
+        report = run_target_bench(shape=shape, device=args.device, batches=args.batches, max_tokens=args.max_tokens,
+                                  draft_layers=args.draft_layers, final_hidden=args.final_hidden,
+                                  packed=not args.padded, peak_flops=args.peak_tflops * 1e12,
+                                  compile=not args.no_compile, profile=args.profile)
+    print(json.dumps(report, indent=2))
+    return 0

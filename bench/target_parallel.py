@@ -33,7 +33,7 @@ from dflash_ring.producer.target import TargetModel, resolve_device, resolve_dty
 from dflash_ring.producer.tensor_group import TensorGroup
 
 from .progress import progress
-from .target import host_info, synthetic_batches, time_forward, time_into_ring
+from .target_timing import host_info, synthetic_batches, time_forward, time_into_ring
 from .target_shapes import SHAPES, model_class, shape_config
 
 

@@ -17,17 +17,21 @@ one GPU together with room to spare.
 
 from __future__ import annotations
 
+import argparse
 import gc
+import json
 from datetime import datetime, timezone
 from typing import Any
 
 import torch
 
+from dflash_ring.common.arguments import fp8_recipe_argument
 from dflash_ring.consumer.fp8 import check_precision
 
 from .drafter import run_drafter_bench
 from .progress import progress
 from .target import run_target_bench
+from .target_shapes import SHAPES
 
 # The pipeline this project replaces: 19.4k tokens/s on 8 GPUs (5 targets + 3 drafters), a Qwen3.6-27B target,
 # the DDTree recipe (issue 25).
@@ -104,3 +108,37 @@ def run_topology_bench(*, shape: str = "qwen3.6-27b", recipe: str = "ddtree", ti
         "drafter": drafter,
         "other_precisions": {p: halves[p] for p in precisions[1:]},
     }
+
+
+def precisions(text: str) -> tuple[str, ...]:
+    precisions = tuple(dict.fromkeys(part.strip() for part in text.split(",")))
+    if bad := [p for p in precisions if p not in ("bf16", "fp8")]:
+        raise argparse.ArgumentTypeError(f"expected bf16, fp8 or both comma-separated, got {bad}")
+    return precisions
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`dflash-ring bench topology`'s own options (cli.py registers every bench by name, and hands it the rest)."""
+    parser.add_argument("--shape", default="qwen3.6-27b", choices=sorted(SHAPES), help="target shape")
+    parser.add_argument("--recipe", default="ddtree", help="drafter.recipe: paper, dpace, ddtree, dspark")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke run)")
+    parser.add_argument("--target-batches", type=int, default=3, help="timed target batches of 32,768 tokens")
+    parser.add_argument("--seqs", type=int, default=1, help="drafter samples per step")
+    parser.add_argument("--seq-len", type=int, default=4096, help="drafter tokens per sample")
+    parser.add_argument("--drafter-steps", type=int, default=5, help="timed drafter steps")
+    parser.add_argument("--gpus", type=int, default=8, help="GPUs of the host to lay out")
+    parser.add_argument("--profile", action="store_true", help="add the top GPU kernels of both")
+    parser.add_argument("--precision", type=precisions, default=("bf16",),
+                        help="drafter.precision of the drafter half, or several comma-separated (bf16,fp8): each "
+                             "drafter half against the one target half")
+    fp8_recipe_argument(parser)
+    parser.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
+
+
+def main(args: argparse.Namespace) -> int:
+    report = run_topology_bench(shape=args.shape, recipe=args.recipe, tiny=args.tiny,
+                                target_batches=args.target_batches, seqs=args.seqs, seq_len=args.seq_len,
+                                drafter_steps=args.drafter_steps, gpus=args.gpus, profile=args.profile,
+                                precisions=args.precision, fp8_recipe=args.fp8_recipe)
+    print(json.dumps(report, indent=2))
+    return 0

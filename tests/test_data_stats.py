@@ -29,7 +29,7 @@ from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 from dflash_ring.producer.data_stats import HISTOGRAM_EDGES, bucket_labels, data_stats, histogram, log_lines
 from dflash_ring.producer.batching import ShardBatcher
 from dflash_ring.producer.pretokenized import load_sources
-from support import build_target, load_tokenizer, wait_exit, wait_for, write_chat_rows
+from support import build_target, load_tokenizer, wait_exit, wait_for, write_chat_rows, write_config
 
 CODE = [{"prompt": "write it", "response": "1" * 5}, {"prompt": "again", "response": "2" * 20},
         {"prompt": "more", "response": "3" * 40}, {"prompt": "no reply"}]  # the last is bad: skipped
@@ -47,22 +47,10 @@ def world(tmp_path_factory) -> Path:
     tiny_chat_tokenizer(root / "tok")
     for name, rows in (("code", CODE), ("chat", CHAT)):
         (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (root / "mix.toml").write_text(f"""\
-[data]
-cache_dir = "{root / 'cache'}"
-max_length = 4096
-
-[[data.sources]]
-path = "{root / 'code.jsonl'}"
-weight = 3
-
-[[data.sources]]
-path = "{root / 'chat.jsonl'}"
-name = "talk"
-
-[target]
-tokenizer = "{root / 'tok'}"
-""")
+    write_config(root / "mix.toml", {
+        "data": {"cache_dir": root / "cache", "max_length": 4096,
+                 "sources": [{"path": root / "code.jsonl", "weight": 3}, {"path": root / "chat.jsonl", "name": "talk"}]},
+        "target": {"tokenizer": root / "tok"}})
     return root
 
 

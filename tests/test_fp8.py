@@ -26,7 +26,7 @@ from dflash_ring.consumer.loss import dflash_loss
 from dflash_ring.consumer.model import build_drafter, load_target_head
 from dflash_ring.consumer.replica_group import fingerprint_fields
 
-from support import anchors_from_local, save_tiny_qwen3
+from support import anchors_from_local, save_tiny_qwen3, write_config
 
 # In the test extra; without it only the conversion's tests skip (the refusals then name torchao too).
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed")
@@ -83,8 +83,9 @@ def test_fp8_without_a_capable_gpu_is_refused_in_one_line(argv, tmp_path):
 @capable
 def test_dflash_ring_run_refuses_fp8_before_starting_any_process(tmp_path):
     config = tmp_path / "run.toml"
-    config.write_text('[drafter]\nprecision = "fp8"\n[metrics]\nenabled = false\n[run]\nname = "fp8-refused"\n'
-                      f'run_dir = "{tmp_path / "locks"}"\n[train]\ncheckpoint_dir = "{tmp_path / "ckpt"}"\n')
+    write_config(config, {"drafter": {"precision": "fp8"}, "metrics": {"enabled": False},
+                          "run": {"name": "fp8-refused", "run_dir": tmp_path / "locks"},
+                          "train": {"checkpoint_dir": tmp_path / "ckpt"}})
     out = subprocess.run([sys.executable, "-m", "dflash_ring", "run", "--config", str(config)], capture_output=True,
                          text=True, timeout=120, cwd=tmp_path)
     lines = out.stderr.strip().splitlines()

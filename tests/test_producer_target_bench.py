@@ -12,15 +12,24 @@ import numpy as np
 
 from dflash_ring.bench.target import active_parameters, attention_pairs, run_target_bench
 from dflash_ring.bench.target_shapes import SHAPES
-from dflash_ring.cli import SHAPE_NAMES
 from dflash_ring.producer.target import TargetModel
 from dflash_ring.common.target_config import TargetConfig
 
 PROGRESS = re.compile(r"^(\w+) (\w+): (\{.*\})$")  # bench/progress.py's lines
 
 
-def test_shapes_named_in_the_cli_are_the_benchs():
-    assert set(SHAPE_NAMES) == set(SHAPES)
+def test_shapes_a_bench_offers_are_the_benchs():
+    """Each bench's --shape choices, from its own parser (add_arguments): every shape, less tiny where a bench has
+    its --tiny instead."""
+    import argparse
+    import importlib
+
+    for bench, offered in {"target": set(SHAPES), "topology": set(SHAPES), "regenerate": set(SHAPES),
+                           "drafter": set(SHAPES) - {"tiny"}, "precision": set(SHAPES) - {"tiny"}}.items():
+        parser = argparse.ArgumentParser()
+        importlib.import_module(f"dflash_ring.bench.{bench}").add_arguments(parser)
+        (shape,) = [a for a in parser._actions if a.dest == "shape"]
+        assert set(shape.choices) == offered, bench
 
 
 def test_moe_flops_count_only_the_routed_experts_a_token_uses(tmp_path):

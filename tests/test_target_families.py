@@ -26,7 +26,7 @@ from dflash_ring.producer.process import prepare, run_target
 from dflash_ring.producer.target import TargetModel
 from dflash_ring.common.target_config import TargetConfig, TargetConfigError
 from support import (FEATURE_TOLERANCE, HYBRID_MAMBA, LINEAR_RECURRENT, assert_same_features, build_target,
-                     packed_batch, reference_features)
+                     packed_batch, reference_features, write_config)
 
 # Every family's target is built once for the module (the `targets` fixture): the quick subset leaves it out.
 pytestmark = pytest.mark.slow
@@ -225,7 +225,7 @@ def check_target(config: Path, *args: str) -> subprocess.CompletedProcess:
 @pytest.mark.processes
 def test_check_target_reports_the_probe_as_json(targets, tmp_path):
     config = tmp_path / "run.toml"
-    config.write_text(f'[target]\npath = "{targets["qwen3_5_vl"]}"\nnum_draft_layers = 3\npacking = "packed"\n')
+    write_config(config, {"target": {"path": targets["qwen3_5_vl"], "num_draft_layers": 3, "packing": "packed"}})
     out = check_target(config, "--json")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
@@ -247,7 +247,7 @@ def test_check_target_of_a_directory_without_weights_is_one_clear_line(targets, 
     bare.mkdir()
     shutil.copy(targets["qwen3"] / "config.json", bare / "config.json")
     config = tmp_path / "run.toml"
-    config.write_text(f'[target]\npath = "{bare}"\n')
+    write_config(config, {"target": {"path": bare}})
     out = check_target(config)
     assert out.returncode == 2 and out.stdout == ""
     assert "Traceback" not in out.stderr and out.stderr.strip().splitlines()[-1].startswith(

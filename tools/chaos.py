@@ -51,7 +51,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -65,6 +64,7 @@ from dflash_ring.common.ledger_events import (DrafterStart, Exited, ProducerStar
                                               SupervisorStart, Trained, is_one_of, kind)
 from dflash_ring.common.ring import Ring, RingNotFound
 from dflash_ring.common.ring.segment import leftover_files
+from dflash_ring.tools.fleet import cli_command
 from dflash_ring.tools.reconcile import read_ledgers, reconcile, throughput
 from dflash_ring.tools.restarter import Restarter
 
@@ -280,8 +280,7 @@ class Phase:
                 stalled = rng.choice(drafters)
                 r.signal(stalled, signal.SIGSTOP)
         if mode in ("stop-now", "stall-stop-now"):
-            subprocess.Popen(_cli("stop", "--now", "--timeout", "300", "--config", str(self.cfg_path),
-                                  *[a for s in self.sets for a in ("--set", s)]),
+            subprocess.Popen(cli_command("stop", "--now", "--timeout", "300", config=self.cfg_path, sets=self.sets),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         else:
             sig = signal.SIGTERM if mode == "sigterm-all" else signal.SIGKILL
@@ -448,13 +447,9 @@ def _signal_for(role: str, rng: random.Random) -> str:
     return "SIGTERM" if rng.random() < share else "SIGKILL"
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "dflash_ring", *args]
-
-
 def _clean(cfg_path: Path, sets: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(_cli("clean", "--config", str(cfg_path), *[a for s in sets for a in ("--set", s)]),
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(cli_command("clean", config=cfg_path, sets=sets), capture_output=True, text=True,
+                          timeout=120)
 
 
 def leftovers(cfg: Config) -> list[str]:

@@ -19,21 +19,19 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from statistics import fmean, stdev
 
-from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
 from dflash_ring.common.config import Config, dump_toml, load_config
 from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.common.layout import Role
-from dflash_ring.common.metrics import DRAFTER, check_ports_free, port_of, run_ports
+from dflash_ring.common.metrics import DRAFTER, check_ports_free, run_ports
 from dflash_ring.common.ring import Ring, RingNotFound
+from dflash_ring.tools.fleet import forward_lines, role_command, scrape, spawn
 
 DEFAULT_CACHE = "~/.cache/dflash_ring"
 POLL_S, PRINT_EVERY_S = 2.0, 10.0
@@ -111,19 +109,6 @@ def corpus_replies_config(run_cfg: Path, workdir: Path) -> Path:
     return path
 
 
-def scrape(cfg: Config, role: str, index: int, timeout_s: float = 1.0) -> dict[str, float] | None:
-    """One process's unlabelled samples from its /metrics, e.g. {"dflash_ring_drafter_step": 120.0}; None if down."""
-    m = cfg.metrics
-    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(m.bind, m.bind)
-    host = f"[{host}]" if ":" in host else host
-    try:
-        with urllib.request.urlopen(f"http://{host}:{port_of(m, role, index)}/metrics", timeout=timeout_s) as r:
-            text = r.read().decode()
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
-
-
 @dataclass
 class DrafterView:
     """What the launcher last saw of one drafter (its /metrics survive only as long as it does)."""
@@ -190,7 +175,7 @@ class Progress:
                     self.drafters.setdefault(row["index"], DrafterView()).items = row["items"]
         if self.cfg.metrics.enabled:
             for j in range(self.cfg.topology.consumers):
-                if (sample := scrape(self.cfg, DRAFTER, j)) is not None:
+                if (sample := scrape(self.cfg.metrics, DRAFTER, j)) is not None:
                     self.drafters.setdefault(j, DrafterView()).update(now, sample)
 
     def line(self, final: bool = False) -> str | None:
@@ -236,7 +221,7 @@ def final_state(checkpoint_dir: str | Path, index: int) -> dict[str, int] | None
 
 class Launch:
     def __init__(self, cfg_path: Path, overrides: list[str], env: dict[str, str] | None = None):
-        self.env = dict(os.environ, **QUIET_BARS, **(env or {}))
+        self.env = {**QUIET_BARS, **(env or {})}
         self.cfg_path = cfg_path
         self.overrides = overrides
         self.cfg: Config = load_config(cfg_path, overrides)
@@ -245,21 +230,12 @@ class Launch:
         self.procs: dict[str, subprocess.Popen] = {}
         self._threads: list[threading.Thread] = []
 
-    def _spawn(self, name: str, *args: str) -> None:
-        sets = [a for o in self.overrides for a in ("--set", o)]
-        cmd = [sys.executable, "-m", "dflash_ring", *args, "--config", str(self.cfg_path), *sets]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                env=self.env)
+    def _spawn(self, name: str, reclaim_stale: bool = False) -> None:
+        proc = spawn(role_command(name, self.cfg_path, self.overrides, reclaim_stale=reclaim_stale), env=self.env)
         self.procs[name] = proc
-        t = threading.Thread(target=self._forward, args=(name, proc), daemon=True)
+        t = threading.Thread(target=forward_lines, args=(name, proc.stdout), daemon=True)
         t.start()
         self._threads.append(t)
-
-    def _forward(self, name: str, proc: subprocess.Popen) -> None:
-        for line in proc.stdout:
-            line = line.rstrip("\n").rsplit("\r", 1)[-1].rstrip()  # a stray progress bar: its last state only
-            if line:
-                print(f"{name:>10} | {line}", file=sys.stderr, flush=True)
 
     def start(self) -> None:
         t = self.cfg.topology
@@ -271,11 +247,11 @@ class Launch:
         if self.cfg.metrics.enabled:
             ports = ", ".join(f"{name} {port}" for name, port in run_ports(self.cfg).items())
             self.console.print(f"metrics at http://{self.cfg.metrics.bind}:PORT/metrics: {ports}")
-        self._spawn("supervisor", "supervisor", "--reclaim-stale")
+        self._spawn("supervisor", reclaim_stale=True)
         for i in range(t.producers):
-            self._spawn(f"target-{i}", "target", "--index", str(i))
+            self._spawn(f"target-{i}")
         for j in range(t.consumers):
-            self._spawn(f"drafter-{j}", "drafter", "--index", str(j))
+            self._spawn(f"drafter-{j}")
 
     def wait(self) -> int:
         """Wait for every process; Ctrl-C (or SIGTERM) drains the run through the supervisor."""

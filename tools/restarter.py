@@ -1,7 +1,7 @@
 """The restarter of `dflash-ring chaos`: what systemd's Restart=on-failure does for each unit, in-process.
 
-Each process of a run (supervisor, target-i, drafter-j) is started with the same command every
-time (`dflash-ring <role> --config F --set ...`) and its output appended to logs/<name>.log.
+Each process of a run (supervisor, target-i, drafter-j, standby-k) is started with the same command every
+time (tools/fleet.py: `dflash-ring <role> --config F --set ...`) and its output appended to logs/<name>.log.
 A process that exits after being signalled, or with a non-zero code, is started again after a
 random delay, until the run is over; as in the units, the supervisor's exit 3 (a clean end after it fenced a
 straggler, SuccessExitStatus=3) is a success.
@@ -12,21 +12,18 @@ from __future__ import annotations
 import random
 import signal
 import subprocess
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 from dflash_ring.supervisor.supervisor import EXIT_FENCED
+from dflash_ring.tools.fleet import role_command, spawn
 
 
 class Restarter:
     def __init__(self, cfg_path: Path, sets: list[str], log_dir: Path, env: dict[str, str], rng: random.Random,
                  delay_s: tuple[float, float]):
-        import os
-
-        self.cfg_path, self.sets, self.log_dir = cfg_path, sets, log_dir
-        self.env = dict(os.environ, **env)
+        self.cfg_path, self.sets, self.log_dir, self.env = cfg_path, sets, log_dir, env
         self.rng, self.delay_s = rng, delay_s
         self.procs: dict[str, subprocess.Popen] = {}
         self.pending: dict[str, float] = {}  # name -> monotonic time of its restart
@@ -38,18 +35,8 @@ class Restarter:
         self.stopped_late: dict[str, set[int]] = defaultdict(set)  # pids started too late to join, then stopped
         log_dir.mkdir(parents=True, exist_ok=True)
 
-    def command(self, name: str) -> list[str]:
-        role, _, index = name.partition("-")
-        args = (["supervisor"] if role == "supervisor" else ["drafter", "--standby"] if role == "standby"
-                else [role, "--index", index])
-        return [sys.executable, "-m", "dflash_ring", *args, "--config", str(self.cfg_path),
-                *[a for s in self.sets for a in ("--set", s)]]
-
     def start(self, name: str) -> int:
-        with open(self.log_dir / f"{name}.log", "ab") as log:
-            log.write(f"==== {time.strftime('%H:%M:%S')} start {name}\n".encode())
-            log.flush()
-            proc = subprocess.Popen(self.command(name), stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        proc = spawn(role_command(name, self.cfg_path, self.sets), self.log_dir / f"{name}.log", self.env, name)
         self.procs[name] = proc
         self.pending.pop(name, None)
         self.spawns.append((time.time(), name, proc.pid))
