@@ -570,7 +570,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         from dflash_ring.common.config import drafter_target_settings
         from dflash_ring.common.target_config import check_target_builds
 
-        drafter_target_settings(cfg)
+        drafter_target_settings(cfg.drafter, cfg.target)
         check_target_builds(cfg.target.path)
         if cfg.target.tensor_parallel > 1:  # the target's counts and family, this host's devices
             from dflash_ring.producer.target import resolve_device
@@ -638,7 +638,7 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     transformers.utils.logging.disable_progress_bar()
     if args.threads:
         torch.set_num_threads(args.threads)
-    metrics = RegenerateMetrics(serve(cfg, REGENERATE))
+    metrics = RegenerateMetrics(serve(cfg.metrics, cfg.run.name, REGENERATE))
     bar = Progress(TextColumn("regenerating"), BarColumn(), MofNCompleteColumn(), TextColumn("rows"),
                    TextColumn("{task.fields[rate]}"), TextColumn("ETA"), TimeRemainingColumn(),
                    console=console(), disable=not sys.stderr.isatty())

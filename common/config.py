@@ -256,12 +256,12 @@ class Config:
         return default_runtime_root() / self.run.name
 
 
-def drafter_target_settings(cfg: Config) -> tuple[int, list[int]]:
+def drafter_target_settings(drafter: DrafterConfig, target: TargetConfig) -> tuple[int, list[int]]:
     """The drafter's mask token and feature layers, resolved against the target (its config.json's geometry),
     as every drafter process validates them before building anything: a refusal is a ConfigError (one line at
     the command's boundary), never a bare ValueError from deeper down."""
-    geometry = cfg.target.geometry()  # a target it cannot read: its own TargetConfigError
-    mask = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None else cfg.target.mask_token_id
+    geometry = target.geometry()  # a target it cannot read: its own TargetConfigError
+    mask = drafter.mask_token_id if drafter.mask_token_id is not None else target.mask_token_id
     if mask is None:
         raise ConfigError("target.mask_token_id is unset: a drafter needs the target's <|MASK|> embedding row; set "
                           "it in [target] to the target's first unused row (151669 for Qwen3)")
@@ -270,8 +270,8 @@ def drafter_target_settings(cfg: Config) -> tuple[int, list[int]]:
                           "embedding: set a row of it (or remove drafter.mask_token_id to use target.mask_token_id)")
     # One source of truth for the features: the layers the producers capture.
     layer_ids = list(geometry.layer_ids)
-    if cfg.drafter.target_layer_ids and list(cfg.drafter.target_layer_ids) != layer_ids:
-        raise ConfigError(f"drafter.target_layer_ids {cfg.drafter.target_layer_ids} differs from the layers the "
+    if drafter.target_layer_ids and list(drafter.target_layer_ids) != layer_ids:
+        raise ConfigError(f"drafter.target_layer_ids {drafter.target_layer_ids} differs from the layers the "
                           f"producers capture {layer_ids}: set target.layer_ids instead")
     return mask, layer_ids
 
