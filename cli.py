@@ -633,7 +633,7 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     from dflash_ring.tools.launcher import console
 
     cfg = _config(args)
-    check_settings(cfg)  # before the metrics port, the data set or the model
+    check_settings(cfg.regenerate, cfg.data, cfg.target)  # before the metrics port, the data set or the model
     datasets.disable_progress_bars()  # the one progress display is ours
     transformers.utils.logging.disable_progress_bar()
     if args.threads:
@@ -656,7 +656,8 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
         with bar:
             for h in handlers:  # log lines above the bar, not through it
                 h.setStream(sys.stderr)
-            summary = regenerate(cfg, device=args.device, metrics=metrics, progress=progress)
+            summary = regenerate(cfg.regenerate, cfg.data, cfg.target, device=args.device, metrics=metrics,
+                                 progress=progress)
     except KeyboardInterrupt:
         print("dflash-ring regenerate: interrupted; finished shards are kept: run the same command again to resume",
               file=sys.stderr)

@@ -246,7 +246,8 @@ class WandB:
             self.run = wandb.init(
                 mode=t.wandb_mode, dir=str(root), project=t.project, entity=t.wandb_entity or None,
                 id=series_id(root, run.name, index), resume="allow", group=run_name, name=f"{run_name}/drafter-{index}",
-                job_type="drafter", tags=list(t.tags), config={**tomllib.loads(run.config_text), "fingerprint": run.fingerprint},
+                job_type="drafter", tags=list(t.tags),
+                config={**tomllib.loads(run.config_text), "fingerprint": run.fingerprint},
                 settings=wandb.Settings(silent=True, console="off", disable_git=True, save_code=False,
                                         x_disable_stats=True, x_disable_machine_info=True),
             )
