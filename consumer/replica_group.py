@@ -80,6 +80,7 @@ from dflash_ring.common.target_config import TargetConfig
 from dflash_ring.common.train_config import TrainConfig
 from dflash_ring.common.layout import Role
 from dflash_ring.common.liveness import is_alive, lock_path
+from dflash_ring.common.ownership import group_secret
 from dflash_ring.common.rendezvous import parse_rendezvous
 
 log = logging.getLogger(__name__)
@@ -202,7 +203,7 @@ class ReplicaGroup:
         self.params = list(model.parameters())
         n = sum(p.numel() for p in self.params)
         self._flat = torch.empty(n, dtype=torch.float32, pin_memory=self.params[0].is_cuda)
-        self.secret = group.secret()
+        self.secret = group_secret(group.secret_file)
         self.store: SignedStore | None = None
         self.hosts: list[str] = []
         self.pg: ProcessGroupGloo | None = None
