@@ -417,7 +417,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         from dflash_ring.common.config import drafter_target_settings
         from dflash_ring.common.target_config import check_target_builds
 
-        drafter_target_settings(cfg)
+        drafter_target_settings(cfg.drafter, cfg.target)
         check_target_builds(cfg.target.path)
         if cfg.target.tensor_parallel > 1:  # the target's counts and family, this host's devices
             from dflash_ring.producer.target import resolve_device
@@ -480,12 +480,12 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     from dflash_ring.tools.launcher import console
 
     cfg = _config(args)
-    check_settings(cfg)  # before the metrics port, the data set or the model
+    check_settings(cfg.regenerate, cfg.data, cfg.target)  # before the metrics port, the data set or the model
     datasets.disable_progress_bars()  # the one progress display is ours
     transformers.utils.logging.disable_progress_bar()
     if args.threads:
         torch.set_num_threads(args.threads)
-    metrics = RegenerateMetrics(serve(cfg, REGENERATE))
+    metrics = RegenerateMetrics(serve(cfg.metrics, cfg.run.name, REGENERATE))
     bar = Progress(TextColumn("regenerating"), BarColumn(), MofNCompleteColumn(), TextColumn("rows"),
                    TextColumn("{task.fields[rate]}"), TextColumn("ETA"), TimeRemainingColumn(),
                    console=console(), disable=not sys.stderr.isatty())
@@ -503,7 +503,8 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
         with bar:
             for h in handlers:  # log lines above the bar, not through it
                 h.setStream(sys.stderr)
-            summary = regenerate(cfg, device=args.device, metrics=metrics, progress=progress)
+            summary = regenerate(cfg.regenerate, cfg.data, cfg.target, device=args.device, metrics=metrics,
+                                 progress=progress)
     except KeyboardInterrupt:
         print("dflash-ring regenerate: interrupted; finished shards are kept: run the same command again to resume",
               file=sys.stderr)

@@ -169,7 +169,7 @@ def _standalone(cfg: Config, device: torch.device, batches: int,
 
 def _standalone_drafter(cfg: Config, device: torch.device, fed: list[DeviceBatch], warm: int) -> dict[str, Any]:
     """Built and stepped exactly as the drafter process does (consumer/process.py), minus the ring."""
-    drafter_cfg = resolve_drafter_config(cfg)
+    drafter_cfg = resolve_drafter_config(cfg.drafter, cfg.target)
     head = load_target_head(cfg.target.path, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                             device=device)
     torch.manual_seed(cfg.train.seed)

@@ -12,7 +12,6 @@ import dataclasses
 import math
 import os
 import re
-import stat
 import tomllib
 import types
 import typing
@@ -23,6 +22,7 @@ from typing import Annotated
 from dflash_ring.common.refusal import Refusal
 from dflash_ring.common.bounded_read import CONFIG_BYTES, read_text
 from dflash_ring.common.range_config import DEFAULT, PositiveSeconds, Range, Seconds, range_of, refusal
+from dflash_ring.common.ownership import SecretFileError, group_secret
 from dflash_ring.common.run_name import RunNameError, check_run_name
 from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.common.train_config import TrainConfig
@@ -117,36 +117,9 @@ class GroupConfig:
     host_name: str = ""
     # Shared secret (same bytes on every host, a file of ours with mode 0600): every value the group writes
     # to the store is signed with it, so a client without it can neither join nor change the group.
-    # Required with a rendezvous; make one with `head -c 32 /dev/urandom > F && chmod 600 F`.
+    # Required with a rendezvous; make one with `head -c 32 /dev/urandom > F && chmod 600 F`. Read and checked by
+    # common/ownership.py `group_secret`.
     secret_file: str = ""
-
-    def secret(self) -> bytes:
-        """The group secret; refused unless a regular file of ours no one else can read or write (why: it is
-        the group's only credential)."""
-        if not self.secret_file:
-            raise ConfigError("group.secret_file is not set: the replica group needs a shared secret file "
-                              "(same content on every host), e.g. `head -c 32 /dev/urandom > F && chmod 600 F`")
-        try:
-            fd = os.open(self.secret_file, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as e:
-            raise ConfigError(f"group.secret_file = {self.secret_file!r}: cannot open it ({e.strerror}); "
-                              "create it with `head -c 32 /dev/urandom > F && chmod 600 F`") from None
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise ConfigError(f"group.secret_file = {self.secret_file!r} is not a regular file")
-            if st.st_uid != os.geteuid():
-                raise ConfigError(f"group.secret_file = {self.secret_file!r} belongs to uid {st.st_uid}, not to "
-                                  f"this user ({os.geteuid()}): use a file of your own")
-            if st.st_mode & 0o077:
-                raise ConfigError(f"group.secret_file = {self.secret_file!r} has mode "
-                                  f"{stat.S_IMODE(st.st_mode):04o}: others can read or write it; "
-                                  f"`chmod 600 {self.secret_file}`")
-            secret = f.read()
-        if len(secret.strip()) < 16:
-            raise ConfigError(f"group.secret_file = {self.secret_file!r} holds {len(secret.strip())} bytes: "
-                              "need at least 16, e.g. `head -c 32 /dev/urandom > F`")
-        return secret
 
 
 @dataclass
@@ -211,8 +184,8 @@ class Config:
             raise ConfigError("group.serve = true needs group.rendezvous = \"tcp://host:port\" to listen on")
         if g.rendezvous:
             try:
-                g.secret()  # here, so a missing or exposed secret stops the run at start, naming the setting
-            except ConfigError as e:
+                group_secret(g.secret_file)  # here, so a missing or exposed secret stops the run at start
+            except SecretFileError as e:
                 raise ConfigError(f"group.rendezvous = {g.rendezvous!r} needs the group's secret: {e}") from None
 
     def fingerprint_fields(self) -> dict[str, typing.Any]:
@@ -255,12 +228,12 @@ class Config:
         return default_runtime_root() / self.run.name
 
 
-def drafter_target_settings(cfg: Config) -> tuple[int, list[int]]:
+def drafter_target_settings(drafter: DrafterConfig, target: TargetConfig) -> tuple[int, list[int]]:
     """The drafter's mask token and feature layers, resolved against the target (its config.json's geometry),
     as every drafter process validates them before building anything: a refusal is a ConfigError (one line at
     the command's boundary), never a bare ValueError from deeper down."""
-    geometry = cfg.target.geometry()  # a target it cannot read: its own TargetConfigError
-    mask = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None else cfg.target.mask_token_id
+    geometry = target.geometry()  # a target it cannot read: its own TargetConfigError
+    mask = drafter.mask_token_id if drafter.mask_token_id is not None else target.mask_token_id
     if mask is None:
         raise ConfigError("target.mask_token_id is unset: a drafter needs the target's <|MASK|> embedding row; set "
                           "it in [target] to the target's first unused row (151669 for Qwen3)")
@@ -269,8 +242,8 @@ def drafter_target_settings(cfg: Config) -> tuple[int, list[int]]:
                           "embedding: set a row of it (or remove drafter.mask_token_id to use target.mask_token_id)")
     # One source of truth for the features: the layers the producers capture.
     layer_ids = list(geometry.layer_ids)
-    if cfg.drafter.target_layer_ids and list(cfg.drafter.target_layer_ids) != layer_ids:
-        raise ConfigError(f"drafter.target_layer_ids {cfg.drafter.target_layer_ids} differs from the layers the "
+    if drafter.target_layer_ids and list(drafter.target_layer_ids) != layer_ids:
+        raise ConfigError(f"drafter.target_layer_ids {drafter.target_layer_ids} differs from the layers the "
                           f"producers capture {layer_ids}: set target.layer_ids instead")
     return mask, layer_ids
 

@@ -114,7 +114,7 @@ ROW_DTYPE = np.dtype(
         # intent_*: a count about to change with a slot's CAS (common/ring/slots.py, Slots._commit): if the process
         # dies between the CAS and the count, whoever reclaims the row completes or drops the count.
         # intent_slot is the slot + 1 (0: no intent), so a fresh zeroed row holds none.
-        # cursor_plan: the data plan (producer/process.py plan_key) the cursor counts batches of, so a
+        # cursor_plan: the data plan (producer/batching.py ShardBatcher.plan_key) the cursor counts batches of, so a
         # producer restarted with other data or batching never resumes from a position of another plan.
         # replayed: how many entries of the producer's replay list (batches a stopped run left untrained,
         # common/resume_state.py) are published; it commits and rolls back with the cursor (prev_replayed).

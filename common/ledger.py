@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_ring.common.config import Config
 from dflash_ring.common.layout import OPERATOR_NAME, Role
 from dflash_ring.common.ledger_events import LedgerEvent, encode, parse
 
@@ -30,12 +29,12 @@ class Ledger:
         self._pid = os.getpid()
 
     @classmethod
-    def open(cls, cfg: Config, role: Role, index: int) -> Ledger | None:
+    def open(cls, ledger_dir: str, role: Role, index: int) -> Ledger | None:
         """This process's ledger (<ledger_dir>/<target|drafter|supervisor>-<index>.jsonl), or None when
-        `run.ledger_dir` is empty (the default)."""
-        if not cfg.run.ledger_dir:
+        `ledger_dir` (run.ledger_dir) is empty (the default)."""
+        if not ledger_dir:
             return None
-        directory = Path(cfg.run.ledger_dir).expanduser()
+        directory = Path(ledger_dir).expanduser()
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         return cls(directory / f"{OPERATOR_NAME[role]}-{index}.jsonl")
 

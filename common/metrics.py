@@ -35,7 +35,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from dflash_ring.common.config import Config, MetricsConfig
+from dflash_ring.common.config import MetricsConfig, TopologyConfig
 from dflash_ring.common.layout import OPERATOR_NAME, ROLE_NAME, Role
 
 if TYPE_CHECKING:  # the supervisor serves metrics without torch (a second of its start-up on a small box)
@@ -62,9 +62,8 @@ def port_of(m: MetricsConfig, role: str, index: int = 0) -> int:
     return m.port_base + PORT_OFFSET[role] + (0 if role in (SUPERVISOR, REGENERATE) else index)
 
 
-def run_ports(cfg: Config) -> dict[str, int]:
+def run_ports(m: MetricsConfig, t: TopologyConfig) -> dict[str, int]:
     """Every process's port, e.g. {"supervisor": 9460, "target-0": 9461, "drafter-0": 9560}."""
-    m, t = cfg.metrics, cfg.topology
     ports = {SUPERVISOR: port_of(m, SUPERVISOR)}
     ports |= {f"{TARGET}-{i}": port_of(m, TARGET, i) for i in range(t.producers)}
     ports |= {f"{DRAFTER}-{j}": port_of(m, DRAFTER, j) for j in range(t.consumers)}
@@ -83,42 +82,41 @@ def _port_error(m: MetricsConfig, who: str, port: int, e: OSError) -> MetricsPor
                             f"and metrics.port_base, or set metrics.enabled = false")
 
 
-def check_ports_free(cfg: Config) -> None:
+def check_ports_free(m: MetricsConfig, t: TopologyConfig) -> None:
     """Refuse to start a one-host run whose metrics ports are taken, before any process starts."""
-    for who, port in run_ports(cfg).items():
-        _check_free(cfg, who, port)
+    for who, port in run_ports(m, t).items():
+        _check_free(m, who, port)
 
 
-def check_port_free(cfg: Config, role: str, index: int) -> None:
+def check_port_free(m: MetricsConfig, role: str, index: int) -> None:
     """Refuse to start a process whose port is taken, before minutes of loading (for one that serves it later)."""
-    _check_free(cfg, f"{role} {index}", port_of(cfg.metrics, role, index))
+    _check_free(m, f"{role} {index}", port_of(m, role, index))
 
 
-def _check_free(cfg: Config, who: str, port: int) -> None:
-    if not cfg.metrics.enabled:
+def _check_free(m: MetricsConfig, who: str, port: int) -> None:
+    if not m.enabled:
         return
     try:
-        with socket.create_server((cfg.metrics.bind, port)):
+        with socket.create_server((m.bind, port)):
             pass
     except OSError as e:
-        raise _port_error(cfg.metrics, who, port, e) from None
+        raise _port_error(m, who, port, e) from None
 
 
-def serve(cfg: Config, role: str, index: int = 0, uuid: str = "") -> CollectorRegistry:
+def serve(m: MetricsConfig, run_name: str, role: str, index: int = 0, uuid: str = "") -> CollectorRegistry:
     """This process's registry, served on its port when metrics are enabled (a private one otherwise).
 
     Carries dflash_ring_process_info{role,index,run,UUID} = 1 and the standard process_* metrics.
     A port past 65535 (port_base too high for this role's offset) is refused by name.
     """
     registry = CollectorRegistry()
-    if not cfg.metrics.enabled:
+    if not m.enabled:
         return registry
     for c in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
         registry.register(c)
     Gauge("dflash_ring_process_info", "This process: role (supervisor|target|drafter|regenerate), index, run "
           "and GPU UUID (empty on the CPU); always 1", ["role", "index", "run", "UUID"],
-          registry=registry).labels(role, str(index), cfg.run.name, uuid).set(1)
-    m = cfg.metrics
+          registry=registry).labels(role, str(index), run_name, uuid).set(1)
     port = port_of(m, role, index)
     who = role if role in (SUPERVISOR, REGENERATE) else f"{role} {index}"
     if port > 65535:

@@ -1,4 +1,5 @@
-"""Trust only what this user owns: the ring's segment and semaphores, and the lock directory.
+"""Trust only what this user owns: the ring's segment and semaphores, the lock directory, and the replica
+group's secret file (`group_secret`).
 
 POSIX IPC names and the /tmp fallback are shared by every local user. Whoever creates a
 run's segment first owns it: if another user did (mode 0666), this run's workers would train
@@ -14,11 +15,17 @@ import os
 import stat
 from pathlib import Path
 
+from dflash_ring.common.refusal import Refusal
+
 SHM_DIR = Path("/dev/shm")
 
 
 class ForeignObjectError(RuntimeError):
     """An IPC object or directory that another user owns or may change."""
+
+
+class SecretFileError(Refusal, ValueError):
+    """group.secret_file unset, unreadable, too short, or a file others may read or change; the message names it."""
 
 
 def semaphore_path(name: str) -> Path:
@@ -96,3 +103,32 @@ def _check_own_dir(d: Path, what: str, fix: str) -> None:
     if st.st_mode & 0o022:
         raise ForeignObjectError(f"{what} {d} has mode {stat.S_IMODE(st.st_mode):04o}: others may write to it. "
                                  f"chmod 700 {d}")
+
+
+def group_secret(secret_file: str) -> bytes:
+    """The replica group's secret, from group.secret_file; refused unless a regular file of ours no one else can
+    read or write (why: it is the group's only credential)."""
+    if not secret_file:
+        raise SecretFileError("group.secret_file is not set: the replica group needs a shared secret file "
+                              "(same content on every host), e.g. `head -c 32 /dev/urandom > F && chmod 600 F`")
+    try:
+        fd = os.open(secret_file, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise SecretFileError(f"group.secret_file = {secret_file!r}: cannot open it ({e.strerror}); "
+                              "create it with `head -c 32 /dev/urandom > F && chmod 600 F`") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise SecretFileError(f"group.secret_file = {secret_file!r} is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise SecretFileError(f"group.secret_file = {secret_file!r} belongs to uid {st.st_uid}, not to "
+                                  f"this user ({os.geteuid()}): use a file of your own")
+        if st.st_mode & 0o077:
+            raise SecretFileError(f"group.secret_file = {secret_file!r} has mode "
+                                  f"{stat.S_IMODE(st.st_mode):04o}: others can read or write it; "
+                                  f"`chmod 600 {secret_file}`")
+        secret = f.read()
+    if len(secret.strip()) < 16:
+        raise SecretFileError(f"group.secret_file = {secret_file!r} holds {len(secret.strip())} bytes: "
+                              "need at least 16, e.g. `head -c 32 /dev/urandom > F`")
+    return secret

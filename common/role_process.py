@@ -65,7 +65,7 @@ class RoleProcess:
     def serve(self, index: int) -> CollectorRegistry:
         """Become role `index` on /metrics: its port, its process info, the start-up phases so far and from now on."""
         self.index = index
-        self.registry = serve(self.cfg, OPERATOR_NAME[self.role], index, self.gpu_uuid)
+        self.registry = serve(self.cfg.metrics, self.cfg.run.name, OPERATOR_NAME[self.role], index, self.gpu_uuid)
         if self.cfg.metrics.enabled:
             self.registry.register(GpuCollector([self.gpu_uuid]))
         self.startup.export(self.registry)
@@ -100,7 +100,7 @@ class RoleProcess:
         its index's lock when it has taken it already."""
         self.member = Membership.join(self.ring, self.cfg, self.role, self.index, lock)
         self._stack.callback(self._leave)
-        self.ledger = Ledger.open(self.cfg, self.role, self.index)
+        self.ledger = Ledger.open(self.cfg.run.ledger_dir, self.role, self.index)
         sd_notify.ready(f"{self.name}: {ready}")
         return self.member
 

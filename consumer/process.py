@@ -40,18 +40,21 @@ from typing import Any
 import torch
 
 from dflash_ring.common.compile_cache import use_compile_cache
-from dflash_ring.common.config import Config, drafter_target_settings
+from dflash_ring.common.config import Config, drafter_target_settings, dump_toml
 from dflash_ring.common.device import checked_device
+from dflash_ring.common.data_config import DataConfig
 from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.common.gpu_metrics import device_uuid
 from dflash_ring.common.layout import Role
 from dflash_ring.common.ledger_events import DrafterStart, Evaluated, Exited, Trained
 from dflash_ring.common.liveness import is_alive, lock_path
 from dflash_ring.common.metrics import DRAFTER, DrafterMetrics, check_port_free
-from dflash_ring.common.ring import Ring, SlotReader
+from dflash_ring.common.ring import Ring, SlotReader, fingerprint_digest
 from dflash_ring.common.role_process import RoleProcess, role_process
 from dflash_ring.common.seat import Seat, take_seat
 from dflash_ring.common.startup import Startup
+from dflash_ring.common.target_config import TargetConfig
+from dflash_ring.common.train_config import TrainConfig
 from dflash_ring.common.trained_journal import Journal, drop_covered, journal_dir, seal
 from dflash_ring.consumer.accounting import Consumed, ItemAccount
 from dflash_ring.consumer.checkpoint import CheckpointStore, check_same_shape
@@ -60,13 +63,13 @@ from dflash_ring.consumer.fp8 import check_precision
 from dflash_ring.consumer.head_cache import CACHE_NAME as HEAD_CACHE_NAME
 from dflash_ring.consumer.head_loader import load_target_head
 from dflash_ring.consumer.model import build_drafter
-from dflash_ring.consumer.replica_group import ReplicaGroup
+from dflash_ring.consumer.replica_group import ReplicaGroup, fingerprint_fields
 from dflash_ring.consumer.replicas import Averaging, ReplicaAverager
 from dflash_ring.consumer.ring_input import Prefetcher, ring_reading
 from dflash_ring.consumer.source_metrics import SourceLabels
 from dflash_ring.consumer.step_report import StepReport
 from dflash_ring.consumer.target_head import FrozenTargetHead
-from dflash_ring.consumer.tracking import Tracking, check_tracking_dir
+from dflash_ring.consumer.tracking import RunRecord, Tracking, check_tracking_dir
 from dflash_ring.consumer.trainer import DeviceBatch, StepSchedule, Trainer
 
 log = logging.getLogger(__name__)
@@ -79,10 +82,10 @@ def target_config_dict(target_path: str) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def resolve_drafter_config(cfg: Config) -> DrafterConfig:
+def resolve_drafter_config(drafter: DrafterConfig, target: TargetConfig) -> DrafterConfig:
     """The drafter's settings with the target's choices filled in (mask token, captured layers)."""
-    mask, layer_ids = drafter_target_settings(cfg)  # refusals are ConfigErrors: one line at the boundary
-    return replace(cfg.drafter, mask_token_id=mask, target_layer_ids=layer_ids)
+    mask, layer_ids = drafter_target_settings(drafter, target)  # refusals are ConfigErrors: one line at the boundary
+    return replace(drafter, mask_token_id=mask, target_layer_ids=layer_ids)
 
 
 def pick_device(requested: str, index: int) -> torch.device:
@@ -101,7 +104,9 @@ def _averaging(cfg: Config, index: int, model: torch.nn.Module, drafter_cfg: Dra
         replicas = ReplicaAverager(cfg.run.name, index, cfg.topology.consumers, model, cfg.lock_dir())
         caught = replicas.catch_up()
     if cfg.group.rendezvous and every:  # other hosts: this host's leader meets them
-        group = ReplicaGroup.from_config(cfg, index, model, drafter_cfg, fresh=caught == 0)
+        group = ReplicaGroup.named(cfg.group, cfg.run.name, index, model, cfg.lock_dir(),
+                                   fingerprint_fields(drafter_cfg, cfg.target, cfg.train, cfg.group, model),
+                                   fresh=caught == 0)
         group.start()  # a restarted host takes the live hosts' weights before its first step
     return Averaging(every, replicas, group)
 
@@ -157,32 +162,34 @@ class Built:
     trainer: Trainer
 
 
-def build(cfg: Config, device: torch.device, head_cache: Path) -> Built:
-    """The drafter's parts. The target's frozen head (2.5 GB at 8B width: reading it and copying it to the GPU
-    release the GIL) is read on a thread while this one imports the compiler the trainer needs (~3-4 s on an H200
-    host): on a restart the two no longer add up."""
+def build(drafter: DrafterConfig, target: TargetConfig, train: TrainConfig, source_names: tuple[str, ...],
+          compile_cache_dir: str, device: torch.device, head_cache: Path) -> Built:
+    """The drafter's parts (`source_names`: data.source_names(), the labels of the per-source figures;
+    `compile_cache_dir`: run.compile_cache_dir). The target's frozen head (2.5 GB at 8B width: reading it and
+    copying it to the GPU release the GIL) is read on a thread while this one imports the compiler the trainer needs
+    (~3-4 s on an H200 host): on a restart the two no longer add up."""
     t0 = time.perf_counter()
-    drafter_cfg = resolve_drafter_config(cfg)
-    target_config = target_config_dict(cfg.target.path)
-    compiles = cfg.train.compile and device.type == "cuda"
+    drafter_cfg = resolve_drafter_config(drafter, target)
+    target_config = target_config_dict(target.path)
+    compiles = train.compile and device.type == "cuda"
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="head") as pool:
         # The head probe runs once per target; a restart reads its result (no modeling code imported).
-        reading = pool.submit(load_target_head, cfg.target.path,
+        reading = pool.submit(load_target_head, target.path,
                               dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, device=device,
                               cache=head_cache)
         if compiles:
-            use_compile_cache(cfg.run.compile_cache_dir, "drafter",
+            use_compile_cache(compile_cache_dir, "drafter",
                               {"drafter": asdict(drafter_cfg), "target": target_config,
-                               "attention": cfg.train.attention_for("cuda")})
+                               "attention": train.attention_for("cuda")})
             import_compiler()
         t_imports = time.perf_counter()
         head = reading.result()
     log.info("target head read in %.2fs%s", time.perf_counter() - t0,
              f" (beside it, the compiler imported in {t_imports - t0:.2f}s)" if compiles else "")
-    torch.manual_seed(cfg.train.seed)  # the initial weights: reproducible, and equal across replicas
+    torch.manual_seed(train.seed)  # the initial weights: reproducible, and equal across replicas
     with torch.device(device):  # initialised where it trains: an 8B-wide drafter takes ~10 s on a CPU
         model = build_drafter(drafter_cfg, target_config)
-    trainer = Trainer(model, head, drafter_cfg, cfg.train, device, SourceLabels(cfg.data.source_names()))
+    trainer = Trainer(model, head, drafter_cfg, train, device, SourceLabels(source_names))
     return Built(drafter_cfg, target_config, head, trainer)
 
 
@@ -195,8 +202,9 @@ class Resumed:
     after the seat is taken, or the journal would not cover what lies between.
     """
 
-    def __init__(self, cfg: Config, index: int, trainer: Trainer, drafter_cfg: DrafterConfig):
-        self.store = CheckpointStore(Path(cfg.train.checkpoint_dir) / f"drafter-{index}")
+    def __init__(self, checkpoint_dir: str, index: int, trainer: Trainer, drafter_cfg: DrafterConfig):
+        """`checkpoint_dir`: train.checkpoint_dir, which holds drafter-<index>/."""
+        self.store = CheckpointStore(Path(checkpoint_dir) / f"drafter-{index}")
         self.trainer, self.drafter_cfg = trainer, drafter_cfg
         self.consumed = Consumed()
         self.loaded: tuple[str, tuple[str, ...]] | None = None  # the store's contents when last loaded
@@ -230,24 +238,25 @@ def run_drafter(cfg: Config, indices: list[int], device_name: str | None, startu
     takes over the first whose holder dies (common/seat.py), and exits 0 at the run's end if none does."""
     device = pick_device(device_name or cfg.train.device, indices[0])
     check_precision(cfg.drafter.precision, device)  # one line, before anything is built or joined
-    check_tracking_dir(cfg)  # fails here, before the model is built
+    check_tracking_dir(cfg.tracking_dir())  # fails here, before the model is built
     if not standby and not is_alive(lock_path(cfg.lock_dir(), Role.CONSUMER, indices[0])):
         # Nobody holds this drafter's seat, so nobody should hold its port: a taken one fails now, not after the
         # load. (When a live process holds the seat, it serves the port, and this one will wait as its standby.)
-        check_port_free(cfg, DRAFTER, indices[0])
+        check_port_free(cfg.metrics, DRAFTER, indices[0])
     with role_process(cfg, Role.CONSUMER, None, device_uuid(device), startup) as proc:
         # The head cache is per drafter directory; a standby reads (or writes) its first index's.
-        built = build(cfg, device, Path(cfg.train.checkpoint_dir) / f"drafter-{indices[0]}" / HEAD_CACHE_NAME)
+        built = build(cfg.drafter, cfg.target, cfg.train, cfg.data.source_names(), cfg.run.compile_cache_dir, device,
+                      Path(cfg.train.checkpoint_dir) / f"drafter-{indices[0]}" / HEAD_CACHE_NAME)
         startup.mark("model")  # the target's frozen head, the drafter built on its device
         resumed = None
         if not standby:
-            resumed = Resumed(cfg, indices[0], built.trainer, built.drafter_cfg)
-            resumed.load(beside=lambda: _precompile(cfg, built.trainer))
+            resumed = Resumed(cfg.train.checkpoint_dir, indices[0], built.trainer, built.drafter_cfg)
+            resumed.load(beside=lambda: _precompile(cfg.data, built.trainer))
         startup.mark("checkpoint")  # read and verified; beside it, the first step precompiled
         ring = proc.attach(pin=True)  # after loading: a wrong model fails at once, not after a ring appears
         startup.mark("attach")
         if standby:  # compiled while nothing waits on it, so a takeover's first step is a step, not a compile
-            _precompile(cfg, built.trainer)
+            _precompile(cfg.data, built.trainer)
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # its activations' memory back to the drafters sharing the GPU
         startup.mark("precompile")
@@ -261,11 +270,12 @@ def run_drafter(cfg: Config, indices: list[int], device_name: str | None, startu
             startup.what = f"drafter {seat.index}"
             log.warning("standby (pid %d) takes over drafter %d, whose holder (pid %d) died", os.getpid(), seat.index,
                         seat.predecessor_pid)
-            resumed = Resumed(cfg, seat.index, built.trainer, built.drafter_cfg)
+            resumed = Resumed(cfg.train.checkpoint_dir, seat.index, built.trainer, built.drafter_cfg)
         proc.serve(seat.index)  # the index's port: free now that its seat is ours
         resumed.load()  # the latest the seat's last holder made durable (nothing new: nothing loaded again)
         startup.mark("takeover")
-        with Tracking(cfg, seat.index) as tracking:
+        run = RunRecord(cfg.run.name, dump_toml(cfg, full=True), fingerprint_digest(cfg.fingerprint_fields()).hex())
+        with Tracking(cfg.tracking, cfg.tracking_dir(), seat.index, run) as tracking:
             train(cfg, seat, proc, built, resumed, tracking, startup)
     return 0
 
@@ -276,9 +286,9 @@ def import_compiler() -> None:
     import torch._inductor.compile_fx  # noqa: F401
 
 
-def _precompile(cfg: Config, trainer: Trainer) -> None:
+def _precompile(data: DataConfig, trainer: Trainer) -> None:
     """The first step's compile ahead of the first item (Trainer.precompile), at the widths the producers batch to."""
-    if seconds := trainer.precompile(cfg.data.max_tokens_per_batch, cfg.data.max_length):
+    if seconds := trainer.precompile(data.max_tokens_per_batch, data.max_length):
         log.info("first step precompiled in %.2fs", seconds)
 
 
@@ -289,7 +299,7 @@ def train(cfg: Config, seat: Seat, proc: RoleProcess, built: Built, resumed: Res
     metrics = DrafterMetrics(proc.registry)
     drafter_cfg, consumed = built.drafter_cfg, resumed.consumed
     me = proc.join("model loaded, ring attached", seat.lock)  # seals a dead predecessor's journal first
-    journal = resume_journal(cfg, index, ring, trainer.step)
+    journal = resume_journal(cfg.train.checkpoint_dir, index, ring, trainer.step)
     checkpoints = Checkpoints(resumed.store, cfg.train.checkpoint_every_steps, cfg.train.keep_checkpoints,
                               partial(consumed.saved_with,
                                       {"drafter": asdict(drafter_cfg), "target_config": built.target_config,
@@ -333,11 +343,11 @@ def train(cfg: Config, seat: Seat, proc: RoleProcess, built: Built, resumed: Res
         proc.ledger.write(Exited(trainer.step))
 
 
-def resume_journal(cfg: Config, index: int, ring: Ring, step: int) -> Journal:
+def resume_journal(checkpoint_dir: str, index: int, ring: Ring, step: int) -> Journal:
     """This process's journal, resuming from checkpoint `step`. Joining sealed what a dead predecessor trained after
     the `latest` checkpoint; a resume that fell back to an older checkpoint (a damaged `latest`) seals what it
     trained after this one as well. Older segments are covered by the state resumed from."""
-    directory = journal_dir(cfg.train.checkpoint_dir, index)
+    directory = journal_dir(checkpoint_dir, index)
     seal(directory, step, ring.identity.created_ns, ring.unfinished_item_numbers(), mine=os.getpid())
     drop_covered(directory, step, os.getpid())
     return Journal(directory, ring.identity.created_ns, step)

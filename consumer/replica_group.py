@@ -74,10 +74,13 @@ import torch
 from torch import nn
 from torch.distributed import AllreduceOptions, ProcessGroupGloo, ReduceOp, Store, TCPStore
 
-from dflash_ring.common.config import Config, ConfigError, GroupConfig
+from dflash_ring.common.config import ConfigError, GroupConfig
 from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.target_config import TargetConfig
+from dflash_ring.common.train_config import TrainConfig
 from dflash_ring.common.layout import Role
 from dflash_ring.common.liveness import is_alive, lock_path
+from dflash_ring.common.ownership import group_secret
 from dflash_ring.common.rendezvous import parse_rendezvous
 
 log = logging.getLogger(__name__)
@@ -173,15 +176,16 @@ class SignedStore(Store):
         raise _Unavailable(f"store key {full} keeps being overwritten with unsigned values")
 
 
-def fingerprint_fields(cfg: Config, drafter: DrafterConfig, model: nn.Module) -> dict[str, Any]:
+def fingerprint_fields(drafter: DrafterConfig, target: TargetConfig, train: TrainConfig, group: GroupConfig,
+                       model: nn.Module) -> dict[str, Any]:
     """What every host of a group must agree on, by config field name."""
     fields: dict[str, Any] = {f"drafter.{k}": v for k, v in drafter.model_fields().items()}  # not precision
-    if cfg.target.path:
-        fields |= cfg.target.geometry().fingerprint_fields()
+    if target.path:
+        fields |= target.geometry().fingerprint_fields()
     for k in ("average_every_steps", "lr", "weight_decay", "betas", "warmup_ratio", "min_lr_ratio", "grad_clip",
               "grad_accum"):
-        fields[f"train.{k}"] = getattr(cfg.train, k)
-    fields["group.hosts"] = cfg.group.hosts
+        fields[f"train.{k}"] = getattr(train, k)
+    fields["group.hosts"] = group.hosts
     fields["model.parameter_shapes"] = [list(p.shape) for p in model.parameters()]
     return json.loads(json.dumps(fields, default=str))
 
@@ -199,7 +203,7 @@ class ReplicaGroup:
         self.params = list(model.parameters())
         n = sum(p.numel() for p in self.params)
         self._flat = torch.empty(n, dtype=torch.float32, pin_memory=self.params[0].is_cuda)
-        self.secret = group.secret()
+        self.secret = group_secret(group.secret_file)
         self.store: SignedStore | None = None
         self.hosts: list[str] = []
         self.pg: ProcessGroupGloo | None = None
@@ -211,9 +215,11 @@ class ReplicaGroup:
         self._beat: tuple[threading.Thread, threading.Event] | None = None
 
     @classmethod
-    def from_config(cls, cfg: Config, index: int, model: nn.Module, drafter: DrafterConfig, fresh: bool) -> ReplicaGroup:
-        host = cfg.group.host_name or f"{socket.gethostname()}/{cfg.run.name}"
-        return cls(cfg.group, host, index, model, cfg.lock_dir(), fingerprint_fields(cfg, drafter, model), fresh)
+    def named(cls, group: GroupConfig, run_name: str, index: int, model: nn.Module, lock_dir: Path,
+              fields: dict[str, Any], fresh: bool) -> ReplicaGroup:
+        """This host's member, named group.host_name or <hostname>/<run.name>."""
+        host = group.host_name or f"{socket.gethostname()}/{run_name}"
+        return cls(group, host, index, model, lock_dir, fields, fresh)
 
     # ---- public ------------------------------------------------------------------
 

@@ -32,11 +32,11 @@ import os
 import socket
 import time
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from dflash_ring.common.config import Config, dump_toml
-from dflash_ring.common.ring import fingerprint_digest
+from dflash_ring.common.tracking_config import TrackingConfig
 from dflash_ring.common.damaged_file import keep_aside, write_atomic
 from dflash_ring.common.output_dir import OutputDirError, check_output_dir
 
@@ -184,32 +184,43 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-def series_id(cfg: Config, index: int) -> str:
-    """The tracker run of drafter `index`: the run's name and its tracking directory on this host, so a restart
-    finds it again and another run of the same name elsewhere does not."""
-    where = f"{socket.gethostname()}:{os.path.abspath(cfg.tracking_dir())}"
+@dataclass(frozen=True)
+class RunRecord:
+    """What every series of a run says about the run: its name, its whole config as TOML (`dump_toml(cfg,
+    full=True)`) and its fingerprint's digest (hex). The drafter's entry point makes it from the whole config, so
+    the trackers take only their section, their directory and this."""
+
+    name: str
+    config_text: str
+    fingerprint: str
+
+
+def series_id(root: Path, run_name: str, index: int) -> str:
+    """The tracker run of drafter `index`: the run's name and its tracking directory `root` on this host, so a
+    restart finds it again and another run of the same name elsewhere does not."""
+    where = f"{socket.gethostname()}:{os.path.abspath(root)}"
     digest = hashlib.sha256(where.encode()).hexdigest()[:8]
-    name = "".join(c if c.isalnum() or c in "-_." else "-" for c in cfg.run.name)
+    name = "".join(c if c.isalnum() or c in "-_." else "-" for c in run_name)
     return f"{name}-drafter-{index}-{digest}"
 
 
 class TensorBoard:
     name = "tensorboard"
 
-    def __init__(self, cfg: Config, index: int, resume_after: int | None, config_text: str, fingerprint: str):
+    def __init__(self, t: TrackingConfig, root: Path, index: int, resume_after: int | None, run: RunRecord):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise TrackingError(f"tracking.backends has 'tensorboard' but the tensorboard package is not installed: "
                                 f"{INSTALL}, or drop it from tracking.backends") from None
-        logdir = cfg.tracking_dir() / "tensorboard" / f"drafter-{index}"
+        logdir = root / "tensorboard" / f"drafter-{index}"
         # Resumed: TensorBoard's readers drop what this directory holds from the record's last step on (a
         # killed drafter may have logged it or not), and that step is sent again.
         self.kept = None if resume_after is None else max(0, resume_after - 1)
         self.writer = SummaryWriter(str(logdir), purge_step=None if resume_after is None else resume_after)
         if resume_after is None:
-            self.writer.add_text("config", "```toml\n" + config_text + "```", 0)
-            self.writer.add_text("fingerprint", fingerprint, 0)
+            self.writer.add_text("config", "```toml\n" + run.config_text + "```", 0)
+            self.writer.add_text("fingerprint", run.fingerprint, 0)
             self.writer.flush()
 
     def log(self, step: int, record: dict[str, float]) -> None:
@@ -224,18 +235,19 @@ class TensorBoard:
 class WandB:
     name = "wandb"
 
-    def __init__(self, cfg: Config, index: int, resume_after: int | None, config_text: str, fingerprint: str):
+    def __init__(self, t: TrackingConfig, root: Path, index: int, resume_after: int | None, run: RunRecord):
         try:
             import wandb
         except ImportError:
             raise TrackingError(f"tracking.backends has 'wandb' but the wandb package is not installed: {INSTALL}, "
                                 "or drop it from tracking.backends") from None
-        t, run_name = cfg.tracking, cfg.tracking.run_name or cfg.run.name
+        run_name = t.run_name or run.name
         try:
             self.run = wandb.init(
-                mode=t.wandb_mode, dir=str(cfg.tracking_dir()), project=t.project, entity=t.wandb_entity or None,
-                id=series_id(cfg, index), resume="allow", group=run_name, name=f"{run_name}/drafter-{index}",
-                job_type="drafter", tags=list(t.tags), config={**tomllib.loads(config_text), "fingerprint": fingerprint},
+                mode=t.wandb_mode, dir=str(root), project=t.project, entity=t.wandb_entity or None,
+                id=series_id(root, run.name, index), resume="allow", group=run_name, name=f"{run_name}/drafter-{index}",
+                job_type="drafter", tags=list(t.tags),
+                config={**tomllib.loads(run.config_text), "fingerprint": run.fingerprint},
                 settings=wandb.Settings(silent=True, console="off", disable_git=True, save_code=False,
                                         x_disable_stats=True, x_disable_machine_info=True),
             )
@@ -252,7 +264,7 @@ class WandB:
         if resume_after is not None and t.wandb_mode == "offline":
             from dflash_ring.consumer.wandb_offline import last_step
 
-            self.kept = last_step(cfg.tracking_dir() / "wandb", series_id(cfg, index))
+            self.kept = last_step(root / "wandb", series_id(root, run.name, index))
 
     def log(self, step: int, record: dict[str, float]) -> None:
         self.run.log(record, step=step)
@@ -264,9 +276,8 @@ class WandB:
 class MLflow:
     name = "mlflow"
 
-    def __init__(self, cfg: Config, index: int, resume_after: int | None, config_text: str, fingerprint: str):
-        t = cfg.tracking
-        uri = t.mlflow_tracking_uri or (cfg.tracking_dir() / "mlruns").absolute().as_uri()
+    def __init__(self, t: TrackingConfig, root: Path, index: int, resume_after: int | None, run: RunRecord):
+        uri = t.mlflow_tracking_uri or (root / "mlruns").absolute().as_uri()
         if uri.startswith("file:") or "://" not in uri:
             # MLflow 3 keeps its file store in maintenance and asks for this opt-in; a local store needs no server.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
@@ -280,7 +291,7 @@ class MLflow:
             raise TrackingError(f"tracking.backends has 'mlflow' but mlflow is not installed: {INSTALL}, or drop it "
                                 "from tracking.backends") from None
         self.Metric = Metric
-        sid, run_name = series_id(cfg, index), t.run_name or cfg.run.name
+        sid, run_name = series_id(root, run.name, index), t.run_name or run.name
         try:
             self.client = MlflowClient(tracking_uri=uri)
             experiment = self._experiment(t.project, MlflowException)
@@ -292,11 +303,11 @@ class MLflow:
                 # A drafter killed between its record line and this store's write left that step out.
                 self.kept = max((m.step for m in self.client.get_metric_history(self.run_id, "loss")), default=0)
             else:
-                tags = {"dflash_ring.series": sid, "dflash_ring.run": cfg.run.name, "dflash_ring.drafter": str(index),
-                        "fingerprint": fingerprint, **{tag: "" for tag in t.tags}}
+                tags = {"dflash_ring.series": sid, "dflash_ring.run": run.name, "dflash_ring.drafter": str(index),
+                        "fingerprint": run.fingerprint, **{tag: "" for tag in t.tags}}
                 self.run_id = self.client.create_run(experiment, tags=tags,
                                                      run_name=f"{run_name}/drafter-{index}").info.run_id
-                self.client.log_text(self.run_id, config_text, "config.toml")
+                self.client.log_text(self.run_id, run.config_text, "config.toml")
         except Exception as e:  # MlflowException, or the HTTP client's own errors for an unreachable server
             raise TrackingError(f"tracking.mlflow_tracking_uri = {uri!r}: MLflow cannot start there "
                                 f"({' '.join(str(e).split())[:300]}): check the URI or the server, or drop 'mlflow' "
@@ -321,11 +332,12 @@ class MLflow:
 BACKENDS = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}
 
 
-def check_tracking_dir(cfg: Config) -> Path:
-    """tracking.dir, made if missing; one line naming it when it cannot be. A drafter checks it before it builds its
-    model: it opens `Tracking` only once its index's seat is its own (another process may be writing its series)."""
+def check_tracking_dir(root: Path) -> Path:
+    """The tracking directory (`Config.tracking_dir()`), made if missing; one line naming it when it cannot be. A
+    drafter checks it before it builds its model: it opens `Tracking` only once its index's seat is its own (another
+    process may be writing its series)."""
     try:
-        root = check_output_dir(cfg.tracking_dir())
+        root = check_output_dir(root)
         root.mkdir(parents=True, exist_ok=True)
     except (OutputDirError, OSError) as e:
         raise TrackingError(f"tracking.dir: {e}") from None
@@ -335,18 +347,16 @@ def check_tracking_dir(cfg: Config) -> Path:
 class Tracking:
     """One drafter's sink for logged records: its record file, then its trackers (see the module docstring)."""
 
-    def __init__(self, cfg: Config, index: int):
-        root = check_tracking_dir(cfg)
-        config_text = dump_toml(cfg, full=True)
-        fingerprint = fingerprint_digest(cfg.fingerprint_fields()).hex()
-        self.record = RecordFile(record_path(root, index), {"series": "config", "run": cfg.run.name,
-                                                            "drafter": index, "fingerprint": fingerprint,
-                                                            "config": config_text})
+    def __init__(self, tracking: TrackingConfig, root: Path, index: int, run: RunRecord):
+        root = check_tracking_dir(root)
+        self.record = RecordFile(record_path(root, index), {"series": "config", "run": run.name,
+                                                            "drafter": index, "fingerprint": run.fingerprint,
+                                                            "config": run.config_text})
         resume_after = None if self.record.fresh else self.record.last.get(TRAIN, 0)
         self.backends: list[Backend] = []
         try:
-            for name in cfg.tracking.backends:
-                self.backends.append(BACKENDS[name](cfg, index, resume_after, config_text, fingerprint))
+            for name in tracking.backends:
+                self.backends.append(BACKENDS[name](tracking, root, index, resume_after, run))
         except BaseException:
             self.close()
             raise

@@ -15,6 +15,7 @@ spread evenly through the epoch's plan; a cursor counts both kinds, so resuming 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -244,6 +245,37 @@ class ShardBatcher:
             bucket_window=cfg.bucket_window,
             eval_fraction=cfg.eval_fraction,
         )
+
+    def plan_key(self) -> str:
+        """Everything that fixes which batches a cursor position means (not the epoch count: runs may grow).
+
+        One source keeps the key it had before mixtures (its weight and repeat flag change nothing); a mixture's
+        key holds each source's tokenized data, weight and repeat flag, in order. A held-out split joins the key
+        only when there is one (data.eval_fraction, and each source's name and eval flag: they pick the rows), so
+        a run without one keeps its key."""
+        if len(self.sources) == 1:
+            data: object = self.sources[0].data.directory.name
+        else:
+            data = [[s.data.directory.name, s.weight, s.repeat] for s in self.sources]
+        settings = [data, self.seed, self.max_tokens, self.packing, self.bucket_window, self.rank, self.world_size]
+        if self.eval_fraction > 0 or any(s.eval for s in self.sources):
+            settings.append(["eval", self.eval_fraction, [[s.name, s.eval] for s in self.sources]])
+        return hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:24]
+
+    def plan_description(self) -> str:
+        """`plan_key`'s plan in words, for the refusal of a resume across plans."""
+        if len(self.sources) == 1:
+            s = self.sources[0]
+            data = f"data {s.path} (tokenized {s.data.directory.name})"
+        else:
+            data = "data mixture " + ", ".join(
+                f"{s.name} = {s.path} {'eval' if s.eval else f'weight {s.weight:g}'}{' repeat' if s.repeat else ''} "
+                f"(tokenized {s.data.directory.name})" for s in self.sources)
+        if self.eval_fraction > 0:
+            data += f", eval_fraction {self.eval_fraction:g}"
+        return (f"{data}, seed {self.seed}, max_tokens_per_batch "
+                f"{self.max_tokens}, {'packed' if self.packing else 'padded'}, bucket_window {self.bucket_window}, "
+                f"shard {self.rank} of {self.world_size}")
 
     def epoch_plan(self, epoch: int) -> list[np.ndarray]:
         """This shard's batches for `epoch`, as sample indices into the sources laid end to end."""

@@ -21,15 +21,13 @@ started again must not redo a finished shard); the supervisor removes it once th
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import queue
 import threading
 import time
 from pathlib import Path
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import posix_ipc
@@ -37,24 +35,25 @@ import torch
 
 from dflash_ring.common import sd_notify
 from dflash_ring.common.compile_cache import use_compile_cache
-from dflash_ring.common.config import Config
+from dflash_ring.common.config import Config, RingConfig
 from dflash_ring.common.gpu_metrics import device_uuid
 from dflash_ring.common.layout import Role
 from dflash_ring.common.ledger_events import ProducerStart, ShardDone
-from dflash_ring.common.resume_state import CursorFile, ResumeState, cursor_path
+from dflash_ring.common.resume_state import CursorFile, cursor_path
 from dflash_ring.common.metrics import DeviceSpan, ProducerMetrics
-from dflash_ring.common.ring import ProducerPort, Ring, SlotWriter
+from dflash_ring.common.ring import Ring, SlotWriter
 from dflash_ring.common.role_process import RoleProcess, StopSignal, role_process
 from dflash_ring.common.slot_contract import FEATURES, FINAL_HIDDEN, HOST_TENSORS, META_KEYS, check_fits, item_tensors
 from dflash_ring.common.startup import Startup
 
 from .accounting import PublishAccount
-from .batching import Batch, Cursor, ShardBatcher
+from .batching import Batch, ShardBatcher
 from .live_replay import LiveReplay
 from .conformance import choose_packing
 from .probe_cache import cached_probe
 from .data_stats import data_stats, log_lines
 from .pretokenized import load_sources, target_tokenizer
+from .resume import replays_after_the_end, resume_point, resumed_batches
 from .target import TargetModel, TargetOutput, resolve_device, resolve_dtype
 from .tensor_group import TensorGroup, check_group
 
@@ -65,10 +64,11 @@ LOG_EVERY_S = 30.0
 
 # ---- slot format --------------------------------------------------------------------------------
 
-def check_slot_fits(cfg: Config, target: TargetModel) -> None:
+def check_slot_fits(ring: RingConfig, max_tokens_per_batch: int, target: TargetModel) -> None:
+    """The largest batch (data.max_tokens_per_batch) of this target's features fits a slot of `ring`."""
     hidden = target.hidden_size if target.final_hidden else None
-    check_fits(cfg.ring.slot_bytes, cfg.ring.slot_header_bytes, cfg.data.max_tokens_per_batch, target.feature_width,
-               hidden, target.dtype)
+    check_fits(ring.slot_bytes, ring.slot_header_bytes, max_tokens_per_batch, target.feature_width, hidden,
+               target.dtype)
 
 
 # ---- loader -----------------------------------------------------------------------------------
@@ -311,92 +311,6 @@ class Producer:
 
 # ---- the process ------------------------------------------------------------------------------
 
-def plan_key(batcher: ShardBatcher) -> str:
-    """Everything that fixes which batches a cursor position means (not the epoch count: runs may grow).
-
-    One source keeps the key it had before mixtures (its weight and repeat flag change nothing); a mixture's
-    key holds each source's tokenized data, weight and repeat flag, in order. A held-out split joins the key
-    only when there is one (data.eval_fraction, and each source's name and eval flag: they pick the rows), so
-    a run without one keeps its key."""
-    if len(batcher.sources) == 1:
-        data: object = batcher.sources[0].data.directory.name
-    else:
-        data = [[s.data.directory.name, s.weight, s.repeat] for s in batcher.sources]
-    settings = [data, batcher.seed, batcher.max_tokens, batcher.packing,
-                batcher.bucket_window, batcher.rank, batcher.world_size]
-    if batcher.eval_fraction > 0 or any(s.eval for s in batcher.sources):
-        settings.append(["eval", batcher.eval_fraction, [[s.name, s.eval] for s in batcher.sources]])
-    return hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:24]
-
-
-def plan_description(batcher: ShardBatcher) -> str:
-    if len(batcher.sources) == 1:
-        s = batcher.sources[0]
-        data = f"data {s.path} (tokenized {s.data.directory.name})"
-    else:
-        data = "data mixture " + ", ".join(
-            f"{s.name} = {s.path} {'eval' if s.eval else f'weight {s.weight:g}'}{' repeat' if s.repeat else ''} "
-            f"(tokenized {s.data.directory.name})" for s in batcher.sources)
-    if batcher.eval_fraction > 0:
-        data += f", eval_fraction {batcher.eval_fraction:g}"
-    return (f"{data}, seed {batcher.seed}, max_tokens_per_batch "
-            f"{batcher.max_tokens}, {'packed' if batcher.packing else 'padded'}, bucket_window {batcher.bucket_window}, "
-            f"shard {batcher.rank} of {batcher.world_size}")
-
-
-class PlanMismatchError(RuntimeError):
-    """The ring row's resume point counts batches of another data plan: resuming there would skip or redo data."""
-
-
-def resume_point(port: ProducerPort, cursor_file: CursorFile) -> tuple[ResumeState, str]:
-    """Where to start; the ring's cursor is checked against our plan exactly as the cursor file's is.
-
-    The replay list always comes from the file (only a ring's removal changes it); how much of it is
-    published comes from the ring while it holds our resume point.
-    """
-    saved = cursor_file.load()
-    if (committed := port.committed_cursor()) is not None:
-        theirs = port.cursor_plan()
-        if theirs != cursor_file.plan:
-            run = port.run
-            what = cursor_file.description_of(theirs) or "its settings are not on this host"
-            raise PlanMismatchError(
-                f"the ring of run {run!r} holds this producer's resume point (epoch {committed[0]}, position "
-                f"{committed[1]}) of data plan {theirs or '<unrecorded>'} ({what}), but this producer's data "
-                f"plan is {cursor_file.plan} ({cursor_file.description}): finish the old run, or end it with "
-                f"`dflash-ring stop {run}` (or `dflash-ring clean {run}` if its processes are dead) before "
-                f"starting one with other data or batching, or restore the old data and data.* settings")
-        replay, taken = (saved.replay, saved.taken) if saved is not None else ((), ())
-        return ResumeState(*committed, replay, min(port.committed_replayed(), len(replay)), taken), "ring"
-    port.set_cursor_plan(cursor_file.plan)  # before our first publish: the cursors to come are of our plan
-    if saved is not None:
-        return saved, f"cursor file {cursor_file.path}"
-    return ResumeState(), "start"
-
-
-def resumed_batches(batcher: ShardBatcher, start: ResumeState, replay: LiveReplay) -> Iterator[Batch]:
-    """The replay list's pending entries, then the plan from the cursor; each carries what it commits. Entries
-    that join the list meanwhile (a dead drafter's sealed journal) go out before the next plan batch."""
-    cursor, j = Cursor(start.epoch, start.position), start.replayed
-    plan = batcher.batches(cursor)
-    while True:
-        replay.poll()
-        for epoch, position in replay.entries_from(j):
-            j += 1
-            yield replace(batcher.batch_at(epoch, position), cursor=cursor, replayed=j, is_replay=True)
-        if (batch := next(plan, None)) is None:
-            return
-        cursor = batch.cursor
-        yield replace(batch, replayed=j)
-
-
-def replays_after_the_end(batcher: ShardBatcher, replay: LiveReplay, replayed: int, epochs: int) -> Iterator[Batch]:
-    """A finished shard's producer stays for the replays that dead drafters' journals still bring, until shutdown:
-    the entries from `replayed` on (the cursor stays at the end)."""
-    for j, (epoch, position) in enumerate(replay.entries_from(replayed), start=replayed):
-        yield replace(batcher.batch_at(epoch, position), cursor=Cursor(epochs, 0), replayed=j + 1, is_replay=True)
-
-
 def serve_replays(producer: Producer, replay: LiveReplay, batcher: ShardBatcher, epochs: int,
                   load: Callable[[Iterator[Batch]], Loader], stop: threading.Event) -> Loader | None:
     """After the shard: publish each replay that joins the list, until shutdown, drain or a stop signal. The
@@ -459,7 +373,7 @@ def _produce(cfg: Config, index: int, device: torch.device, startup: Startup, pr
         startup.mark("probe")
         metrics.packing.labels("packed" if target.packed else "padded", target.config.model_type).set(1)
         metrics.conformance_error.set(float("nan") if probe is None or probe.max_error is None else probe.max_error)
-        check_slot_fits(cfg, target)
+        check_slot_fits(cfg.ring, cfg.data.max_tokens_per_batch, target)
         if cfg.target.compile and device.type == "cuda" and target.packed:
             use_compile_cache(cfg.run.compile_cache_dir, "target",
                               {"model": target.config.to_dict(), "layers": target.layer_ids, "dtype": str(target.dtype),
@@ -468,7 +382,7 @@ def _produce(cfg: Config, index: int, device: torch.device, startup: Startup, pr
         batcher = ShardBatcher.from_config(sources, cfg.data, rank=index, world_size=producers, packing=target.packed)
         path = cursor_path(cfg.target.state_dir, cfg.run.name, index)
         path.parent.mkdir(parents=True, exist_ok=True)
-        cursor_file = CursorFile(path, plan_key(batcher), plan_description(batcher))
+        cursor_file = CursorFile(path, batcher.plan_key(), batcher.plan_description())
     me = proc.join("model loaded, ring attached")
     startup.mark("join")  # the batch plan, and the row (waits for a dead predecessor's lock)
     with proc.interruptible():

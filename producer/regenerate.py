@@ -31,14 +31,14 @@ from typing import Any
 
 from dflash_ring.common.bounded_read import RECORD_BYTES, read_text
 from dflash_ring.common.chat_encoding import BadRow, conversation_of, decode_json_row, prompt_of
-from dflash_ring.common.config import Config
 from dflash_ring.common.crash_points import crash_point
-from dflash_ring.common.data_config import DataError
+from dflash_ring.common.data_config import DataConfig, DataError
 from dflash_ring.common.durable import fsync
 from dflash_ring.common.metrics import RegenerateMetrics
 from dflash_ring.common.output_dir import check_output_dir
-from dflash_ring.common.regenerate_config import RegenerateConfigError
+from dflash_ring.common.regenerate_config import RegenerateConfig, RegenerateConfigError
 from dflash_ring.common.refusal import Refusal
+from dflash_ring.common.target_config import TargetConfig
 
 from .data_source import DataFiles, batch_rows, check_row_size, locate, max_row_bytes, open_dataset
 from .generation import Engine, GenerationSettings, Prompt, Reply
@@ -100,84 +100,80 @@ class RegenerateSummary:
         return self.rows_this_start / self.seconds if self.seconds > 0 else 0.0
 
 
-def generation_settings(cfg: Config) -> GenerationSettings:
-    r = cfg.regenerate
+def generation_settings(r: RegenerateConfig, data_cfg: DataConfig) -> GenerationSettings:
     return GenerationSettings(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              seed=r.seed, enable_thinking=cfg.data.enable_thinking)
+                              seed=r.seed, enable_thinking=data_cfg.enable_thinking)
 
 
-def job_settings(cfg: Config, data: DataFiles, rows: int) -> dict[str, Any]:
+def job_settings(r: RegenerateConfig, data_cfg: DataConfig, target: TargetConfig, data: DataFiles,
+                 rows: int) -> dict[str, Any]:
     """What the output depends on: a resume must match all of it. Throughput settings (batch sizes,
     concurrency, URLs, timeouts) are left out, so a resume may change them."""
-    r = cfg.regenerate
     job: dict[str, Any] = {
         "version": JOB_VERSION,
         "data.path": str(data.root),
         "data.format": data.format,
-        "data.split": cfg.data.split,
+        "data.split": data_cfg.split,
         "data.rows": rows,
         "data.files": data.fingerprint,  # paths, sizes and modification times
-        "data.enable_thinking": cfg.data.enable_thinking,
+        "data.enable_thinking": data_cfg.enable_thinking,
         **{f"regenerate.{k}": getattr(r, k) for k in ("engine", "max_new_tokens", "temperature", "top_p", "seed",
                                                       "keep_truncated", "shard_rows")},
     }
     if r.engine == "hf":
-        job |= {"target.path": os.path.abspath(os.path.expanduser(cfg.target.path)),
-                "target.tokenizer": cfg.target.tokenizer, "target.dtype": cfg.target.dtype}
+        job |= {"target.path": os.path.abspath(os.path.expanduser(target.path)),
+                "target.tokenizer": target.tokenizer, "target.dtype": target.dtype}
     else:
         job |= {"regenerate.model": r.model}
     return job
 
 
-def open_engine(cfg: Config, device: str | None) -> Engine:
+def open_engine(r: RegenerateConfig, target: TargetConfig, device: str | None) -> Engine:
     """The configured engine, loaded (the hf engine loads the target here)."""
-    r = cfg.regenerate
     if r.engine == "hf":
         from .hf_engine import HfEngine
 
-        return HfEngine.load(cfg.target, device or cfg.target.device, batch_tokens=r.batch_tokens,
+        return HfEngine.load(target, device or target.device, batch_tokens=r.batch_tokens,
                              batch_size=r.batch_size)
     from .openai_engine import OpenAIEngine
 
     return OpenAIEngine(r)
 
 
-def check_settings(cfg: Config) -> None:
+def check_settings(r: RegenerateConfig, data_cfg: DataConfig, target: TargetConfig) -> None:
     """What can be refused before anything is opened or loaded."""
-    r = cfg.regenerate
     if not r.output:
         raise RegenerateConfigError("regenerate.output is empty: set it to the directory the replies are written to")
-    if cfg.data.sources:
+    if data_cfg.sources:
         raise RegenerateConfigError("regenerate reads one data set, data.path, and [[data.sources]] is set: "
                                     "regenerate each source into its own regenerate.output, then list those "
                                     "outputs in [[data.sources]]")
     if r.engine == "openai" and not r.base_urls:
         raise RegenerateConfigError("regenerate.engine = \"openai\" needs regenerate.base_urls, e.g. "
                                     "[\"http://127.0.0.1:8000/v1\"] (the server's OpenAI-compatible API)")
-    if r.engine == "hf" and not cfg.target.path:
+    if r.engine == "hf" and not target.path:
         raise RegenerateConfigError("regenerate.engine = \"hf\" runs the target in this process: set target.path "
                                     "to its local model directory")
 
 
-def regenerate(cfg: Config, *, device: str | None = None, metrics: RegenerateMetrics | None = None,
-               progress: Progress | None = None) -> RegenerateSummary:
-    """Answer every usable prompt of the data set once, resuming where an earlier start stopped."""
+def regenerate(r: RegenerateConfig, data_cfg: DataConfig, target: TargetConfig, *, device: str | None = None,
+               metrics: RegenerateMetrics | None = None, progress: Progress | None = None) -> RegenerateSummary:
+    """Answer every usable prompt of the data set (data.path) once, resuming where an earlier start stopped."""
     started = time.monotonic()
-    check_settings(cfg)
-    r = cfg.regenerate
+    check_settings(r, data_cfg, target)
     metrics = metrics or RegenerateMetrics()
     out = check_output_dir(r.output)
-    data = locate(cfg.data)
+    data = locate(data_cfg)
     if out == data.root or data.root.is_relative_to(out):
         raise RegenerateConfigError(f"regenerate.output = {out} holds the source data ({data.root}): write the "
                                     "replies to a directory of their own")
-    ds, json_rows = open_dataset(data, cfg.data)
+    ds, json_rows = open_dataset(data, data_cfg)
     rows = len(ds)
     if rows == 0:
         raise DataError(f"data set {data.root} has no rows")
     shards = -(-rows // r.shard_rows)
-    settings = generation_settings(cfg)
-    with OutputDir(out, job_settings(cfg, data, rows), shards) as output:
+    settings = generation_settings(r, data_cfg)
+    with OutputDir(out, job_settings(r, data_cfg, target, data, rows), shards) as output:
         resumed = len(output.records)
         done = before = sum(rec.rows for rec in output.records.values())
         metrics.rows_total.set(rows)
@@ -202,7 +198,7 @@ def regenerate(cfg: Config, *, device: str | None = None, metrics: RegenerateMet
                     continue
                 first, last = k * r.shard_rows, min(rows, (k + 1) * r.shard_rows)
                 prompts, bad = shard_prompts(batch_rows(ds[first:last], json_rows), json_rows, first,
-                                             max_row_bytes(cfg.data.max_length))
+                                             max_row_bytes(data_cfg.max_length))
                 unwarned += bad
                 usable = usable or bool(prompts)
                 if usable:
@@ -212,7 +208,7 @@ def regenerate(cfg: Config, *, device: str | None = None, metrics: RegenerateMet
                     unwarned = []
                 replies: dict[int, Reply] = {}
                 if prompts:
-                    engine = engine or _opened(cfg, device, len(output.records))
+                    engine = engine or _opened(r, target, device, len(output.records))
                     on_reply = (lambda n: progress(done + len(bad) + n, rows)) if progress else None
                     replies = _answer(engine, prompts, settings, metrics, on_reply,
                                       f"shard {k} (rows {first}-{last - 1})", len(output.records))
@@ -279,15 +275,15 @@ def shard_prompts(rows: Sequence[Any], json_rows: bool, first: int,
     return prompts, bad
 
 
-def _opened(cfg: Config, device: str | None, finished: int) -> Engine:
+def _opened(r: RegenerateConfig, target: TargetConfig, device: str | None, finished: int) -> Engine:
     """The engine, or a one-line error: a failure to load it ends the job with finished shards kept."""
     try:
-        return open_engine(cfg, device)
+        return open_engine(r, target, device)
     except (Refusal, OSError):  # already one clear line
         raise
     except Exception as e:
         log.debug("engine failure", exc_info=True)
-        raise RegenerateError(f"cannot start the {cfg.regenerate.engine} engine: {type(e).__name__}: {e}. The "
+        raise RegenerateError(f"cannot start the {r.engine} engine: {type(e).__name__}: {e}. The "
                               f"{finished} finished shards are kept: run the same command again to resume") from e
 
 

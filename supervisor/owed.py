@@ -9,27 +9,27 @@ yet published.
 
 from __future__ import annotations
 
-from dflash_ring.common.config import Config
 from dflash_ring.common.layout import Role
 from dflash_ring.common.resume_state import CursorFile, CursorFileError, cursor_path
 from dflash_ring.common.ring import Ring
 from dflash_ring.common.trained_journal import owed_to
 
 
-def owed(cfg: Config, ring: Ring) -> dict[int, int]:
-    """Producer index -> batches it still owes (only producers that owe some)."""
+def owed(state_dir: str, run_name: str, checkpoint_dir: str, ring: Ring) -> dict[int, int]:
+    """Producer index -> batches it still owes (only producers that owe some). `state_dir`: target.state_dir, where
+    the producers' cursor files are; `checkpoint_dir`: train.checkpoint_dir, where the drafters' journals are."""
     out = {}
     for row, r in enumerate(ring.rows()):
         if r["role"] != Role.PRODUCER:
             continue
         index = int(r["index"])
         try:
-            saved = CursorFile(cursor_path(cfg.target.state_dir, cfg.run.name, index), "").read()
+            saved = CursorFile(cursor_path(state_dir, run_name, index), "").read()
         except CursorFileError:
             saved = None  # its producer refuses to start on it, with the reason
         state = saved[2] if saved is not None else None
         taken = state.taken if state is not None else ()
-        n = sum(len(entries) for _, entries in owed_to(index, cfg.train.checkpoint_dir, taken))
+        n = sum(len(entries) for _, entries in owed_to(index, checkpoint_dir, taken))
         if state is not None:
             published = ring.committed_replayed(row) if ring.committed_cursor(row) is not None else state.replayed
             n += max(0, len(state.replay) - published)

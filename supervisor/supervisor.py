@@ -78,7 +78,7 @@ class Supervisor:
         self._lock.write_pid()
         if self._metrics is None:  # before the ring exists: a taken port must not leave a ring behind
             self._metrics = RingCollector(self.lock_dir)
-            registry = serve(self.cfg, SUPERVISOR)
+            registry = serve(self.cfg.metrics, self.cfg.run.name, SUPERVISOR)
             registry.register(self._metrics)
             self.startup.export(registry)
         if self.cfg.group.serve and self._rendezvous is None:  # before the ring too: bound to its address only
@@ -101,7 +101,7 @@ class Supervisor:
                         "set ring.slots to at least %d", self.cfg.ring.slots, t.consumers, t.producers,
                         2 * t.consumers + 2 * t.producers)
         self.ring.take_row(0, Role.SUPERVISOR, 0)
-        ledger = Ledger.open(self.cfg, Role.SUPERVISOR, 0)
+        ledger = Ledger.open(self.cfg.run.ledger_dir, Role.SUPERVISOR, 0)
         if ledger is not None:  # which ring: created or adopted
             ledger.write(SupervisorStart(self.ring.identity.created_ns,
                                          self.ring.counter(Counter.SUPERVISOR_ADOPTIONS)))
@@ -234,7 +234,7 @@ class Supervisor:
 
     def _nothing_owed(self, ring: Ring) -> bool:
         """No batch a dead drafter lost is still to be produced again (supervisor/owed.py); logged when it waits."""
-        still = owed(self.cfg, ring)
+        still = owed(self.cfg.target.state_dir, self.cfg.run.name, self.cfg.train.checkpoint_dir, ring)
         if still and time.monotonic() - self._owed_logged > 10:
             self._owed_logged = time.monotonic()
             log.info("every shard done, but dead drafters' lost batches are still being produced again: %s",
@@ -275,7 +275,7 @@ class Supervisor:
     def _teardown(self, ring: Ring) -> None:
         seal_journals(ring, self.cfg.train.checkpoint_dir)  # every process has left: a drafter dead since owes too
         held, damaged = ring.unfinished_items()
-        still = owed(self.cfg, ring)
+        still = owed(self.cfg.target.state_dir, self.cfg.run.name, self.cfg.train.checkpoint_dir, ring)
         complete = (self.producers_done(ring) == self.cfg.topology.producers and not held and not damaged
                     and not still)
         if still and not held and self.producers_done(ring) == self.cfg.topology.producers:

@@ -186,7 +186,8 @@ def _regenerated_once(tmp: Path, name: str) -> list[str]:
     from dflash_ring.producer.regenerate import regenerate
 
     args = _regenerate(tmp)
-    regenerate(load_config(None, args[1::2]))
+    cfg = load_config(None, args[1::2])
+    regenerate(cfg.regenerate, cfg.data, cfg.target)
     return args
 
 

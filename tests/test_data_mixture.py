@@ -19,7 +19,7 @@ from dflash_ring.common.ring_spec import ring_spec
 from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 from dflash_ring.producer.batching import Batch, ShardBatcher, epoch_counts
 from dflash_ring.producer.pretokenized import SourceData, TokenizedData, load_sources, load_tokenized
-from dflash_ring.producer.process import PlanMismatchError, plan_description, plan_key, resume_point
+from dflash_ring.producer.resume import PlanMismatchError, resume_point
 from support import mixture, synthetic
 
 BUDGET = 256
@@ -145,7 +145,7 @@ def test_one_data_set_plans_exactly_as_before_mixtures(packing, rank, as_source)
                            packing=packing, bucket_window=4)
     assert [(b.epoch, b.position, b.sample_ids.tolist()) for b in batcher.batches()] == BEFORE[packing, rank]
     if packing and rank == 1:
-        assert plan_key(batcher) == KEY_BEFORE  # so a resume across the upgrade keeps its cursor
+        assert batcher.plan_key() == KEY_BEFORE  # so a resume across the upgrade keeps its cursor
 
 
 def test_a_single_data_path_keeps_its_cache(tmp_path):
@@ -165,7 +165,7 @@ def test_a_resume_with_another_mix_is_refused_naming_both(tmp_path):
 
     def cursor_file(srcs) -> CursorFile:
         batcher = ShardBatcher(srcs, rank=0, world_size=1, max_tokens_per_batch=BUDGET, epochs=1)
-        return CursorFile(tmp_path / "producer-0.json", plan_key(batcher), plan_description(batcher))
+        return CursorFile(tmp_path / "producer-0.json", batcher.plan_key(), batcher.plan_description())
 
     old, new = cursor_file(sources), cursor_file(other)
     assert old.plan != new.plan

@@ -56,7 +56,8 @@ def test_precision_is_a_format_not_a_model_for_the_fingerprints():
     assert "drafter.fp8_recipe" not in bf16.fingerprint_fields()
     assert fingerprint_digest(bf16.fingerprint_fields()) == fingerprint_digest(fp8.fingerprint_fields())
     model = nn.Linear(16, 16)
-    assert fingerprint_fields(bf16, bf16.drafter, model) == fingerprint_fields(fp8, fp8.drafter, model)
+    assert (fingerprint_fields(bf16.drafter, bf16.target, bf16.train, bf16.group, model)
+            == fingerprint_fields(fp8.drafter, fp8.target, fp8.train, fp8.group, model))
 
 
 @pytest.mark.processes

@@ -19,7 +19,6 @@ from dflash_ring.common.drafter_config import DrafterConfig
 from dflash_ring.common.train_config import TrainConfig
 from dflash_ring.producer.batching import ShardBatcher, held_out
 from dflash_ring.producer.data_stats import data_stats
-from dflash_ring.producer.process import plan_key
 from support import mixture, save_tiny_qwen3
 
 BUDGET = 256
@@ -74,8 +73,8 @@ def test_the_split_is_part_of_the_plan_and_refused_when_wrong():
     sources = mixture(("code", 60, 3.0, False), ("chat", 60, 1.0, False))
 
     def key(fraction, srcs=sources):
-        return plan_key(ShardBatcher(srcs, rank=0, world_size=1, max_tokens_per_batch=BUDGET, epochs=1,
-                                     eval_fraction=fraction))
+        return ShardBatcher(srcs, rank=0, world_size=1, max_tokens_per_batch=BUDGET, epochs=1,
+                            eval_fraction=fraction).plan_key()
 
     assert key(0.0) == key(0.0) != key(0.05) != key(0.1)
     assert key(0.0, [sources[0], replace(sources[1], eval=True)]) != key(0.0)

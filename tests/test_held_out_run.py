@@ -9,7 +9,6 @@ import signal
 import urllib.request
 from collections import Counter as Tally
 
-from dflash_ring.common.config import load_config
 from dflash_ring.common.metrics import run_ports
 from dflash_ring.producer.batching import ShardBatcher
 from dflash_ring.producer.pretokenized import load_sources, target_tokenizer
@@ -66,7 +65,7 @@ def test_a_mixture_reports_per_source_and_evaluates_held_out_items_exactly_once_
     again = run.role("drafter", 0)
 
     # Prometheus: the drafter's /metrics carries a `source` label per configured source, train and eval.
-    port = run_ports(load_config(run.config))["drafter-0"]
+    port = run_ports(cfg.metrics, cfg.topology)["drafter-0"]  # cfg: the file the run reads
 
     def labelled():
         s = scrape(port)

@@ -167,7 +167,7 @@ def check_supervisor_matches_status(run, sup: Scrape) -> None:
 def test_every_process_serves_its_metrics_and_the_supervisor_matches_status(run, one_thread, notify_socket):
     long_run_config(run)
     cfg = load_config(run.config)
-    ports = run_ports(cfg)
+    ports = run_ports(cfg.metrics, cfg.topology)
     assert cfg.metrics.bind == "127.0.0.1"
     sup = run.supervisor()
     target = run.role("target", 0)

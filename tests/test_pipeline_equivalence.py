@@ -36,7 +36,7 @@ def reference_losses(config_path, order: list[int] | None = None) -> list[float]
     batches = list(ShardBatcher.from_config(data, cfg.data, rank=0, world_size=1).batches())
     if order is not None:
         batches = [batches[i] for i in order]
-    drafter_cfg = resolve_drafter_config(cfg)
+    drafter_cfg = resolve_drafter_config(cfg.drafter, cfg.target)
     torch.manual_seed(cfg.train.seed)
     model = build_drafter(drafter_cfg, target_config_dict(cfg.target.path))
     trainer = Trainer(model, load_target_head(cfg.target.path), drafter_cfg, cfg.train, torch.device("cpu"))

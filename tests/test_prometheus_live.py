@@ -156,7 +156,7 @@ def test_prometheus_scrapes_the_pipeline_evaluates_the_dashboard_and_fires_on_a_
     cfg = pipeline_config(run, target, data, PIPELINE_RUN, {
         "data": {"epochs": 10000}, "train": {"checkpoint_every_steps": 100000, "log_every_steps": 10},
     })
-    ports = run_ports(cfg)
+    ports = run_ports(cfg.metrics, cfg.topology)
     assert set(ports) == {"supervisor", "target-0", "drafter-0", "drafter-1"}
 
     sup = start(run, "supervisor")

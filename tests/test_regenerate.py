@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import datasets
 import pytest
@@ -22,16 +23,22 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_ring.common.chat_encoding import BadRow, prompt_of
+from dflash_ring.common.config import Config
 from dflash_ring.common.metrics import RegenerateMetrics
 from dflash_ring.common.target_config import TargetConfig
 from dflash_ring.embedded.tiny_tokenizer import QWEN3_STYLE_CHAT_TEMPLATE, tiny_chat_tokenizer
 from dflash_ring.producer.generation import GenerationSettings, Prompt
 from dflash_ring.producer.hf_engine import HfEngine, length_batches
 from dflash_ring.producer.pretokenized import load_tokenized
-from dflash_ring.producer.regenerate import STATE_DIR, RegenerateError, regenerate
+from dflash_ring.producer.regenerate import STATE_DIR, RegenerateError, RegenerateSummary, regenerate
 from support import WORDS, build_target, merged, run_config, wait_exit, write_config
 
 MAX_NEW = 12
+
+
+def regenerated(cfg: Config, **kwargs: Any) -> RegenerateSummary:
+    """`dflash-ring regenerate`'s job for `cfg`, as the command runs it (cli.py): from its three sections."""
+    return regenerate(cfg.regenerate, cfg.data, cfg.target, **kwargs)
 
 
 def _words_and_eos(path: Path):
@@ -232,7 +239,7 @@ def test_the_output_is_a_data_set_with_prompts_unchanged_and_bad_rows_counted(tm
         datasets.Dataset.from_list(rows).to_parquet(str(data))
         bad_at = [5, 6]
     metrics = RegenerateMetrics()
-    summary = regenerate(run_config(settings(tmp_path, target, data)), metrics=metrics)
+    summary = regenerated(run_config(settings(tmp_path, target, data)), metrics=metrics)
 
     good = [r for r in rows if "row " in json.dumps(r)]
     total = len(good) + len(bad_at)
@@ -259,8 +266,8 @@ def test_the_output_is_a_data_set_with_prompts_unchanged_and_bad_rows_counted(tm
 
 def test_truncated_replies_are_dropped_and_counted_when_not_kept(tmp_path, target):
     data = write_rows(tmp_path / "src.jsonl", chat_rows(10))
-    kept = regenerate(run_config(settings(tmp_path, target, data)))
-    dropped = regenerate(run_config(settings(tmp_path, target, data, keep_truncated=False, output=str(tmp_path / "d"))))
+    kept = regenerated(run_config(settings(tmp_path, target, data)))
+    dropped = regenerated(run_config(settings(tmp_path, target, data, keep_truncated=False, output=str(tmp_path / "d"))))
     assert kept.truncated_kept > 0 and dropped.truncated_dropped == kept.truncated_kept
     assert dropped.written == kept.complete == dropped.complete
     assert len(output_rows(tmp_path / "d")) == dropped.written
@@ -270,21 +277,21 @@ def test_truncated_replies_are_dropped_and_counted_when_not_kept(tmp_path, targe
 
 def test_a_finished_job_is_left_alone_and_a_resume_with_other_settings_is_refused(tmp_path, target):
     data = write_rows(tmp_path / "src.jsonl", chat_rows(6))
-    first = regenerate(run_config(settings(tmp_path, target, data)))
+    first = regenerated(run_config(settings(tmp_path, target, data)))
     before = {p.name: p.read_bytes() for p in (tmp_path / "out").glob("shard-*.jsonl")}
-    again = regenerate(run_config(settings(tmp_path, target, data, batch_size=2)))  # throughput settings may change
+    again = regenerated(run_config(settings(tmp_path, target, data, batch_size=2)))  # throughput settings may change
     assert (again.shards_resumed, again.rows_this_start, again.written) == (first.shards, 0, first.written)
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").glob("shard-*.jsonl")} == before
 
     with pytest.raises(RegenerateError, match=r"regenerate.temperature = 0.0 there, 0.7 here"):
-        regenerate(run_config(settings(tmp_path, target, data, temperature=0.7)))
+        regenerated(run_config(settings(tmp_path, target, data, temperature=0.7)))
     with open(data, "a") as f:
         f.write(json.dumps(chat_rows(7)[6]) + "\n")
     with pytest.raises(RegenerateError, match=r"data.rows = 6 there, 7 here"):
-        regenerate(run_config(settings(tmp_path, target, data)))
+        regenerated(run_config(settings(tmp_path, target, data)))
     other = write_rows(tmp_path / "other.jsonl", chat_rows(6, seed=1))
     with pytest.raises(RegenerateError, match=rf"data.path = '{data}' there, '{other}' here"):
-        regenerate(run_config(settings(tmp_path, target, other)))
+        regenerated(run_config(settings(tmp_path, target, other)))
 
 
 FAILING_TEMPLATE = ("{%- for m in messages %}{%- if 'FAIL' in m.content %}{{ raise_exception('cannot render FAIL') }}"
@@ -299,7 +306,7 @@ def test_a_job_whose_every_prompt_fails_records_nothing(tmp_path, target):
     cfg = merged(settings(tmp_path, target, data), {"target": {"tokenizer": str(tmp_path / "tok")}})
     with pytest.raises(RegenerateError, match=r"failed on every prompt it was given \(6 rows of 2 shards; row 0: "
                                               r"chat template failed"):
-        regenerate(run_config(cfg))
+        regenerated(run_config(cfg))
     assert records(tmp_path / "out") == [] and output_rows(tmp_path / "out") == []
 
 
@@ -310,7 +317,7 @@ def test_failed_prompts_before_the_first_answer_do_not_end_the_job(tmp_path, tar
     rows = [{"prompt": f"row {i}: FAIL", "response": "x"} for i in range(4)] + chat_rows(8)[4:]
     data = write_rows(tmp_path / "src.jsonl", rows)
     cfg = merged(settings(tmp_path, target, data), {"target": {"tokenizer": str(tmp_path / "tok")}})
-    summary = regenerate(run_config(cfg))
+    summary = regenerated(run_config(cfg))
     assert (summary.errors, summary.written, summary.shards) == (4, 4, 2)
     assert [[i for i, _ in rec["errors"]] for rec in records(tmp_path / "out")] == [[0, 1, 2, 3], []]
 
@@ -320,7 +327,7 @@ def test_an_output_directory_of_other_files_is_refused(tmp_path, target):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "mine.jsonl").write_text("{}\n")
     with pytest.raises(RegenerateError, match="already holds 'mine.jsonl'"):
-        regenerate(run_config(settings(tmp_path, target, data)))
+        regenerated(run_config(settings(tmp_path, target, data)))
 
 
 # --- real processes: crashes, restarts, the command line -------------------------------------------

@@ -13,15 +13,21 @@ import signal
 import numpy as np
 import pytest
 
-from dflash_ring.common.config import load_config
+from dflash_ring.common.config import Config, dump_toml, load_config
 from dflash_ring.common.ring import fingerprint_digest
-from dflash_ring.consumer.tracking import Tracking, read_records
+from dflash_ring.consumer.tracking import RunRecord, Tracking, read_records
 from dflash_ring.consumer.wandb_offline import offline_runs
 from support import (STEP, build_target, cyclic_rows, merged, pipeline_settings, tensorboard_scalars, tensorboard_text,
                      wait_exit)
 
 ALL = ["tensorboard", "wandb", "mlflow"]
 BY_SOURCE = re.compile(r"step (\d+) by source: (.*)")
+
+
+def tracking_of(cfg: Config, index: int) -> Tracking:
+    """Drafter `index`'s Tracking as its process opens it (consumer/process.py run_drafter)."""
+    run = RunRecord(cfg.run.name, dump_toml(cfg, full=True), fingerprint_digest(cfg.fingerprint_fields()).hex())
+    return Tracking(cfg.tracking, cfg.tracking_dir(), index, run)
 
 
 def mlflow_client(store):
@@ -131,7 +137,7 @@ def test_a_tracker_failing_mid_run_is_warned_about_once_and_the_rest_go_on(tmp_p
     """MLflow's run loses its metrics directory (a file stands there) after step 2: one warning names it, the
     record file and TensorBoard get every step."""
     cfg = load_config(None, [f'tracking.dir="{tmp_path}"', 'tracking.backends=["tensorboard", "mlflow"]'])
-    with Tracking(cfg, 0) as tracking:
+    with tracking_of(cfg, 0) as tracking:
         for step in (1, 2):
             tracking.emit(step, {"loss": 1.0 / step})
         (metrics,) = (tmp_path / "mlruns").glob("*/*/metrics")
@@ -160,7 +166,7 @@ def test_a_tracker_that_cannot_start_is_one_error_naming_its_setting(tmp_path, m
     cfg = load_config(None, [f'tracking.dir="{tmp_path / "t"}"', f'tracking.backends=["{backend}"]',
                              setting.format(tmp=tmp_path)])
     with pytest.raises(RuntimeError) as e:
-        Tracking(cfg, 0)
+        tracking_of(cfg, 0)
     assert str(e.value).startswith(says.format(tmp=tmp_path)) and "\n" not in str(e.value), str(e.value)
 
 
@@ -206,7 +212,7 @@ def test_the_report_draws_each_drafter_and_source_the_records_have(tmp_path):
 
     cfg = load_config(None, [f'tracking.dir="{tmp_path / "tracking"}"', "run.name=mix"])
     for j in (0, 1):
-        with Tracking(cfg, j) as tracking:
+        with tracking_of(cfg, j) as tracking:
             for step in range(1, 4 + j):
                 tracking.emit(step, {"loss": 3.0 / step, "accept_len": 1 + step / 4, "accept_len_prob": 1 + step / 5,
                                      "source/code/loss": 3.5 / step, "source/code/accept_len": 1 + step / 3,
@@ -227,7 +233,7 @@ def test_both_panels_draw_one_definition_of_a_windows_value_and_the_held_out_cur
     from dflash_ring.tools.report import _pyplot, checked_records, figure
 
     cfg = load_config(None, [f'tracking.dir="{tmp_path / "tracking"}"', "run.name=one"])
-    with Tracking(cfg, 0) as tracking:
+    with tracking_of(cfg, 0) as tracking:
         for step in range(1, 5):
             tracking.emit(step, {"loss": 9.0 + step, "accept_len": 9.0, "window/loss": 3.0 / step,
                                  "window/accept_len": 1 + step / 4, "source/code/loss": 3.0 / step,
@@ -253,7 +259,7 @@ def test_held_out_sums_wait_in_the_record_file_for_their_evaluation_record(tmp_p
     """A held-out item's sums, written before its slot is released, are what a restarted drafter reads back as
     pending until an evaluation record covers them; a torn line of a kill mid-write is dropped, not misread."""
     cfg = load_config(None, [f'tracking.dir="{tmp_path / "tracking"}"', "run.name=held"])
-    with Tracking(cfg, 0) as tracking:
+    with tracking_of(cfg, 0) as tracking:
         tracking.emit(1, {"loss": 1.0})
         tracking.record.hold_out({"item": "a", "sources": {}})
         tracking.emit(2, {"eval/items": 1.0})
@@ -262,7 +268,7 @@ def test_held_out_sums_wait_in_the_record_file_for_their_evaluation_record(tmp_p
         assert [x["item"] for x in tracking.record.held_out] == ["b", "c"]
     with open(tmp_path / "tracking" / "drafter-0.jsonl", "ab") as f:
         f.write(b'{"series": "held-out", "it')  # a kill mid-write
-    with Tracking(cfg, 0) as tracking:
+    with tracking_of(cfg, 0) as tracking:
         assert [x["item"] for x in tracking.record.held_out] == ["b", "c"]  # after the last evaluation record
         assert not tracking.emit(2, {"eval/items": 2.0})  # its series has step 2: the sums must wait
         assert tracking.emit(3, {"eval/items": 2.0}) and tracking.record.held_out == []

@@ -239,13 +239,14 @@ class Launch:
 
     def start(self) -> None:
         t = self.cfg.topology
-        check_ports_free(self.cfg)  # one clear error now, not one per child process
+        check_ports_free(self.cfg.metrics, self.cfg.topology)  # one clear error now, not one per child process
         if self.cfg.drafter.precision == "fp8":  # likewise: the drafters would each refuse it
             from dflash_ring.consumer.fp8 import check_precision
 
             check_precision(self.cfg.drafter.precision, self.cfg.train.device)
         if self.cfg.metrics.enabled:
-            ports = ", ".join(f"{name} {port}" for name, port in run_ports(self.cfg).items())
+            ports = ", ".join(f"{name} {port}"
+                              for name, port in run_ports(self.cfg.metrics, self.cfg.topology).items())
             self.console.print(f"metrics at http://{self.cfg.metrics.bind}:PORT/metrics: {ports}")
         self._spawn("supervisor", reclaim_stale=True)
         for i in range(t.producers):
@@ -410,7 +411,7 @@ def _compare(cfg: Config, trained: dict[str, tuple[Path, int]], con: Console) ->
     untrained_dir = Path(cfg.train.checkpoint_dir).parent / "drafter-untrained"
     if not untrained_dir.exists():
         torch.manual_seed(0)
-        drafter_cfg = resolve_drafter_config(cfg)
+        drafter_cfg = resolve_drafter_config(cfg.drafter, cfg.target)
         export_drafter(build_drafter(drafter_cfg, target_config_dict(cfg.target.path)), drafter_cfg,
                        target_config_dict(cfg.target.path), untrained_dir)
     table = Table(title="acceptance length on held-out prompts (greedy, lossless)")
