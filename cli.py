@@ -13,7 +13,8 @@ from pathlib import Path
 
 # Only light modules here: `--help` and argument errors must not wait for torch or transformers
 # (~1.5 s on a small box). The ring (torch, numpy) and every role are imported by the command that runs.
-from dflash_ring.common.config import Config, ConfigError, default_runtime_root, load_config
+from dflash_ring.common.config.load import load_config
+from dflash_ring.common.config.schema import Config, ConfigError, default_runtime_root
 from dflash_ring.common.arguments import at_least_one, tree_budgets
 from dflash_ring.common.output_dir import OutputDirError, check_output_dir
 from dflash_ring.common.refusal import Refusal
@@ -366,7 +367,7 @@ def cmd_target(args: argparse.Namespace) -> int:
 def cmd_check_target(args: argparse.Namespace) -> int:
     from dflash_ring.producer.conformance import choose_packing, report_json
     from dflash_ring.producer.target import TargetModel, resolve_device
-    from dflash_ring.common.target_config import TargetConfigError
+    from dflash_ring.common.config.target import TargetConfigError
     from dflash_ring.consumer.head_loader import probe_target_head
 
     cfg = _config(args).target
@@ -414,8 +415,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         # What every role reads of the target (config.json's geometry) and what a drafter checks against it (mask
         # token, layers); then the model as transformers builds it from config.json, on the meta device, against
         # the weights' shapes (common/target_config.check_target_builds): config classes and headers, no weights.
-        from dflash_ring.common.config import drafter_target_settings
-        from dflash_ring.common.target_config import check_target_builds
+        from dflash_ring.common.config.schema import drafter_target_settings
+        from dflash_ring.common.config.target import check_target_builds
 
         drafter_target_settings(cfg.drafter, cfg.target)
         check_target_builds(cfg.target.path)

@@ -43,8 +43,8 @@ import torch
 from dflash_ring.bench.drafter import bench_target
 from dflash_ring.bench.progress import progress
 from dflash_ring.common.arguments import at_least_one
-from dflash_ring.common.drafter_config import DrafterConfig
-from dflash_ring.common.train_config import TrainConfig
+from dflash_ring.common.config.drafter import DrafterConfig
+from dflash_ring.common.config.train import TrainConfig
 from dflash_ring.common.trained_journal import Journal
 from dflash_ring.consumer.checkpoint import Checkpoint, CheckpointStore, optimizer_to_flat
 from dflash_ring.consumer.checkpoint_policy import Checkpoints

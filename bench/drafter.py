@@ -34,7 +34,7 @@ from dflash_ring.bench.progress import progress
 from dflash_ring.bench.target_shapes import SHAPES, shape_config, tiny_config
 from dflash_ring.common.arguments import at_least_one, fp8_recipe_argument
 from dflash_ring.common.compile_cache import use_compile_cache
-from dflash_ring.common.drafter_config import DrafterConfig, target_text_config
+from dflash_ring.common.config.drafter import DrafterConfig, target_text_config
 from dflash_ring.consumer.fp8 import check_precision, convert_to_fp8
 from dflash_ring.consumer.loss import drafter_loss
 from dflash_ring.consumer.model import Anchors, FrozenTargetHead, build_drafter, cu_seqlens_from_lengths, sample_anchors

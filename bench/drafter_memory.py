@@ -61,7 +61,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.consumer.drafter_hf_config import drafter_geometry
 
 MARGIN = 0.10

@@ -18,7 +18,7 @@ import time
 import torch
 
 from dflash_ring.bench.target_shapes import FAMILIES, PADDED_ONLY, model_class, tiny_config
-from dflash_ring.common.target_config import TargetConfig
+from dflash_ring.common.config.target import TargetConfig
 from dflash_ring.consumer.head_loader import probe_target_head
 from dflash_ring.producer.conformance import choose_packing
 from dflash_ring.producer.target import TargetModel

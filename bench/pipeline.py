@@ -57,8 +57,10 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 from dflash_ring.bench.progress import progress
 from dflash_ring.bench.target_shapes import SHAPES
 from dflash_ring.bench.target_timing import time_forward
-from dflash_ring.common.config import Config, dump_toml, load_config
-from dflash_ring.common.drafter_config import DrafterConfig, build_target_layer_ids
+from dflash_ring.common.config.dump import dump_toml
+from dflash_ring.common.config.load import load_config
+from dflash_ring.common.config.schema import Config
+from dflash_ring.common.config.drafter import DrafterConfig, build_target_layer_ids
 from dflash_ring.common.layout import Role
 from dflash_ring.common.metrics import DRAFTER, SUPERVISOR, TARGET
 from dflash_ring.common.ring import Ring

@@ -31,8 +31,8 @@ from dflash_ring.bench.drafter import bench_target
 from dflash_ring.bench.progress import progress
 from dflash_ring.bench.target_shapes import SHAPES
 from dflash_ring.common.arguments import at_least_one, fp8_recipe_argument
-from dflash_ring.common.drafter_config import DrafterConfig
-from dflash_ring.common.train_config import TrainConfig
+from dflash_ring.common.config.drafter import DrafterConfig
+from dflash_ring.common.config.train import TrainConfig
 from dflash_ring.consumer.fp8 import check_precision
 from dflash_ring.consumer.model import FrozenTargetHead, build_drafter, cu_seqlens_from_lengths
 from dflash_ring.consumer.trainer import DeviceBatch, Trainer

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from dflash_ring.common.arguments import at_least_one
-from dflash_ring.common.drafter_config import build_target_layer_ids
+from dflash_ring.common.config.drafter import build_target_layer_ids
 from dflash_ring.producer.batching import Batch
 from dflash_ring.producer.conformance import active_sliding_window, layer_kinds, probe
 from dflash_ring.producer.process import run_target

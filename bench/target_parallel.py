@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from dflash_ring.common.drafter_config import build_target_layer_ids
-from dflash_ring.common.target_config import TargetConfig
+from dflash_ring.common.config.drafter import build_target_layer_ids
+from dflash_ring.common.config.target import TargetConfig
 from dflash_ring.producer.conformance import probe
 from dflash_ring.producer.target import TargetModel, resolve_device, resolve_dtype
 from dflash_ring.producer.tensor_group import TensorGroup

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import transformers
 
-from dflash_ring.common.config import load_config
+from dflash_ring.common.config.load import load_config
 from dflash_ring.common.layout import Role
 from dflash_ring.common.membership import Membership
 from dflash_ring.common.ring import Ring

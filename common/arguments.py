@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from dflash_ring.common.drafter_config import FP8_RECIPES
+from dflash_ring.common.config.drafter import FP8_RECIPES
 
 # The largest --tree-budget a tree eval verifies: a round holds its (N + 1) x (prefix + N + 1) float mask, the
 # target's N + 1 rows of logits ([N + 1, vocab], 2.4 GiB in float32 at 4096 nodes and Qwen3's 151,936 rows) and

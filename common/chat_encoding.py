@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from dflash_ring.common.data_config import DataError
+from dflash_ring.common.config.data import DataError
 
 ROLES = ("system", "user", "assistant")
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from dflash_ring.common.config import Config
+from dflash_ring.common.config.schema import Config
 from dflash_ring.common.layout import Role, RowStatus
 from dflash_ring.common.liveness import LockFile, ensure_lock_dir, lock_path
 from dflash_ring.common.ring import Ring

@@ -35,7 +35,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from dflash_ring.common.config import MetricsConfig, TopologyConfig
+from dflash_ring.common.config.schema import MetricsConfig, TopologyConfig
 from dflash_ring.common.layout import OPERATOR_NAME, ROLE_NAME, Role
 
 if TYPE_CHECKING:  # the supervisor serves metrics without torch (a second of its start-up on a small box)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 from datetime import timedelta
 
-from dflash_ring.common.config import ConfigError
+from dflash_ring.common.config.schema import ConfigError
 
 
 def parse_rendezvous(address: str) -> tuple[str, int]:

@@ -3,7 +3,7 @@ must agree on (Config.fingerprint_fields). Here, so that the ring package (commo
 
 from __future__ import annotations
 
-from dflash_ring.common.config import Config
+from dflash_ring.common.config.schema import Config
 from dflash_ring.common.ring import RingSpec
 
 

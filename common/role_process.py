@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from prometheus_client import CollectorRegistry
 
 from dflash_ring.common import sd_notify
-from dflash_ring.common.config import Config
+from dflash_ring.common.config.schema import Config
 from dflash_ring.common.gpu_metrics import GpuCollector
 from dflash_ring.common.layout import OPERATOR_NAME, Role
 from dflash_ring.common.ledger import Ledger

@@ -283,7 +283,7 @@ def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike,
     A DSpark export ships the target's embed_tokens and lm_head: they are read from `target` (a model directory),
     else from the target.path the run recorded in the checkpoint; with neither, or where that directory holds no
     head of the trained shapes, the export is refused in one line."""
-    from dflash_ring.common.drafter_config import DrafterConfig
+    from dflash_ring.common.config.drafter import DrafterConfig
     from dflash_ring.consumer.export import export_drafter
     from dflash_ring.consumer.model import build_drafter
     from dflash_ring.consumer.target_head import HeadSpec
@@ -307,8 +307,8 @@ def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike,
 def _checkpoint_target_head(ckpt: Checkpoint, target: str | os.PathLike | None, spec):
     """The target's embedding and lm_head for a DSpark checkpoint's export, as stored (no head probe: the transforms
     are the ones the checkpoint recorded), checked against the shapes the drafter trained with."""
-    from dflash_ring.common.drafter_config import target_text_config
-    from dflash_ring.common.target_config import TargetConfigError
+    from dflash_ring.common.config.drafter import target_text_config
+    from dflash_ring.common.config.target import TargetConfigError
     from dflash_ring.consumer.target_head import FrozenTargetHead, HeadSpec, config_tied, head_tensor_keys, read_head
 
     recorded = ckpt.info.get("target_path")

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_ring.common.config import ConfigError
+from dflash_ring.common.config.schema import ConfigError
 from dflash_ring.consumer.target_head import HeadSpec
 
 

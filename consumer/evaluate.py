@@ -49,7 +49,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash_ring.common.chat_encoding import conversation_of, decode_json_row, eos_ids
-from dflash_ring.common.target_config import building_from, load_target_hf_config
+from dflash_ring.common.config.target import building_from, load_target_hf_config
 
 from .calibration import ConfidenceCalibration, confidence_calibration
 from .draft_tree import build_draft_tree, check_tree_target, follow_greedy, keep_path, tree_attention_mask

@@ -32,7 +32,7 @@ from transformers import PretrainedConfig
 
 from dflash_ring.common.durable import fsync
 
-from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.consumer.drafter_hf_config import drafter_hf_config, qwen3_config
 from .dspark_heads import check_dspark_head
 from .model import DFlashDraftModel, drafter_class

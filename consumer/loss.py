@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.config.drafter import DrafterConfig
 from .model import Anchors, DFlash2DraftModel, DFlashDraftModel, DSparkDraftModel, FrozenTargetHead
 from .objectives.cap import Cap, accept_products
 from .objectives.confidence import Calibration, calibration, confidence_loss

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.consumer.drafter_hf_config import block_size_of, drafter_hf_config, model_config
 from dflash_ring.consumer.dflash2_blocks import CandidateSelector, GroupedDynamicCausalConv
 from dflash_ring.consumer.dspark_heads import ConfidenceHead, MarkovHead

@@ -40,10 +40,11 @@ from typing import Any
 import torch
 
 from dflash_ring.common.compile_cache import use_compile_cache
-from dflash_ring.common.config import Config, drafter_target_settings, dump_toml
+from dflash_ring.common.config.dump import dump_toml
+from dflash_ring.common.config.schema import Config, drafter_target_settings
 from dflash_ring.common.device import checked_device
-from dflash_ring.common.data_config import DataConfig
-from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.config.data import DataConfig
+from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.gpu_metrics import device_uuid
 from dflash_ring.common.layout import Role
 from dflash_ring.common.ledger_events import DrafterStart, Evaluated, Exited, Trained
@@ -53,8 +54,8 @@ from dflash_ring.common.ring import Ring, SlotReader, fingerprint_digest
 from dflash_ring.common.role_process import RoleProcess, role_process
 from dflash_ring.common.seat import Seat, take_seat
 from dflash_ring.common.startup import Startup
-from dflash_ring.common.target_config import TargetConfig
-from dflash_ring.common.train_config import TrainConfig
+from dflash_ring.common.config.target import TargetConfig
+from dflash_ring.common.config.train import TrainConfig
 from dflash_ring.common.trained_journal import Journal, drop_covered, journal_dir, seal
 from dflash_ring.consumer.accounting import Consumed, ItemAccount
 from dflash_ring.consumer.checkpoint import CheckpointStore, check_same_shape

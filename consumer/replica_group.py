@@ -74,10 +74,10 @@ import torch
 from torch import nn
 from torch.distributed import AllreduceOptions, ProcessGroupGloo, ReduceOp, Store, TCPStore
 
-from dflash_ring.common.config import ConfigError, GroupConfig
-from dflash_ring.common.drafter_config import DrafterConfig
-from dflash_ring.common.target_config import TargetConfig
-from dflash_ring.common.train_config import TrainConfig
+from dflash_ring.common.config.schema import ConfigError, GroupConfig
+from dflash_ring.common.config.drafter import DrafterConfig
+from dflash_ring.common.config.target import TargetConfig
+from dflash_ring.common.config.train import TrainConfig
 from dflash_ring.common.layout import Role
 from dflash_ring.common.liveness import is_alive, lock_path
 from dflash_ring.common.ownership import group_secret

@@ -125,7 +125,7 @@ def dflash2_scalars(m: StepMetrics) -> dict[str, float]:
 def source_scalars(by_source: dict[str, SourceStats], prefix: str = "") -> dict[str, float]:
     """`<prefix>source/<name>/{loss,accuracy,accept_len,accept_len_prob,blocks,tokens}`: the ratios only where
     the source had blocks (a source without a block has no figure, not a zero); DSpark's `tau_probabilistic` and
-    `confidence_{abs_error,bias,cumprod_bias}` where it had them. Names are [A-Za-z0-9_.-] (data_config.py), so
+    `confidence_{abs_error,bias,cumprod_bias}` where it had them. Names are [A-Za-z0-9_.-] (config/data.py), so
     every key is valid in every tracker."""
     out: dict[str, float] = {}
     for name, s in sorted(by_source.items()):

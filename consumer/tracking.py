@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from dflash_ring.common.tracking_config import TrackingConfig
+from dflash_ring.common.config.tracking import TrackingConfig
 from dflash_ring.common.damaged_file import keep_aside, write_atomic
 from dflash_ring.common.output_dir import OutputDirError, check_output_dir
 

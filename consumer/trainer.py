@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dflash_ring.consumer.checkpoint import Checkpoint
-from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.layout import Counter, Role
 from dflash_ring.common.slot_contract import item_sources
 from dflash_ring.consumer.dspark_heads import check_dspark_head
@@ -25,7 +25,7 @@ from dflash_ring.consumer.fp8 import check_precision, convert_to_fp8
 from dflash_ring.consumer.loss import DFlashLoss, drafter_loss
 from dflash_ring.consumer.model import Anchors, DFlashDraftModel, FrozenTargetHead, sample_anchors
 from dflash_ring.consumer.source_metrics import SourceLabels, SourceStats, add_sources, by_source
-from dflash_ring.common.train_config import TrainConfig
+from dflash_ring.common.config.train import TrainConfig
 
 if TYPE_CHECKING:
     from dflash_ring.common.ring import Ring

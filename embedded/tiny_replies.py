@@ -13,7 +13,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from dflash_ring.common.config import Config, dump_toml
+from dflash_ring.common.config.dump import dump_toml
+from dflash_ring.common.config.schema import Config
 
 # Longer than any corpus reply (they average ~28 tokens), so a reply ends on its own.
 MAX_NEW_TOKENS = 128

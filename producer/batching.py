@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dflash_ring.common.data_config import DataConfig, DataError
+from dflash_ring.common.config.data import DataConfig, DataError
 from .pretokenized import SourceData, TokenizedData
 
 

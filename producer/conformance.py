@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from .target import TargetModel
-from dflash_ring.common.target_config import TargetConfigError
+from dflash_ring.common.config.target import TargetConfigError
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflash_ring.common.chat_encoding import BadRow
-from dflash_ring.common.data_config import DataConfig, DataError
+from dflash_ring.common.config.data import DataConfig, DataError
 
 if TYPE_CHECKING:  # imported where a data set is opened: a producer whose tokenized cache is there never needs it
     import datasets

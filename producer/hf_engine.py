@@ -16,7 +16,7 @@ from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList
                           PreTrainedTokenizerBase)
 
 from dflash_ring.common.chat_encoding import eos_ids
-from dflash_ring.common.target_config import TargetConfig, TargetConfigError
+from dflash_ring.common.config.target import TargetConfig, TargetConfigError
 
 from .generation import GenerationSettings, Prompt, Reply, prompt_seed
 from .pretokenized import target_tokenizer

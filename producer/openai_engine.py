@@ -56,7 +56,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_ring.common.regenerate_config import RegenerateConfig, RegenerateConfigError
+from dflash_ring.common.config.regenerate import RegenerateConfig, RegenerateConfigError
 
 from .generation import GenerationSettings, Prompt, Reply, prompt_seed
 

@@ -22,8 +22,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from dflash_ring.common.durable import exclusive
 
 from dflash_ring.common.chat_encoding import BadRow, ChatEncoder, decode_json_row
-from dflash_ring.common.data_config import DataConfig, DataError
-from dflash_ring.common.target_config import TargetConfig
+from dflash_ring.common.config.data import DataConfig, DataError
+from dflash_ring.common.config.target import TargetConfig
 from .data_source import DataFiles, batch_rows, check_row_size, locate, max_row_bytes, open_dataset
 
 if TYPE_CHECKING:

@@ -35,7 +35,7 @@ import torch
 
 from dflash_ring.common import sd_notify
 from dflash_ring.common.compile_cache import use_compile_cache
-from dflash_ring.common.config import Config, RingConfig
+from dflash_ring.common.config.schema import Config, RingConfig
 from dflash_ring.common.gpu_metrics import device_uuid
 from dflash_ring.common.layout import Role
 from dflash_ring.common.ledger_events import ProducerStart, ShardDone

@@ -32,13 +32,13 @@ from typing import Any
 from dflash_ring.common.bounded_read import RECORD_BYTES, read_text
 from dflash_ring.common.chat_encoding import BadRow, conversation_of, decode_json_row, prompt_of
 from dflash_ring.common.crash_points import crash_point
-from dflash_ring.common.data_config import DataConfig, DataError
+from dflash_ring.common.config.data import DataConfig, DataError
 from dflash_ring.common.durable import fsync
 from dflash_ring.common.metrics import RegenerateMetrics
 from dflash_ring.common.output_dir import check_output_dir
-from dflash_ring.common.regenerate_config import RegenerateConfig, RegenerateConfigError
+from dflash_ring.common.config.regenerate import RegenerateConfig, RegenerateConfigError
 from dflash_ring.common.refusal import Refusal
-from dflash_ring.common.target_config import TargetConfig
+from dflash_ring.common.config.target import TargetConfig
 
 from .data_source import DataFiles, batch_rows, check_row_size, locate, max_row_bytes, open_dataset
 from .generation import Engine, GenerationSettings, Prompt, Reply

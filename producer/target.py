@@ -33,7 +33,7 @@ from .varlen_gated_deltanet import FlaKernels, VarlenGatedDeltaNet, varlen_refus
 from .tensor_group import TensorGroup, send_run
 from dflash_ring.common.device import checked_device
 from dflash_ring.common.safetensors_check import weight_files
-from dflash_ring.common.target_config import TargetConfig, TargetConfigError, building_from, load_target_hf_config
+from dflash_ring.common.config.target import TargetConfig, TargetConfigError, building_from, load_target_hf_config
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dflash_ring.common.target_config import TargetConfig, TargetConfigError, tensor_parallel_refusal
+from dflash_ring.common.config.target import TargetConfig, TargetConfigError, tensor_parallel_refusal
 
 from .packing import packed_spans
 

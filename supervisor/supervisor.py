@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from dflash_ring.common import sd_notify
-from dflash_ring.common.config import Config
+from dflash_ring.common.config.schema import Config
 from dflash_ring.common.layout import STOP_DRAIN, STOP_NOW, Counter, RingHeaderError, Role, RowStatus
 from dflash_ring.common.ledger import Ledger
 from dflash_ring.common.ledger_events import SupervisorStart

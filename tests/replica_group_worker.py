@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from dflash_ring.common.config import ConfigError, GroupConfig
+from dflash_ring.common.config.schema import ConfigError, GroupConfig
 from dflash_ring.consumer.replica_group import ReplicaGroup
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_ring.common.config import load_config
+from dflash_ring.common.config.load import load_config
 from dflash_ring.common.layout import Role
 from dflash_ring.common.membership import Membership
 from dflash_ring.common.ring import Ring

@@ -45,7 +45,8 @@ def test_the_embedded_default_trains_the_dflash2_variant(tmp_path):
     run's sequences, built at the tiny target's width; chain-verified only."""
     from dataclasses import replace
 
-    from dflash_ring.common.config import dump_toml, load_config
+    from dflash_ring.common.config.dump import dump_toml
+    from dflash_ring.common.config.load import load_config
     from dflash_ring.consumer.model import DFlash2DraftModel, build_drafter
     from dflash_ring.embedded.tiny_target import TinyTargetRecipe
     from dflash_ring.tools.launcher import embedded_run_config

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ring.common.config import load_config
+from dflash_ring.common.config.load import load_config
 from dflash_ring.common.ring import Ring
 from dflash_ring.common.ring_spec import ring_spec
 

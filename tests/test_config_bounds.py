@@ -22,8 +22,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from dflash_ring.cli import main
-from dflash_ring.common.config import Config, _toml_value, load_config
-from dflash_ring.common.range_config import DEFAULT, INT64_MAX, Range, range_of
+from dflash_ring.common.config.dump import _toml_value
+from dflash_ring.common.config.load import load_config
+from dflash_ring.common.config.schema import Config
+from dflash_ring.common.config.ranges import DEFAULT, INT64_MAX, Range, range_of
 
 PREFIX = "dflash-ring check-config: error: "
 # Deterministic in CI: examples derived from the test alone, no example database.

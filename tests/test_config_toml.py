@@ -6,7 +6,9 @@ import dataclasses
 import tomllib
 import typing
 
-from dflash_ring.common.config import Config, dump_toml, load_config
+from dflash_ring.common.config.dump import dump_toml
+from dflash_ring.common.config.load import load_config
+from dflash_ring.common.config.schema import Config
 
 
 def _changed(value: typing.Any, hint: typing.Any) -> typing.Any:

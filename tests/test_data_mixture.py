@@ -10,8 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_ring.common.config import ConfigError, dump_toml, load_config
-from dflash_ring.common.data_config import DataConfig, DataError
+from dflash_ring.common.config.dump import dump_toml
+from dflash_ring.common.config.load import load_config
+from dflash_ring.common.config.schema import ConfigError
+from dflash_ring.common.config.data import DataConfig, DataError
 from dflash_ring.common.layout import Role
 from dflash_ring.common.resume_state import CursorFile, ResumeState
 from dflash_ring.common.ring import Ring

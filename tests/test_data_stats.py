@@ -19,8 +19,8 @@ import pytest
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from dflash_ring.common.config import load_config
-from dflash_ring.common.data_config import DataError
+from dflash_ring.common.config.load import load_config
+from dflash_ring.common.config.data import DataError
 from dflash_ring.common.layout import Counter, Role
 from dflash_ring.common.membership import Membership
 from dflash_ring.common.ring import Ring

@@ -192,7 +192,7 @@ def test_a_target_group_unit_sees_its_n_gpus_and_is_producer_first_gpu_over_n(in
 @pytest.mark.parametrize("standby_for, indices", [(None, [0, 1, 2]), ("0,2", [0, 2])])
 def test_the_standby_unit_stands_by_for_every_drafter_or_those_the_env_file_names(standby_for, indices):
     from dflash_ring.cli import _parser, _standby_indices
-    from dflash_ring.common.config import load_config
+    from dflash_ring.common.config.load import load_config
 
     extra = {} if standby_for is None else {"DFLASH_STANDBY_FOR": standby_for}
     args, env = run_exec("dflash-ring-drafter-standby@.service", "ExecStart", "7", extra)
@@ -332,7 +332,7 @@ def test_dashboard_covers_the_operations_questions():
 
 def exported_names(tmp_path: Path) -> set[str]:
     """Sample names of the real producer and drafter metrics and of the supervisor's ring collector."""
-    from dflash_ring.common.config import load_config
+    from dflash_ring.common.config.load import load_config
     from dflash_ring.common.layout import Role
     from dflash_ring.common.metrics import DrafterMetrics, ProducerMetrics, RingCollector
     from dflash_ring.common.ring import Ring

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.consumer.dflash2_blocks import GroupedDynamicCausalConv, grouped_dynamic_causal_conv
 from dflash_ring.consumer.model import (
     DFlash2DraftModel,
@@ -309,7 +309,7 @@ def test_the_serving_walk_is_greedy_over_the_scores_from_the_anchor():
 
 
 def test_a_dflash2_drafter_trains_on_a_tiny_target(tmp_path):
-    from dflash_ring.common.train_config import TrainConfig
+    from dflash_ring.common.config.train import TrainConfig
     from dflash_ring.consumer.trainer import DeviceBatch, Trainer
 
     save_tiny_qwen3(tmp_path)

@@ -14,7 +14,7 @@ import torch
 from transformers import Qwen3ForCausalLM
 
 from dflash_ring.cli import main
-from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.consumer.evaluate import (
     dflash2_draft,
     drafter_draft_fn,

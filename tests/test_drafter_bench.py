@@ -13,7 +13,7 @@ import torch
 
 from dflash_ring.bench.drafter import DEFAULT_SAMPLES, SAMPLE_TOKENS, bench_target
 from dflash_ring.bench.drafter_memory import GiB, DoesNotFit, fit_samples, step_memory, trainable_parameters
-from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.consumer.model import build_drafter
 
 H200_BYTES = 143771 * 2**20  # what nvidia-smi shows for one H200 (.library/device/KINDS.md)

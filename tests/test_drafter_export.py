@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
-from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.consumer.drafter_hf_config import drafter_hf_config
 from dflash_ring.consumer.export import export_drafter, load_drafter
 from dflash_ring.consumer.model import (

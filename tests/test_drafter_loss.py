@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.consumer.fp8 import Fp8Unavailable
 from dflash_ring.consumer.fp8_head import E5M2, Fp8Head, quantize_rows
 from dflash_ring.consumer.loss import block_labels, dflash_loss

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from transformers import Qwen3Config
 from transformers.models.qwen3 import modeling_qwen3
 
-from dflash_ring.common.drafter_config import DrafterConfig, build_target_layer_ids
-from dflash_ring.common.target_config import TargetConfigError
+from dflash_ring.common.config.drafter import DrafterConfig, build_target_layer_ids
+from dflash_ring.common.config.target import TargetConfigError
 from dflash_ring.consumer import qwen3_blocks
 from dflash_ring.consumer.model import (
     FLEX_TILE,

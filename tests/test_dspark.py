@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.consumer.dspark_heads import ConfidenceHead, MarkovHead
 from dflash_ring.consumer.loss import DSparkHeads, block_labels, dflash_loss
 from dflash_ring.consumer.model import (
@@ -198,7 +198,7 @@ def test_dspark_figures_equal_hand_computed_values():
 
 
 def test_a_dspark_drafter_trains_on_a_tiny_target(tmp_path):
-    from dflash_ring.common.train_config import TrainConfig
+    from dflash_ring.common.config.train import TrainConfig
     from dflash_ring.consumer.trainer import DeviceBatch, Trainer
 
     save_tiny_qwen3(tmp_path)

@@ -18,7 +18,7 @@ from transformers import Qwen3ForCausalLM
 
 import dflash_ring.consumer.evaluate as evaluate
 from dflash_ring.cli import main
-from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.consumer.evaluate import (
     Draft,
     drafter_draft_fn,

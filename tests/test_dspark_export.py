@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModel
 
 from dflash_ring.cli import main
-from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.consumer.checkpoint import Checkpoint, CheckpointError, CheckpointStore, export_checkpoint
 from dflash_ring.consumer.export import DSPARK_CODE_SOURCE, export_drafter, load_drafter
 from dflash_ring.consumer.model import DSparkDraftModel, FrozenTargetHead, build_drafter, load_target_head

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from dflash_ring.cli import _parser
-from dflash_ring.common.config import MetricsConfig
+from dflash_ring.common.config.schema import MetricsConfig
 from dflash_ring.common.metrics import SUPERVISOR
 from dflash_ring.tools.fleet import Readiness, role_command, scrape, wait_for
 from support import free_port_base

@@ -17,9 +17,10 @@ import pytest
 import torch
 from torch import nn
 
-from dflash_ring.common.config import ConfigError, load_config
+from dflash_ring.common.config.load import load_config
+from dflash_ring.common.config.schema import ConfigError
 from dflash_ring.common.ring import fingerprint_digest
-from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.consumer.drafter_hf_config import drafter_hf_config
 from dflash_ring.consumer.fp8 import Fp8Unavailable, convert_to_fp8, fp8_refusal
 from dflash_ring.consumer.loss import dflash_loss

@@ -10,13 +10,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dflash_ring.common.config import ConfigError, load_config
+from dflash_ring.common.config.load import load_config
+from dflash_ring.common.config.schema import ConfigError
 from dflash_ring.consumer.loss import dflash_loss
 from dflash_ring.consumer.model import Anchors, build_drafter, load_target_head, sample_anchors
 from dflash_ring.consumer.source_metrics import OTHER, SourceLabels, by_source
 from dflash_ring.consumer.trainer import DeviceBatch, Trainer
-from dflash_ring.common.drafter_config import DrafterConfig
-from dflash_ring.common.train_config import TrainConfig
+from dflash_ring.common.config.drafter import DrafterConfig
+from dflash_ring.common.config.train import TrainConfig
 from dflash_ring.producer.batching import ShardBatcher, held_out
 from dflash_ring.producer.data_stats import data_stats
 from support import mixture, save_tiny_qwen3

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from dflash_ring.common.config import load_config
+from dflash_ring.common.config.load import load_config
 from dflash_ring.common.layout import Counter, Role
 from dflash_ring.common.ledger import Ledger, read_ledger
 from dflash_ring.common.ledger_events import Evaluated, Trained

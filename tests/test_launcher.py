@@ -14,8 +14,10 @@ import pytest
 
 from support import build_target, cyclic_rows, free_port_base, load_tokenizer, tensorboard_scalars
 
-from dflash_ring.common.config import Config, dump_toml, load_config
-from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.config.dump import dump_toml
+from dflash_ring.common.config.load import load_config
+from dflash_ring.common.config.schema import Config
+from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.resume_state import CursorFile, cursor_path
 from dflash_ring.tools.launcher import embedded_run_config
 

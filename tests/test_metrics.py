@@ -18,7 +18,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from dflash_ring.cli import main as cli_main
-from dflash_ring.common.config import ConfigError, load_config
+from dflash_ring.common.config.load import load_config
+from dflash_ring.common.config.schema import ConfigError
 from dflash_ring.common.gpu_metrics import GpuCollector, device_uuid
 from dflash_ring.common.metrics import run_ports
 from dflash_ring.common.ring import Ring

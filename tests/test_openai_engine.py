@@ -34,7 +34,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_ring.common.regenerate_config import RegenerateConfig, RegenerateConfigError
+from dflash_ring.common.config.regenerate import RegenerateConfig, RegenerateConfigError
 from dflash_ring.embedded.tiny_corpus import CorpusSpec
 from dflash_ring.embedded.tiny_target import TinyTargetRecipe, ensure_tiny_target
 from dflash_ring.producer.generation import GenerationSettings, Prompt, Reply, prompt_seed

@@ -45,7 +45,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModel, AutoModelForCausalLM, Qwen3Config
 
-from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.consumer.export import WEIGHTS_NAME, export_drafter
 from dflash_ring.consumer.model import build_drafter, load_target_head
 from dflash_ring.producer.target import TargetModel

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash_ring.producer.batching import Batch, Cursor, ShardBatcher, plan_epoch
-from dflash_ring.common.data_config import DataConfig
+from dflash_ring.common.config.data import DataConfig
 from dflash_ring.producer.pretokenized import TokenizedData, load_tokenized
 from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 

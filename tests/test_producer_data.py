@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from dflash_ring.common.chat_encoding import ChatEncoder
-from dflash_ring.common.data_config import DataConfig, DataError
+from dflash_ring.common.config.data import DataConfig, DataError
 from dflash_ring.producer.pretokenized import load_tokenized
 from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 

@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_ring.common.config import ConfigError, load_config
+from dflash_ring.common.config.load import load_config
+from dflash_ring.common.config.schema import ConfigError
 from dflash_ring.producer.batching import Batch
 from dflash_ring.common.resume_state import CursorFile, ResumeState
 from dflash_ring.producer.process import prepare, run_target
 from dflash_ring.producer.target import TargetModel
-from dflash_ring.common.target_config import TargetConfig, TargetConfigError
+from dflash_ring.common.config.target import TargetConfig, TargetConfigError
 from support import assert_same_features, build_target, packed_batch, reference_features, reference_final_hidden
 
 LENGTHS = [37, 8, 120, 64, 9, 200, 12]  # real samples are never shorter: the chat template alone is longer

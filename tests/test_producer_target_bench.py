@@ -13,7 +13,7 @@ import numpy as np
 from dflash_ring.bench.target import active_parameters, attention_pairs, run_target_bench
 from dflash_ring.bench.target_shapes import SHAPES
 from dflash_ring.producer.target import TargetModel
-from dflash_ring.common.target_config import TargetConfig
+from dflash_ring.common.config.target import TargetConfig
 
 PROGRESS = re.compile(r"^(\w+) (\w+): (\{.*\})$")  # bench/progress.py's lines
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_ring.common.config import Config, load_config
+from dflash_ring.common.config.load import load_config
+from dflash_ring.common.config.schema import Config
 from dflash_ring.common.layout import Counter, Role, RowStatus
 from dflash_ring.common.membership import Membership
 from dflash_ring.common.ring import ConfigMismatchError, Ring

@@ -11,12 +11,14 @@ import pytest
 import torch
 from transformers import AutoModel
 
-from dflash_ring.common.config import ConfigError, Config, dump_toml, load_config
-from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.config.dump import dump_toml
+from dflash_ring.common.config.load import load_config
+from dflash_ring.common.config.schema import ConfigError, Config
+from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.consumer.checkpoint import CheckpointStore, export_checkpoint
 from dflash_ring.consumer.export import load_drafter
 from dflash_ring.consumer.model import build_drafter, load_target_head
-from dflash_ring.common.train_config import TrainConfig
+from dflash_ring.common.config.train import TrainConfig
 from dflash_ring.consumer.trainer import DeviceBatch, Trainer
 from support import save_tiny_qwen3
 

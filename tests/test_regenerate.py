@@ -23,9 +23,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_ring.common.chat_encoding import BadRow, prompt_of
-from dflash_ring.common.config import Config
+from dflash_ring.common.config.schema import Config
 from dflash_ring.common.metrics import RegenerateMetrics
-from dflash_ring.common.target_config import TargetConfig
+from dflash_ring.common.config.target import TargetConfig
 from dflash_ring.embedded.tiny_tokenizer import QWEN3_STYLE_CHAT_TEMPLATE, tiny_chat_tokenizer
 from dflash_ring.producer.generation import GenerationSettings, Prompt
 from dflash_ring.producer.hf_engine import HfEngine, length_batches

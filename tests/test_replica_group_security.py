@@ -21,7 +21,7 @@ from torch.distributed import TCPStore
 from support import wait_exit, wait_for
 from test_drafter_replica_group import common_rounds, free_port, leader, max_abs_diff, store, write_secret  # noqa: F401
 
-from dflash_ring.common.config import Config, ConfigError
+from dflash_ring.common.config.schema import Config, ConfigError
 from dflash_ring.common.rendezvous import parse_rendezvous, serve_rendezvous
 
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from dflash_ring.common.config import load_config
+from dflash_ring.common.config.load import load_config
 from dflash_ring.common.layout import Role
 from dflash_ring.common.ownership import semaphore_path
 from dflash_ring.common.ring import ConfigMismatchError, Ring, RingSpec, fingerprint_digest

@@ -15,7 +15,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from support import wait_exit, wait_for
-from dflash_ring.common.config import ConfigError, load_config
+from dflash_ring.common.config.load import load_config
+from dflash_ring.common.config.schema import ConfigError
 from dflash_ring.common.layout import HEADER_BYTES, RingHeaderError, read_identity
 from dflash_ring.common.ring import ConfigMismatchError, Ring, segment_name
 from dflash_ring.common.ring_spec import ring_spec

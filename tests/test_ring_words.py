@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from support import wait_exit, wait_for
-from dflash_ring.common.config import load_config
+from dflash_ring.common.config.load import load_config
 from dflash_ring.common.layout import NO_OWNER, Counter as RingCounter, Role, SlotState, pack_state
 from dflash_ring.common.resume_state import CursorFile, cursor_path
 from dflash_ring.common.ring import Ring, impossible_word, segment_name

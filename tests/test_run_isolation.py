@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ring.common.config import default_runtime_root
+from dflash_ring.common.config.schema import default_runtime_root
 
 
 def cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -80,7 +80,7 @@ def _shm(run_name: str) -> Path:
 
 def test_a_segment_or_semaphore_others_could_touch_is_refused(run):
     """Another user who creates the run's segment first (0666, or owned by them) never gets our workers."""
-    from dflash_ring.common.config import load_config
+    from dflash_ring.common.config.load import load_config
     from dflash_ring.common.ownership import ForeignObjectError
     from dflash_ring.common.ring import Ring
     from dflash_ring.common.ring_spec import ring_spec

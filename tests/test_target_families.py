@@ -24,7 +24,7 @@ from dflash_ring.producer.conformance import choose_packing, layer_kinds, probe
 from dflash_ring.producer.probe_cache import cached_probe
 from dflash_ring.producer.process import prepare, run_target
 from dflash_ring.producer.target import TargetModel
-from dflash_ring.common.target_config import TargetConfig, TargetConfigError
+from dflash_ring.common.config.target import TargetConfig, TargetConfigError
 from support import (FEATURE_TOLERANCE, HYBRID_MAMBA, LINEAR_RECURRENT, assert_same_features, build_target,
                      packed_batch, reference_features, write_config)
 

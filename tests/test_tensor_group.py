@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dflash_ring.cli import main
-from dflash_ring.common.target_config import TargetConfig, TargetConfigError, tensor_parallel_refusal
+from dflash_ring.common.config.target import TargetConfig, TargetConfigError, tensor_parallel_refusal
 from dflash_ring.producer.conformance import choose_packing
 from dflash_ring.producer.process import prepare, run_target
 from dflash_ring.producer.target import ShardedTarget, TargetModel

@@ -13,7 +13,9 @@ import signal
 import numpy as np
 import pytest
 
-from dflash_ring.common.config import Config, dump_toml, load_config
+from dflash_ring.common.config.dump import dump_toml
+from dflash_ring.common.config.load import load_config
+from dflash_ring.common.config.schema import Config
 from dflash_ring.common.ring import fingerprint_digest
 from dflash_ring.consumer.tracking import RunRecord, Tracking, read_records
 from dflash_ring.consumer.wandb_offline import offline_runs

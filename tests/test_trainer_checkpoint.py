@@ -14,10 +14,10 @@ from dflash_ring.consumer.async_checkpoint import BackgroundWriter, HostSnapshot
 from dflash_ring.common.trained_journal import Journal
 from dflash_ring.consumer.checkpoint import FILES, CheckpointError, CheckpointStore, export_checkpoint
 from dflash_ring.consumer.checkpoint_policy import Checkpoints
-from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.consumer.export import load_drafter
 from dflash_ring.consumer.model import build_drafter, load_target_head
-from dflash_ring.common.train_config import TrainConfig
+from dflash_ring.common.config.train import TrainConfig
 from dflash_ring.consumer.trainer import DeviceBatch, Trainer, lr_at
 from dflash_ring.tools.reconcile import read_ledgers, reconcile
 from support import build_target, cyclic_rows, pipeline_config, save_tiny_qwen3, wait_exit

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, Qwen3ForCausalLM
 
 from dflash_ring.cli import main
-from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.consumer.draft_tree import DraftTree, build_draft_tree, tree_attention_mask
 from dflash_ring.consumer.evaluate import (
     cache_argument,

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_ring.common.target_config import TargetConfig
+from dflash_ring.common.config.target import TargetConfig
 from dflash_ring.producer.process import prepare, run_target
 from dflash_ring.producer.target import TargetModel
 from dflash_ring.producer.varlen_gated_deltanet import FlaKernels, layout_mismatch

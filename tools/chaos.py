@@ -58,7 +58,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from dflash_ring.common.config import Config, load_config
+from dflash_ring.common.config.load import load_config
+from dflash_ring.common.config.schema import Config
 from dflash_ring.common.ledger import read_ledger
 from dflash_ring.common.ledger_events import (DrafterStart, Exited, ProducerStart, Published, ShardDone, StartupDone,
                                               SupervisorStart, Trained, is_one_of, kind)

@@ -24,7 +24,7 @@ from typing import IO
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from dflash_ring.common.config import MetricsConfig
+from dflash_ring.common.config.schema import MetricsConfig
 from dflash_ring.common.metrics import port_of
 
 Sample = dict[str, float]

@@ -26,8 +26,10 @@ from statistics import fmean, stdev
 from rich.console import Console
 from rich.table import Table
 
-from dflash_ring.common.config import Config, dump_toml, load_config
-from dflash_ring.common.drafter_config import DrafterConfig
+from dflash_ring.common.config.dump import dump_toml
+from dflash_ring.common.config.load import load_config
+from dflash_ring.common.config.schema import Config
+from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.layout import Role
 from dflash_ring.common.metrics import DRAFTER, check_ports_free, run_ports
 from dflash_ring.common.ring import Ring, RingNotFound
@@ -69,7 +71,7 @@ def embedded_run_config(workdir: Path, target: Path, mask_token_id: int, data: P
 
 
 EMBEDDED_HEADER = """The embedded default, written by `dflash-ring run`: copy it to start your own.
-Only the fields this run sets are here; every other field has its default (common/config.py).
+Only the fields this run sets are here; every other field has its default (common/config/schema.py).
 Metrics: /metrics on metrics.bind (127.0.0.1): supervisor port_base (9460), target i port_base + 1 + i,
 drafter j port_base + 100 + j."""
 

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from dflash_ring.common.refusal import Refusal
-from dflash_ring.common.drafter_config import build_target_layer_ids, target_text_config
-from dflash_ring.common.range_config import Range
+from dflash_ring.common.config.drafter import build_target_layer_ids, target_text_config
+from dflash_ring.common.config.ranges import Range
 
 TargetDtype = Literal["auto", "float32", "bfloat16"]
 AttnImplementation = Literal["auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3"]
@@ -80,7 +80,7 @@ class TargetConfig:
     # "auto": cuda if available, else cpu; `dflash-ring target --device cuda:N` overrides it.
     device: str = "auto"
     # Also ship the final normed hidden state [tokens, hidden], for a KL loss or target-argmax labels through the
-    # frozen LM head. None: shipped exactly when the run's drafter objective needs it (common/config.py).
+    # frozen LM head. None: shipped exactly when the run's drafter objective needs it (common/config/schema.py).
     ship_final_hidden: bool | None = None
     # The drafter's <|MASK|> row; must be a row of the target embedding. Only checked and fingerprinted here.
     mask_token_id: int | None = None

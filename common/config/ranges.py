@@ -1,7 +1,7 @@
 """The allowed range of every numeric config setting, declared with the field and checked by the loader.
 
 A field declares its range in its type, `lr: Annotated[float, Range(low_open=True)]` or one of the aliases
-below (`Positive`, `Seconds`, ...); `load_config` (`_coerce` in common/config.py) checks every number it reads,
+below (`Positive`, `Seconds`, ...); `load_config` (`_coerce` in common/config/load.py) checks every number it reads,
 in every section, from a file or `--set`, before the section's own `__post_init__` sees it. A numeric field that
 declares nothing gets the rule `Range()`: a finite number >= 0 (an int also at most INT64_MAX). The rule is
 declared rather than written as a check per field because hand-written checks each forgot something: `lr <= 0`

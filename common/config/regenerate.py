@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 from dflash_ring.common.refusal import Refusal
-from dflash_ring.common.range_config import AtLeastOne, PositiveSeconds, Range
+from dflash_ring.common.config.ranges import AtLeastOne, PositiveSeconds, Range
 
 EngineName = Literal["hf", "openai"]
 

@@ -9,27 +9,23 @@ fingerprint stored in the ring header, so a mismatched process is refused.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
-import tomllib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
 from dflash_ring.common.refusal import Refusal
-from dflash_ring.common.bounded_read import CONFIG_BYTES, read_text
-from dflash_ring.common.range_config import DEFAULT, PositiveSeconds, Range, Seconds, range_of, refusal
+from dflash_ring.common.config.ranges import PositiveSeconds, Range, Seconds
 from dflash_ring.common.ownership import SecretFileError, group_secret
 from dflash_ring.common.run_name import RunNameError, check_run_name
-from dflash_ring.common.drafter_config import DrafterConfig
-from dflash_ring.common.train_config import TrainConfig
-from dflash_ring.common.data_config import DataConfig
-from dflash_ring.common.target_config import TargetConfig
-from dflash_ring.common.regenerate_config import RegenerateConfig
-from dflash_ring.common.tracking_config import TrackingConfig
+from dflash_ring.common.config.drafter import DrafterConfig
+from dflash_ring.common.config.train import TrainConfig
+from dflash_ring.common.config.data import DataConfig
+from dflash_ring.common.config.target import TargetConfig
+from dflash_ring.common.config.regenerate import RegenerateConfig
+from dflash_ring.common.config.tracking import TrackingConfig
 
 
 class ConfigError(Refusal, ValueError):
@@ -254,193 +250,3 @@ def default_runtime_root() -> Path:
     if xdg := os.environ.get("XDG_RUNTIME_DIR"):
         return Path(xdg) / "dflash-ring"
     return Path(f"/tmp/dflash-ring-{os.getuid()}")
-
-
-def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Read a TOML file (or start from defaults) and apply `section.key=value` overrides."""
-    raw: dict[str, typing.Any] = {}
-    if path is not None:
-        try:
-            raw = tomllib.loads(read_text(path, CONFIG_BYTES, ConfigError, "config file"))
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-    for item in overrides:
-        section, key, value = _parse_override(item)
-        raw.setdefault(section, {})[key] = value
-    cfg = _build(Config, raw, "")
-    cfg.validate()
-    return cfg
-
-
-def _parse_override(item: str) -> tuple[str, str, typing.Any]:
-    name, sep, text = item.partition("=")
-    section, dot, key = name.strip().partition(".")
-    if not sep or not dot or not section or not key:
-        raise ConfigError(f"--set {item!r}: expected section.key=value")
-    try:
-        value = tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = text  # a bare word is a string
-    return section, key, value
-
-
-def _build(cls: type, raw: typing.Any, where: str) -> typing.Any:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"[{where}] must be a table, got {type(raw).__name__}")
-    hints = typing.get_type_hints(cls, include_extras=True)  # with each field's declared Range
-    known = {f.name for f in dataclasses.fields(cls)}
-    for key in raw:
-        if key not in known:
-            place = f"[{where}]" if where else "the top level"
-            raise ConfigError(f"unknown config key {key!r} in {place}; known keys: {', '.join(sorted(known))}")
-    values = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in raw:
-            continue
-        name = f"{where}.{f.name}" if where else f.name
-        hint = hints[f.name]
-        if dataclasses.is_dataclass(hint):
-            values[f.name] = _build(hint, raw[f.name], name)
-        else:
-            values[f.name] = _coerce(raw[f.name], hint, name)
-    try:
-        return cls(**values)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"[{where}]: {e}") from None
-
-
-def _coerce(value: typing.Any, hint: typing.Any, name: str, bound: Range | None = None) -> typing.Any:
-    """`value` as the field's type, or a ConfigError naming `name`; a number also within its declared `bound`
-    (common/range_config.py: from an Annotated hint, else the rule for every number, DEFAULT)."""
-    if dataclasses.is_dataclass(hint):  # a table in a list of tables ([[data.sources]])
-        return _build(hint, value, name)
-    origin = typing.get_origin(hint)
-    if origin is typing.Annotated:
-        inner, *extras = typing.get_args(hint)
-        return _coerce(value, inner, name, range_of(tuple(extras)) or bound)
-    if origin is typing.Literal:
-        if value not in typing.get_args(hint):
-            raise ConfigError(f"{name} = {value!r}: expected one of {', '.join(map(repr, typing.get_args(hint)))}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(hint)
-        if value is None and type(None) in args:
-            return None
-        options = [arg for arg in args if arg is not type(None)]
-        for arg in options:
-            try:
-                return _coerce(value, arg, name, bound)
-            except ConfigError as e:
-                if len(options) == 1:  # X | None: X's own message
-                    raise e from None
-        raise ConfigError(f"{name} = {value!r}: expected {hint}")
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        if not isinstance(value, list):
-            raise ConfigError(f"{name} = {value!r}: expected a list")
-        return [_coerce(v, item, f"{name}[{i}]") for i, v in enumerate(value)]
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        value = _as_float(value)
-    if hint is bool and not isinstance(value, bool):
-        raise ConfigError(f"{name} = {value!r}: expected true or false")
-    if hint is int and isinstance(value, bool):
-        raise ConfigError(f"{name} = {value!r}: expected an integer")
-    if not isinstance(value, hint):
-        raise ConfigError(f"{name} = {value!r}: expected {hint.__name__}, got {type(value).__name__}")
-    if hint in (int, float) and (why := refusal(name, value, bound or DEFAULT)):
-        raise ConfigError(why)
-    return value
-
-
-def _as_float(value: int) -> float:
-    """An int written for a float field; one past a float's range is inf (refused as not finite, not a traceback)."""
-    try:
-        return float(value)
-    except OverflowError:
-        return math.inf if value > 0 else -math.inf
-
-
-def dump_toml(cfg: Config, *, full: bool = False, header: str = "",
-              comments: typing.Mapping[str, str] | None = None) -> str:
-    """`cfg` as TOML that `load_config` reads back equal: the one writer of run configs.
-
-    By default only fields that differ from the defaults, and that the section does not derive from
-    its other fields, are written: a copied file then says what this run chose and keeps following the
-    code's defaults for the rest (an edited num_hidden_layers is not contradicted by a stale
-    layer_types). `full` writes every
-    field (None, which TOML cannot spell, is every optional field's default, so it is left out).
-    `header` becomes leading comment lines; `comments` maps "section" or "section.key" to a
-    comment line written above it.
-    """
-    comments = comments or {}
-    defaults = Config()
-    out = [f"# {line}".rstrip() for line in header.splitlines()]
-    for section in dataclasses.fields(Config):
-        value = getattr(cfg, section.name)
-        kept = _kept_fields(value, getattr(defaults, section.name), full)
-        tables = {name: kept.pop(name) for name, v in list(kept.items()) if _is_table_list(v)}
-        lines = []
-        for name, v in kept.items():
-            if note := comments.get(f"{section.name}.{name}"):
-                lines.append(f"# {note}")
-            lines.append(f"{name} = {_toml_value(v, f'{section.name}.{name}')}")
-        if lines:
-            if out:
-                out.append("")
-            if note := comments.get(section.name):
-                out.append(f"# {note}")
-            out += [f"[{section.name}]", *lines]
-        for name, entries in tables.items():  # after the section's own keys: TOML puts them in its table
-            for i, entry in enumerate(entries):
-                fields = _kept_fields(entry, None, full)
-                out += ["", f"[[{section.name}.{name}]]",
-                        *(f"{k} = {_toml_value(v, f'{section.name}.{name}[{i}].{k}')}" for k, v in fields.items())]
-    return "\n".join(out) + "\n"
-
-
-def _kept_fields(value: typing.Any, default: typing.Any, full: bool) -> dict[str, typing.Any]:
-    """The fields of one table that `dump_toml` writes: all (bar None) when `full`, else those that differ from
-    `default` (from the type's own defaults where `default` is None) and that the table does not derive from
-    its other fields (drafter.layer_types from its layers, a source's name from its path)."""
-    kept = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if getattr(value, f.name) is not None}
-    if full:
-        return kept
-    for f in dataclasses.fields(value):
-        if default is not None:
-            same = getattr(default, f.name) == kept.get(f.name)
-        else:
-            same = f.default is not dataclasses.MISSING and f.default == kept.get(f.name)
-        if same:
-            kept.pop(f.name, None)
-    for name in reversed(list(kept)):
-        trial = {k: v for k, v in kept.items() if k != name}
-        try:
-            if type(value)(**trial) == value:
-                kept = trial
-        except (TypeError, ValueError):
-            pass
-    return kept
-
-
-def _is_table_list(v: typing.Any) -> bool:
-    return isinstance(v, list) and bool(v) and all(dataclasses.is_dataclass(x) for x in v)
-
-
-def _toml_value(v: typing.Any, name: str) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return f"{v:_}" if abs(v) >= 100_000 else str(v)  # 8_388_608 reads better than 8388608
-    if isinstance(v, float):
-        return repr(v)  # shortest exact form; inf, -inf and nan are TOML's own spellings
-    if isinstance(v, str):
-        return '"' + "".join(_TOML_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 0x20 or c == "\x7f" else c)
-                             for c in v) + '"'
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x, name) for x in v) + "]"
-    raise ConfigError(f"{name} = {v!r}: a {type(v).__name__} cannot be written as TOML")
-
-
-_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from dflash_ring.common.range_config import AtLeastOne, Fraction, Positive, Range, Share
+from dflash_ring.common.config.ranges import AtLeastOne, Fraction, Positive, Range, Share
 
 
 @dataclass

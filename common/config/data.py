@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from dflash_ring.common.refusal import Refusal
-from dflash_ring.common.range_config import AtLeastOne, Positive, Range, Share
+from dflash_ring.common.config.ranges import AtLeastOne, Positive, Range, Share
 
 DataFormat = Literal["auto", "json", "jsonl", "parquet", "arrow", "disk"]
 FORMATS: tuple[str, ...] = ("auto", "json", "jsonl", "parquet", "arrow", "disk")

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Annotated, Any, Literal
 
-from dflash_ring.common.range_config import AtLeastOne, Fraction, Positive, Range
+from dflash_ring.common.config.ranges import AtLeastOne, Fraction, Positive, Range
 
 # Paper A.1: gamma for the exp(-(k-1)/gamma) position decay, per block size.
 PAPER_LOSS_GAMMA: dict[int, float] = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -199,7 +199,7 @@ class DrafterConfig:
         self._validate()
 
     def _validate(self) -> None:
-        """The checks one field against another; each number's own range is its field's (common/range_config.py)."""
+        """The checks one field against another; each number's own range is its field's (common/config/ranges.py)."""
         if self.loss not in ("ce", "dpace") or self.label not in ("data", "target_argmax"):
             raise ValueError(f"loss {self.loss!r} must be 'ce' or 'dpace', label {self.label!r} 'data' or "
                              "'target_argmax'")
