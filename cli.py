@@ -239,7 +239,7 @@ def _run_and_lock_dir(args: argparse.Namespace) -> tuple[str, Path]:
         if cfg.run.run_dir:
             raise ConfigError(f"run {args.run!r} differs from the config's run.name {cfg.run.name!r}")
         return args.run, default_runtime_root() / args.run
-    return cfg.run.name, cfg.lock_dir()
+    return cfg.run.name, cfg.run.lock_dir()
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -367,7 +367,6 @@ def cmd_target(args: argparse.Namespace) -> int:
 def cmd_check_target(args: argparse.Namespace) -> int:
     from dflash_ring.producer.conformance import choose_packing, report_json
     from dflash_ring.producer.target import TargetModel, resolve_device
-    from dflash_ring.common.config.target import TargetConfigError
     from dflash_ring.consumer.head_loader import probe_target_head
 
     cfg = _config(args).target

@@ -59,14 +59,15 @@ from dflash_ring.bench.target_shapes import SHAPES
 from dflash_ring.bench.target_timing import time_forward
 from dflash_ring.common.config.dump import dump_toml
 from dflash_ring.common.config.load import load_config
+from dflash_ring.common.config.data import DataConfig
 from dflash_ring.common.config.schema import Config
+from dflash_ring.common.config.target import TargetConfig
 from dflash_ring.common.config.drafter import DrafterConfig, build_target_layer_ids
 from dflash_ring.common.layout import Role
 from dflash_ring.common.metrics import DRAFTER, SUPERVISOR, TARGET
 from dflash_ring.common.ring import Ring
-from dflash_ring.consumer.head_loader import load_target_head
-from dflash_ring.consumer.model import build_drafter
-from dflash_ring.consumer.process import resolve_drafter_config, target_config_dict
+from dflash_ring.consumer.head_cache import CACHE_NAME as HEAD_CACHE_NAME
+from dflash_ring.consumer.process import build
 from dflash_ring.consumer.trainer import DeviceBatch, Trainer
 from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 from dflash_ring.producer.batching import Batch, ShardBatcher
@@ -142,53 +143,44 @@ def _fed_batch(target: TargetModel, batch: Batch, device: torch.device) -> Devic
     )
 
 
-def _standalone(cfg: Config, device: torch.device, batches: int,
-                drafter_steps: tuple[int, int]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """T and D (module docstring): the target forward alone over the pipeline's own first batches, through the
-    producer's loader; then the drafter's Trainer alone on those batches' features (warm-up steps, timed steps)."""
-    tokenizer = AutoTokenizer.from_pretrained(cfg.target.path, local_files_only=True)
-    data = load_tokenized(cfg.data, tokenizer)
-    target = TargetModel.load(cfg.target, device, packed=True)
-    if cfg.target.compile and device.type == "cuda":  # as the producer runs it (the warm-up batches compile)
+def _standalone_target(target_cfg: TargetConfig, data_cfg: DataConfig, device: torch.device, batches: int,
+                       fed: int) -> tuple[dict[str, Any], list[DeviceBatch]]:
+    """T (module docstring): the target forward alone over the pipeline's own first batches, through the producer's
+    loader; and the first `fed` batches as a drafter takes them out of a slot, for D."""
+    tokenizer = AutoTokenizer.from_pretrained(target_cfg.path, local_files_only=True)
+    data = load_tokenized(data_cfg, tokenizer)
+    target = TargetModel.load(target_cfg, device, packed=True)
+    if target_cfg.compile and device.type == "cuda":  # as the producer runs it (the warm-up batches compile)
         target.compile_layers()
-    it = ShardBatcher.from_config(data, cfg.data, rank=0, world_size=1).batches()
-    plan = [next(it) for _ in range(max(batches + 2, sum(drafter_steps)))]
+    it = ShardBatcher.from_config(data, data_cfg, rank=0, world_size=1).batches()
+    plan = [next(it) for _ in range(max(batches + 2, fed))]
     seconds = time_forward(target, plan[:2], plan[2:batches + 2])
     timed = plan[2:batches + 2]
     tokens = sum(b.num_tokens for b in timed)
-    target_report = {"tokens_per_s": round(tokens / seconds, 1), "batches": batches, "tokens": tokens,
-                     "mean_sequences": round(sum(len(b.lengths) for b in timed) / batches, 2)}
-    progress("pipeline", "standalone_target", target_report)
-    fed = [_fed_batch(target, b, device) for b in plan[:sum(drafter_steps)]]
-    del target
-    drafter_report = _standalone_drafter(cfg, device, fed, drafter_steps[0])
-    progress("pipeline", "standalone_drafter", drafter_report)
-    del fed
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return target_report, drafter_report
+    report = {"tokens_per_s": round(tokens / seconds, 1), "batches": batches, "tokens": tokens,
+              "mean_sequences": round(sum(len(b.lengths) for b in timed) / batches, 2)}
+    progress("pipeline", "standalone_target", report)
+    return report, [_fed_batch(target, b, device) for b in plan[:fed]]
 
 
-def _standalone_drafter(cfg: Config, device: torch.device, fed: list[DeviceBatch], warm: int) -> dict[str, Any]:
-    """Built and stepped exactly as the drafter process does (consumer/process.py), minus the ring."""
-    drafter_cfg = resolve_drafter_config(cfg.drafter, cfg.target)
-    head = load_target_head(cfg.target.path, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                            device=device)
-    torch.manual_seed(cfg.train.seed)
-    trainer = Trainer(build_drafter(drafter_cfg, target_config_dict(cfg.target.path)), head, drafter_cfg, cfg.train,
-                      device)
+def _standalone_drafter(trainer: Trainer, total_steps: int, fed: list[DeviceBatch], warm: int) -> dict[str, Any]:
+    """D (module docstring): the Trainer that consumer/process.py's `build` makes, stepped alone on `fed` (its
+    first `warm` steps compile), minus the ring."""
+    device = trainer.device
     t0 = time.perf_counter()
     for batch in fed[:warm]:  # the first steps compile
-        trainer.train_step(batch, cfg.train.total_steps)
+        trainer.train_step(batch, total_steps)
     _sync(device)
     t1 = time.perf_counter()
     for batch in fed[warm:]:
-        trainer.train_step(batch, cfg.train.total_steps)
+        trainer.train_step(batch, total_steps)
     _sync(device)
     seconds = time.perf_counter() - t1
     tokens = sum(b.num_tokens for b in fed[warm:])
-    return {"tokens_per_s": round(tokens / seconds, 1), "steps": len(fed) - warm, "tokens": tokens,
-            "step_s": round(seconds / (len(fed) - warm), 4), "warmup_steps": warm, "warmup_s": round(t1 - t0, 1)}
+    report = {"tokens_per_s": round(tokens / seconds, 1), "steps": len(fed) - warm, "tokens": tokens,
+              "step_s": round(seconds / (len(fed) - warm), 4), "warmup_steps": warm, "warmup_s": round(t1 - t0, 1)}
+    progress("pipeline", "standalone_drafter", report)
+    return report
 
 
 def _sync(device: torch.device) -> None:
@@ -448,9 +440,16 @@ def run_pipeline_bench(*, tiny: bool = False, seconds: float = 90.0, warmup_step
     checkpoint_every = (5 if not cuda else 50) if DRAFTER in kills else 100000
     cfg_path = _write_config(work, target, data, shape=shape, tiny=not cuda, target_device=target_device,
                              drafter_device=drafter_device, port_base=port_base, checkpoint_every=checkpoint_every)
-    standalone_target, standalone_drafter = _standalone(load_config(cfg_path), torch.device(target_device),
-                                                        batches=4 if not cuda else 10,
-                                                        drafter_steps=(1, 4) if not cuda else (4, 8))
+    cfg, device = load_config(cfg_path), torch.device(target_device)
+    warm, timed = (1, 4) if not cuda else (4, 8)  # the drafter's steps alone: compiling, then timed
+    standalone_target, fed = _standalone_target(cfg.target, cfg.data, device, batches=4 if not cuda else 10,
+                                                fed=warm + timed)
+    built = build(cfg.drafter, cfg.target, cfg.train, cfg.data.source_names(), cfg.run.compile_cache_dir, device,
+                  work / "standalone" / HEAD_CACHE_NAME)  # as the drafter process builds it
+    standalone_drafter = _standalone_drafter(built.trainer, cfg.train.total_steps, fed, warm)
+    del built, fed
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     pipeline = _pipeline(cfg_path, target_device, drafter_device, seconds, warmup_steps or (3 if not cuda else 8),
                          work, kills)
     balanced = balanced_topology(standalone_target["tokens_per_s"], standalone_drafter["tokens_per_s"],

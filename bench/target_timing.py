@@ -83,7 +83,7 @@ def time_forward(target: TargetModel, warm: list[Batch], timed: list[Batch]) -> 
 def _release_all(cfg, stop: threading.Event, ready: threading.Event) -> None:
     """The consumer side: claim and release at once, so the ring is never the bottleneck by design."""
     with Ring.attach(ring_spec(cfg)) as ring:
-        me = Membership.join(ring, cfg, Role.CONSUMER, 0)
+        me = Membership.join(ring, cfg.run, Role.CONSUMER, 0, journal_dir=cfg.train.checkpoint_dir)
         port = ring.consumer(me.row)
         ready.set()
         while not stop.is_set():
@@ -114,7 +114,7 @@ def time_into_ring(target: TargetModel, warm: list[Batch], timed: list[Batch], m
         with Ring.attach(ring_spec(cfg), pin=target.device.type == "cuda") as ring:
             consumer.start()
             ready.wait(60)
-            me = Membership.join(ring, cfg, Role.PRODUCER, 0)
+            me = Membership.join(ring, cfg.run, Role.PRODUCER, 0, journal_dir=cfg.train.checkpoint_dir)
             producer = Producer(ring, me.row, 0, target, stop=threading.Event())
             producer.run(batch_loader(warm, target, target.device))
             waited = ring.wait_seconds

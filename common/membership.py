@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from dflash_ring.common.config.schema import Config
+from dflash_ring.common.config.schema import RunConfig
 from dflash_ring.common.layout import Role, RowStatus
 from dflash_ring.common.liveness import LockFile, ensure_lock_dir, lock_path
 from dflash_ring.common.ring import Ring
@@ -22,23 +22,25 @@ class Membership:
         self._lock = lock
 
     @classmethod
-    def join(cls, ring: Ring, cfg: Config, role: Role, index: int, lock: LockFile | None = None) -> Membership:
+    def join(cls, ring: Ring, run: RunConfig, role: Role, index: int, *, journal_dir: str,
+             lock: LockFile | None = None) -> Membership:
         """Take this role's row, waiting until a predecessor in it is confirmed dead.
 
         Whatever the predecessor held (a half-written or half-read slot) is
         undone before this process does anything, so a restart needs no help
         from the supervisor. `lock`: the index's lock, already taken (a drafter
         takes its seat before loading its checkpoint, common/seat.py); the
-        takeover that follows is the same as a restart's.
+        takeover that follows is the same as a restart's. `journal_dir`: where a drafter's trained journal lives
+        (train.checkpoint_dir), sealed for a dead predecessor before its slots are undone.
         """
         row = ring.row_of(role, index)
         if lock is None:
-            lock_dir = cfg.lock_dir()
+            lock_dir = run.lock_dir()
             ensure_lock_dir(lock_dir)
-            lock = LockFile.acquire(lock_path(lock_dir, role, index), cfg.run.attach_timeout_s)
+            lock = LockFile.acquire(lock_path(lock_dir, role, index), run.attach_timeout_s)
         lock.write_pid()
         if role == Role.CONSUMER:  # before its slots are undone: what it trained and released is produced again
-            seal_drafter(cfg.train.checkpoint_dir, index, ring.identity.created_ns, ring.unfinished_item_numbers())
+            seal_drafter(journal_dir, index, ring.identity.created_ns, ring.unfinished_item_numbers())
         freed, redelivered = ring.reclaim_slots_of(row)
         if freed or redelivered:
             log.warning("took over row %d from a dead predecessor: %d slot(s) freed, %d redelivered",

@@ -27,14 +27,14 @@ from contextlib import contextmanager
 from prometheus_client import CollectorRegistry
 
 from dflash_ring.common import sd_notify
-from dflash_ring.common.config.schema import Config
+from dflash_ring.common.config.schema import Config, MetricsConfig, RunConfig
 from dflash_ring.common.gpu_metrics import GpuCollector
 from dflash_ring.common.layout import OPERATOR_NAME, Role
 from dflash_ring.common.ledger import Ledger
 from dflash_ring.common.liveness import LockFile
 from dflash_ring.common.membership import Membership
 from dflash_ring.common.metrics import serve
-from dflash_ring.common.ring import Ring
+from dflash_ring.common.ring import Ring, RingSpec
 from dflash_ring.common.ring_spec import ring_spec
 from dflash_ring.common.startup import Startup
 
@@ -45,10 +45,13 @@ class StopSignal(BaseException):
 
 
 class RoleProcess:
-    """What a target or drafter process holds for its lifetime; made by `role_process`."""
+    """What a target or drafter process holds for its lifetime; made by `role_process` from the config's sections
+    it reads: the ring's spec, metrics, run (name, locks, ledger), and train.checkpoint_dir (a drafter's journal)."""
 
-    def __init__(self, cfg: Config, role: Role, gpu_uuid: str, startup: Startup, stack: contextlib.ExitStack):
-        self.cfg, self.role, self.gpu_uuid, self.startup = cfg, role, gpu_uuid, startup
+    def __init__(self, role: Role, gpu_uuid: str, startup: Startup, stack: contextlib.ExitStack, *, spec: RingSpec,
+                 metrics: MetricsConfig, run: RunConfig, journal_dir: str):
+        self.role, self.gpu_uuid, self.startup = role, gpu_uuid, startup
+        self.spec, self.metrics, self.run, self.journal_dir = spec, metrics, run, journal_dir
         self.index: int | None = None  # known once it serves (a standby learns it when it takes a seat over)
         self.registry: CollectorRegistry | None = None
         self.stop = threading.Event()
@@ -65,15 +68,15 @@ class RoleProcess:
     def serve(self, index: int) -> CollectorRegistry:
         """Become role `index` on /metrics: its port, its process info, the start-up phases so far and from now on."""
         self.index = index
-        self.registry = serve(self.cfg.metrics, self.cfg.run.name, OPERATOR_NAME[self.role], index, self.gpu_uuid)
-        if self.cfg.metrics.enabled:
+        self.registry = serve(self.metrics, self.run.name, OPERATOR_NAME[self.role], index, self.gpu_uuid)
+        if self.metrics.enabled:
             self.registry.register(GpuCollector([self.gpu_uuid]))
         self.startup.export(self.registry)
         return self.registry
 
     def attach(self, *, pin: bool) -> Ring:
         """Wait for the supervisor's ring (run.attach_timeout_s), then let SIGTERM/SIGINT set `stop`."""
-        self.ring = self._stack.enter_context(Ring.attach(ring_spec(self.cfg), pin=pin))
+        self.ring = self._stack.enter_context(Ring.attach(self.spec, pin=pin))
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         return self.ring
@@ -98,9 +101,9 @@ class RoleProcess:
     def join(self, ready: str, lock: LockFile | None = None) -> Membership:
         """Take this process's row and ledger and tell systemd it is ready (`ready` says what it loaded); `lock`:
         its index's lock when it has taken it already."""
-        self.member = Membership.join(self.ring, self.cfg, self.role, self.index, lock)
+        self.member = Membership.join(self.ring, self.run, self.role, self.index, journal_dir=self.journal_dir, lock=lock)
         self._stack.callback(self._leave)
-        self.ledger = Ledger.open(self.cfg.run.ledger_dir, self.role, self.index)
+        self.ledger = Ledger.open(self.run.ledger_dir, self.role, self.index)
         sd_notify.ready(f"{self.name}: {ready}")
         return self.member
 
@@ -113,7 +116,8 @@ class RoleProcess:
 def role_process(cfg: Config, role: Role, index: int | None, gpu_uuid: str, startup: Startup) -> Iterator[RoleProcess]:
     """index None: serve later (`RoleProcess.serve`), once the index is this process's (a drafter)."""
     with contextlib.ExitStack() as stack:
-        proc = RoleProcess(cfg, role, gpu_uuid, startup, stack)
+        proc = RoleProcess(role, gpu_uuid, startup, stack, spec=ring_spec(cfg), metrics=cfg.metrics, run=cfg.run,
+                           journal_dir=cfg.train.checkpoint_dir)
         if index is not None:
             proc.serve(index)
         yield proc

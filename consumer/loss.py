@@ -37,7 +37,7 @@ from .objectives.fused import ChunkSpec
 from .objectives.head_loss import ChunkedHeadLoss, TermWeights, chunk_plan
 from .objectives.position_decay import PositionDecay
 from .objectives.selector import selector_terms
-from .objectives.teacher import TeacherLogits, teacher_logits
+from .objectives.teacher import teacher_logits
 from .objectives.total_variation import analytic_acceptance
 
 

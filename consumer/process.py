@@ -64,8 +64,8 @@ from dflash_ring.consumer.fp8 import check_precision
 from dflash_ring.consumer.head_cache import CACHE_NAME as HEAD_CACHE_NAME
 from dflash_ring.consumer.head_loader import load_target_head
 from dflash_ring.consumer.model import build_drafter
-from dflash_ring.consumer.replica_group import ReplicaGroup, fingerprint_fields
-from dflash_ring.consumer.replicas import Averaging, ReplicaAverager
+from dflash_ring.consumer.replica_group import fingerprint_fields
+from dflash_ring.consumer.replicas import Averaging
 from dflash_ring.consumer.ring_input import Prefetcher, ring_reading
 from dflash_ring.consumer.source_metrics import SourceLabels
 from dflash_ring.consumer.step_report import StepReport
@@ -95,21 +95,6 @@ def pick_device(requested: str, index: int) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", index % torch.cuda.device_count())
     return torch.device("cpu")
-
-
-def _averaging(cfg: Config, index: int, model: torch.nn.Module, drafter_cfg: DrafterConfig) -> Averaging:
-    """This drafter's replica averaging (consumer/replicas.py); joining it catches up with the live replicas' weights
-    before the first step."""
-    every, replicas, group, caught = cfg.train.average_every_steps, None, None, 0
-    if cfg.topology.consumers > 1 and every:
-        replicas = ReplicaAverager(cfg.run.name, index, cfg.topology.consumers, model, cfg.lock_dir())
-        caught = replicas.catch_up()
-    if cfg.group.rendezvous and every:  # other hosts: this host's leader meets them
-        group = ReplicaGroup.named(cfg.group, cfg.run.name, index, model, cfg.lock_dir(),
-                                   fingerprint_fields(drafter_cfg, cfg.target, cfg.train, cfg.group, model),
-                                   fresh=caught == 0)
-        group.start()  # a restarted host takes the live hosts' weights before its first step
-    return Averaging(every, replicas, group)
 
 
 class DrafterLoop:
@@ -240,7 +225,7 @@ def run_drafter(cfg: Config, indices: list[int], device_name: str | None, startu
     device = pick_device(device_name or cfg.train.device, indices[0])
     check_precision(cfg.drafter.precision, device)  # one line, before anything is built or joined
     check_tracking_dir(cfg.tracking_dir())  # fails here, before the model is built
-    if not standby and not is_alive(lock_path(cfg.lock_dir(), Role.CONSUMER, indices[0])):
+    if not standby and not is_alive(lock_path(cfg.run.lock_dir(), Role.CONSUMER, indices[0])):
         # Nobody holds this drafter's seat, so nobody should hold its port: a taken one fails now, not after the
         # load. (When a live process holds the seat, it serves the port, and this one will wait as its standby.)
         check_port_free(cfg.metrics, DRAFTER, indices[0])
@@ -261,7 +246,7 @@ def run_drafter(cfg: Config, indices: list[int], device_name: str | None, startu
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # its activations' memory back to the drafters sharing the GPU
         startup.mark("precompile")
-        seat = take_seat(ring, cfg.lock_dir(), Role.CONSUMER, indices, proc.stop, standby)
+        seat = take_seat(ring, cfg.run.lock_dir(), Role.CONSUMER, indices, proc.stop, standby)
         if seat is None:
             log.info("drafter %s: the run %s before %s", "standby" if standby else indices[0],
                      "was stopped" if proc.stop.is_set() else "ended", "anything died" if standby else "its seat freed")
@@ -310,7 +295,9 @@ def train(cfg: Config, seat: Seat, proc: RoleProcess, built: Built, resumed: Res
                               trainer, journal, proc.ledger, background=cfg.train.async_checkpoints)
     if proc.ledger is not None:
         proc.ledger.write(DrafterStart(trainer.step, seat.predecessor_pid if seat.takeover else None))
-    averaging = _averaging(cfg, index, trainer.model, drafter_cfg)
+    averaging = Averaging.join(cfg.train.average_every_steps, cfg.topology.consumers, cfg.group, cfg.run.name,
+                               cfg.run.lock_dir(), index, trainer.model,
+                               partial(fingerprint_fields, drafter_cfg, cfg.target, cfg.train, cfg.group, trainer.model))
     startup.mark("join")  # the row (a dead predecessor's slots undone), the replicas' weights caught up
     log.info("drafter %d on %s: %d parameters, ring %s", index, trainer.device,
              sum(p.numel() for p in trainer.model.parameters()), ring.name)

@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import logging
 import mmap
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import posix_ipc
 import torch
 from torch import nn
 
+from dflash_ring.common.config.schema import GroupConfig
 from dflash_ring.common.layout import Role
 from dflash_ring.common.liveness import is_alive, lock_path
 from dflash_ring.common.ownership import ForeignObjectError, check_private_fd
@@ -132,6 +135,21 @@ class Averaging:
 
     def __init__(self, every: int, replicas: ReplicaAverager | None = None, group: ReplicaGroup | None = None):
         self.every, self.replicas, self.group = every, replicas, group
+
+    @classmethod
+    def join(cls, every: int, consumers: int, group: GroupConfig, run_name: str, lock_dir: Path, index: int,
+             model: nn.Module, group_fields: Callable[[], dict[str, Any]]) -> Averaging:
+        """Drafter `index`'s averaging (train.average_every_steps, topology.consumers, the group section), joined:
+        it catches up with the live replicas' weights, and a host in a group with the live hosts', before the
+        first step. `group_fields`: what every host must agree on (replica_group.fingerprint_fields)."""
+        replicas, member, caught = None, None, 0
+        if consumers > 1 and every:
+            replicas = ReplicaAverager(run_name, index, consumers, model, lock_dir)
+            caught = replicas.catch_up()
+        if group.rendezvous and every:  # other hosts: this host's leader meets them
+            member = ReplicaGroup.named(group, run_name, index, model, lock_dir, group_fields(), fresh=caught == 0)
+            member.start()  # a restarted host takes the live hosts' weights before its first step
+        return cls(every, replicas, member)
 
     def after_step(self, step: int) -> None:
         if not self.every or step % self.every:

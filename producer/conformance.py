@@ -20,7 +20,6 @@ import json
 from collections.abc import Callable
 import logging
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 

@@ -56,7 +56,7 @@ class Supervisor:
         self.cfg = cfg
         self.reclaim_stale = reclaim_stale
         self.startup = startup
-        self.lock_dir = cfg.lock_dir()
+        self.lock_dir = cfg.run.lock_dir()
         self.ring: Ring | None = None
         self._lock: LockFile | None = None
         self._signals = 0

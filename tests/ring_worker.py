@@ -99,7 +99,7 @@ def main() -> int:
     cfg = load_config(args.config)
     role = Role.PRODUCER if args.role == "producer" else Role.CONSUMER
     with Ring.attach(ring_spec(cfg)) as ring:
-        me = Membership.join(ring, cfg, role, args.index)
+        me = Membership.join(ring, cfg.run, role, args.index, journal_dir=cfg.train.checkpoint_dir)
         with open(args.ledger, "a") as ledger:
             (produce if role == Role.PRODUCER else consume)(args, ring, me, ledger)
         me.leave()

@@ -203,7 +203,7 @@ def test_producers_of_a_mixture_log_its_composition_and_publish_exactly_its_plan
         wait_for(lambda: all(serves(cfg.metrics.port_base + 1 + p) for p in (0, 1)), timeout=120,
                  what="both producers' metrics")
         published = [scrape(cfg.metrics.port_base + 1 + p, "dflash_ring_target_trained_tokens_total") for p in (0, 1)]
-        me = Membership.join(ring, cfg, Role.CONSUMER, 0)
+        me = Membership.join(ring, cfg.run, Role.CONSUMER, 0, journal_dir=cfg.train.checkpoint_dir)
         port = ring.consumer(me.row)
         while (r := port.claim(timeout_s=60)) is not None:
             items.append((dict(r.meta), r.tensors["sample_ids"].tolist(), r.tensors["loss_mask"].sum().item()))

@@ -82,7 +82,7 @@ def consume(cfg: Config, after_each=None) -> list[Item]:
     """Everything the producers publish, until the supervisor's shutdown; `after_each(n)` after the n-th."""
     items = []
     with Ring.attach(ring_spec(cfg)) as ring:
-        me = Membership.join(ring, cfg, Role.CONSUMER, 0)
+        me = Membership.join(ring, cfg.run, Role.CONSUMER, 0, journal_dir=cfg.train.checkpoint_dir)
         port = ring.consumer(me.row)
         while (r := port.claim(timeout_s=60)) is not None:
             items.append(Item(dict(r.meta), {k: v.clone() for k, v in r.tensors.items()}))
@@ -248,7 +248,7 @@ def test_a_producer_restarted_with_other_data_refuses_the_old_plans_ring_cursor(
                  timeout=120, what="a full ring")  # nobody consumed yet: the producer waits, its cursor set
         first.send_signal(signal.SIGKILL)
         assert wait_exit(first) == -signal.SIGKILL
-        me = Membership.join(ring, cfg, Role.CONSUMER, 0)
+        me = Membership.join(ring, cfg.run, Role.CONSUMER, 0, journal_dir=cfg.train.checkpoint_dir)
         port = ring.consumer(me.row)
         again = run.spawn("-m", "dflash_ring", "target", "--config", str(run.config), "--index", "0",
                           "--set", f'data.path="{other}"')

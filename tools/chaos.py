@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_ring.common.config.load import load_config
-from dflash_ring.common.config.schema import Config
+from dflash_ring.common.config.schema import Config, RunConfig
 from dflash_ring.common.ledger import read_ledger
 from dflash_ring.common.ledger_events import (DrafterStart, Exited, ProducerStart, Published, ShardDone, StartupDone,
                                               SupervisorStart, Trained, is_one_of, kind)
@@ -325,7 +325,7 @@ class Phase:
     def execute(self, kills: int, seconds: float, deadline_s: float) -> None:
         rng = random.Random(self.opts.seed)
         r = self.restarter
-        if leftovers(self.cfg):  # of an earlier invocation that was cut short
+        if leftovers(self.cfg.run):  # of an earlier invocation that was cut short
             clean_before = _clean(self.cfg_path, self.sets)
             if clean_before.returncode != 0:
                 raise RuntimeError(f"`dflash-ring clean` before the {self.label} run failed: {clean_before.stderr}")
@@ -453,20 +453,22 @@ def _clean(cfg_path: Path, sets: list[str]) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
-def leftovers(cfg: Config) -> list[str]:
-    found = [str(p) for p in leftover_files(cfg.run.name)]
-    lock_dir = cfg.lock_dir()
+def leftovers(run: RunConfig) -> list[str]:
+    """What a run left behind: its shared-memory objects and its lock directory's files."""
+    found = [str(p) for p in leftover_files(run.name)]
+    lock_dir = run.lock_dir()
     if lock_dir.exists():
         found += [str(p) for p in lock_dir.iterdir()] or [str(lock_dir)]
     return found
 
 
-def _checkpoints(cfg: Config, out: Path) -> dict[str, Any]:
+def _checkpoints(checkpoint_dir: str, consumers: int, out: Path) -> dict[str, Any]:
+    """Each drafter's latest checkpoint under train.checkpoint_dir, exported to `out` (or why not)."""
     from dflash_ring.consumer.checkpoint import CheckpointStore, export_checkpoint
 
     result = {}
-    for j in range(cfg.topology.consumers):
-        root = Path(cfg.train.checkpoint_dir) / f"drafter-{j}"
+    for j in range(consumers):
+        root = Path(checkpoint_dir) / f"drafter-{j}"
         try:
             ckpt = CheckpointStore(root).load_latest()
             if ckpt is None:
@@ -516,8 +518,8 @@ def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
         report["baseline"] = {"epochs": 1, "planned_batches": per_epoch, "trained": rec["trained_batches"],
                               "missing": rec["missing"], **thr, "failures": phase.failures + rec["problems"]}
         failures += [f"baseline: {f}" for f in phase.failures + rec["problems"]]
-        if leftovers(phase.cfg):
-            failures.append(f"baseline: left behind {leftovers(phase.cfg)}")
+        if leftovers(phase.cfg.run):
+            failures.append(f"baseline: left behind {leftovers(phase.cfg.run)}")
             _clean(phase.cfg_path, phase.sets)
 
     epochs = opts.epochs
@@ -540,8 +542,8 @@ def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
     thr = throughput(ledgers, phase.window)
     rec_times, unrecovered = recoveries(phase.kills, phase.restarter.spawns_wall(), ledgers)
     clean = _clean(phase.cfg_path, phase.sets)
-    left = leftovers(phase.cfg)
-    ckpts = _checkpoints(phase.cfg, d / "exported")
+    left = leftovers(phase.cfg.run)
+    ckpts = _checkpoints(phase.cfg.train.checkpoint_dir, phase.cfg.topology.consumers, d / "exported")
     exits = phase.restarter.exit_codes()
     late = phase.restarter.stopped_late
     unjoined = sum(len(pids) for pids in late.values())

@@ -30,6 +30,7 @@ from dflash_ring.common.config.dump import dump_toml
 from dflash_ring.common.config.load import load_config
 from dflash_ring.common.config.schema import Config
 from dflash_ring.common.config.drafter import DrafterConfig
+from dflash_ring.common.config.target import TargetConfig
 from dflash_ring.common.layout import Role
 from dflash_ring.common.metrics import DRAFTER, check_ports_free, run_ports
 from dflash_ring.common.ring import Ring, RingNotFound
@@ -351,8 +352,9 @@ def run(config: str | None, overrides: list[str], workdir: str = "runs/tiny", ev
         other = train_and_export(corpus_replies_config(cfg_path, work), overrides, embedded, con)
         if isinstance(other, int):
             return other
-        _compare(cfg, {"trained on the target's regenerated replies": (exported, steps),
-                       "trained on the corpus's replies": other[1:]}, con)
+        _compare(cfg.drafter, cfg.target, Path(cfg.train.checkpoint_dir).parent / "drafter-untrained",
+                 {"trained on the target's regenerated replies": (exported, steps),
+                  "trained on the corpus's replies": other[1:]}, con)
     return 0
 
 
@@ -366,7 +368,8 @@ def train_and_export(cfg_path: Path, overrides: list[str], embedded: bool,
     launch.start()
     rc = launch.wait()
     con.print(launch.summary())
-    _curves(launch.cfg, con)
+    _curves(Path(launch.cfg.train.checkpoint_dir).parent, launch.cfg.tracking_dir(), launch.cfg.tracking.backends,
+            con)
     if rc != 0:
         con.print(f"[red]a process exited with {rc}: see its lines above[/]")
         return rc
@@ -381,23 +384,25 @@ def train_and_export(cfg_path: Path, overrides: list[str], embedded: bool,
     return launch.cfg, exported, done["step"] if done else 0
 
 
-def _curves(cfg: Config, con: Console) -> None:
-    """Where the run's curves are: its report picture (drawn now from the drafters' record files) and TensorBoard's."""
+def _curves(run_dir: Path, tracking_dir: Path, backends: list[str], con: Console) -> None:
+    """Where the run's curves are: its report picture (drawn now from the drafters' record files) and TensorBoard's.
+    `run_dir`: the directory of train.checkpoint_dir; `tracking_dir`: Config.tracking_dir()."""
     from dflash_ring.tools.report import ReportError, write_report
 
-    run_dir = Path(cfg.train.checkpoint_dir).parent
-    source = run_dir if cfg.tracking_dir() == run_dir / "tracking" else cfg.tracking_dir()
+    source = run_dir if tracking_dir == run_dir / "tracking" else tracking_dir
     try:
         picture, what = write_report(source)
         con.print(f"report: {picture} ({what}); again with `dflash-ring report {source}`")
     except ReportError as e:
         con.print(f"[yellow]no report picture: {e}[/]")
-    if "tensorboard" in cfg.tracking.backends:
-        con.print(f"curves: `tensorboard --logdir {cfg.tracking_dir() / 'tensorboard'}` (one run per drafter)")
+    if "tensorboard" in backends:
+        con.print(f"curves: `tensorboard --logdir {tracking_dir / 'tensorboard'}` (one run per drafter)")
 
 
-def _compare(cfg: Config, trained: dict[str, tuple[Path, int]], con: Console) -> None:
-    """Acceptance on held-out prompts: the trained drafters against an untrained one of the same shape."""
+def _compare(drafter: DrafterConfig, target: TargetConfig, untrained_dir: Path, trained: dict[str, tuple[Path, int]],
+             con: Console) -> None:
+    """Acceptance on held-out prompts: the trained drafters against an untrained one of the same shape (exported to
+    `untrained_dir` once)."""
     import torch
 
     from dflash_ring.consumer.evaluate import evaluate_drafter
@@ -409,13 +414,12 @@ def _compare(cfg: Config, trained: dict[str, tuple[Path, int]], con: Console) ->
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars: `\r` fragments when piped
 
-    heldout = Path(cfg.target.path) / HELDOUT_FILE
-    untrained_dir = Path(cfg.train.checkpoint_dir).parent / "drafter-untrained"
+    heldout = Path(target.path) / HELDOUT_FILE
     if not untrained_dir.exists():
         torch.manual_seed(0)
-        drafter_cfg = resolve_drafter_config(cfg.drafter, cfg.target)
-        export_drafter(build_drafter(drafter_cfg, target_config_dict(cfg.target.path)), drafter_cfg,
-                       target_config_dict(cfg.target.path), untrained_dir)
+        drafter_cfg = resolve_drafter_config(drafter, target)
+        export_drafter(build_drafter(drafter_cfg, target_config_dict(target.path)), drafter_cfg,
+                       target_config_dict(target.path), untrained_dir)
     table = Table(title="acceptance length on held-out prompts (greedy, lossless)")
     table.add_column("drafter")
     table.add_column("steps")
@@ -423,7 +427,7 @@ def _compare(cfg: Config, trained: dict[str, tuple[Path, int]], con: Console) ->
     table.add_column("rounds")
     per_prompt = {}
     for name, (path, steps) in {"untrained": (untrained_dir, 0), **trained}.items():
-        report = evaluate_drafter(path, cfg.target.path, heldout, limit=100, max_new_tokens=64)
+        report = evaluate_drafter(path, target.path, heldout, limit=100, max_new_tokens=64)
         table.add_row(name, str(steps), f"{report.tau:.2f}", str(report.rounds))
         per_prompt[name] = report.tau_per_prompt
     con.print(table)

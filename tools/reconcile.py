@@ -4,7 +4,7 @@ windows it allows per kill are documented in tools/chaos.py."""
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 

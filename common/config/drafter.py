@@ -6,7 +6,6 @@ The Hugging Face side (the exported config.json) is consumer/drafter_hf_config.p
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Annotated, Any, Literal
 

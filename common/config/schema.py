@@ -50,6 +50,12 @@ class RunConfig:
     # process skips compiling; empty: torch's defaults under /tmp.
     compile_cache_dir: str = "~/.cache/dflash_ring/compile"
 
+    def lock_dir(self) -> Path:
+        """run_dir, or the runtime root's directory named for the run: where its lock files live."""
+        if self.run_dir:
+            return Path(self.run_dir)
+        return default_runtime_root() / self.name
+
 
 @dataclass
 class RingConfig:
@@ -194,7 +200,7 @@ class Config:
             "run.name": self.run.name,
             # Where the run's processes hold their locks: liveness and the reaper look there, so a process
             # with another run_dir would look dead to them. Recorded here, anyone can find the run's users.
-            "run.lock_dir": os.path.abspath(self.lock_dir()),
+            "run.lock_dir": os.path.abspath(self.run.lock_dir()),
             "ring.slots": self.ring.slots,
             "ring.slot_bytes": self.ring.slot_bytes,
             "ring.slot_header_bytes": self.ring.slot_header_bytes,
@@ -218,10 +224,6 @@ class Config:
             return Path(self.tracking.dir)
         return Path(self.train.checkpoint_dir).parent / "tracking"
 
-    def lock_dir(self) -> Path:
-        if self.run.run_dir:
-            return Path(self.run.run_dir)
-        return default_runtime_root() / self.run.name
 
 
 def drafter_target_settings(drafter: DrafterConfig, target: TargetConfig) -> tuple[int, list[int]]:
