@@ -413,7 +413,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     if cfg.target.path and Path(cfg.target.path).expanduser().is_dir():
         # What every role reads of the target (config.json's geometry) and what a drafter checks against it (mask
         # token, layers); then the model as transformers builds it from config.json, on the meta device, against
-        # the weights' shapes (common/target_config.check_target_builds): config classes and headers, no weights.
+        # the weights' shapes (common/config/target.check_target_builds): config classes and headers, no weights.
         from dflash_ring.common.config.schema import drafter_target_settings
         from dflash_ring.common.config.target import check_target_builds
 

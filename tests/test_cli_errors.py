@@ -372,7 +372,7 @@ CASES = [
                                           "--seqs", "4", "--seq-len", "3072", "--gpu-memory-gib", "140"],
      "--seqs 4 --seq-len 3072 does not fit"),
     # Issue 34: inputs that ended in a traceback. A target config.json field transformers' strict config classes
-    # refuse is one TargetConfigError at the one loading point (common/target_config.load_target_hf_config).
+    # refuse is one TargetConfigError at the one loading point (common/config/target.load_target_hf_config).
     ("check-target-hidden-size-a-list", _target_with("hidden_size", "[64]"), ["check-target"],
      "{tmp}/model/config.json: transformers refuses it (Validation error for field 'hidden_size'"),
     ("check-config-hidden-size-inf", _target_with("hidden_size", "1e400"), ["check-config"],
