@@ -39,6 +39,9 @@ from dflash_ring.common.ring_spec import ring_spec
 from dflash_ring.common.startup import Startup
 
 
+REPEAT_S = 0.5  # how often a stop in an interruptible phase is raised again until the phase has ended
+
+
 class StopSignal(BaseException):
     """SIGTERM or SIGINT during an `interruptible()` phase: not an Exception, so no `except Exception` in the
     loading code swallows it."""
@@ -60,6 +63,7 @@ class RoleProcess:
         self.ledger: Ledger | None = None
         self._stack = stack
         self._interruptible = 0
+        self._stopped_by = ""  # the signal that set `stop` during an interruptible phase
 
     @property
     def name(self) -> str:
@@ -96,7 +100,17 @@ class RoleProcess:
     def _on_signal(self, signum: int, frame: object) -> None:
         self.stop.set()
         if self._interruptible:
-            raise StopSignal(signal.Signals(signum).name)
+            # Raised wherever the main thread is. Where that is a weakref callback or a __del__, Python prints
+            # "Exception ignored" and goes on: so SIGALRM raises it again every REPEAT_S until the phase has ended.
+            self._stopped_by = signal.Signals(signum).name
+            signal.signal(signal.SIGALRM, self._on_alarm)
+            signal.setitimer(signal.ITIMER_REAL, REPEAT_S, REPEAT_S)
+            raise StopSignal(self._stopped_by)
+
+    def _on_alarm(self, signum: int, frame: object) -> None:
+        if self._interruptible:
+            raise StopSignal(self._stopped_by)
+        signal.setitimer(signal.ITIMER_REAL, 0)  # the phase ended: it unwound, and nothing more is raised
 
     def join(self, ready: str, lock: LockFile | None = None) -> Membership:
         """Take this process's row and ledger and tell systemd it is ready (`ready` says what it loaded); `lock`:

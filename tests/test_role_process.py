@@ -1,0 +1,54 @@
+"""A stop during an interruptible phase (common/role_process.py) is not lost when its first raise is swallowed."""
+
+import contextlib
+import os
+import signal
+import time
+
+import pytest
+
+from dflash_ring.common.config.schema import Config
+from dflash_ring.common.layout import Role
+from dflash_ring.common.ring_spec import ring_spec
+from dflash_ring.common.role_process import RoleProcess, StopSignal
+from dflash_ring.common.startup import Startup
+
+
+@pytest.fixture
+def proc():
+    cfg = Config()
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGALRM)}
+    with contextlib.ExitStack() as stack:
+        p = RoleProcess(Role.PRODUCER, "", Startup("target 0"), stack, spec=ring_spec(cfg), metrics=cfg.metrics,
+                        run=cfg.run, journal_dir="")
+        signal.signal(signal.SIGTERM, p._on_signal)  # what `attach` installs once the ring is there
+        yield p
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    for s, handler in before.items():
+        signal.signal(s, handler)
+
+
+def test_a_stop_swallowed_where_it_landed_is_raised_again_until_the_phase_ends(proc):
+    """The handler's StopSignal lands wherever the main thread is; in a weakref callback or a __del__ Python prints
+    "Exception ignored" and goes on (seen once: a producer tokenized on after SIGTERM). Here the first raise is
+    swallowed by the phase's own code, which never looks at `stop`: the raise comes again, naming the signal."""
+    swallowed = 0
+    with pytest.raises(StopSignal, match="SIGTERM"):
+        with proc.interruptible():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the handler raises in here
+            except StopSignal:
+                swallowed += 1  # as a weakref callback would
+            for _ in range(500):  # a phase that never checks `stop`: 5 s, ten times the repeat
+                time.sleep(0.01)
+            pytest.fail("the stop was lost: the phase ran to its end")
+    assert swallowed == 1 and proc.stop.is_set()
+    time.sleep(0.7)  # the phase has ended: the next alarm only disarms, it raises nothing here
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_a_signal_outside_an_interruptible_phase_only_sets_stop(proc):
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.05)
+    assert proc.stop.is_set() and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
