@@ -39,49 +39,67 @@ def _shutdown(name: str) -> bool:
         return False
 
 
+STOPS = ("stop-now", "sigterm-all", "sigkill-then-clean", "sigkill-then-reclaim")
+
+
 @pytest.mark.processes
-@pytest.mark.parametrize("mode", ["stop-now", "sigterm-all", "sigkill-then-clean", "sigkill-then-reclaim"])
-def test_a_run_stopped_whole_and_started_again_trains_every_batch_exactly_once(run, mode):
+def test_a_run_stopped_whole_and_started_again_trains_every_batch_exactly_once(run):
+    """One run stopped whole in each way in turn, each stop followed by a restart, the last one running to the end:
+    each stop leaves what the ring held in the replay list (the reclaim's own supervisor writes it as it starts), each
+    restarted producer publishes it first, and the lineage trains every planned batch exactly once. (Four runs of a
+    stop each before; one run pays the start-ups once per stop, not twice, and the stops compose.)"""
     target = build_target(run.tmp / "target", "qwen3", layers=4)
     data = cyclic_rows(run.tmp / "chat.jsonl", 96)
     ledger = run.tmp / "ledger"
-    pipeline_config(run, target, data, {"run": {"ledger_dir": str(ledger)}, "data": {"epochs": 3},
+    # 20 batches an epoch: enough for four stops, each a few batches after its restart (2 to 4 each on a loaded box),
+    # and a run to the end after them.
+    pipeline_config(run, target, data, {"run": {"ledger_dir": str(ledger)}, "data": {"epochs": 4},
                                         "train": {"checkpoint_every_steps": 4}}, consumers=1, slots=6)
-    procs = [run.supervisor(), run.role("target", 0), run.role("drafter", 0)]
-    drafter = procs[2]
-    trained = lambda: sum(r["ev"] == "train" for r in read_ledger(ledger / "drafter-0.jsonl").records)  # noqa: E731
-    wait_for(lambda: (ledger / "drafter-0.jsonl").exists() and trained() >= 2, timeout=300,
-             what="training under way")
-    # The drafter paused (well inside supervisor.exit_timeout_s) while the stop lands: items are certainly waiting
-    # in the ring then. Were it running, a loaded box could let it drain the ring between a look and the stop.
-    drafter.send_signal(signal.SIGSTOP)
-    wait_for(lambda: _ready(run.name) >= 1, timeout=120, what="items waiting in the ring")
-    if mode == "stop-now":
-        stopper = run.spawn("-m", "dflash_ring", "stop", "--now", "--config", str(run.config), "--timeout", "120")
-        wait_for(lambda: _shutdown(run.name), timeout=60, what="the shutdown broadcast")
-        drafter.send_signal(signal.SIGCONT)
-        assert wait_exit(stopper, 180) == 0, stopper.stderr.read()
-    else:
-        for p in procs:
-            p.send_signal(signal.SIGTERM if mode == "sigterm-all" else signal.SIGKILL)
-        drafter.send_signal(signal.SIGCONT)  # a SIGTERM waits for it; SIGKILL did not
-    for p in procs:
-        wait_exit(p, 180)
+    records = lambda name: read_ledger(ledger / f"{name}.jsonl").records  # noqa: E731
     sup_args: tuple[str, ...] = ()
-    if mode == "sigkill-then-clean":
-        run.cli("clean", "--config", str(run.config))
-    elif mode == "sigkill-then-reclaim":
-        sup_args = ("--reclaim-stale",)  # what `dflash-ring run` passes
-    if mode != "sigkill-then-reclaim":
-        saved = CursorFile(cursor_path(run.tmp / "state", run.name, 0), plan="").read()
-        assert saved is not None and saved[2].replay, f"{mode}: what the ring held is not in the replay list"
+    for mode in STOPS:
+        procs = [run.supervisor(*sup_args), run.role("target", 0), run.role("drafter", 0)]
+        drafter = procs[2]
+        trained = lambda: sum(r["ev"] == "train" and r["pid"] == drafter.pid  # noqa: E731
+                              for r in records("drafter-0"))
+        wait_for(lambda: (ledger / "drafter-0.jsonl").exists() and trained() >= 2, timeout=300,
+                 what=f"training under way before {mode}")
+        # The drafter paused (well inside supervisor.exit_timeout_s) while the stop lands: items are certainly
+        # waiting in the ring then. Were it running, a loaded box could let it drain the ring between a look and the
+        # stop.
+        drafter.send_signal(signal.SIGSTOP)
+        wait_for(lambda: _ready(run.name) >= 1, timeout=120, what=f"items waiting in the ring before {mode}")
+        if mode == "stop-now":
+            stopper = run.spawn("-m", "dflash_ring", "stop", "--now", "--config", str(run.config), "--timeout", "120")
+            wait_for(lambda: _shutdown(run.name), timeout=60, what="the shutdown broadcast")
+            drafter.send_signal(signal.SIGCONT)
+            assert wait_exit(stopper, 180) == 0, stopper.stderr.read()
+        else:
+            for p in procs:
+                p.send_signal(signal.SIGTERM if mode == "sigterm-all" else signal.SIGKILL)
+            drafter.send_signal(signal.SIGCONT)  # a SIGTERM waits for it; SIGKILL did not
+        for p in procs:
+            wait_exit(p, 180)
+        sup_args = ()
+        if mode == "sigkill-then-clean":
+            run.cli("clean", "--config", str(run.config))
+        elif mode == "sigkill-then-reclaim":
+            sup_args = ("--reclaim-stale",)  # what `dflash-ring run` passes
+        if mode != "sigkill-then-reclaim":
+            saved = CursorFile(cursor_path(run.tmp / "state", run.name, 0), plan="").read()
+            assert saved is not None and saved[2].replay, f"{mode}: what the ring held is not in the replay list"
     again = [run.supervisor(*sup_args), run.role("target", 0), run.role("drafter", 0)]
     for p in again:
         assert wait_exit(p, 600) == 0, p.stderr.read()[-3000:]
+    # Each restart (after each stop) published replayed batches: the producer's ledger, start record by start record.
+    starts = [r["pid"] for r in records("target-0") if r["ev"] == "start"]
+    replayed = {pid: sum(r["ev"] == "pub" and bool(r.get("replay")) and r["pid"] == pid for r in records("target-0"))
+                for pid in starts}
+    assert len(starts) == len(STOPS) + 1 and all(replayed[pid] >= 1 for pid in starts[1:]), (STOPS, replayed)
     ledgers, _ = read_ledgers(ledger)
     rec = reconcile(ledgers)
     assert rec["problems"] == [], rec["problems"]
-    assert rec["replayed_batches"] >= 1 and rec["lost_in_flight"] == 0
+    assert rec["replayed_batches"] >= len(STOPS) and rec["lost_in_flight"] == 0
     assert rec["trained_exactly_once"] == rec["planned_batches"] > 0, rec
     assert run.leftovers() == []
 
