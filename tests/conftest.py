@@ -26,10 +26,42 @@ _seq = itertools.count()
 PROCESS_FIXTURES = {"run"}  # fixtures whose tests start processes
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     for item in items:
         if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.processes)
+    if getattr(config.option, "loadgroup", False):  # a pytest-xdist worker under `make test`'s --dist loadgroup
+        _work_units(items)
+
+
+# A process test costs about this many in-process tests (its processes each import torch and transformers).
+PROCESS_TEST_WEIGHT = 20
+
+
+def _work_units(items: list[pytest.Item]) -> None:
+    """Group and order the tests for pytest-xdist (`make test`: -n auto --dist loadgroup --no-loadscope-reorder).
+
+    A module is one unit of work, as under --dist loadscope: its module fixtures are built once, its tests run in
+    their order on one worker. A test that takes minutes on its own (a chaos run) carries
+    `@pytest.mark.xdist_group("a name of its own")`: it is its own unit, so two of them run side by side. Units go
+    out longest first (named groups, then modules by an estimate in which a process test weighs
+    PROCESS_TEST_WEIGHT), so no long unit starts last while the other workers idle. Every worker collects the same
+    order (xdist checks that)."""
+    weight: dict[str, float] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(module))
+        unit = _unit(item)
+        cost = float("inf") if unit != module else PROCESS_TEST_WEIGHT if item.get_closest_marker("processes") else 1
+        weight[unit] = weight.get(unit, 0) + cost
+    rank = {unit: i for i, unit in enumerate(sorted(weight, key=lambda u: -weight[u]))}
+    items.sort(key=lambda item: rank[_unit(item)])  # a stable sort: each unit's tests keep their order
+
+
+def _unit(item: pytest.Item) -> str:
+    mark = item.get_closest_marker("xdist_group")
+    return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
 
 
 @pytest.fixture(autouse=True)
