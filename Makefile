@@ -43,12 +43,12 @@ deploy-tools:
 	fi
 
 # The suite on one pytest-xdist worker per core (-n auto): a 2-core box runs two tests at a time, which also fills
-# the seconds a process test spends waiting on its processes. Under --dist loadgroup a module is one unit of work
-# (its fixtures built once, its tests in order on one worker) and a test of minutes can be a unit of its own;
-# tests/conftest.py groups and orders the units, longest first. TEST_WORKERS=0 runs the suite in one process.
+# the seconds a process test spends waiting on its processes. Under --dist loadscope a module is one unit of work
+# (its fixtures built once, its tests in order on one worker); tests/conftest.py orders the modules, longest first
+# (--no-loadscope-reorder keeps that order). TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= auto
 test: setup deploy-tools
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 bench-ring: setup
 	$(VENV)/bin/dflash-ring bench ring --json

@@ -30,38 +30,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.processes)
-    if getattr(config.option, "loadgroup", False):  # a pytest-xdist worker under `make test`'s --dist loadgroup
-        _work_units(items)
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker (`make test`)
+        _longest_modules_first(items)
 
 
 # A process test costs about this many in-process tests (its processes each import torch and transformers).
 PROCESS_TEST_WEIGHT = 20
 
 
-def _work_units(items: list[pytest.Item]) -> None:
-    """Group and order the tests for pytest-xdist (`make test`: -n auto --dist loadgroup --no-loadscope-reorder).
-
-    A module is one unit of work, as under --dist loadscope: its module fixtures are built once, its tests run in
-    their order on one worker. A test that takes minutes on its own (a chaos run) carries
-    `@pytest.mark.xdist_group("a name of its own")`: it is its own unit, so two of them run side by side. Units go
-    out longest first (named groups, then modules by an estimate in which a process test weighs
-    PROCESS_TEST_WEIGHT), so no long unit starts last while the other workers idle. Every worker collects the same
-    order (xdist checks that)."""
-    weight: dict[str, float] = {}
+def _longest_modules_first(items: list[pytest.Item]) -> None:
+    """`make test` runs pytest-xdist with --dist loadscope --no-loadscope-reorder: a module is one unit of work (its
+    module fixtures built once, its tests in their order on one worker), and the units go out in the order of the
+    collection. That order is set here: modules by an estimate of their time, longest first (a process test weighs
+    PROCESS_TEST_WEIGHT in-process ones), so that no long module starts last while the other workers idle. Every
+    worker collects in this same order (xdist checks that)."""
+    weight: dict[str, int] = {}
     for item in items:
         module = item.nodeid.split("::")[0]
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(module))
-        unit = _unit(item)
-        cost = float("inf") if unit != module else PROCESS_TEST_WEIGHT if item.get_closest_marker("processes") else 1
-        weight[unit] = weight.get(unit, 0) + cost
-    rank = {unit: i for i, unit in enumerate(sorted(weight, key=lambda u: -weight[u]))}
-    items.sort(key=lambda item: rank[_unit(item)])  # a stable sort: each unit's tests keep their order
-
-
-def _unit(item: pytest.Item) -> str:
-    mark = item.get_closest_marker("xdist_group")
-    return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+        weight[module] = weight.get(module, 0) + (PROCESS_TEST_WEIGHT if item.get_closest_marker("processes") else 1)
+    items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])  # stable: a module's tests keep their order
 
 
 @pytest.fixture(autouse=True)

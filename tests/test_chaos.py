@@ -142,9 +142,7 @@ def test_ledger_reader_counts_a_line_cut_by_a_kill(tmp_path):
 
 
 @pytest.mark.processes
-# Each run takes minutes: a pytest-xdist unit of its own (tests/conftest.py), so the two run side by side.
-@pytest.mark.parametrize("seed,stops", [pytest.param(seed, stops, marks=pytest.mark.xdist_group(f"chaos-{seed}"))
-                                        for seed, stops in [(11, 3), (12, 1)]])
+@pytest.mark.parametrize("seed,stops", [(11, 3), (12, 1)])
 def test_chaos_minute_loses_nothing(tmp_path, seed, stops):
     """A minute of random SIGKILL/SIGTERM across targets, drafters and the supervisor, and whole-run stops
     (stop --now, SIGTERM to all, SIGKILL to all then clean) each followed by a restart (CI's chaos run)."""
