@@ -145,7 +145,9 @@ def wait_exit(proc: subprocess.Popen, timeout: float = 60.0) -> int:
     return rc
 
 
-def wait_for(cond, timeout: float = 30.0, what: str = "condition"):
+def wait_for(cond, timeout: float = 120.0, what: str = "condition"):
+    """Until `cond()` is true (its value returned). The timeout is a hang guard, not a speed bound: many waits span
+    a process's start-up (torch's imports), which on a loaded 2-core box beside another xdist worker takes a minute."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         got = cond()
