@@ -42,8 +42,13 @@ deploy-tools:
 	  echo "promtool/prometheus not installed (not root): the deploy tests will skip; apt-get install prometheus"; \
 	fi
 
+# The suite on one pytest-xdist worker per core (-n auto): a 2-core box runs two tests at a time, which also fills
+# the seconds a process test spends waiting on its processes. Under --dist loadscope a module is one unit of work
+# (its fixtures built once, its tests in order on one worker); tests/conftest.py orders the modules, longest first
+# (--no-loadscope-reorder keeps that order). TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= auto
 test: setup deploy-tools
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 bench-ring: setup
 	$(VENV)/bin/dflash-ring bench ring --json

@@ -26,10 +26,29 @@ _seq = itertools.count()
 PROCESS_FIXTURES = {"run"}  # fixtures whose tests start processes
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     for item in items:
         if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.processes)
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker (`make test`)
+        _longest_modules_first(items)
+
+
+# A process test costs about this many in-process tests (its processes each import torch and transformers).
+PROCESS_TEST_WEIGHT = 20
+
+
+def _longest_modules_first(items: list[pytest.Item]) -> None:
+    """`make test` runs pytest-xdist with --dist loadscope --no-loadscope-reorder: a module is one unit of work (its
+    module fixtures built once, its tests in their order on one worker), and the units go out in the order of the
+    collection. That order is set here: modules by an estimate of their time, longest first (a process test weighs
+    PROCESS_TEST_WEIGHT in-process ones), so that no long module starts last while the other workers idle. Every
+    worker collects in this same order (xdist checks that)."""
+    weight: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        weight[module] = weight.get(module, 0) + (PROCESS_TEST_WEIGHT if item.get_closest_marker("processes") else 1)
+    items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])  # stable: a module's tests keep their order
 
 
 @pytest.fixture(autouse=True)
