@@ -36,9 +36,13 @@ def test_sigterm_while_waiting_for_the_ring_ends_the_process(run, role):
     attach timeout for a ring that would never come, deaf to SIGTERM (systemctl stop hung)."""
     target = build_target(run.tmp / "target", "qwen3", layers=4)
     vocab = len(load_tokenizer(target))
-    run.write_config(1, 1, run={"attach_timeout_s": 600},
-                     target={"path": str(target), "device": "cpu", "mask_token_id": vocab},
-                     train={"device": "cpu", "checkpoint_dir": str(run.tmp / "ckpt")})
+    run.write_config(
+        1,
+        1,
+        run={"attach_timeout_s": 600},
+        target={"path": str(target), "device": "cpu", "mask_token_id": vocab},
+        train={"device": "cpu", "checkpoint_dir": str(run.tmp / "ckpt")},
+    )
     proc = run.role(role, 0)
     _stderr_until(proc, "waiting up to 600s for the ring", timeout=300)
     proc.send_signal(signal.SIGTERM)
@@ -60,20 +64,33 @@ def test_ledger_reconciliation_counts_each_batch_trained_once_through_redelivery
     producer += [_rec("pub", 10, 1 + k, item=k, epoch=0, pos=k) for k in range(4)]
     # Pid 20 trains item 0 and is killed before releasing it: redelivered to pid 30 (deliveries 2), which
     # trains it again; the first train is undone (its slot was never released, its update died with it).
-    d0 = [_rec("start", 20, 1, step=0), _rec("got", 20, 2, item=0, deliveries=1, **_batch(0, 0, 0)),
-          _rec("train", 20, 2.5, step=1, item=0, deliveries=1, **_batch(0, 0, 0))]
-    d1 = [_rec("start", 30, 1, step=0), _rec("got", 30, 4, item=0, deliveries=2, **_batch(0, 0, 0)),
-          _rec("train", 30, 5, step=1, item=0, deliveries=2, **_batch(0, 0, 0)),
-          _rec("got", 30, 6, item=1, deliveries=1, **_batch(0, 0, 1)),
-          _rec("train", 30, 7, step=2, item=1, deliveries=1, **_batch(0, 0, 1)),
-          _rec("got", 30, 7.5, item=2, deliveries=1, **_batch(0, 0, 2)),
-          _rec("train", 30, 7.6, step=3, item=2, deliveries=1, **_batch(0, 0, 2)), _rec("exit", 30, 8, step=3)]
+    d0 = [
+        _rec("start", 20, 1, step=0),
+        _rec("got", 20, 2, item=0, deliveries=1, **_batch(0, 0, 0)),
+        _rec("train", 20, 2.5, step=1, item=0, deliveries=1, **_batch(0, 0, 0)),
+    ]
+    d1 = [
+        _rec("start", 30, 1, step=0),
+        _rec("got", 30, 4, item=0, deliveries=2, **_batch(0, 0, 0)),
+        _rec("train", 30, 5, step=1, item=0, deliveries=2, **_batch(0, 0, 0)),
+        _rec("got", 30, 6, item=1, deliveries=1, **_batch(0, 0, 1)),
+        _rec("train", 30, 7, step=2, item=1, deliveries=1, **_batch(0, 0, 1)),
+        _rec("got", 30, 7.5, item=2, deliveries=1, **_batch(0, 0, 2)),
+        _rec("train", 30, 7.6, step=3, item=2, deliveries=1, **_batch(0, 0, 2)),
+        _rec("exit", 30, 8, step=3),
+    ]
     # Batch 3 was READY when the whole run stopped: the next run's producer replays it (another ring, item 0).
     # The new drafter may claim it before the producer's `pub` line is written: the start record announces it.
-    replay = [_rec("start", 11, 20, plan=[4], resume=[1, 0], replay=[[0, 3]]),
-              _rec("pub", 11, 22.5, item=0, epoch=0, pos=3, replay=True)]
-    d2 = [_rec("start", 40, 20, step=3), _rec("got", 40, 22, item=0, deliveries=1, **_batch(0, 0, 3)),
-          _rec("train", 40, 23, step=4, item=0, deliveries=1, **_batch(0, 0, 3)), _rec("exit", 40, 24, step=4)]
+    replay = [
+        _rec("start", 11, 20, plan=[4], resume=[1, 0], replay=[[0, 3]]),
+        _rec("pub", 11, 22.5, item=0, epoch=0, pos=3, replay=True),
+    ]
+    d2 = [
+        _rec("start", 40, 20, step=3),
+        _rec("got", 40, 22, item=0, deliveries=1, **_batch(0, 0, 3)),
+        _rec("train", 40, 23, step=4, item=0, deliveries=1, **_batch(0, 0, 3)),
+        _rec("exit", 40, 24, step=4),
+    ]
     ledgers = {"target-0": producer + replay, "drafter-0": d0, "drafter-1": d1, "drafter-2": d2}
     rec = reconcile(ledgers)
     assert rec["problems"] == [] and rec["missing"] == 0 and rec["lost_in_flight"] == 0
@@ -85,17 +102,22 @@ def test_ledger_reconciliation_counts_each_batch_trained_once_through_redelivery
     assert swapped["problems"] == [] and swapped["seen_twice_explained_by_redelivery_or_replay"] == 1
     # A train of a batch later replayed is undone too: its drafter was killed before the release, and the ring was
     # removed (holding the slot) before anyone redelivered it.
-    held = [_rec("start", 50, 11, step=3), _rec("got", 50, 12, item=3, deliveries=1, **_batch(0, 0, 3)),
-            _rec("train", 50, 13, step=4, item=3, deliveries=1, **_batch(0, 0, 3))]
+    held = [
+        _rec("start", 50, 11, step=3),
+        _rec("got", 50, 12, item=3, deliveries=1, **_batch(0, 0, 3)),
+        _rec("train", 50, 13, step=4, item=3, deliveries=1, **_batch(0, 0, 3)),
+    ]
     again = reconcile(dict(ledgers, **{"drafter-3": held}))
     assert again["problems"] == [] and again["trains_undone_by_redelivery_or_replay"] == 2
     # Not so for a drafter that released it and exited cleanly: its update is in its state, a replay trains it twice.
     kept = held + [_rec("exit", 50, 14, step=4)]
     assert reconcile(dict(ledgers, **{"drafter-3": kept}))["trained_twice"] == 1
     # The same batch trained by two drafters that both released it: trained twice, and taken twice unexplained.
-    d1_twice = d1[:-1] + [_rec("got", 30, 9, item=5, deliveries=1, **_batch(0, 0, 2)),
-                          _rec("train", 30, 10, step=4, item=5, deliveries=1, **_batch(0, 0, 2)),
-                          _rec("exit", 30, 11, step=4)]
+    d1_twice = d1[:-1] + [
+        _rec("got", 30, 9, item=5, deliveries=1, **_batch(0, 0, 2)),
+        _rec("train", 30, 10, step=4, item=5, deliveries=1, **_batch(0, 0, 2)),
+        _rec("exit", 30, 11, step=4),
+    ]
     bad = reconcile(dict(ledgers, **{"drafter-1": d1_twice}))
     assert bad["trained_twice"] == 1 and bad["seen_twice_unexplained"] == 1 and bad["problems"]
     # Taken and never trained by anyone: lost in flight, a problem (there is no allowance any more).
@@ -114,8 +136,10 @@ def test_updates_a_killed_drafter_loses_must_be_produced_again():
     producer += [_rec("pub", 10, 1 + k, item=k, epoch=0, pos=k) for k in range(8)]
     drafter = [_rec("start", 20, 1, step=0)]
     for k in range(8):  # trains batch k at t = 10 + k (and releases it), then is killed: no exit record
-        drafter += [_rec("got", 20, 9.5 + k, item=k, deliveries=1, **_batch(0, 0, k)),
-                    _rec("train", 20, 10 + k, step=k + 1, item=k, deliveries=1, **_batch(0, 0, k))]
+        drafter += [
+            _rec("got", 20, 9.5 + k, item=k, deliveries=1, **_batch(0, 0, k)),
+            _rec("train", 20, 10 + k, step=k + 1, item=k, deliveries=1, **_batch(0, 0, k)),
+        ]
     drafter.append(_rec("ckpt", 20, 14.5, step=2, items=2, snapshot_t=11.2))  # step 2's state, durable 3 steps on
     ledgers = {"target-0": producer, "drafter-0": sorted(drafter, key=lambda r: r["t"])}
     rec = reconcile(ledgers)
@@ -126,8 +150,10 @@ def test_updates_a_killed_drafter_loses_must_be_produced_again():
     intake += [_rec("pub", 10, 21 + k, item=8 + k, epoch=0, pos=k, replay=True) for k in range(2, 8)]
     again = [_rec("start", 30, 19, step=2)]
     for k in range(2, 8):
-        again += [_rec("got", 30, 29 + k, item=8 + k, deliveries=1, **_batch(0, 0, k)),
-                  _rec("train", 30, 30 + k, step=k + 1, item=8 + k, deliveries=1, **_batch(0, 0, k))]
+        again += [
+            _rec("got", 30, 29 + k, item=8 + k, deliveries=1, **_batch(0, 0, k)),
+            _rec("train", 30, 30 + k, step=k + 1, item=8 + k, deliveries=1, **_batch(0, 0, k)),
+        ]
     again.append(_rec("exit", 30, 40, step=8))
     healed = reconcile(dict(ledgers, **{"target-0": producer + intake, "drafter-1": again}))
     assert healed["problems"] == [] and healed["trained_then_lost_with_crash"] == 0
@@ -142,15 +168,36 @@ def test_ledger_reader_counts_a_line_cut_by_a_kill(tmp_path):
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("seed,stops,standbys", [(11, 3, 0), (12, 1, 1)])
-def test_chaos_minute_loses_nothing(tmp_path, seed, stops, standbys):
-    """A minute of random SIGKILL/SIGTERM across targets, drafters and the supervisor, and whole-run stops
-    (stop --now, SIGTERM to all, SIGKILL to all then clean) each followed by a restart (CI's chaos run); the second
-    with a warm standby beside the drafters (`--standbys 1`), which takes over a killed drafter's seat."""
-    out = subprocess.run([sys.executable, "-m", "dflash_ring", "chaos", "--kills", "12", "--seconds", "60",
-                          "--seed", str(seed), "--whole-run-stops", str(stops), "--workdir", str(tmp_path / "chaos"),
-                          "--standbys", str(standbys), "--json"],
-                         capture_output=True, text=True, timeout=1500)
+def test_chaos_minute_loses_nothing(tmp_path):
+    """A minute of random SIGKILL/SIGTERM across targets, drafters and the supervisor, and whole-run stops of each
+    kind (stop --now, SIGTERM to all, SIGKILL to all then clean) each followed by a restart (CI's chaos run), with a
+    warm standby beside the drafters (`--standbys 1`), which takes over a killed drafter's seat. One run asserts what
+    two did before (seed 11 with 3 stops, seed 12 with a standby): each paid its own baseline and start-ups."""
+    seed, stops, standbys = 11, 3, 1
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash_ring",
+            "chaos",
+            "--kills",
+            "12",
+            "--seconds",
+            "60",
+            "--seed",
+            str(seed),
+            "--whole-run-stops",
+            str(stops),
+            "--workdir",
+            str(tmp_path / "chaos"),
+            "--standbys",
+            str(standbys),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert out.stdout, out.stderr[-5000:]
     rep = json.loads(out.stdout)
     c = rep["chaos"]
