@@ -27,16 +27,16 @@ BENCHES = {
     "ring": "ring throughput against multiprocessing and torch queues",
     "target": "target forward alone and into the ring: tokens/s, ratio, FLOP utilization",
     "topology": "target and drafter alone for a shape and recipe: the balanced target:drafter ratio and the layout "
-                "for a host of GPUs",
+    "for a host of GPUs",
     "pipeline": "random-weight target + drafter as real processes vs each alone; the balanced topology; with kills, "
-                "restart times",
+    "restart times",
     "regenerate": "the regenerate hf engine's generated tokens/s vs plain model.generate",
     "loader": "one core: token arrays -> batches in the slot format, vs the target rate",
     "drafter": "one drafter training step: time split and FLOP utilization",
     "precision": "FP8 quality guard (GPU): the same drafter, seed and learnable synthetic items trained in bf16 and "
-                 "in fp8; both curves and the final ratios",
+    "in fp8; both curves and the final ratios",
     "recipes": "the embedded default trained with each recipe: chain and tree tau on the same held-out prompts, two "
-               "seeds (CPU, ~1 h)",
+    "seeds (CPU, ~1 h)",
     "checkpoint": "a checkpoint's cost to the training step: in the step vs in the background",
 }
 
@@ -89,8 +89,13 @@ def _parser() -> argparse.ArgumentParser:
 
     def with_config(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
         sp.add_argument("--config", "-c", help="TOML config file (defaults apply to every missing field)")
-        sp.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override one config field; repeatable")
+        sp.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="SECTION.KEY=VALUE",
+            help="override one config field; repeatable",
+        )
         sp.add_argument("--verbose", "-v", action="store_true")
         return sp
 
@@ -103,15 +108,27 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--kills", type=int, default=12, help="signals to send (SIGKILL or SIGTERM)")
     sp.add_argument("--seconds", type=float, default=60.0, help="the window they are spread over")
     sp.add_argument("--seed", type=int, default=0)
-    sp.add_argument("--whole-run-stops", type=int, default=0,
-                    help="also stop the whole run this many times in the window (stop --now, SIGTERM to every "
-                         "process, SIGKILL to every process then clean, or a drafter SIGSTOPped then stop --now: "
-                         "the supervisor fences it), and start it again")
-    sp.add_argument("--stop-modes", default="", metavar="MODE[,MODE...]",
-                    help="the whole-run stops to take turns among (default: all of stop-now, sigterm-all, "
-                         "sigkill-all, stall-stop-now); e.g. stall-stop-now alone for a run of fenced stragglers")
-    sp.add_argument("--standbys", type=int, default=0,
-                    help="also run this many warm standbys (drafter --standby), killed and started again like drafters")
+    sp.add_argument(
+        "--whole-run-stops",
+        type=int,
+        default=0,
+        help="also stop the whole run this many times in the window (stop --now, SIGTERM to every "
+        "process, SIGKILL to every process then clean, or a drafter SIGSTOPped then stop --now: "
+        "the supervisor fences it), and start it again",
+    )
+    sp.add_argument(
+        "--stop-modes",
+        default="",
+        metavar="MODE[,MODE...]",
+        help="the whole-run stops to take turns among (default: all of stop-now, sigterm-all, "
+        "sigkill-all, stall-stop-now); e.g. stall-stop-now alone for a run of fenced stragglers",
+    )
+    sp.add_argument(
+        "--standbys",
+        type=int,
+        default=0,
+        help="also run this many warm standbys (drafter --standby), killed and started again like drafters",
+    )
     sp.add_argument("--epochs", type=int, default=0, help="epochs of the chaos run (0: outlast the window)")
     sp.add_argument("--workdir", default="runs/chaos")
     sp.add_argument("--no-baseline", action="store_true", help="skip the run without faults")
@@ -119,8 +136,9 @@ def _parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_chaos)
 
     sp = with_config(sub.add_parser("supervisor", help="create the ring and supervise the run"))
-    sp.add_argument("--reclaim-stale", action="store_true",
-                    help="discard a dead run's segment instead of refusing to start")
+    sp.add_argument(
+        "--reclaim-stale", action="store_true", help="discard a dead run's segment instead of refusing to start"
+    )
     sp.set_defaults(func=cmd_supervisor)
 
     sp = with_config(sub.add_parser("status", help="slots by state, depth and processes of a run"))
@@ -143,55 +161,94 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--device", help="e.g. cuda:0 or cpu (default: target.device)")
     sp.set_defaults(func=cmd_target)
 
-    sp = with_config(sub.add_parser("check-target", help="the conformance probe alone: are packed features exact "
-                                                         "for this target, and which batch layout would it run"))
+    sp = with_config(
+        sub.add_parser(
+            "check-target",
+            help="the conformance probe alone: are packed features exact "
+            "for this target, and which batch layout would it run",
+        )
+    )
     sp.add_argument("--device", help="e.g. cuda:0 or cpu (default: target.device)")
     sp.add_argument("--json", action="store_true", help="print the report as JSON")
     sp.set_defaults(func=cmd_check_target)
 
-    sp = with_config(sub.add_parser("check-config", help="load and validate a config (file and --set) and exit: "
-                                                         "0 when every process would accept it, else 2 and why"))
+    sp = with_config(
+        sub.add_parser(
+            "check-config",
+            help="load and validate a config (file and --set) and exit: "
+            "0 when every process would accept it, else 2 and why",
+        )
+    )
     sp.set_defaults(func=cmd_check_config)
 
     sp = sub.add_parser("data", help="the data a run trains on")
     data = sp.add_subparsers(dest="data", required=True)
-    dp = with_config(data.add_parser("stats", help="per source and in total: rows, tokens, trained tokens, reply "
-                                                   "lengths and share of an epoch, after tokenization"))
+    dp = with_config(
+        data.add_parser(
+            "stats",
+            help="per source and in total: rows, tokens, trained tokens, reply "
+            "lengths and share of an epoch, after tokenization",
+        )
+    )
     dp.add_argument("--json", action="store_true", help="print the report as JSON")
     dp.set_defaults(func=cmd_data_stats)
 
     sp = with_config(sub.add_parser("drafter", help="run drafter trainer J: claim ring items and train"))
     who = sp.add_mutually_exclusive_group(required=True)
     who.add_argument("--index", type=int)
-    who.add_argument("--standby", nargs="?", const="all", metavar="J[,J...]",
-                     help="a warm standby: build the drafter, attach, and take over the first of these drafters "
-                          "(default: every one) whose process dies; exit 0 at the run's end if none does")
+    who.add_argument(
+        "--standby",
+        nargs="?",
+        const="all",
+        metavar="J[,J...]",
+        help="a warm standby: build the drafter, attach, and take over the first of these drafters "
+        "(default: every one) whose process dies; exit 0 at the run's end if none does",
+    )
     sp.add_argument("--device", help="e.g. cuda:0 or cpu (default: train.device)")
     sp.set_defaults(func=cmd_drafter)
 
-    sp = with_config(sub.add_parser("regenerate", help="the target's own replies to the prompts of data.path, written "
-                                                       "as a data set (regenerate.output); resumes where it stopped"))
+    sp = with_config(
+        sub.add_parser(
+            "regenerate",
+            help="the target's own replies to the prompts of data.path, written "
+            "as a data set (regenerate.output); resumes where it stopped",
+        )
+    )
     sp.add_argument("--device", help="hf engine: e.g. cuda:0 or cpu (default: target.device)")
-    sp.add_argument("--threads", type=int, default=1,
-                    help="CPU threads for torch (default 1: on a shared CPU more threads can be many times slower; "
-                         "0: torch's default)")
+    sp.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads for torch (default 1: on a shared CPU more threads can be many times slower; "
+        "0: torch's default)",
+    )
     sp.add_argument("--json", action="store_true", help="print the summary as JSON")
     sp.set_defaults(func=cmd_regenerate)
 
-    sp = sub.add_parser("report", help="a PNG of loss and acceptance length per drafter and per data source, from "
-                                       "the record files a run leaves (no tracker needed); given an eval JSON, a "
-                                       "reliability diagram of its DSpark drafter's confidence")
-    sp.add_argument("run_dir", help="the run's directory (holding tracking/), or its tracking.dir; or a JSON file "
-                                    "of `dflash-ring eval --json` with calibration data (a DSpark drafter's eval)")
-    sp.add_argument("--out", help="the PNG to write (default: RUN_DIR/report.png; for EVAL.json, "
-                                  "EVAL.reliability.png beside it)")
+    sp = sub.add_parser(
+        "report",
+        help="a PNG of loss and acceptance length per drafter and per data source, from "
+        "the record files a run leaves (no tracker needed); given an eval JSON, a "
+        "reliability diagram of its DSpark drafter's confidence",
+    )
+    sp.add_argument(
+        "run_dir",
+        help="the run's directory (holding tracking/), or its tracking.dir; or a JSON file "
+        "of `dflash-ring eval --json` with calibration data (a DSpark drafter's eval)",
+    )
+    sp.add_argument(
+        "--out", help="the PNG to write (default: RUN_DIR/report.png; for EVAL.json, EVAL.reliability.png beside it)"
+    )
     sp.set_defaults(func=cmd_report)
 
     sp = sub.add_parser("export", help="write a training checkpoint as an HF drafter directory (DFlash or DSpark)")
     sp.add_argument("checkpoint", help="a step-N directory, or a checkpoint root (its latest)")
     sp.add_argument("out_dir")
-    sp.add_argument("--target", help="the target model directory: a DSpark export ships its embed_tokens and lm_head "
-                                     "(default: the target.path recorded in the checkpoint)")
+    sp.add_argument(
+        "--target",
+        help="the target model directory: a DSpark export ships its embed_tokens and lm_head "
+        "(default: the target.path recorded in the checkpoint)",
+    )
     sp.set_defaults(func=cmd_export)
 
     sp = sub.add_parser("eval", help="offline acceptance (tau) of a drafter against its target on chat prompts")
@@ -201,14 +258,28 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-new-tokens", type=int, default=256)
     sp.add_argument("--limit", type=at_least_one, default=None, help="evaluate only the first K prompts (K >= 1)")
     sp.add_argument("--device", default="cpu")
-    sp.add_argument("--threads", type=int, default=1,
-                    help="CPU threads for torch (default 1, as inside `run`: small forwards; 0: torch's default)")
-    sp.add_argument("--tree-budget", type=tree_budgets, default=(), metavar="N[,N...]",
-                    help="also verify DDTree draft trees of N draft nodes per round (e.g. 16,64,256), on the same "
-                         "prompts; their tau is reported next to the chain's")
-    sp.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                    help="0 (the default): greedy; T > 0: drafts and target tokens sampled at T, verified losslessly "
-                         "(speculative sampling: the output is distributed as the target's own sampling at T)")
+    sp.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads for torch (default 1, as inside `run`: small forwards; 0: torch's default)",
+    )
+    sp.add_argument(
+        "--tree-budget",
+        type=tree_budgets,
+        default=(),
+        metavar="N[,N...]",
+        help="also verify DDTree draft trees of N draft nodes per round (e.g. 16,64,256), on the same "
+        "prompts; their tau is reported next to the chain's",
+    )
+    sp.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="0 (the default): greedy; T > 0: drafts and target tokens sampled at T, verified losslessly "
+        "(speculative sampling: the output is distributed as the target's own sampling at T)",
+    )
     sp.add_argument("--seed", type=int, default=0, help="the sampling's seed at --temperature > 0 (default 0)")
     sp.add_argument("--json", action="store_true", help="print the report as JSON")
     sp.set_defaults(func=cmd_eval)
@@ -218,12 +289,6 @@ def _parser() -> argparse.ArgumentParser:
     for name, what in BENCHES.items():  # each bench's own options are its module's (cmd_bench)
         bench.add_parser(name, help=what, add_help=False).set_defaults(func=cmd_bench)
     return p
-
-
-
-
-
-
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -254,12 +319,25 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
     modes = tuple(args.stop_modes.split(",")) if args.stop_modes else RUN_STOP_MODES
     if unknown := sorted(set(modes) - set(RUN_STOP_MODES)):
-        print(f"dflash-ring chaos: error: --stop-modes {','.join(unknown)}: not a whole-run stop; choose among "
-              f"{', '.join(RUN_STOP_MODES)}", file=sys.stderr)
+        print(
+            f"dflash-ring chaos: error: --stop-modes {','.join(unknown)}: not a whole-run stop; choose among "
+            f"{', '.join(RUN_STOP_MODES)}",
+            file=sys.stderr,
+        )
         return 2
-    opts = ChaosOptions(kills=args.kills, seconds=args.seconds, seed=args.seed, workdir=Path(args.workdir),
-                        config=args.config, overrides=args.set, epochs=args.epochs, baseline=not args.no_baseline,
-                        whole_run_stops=args.whole_run_stops, stop_modes=modes, standbys=args.standbys)
+    opts = ChaosOptions(
+        kills=args.kills,
+        seconds=args.seconds,
+        seed=args.seed,
+        workdir=Path(args.workdir),
+        config=args.config,
+        overrides=args.set,
+        epochs=args.epochs,
+        baseline=not args.no_baseline,
+        whole_run_stops=args.whole_run_stops,
+        stop_modes=modes,
+        standbys=args.standbys,
+    )
     if why := opts.refusal():
         print(f"dflash-ring chaos: error: {why}", file=sys.stderr)
         return 2
@@ -302,14 +380,20 @@ def cmd_status(args: argparse.Namespace) -> int:
     c = st.counters
     print(f"run {st.run}: {st.n_slots} slots x {st.slot_bytes / 2**20:.1f} MiB, depth {st.depth}")
     print("slots: " + ", ".join(f"{k} {v}" for k, v in st.slots_by_state.items()))
-    print(f"items: produced {c['produced']}, consumed {c['consumed']}, redelivered {c['redelivered']}, "
-          f"reclaimed {c['reclaimed']}, corrupt {c['corrupt']}")
-    print(f"producers done: {c['producers_done']}; drain {c['drain']}; shutdown {c['shutdown']}; "
-          f"supervisor adoptions {c['supervisor_adoptions']}")
+    print(
+        f"items: produced {c['produced']}, consumed {c['consumed']}, redelivered {c['redelivered']}, "
+        f"reclaimed {c['reclaimed']}, corrupt {c['corrupt']}"
+    )
+    print(
+        f"producers done: {c['producers_done']}; drain {c['drain']}; shutdown {c['shutdown']}; "
+        f"supervisor adoptions {c['supervisor_adoptions']}"
+    )
     print(f"{'role':<11}{'index':>5}{'pid':>9}{'alive':>7}{'status':>9}{'heartbeat':>11}{'items':>9}{'restarts':>9}")
     for r in st.rows:
-        print(f"{r['role']:<11}{r['index']:>5}{r['pid']:>9}{'yes' if r['alive'] else 'no':>7}{r['status']:>9}"
-              f"{r['heartbeat_age_s']:>10.1f}s{r['items']:>9}{r['restarts']:>9}")
+        print(
+            f"{r['role']:<11}{r['index']:>5}{r['pid']:>9}{'yes' if r['alive'] else 'no':>7}{r['status']:>9}"
+            f"{r['heartbeat_age_s']:>10.1f}s{r['items']:>9}{r['restarts']:>9}"
+        )
     return 0
 
 
@@ -348,8 +432,10 @@ def _checked_index(cfg: Config, role: str, index: int, flag: str = "--index") ->
     """Before any loading: an index the run's topology has."""
     n = cfg.topology.producers if role == "producers" else cfg.topology.consumers
     if not 0 <= index < n:
-        raise ConfigError(f"{flag} {index} is out of range: topology.{role} = {n}, so the index is 0..{n - 1} "
-                          f"(raise topology.{role} in the config to add one)")
+        raise ConfigError(
+            f"{flag} {index} is out of range: topology.{role} = {n}, so the index is 0..{n - 1} "
+            f"(raise topology.{role} in the config to add one)"
+        )
     return index
 
 
@@ -382,13 +468,20 @@ def cmd_check_target(args: argparse.Namespace) -> int:
     else:
         print(f"target {cfg.path}: layers {target.layer_ids} captured of {len(target.decoder.layers)}")
         if report is not None:
-            print(f"probe: sequences of {report.lengths} tokens on {report.device}\n{report.table()}\n{report.summary()}")
+            print(
+                f"probe: sequences of {report.lengths} tokens on {report.device}\n{report.table()}\n{report.summary()}"
+            )
         print(f"target.packing = {mode!r}: {'packed' if target.packed else 'padded'} batches")
-        print(f"drafter head: {head.describe()} (relative error: embedding {head_errors.embedding:.2g}, "
-              f"logits {head_errors.logits:.2g})")
+        print(
+            f"drafter head: {head.describe()} (relative error: embedding {head_errors.embedding:.2g}, "
+            f"logits {head_errors.logits:.2g})"
+        )
     if mode == "packed" and not target.packed:
-        print("dflash-ring check-target: error: target.packing = \"packed\" would refuse to start: "
-              "set it to \"auto\" or \"padded\"", file=sys.stderr)
+        print(
+            'dflash-ring check-target: error: target.packing = "packed" would refuse to start: '
+            'set it to "auto" or "padded"',
+            file=sys.stderr,
+        )
         return 2
     return 0
 
@@ -462,8 +555,9 @@ def _standby_indices(cfg: Config, text: str) -> list[int]:
     try:
         indices = [int(x) for x in text.split(",")]
     except ValueError:
-        raise ConfigError(f"--standby {text!r}: expected drafter indices like 0,1,2 (or nothing: every "
-                          "drafter)") from None
+        raise ConfigError(
+            f"--standby {text!r}: expected drafter indices like 0,1,2 (or nothing: every drafter)"
+        ) from None
     if len(set(indices)) != len(indices):
         raise ConfigError(f"--standby {text!r} names a drafter twice")
     return [_checked_index(cfg, "consumers", i, "--standby") for i in indices]
@@ -486,9 +580,17 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     metrics = RegenerateMetrics(serve(cfg.metrics, cfg.run.name, REGENERATE))
-    bar = Progress(TextColumn("regenerating"), BarColumn(), MofNCompleteColumn(), TextColumn("rows"),
-                   TextColumn("{task.fields[rate]}"), TextColumn("ETA"), TimeRemainingColumn(),
-                   console=console(), disable=not sys.stderr.isatty())
+    bar = Progress(
+        TextColumn("regenerating"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("rows"),
+        TextColumn("{task.fields[rate]}"),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console(),
+        disable=not sys.stderr.isatty(),
+    )
     tasks: list = []
 
     def progress(done: int, total: int) -> None:
@@ -503,11 +605,14 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
         with bar:
             for h in handlers:  # log lines above the bar, not through it
                 h.setStream(sys.stderr)
-            summary = regenerate(cfg.regenerate, cfg.data, cfg.target, device=args.device, metrics=metrics,
-                                 progress=progress)
+            summary = regenerate(
+                cfg.regenerate, cfg.data, cfg.target, device=args.device, metrics=metrics, progress=progress
+            )
     except KeyboardInterrupt:
-        print("dflash-ring regenerate: interrupted; finished shards are kept: run the same command again to resume",
-              file=sys.stderr)
+        print(
+            "dflash-ring regenerate: interrupted; finished shards are kept: run the same command again to resume",
+            file=sys.stderr,
+        )
         return 130
     finally:
         for h in handlers:
@@ -533,31 +638,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
     """`dflash-ring bench NAME ...`: bench/NAME.py parses its own options and runs."""
     bench = importlib.import_module(f"dflash_ring.bench.{args.bench}")
-    parser = argparse.ArgumentParser(prog=f"dflash-ring bench {args.bench}", description=bench.__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=f"dflash-ring bench {args.bench}",
+        description=bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     bench.add_arguments(parser)
     return bench.main(parser.parse_args(args.bench_argv))
 
@@ -568,9 +656,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     checked_device(args.device)  # before any model loads
     try:
-        report = evaluate_drafter(args.drafter, args.target, args.data, max_new_tokens=args.max_new_tokens,
-                                  limit=args.limit, device=args.device, cpu_threads=args.threads or None,
-                                  tree_budgets=args.tree_budget, temperature=args.temperature, seed=args.seed)
+        report = evaluate_drafter(
+            args.drafter,
+            args.target,
+            args.data,
+            max_new_tokens=args.max_new_tokens,
+            limit=args.limit,
+            device=args.device,
+            cpu_threads=args.threads or None,
+            tree_budgets=args.tree_budget,
+            temperature=args.temperature,
+            seed=args.seed,
+        )
     except (OSError, ValueError) as e:  # missing files, a drafter of another target, a malformed data row
         print(f"dflash-ring eval: error: {e}", file=sys.stderr)
         return 2

@@ -64,8 +64,9 @@ def run_checkpoint_bench(tiny: bool = False, every: int = 100, steps: int = 10, 
     with torch.device(dev):  # initialised where it trains, as the drafter process does
         model = build_drafter(drafter, target)
     dtype = torch.bfloat16 if cuda else torch.float32
-    head = FrozenTargetHead(torch.randn(vocab, h, dtype=dtype, device=dev) * 0.02,
-                            torch.randn(vocab, h, dtype=dtype, device=dev) * 0.02)
+    head = FrozenTargetHead(
+        torch.randn(vocab, h, dtype=dtype, device=dev) * 0.02, torch.randn(vocab, h, dtype=dtype, device=dev) * 0.02
+    )
     trainer = Trainer(model, head, drafter, TrainConfig(total_steps=100_000), dev)
     n_ctx = len(model.target_layer_ids)
     tokens = seqs * seq_len
@@ -77,14 +78,23 @@ def run_checkpoint_bench(tiny: bool = False, every: int = 100, steps: int = 10, 
 
     def step() -> float:
         t0 = time.perf_counter()
-        batch = DeviceBatch(features.to(dev, non_blocking=True), ids.to(dev), mask.to(dev), cu.to(dev),
-                            meta={"producer": 0, "epoch": 0, "position": trainer.step})
+        batch = DeviceBatch(
+            features.to(dev, non_blocking=True),
+            ids.to(dev),
+            mask.to(dev),
+            cu.to(dev),
+            meta={"producer": 0, "epoch": 0, "position": trainer.step},
+        )
         trainer.train_step(batch, 100_000)  # returns the loss as a float: the step has finished on the device
         return time.perf_counter() - t0
 
     def state() -> dict:
-        return {"consumed": {"0": [0, trainer.step]}, "items": trainer.step, "drafter": asdict(drafter),
-                "target_config": target}
+        return {
+            "consumed": {"0": [0, trainer.step]},
+            "items": trainer.step,
+            "drafter": asdict(drafter),
+            "target_config": target,
+        }
 
     root = Path(tempfile.mkdtemp(prefix="bench-checkpoint-", dir=directory))
     try:
@@ -93,23 +103,46 @@ def run_checkpoint_bench(tiny: bool = False, every: int = 100, steps: int = 10, 
         before = [step() for _ in range(steps)]
         progress("checkpoint", "before", {"step_s": round(statistics.fmean(before), 4)})
 
-        in_step = Checkpoints(CheckpointStore(root / "in-step"), every, 1, state, trainer, _journal(root, "in-step"),
-                              None, background=False)
+        in_step = Checkpoints(
+            CheckpointStore(root / "in-step"),
+            every,
+            1,
+            state,
+            trainer,
+            _journal(root, "in-step"),
+            None,
+            background=False,
+        )
         t0 = time.perf_counter()
         in_step.save()
         sync_s = time.perf_counter() - t0
         nbytes = _bytes(root / "in-step")
-        progress("checkpoint", "in_step", {"checkpoint_bytes": nbytes, "critical_path_s": round(sync_s, 3),
-                                           "write_gb_per_s": round(nbytes / sync_s / 1e9, 2)})
+        progress(
+            "checkpoint",
+            "in_step",
+            {
+                "checkpoint_bytes": nbytes,
+                "critical_path_s": round(sync_s, 3),
+                "write_gb_per_s": round(nbytes / sync_s / 1e9, 2),
+            },
+        )
         shutil.rmtree(root / "in-step")  # one checkpoint on the disk at a time
 
-        background = Checkpoints(CheckpointStore(root / "background"), every, 1, state, trainer,
-                                 _journal(root, "background"), None)
+        background = Checkpoints(
+            CheckpointStore(root / "background"), every, 1, state, trainer, _journal(root, "background"), None
+        )
         snapshot = background.snapshot
         first_s = _synchronized_snapshot(snapshot, trainer)  # allocates and page-locks the buffer
         synchronized_s = _synchronized_snapshot(snapshot, trainer)
-        progress("checkpoint", "snapshot", {"host_buffer_bytes": snapshot.nbytes, "first_snapshot_s": round(first_s, 3),
-                                            "snapshot_synchronized_s": round(synchronized_s, 3)})
+        progress(
+            "checkpoint",
+            "snapshot",
+            {
+                "host_buffer_bytes": snapshot.nbytes,
+                "first_snapshot_s": round(first_s, 3),
+                "snapshot_synchronized_s": round(synchronized_s, 3),
+            },
+        )
         expected = _state_tensors(trainer.state({}))  # on the device: checked against what was written
         started, t0 = time.time(), time.perf_counter()
         background.save()
@@ -121,9 +154,16 @@ def run_checkpoint_bench(tiny: bool = False, every: int = 100, steps: int = 10, 
         # Until `latest` moved (its mtime; the loop above sees the end only at a step boundary).
         write_s = (root / "background" / "latest").stat().st_mtime - started
         assert _bytes(root / "background") == nbytes
-        progress("checkpoint", "background", {"snapshot_s": round(snapshot_s, 4), "write_s": round(write_s, 2),
-                                              "write_gb_per_s": round(nbytes / write_s / 1e9, 2),
-                                              "steps_during_write": len(during)})
+        progress(
+            "checkpoint",
+            "background",
+            {
+                "snapshot_s": round(snapshot_s, 4),
+                "write_s": round(write_s, 2),
+                "write_gb_per_s": round(nbytes / write_s / 1e9, 2),
+                "steps_during_write": len(during),
+            },
+        )
         after = [step() for _ in range(steps)]
         progress("checkpoint", "after", {"step_s": round(statistics.fmean(after), 4)})
         written = _state_tensors(CheckpointStore(root / "background").load_latest(fall_back=False))
@@ -141,9 +181,15 @@ def run_checkpoint_bench(tiny: bool = False, every: int = 100, steps: int = 10, 
         "device": torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu",
         "torch": torch.__version__,
         "safetensors": safetensors.__version__,
-        "shape": {"hidden": h, "draft_layers": drafter.num_hidden_layers, "seqs": seqs, "seq_len": seq_len,
-                  "anchors_per_seq": anchors, "vocab": vocab,
-                  "parameters": sum(p.numel() for p in model.parameters())},
+        "shape": {
+            "hidden": h,
+            "draft_layers": drafter.num_hidden_layers,
+            "seqs": seqs,
+            "seq_len": seq_len,
+            "anchors_per_seq": anchors,
+            "vocab": vocab,
+            "parameters": sum(p.numel() for p in model.parameters()),
+        },
         "directory": str(root.parent),
         "filesystem": _filesystem(root.parent),
         # The background checkpoint holds the state of its step, though training went on during the copy and write.
@@ -152,10 +198,13 @@ def run_checkpoint_bench(tiny: bool = False, every: int = 100, steps: int = 10, 
         "host_buffer_bytes": snapshot.nbytes,
         "every_steps": every,
         "warmup_s": round(warmup_s, 1),
-        "step_s": {"baseline": round(base, 4), "before": round(statistics.fmean(before), 4),
-                   "after": round(statistics.fmean(after), 4),
-                   "stdev": round(statistics.stdev(before + after), 4) if len(before + after) > 1 else 0.0,
-                   "during_background_write": round(statistics.fmean(during), 4) if during else None},
+        "step_s": {
+            "baseline": round(base, 4),
+            "before": round(statistics.fmean(before), 4),
+            "after": round(statistics.fmean(after), 4),
+            "stdev": round(statistics.stdev(before + after), 4) if len(before + after) > 1 else 0.0,
+            "during_background_write": round(statistics.fmean(during), 4) if during else None,
+        },
         "in_step": {
             "critical_path_s": round(sync_s, 3),
             "write_gb_per_s": round(nbytes / sync_s / 1e9, 2),
@@ -193,8 +242,10 @@ def _synchronized_snapshot(snapshot, trainer: Trainer) -> float:
 def _state_tensors(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
     """The weights and optimizer moments of a checkpoint, cloned."""
     moments, _ = optimizer_to_flat(ckpt.optimizer)
-    return {**{f"model.{k}": v.detach().clone() for k, v in ckpt.model.items()},
-            **{f"optimizer.{k}": v.clone() for k, v in moments.items()}}
+    return {
+        **{f"model.{k}": v.detach().clone() for k, v in ckpt.model.items()},
+        **{f"optimizer.{k}": v.clone() for k, v in moments.items()},
+    }
 
 
 def _bytes(directory: Path) -> int:
@@ -218,12 +269,21 @@ def _filesystem(path: Path) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`dflash-ring bench checkpoint`'s own options (cli.py registers every bench by name, and hands it the rest)."""
     parser.add_argument("--tiny", action="store_true", help="a small shape (CPU smoke run)")
-    parser.add_argument("--every", type=at_least_one, default=100,
-                        help="steps between checkpoints (costs are reported as a fraction of this many steps)")
-    parser.add_argument("--steps", type=at_least_one, default=10,
-                        help="baseline steps before and after the checkpoints")
-    parser.add_argument("--dir", default=None, help="where to write the checkpoints (a fresh directory in it, removed "
-                                                   "after; default: the system's temporary directory)")
+    parser.add_argument(
+        "--every",
+        type=at_least_one,
+        default=100,
+        help="steps between checkpoints (costs are reported as a fraction of this many steps)",
+    )
+    parser.add_argument(
+        "--steps", type=at_least_one, default=10, help="baseline steps before and after the checkpoints"
+    )
+    parser.add_argument(
+        "--dir",
+        default=None,
+        help="where to write the checkpoints (a fresh directory in it, removed "
+        "after; default: the system's temporary directory)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:

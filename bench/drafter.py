@@ -64,17 +64,29 @@ def visible_keys(anchors: Anchors, block: int, window: int | None) -> float:
     return float((torch.minimum(before, (window - 1 - k).clamp_min(0)) + k + 1).mean())
 
 
-def step_flops(cfg: dict[str, Any], drafter: DrafterConfig, n_ctx_layers: int, tokens: int, anchors: Anchors,
-               supervised: int, teacher_positions: int) -> float:
+def step_flops(
+    cfg: dict[str, Any],
+    drafter: DrafterConfig,
+    n_ctx_layers: int,
+    tokens: int,
+    anchors: Anchors,
+    supervised: int,
+    teacher_positions: int,
+) -> float:
     h, hd = cfg["hidden_size"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
     block = drafter.block_size
     block_tokens = anchors.num_blocks * block
     per_layer_block = 2 * block_tokens * (h * q + 2 * h * kv + q * h + 3 * h * drafter_mlp(cfg, drafter))
     per_layer_ctx = 2 * tokens * (2 * h * kv)
-    attention = sum(2 * 2 * block_tokens * visible_keys(anchors, block, drafter.sliding_window if kind ==
-                                                        "sliding_attention" else None) * q
-                    for kind in drafter.layer_types)
+    attention = sum(
+        2
+        * 2
+        * block_tokens
+        * visible_keys(anchors, block, drafter.sliding_window if kind == "sliding_attention" else None)
+        * q
+        for kind in drafter.layer_types
+    )
     fc = 2 * tokens * n_ctx_layers * h * h
     trainable_fwd = drafter.num_hidden_layers * (per_layer_block + per_layer_ctx) + attention + fc
     # DFlash2: the two convolutions of each layer (attention's and MLP's) on the block rows only (the context feeds
@@ -85,8 +97,12 @@ def step_flops(cfg: dict[str, Any], drafter: DrafterConfig, n_ctx_layers: int, t
     # DSpark: the Markov bias [rows, r] x [r, vocab], and its gradients to the features and to markov_w2
     markov = 3 * 2 * drafter.markov_rank * cfg["vocab_size"] if drafter.arch == "dspark" else 0
     # the draft's logits and their gradient per supervised row; the teacher's once per distinct position
-    return (3 * trainable_fwd + head * (2 * supervised + teacher_positions) + markov * supervised
-            + selector_flops(cfg, drafter) * supervised)
+    return (
+        3 * trainable_fwd
+        + head * (2 * supervised + teacher_positions)
+        + markov * supervised
+        + selector_flops(cfg, drafter) * supervised
+    )
 
 
 def dflash2_conv_flops(cfg: dict[str, Any], drafter: DrafterConfig) -> int:
@@ -131,51 +147,109 @@ def _grad_check(model, head, drafter, ctx, ids, mask, anchors, teacher, cuda: bo
 
 def _top_kernels(prof, n: int = 15) -> list[list]:
     rows = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)[:n]
-    return [[e.key[:90], round(e.self_device_time_total / 1e3 / 2, 2), e.count // 2] for e in rows]  # ms, calls per step
+    return [
+        [e.key[:90], round(e.self_device_time_total / 1e3 / 2, 2), e.count // 2] for e in rows
+    ]  # ms, calls per step
 
 
 def _drafter_config(target: dict[str, Any], recipe: str, anchors: int | None, loss_chunk: int) -> DrafterConfig:
-    return DrafterConfig(recipe=recipe, num_anchors=anchors, mask_token_id=target["vocab_size"] - 1,
-                         loss_chunk_tokens=loss_chunk)
+    return DrafterConfig(
+        recipe=recipe, num_anchors=anchors, mask_token_id=target["vocab_size"] - 1, loss_chunk_tokens=loss_chunk
+    )
 
 
-def _fit_to_gpu(shape: str, tiny: bool, recipe: str, seqs: int | None, seq_len: int | None, anchors: int | None,
-                loss_chunk: int, gpu_bytes: float, *, compiled: bool, check: bool) -> tuple[int, int]:
+def _fit_to_gpu(
+    shape: str,
+    tiny: bool,
+    recipe: str,
+    seqs: int | None,
+    seq_len: int | None,
+    anchors: int | None,
+    loss_chunk: int,
+    gpu_bytes: float,
+    *,
+    compiled: bool,
+    check: bool,
+) -> tuple[int, int]:
     """The samples the GPU step runs (the given ones, or defaults that fit); DoesNotFit, before anything is built,
     if they do not fit. The estimate is of the shape as a GPU runs it, also when asked for on a CPU."""
     target = bench_target(shape, tiny)
-    seqs, seq_len, memory = fit_samples(target, _drafter_config(target, recipe, anchors, loss_chunk), seqs, seq_len,
-                                        gpu_bytes, compiled=compiled, check=check, default=DEFAULT_SAMPLES,
-                                        fallback_len=SAMPLE_TOKENS.get(shape, DEFAULT_SAMPLES[1]))
-    progress("drafter", "memory", {"seqs": seqs, "seq_len": seq_len, "estimated_peak_gib": round(memory.peak / GiB, 1),
-                                   "gradient_check_gib": None if memory.check is None else round(memory.check / GiB, 1),
-                                   "gpu_gib": round(gpu_bytes / GiB, 1)})
+    seqs, seq_len, memory = fit_samples(
+        target,
+        _drafter_config(target, recipe, anchors, loss_chunk),
+        seqs,
+        seq_len,
+        gpu_bytes,
+        compiled=compiled,
+        check=check,
+        default=DEFAULT_SAMPLES,
+        fallback_len=SAMPLE_TOKENS.get(shape, DEFAULT_SAMPLES[1]),
+    )
+    progress(
+        "drafter",
+        "memory",
+        {
+            "seqs": seqs,
+            "seq_len": seq_len,
+            "estimated_peak_gib": round(memory.peak / GiB, 1),
+            "gradient_check_gib": None if memory.check is None else round(memory.check / GiB, 1),
+            "gpu_gib": round(gpu_bytes / GiB, 1),
+        },
+    )
     return seqs, seq_len
 
 
-def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int | None = None, seq_len: int | None = None,
-                      anchors: int | None = None, anchors_per_group: int = 64, attention: str = "auto",
-                      loss_chunk: int = 1024, check: bool = True, profile: bool = False, compile: bool = True,
-                      compile_cache: str = "", peak_flops: float = H200_BF16_PEAK, shape: str = "qwen3-8b",
-                      recipe: str = "paper", gpu_memory_gib: float | None = None, precision: str = "bf16",
-                      fp8_recipe: str = "rowwise") -> dict:
+def run_drafter_bench(
+    tiny: bool = False,
+    steps: int = 5,
+    seqs: int | None = None,
+    seq_len: int | None = None,
+    anchors: int | None = None,
+    anchors_per_group: int = 64,
+    attention: str = "auto",
+    loss_chunk: int = 1024,
+    check: bool = True,
+    profile: bool = False,
+    compile: bool = True,
+    compile_cache: str = "",
+    peak_flops: float = H200_BF16_PEAK,
+    shape: str = "qwen3-8b",
+    recipe: str = "paper",
+    gpu_memory_gib: float | None = None,
+    precision: str = "bf16",
+    fp8_recipe: str = "rowwise",
+) -> dict:
     """seqs, seq_len: None to fit the GPU. gpu_memory_gib: what the step must fit in (default: the visible GPU's
     total; given without a GPU, the check runs for the GPU shape and the bench then runs its CPU smoke size).
     precision: drafter.precision (fp8: refused in one line where it cannot run)."""
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     check_precision(precision, dev)
-    gpu_bytes = (gpu_memory_gib * GiB if gpu_memory_gib is not None
-                 else torch.cuda.get_device_properties(dev).total_memory if cuda else None)
+    gpu_bytes = (
+        gpu_memory_gib * GiB
+        if gpu_memory_gib is not None
+        else torch.cuda.get_device_properties(dev).total_memory
+        if cuda
+        else None
+    )
     if gpu_bytes is not None:
-        seqs, seq_len = _fit_to_gpu(shape, tiny, recipe, seqs, seq_len, anchors, loss_chunk, gpu_bytes,
-                                    compiled=compile and attention in ("auto", "flex"), check=check)
+        seqs, seq_len = _fit_to_gpu(
+            shape,
+            tiny,
+            recipe,
+            seqs,
+            seq_len,
+            anchors,
+            loss_chunk,
+            gpu_bytes,
+            compiled=compile and attention in ("auto", "flex"),
+            check=check,
+        )
     attention = attention if attention != "auto" else ("flex" if cuda else "sdpa")
     target = bench_target(shape, tiny or not cuda)
     if not cuda:
         seqs, seq_len, anchors, steps = 2, 256, 32, 2
-    drafter = replace(_drafter_config(target, recipe, anchors, loss_chunk), precision=precision,
-                      fp8_recipe=fp8_recipe)
+    drafter = replace(_drafter_config(target, recipe, anchors, loss_chunk), precision=precision, fp8_recipe=fp8_recipe)
     anchors = drafter.num_anchors
     backbone_only = replace(drafter, confidence_weight=0.0)  # DSpark's step without its heads (heads_overhead)
     model = build_drafter(drafter, target).to(dev)
@@ -183,8 +257,10 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int | None = Non
         convert_to_fp8(model, fp8_recipe)
     n_ctx = len(model.target_layer_ids)
     h, vocab = target["hidden_size"], target["vocab_size"]
-    head = FrozenTargetHead(torch.randn(vocab, h, dtype=torch.bfloat16, device=dev) * 0.02,
-                            torch.randn(vocab, h, dtype=torch.bfloat16, device=dev) * 0.02)
+    head = FrozenTargetHead(
+        torch.randn(vocab, h, dtype=torch.bfloat16, device=dev) * 0.02,
+        torch.randn(vocab, h, dtype=torch.bfloat16, device=dev) * 0.02,
+    )
     if precision == "fp8":
         head.quantize_fp8()
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, fused=cuda)
@@ -207,14 +283,20 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int | None = Non
         return time.perf_counter()
 
     compile = compile and cuda and attention == "flex"
-    cache = use_compile_cache(compile_cache, "bench-drafter", {"drafter": asdict(drafter), "target": target,
-                                                               "attention": attention}) if compile else None
+    cache = (
+        use_compile_cache(
+            compile_cache, "bench-drafter", {"drafter": asdict(drafter), "target": target, "attention": attention}
+        )
+        if compile
+        else None
+    )
     grad_err = None
     if check and cuda:  # flex has no CPU backward
         ctx, ids, mask = host.to(dev), ids_host.to(dev), mask_host.to(dev)
         teacher = None if final_host is None else final_host.to(dev)
-        grad_err = _grad_check(model, head, drafter, ctx, ids, mask, sample_anchors(mask, cu, anchors, gen), teacher,
-                               cuda)
+        grad_err = _grad_check(
+            model, head, drafter, ctx, ids, mask, sample_anchors(mask, cu, anchors, gen), teacher, cuda
+        )
         progress("drafter", "gradient_check", {"flex_vs_sdpa_grad_rel_err": round(grad_err, 5)})
     if compile:
         model.compile_layers(include_fc=precision == "fp8")
@@ -228,8 +310,9 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int | None = Non
         a = sample_anchors(mask, cu, anchors, gen)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
             hidden = model(ctx, ids, a, head, attention=attention, anchors_per_group=anchors_per_group)
-            out = drafter_loss(model, hidden, a, ids, mask, head, drafter if heads else backbone_only, teacher,
-                               heads=heads)
+            out = drafter_loss(
+                model, hidden, a, ids, mask, head, drafter if heads else backbone_only, teacher, heads=heads
+            )
         t2 = sync()
         out.loss.backward()
         t3 = sync()
@@ -252,8 +335,9 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int | None = Non
     if drafter.arch == "dspark":  # the same steps with the Markov bias and the confidence left out
         backbone = [step(heads=False)[-1] for _ in range(2 + steps)][2:]
         heads_overhead = round(fmean(phases["step_s"]) / fmean(backbone) - 1, 4)
-        progress("drafter", "dspark_heads", {"backbone_step_s": round(fmean(backbone), 4),
-                                             "heads_overhead": heads_overhead})
+        progress(
+            "drafter", "dspark_heads", {"backbone_step_s": round(fmean(backbone), 4), "heads_overhead": heads_overhead}
+        )
     blocks = a.num_blocks
     mean = {k: sum(v) / len(v) for k, v in phases.items()}
     flops = step_flops(target, drafter, n_ctx, tokens, a, step.supervised, step.teacher_positions)
@@ -279,14 +363,39 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int | None = Non
         "device": torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu",
         "torch": torch.__version__,
         "target_shape": shape if cuda and not tiny else f"{shape} (tiny: same family, hidden {h})",
-        "recipe": {k: v for k, v in asdict(drafter).items()
-                   if k in ("recipe", "arch", "loss", "kl_weight", "cap_weight", "tv_weight", "confidence_weight",
-                            "markov_rank", "markov_head", "label", "layer_types", "sliding_window")},
-        "shape": {"hidden": h, "draft_layers": drafter.num_hidden_layers, "target_layers_fed": n_ctx,
-                  "block_size": drafter.block_size, "anchors_per_seq": anchors, "seqs": seqs, "seq_len": seq_len,
-                  "blocks_per_step": blocks, "vocab": vocab},
+        "recipe": {
+            k: v
+            for k, v in asdict(drafter).items()
+            if k
+            in (
+                "recipe",
+                "arch",
+                "loss",
+                "kl_weight",
+                "cap_weight",
+                "tv_weight",
+                "confidence_weight",
+                "markov_rank",
+                "markov_head",
+                "label",
+                "layer_types",
+                "sliding_window",
+            )
+        },
+        "shape": {
+            "hidden": h,
+            "draft_layers": drafter.num_hidden_layers,
+            "target_layers_fed": n_ctx,
+            "block_size": drafter.block_size,
+            "anchors_per_seq": anchors,
+            "seqs": seqs,
+            "seq_len": seq_len,
+            "blocks_per_step": blocks,
+            "vocab": vocab,
+        },
         "attention": attention,
-        "precision": precision,  # the trainable linears' GEMMs; the frozen head's products as consumer/loss.py does them
+        # the trainable linears' GEMMs; the frozen head's products as consumer/loss.py does them
+        "precision": precision,
         "fp8_recipe": fp8_recipe if precision == "fp8" else None,
         "anchors_per_group": anchors_per_group if attention == "sdpa" else None,
         "loss_chunk_tokens": loss_chunk,
@@ -296,8 +405,16 @@ def run_drafter_bench(tiny: bool = False, steps: int = 5, seqs: int | None = Non
         "flex_vs_sdpa_grad_rel_err": None if grad_err is None else round(grad_err, 5),
         "step_split_s": summary["step_split_s"],
         "sync_s": 0.0,  # one replica: no collective in the step
-        **{k: summary[k] for k in ("tokens_per_s", "block_positions_per_s", "teacher_positions_per_step",
-                                   "model_tflop_per_step", "achieved_tflop_per_s")},
+        **{
+            k: summary[k]
+            for k in (
+                "tokens_per_s",
+                "block_positions_per_s",
+                "teacher_positions_per_step",
+                "model_tflop_per_step",
+                "achieved_tflop_per_s",
+            )
+        },
         "peak_tflop_per_s": round(peak_flops / 1e12, 1),
         "mfu": summary["mfu"],
         "peak_memory_gib": summary["peak_memory_gib"],
@@ -321,17 +438,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="a small shape (CPU smoke run)")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--shape", default="qwen3-8b", choices=sorted(set(SHAPES) - {"tiny"}),
-                        help="target shape (bench/target_shapes.py); --tiny for the CPU smoke run")
+    parser.add_argument(
+        "--shape",
+        default="qwen3-8b",
+        choices=sorted(set(SHAPES) - {"tiny"}),
+        help="target shape (bench/target_shapes.py); --tiny for the CPU smoke run",
+    )
     parser.add_argument("--recipe", default="paper", help="drafter.recipe: paper, dpace, ddtree, dspark")
-    parser.add_argument("--seqs", type=at_least_one, default=None,
-                        help="samples per step (default: 4 x 3072 tokens where the step fits the GPU, else as many "
-                             "samples of the shape's length as fit; given values that do not fit are refused)")
+    parser.add_argument(
+        "--seqs",
+        type=at_least_one,
+        default=None,
+        help="samples per step (default: 4 x 3072 tokens where the step fits the GPU, else as many "
+        "samples of the shape's length as fit; given values that do not fit are refused)",
+    )
     parser.add_argument("--seq-len", type=at_least_one, default=None, help="tokens per sample (default: see --seqs)")
-    parser.add_argument("--gpu-memory-gib", type=positive, default=None,
-                        help="GPU memory the step must fit, by the estimate of bench/drafter_memory.py, checked before "
-                             "anything is built (default: the visible GPU's total; given without a GPU, the shape is "
-                             "checked as a GPU would run it, then the CPU smoke run follows)")
+    parser.add_argument(
+        "--gpu-memory-gib",
+        type=positive,
+        default=None,
+        help="GPU memory the step must fit, by the estimate of bench/drafter_memory.py, checked before "
+        "anything is built (default: the visible GPU's total; given without a GPU, the shape is "
+        "checked as a GPU would run it, then the CPU smoke run follows)",
+    )
     parser.add_argument("--anchors", type=int, default=None, help="anchors per sample (default: the recipe's)")
     parser.add_argument("--anchors-per-group", type=int, default=64, help="blocks per SDPA call (--attention sdpa)")
     parser.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto")
@@ -339,20 +468,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-check", action="store_true", help="skip the flex-vs-sdpa gradient comparison (GPU)")
     parser.add_argument("--profile", action="store_true", help="add the top GPU kernels of two steps")
     parser.add_argument("--no-compile", action="store_true", help="run the decoder layers eagerly")
-    parser.add_argument("--precision", choices=["bf16", "fp8"], default="bf16",
-                        help="drafter.precision: the trainable linears in bf16 or FP8 (refused without a capable GPU)")
+    parser.add_argument(
+        "--precision",
+        choices=["bf16", "fp8"],
+        default="bf16",
+        help="drafter.precision: the trainable linears in bf16 or FP8 (refused without a capable GPU)",
+    )
     fp8_recipe_argument(parser)
-    parser.add_argument("--compile-cache", default="",
-                        help="persistent compile cache root (run.compile_cache_dir); run twice to see a warm start")
+    parser.add_argument(
+        "--compile-cache",
+        default="",
+        help="persistent compile cache root (run.compile_cache_dir); run twice to see a warm start",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
-    print(json.dumps(run_drafter_bench(args.tiny, args.steps, seqs=args.seqs, seq_len=args.seq_len,
-                                       anchors=args.anchors, shape=args.shape, recipe=args.recipe,
-                                       anchors_per_group=args.anchors_per_group,
-                                       attention=args.attention, loss_chunk=args.loss_chunk,
-                                       check=not args.no_check, profile=args.profile,
-                                       compile=not args.no_compile, compile_cache=args.compile_cache,
-                                       gpu_memory_gib=args.gpu_memory_gib, precision=args.precision,
-                                       fp8_recipe=args.fp8_recipe), indent=2))
+    print(
+        json.dumps(
+            run_drafter_bench(
+                args.tiny,
+                args.steps,
+                seqs=args.seqs,
+                seq_len=args.seq_len,
+                anchors=args.anchors,
+                shape=args.shape,
+                recipe=args.recipe,
+                anchors_per_group=args.anchors_per_group,
+                attention=args.attention,
+                loss_chunk=args.loss_chunk,
+                check=not args.no_check,
+                profile=args.profile,
+                compile=not args.no_compile,
+                compile_cache=args.compile_cache,
+                gpu_memory_gib=args.gpu_memory_gib,
+                precision=args.precision,
+                fp8_recipe=args.fp8_recipe,
+            ),
+            indent=2,
+        )
+    )
     return 0

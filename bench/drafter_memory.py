@@ -92,8 +92,13 @@ def trainable_parameters(target: Mapping[str, Any], drafter: DrafterConfig) -> i
     q, kv = g["num_attention_heads"] * hd, g["num_key_value_heads"] * hd
     layer = h * q + 2 * h * kv + q * h + 3 * h * inner + 2 * h + 2 * hd  # projections, MLP, 2 norms, q/k norms
     fed = len(drafter.resolved_target_layer_ids(int(target["num_hidden_layers"])))
-    return (drafter.num_hidden_layers * layer + fed * h * h + 2 * h + dspark_head_parameters(g, drafter)
-            + dflash2_parameters(g, drafter))
+    return (
+        drafter.num_hidden_layers * layer
+        + fed * h * h
+        + 2 * h
+        + dspark_head_parameters(g, drafter)
+        + dflash2_parameters(g, drafter)
+    )
 
 
 def dflash2_parameters(g: Mapping[str, Any], drafter: DrafterConfig) -> int:
@@ -131,8 +136,9 @@ def dspark_head_parameters(g: Mapping[str, Any], drafter: DrafterConfig) -> int:
     return 2 * vocab * r + extra + h + r + 1
 
 
-def step_memory(target: Mapping[str, Any], drafter: DrafterConfig, seqs: int, seq_len: int, *, compiled: bool,
-                check: bool) -> StepMemory:
+def step_memory(
+    target: Mapping[str, Any], drafter: DrafterConfig, seqs: int, seq_len: int, *, compiled: bool, check: bool
+) -> StepMemory:
     """The module docstring's estimate for `seqs` samples of `seq_len` tokens (every sample gets the recipe's
     anchors, at most one per token: an upper bound on the blocks the bench samples)."""
     g = drafter_geometry(drafter, target)
@@ -143,28 +149,42 @@ def step_memory(target: Mapping[str, Any], drafter: DrafterConfig, seqs: int, se
     block_tokens = seqs * min(drafter.num_anchors, seq_len) * drafter.block_size
     teacher = drafter.needs_target_logits
     rows = max(drafter.loss_chunk_tokens, drafter.block_size - 1)  # a chunk holds at least one whole block
-    fixed = (14 * trainable_parameters(target, drafter) + 4 * vocab * h
-             + tokens * (2 * fed * h + (2 * h if teacher else 0))
-             + (2 * tokens * vocab if teacher else 0)
-             + tokens * (2 * fed * h + 8 * h + 8 * layers * kv)
-             + block_tokens * 20 * h
-             + 8 * rows * vocab)
+    fixed = (
+        14 * trainable_parameters(target, drafter)
+        + 4 * vocab * h
+        + tokens * (2 * fed * h + (2 * h if teacher else 0))
+        + (2 * tokens * vocab if teacher else 0)
+        + tokens * (2 * fed * h + 8 * h + 8 * layers * kv)
+        + block_tokens * 20 * h
+        + 8 * rows * vocab
+    )
     per_unit = block_tokens * layers * (h + g["intermediate_size"])
     # DFlash2: its convolutions per layer and its selector objective per row (the gradient check runs eager)
     conv, selector = dflash2_activation_bytes(g, drafter, compiled)
     eager_conv, _ = dflash2_activation_bytes(g, drafter, False)
     fixed += block_tokens * selector
-    return StepMemory(step=fixed + (COMPILED if compiled else EAGER) * per_unit + block_tokens * layers * conv,
-                      check=fixed + GRAD_CHECK * per_unit + block_tokens * layers * eager_conv if check else None)
+    return StepMemory(
+        step=fixed + (COMPILED if compiled else EAGER) * per_unit + block_tokens * layers * conv,
+        check=fixed + GRAD_CHECK * per_unit + block_tokens * layers * eager_conv if check else None,
+    )
 
 
 def usable_bytes(gpu_bytes: float) -> float:
     return gpu_bytes * (1 - MARGIN)
 
 
-def fit_samples(target: Mapping[str, Any], drafter: DrafterConfig, seqs: int | None, seq_len: int | None,
-                gpu_bytes: float, *, compiled: bool, check: bool, default: tuple[int, int] = (4, 3072),
-                fallback_len: int = 3072) -> tuple[int, int, StepMemory]:
+def fit_samples(
+    target: Mapping[str, Any],
+    drafter: DrafterConfig,
+    seqs: int | None,
+    seq_len: int | None,
+    gpu_bytes: float,
+    *,
+    compiled: bool,
+    check: bool,
+    default: tuple[int, int] = (4, 3072),
+    fallback_len: int = 3072,
+) -> tuple[int, int, StepMemory]:
     """The samples per step and tokens per sample to run, and their estimate; DoesNotFit if none fits.
 
     Unset values are chosen: `default` (the paper's 4 x 3072) where it fits, else as many samples of
@@ -182,21 +202,33 @@ def fit_samples(target: Mapping[str, Any], drafter: DrafterConfig, seqs: int | N
     asked = " ".join(f"--{flag} {value}" for flag, value in (("seqs", seqs), ("seq-len", seq_len)) if value)
     what = f"{asked} does not fit" if asked else f"no default --seqs/--seq-len fits (down to {n} x {length})"
     parts = f"the gradient check {memory.check / GiB:.0f}, the step {memory.step / GiB:.0f}" if check else ""
-    why = (f"{what}: the step needs ~{memory.peak / GiB:.0f} GiB by the estimate of bench/drafter_memory.py"
-           f"{f' ({parts})' if parts else ''}, over the {usable / GiB:.0f} GiB usable of the GPU's "
-           f"{gpu_bytes / GiB:.0f} GiB (--gpu-memory-gib)")
+    why = (
+        f"{what}: the step needs ~{memory.peak / GiB:.0f} GiB by the estimate of bench/drafter_memory.py"
+        f"{f' ({parts})' if parts else ''}, over the {usable / GiB:.0f} GiB usable of the GPU's "
+        f"{gpu_bytes / GiB:.0f} GiB (--gpu-memory-gib)"
+    )
     fits = _largest_fit(target, drafter, n, length, usable, compiled=compiled, check=check)
     suggestion = f"at most --seqs {fits[0]} --seq-len {fits[1]} fits" if fits else "not even 1 x 256 tokens fits"
     unchecked = _largest_fit(target, drafter, n, length, usable, compiled=compiled, check=False) if check else None
     if unchecked and unchecked != fits:
-        suggestion += (f"; with --no-check (the gradient check runs eager): --seqs {unchecked[0]} "
-                       f"--seq-len {unchecked[1]}")
+        suggestion += (
+            f"; with --no-check (the gradient check runs eager): --seqs {unchecked[0]} --seq-len {unchecked[1]}"
+        )
     raise DoesNotFit(f"{why}; {suggestion}")
 
 
-def _largest_fit(target: Mapping[str, Any], drafter: DrafterConfig, seqs: int, seq_len: int, usable: float, *,
-                 compiled: bool, check: bool) -> tuple[int, int] | None:
+def _largest_fit(
+    target: Mapping[str, Any],
+    drafter: DrafterConfig,
+    seqs: int,
+    seq_len: int,
+    usable: float,
+    *,
+    compiled: bool,
+    check: bool,
+) -> tuple[int, int] | None:
     """The most samples of seq_len tokens (up to seqs) that fit, else the longest single sample (256 at a time)."""
+
     def fits(n: int, length: int) -> bool:
         return step_memory(target, drafter, n, length, compiled=compiled, check=check).peak <= usable
 

@@ -30,14 +30,20 @@ def probe_family(family: str, device: torch.device) -> dict:
         torch.manual_seed(0)
         config = tiny_config(family, vocab_size=300, pad_token_id=0, bos_token_id=None, eos_token_id=None)
         model_class(family)(config).save_pretrained(where)
-        target = TargetModel.load(TargetConfig(path=where, num_draft_layers=3), device,
-                                  packed=family not in PADDED_ONLY)
+        target = TargetModel.load(
+            TargetConfig(path=where, num_draft_layers=3), device, packed=family not in PADDED_ONLY
+        )
         report = choose_packing(target, "auto")
         spec, errors = probe_target_head(where)
-    return dict(packed=bool(target.packed), passed=None if report is None else bool(report.passed),
-                max_error=None if report is None else report.max_error,
-                dtype=None if report is None else report.dtype, head=spec.describe(),
-                head_errors=[errors.embedding, errors.logits], seconds=round(time.perf_counter() - start, 1))
+    return dict(
+        packed=bool(target.packed),
+        passed=None if report is None else bool(report.passed),
+        max_error=None if report is None else report.max_error,
+        dtype=None if report is None else report.dtype,
+        head=spec.describe(),
+        head_errors=[errors.embedding, errors.logits],
+        seconds=round(time.perf_counter() - start, 1),
+    )
 
 
 def main(argv: list[str]) -> int:

@@ -20,8 +20,10 @@ import numpy as np
 
 import iceoryx2 as iox2
 
-NOTE = ("iceoryx2 publish/subscribe (Slice[uint8], loaned sample written in place, sent; the subscriber "
-        "copies it out): one service per producer/consumer pair, 4 samples in flight in all")
+NOTE = (
+    "iceoryx2 publish/subscribe (Slice[uint8], loaned sample written in place, sent; the subscriber "
+    "copies it out): one service per producer/consumer pair, 4 samples in flight in all"
+)
 DEPTH = 4
 WAIT = iox2.Duration.from_millis(50)
 
@@ -41,14 +43,16 @@ def _node() -> iox2.Node:
 
 
 def _pubsub(node: iox2.Node, spec: PairSpec):
-    return (node.service_builder(iox2.ServiceName.new(spec.name))
-            .publish_subscribe(iox2.Slice[ctypes.c_uint8])
-            .enable_safe_overflow(False)
-            .subscriber_max_buffer_size(spec.buffer)
-            .subscriber_max_borrowed_samples(1)  # what a subscriber holds at once: its sample as it copies it out
-            .history_size(0)
-            .max_publishers(1)
-            .max_subscribers(1))
+    return (
+        node.service_builder(iox2.ServiceName.new(spec.name))
+        .publish_subscribe(iox2.Slice[ctypes.c_uint8])
+        .enable_safe_overflow(False)
+        .subscriber_max_buffer_size(spec.buffer)
+        .subscriber_max_borrowed_samples(1)  # what a subscriber holds at once: its sample as it copies it out
+        .history_size(0)
+        .max_publishers(1)
+        .max_subscribers(1)
+    )
 
 
 def _event(node: iox2.Node, spec: PairSpec):
@@ -74,11 +78,15 @@ class Services:
 def producer(spec: PairSpec, items: int, ready, start, cpu, finish) -> None:
     src = np.full(spec.nbytes, 1, dtype=np.uint8)
     node = _node()
-    publisher = (_pubsub(node, spec).open().publisher_builder()
-                 .initial_max_slice_len(spec.nbytes)
-                 .max_loaned_samples(1)  # one sample written at a time: a smaller data segment at 256 MB
-                 .backpressure_strategy(iox2.BackpressureStrategy.RetryUntilDelivered)
-                 .create())
+    publisher = (
+        _pubsub(node, spec)
+        .open()
+        .publisher_builder()
+        .initial_max_slice_len(spec.nbytes)
+        .max_loaned_samples(1)  # one sample written at a time: a smaller data segment at 256 MB
+        .backpressure_strategy(iox2.BackpressureStrategy.RetryUntilDelivered)
+        .create()
+    )
     notifier = _event(node, spec).open().notifier_builder().create()
     ready.put(spec.name)
     start.wait()

@@ -29,18 +29,29 @@ from dflash_ring.producer.process import prepare
 H200_TARGET_TOKENS_PER_S = 33563.2  # Qwen3-8B-shaped forward, docs/bench-target-h200.json
 
 
-def run_loader_bench(samples: int = 200_000, max_tokens: int = 32768, max_length: int = 3072,
-                     target_tokens_per_s: float = H200_TARGET_TOKENS_PER_S) -> dict:
+def run_loader_bench(
+    samples: int = 200_000,
+    max_tokens: int = 32768,
+    max_length: int = 3072,
+    target_tokens_per_s: float = H200_TARGET_TOKENS_PER_S,
+) -> dict:
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
     lengths = np.clip(rng.lognormal(np.log(600), 0.8, samples), 16, max_length).astype(np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    data = TokenizedData(tokens=rng.integers(0, 151936, offsets[-1]).astype(np.int32),
-                         loss_mask=np.ones(offsets[-1], np.uint8), offsets=offsets,
-                         row_ids=np.arange(samples, dtype=np.int64), num_rows=samples, bad_rows=(),
-                         directory=Path("."), from_cache=False)
-    spec = RingSpec.of(f"bench-loader-{os.getpid()}", producers=1, consumers=1, slots=1, slot_bytes=2097152,
-                       slot_header_bytes=65536)
+    data = TokenizedData(
+        tokens=rng.integers(0, 151936, offsets[-1]).astype(np.int32),
+        loss_mask=np.ones(offsets[-1], np.uint8),
+        offsets=offsets,
+        row_ids=np.arange(samples, dtype=np.int64),
+        num_rows=samples,
+        bad_rows=(),
+        directory=Path("."),
+        from_cache=False,
+    )
+    spec = RingSpec.of(
+        f"bench-loader-{os.getpid()}", producers=1, consumers=1, slots=1, slot_bytes=2097152, slot_header_bytes=65536
+    )
     Ring.unlink(spec.run)
     with Ring.create(spec) as ring:
         port = ring.producer(1)

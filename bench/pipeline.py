@@ -76,8 +76,10 @@ from dflash_ring.producer.process import prepare, run_target
 from dflash_ring.producer.target import TargetModel
 from dflash_ring.tools.fleet import Readiness, cli_command, role_command, scrape, spawn, wait_for, wait_for_metrics
 
-WORDS = ("the model reads a block of tokens and drafts what comes next while the target checks every guess "
-         "so that accepted tokens cost one forward pass instead of many").split()
+WORDS = (
+    "the model reads a block of tokens and drafts what comes next while the target checks every guess "
+    "so that accepted tokens cost one forward pass instead of many"
+).split()
 
 
 def _save_random_target(path: Path, shape: dict[str, int], device: torch.device) -> Path:
@@ -98,13 +100,27 @@ def _write_chat_rows(path: Path, rows: int, words: int, seed: int = 0) -> Path:
     with open(path, "w") as f:
         for _ in range(rows):
             reply = " ".join(rng.choice(WORDS) for _ in range(words))
-            f.write(json.dumps({"messages": [{"role": "user", "content": "write"},
-                                             {"role": "assistant", "content": reply}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {"messages": [{"role": "user", "content": "write"}, {"role": "assistant", "content": reply}]}
+                )
+                + "\n"
+            )
     return path
 
 
-def _write_config(work: Path, target: Path, data: Path, *, shape: dict[str, int], tiny: bool, target_device: str,
-                  drafter_device: str, port_base: int, checkpoint_every: int) -> Path:
+def _write_config(
+    work: Path,
+    target: Path,
+    data: Path,
+    *,
+    shape: dict[str, int],
+    tiny: bool,
+    target_device: str,
+    drafter_device: str,
+    port_base: int,
+    checkpoint_every: int,
+) -> Path:
     """The bench's run as a Config, written by the one writer (dump_toml); its path."""
     layers = 2 if tiny else 5
     layer_ids = build_target_layer_ids(shape["num_hidden_layers"], layers)
@@ -115,14 +131,37 @@ def _write_config(work: Path, target: Path, data: Path, *, shape: dict[str, int]
         run=replace(d.run, name=f"bench-pipeline-{os.getpid()}", run_dir=str(work / "locks")),
         ring=replace(d.ring, slots=4, slot_bytes=slot_bytes, slot_header_bytes=65536),
         topology=replace(d.topology, producers=1, consumers=1),
-        data=replace(d.data, path=str(data), max_length=max_length, max_tokens_per_batch=max_tokens, epochs=100,
-                     num_proc=min(8, os.cpu_count() or 1), cache_dir=str(work / "data-cache")),
-        target=replace(d.target, path=str(target), layer_ids=layer_ids, mask_token_id=shape["vocab_size"] - 1,
-                       state_dir=str(work / "state"), device=target_device),
-        drafter=DrafterConfig(num_hidden_layers=layers, block_size=8 if tiny else 16,  # derives layer_types
-                              num_anchors=32 if tiny else 512),
-        train=replace(d.train, device=drafter_device, total_steps=100000, checkpoint_dir=str(work / "checkpoints"),
-                      checkpoint_every_steps=checkpoint_every, keep_checkpoints=1, log_every_steps=20),
+        data=replace(
+            d.data,
+            path=str(data),
+            max_length=max_length,
+            max_tokens_per_batch=max_tokens,
+            epochs=100,
+            num_proc=min(8, os.cpu_count() or 1),
+            cache_dir=str(work / "data-cache"),
+        ),
+        target=replace(
+            d.target,
+            path=str(target),
+            layer_ids=layer_ids,
+            mask_token_id=shape["vocab_size"] - 1,
+            state_dir=str(work / "state"),
+            device=target_device,
+        ),
+        drafter=DrafterConfig(
+            num_hidden_layers=layers,
+            block_size=8 if tiny else 16,  # derives layer_types
+            num_anchors=32 if tiny else 512,
+        ),
+        train=replace(
+            d.train,
+            device=drafter_device,
+            total_steps=100000,
+            checkpoint_dir=str(work / "checkpoints"),
+            checkpoint_every_steps=checkpoint_every,
+            keep_checkpoints=1,
+            log_every_steps=20,
+        ),
         metrics=replace(d.metrics, port_base=port_base),
     )
     cfg.validate()
@@ -143,8 +182,9 @@ def _fed_batch(target: TargetModel, batch: Batch, device: torch.device) -> Devic
     )
 
 
-def _standalone_target(target_cfg: TargetConfig, data_cfg: DataConfig, device: torch.device, batches: int,
-                       fed: int) -> tuple[dict[str, Any], list[DeviceBatch]]:
+def _standalone_target(
+    target_cfg: TargetConfig, data_cfg: DataConfig, device: torch.device, batches: int, fed: int
+) -> tuple[dict[str, Any], list[DeviceBatch]]:
     """T (module docstring): the target forward alone over the pipeline's own first batches, through the producer's
     loader; and the first `fed` batches as a drafter takes them out of a slot, for D."""
     tokenizer = AutoTokenizer.from_pretrained(target_cfg.path, local_files_only=True)
@@ -154,11 +194,15 @@ def _standalone_target(target_cfg: TargetConfig, data_cfg: DataConfig, device: t
         target.compile_layers()
     it = ShardBatcher.from_config(data, data_cfg, rank=0, world_size=1).batches()
     plan = [next(it) for _ in range(max(batches + 2, fed))]
-    seconds = time_forward(target, plan[:2], plan[2:batches + 2])
-    timed = plan[2:batches + 2]
+    seconds = time_forward(target, plan[:2], plan[2 : batches + 2])
+    timed = plan[2 : batches + 2]
     tokens = sum(b.num_tokens for b in timed)
-    report = {"tokens_per_s": round(tokens / seconds, 1), "batches": batches, "tokens": tokens,
-              "mean_sequences": round(sum(len(b.lengths) for b in timed) / batches, 2)}
+    report = {
+        "tokens_per_s": round(tokens / seconds, 1),
+        "batches": batches,
+        "tokens": tokens,
+        "mean_sequences": round(sum(len(b.lengths) for b in timed) / batches, 2),
+    }
     progress("pipeline", "standalone_target", report)
     return report, [_fed_batch(target, b, device) for b in plan[:fed]]
 
@@ -177,8 +221,14 @@ def _standalone_drafter(trainer: Trainer, total_steps: int, fed: list[DeviceBatc
     _sync(device)
     seconds = time.perf_counter() - t1
     tokens = sum(b.num_tokens for b in fed[warm:])
-    report = {"tokens_per_s": round(tokens / seconds, 1), "steps": len(fed) - warm, "tokens": tokens,
-              "step_s": round(seconds / (len(fed) - warm), 4), "warmup_steps": warm, "warmup_s": round(t1 - t0, 1)}
+    report = {
+        "tokens_per_s": round(tokens / seconds, 1),
+        "steps": len(fed) - warm,
+        "tokens": tokens,
+        "step_s": round(seconds / (len(fed) - warm), 4),
+        "warmup_steps": warm,
+        "warmup_s": round(t1 - t0, 1),
+    }
     progress("pipeline", "standalone_drafter", report)
     return report
 
@@ -191,7 +241,7 @@ def _sync(device: torch.device) -> None:
 def _startup(sample: dict[str, float]) -> dict[str, float]:
     """A process's start-up phases (dflash_ring_startup_seconds), in seconds."""
     prefix = "dflash_ring_startup_seconds{phase="
-    return {k[len(prefix):-1]: round(v, 2) for k, v in sample.items() if k.startswith(prefix)}
+    return {k[len(prefix) : -1]: round(v, 2) for k, v in sample.items() if k.startswith(prefix)}
 
 
 def _gpu_util(sample: dict[str, float]) -> float | None:
@@ -223,8 +273,7 @@ class PipelineRun:
 
     def _start(self, role: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         name = role if role == SUPERVISOR else f"{role}-0"
-        return spawn(role_command(name, self.cfg_path, device=self.devices[role]), self.work / f"{role}.log", env,
-                     name)
+        return spawn(role_command(name, self.cfg_path, device=self.devices[role]), self.work / f"{role}.log", env, name)
 
     def scrape(self, role: str) -> dict[str, float]:
         if (sample := scrape(self.metrics, role, 0, timeout_s=5.0)) is None:
@@ -237,8 +286,15 @@ class PipelineRun:
         return scrapes
 
     def wait_steps(self, steps: int) -> None:
-        wait_for_metrics(self.metrics, DRAFTER, 0, lambda s: s.get("dflash_ring_drafter_steps_total", 0) >= steps,
-                         KILL_TIMEOUT_S, f"{steps} drafter steps", self.procs)
+        wait_for_metrics(
+            self.metrics,
+            DRAFTER,
+            0,
+            lambda s: s.get("dflash_ring_drafter_steps_total", 0) >= steps,
+            KILL_TIMEOUT_S,
+            f"{steps} drafter steps",
+            self.procs,
+        )
 
     def watch(self, seconds: float) -> None:
         """Scrape every process every ~2 s for `seconds`."""
@@ -261,8 +317,9 @@ class PipelineRun:
         """The pid in drafter 0's ring row, as the process that holds the seat wrote it when it joined."""
         with Ring.open(self.run_name) as ring:
             rows = ring.status().rows
-        return next((row["pid"] for row in rows if row["role"] == Role.CONSUMER.name.lower() and row["index"] == 0),
-                    None)
+        return next(
+            (row["pid"] for row in rows if row["role"] == Role.CONSUMER.name.lower() and row["index"] == 0), None
+        )
 
     def kill_and_restart(self, role: str, standby: bool = False) -> dict[str, Any]:
         """SIGKILL `role`, start it again at once (Restart=on-failure), wait for its first work; what everyone saw.
@@ -279,13 +336,23 @@ class PipelineRun:
         self.procs[role].wait()
         t_kill = time.monotonic()
         self.procs[role] = self._start(role)
-        wait_for_metrics(self.metrics, role, 0, lambda s: FIRST_WORK[role] in _startup(s), KILL_TIMEOUT_S,
-                         f"the restarted {role}'s {FIRST_WORK[role].replace('_', ' ')}", self.procs, poll_s=0.1)
+        wait_for_metrics(
+            self.metrics,
+            role,
+            0,
+            lambda s: FIRST_WORK[role] in _startup(s),
+            KILL_TIMEOUT_S,
+            f"the restarted {role}'s {FIRST_WORK[role].replace('_', ' ')}",
+            self.procs,
+            poll_s=0.1,
+        )
         outage_s = time.monotonic() - t_kill
         after = self.sample()
         # Tokens from the kill to its recovery: the restarted process counts from 0, the other process on.
-        during = {role: after[role].get(TOKENS[role], 0.0),
-                  other: after[other].get(TOKENS[other], 0.0) - pre[other].get(TOKENS[other], 0.0)}
+        during = {
+            role: after[role].get(TOKENS[role], 0.0),
+            other: after[other].get(TOKENS[other], 0.0) - pre[other].get(TOKENS[other], 0.0),
+        }
         t_then, then = self._before(t_pre - outage_s)
         before_s = t_pre - t_then
         phases = _startup(after[role])
@@ -295,8 +362,12 @@ class PipelineRun:
             "startup_s": round(sum(phases.values()), 2),  # exec to first work
             f"{FIRST_WORK[role]}_after_kill_s": round(outage_s, 2),
             "tokens_per_s_from_kill_to_recovery": {r: round(during[r] / outage_s, 1) for r in (TARGET, DRAFTER)},
-            "tokens_per_s_before_kill": {r: round((pre[r].get(TOKENS[r], 0.0) - then[r].get(TOKENS[r], 0.0))
-                                                  / before_s, 1) if before_s > 0 else None for r in (TARGET, DRAFTER)},
+            "tokens_per_s_before_kill": {
+                r: round((pre[r].get(TOKENS[r], 0.0) - then[r].get(TOKENS[r], 0.0)) / before_s, 1)
+                if before_s > 0
+                else None
+                for r in (TARGET, DRAFTER)
+            },
             "before_kill_window_s": round(before_s, 1),
             f"{other}_process_unchanged": self.procs[other].poll() is None and self.procs[other].pid == other_pid,
             "redelivered_items": sup_after.get("dflash_ring_items_redelivered_total", 0)
@@ -305,24 +376,33 @@ class PipelineRun:
         }
         if standby:  # the port is the index's: after a takeover, the standby's phases (its wait among them)
             took_over = self.drafter_seat_holder() == self.procs[STANDBY].pid
-            takeover = dict(list(phases.items())[list(phases).index("standby") + 1:])
-            report |= {"took_over_by": "standby" if took_over else "restarted drafter",
-                       "standby_wait_s": phases.get("standby"),
-                       "takeover_phases_s": takeover, "startup_s": round(sum(takeover.values()), 2)}
+            takeover = dict(list(phases.items())[list(phases).index("standby") + 1 :])
+            report |= {
+                "took_over_by": "standby" if took_over else "restarted drafter",
+                "standby_wait_s": phases.get("standby"),
+                "takeover_phases_s": takeover,
+                "startup_s": round(sum(takeover.values()), 2),
+            }
         if role == DRAFTER:
             step = int(after[DRAFTER].get("dflash_ring_drafter_step", 0))  # set by its first optimizer step
-            report |= {"step_at_kill": int(pre[DRAFTER].get("dflash_ring_drafter_step", 0)),
-                       "resumed_at_step": step - 1 if step else None, "resumed_from_checkpoint": step > 1}
+            report |= {
+                "step_at_kill": int(pre[DRAFTER].get("dflash_ring_drafter_step", 0)),
+                "resumed_at_step": step - 1 if step else None,
+                "resumed_from_checkpoint": step > 1,
+            }
             if standby:
                 report["goal"] = {"check": "first_step_after_kill_s <= 10", "met": outage_s <= 10.0}
             else:
-                report |= {"first_step_after_restart_s": report["startup_s"],
-                           "goal": {"check": "first_step_after_restart_s <= 10", "met": report["startup_s"] <= 10.0}}
+                report |= {
+                    "first_step_after_restart_s": report["startup_s"],
+                    "goal": {"check": "first_step_after_restart_s <= 10", "met": report["startup_s"] <= 10.0},
+                }
         else:
             model_s = phases.get("model", 0.0)
-            report |= {"model_load_s": model_s,
-                       "goal": {"check": "first_publish_after_kill_s <= model_load_s + 5",
-                                "met": outage_s <= model_s + 5.0}}
+            report |= {
+                "model_load_s": model_s,
+                "goal": {"check": "first_publish_after_kill_s <= model_load_s + 5", "met": outage_s <= model_s + 5.0},
+            }
         self.history = [self.history[-1]]  # what follows the recovery is measured from here
         return report
 
@@ -341,8 +421,15 @@ class PipelineRun:
         subprocess.run(cli_command("clean", config=self.cfg_path), capture_output=True)
 
 
-def _pipeline(cfg_path: Path, target_device: str, drafter_device: str, seconds: float,
-              warmup_steps: int, work: Path, kills: list[str]) -> dict[str, Any]:
+def _pipeline(
+    cfg_path: Path,
+    target_device: str,
+    drafter_device: str,
+    seconds: float,
+    warmup_steps: int,
+    work: Path,
+    kills: list[str],
+) -> dict[str, Any]:
     run = PipelineRun(cfg_path, target_device, drafter_device, work)
     outages = {}
     try:
@@ -366,8 +453,9 @@ def _pipeline(cfg_path: Path, target_device: str, drafter_device: str, seconds: 
     }
 
 
-def _window_figures(first: dict[str, dict[str, float]],
-                    history: list[tuple[float, dict[str, dict[str, float]]]]) -> dict[str, Any]:
+def _window_figures(
+    first: dict[str, dict[str, float]], history: list[tuple[float, dict[str, dict[str, float]]]]
+) -> dict[str, Any]:
     """The steady-state window's figures, from its first scrape and the ones that followed it."""
     last = history[-1][1]
     dt = history[-1][0] - history[0][0]
@@ -381,8 +469,9 @@ def _window_figures(first: dict[str, dict[str, float]],
         return round(sum(xs) / len(xs), 3) if xs else None
 
     steps = rate(DRAFTER, "dflash_ring_drafter_steps_total") * dt
-    step_s = (last[DRAFTER].get("dflash_ring_drafter_step_seconds_sum", 0.0)
-              - first[DRAFTER].get("dflash_ring_drafter_step_seconds_sum", 0.0))
+    step_s = last[DRAFTER].get("dflash_ring_drafter_step_seconds_sum", 0.0) - first[DRAFTER].get(
+        "dflash_ring_drafter_step_seconds_sum", 0.0
+    )
     return {
         "window_s": round(dt, 1),
         "drafter_tokens_per_s": round(rate(DRAFTER, TOKENS[DRAFTER]), 1),
@@ -410,7 +499,9 @@ def balanced_topology(target_tps: float, drafter_tps: float, pipeline_tps: float
     return {
         "target_tokens_per_s": target_tps,
         "drafter_tokens_per_s": drafter_tps,
-        "drafters_per_target": round(target_tps / drafter_tps, 2),  # the recommended topology, targets:drafters = 1:this
+        "drafters_per_target": round(
+            target_tps / drafter_tps, 2
+        ),  # the recommended topology, targets:drafters = 1:this
         "balanced_tokens_per_gpu_s": round(balanced, 1),
         "one_plus_one_devices": devices,
         "one_plus_one_tokens_per_device_s": round(measured, 1),
@@ -418,9 +509,17 @@ def balanced_topology(target_tps: float, drafter_tps: float, pipeline_tps: float
     }
 
 
-def run_pipeline_bench(*, tiny: bool = False, seconds: float = 90.0, warmup_steps: int = 0,
-                       workdir: str | None = None, port_base: int = 19460, kill_drafter: bool = False,
-                       kill_target: bool = False, standby: bool = False) -> dict[str, Any]:
+def run_pipeline_bench(
+    *,
+    tiny: bool = False,
+    seconds: float = 90.0,
+    warmup_steps: int = 0,
+    workdir: str | None = None,
+    port_base: int = 19460,
+    kill_drafter: bool = False,
+    kill_target: bool = False,
+    standby: bool = False,
+) -> dict[str, Any]:
     cuda = torch.cuda.is_available() and not tiny
     gpus = torch.cuda.device_count() if cuda else 0
     target_device = "cuda:0" if cuda else "cpu"
@@ -438,37 +537,69 @@ def run_pipeline_bench(*, tiny: bool = False, seconds: float = 90.0, warmup_step
     # A kill run checkpoints often enough that the restarted drafter resumes from one (a checkpoint of the
     # Qwen3-8B-shaped drafter with its optimizer is ~12 GB: every 50 steps is about every 30 s on an H200).
     checkpoint_every = (5 if not cuda else 50) if DRAFTER in kills else 100000
-    cfg_path = _write_config(work, target, data, shape=shape, tiny=not cuda, target_device=target_device,
-                             drafter_device=drafter_device, port_base=port_base, checkpoint_every=checkpoint_every)
+    cfg_path = _write_config(
+        work,
+        target,
+        data,
+        shape=shape,
+        tiny=not cuda,
+        target_device=target_device,
+        drafter_device=drafter_device,
+        port_base=port_base,
+        checkpoint_every=checkpoint_every,
+    )
     cfg, device = load_config(cfg_path), torch.device(target_device)
     warm, timed = (1, 4) if not cuda else (4, 8)  # the drafter's steps alone: compiling, then timed
-    standalone_target, fed = _standalone_target(cfg.target, cfg.data, device, batches=4 if not cuda else 10,
-                                                fed=warm + timed)
-    built = build(cfg.drafter, cfg.target, cfg.train, cfg.data.source_names(), cfg.run.compile_cache_dir, device,
-                  work / "standalone" / HEAD_CACHE_NAME)  # as the drafter process builds it
+    standalone_target, fed = _standalone_target(
+        cfg.target, cfg.data, device, batches=4 if not cuda else 10, fed=warm + timed
+    )
+    built = build(
+        cfg.drafter,
+        cfg.target,
+        cfg.train,
+        cfg.data.source_names(),
+        cfg.run.compile_cache_dir,
+        device,
+        work / "standalone" / HEAD_CACHE_NAME,
+    )  # as the drafter process builds it
     standalone_drafter = _standalone_drafter(built.trainer, cfg.train.total_steps, fed, warm)
     del built, fed
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    pipeline = _pipeline(cfg_path, target_device, drafter_device, seconds, warmup_steps or (3 if not cuda else 8),
-                         work, kills)
-    balanced = balanced_topology(standalone_target["tokens_per_s"], standalone_drafter["tokens_per_s"],
-                                 pipeline["drafter_tokens_per_s"], len({target_device, drafter_device}))
+    pipeline = _pipeline(
+        cfg_path, target_device, drafter_device, seconds, warmup_steps or (3 if not cuda else 8), work, kills
+    )
+    balanced = balanced_topology(
+        standalone_target["tokens_per_s"],
+        standalone_drafter["tokens_per_s"],
+        pipeline["drafter_tokens_per_s"],
+        len({target_device, drafter_device}),
+    )
     progress("pipeline", "balanced_topology", balanced)
     return {
         "benchmark": "pipeline",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                 "gpus": [torch.cuda.get_device_name(i) for i in range(gpus)]},
+        "host": {
+            "machine": platform.machine(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "gpus": [torch.cuda.get_device_name(i) for i in range(gpus)],
+        },
         "placement": {"target": target_device, "drafter": drafter_device},
-        "model": {"shape": "qwen3-8b" if cuda else "tiny", "target_layers": shape["num_hidden_layers"],
-                  "hidden": shape["hidden_size"], "vocab": shape["vocab_size"]},
+        "model": {
+            "shape": "qwen3-8b" if cuda else "tiny",
+            "target_layers": shape["num_hidden_layers"],
+            "hidden": shape["hidden_size"],
+            "vocab": shape["vocab_size"],
+        },
         "config": str(cfg_path),
         "checkpoint_every_steps": checkpoint_every,
         "standalone_target": standalone_target,
         "standalone_drafter": standalone_drafter,
         "pipeline": pipeline,
-        "ratio_pipeline_to_standalone_target": round(pipeline["drafter_tokens_per_s"] / standalone_target["tokens_per_s"], 3),
+        "ratio_pipeline_to_standalone_target": round(
+            pipeline["drafter_tokens_per_s"] / standalone_target["tokens_per_s"], 3
+        ),
         "balanced_topology": balanced,
     }
 
@@ -481,18 +612,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-steps", type=int, default=0, help="drafter steps before the window (0: 8, tiny 3)")
     parser.add_argument("--workdir", help="where the target, data and logs go (default: a new temporary directory)")
     parser.add_argument("--port-base", type=int, default=19460, help="metrics ports of the bench's processes")
-    parser.add_argument("--kill-drafter", action="store_true",
-                        help="after the window: SIGKILL the drafter, restart it; its start-up and everyone's tokens/s")
-    parser.add_argument("--kill-target", action="store_true",
-                        help="after the window (and a drafter kill): SIGKILL the target, restart it; likewise")
-    parser.add_argument("--standby", action="store_true",
-                        help="with --kill-drafter: a second drafter kill with a warm standby waiting (the first is the "
-                             "restart baseline); kill to the first step of the process that took over, its phases")
+    parser.add_argument(
+        "--kill-drafter",
+        action="store_true",
+        help="after the window: SIGKILL the drafter, restart it; its start-up and everyone's tokens/s",
+    )
+    parser.add_argument(
+        "--kill-target",
+        action="store_true",
+        help="after the window (and a drafter kill): SIGKILL the target, restart it; likewise",
+    )
+    parser.add_argument(
+        "--standby",
+        action="store_true",
+        help="with --kill-drafter: a second drafter kill with a warm standby waiting (the first is the "
+        "restart baseline); kill to the first step of the process that took over, its phases",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
-    report = run_pipeline_bench(tiny=args.tiny, seconds=args.seconds, warmup_steps=args.warmup_steps,
-                                workdir=args.workdir, port_base=args.port_base, kill_drafter=args.kill_drafter,
-                                kill_target=args.kill_target, standby=args.standby)
+    report = run_pipeline_bench(
+        tiny=args.tiny,
+        seconds=args.seconds,
+        warmup_steps=args.warmup_steps,
+        workdir=args.workdir,
+        port_base=args.port_base,
+        kill_drafter=args.kill_drafter,
+        kill_target=args.kill_target,
+        standby=args.standby,
+    )
     print(json.dumps(report, indent=2))
     return 0

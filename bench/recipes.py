@@ -49,8 +49,14 @@ NO_TREE = {"dspark", "dflash2"}
 BASELINE = "paper"
 
 
-def run_recipes_bench(workdir: str | Path, variants: Sequence[str] = tuple(VARIANTS), seeds: Sequence[int] = (0, 1),
-                      budgets: Sequence[int] = (16, 64, 256), prompts: int = 100, max_new_tokens: int = 64) -> dict:
+def run_recipes_bench(
+    workdir: str | Path,
+    variants: Sequence[str] = tuple(VARIANTS),
+    seeds: Sequence[int] = (0, 1),
+    budgets: Sequence[int] = (16, 64, 256),
+    prompts: int = 100,
+    max_new_tokens: int = 64,
+) -> dict:
     from dflash_ring.consumer.evaluate import evaluate_drafter
     from dflash_ring.embedded.tiny_target import HELDOUT_FILE
     from dflash_ring.tools.launcher import console, embedded_config, train_and_export
@@ -66,9 +72,13 @@ def run_recipes_bench(workdir: str | Path, variants: Sequence[str] = tuple(VARIA
         for variant in variants:
             run_dir = work / f"{variant.replace('+', '-')}-seed{seed}"
             overrides = [
-                *VARIANTS[variant], f"train.seed={seed}", f"data.seed={seed}",
-                f"run.name=bench-recipes-{variant.replace('+', '-')}-{seed}", f"run.run_dir={run_dir / 'locks'}",
-                f"train.checkpoint_dir={run_dir / 'checkpoints'}", f"target.state_dir={run_dir / 'state'}",
+                *VARIANTS[variant],
+                f"train.seed={seed}",
+                f"data.seed={seed}",
+                f"run.name=bench-recipes-{variant.replace('+', '-')}-{seed}",
+                f"run.run_dir={run_dir / 'locks'}",
+                f"train.checkpoint_dir={run_dir / 'checkpoints'}",
+                f"target.state_dir={run_dir / 'state'}",
                 "metrics.enabled=false",  # nothing listens: benches beside other runs cannot collide on ports
             ]
             started = time.monotonic()
@@ -78,16 +88,39 @@ def run_recipes_bench(workdir: str | Path, variants: Sequence[str] = tuple(VARIA
             cfg, exported, steps = trained
             train_s = time.monotonic() - started
             started = time.monotonic()
-            report = evaluate_drafter(exported, cfg.target.path, Path(cfg.target.path) / HELDOUT_FILE, limit=prompts,
-                                      max_new_tokens=max_new_tokens,
-                                      tree_budgets=() if variant in NO_TREE else budgets)
+            report = evaluate_drafter(
+                exported,
+                cfg.target.path,
+                Path(cfg.target.path) / HELDOUT_FILE,
+                limit=prompts,
+                max_new_tokens=max_new_tokens,
+                tree_budgets=() if variant in NO_TREE else budgets,
+            )
             run = {
-                "variant": variant, "seed": seed, "overrides": VARIANTS[variant], "steps": steps,
-                "drafter": {k: getattr(cfg.drafter, k) for k in ("recipe", "arch", "num_hidden_layers", "block_size",
-                                                                 "num_anchors", "loss", "loss_gamma", "kl_weight",
-                                                                 "cap_weight", "label", "layer_types")},
-                "train_s": round(train_s, 1), "eval_s": round(time.monotonic() - started, 1),
-                "chain_tau": report.tau, "chain_rounds": report.rounds,
+                "variant": variant,
+                "seed": seed,
+                "overrides": VARIANTS[variant],
+                "steps": steps,
+                "drafter": {
+                    k: getattr(cfg.drafter, k)
+                    for k in (
+                        "recipe",
+                        "arch",
+                        "num_hidden_layers",
+                        "block_size",
+                        "num_anchors",
+                        "loss",
+                        "loss_gamma",
+                        "kl_weight",
+                        "cap_weight",
+                        "label",
+                        "layer_types",
+                    )
+                },
+                "train_s": round(train_s, 1),
+                "eval_s": round(time.monotonic() - started, 1),
+                "chain_tau": report.tau,
+                "chain_rounds": report.rounds,
                 "tree_tau": {str(t.budget): t.tau for t in report.trees},
                 "tree_same_tokens_as_chain": {str(t.budget): t.same_tokens_as_chain for t in report.trees},
                 "tokens_generated": report.tokens_generated,
@@ -99,8 +132,12 @@ def run_recipes_bench(workdir: str | Path, variants: Sequence[str] = tuple(VARIA
     return {
         "bench": "recipes",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(), "machine": platform.machine(),
-        "prompts": prompts, "max_new_tokens": max_new_tokens, "budgets": list(budgets), "seeds": list(seeds),
+        "host": platform.node(),
+        "machine": platform.machine(),
+        "prompts": prompts,
+        "max_new_tokens": max_new_tokens,
+        "budgets": list(budgets),
+        "seeds": list(seeds),
         "baseline": BASELINE,
         "table": summarize_runs(runs, budgets),
         "runs": runs,
@@ -125,8 +162,11 @@ def summarize_runs(runs: Sequence[dict[str, Any]], budgets: Sequence[int]) -> li
             if not values:  # a variant that is not tree-verified (NO_TREE)
                 continue
             ratios = [value(r, figure) / value(baseline[r["seed"]], figure) for r in mine if r["seed"] in baseline]
-            row[figure] = {"mean": round(fmean(values), 3), "spread": round(max(values) - min(values), 3),
-                           **({"vs_baseline": round(fmean(ratios), 3)} if ratios else {})}
+            row[figure] = {
+                "mean": round(fmean(values), 3),
+                "spread": round(max(values) - min(values), 3),
+                **({"vs_baseline": round(fmean(ratios), 3)} if ratios else {}),
+            }
         table.append(row)
     return table
 
@@ -134,8 +174,11 @@ def summarize_runs(runs: Sequence[dict[str, Any]], budgets: Sequence[int]) -> li
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`dflash-ring bench recipes`'s own options (cli.py registers every bench by name, and hands it the rest)."""
     parser.add_argument("--workdir", default="runs/bench-recipes", help="where the runs and recipes.jsonl go")
-    parser.add_argument("--variants", default="paper,dpace,ddtree,paper+target_argmax",
-                        help="comma-separated: paper, dpace, ddtree, paper+target_argmax, dspark")
+    parser.add_argument(
+        "--variants",
+        default="paper,dpace,ddtree,paper+target_argmax",
+        help="comma-separated: paper, dpace, ddtree, paper+target_argmax, dspark",
+    )
     parser.add_argument("--seeds", default="0,1", help="comma-separated train/data seeds")
     parser.add_argument("--tree-budget", type=tree_budgets, default=(16, 64, 256), metavar="N[,N...]")
     parser.add_argument("--prompts", type=at_least_one, default=100, help="held-out prompts evaluated")
@@ -146,12 +189,20 @@ def main(args: argparse.Namespace) -> int:
     try:
         seeds = [int(s) for s in args.seeds.split(",")]
     except ValueError:
-        print(f"dflash-ring bench recipes: error: --seeds takes comma-separated integers, got {args.seeds!r}",
-              file=sys.stderr)
+        print(
+            f"dflash-ring bench recipes: error: --seeds takes comma-separated integers, got {args.seeds!r}",
+            file=sys.stderr,
+        )
         return 2
     try:
-        report = run_recipes_bench(args.workdir, variants=args.variants.split(","), seeds=seeds,
-                                   budgets=args.tree_budget, prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+        report = run_recipes_bench(
+            args.workdir,
+            variants=args.variants.split(","),
+            seeds=seeds,
+            budgets=args.tree_budget,
+            prompts=args.prompts,
+            max_new_tokens=args.max_new_tokens,
+        )
     except ValueError as e:
         print(f"dflash-ring bench recipes: error: {e}", file=sys.stderr)
         return 2

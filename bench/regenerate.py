@@ -39,9 +39,11 @@ from dflash_ring.producer.hf_engine import HfEngine
 from .progress import progress
 from .target_shapes import SHAPES, shape_config
 
-WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
-         "quebec romeo sierra tango uniform victor whiskey xray yankee zulu one two three four five six seven "
-         "eight nine ten plus minus count sort reverse words numbers").split()
+WORDS = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+    "quebec romeo sierra tango uniform victor whiskey xray yankee zulu one two three four five six seven "
+    "eight nine ten plus minus count sort reverse words numbers"
+).split()
 
 
 def synthetic_prompts(n: int, median_words: int, max_words: int, seed: int = 0) -> list[Prompt]:
@@ -71,9 +73,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_regenerate_bench(*, shape: str = "qwen3-8b", device: str | None = None, prompts: int = 256,
-                         max_new_tokens: int = 128, batch_size: int = 64, batch_tokens: int = 65536,
-                         median_words: int = 150, max_words: int = 1500) -> dict[str, Any]:
+def run_regenerate_bench(
+    *,
+    shape: str = "qwen3-8b",
+    device: str | None = None,
+    prompts: int = 256,
+    max_new_tokens: int = 128,
+    batch_size: int = 64,
+    batch_tokens: int = 65536,
+    median_words: int = 150,
+    max_words: int = 1500,
+) -> dict[str, Any]:
     dev = checked_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))  # one line if not here
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     with tempfile.TemporaryDirectory() as tmp:
@@ -82,8 +92,9 @@ def run_regenerate_bench(*, shape: str = "qwen3-8b", device: str | None = None, 
     engine = HfEngine(model, tokenizer, batch_tokens=batch_tokens, batch_size=batch_size)
     stop = engine.eos
     silence(model, len(tokenizer), stop)
-    settings = GenerationSettings(max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0, seed=0,
-                                  enable_thinking=False)
+    settings = GenerationSettings(
+        max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0, seed=0, enable_thinking=False
+    )
     batch = synthetic_prompts(prompts, median_words, max_words)
     encoded = [engine.encode(p, False) for p in batch]
     prompt_lengths = [len(ids) for ids in encoded]
@@ -98,28 +109,42 @@ def run_regenerate_bench(*, shape: str = "qwen3-8b", device: str | None = None, 
     _sync(dev)
     engine_s = time.perf_counter() - t0
     engine_tokens = sum(r.completion_tokens for r in replies)
-    engine_figures = {"seconds": round(engine_s, 2), "generated_tokens": engine_tokens,
-                      "tokens_per_s": round(engine_tokens / engine_s, 1),
-                      "finish_length": sum(r.finish_reason == "length" for r in replies)}
+    engine_figures = {
+        "seconds": round(engine_s, 2),
+        "generated_tokens": engine_tokens,
+        "tokens_per_s": round(engine_tokens / engine_s, 1),
+        "finish_length": sum(r.finish_reason == "length" for r in replies),
+    }
     progress("regenerate", "engine", engine_figures)
 
     t0 = time.perf_counter()
     baseline_tokens = _baseline(model, encoded, engine.pad, stop, max_new_tokens, batch_size)
     _sync(dev)
     baseline_s = time.perf_counter() - t0
-    baseline_figures = {"seconds": round(baseline_s, 2), "generated_tokens": baseline_tokens,
-                        "tokens_per_s": round(baseline_tokens / baseline_s, 1)}
+    baseline_figures = {
+        "seconds": round(baseline_s, 2),
+        "generated_tokens": baseline_tokens,
+        "tokens_per_s": round(baseline_tokens / baseline_s, 1),
+    }
     progress("regenerate", "baseline_model_generate", baseline_figures)
 
     return {
         "benchmark": "regenerate",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({platform.machine()})",
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "shape": shape, "dtype": str(dtype).removeprefix("torch."),
-        "prompts": prompts, "max_new_tokens": max_new_tokens, "batch_size": batch_size, "batch_tokens": batch_tokens,
-        "prompt_tokens": {"mean": round(float(np.mean(prompt_lengths)), 1), "max": int(max(prompt_lengths)),
-                          "total": int(sum(prompt_lengths))},
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "shape": shape,
+        "dtype": str(dtype).removeprefix("torch."),
+        "prompts": prompts,
+        "max_new_tokens": max_new_tokens,
+        "batch_size": batch_size,
+        "batch_tokens": batch_tokens,
+        "prompt_tokens": {
+            "mean": round(float(np.mean(prompt_lengths)), 1),
+            "max": int(max(prompt_lengths)),
+            "total": int(sum(prompt_lengths)),
+        },
         "engine": engine_figures,
         "baseline_model_generate": baseline_figures,
         "all_replies_full_length": all(r.finish_reason == "length" for r in replies),
@@ -129,21 +154,21 @@ def run_regenerate_bench(*, shape: str = "qwen3-8b", device: str | None = None, 
 
 
 @torch.inference_mode()
-def _baseline(model, encoded: list[list[int]], pad: int, stop: list[int], max_new_tokens: int,
-              batch_size: int) -> int:
+def _baseline(model, encoded: list[list[int]], pad: int, stop: list[int], max_new_tokens: int, batch_size: int) -> int:
     """`model.generate`, prompts in data order, batch_size at a time, left-padded; returns tokens generated."""
     generated = 0
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop, pad_token_id=pad)
     for start in range(0, len(encoded), batch_size):
-        rows = encoded[start:start + batch_size]
+        rows = encoded[start : start + batch_size]
         width = max(map(len, rows))
         ids = torch.full((len(rows), width), pad, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, r in enumerate(rows):
-            ids[i, width - len(r):] = torch.tensor(r)
-            mask[i, width - len(r):] = 1
-        out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                             generation_config=config)
+            ids[i, width - len(r) :] = torch.tensor(r)
+            mask[i, width - len(r) :] = 1
+        out = model.generate(
+            input_ids=ids.to(model.device), attention_mask=mask.to(model.device), generation_config=config
+        )
         generated += (out.shape[1] - width) * len(rows)
     return generated
 
@@ -151,8 +176,12 @@ def _baseline(model, encoded: list[list[int]], pad: int, stop: list[int], max_ne
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`dflash-ring bench regenerate`'s own options (cli.py registers every bench by name, and hands it the rest)."""
     parser.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
-    parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES),
-                        help="random-weight target of this shape (tiny: a CPU smoke run)")
+    parser.add_argument(
+        "--shape",
+        default="qwen3-8b",
+        choices=sorted(SHAPES),
+        help="random-weight target of this shape (tiny: a CPU smoke run)",
+    )
     parser.add_argument("--device", help="default: cuda if available, else cpu")
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -161,7 +190,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    print(json.dumps(run_regenerate_bench(shape=args.shape, device=args.device, prompts=args.prompts,
-                                          max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                                          batch_tokens=args.batch_tokens), indent=2))
+    print(
+        json.dumps(
+            run_regenerate_bench(
+                shape=args.shape,
+                device=args.device,
+                prompts=args.prompts,
+                max_new_tokens=args.max_new_tokens,
+                batch_size=args.batch_size,
+                batch_tokens=args.batch_tokens,
+            ),
+            indent=2,
+        )
+    )
     return 0

@@ -34,8 +34,15 @@ TINY_BYTES = 4096
 
 
 def _ring_spec(run: str, producers: int, consumers: int, nbytes: int) -> RingSpec:
-    return RingSpec.of(run, producers=producers, consumers=consumers, slots=4, slot_bytes=nbytes + 8192,
-                       slot_header_bytes=4096, wait_s=0.05)
+    return RingSpec.of(
+        run,
+        producers=producers,
+        consumers=consumers,
+        slots=4,
+        slot_bytes=nbytes + 8192,
+        slot_header_bytes=4096,
+        wait_s=0.05,
+    )
 
 
 def _seat(ring: Ring, role: Role, index: int) -> int:
@@ -144,18 +151,26 @@ def measure(transport: str, pairs: int, items: int, nbytes: int) -> tuple[float,
         spec_args = (f"bench-{os.getpid()}", pairs, pairs, nbytes)
         Ring.unlink(spec_args[0])
         ring = Ring.create(_ring_spec(*spec_args))
-        prod = [ctx.Process(target=_ring_producer, args=(spec_args, i, items, nbytes, ready, start, cpu))
-                for i in range(pairs)]
-        cons = [ctx.Process(target=_ring_consumer, args=(spec_args, i, nbytes, ready, start, done, cpu))
-                for i in range(pairs)]
+        prod = [
+            ctx.Process(target=_ring_producer, args=(spec_args, i, items, nbytes, ready, start, cpu))
+            for i in range(pairs)
+        ]
+        cons = [
+            ctx.Process(target=_ring_consumer, args=(spec_args, i, nbytes, ready, start, done, cpu))
+            for i in range(pairs)
+        ]
     elif transport == "iceoryx2":
         from dflash_ring.bench import iceoryx2_peer
 
         services = iceoryx2_peer.Services(f"dflash-ring-bench-{os.getpid()}-{time.monotonic_ns()}", pairs, nbytes)
-        prod = [ctx.Process(target=iceoryx2_peer.producer,
-                            args=(services.spec(i), items, ready, start, cpu, finish)) for i in range(pairs)]
-        cons = [ctx.Process(target=iceoryx2_peer.consumer,
-                            args=(services.spec(i), items, ready, start, done, cpu)) for i in range(pairs)]
+        prod = [
+            ctx.Process(target=iceoryx2_peer.producer, args=(services.spec(i), items, ready, start, cpu, finish))
+            for i in range(pairs)
+        ]
+        cons = [
+            ctx.Process(target=iceoryx2_peer.consumer, args=(services.spec(i), items, ready, start, done, cpu))
+            for i in range(pairs)
+        ]
     else:
         q = (torch.multiprocessing.get_context("spawn") if transport == "torch_mp_queue" else ctx).Queue(maxsize=4)
         if transport == "torch_mp_queue":
@@ -211,8 +226,9 @@ def _items_for(nbytes: int, requested: int) -> int:
 def _gpu_copy_cases(nbytes: int = 256 * 2**20, repeats: int = 10) -> dict[str, Any]:
     """GPU <-> slot copy rates: a registered ring slot against the same mapping unregistered and a
     pinned torch buffer, all in this run (the ring's reason to cudaHostRegister its mapping)."""
-    spec = RingSpec.of(f"bench-gpu-{os.getpid()}", producers=1, consumers=1, slots=1, slot_bytes=nbytes + 8192,
-                       slot_header_bytes=4096)
+    spec = RingSpec.of(
+        f"bench-gpu-{os.getpid()}", producers=1, consumers=1, slots=1, slot_bytes=nbytes + 8192, slot_header_bytes=4096
+    )
     Ring.unlink(spec.run)
     dev = torch.device("cuda")
     gpu = torch.empty(nbytes, dtype=torch.uint8, device=dev)
@@ -234,6 +250,7 @@ def _gpu_copy_cases(nbytes: int = 256 * 2**20, repeats: int = 10) -> dict[str, A
         out["unregistered_d2h_gb_per_s"] = rate(lambda: slot.copy_(gpu, non_blocking=True))
         t0 = time.perf_counter()
         from dflash_ring.common.pinning import HostRegistration
+
         reg = HostRegistration(ring.segment.tensor())
         out["register_s"] = round(time.perf_counter() - t0, 3)
         out["registered"] = reg.pinned
@@ -255,6 +272,7 @@ def run_ring_bench(sizes_mb: list[float], items: int = 0) -> dict[str, Any]:
     transports = ["ring", "mp_queue_numpy", "torch_mp_queue"]
     try:
         from dflash_ring.bench.iceoryx2_peer import NOTE as iceoryx2_note
+
         transports.append("iceoryx2")
     except ImportError:  # an optional extra: pip install '.[bench]'
         iceoryx2_note = "iceoryx2 not installed (extra `bench`): not measured"
@@ -266,22 +284,26 @@ def run_ring_bench(sizes_mb: list[float], items: int = 0) -> dict[str, Any]:
             row: dict[str, Any] = {"topology": f"{pairs}->{pairs}", "item_bytes": nbytes, "items": pairs * n}
             for t in transports:
                 secs, cpu_s = measure(t, pairs, n, nbytes)
-                row[t] = {"gb_per_s": round(pairs * n * nbytes / secs / 1e9, 3),
-                          "us_per_item": round(secs / (pairs * n) * 1e6, 1),
-                          "cpu_us_per_item": round(cpu_s / (pairs * n) * 1e6, 1)}
+                row[t] = {
+                    "gb_per_s": round(pairs * n * nbytes / secs / 1e9, 3),
+                    "us_per_item": round(secs / (pairs * n) * 1e6, 1),
+                    "cpu_us_per_item": round(cpu_s / (pairs * n) * 1e6, 1),
+                }
                 progress("ring", "case", {"topology": row["topology"], "item_bytes": nbytes, "transport": t, **row[t]})
-            row["ratio_ring_over"] = {
-                t: round(row["ring"]["gb_per_s"] / row[t]["gb_per_s"], 2) for t in transports[1:]
-            }
+            row["ratio_ring_over"] = {t: round(row["ring"]["gb_per_s"] / row[t]["gb_per_s"], 2) for t in transports[1:]}
             cases.append(row)
     return {
         "benchmark": "ring",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                 "torch": torch.__version__},
+        "host": {
+            "machine": platform.machine(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
         "method": "P producers copy a source tensor in, P consumers copy it out to a private buffer; "
-                  "GB/s = bytes moved / wall time from first put to last get; cpu_us_per_item = CPU time of "
-                  "the producer and consumer processes per item; 4 KiB rows give per-item overhead",
+        "GB/s = bytes moved / wall time from first put to last get; cpu_us_per_item = CPU time of "
+        "the producer and consumer processes per item; 4 KiB rows give per-item overhead",
         "iceoryx2": iceoryx2_note,
         "cases": cases,
         "gpu_copies": _gpu_copy_cases() if torch.cuda.is_available() else "no CUDA device: not measured",

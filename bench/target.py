@@ -12,8 +12,8 @@ synthetic samples with a chat-like length distribution:
 
 On a GPU (a) runs twice: eager layers first (the baseline), then compiled layers (target.compile, what
 the producer runs), whose features on the first timed batch are compared with the eager ones; (b) and
-(c) then run compiled. b / a (compiled) is what the ring costs the producer (1.0: nothing). MFU counts model FLOPs only: 2 x the
-parameters that run for a token (MoE: shared parts plus top-k of the experts), plus causal softmax
+(c) then run compiled. b / a (compiled) is what the ring costs the producer (1.0: nothing). MFU counts model FLOPs
+only: 2 x the parameters that run for a token (MoE: shared parts plus top-k of the experts), plus causal softmax
 attention over each sequence (sliding layers: within the window; linear-attention layers: their
 projections only), against a dense bf16 peak.
 """
@@ -41,8 +41,9 @@ from .target_shapes import SHAPES, model_class, shape_config
 from .target_timing import batch_loader, host_info, sync, synthetic_batches, time_forward, time_into_ring
 
 
-def build_target(shape: str, device: torch.device, dtype: torch.dtype, layer_ids: list[int], *,
-                 final_hidden: bool, packed: bool) -> TargetModel:
+def build_target(
+    shape: str, device: torch.device, dtype: torch.dtype, layer_ids: list[int], *, final_hidden: bool, packed: bool
+) -> TargetModel:
     """Random weights made on the device itself: no download, no host copy of 16-60 GB."""
     config = shape_config(shape)
     with torch.device(device):
@@ -55,8 +56,11 @@ def active_parameters(target: TargetModel, run: int) -> float:
     c = target.config
     experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
     share = c.num_experts_per_tok / experts if experts else 1.0
-    return sum(p.numel() * (share if ".experts." in f".{name}" else 1.0)
-               for layer in list(target.decoder.layers)[:run] for name, p in layer.named_parameters())
+    return sum(
+        p.numel() * (share if ".experts." in f".{name}" else 1.0)
+        for layer in list(target.decoder.layers)[:run]
+        for name, p in layer.named_parameters()
+    )
 
 
 def attention_pairs(lengths: np.ndarray, window: int | None) -> float:
@@ -111,7 +115,7 @@ def _fp32_features(target: TargetModel, batch: Batch) -> torch.Tensor:
 
 def _rel_l2(got: torch.Tensor, want: torch.Tensor, layer: int | None, width: int) -> float:
     if layer is not None:
-        got, want = (t[:, layer * width:(layer + 1) * width] for t in (got, want))
+        got, want = (t[:, layer * width : (layer + 1) * width] for t in (got, want))
     want = want.float()
     return float(f"{((got.float() - want).norm() / want.norm()).item():.4g}")
 
@@ -123,12 +127,23 @@ def _profile(target: TargetModel, batch: Batch, n: int = 20) -> list[list]:
     rows = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)[:n]
     total = sum(e.self_device_time_total for e in prof.key_averages())
     return [["(all kernels)", round(total / 1e3, 2), None]] + [
-        [e.key[:90], round(e.self_device_time_total / 1e3, 2), e.count] for e in rows]
+        [e.key[:90], round(e.self_device_time_total / 1e3, 2), e.count] for e in rows
+    ]
 
 
-def run_target_bench(*, shape: str = "qwen3-8b", device: str | None = None, batches: int = 0, max_tokens: int = 0,
-                     draft_layers: int = 5, final_hidden: bool = False, packed: bool = True,
-                     peak_flops: float = 989e12, compile: bool = True, profile: bool = False) -> dict[str, Any]:
+def run_target_bench(
+    *,
+    shape: str = "qwen3-8b",
+    device: str | None = None,
+    batches: int = 0,
+    max_tokens: int = 0,
+    draft_layers: int = 5,
+    final_hidden: bool = False,
+    packed: bool = True,
+    peak_flops: float = 989e12,
+    compile: bool = True,
+    profile: bool = False,
+) -> dict[str, Any]:
     """The report below; each figure also goes to stderr as soon as it is measured (bench/progress.py)."""
     tiny = shape == "tiny"
     dev = resolve_device(device or "auto")
@@ -148,8 +163,9 @@ def run_target_bench(*, shape: str = "qwen3-8b", device: str | None = None, batc
     progress("target", "probe", {k: report.to_json()[k] for k in ("passed", "max_error", "first_bad_layer")})
 
     def samples(layout_packed: bool) -> tuple[list[Batch], list[Batch]]:
-        made = synthetic_batches(warm_n + batches, max_tokens=max_tokens, max_length=max_length,
-                                 vocab=text.vocab_size, packed=layout_packed)
+        made = synthetic_batches(
+            warm_n + batches, max_tokens=max_tokens, max_length=max_length, vocab=text.vocab_size, packed=layout_packed
+        )
         return made[:warm_n], made[warm_n:]
 
     warm, timed = samples(packed)
@@ -165,13 +181,19 @@ def run_target_bench(*, shape: str = "qwen3-8b", device: str | None = None, batc
         if profile:
             profiles["per_sequence_eager"] = _profile(target, timed[0])
         target.use_varlen_mixers(True)
-        recurrent = {"path": "varlen", "layers": len(target.recurrent_layers),
-                     "per_sequence_eager_tokens_per_s": round(tokens / per_sequence_s, 1),
-                     "probe_per_sequence": baseline_probe.to_json()}
+        recurrent = {
+            "path": "varlen",
+            "layers": len(target.recurrent_layers),
+            "per_sequence_eager_tokens_per_s": round(tokens / per_sequence_s, 1),
+            "probe_per_sequence": baseline_probe.to_json(),
+        }
         progress("target", "per_sequence_eager", {"tokens_per_s": recurrent["per_sequence_eager_tokens_per_s"]})
     elif target.recurrent_path is not None:
-        recurrent = {"path": target.recurrent_path, "layers": len(target.recurrent_layers),
-                     "why": target.recurrent_description()}
+        recurrent = {
+            "path": target.recurrent_path,
+            "layers": len(target.recurrent_layers),
+            "why": target.recurrent_description(),
+        }
     # Warm with the timed batches too: Triton kernels (flash-linear-attention) compile per shape seen.
     forward_s = time_forward(target, warm + timed, timed)
     progress("target", "forward", {"packed": packed, "compiled": False, "tokens_per_s": round(tokens / forward_s, 1)})
@@ -188,78 +210,129 @@ def run_target_bench(*, shape: str = "qwen3-8b", device: str | None = None, batc
         warm_s = time.perf_counter() - t0 - forward_s
         fused = _features(target, timed[0])
         width = target.hidden_size
-        compiled = {"layers": len(layers), "warmup_s": round(warm_s, 1),
-                    "eager_tokens_per_s": round(tokens / eager_s, 1),
-                    "ratio_compiled_over_eager": round(eager_s / forward_s, 3),
-                    "rel_l2_vs_fp32_per_layer": {
-                        "layer_ids": target.layer_ids,
-                        "eager_bf16": [_rel_l2(eager, reference, i, width) for i in range(len(target.layer_ids))],
-                        "compiled_bf16": [_rel_l2(fused, reference, i, width) for i in range(len(target.layer_ids))]},
-                    "rel_l2_compiled_vs_eager": _rel_l2(fused, eager, None, width)}
+        compiled = {
+            "layers": len(layers),
+            "warmup_s": round(warm_s, 1),
+            "eager_tokens_per_s": round(tokens / eager_s, 1),
+            "ratio_compiled_over_eager": round(eager_s / forward_s, 3),
+            "rel_l2_vs_fp32_per_layer": {
+                "layer_ids": target.layer_ids,
+                "eager_bf16": [_rel_l2(eager, reference, i, width) for i in range(len(target.layer_ids))],
+                "compiled_bf16": [_rel_l2(fused, reference, i, width) for i in range(len(target.layer_ids))],
+            },
+            "rel_l2_compiled_vs_eager": _rel_l2(fused, eager, None, width),
+        }
         del eager, reference, fused
-        progress("target", "forward", {"packed": packed, "compiled": True, "tokens_per_s": round(tokens / forward_s, 1),
-                                       **{k: compiled[k] for k in ("warmup_s", "ratio_compiled_over_eager",
-                                                                   "rel_l2_vs_fp32_per_layer")}})
+        progress(
+            "target",
+            "forward",
+            {
+                "packed": packed,
+                "compiled": True,
+                "tokens_per_s": round(tokens / forward_s, 1),
+                **{k: compiled[k] for k in ("warmup_s", "ratio_compiled_over_eager", "rel_l2_vs_fp32_per_layer")},
+            },
+        )
     if profile:
         profiles["compiled" if compiled else "eager"] = _profile(target, timed[0])
     ring_s, waited_s, slot_bytes = time_into_ring(target, warm, timed, max_tokens, slots=4 if tiny else 3)
-    progress("target", "ring", {"tokens_per_s": round(tokens / ring_s, 1), "ratio_ring_over_forward":
-                                round(forward_s / ring_s, 3), "wait_s": round(waited_s, 3)})
+    progress(
+        "target",
+        "ring",
+        {
+            "tokens_per_s": round(tokens / ring_s, 1),
+            "ratio_ring_over_forward": round(forward_s / ring_s, 3),
+            "wait_s": round(waited_s, 3),
+        },
+    )
     # The other layout, same samples (the plans differ: padding counts against the token budget).
     target.use_packing(not packed)
     other_warm, other_timed = samples(not packed)
     other_tokens = sum(b.num_tokens for b in other_timed)
     other_s = time_forward(target, other_warm + other_timed, other_timed)
     target.use_packing(packed)
-    progress("target", "forward", {"packed": not packed, "compiled": bool(compiled),
-                                   "tokens_per_s": round(other_tokens / other_s, 1)})
+    progress(
+        "target",
+        "forward",
+        {"packed": not packed, "compiled": bool(compiled), "tokens_per_s": round(other_tokens / other_s, 1)},
+    )
     flops = model_flops(target, timed)
-    bytes_per_token = target.feature_width * dtype.itemsize + (target.hidden_size * dtype.itemsize if final_hidden
-                                                               else 0) + 5
-    packed_rate, padded_rate = ((tokens / forward_s, other_tokens / other_s) if packed
-                                else (other_tokens / other_s, tokens / forward_s))
+    bytes_per_token = (
+        target.feature_width * dtype.itemsize + (target.hidden_size * dtype.itemsize if final_hidden else 0) + 5
+    )
+    packed_rate, padded_rate = (
+        (tokens / forward_s, other_tokens / other_s) if packed else (other_tokens / other_s, tokens / forward_s)
+    )
     return {
         "benchmark": "target",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "host": host_info(dev),
         "method": "same process, model and samples: (0) conformance probe; (a) loader + truncated forward; (b) the "
-                  "producer loop into a real ring (side-stream D2H into registered slots) with a consumer thread "
-                  "releasing slots; (c) forward of the same samples in the other layout; tokens/s over the timed "
-                  "batches after warm-up",
-        "model": {"shape": shape, "family": SHAPES[shape][0], "model_type": text.model_type,
-                  **{k: v for k, v in SHAPES[shape][1].items() if not isinstance(v, list)},
-                  "dtype": str(dtype).removeprefix("torch."), "layer_ids": layer_ids,
-                  "layers_run": len(target.decoder.layers) if final_hidden else target.deepest + 1,
-                  "final_hidden": final_hidden, "attention": target.config._attn_implementation,
-                  "build_s": round(build_s, 1)},
+        "producer loop into a real ring (side-stream D2H into registered slots) with a consumer thread "
+        "releasing slots; (c) forward of the same samples in the other layout; tokens/s over the timed "
+        "batches after warm-up",
+        "model": {
+            "shape": shape,
+            "family": SHAPES[shape][0],
+            "model_type": text.model_type,
+            **{k: v for k, v in SHAPES[shape][1].items() if not isinstance(v, list)},
+            "dtype": str(dtype).removeprefix("torch."),
+            "layer_ids": layer_ids,
+            "layers_run": len(target.decoder.layers) if final_hidden else target.deepest + 1,
+            "final_hidden": final_hidden,
+            "attention": target.config._attn_implementation,
+            "build_s": round(build_s, 1),
+        },
         "probe": report.to_json(),
-        "batches": {"timed": len(timed), "warmup": warm_n, "max_tokens": max_tokens, "packed": packed,
-                    "tokens": tokens, "mean_sequences": round(sum(len(b.lengths) for b in timed) / len(timed), 1),
-                    "mean_length": round(tokens / sum(len(b.lengths) for b in timed), 1),
-                    "padding_fraction": round(1.0 - tokens / padded, 4)},
+        "batches": {
+            "timed": len(timed),
+            "warmup": warm_n,
+            "max_tokens": max_tokens,
+            "packed": packed,
+            "tokens": tokens,
+            "mean_sequences": round(sum(len(b.lengths) for b in timed) / len(timed), 1),
+            "mean_length": round(tokens / sum(len(b.lengths) for b in timed), 1),
+            "padding_fraction": round(1.0 - tokens / padded, 4),
+        },
         "forward_tokens_per_s": round(tokens / forward_s, 1),
         "compiled": compiled,
         "recurrent_mixers": recurrent,
         "profile_top_kernels_ms": profiles or None,
         "ring_tokens_per_s": round(tokens / ring_s, 1),
         "ratio_ring_over_forward": round(forward_s / ring_s, 3),
-        "layouts": {"packed_tokens_per_s": round(packed_rate, 1), "padded_tokens_per_s": round(padded_rate, 1),
-                    "ratio_packed_over_padded": round(packed_rate / padded_rate, 3)},
-        "ring": {"slot_bytes": slot_bytes, "bytes_per_token": bytes_per_token,
-                 "gb_per_s": round(tokens * bytes_per_token / ring_s / 1e9, 3), "wait_s": round(waited_s, 3)},
-        "mfu": {"peak_flops": peak_flops, "flops_per_token": round(flops / tokens),
-                "forward": float(f"{flops / forward_s / peak_flops:.4g}"), "ring": float(f"{flops / ring_s / peak_flops:.4g}"),
-                "eager_forward": None if compiled is None else float(f"{flops / eager_s / peak_flops:.4g}"),
-                "per_sequence_eager_forward": None if recurrent is None or "per_sequence_eager_tokens_per_s" not in recurrent
-                else float(f"{flops / per_sequence_s / peak_flops:.4g}")},
+        "layouts": {
+            "packed_tokens_per_s": round(packed_rate, 1),
+            "padded_tokens_per_s": round(padded_rate, 1),
+            "ratio_packed_over_padded": round(packed_rate / padded_rate, 3),
+        },
+        "ring": {
+            "slot_bytes": slot_bytes,
+            "bytes_per_token": bytes_per_token,
+            "gb_per_s": round(tokens * bytes_per_token / ring_s / 1e9, 3),
+            "wait_s": round(waited_s, 3),
+        },
+        "mfu": {
+            "peak_flops": peak_flops,
+            "flops_per_token": round(flops / tokens),
+            "forward": float(f"{flops / forward_s / peak_flops:.4g}"),
+            "ring": float(f"{flops / ring_s / peak_flops:.4g}"),
+            "eager_forward": None if compiled is None else float(f"{flops / eager_s / peak_flops:.4g}"),
+            "per_sequence_eager_forward": None
+            if recurrent is None or "per_sequence_eager_tokens_per_s" not in recurrent
+            else float(f"{flops / per_sequence_s / peak_flops:.4g}"),
+        },
     }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`dflash-ring bench target`'s own options (cli.py registers every bench by name, and hands it the rest)."""
     parser.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
-    parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES),
-                        help="random-weight target of this shape (tiny: a CPU smoke run)")
+    parser.add_argument(
+        "--shape",
+        default="qwen3-8b",
+        choices=sorted(SHAPES),
+        help="random-weight target of this shape (tiny: a CPU smoke run)",
+    )
     parser.add_argument("--tiny", action="store_true", help="same as --shape tiny")
     parser.add_argument("--device", help="default: cuda if available, else cpu")
     parser.add_argument("--batches", type=int, default=0, help="timed batches per phase (0: 10, or 3 with --tiny)")
@@ -268,16 +341,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--final-hidden", action="store_true", help="also ship the final hidden state")
     parser.add_argument("--padded", action="store_true", help="padded batches instead of packed ones")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H200: 989)")
-    parser.add_argument("--no-compile", action="store_true",
-                        help="eager layers only (default on a GPU: eager as the same-run baseline, then compiled "
-                             "layers)")
-    parser.add_argument("--profile", action="store_true",
-                        help="add the top GPU kernels of one batch (hybrid targets: also of the per-sequence baseline)")
-    parser.add_argument("--tensor-parallel", type=at_least_one, default=1, metavar="N",
-                        help="shard the target over N ranks (target.tensor_parallel: NCCL on N GPUs, gloo on the CPU) "
-                             "and measure it against one rank of the same weights, same run")
-    parser.add_argument("--no-baseline", action="store_true",
-                        help="with --tensor-parallel: skip the one-rank run (a shape that does not fit one device)")
+    parser.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="eager layers only (default on a GPU: eager as the same-run baseline, then compiled layers)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="add the top GPU kernels of one batch (hybrid targets: also of the per-sequence baseline)",
+    )
+    parser.add_argument(
+        "--tensor-parallel",
+        type=at_least_one,
+        default=1,
+        metavar="N",
+        help="shard the target over N ranks (target.tensor_parallel: NCCL on N GPUs, gloo on the CPU) "
+        "and measure it against one rank of the same weights, same run",
+    )
+    parser.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="with --tensor-parallel: skip the one-rank run (a shape that does not fit one device)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -285,14 +371,28 @@ def main(args: argparse.Namespace) -> int:
     if args.tensor_parallel > 1:
         from dflash_ring.bench.target_parallel import run_tensor_parallel_bench
 
-        report = run_tensor_parallel_bench(shape=shape, device=args.device, tensor_parallel=args.tensor_parallel,
-                                           batches=args.batches, max_tokens=args.max_tokens,
-                                           draft_layers=args.draft_layers, packed=not args.padded,
-                                           baseline=not args.no_baseline)
+        report = run_tensor_parallel_bench(
+            shape=shape,
+            device=args.device,
+            tensor_parallel=args.tensor_parallel,
+            batches=args.batches,
+            max_tokens=args.max_tokens,
+            draft_layers=args.draft_layers,
+            packed=not args.padded,
+            baseline=not args.no_baseline,
+        )
     else:
-        report = run_target_bench(shape=shape, device=args.device, batches=args.batches, max_tokens=args.max_tokens,
-                                  draft_layers=args.draft_layers, final_hidden=args.final_hidden,
-                                  packed=not args.padded, peak_flops=args.peak_tflops * 1e12,
-                                  compile=not args.no_compile, profile=args.profile)
+        report = run_target_bench(
+            shape=shape,
+            device=args.device,
+            batches=args.batches,
+            max_tokens=args.max_tokens,
+            draft_layers=args.draft_layers,
+            final_hidden=args.final_hidden,
+            packed=not args.padded,
+            peak_flops=args.peak_tflops * 1e12,
+            compile=not args.no_compile,
+            profile=args.profile,
+        )
     print(json.dumps(report, indent=2))
     return 0

@@ -47,9 +47,18 @@ def save_random_target(shape: str, dtype: torch.dtype, directory: Path) -> Path:
     return directory
 
 
-def run_tensor_parallel_bench(*, shape: str, tensor_parallel: int, device: str | None = None, batches: int = 0,
-                              max_tokens: int = 0, draft_layers: int = 5, packed: bool = True,
-                              baseline: bool = True, workdir: str | None = None) -> dict[str, Any]:
+def run_tensor_parallel_bench(
+    *,
+    shape: str,
+    tensor_parallel: int,
+    device: str | None = None,
+    batches: int = 0,
+    max_tokens: int = 0,
+    draft_layers: int = 5,
+    packed: bool = True,
+    baseline: bool = True,
+    workdir: str | None = None,
+) -> dict[str, Any]:
     tiny = shape == "tiny"
     dev = resolve_device(device or "auto")
     dtype = resolve_dtype("auto", dev)
@@ -59,8 +68,9 @@ def run_tensor_parallel_bench(*, shape: str, tensor_parallel: int, device: str |
     max_length = min(max_tokens, 512 if tiny else 3072)
     warm_n = 1 if tiny else 2
     layer_ids = build_target_layer_ids(text.num_hidden_layers, draft_layers)
-    made = synthetic_batches(warm_n + batches, max_tokens=max_tokens, max_length=max_length,
-                             vocab=text.vocab_size, packed=packed)
+    made = synthetic_batches(
+        warm_n + batches, max_tokens=max_tokens, max_length=max_length, vocab=text.vocab_size, packed=packed
+    )
     warm, timed = made[:warm_n], made[warm_n:]
     tokens = sum(b.num_tokens for b in timed)
     root = Path(tempfile.mkdtemp(prefix="dflash-bench-tp-", dir=workdir))
@@ -68,9 +78,14 @@ def run_tensor_parallel_bench(*, shape: str, tensor_parallel: int, device: str |
         t0 = time.perf_counter()
         path = save_random_target(shape, dtype, root / shape)
         progress("target_tp", "saved", {"shape": shape, "save_s": round(time.perf_counter() - t0, 1)})
-        cfg = TargetConfig(path=str(path), layer_ids=layer_ids, dtype=str(dtype).removeprefix("torch."),
-                           ship_final_hidden=False, packing="packed" if packed else "padded",
-                           tensor_parallel=tensor_parallel)
+        cfg = TargetConfig(
+            path=str(path),
+            layer_ids=layer_ids,
+            dtype=str(dtype).removeprefix("torch."),
+            ship_final_hidden=False,
+            packing="packed" if packed else "padded",
+            tensor_parallel=tensor_parallel,
+        )
         one = None
         if baseline:
             single = TargetModel.load(replace(cfg, tensor_parallel=1), dev, packed=packed)
@@ -99,12 +114,23 @@ def run_tensor_parallel_bench(*, shape: str, tensor_parallel: int, device: str |
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "host": host_info(dev),
         "method": "same process and samples: one rank unsharded (forward), then an N-rank group of the same weights "
-                  "sharded by transformers' tensor-parallel plan (probe, forward, into a real ring); tokens/s over "
-                  "the timed batches after warm-up",
-        "model": {"shape": shape, "family": SHAPES[shape][0], "model_type": text.model_type,
-                  "dtype": str(dtype).removeprefix("torch."), "layer_ids": layer_ids, "layers_run": max(layer_ids) + 1},
-        "batches": {"timed": len(timed), "warmup": warm_n, "max_tokens": max_tokens, "packed": packed,
-                    "tokens": tokens},
+        "sharded by transformers' tensor-parallel plan (probe, forward, into a real ring); tokens/s over "
+        "the timed batches after warm-up",
+        "model": {
+            "shape": shape,
+            "family": SHAPES[shape][0],
+            "model_type": text.model_type,
+            "dtype": str(dtype).removeprefix("torch."),
+            "layer_ids": layer_ids,
+            "layers_run": max(layer_ids) + 1,
+        },
+        "batches": {
+            "timed": len(timed),
+            "warmup": warm_n,
+            "max_tokens": max_tokens,
+            "packed": packed,
+            "tokens": tokens,
+        },
         "tensor_parallel": tensor_parallel,
         "backend": "nccl" if dev.type == "cuda" else "gloo",
         "group_load_s": round(load_s, 1),
@@ -112,11 +138,11 @@ def run_tensor_parallel_bench(*, shape: str, tensor_parallel: int, device: str |
         "one_rank": one,
         "group_forward_tokens_per_s": round(group_rate, 1),
         "group_tokens_per_s_per_device": round(group_rate / tensor_parallel, 1),
-        "ratio_per_device_over_one_rank": None if one is None else round(group_rate / tensor_parallel
-                                                                          / one["tokens_per_s"], 3),
+        "ratio_per_device_over_one_rank": None
+        if one is None
+        else round(group_rate / tensor_parallel / one["tokens_per_s"], 3),
         "ratio_group_over_one_rank": None if one is None else round(group_rate / one["tokens_per_s"], 3),
         "ring_tokens_per_s": round(tokens / ring_s, 1),
         "ratio_ring_over_forward": round(forward_s / ring_s, 3),
         "ring": {"slot_bytes": slot_bytes, "wait_s": round(waited_s, 3)},
     }
-

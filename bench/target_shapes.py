@@ -144,9 +144,19 @@ def _layer_pattern(family: str, layers: int) -> dict[str, Any]:
     return {}
 
 
-def family_config(family: str, *, vocab_size: int, hidden_size: int, num_hidden_layers: int,
-                  num_attention_heads: int, num_key_value_heads: int, head_dim: int, intermediate_size: int,
-                  max_position_embeddings: int = 4096, **extra: Any) -> PretrainedConfig:
+def family_config(
+    family: str,
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    num_hidden_layers: int,
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    head_dim: int,
+    intermediate_size: int,
+    max_position_embeddings: int = 4096,
+    **extra: Any,
+) -> PretrainedConfig:
     """A config of `family` with the given geometry; `extra` sets family keys (experts, windows, linear heads)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown target family {family!r}; known: {sorted(FAMILIES)}")
@@ -154,10 +164,16 @@ def family_config(family: str, *, vocab_size: int, hidden_size: int, num_hidden_
     if config_cls is None:
         raise ValueError(f"transformers {transformers.__version__} has no {FAMILIES[family][0]} (family {family})")
     text: dict[str, Any] = dict(
-        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, head_dim=head_dim,
-        intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False, **_layer_pattern(family, num_hidden_layers),
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        **_layer_pattern(family, num_hidden_layers),
     )
     text.update(extra)
     if family in LAYER_COUNT_KEYS:
@@ -173,17 +189,36 @@ def model_class(family: str) -> type:
 
 
 def _tiny_extra(family: str, hidden: int) -> dict[str, Any]:
-    linear = dict(linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                  linear_num_key_heads=2, linear_num_value_heads=4)
+    linear = dict(
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+    )
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2)
     # Multi-head latent attention: qk heads of 8 (nope) + 8 (rope) against v heads of 12, as unequal as the real ones
     # (the varlen kernel takes one head dim: producer/packing.py); head_dim is the rope part, as MLA configs define it.
-    mla = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8,
-               v_head_dim=12, head_dim=8)
+    mla = dict(
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        head_dim=8,
+    )
     # DeepSeek-style MoE: routed experts beside a shared one, the first layer dense. Only for the families that have
     # it: a config class keeps keys it does not know, and the drafter reads a target's MoE width from its keys.
-    deepseek_moe = dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=hidden // 2,
-                        first_k_dense_replace=1, n_group=1, topk_group=1)
+    deepseek_moe = dict(
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=hidden // 2,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+    )
     mamba2 = dict(mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=16)
     return {
         "mistral": dict(sliding_window=16),
@@ -194,13 +229,21 @@ def _tiny_extra(family: str, hidden: int) -> dict[str, Any]:
         "qwen3_5": linear,
         "qwen3_5_vl": linear,
         "qwen3_5_moe": dict(**linear, **moe, shared_expert_intermediate_size=hidden // 2),
-        "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-                         moe_intermediate_size=hidden // 2, first_k_dense_replace=1, n_group=1, topk_group=1),
+        "glm4_moe": dict(
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            moe_intermediate_size=hidden // 2,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+        ),
         "minimax_m2": dict(num_local_experts=4, num_experts_per_tok=2),
         # Gemma-4: full layers with their own (wider) head dim; no per-layer input embeddings (as the 31B).
         "gemma4_text": dict(sliding_window=16, global_head_dim=2 * hidden // 4, hidden_size_per_layer_input=0),
         "lfm2": dict(conv_L_cache=3, block_auto_adjust_ff_dim=False),
-        # Head transforms at values unlike 1, so the drafter's head probe must find each (tests/test_drafter_families.py).
+        # Head transforms at values unlike 1, so the drafter's head probe must find each
+        # (tests/test_drafter_families.py).
         "cohere2": dict(sliding_window=16, logit_scale=0.125),
         "cohere": dict(logit_scale=0.0625),
         "gemma2": dict(sliding_window=16, final_logit_softcapping=30.0),
@@ -213,17 +256,44 @@ def _tiny_extra(family: str, hidden: int) -> dict[str, Any]:
         # top-k pick among ties differently for rows of other widths: the padded batch against each sequence alone.
         "glm_moe_dsa": dict(**mla, **deepseek_moe, index_topk=16, index_head_dim=16, index_n_heads=8),
         # LongCat-Flash: two MLA sublayers per decoder layer, zero (identity) experts beside the routed ones.
-        "longcat_flash": dict(mla, ffn_hidden_size=2 * hidden, n_routed_experts=4, expert_ffn_hidden_size=hidden // 2,
-                              moe_topk=2, zero_expert_num=2),
+        "longcat_flash": dict(
+            mla,
+            ffn_hidden_size=2 * hidden,
+            n_routed_experts=4,
+            expert_ffn_hidden_size=hidden // 2,
+            moe_topk=2,
+            zero_expert_num=2,
+        ),
         # Chunked scans with chunks shorter than the test sequences, so state crosses chunk boundaries too.
-        "nemotron_h": dict(mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=16,
-                           n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2,
-                           moe_shared_expert_intermediate_size=hidden // 2, n_shared_experts=1),
-        "falcon_h1": dict(**mamba2, mamba_d_ssm=hidden, mamba_d_head=16, mamba_rms_norm=True,
-                          embedding_multiplier=5.656854249492381, lm_head_multiplier=0.0390625),
+        "nemotron_h": dict(
+            mamba_num_heads=4,
+            mamba_head_dim=16,
+            ssm_state_size=16,
+            n_groups=2,
+            chunk_size=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=hidden // 2,
+            moe_shared_expert_intermediate_size=hidden // 2,
+            n_shared_experts=1,
+        ),
+        "falcon_h1": dict(
+            **mamba2,
+            mamba_d_ssm=hidden,
+            mamba_d_head=16,
+            mamba_rms_norm=True,
+            embedding_multiplier=5.656854249492381,
+            lm_head_multiplier=0.0390625,
+        ),
         "bamba": mamba2,
-        "granitemoehybrid": dict(**mamba2, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=hidden,
-                                 embedding_multiplier=12.0, logits_scaling=10.0),
+        "granitemoehybrid": dict(
+            **mamba2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            shared_intermediate_size=hidden,
+            embedding_multiplier=12.0,
+            logits_scaling=10.0,
+        ),
         "zamba2": dict(mamba_d_state=16, n_mamba_heads=4, mamba_ngroups=2, chunk_size=16),
         "jamba": dict(mamba_d_state=8, mamba_dt_rank=8, num_experts=4, num_experts_per_tok=2),
         "zamba": dict(mamba_d_state=8, n_mamba_heads=2),
@@ -235,92 +305,241 @@ def _tiny_extra(family: str, hidden: int) -> dict[str, Any]:
         "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
         "olmoe": dict(num_experts=4, num_experts_per_tok=2),
         "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=12.0, logits_scaling=8.0),
-        "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=hidden // 2, moe_num_shared_experts=1,
-                             moe_layer_start_index=1),
+        "ernie4_5_moe": dict(
+            moe_num_experts=4,
+            moe_k=2,
+            moe_intermediate_size=hidden // 2,
+            moe_num_shared_experts=1,
+            moe_layer_start_index=1,
+        ),
         "hunyuan_v1_moe": dict(num_experts=4),  # experts (and the shared one) intermediate_size wide
         "hy_v3": dict(num_experts=4, num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=hidden // 2),
-        "exaone_moe": dict(sliding_window=16, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
-                           moe_intermediate_size=hidden // 2, first_k_dense_replace=1),
+        "exaone_moe": dict(
+            sliding_window=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_shared_experts=1,
+            moe_intermediate_size=hidden // 2,
+            first_k_dense_replace=1,
+        ),
         "dots1": dict(deepseek_moe),
-        "solar_open": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=hidden // 2),
+        "solar_open": dict(
+            n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=hidden // 2
+        ),
         # Arcee's Trinity: muP scales the embedding by sqrt(H), which the head probe must find.
-        "afmoe": dict(sliding_window=16, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
-                      moe_intermediate_size=hidden // 2, num_dense_layers=1, mup_enabled=True),
+        "afmoe": dict(
+            sliding_window=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_shared_experts=1,
+            moe_intermediate_size=hidden // 2,
+            num_dense_layers=1,
+            mup_enabled=True,
+        ),
         "cohere2_moe": dict(sliding_window=16, num_experts=4, num_experts_per_tok=2, logit_scale=0.25),
-        "mimo_v2_flash": dict(sliding_window=16, n_routed_experts=4, num_experts_per_tok=2,
-                              moe_intermediate_size=hidden // 2, v_head_dim=12),
+        "mimo_v2_flash": dict(
+            sliding_window=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=hidden // 2,
+            v_head_dim=12,
+        ),
         "deepseek_v32": dict(**mla, **deepseek_moe, index_topk=16, index_head_dim=16, index_n_heads=8),
-        "lfm2_moe": dict(conv_L_cache=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2,
-                         num_dense_layers=1),
+        "lfm2_moe": dict(
+            conv_L_cache=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2, num_dense_layers=1
+        ),
         "lfm3": dict(sliding_window=16, conv_L_cache=3),
         # Kimi-Linear's MLA takes no RoPE (q_lora_rank None as published); KDA heads of 16.
-        "kimi_linear": dict(mla, q_lora_rank=None, num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-                            moe_intermediate_size=hidden // 2, first_k_dense_replace=1, linear_head_dim=16,
-                            linear_num_heads=4, linear_conv_kernel_dim=4),
-        "bailing_hybrid": dict(mla, q_lora_rank=None, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
-                               moe_intermediate_size=hidden // 2, first_k_dense_replace=1, n_group=1, topk_group=1,
-                               linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4),
+        "kimi_linear": dict(
+            mla,
+            q_lora_rank=None,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            moe_intermediate_size=hidden // 2,
+            first_k_dense_replace=1,
+            linear_head_dim=16,
+            linear_num_heads=4,
+            linear_conv_kernel_dim=4,
+        ),
+        "bailing_hybrid": dict(
+            mla,
+            q_lora_rank=None,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_shared_experts=1,
+            moe_intermediate_size=hidden // 2,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            linear_head_dim=16,
+            linear_num_heads=4,
+            linear_conv_kernel_dim=4,
+        ),
         "olmo_hybrid": linear,
         # Lightning-attention blocks shorter than the test sequences, so its state crosses blocks too.
         "minimax": dict(num_local_experts=4, num_experts_per_tok=2, block_size=16),
     }.get(family, {})
 
 
-def tiny_config(family: str, *, vocab_size: int, hidden_size: int = 64, num_hidden_layers: int = 6,
-                **extra: Any) -> PretrainedConfig:
+def tiny_config(
+    family: str, *, vocab_size: int, hidden_size: int = 64, num_hidden_layers: int = 6, **extra: Any
+) -> PretrainedConfig:
     """A CPU-sized member of `family`: every mechanism of the real one (windows shorter than test sequences)."""
-    keys = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4,
-                intermediate_size=2 * hidden_size)
+    keys = dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4, intermediate_size=2 * hidden_size
+    )
     keys.update(_tiny_extra(family, hidden_size))
     keys.update(extra)
-    return family_config(family, vocab_size=vocab_size, hidden_size=hidden_size,
-                         num_hidden_layers=num_hidden_layers, **keys)
+    return family_config(
+        family, vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers, **keys
+    )
 
 
 # Real shapes for `bench target --shape`: published configs' geometry, random weights.
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
-    "tiny": ("qwen3", dict(hidden_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-                           head_dim=32, intermediate_size=384, vocab_size=1024, max_position_embeddings=4096)),
-    "qwen3-8b": ("qwen3", dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                               head_dim=128, intermediate_size=12288, vocab_size=151936,
-                               max_position_embeddings=40960, rope_theta=1e6)),
+    "tiny": (
+        "qwen3",
+        dict(
+            hidden_size=128,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            intermediate_size=384,
+            vocab_size=1024,
+            max_position_embeddings=4096,
+        ),
+    ),
+    "qwen3-8b": (
+        "qwen3",
+        dict(
+            hidden_size=4096,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=12288,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rope_theta=1e6,
+        ),
+    ),
     # Qwen3.6-27B: 64 layers, 3 Gated DeltaNet : 1 gated full attention.
-    "qwen3.6-27b": ("qwen3_5", dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=24,
-                                    num_key_value_heads=4, head_dim=256, intermediate_size=17408, vocab_size=248320,
-                                    max_position_embeddings=262144, linear_conv_kernel_dim=4,
-                                    linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
-                                    linear_num_value_heads=48)),
-    "qwen3-30b-a3b": ("qwen3_moe", dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
-                                        num_key_value_heads=4, head_dim=128, intermediate_size=6144,
-                                        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-                                        vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6)),
-    "gpt-oss-20b": ("gpt_oss", dict(hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
-                                    num_key_value_heads=8, head_dim=64, intermediate_size=2880, num_local_experts=32,
-                                    num_experts_per_tok=4, sliding_window=128, vocab_size=201088,
-                                    max_position_embeddings=131072)),
+    "qwen3.6-27b": (
+        "qwen3_5",
+        dict(
+            hidden_size=5120,
+            num_hidden_layers=64,
+            num_attention_heads=24,
+            num_key_value_heads=4,
+            head_dim=256,
+            intermediate_size=17408,
+            vocab_size=248320,
+            max_position_embeddings=262144,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=16,
+            linear_num_value_heads=48,
+        ),
+    ),
+    "qwen3-30b-a3b": (
+        "qwen3_moe",
+        dict(
+            hidden_size=2048,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rope_theta=1e6,
+        ),
+    ),
+    "gpt-oss-20b": (
+        "gpt_oss",
+        dict(
+            hidden_size=2880,
+            num_hidden_layers=24,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=64,
+            intermediate_size=2880,
+            num_local_experts=32,
+            num_experts_per_tok=4,
+            sliding_window=128,
+            vocab_size=201088,
+            max_position_embeddings=131072,
+        ),
+    ),
     # Moonlight-16B-A3B (moonshotai, DeepSeek-V3 architecture): MLA without a query LoRA, qk heads of 128 + 64 (rope)
     # against v heads of 128; 64 routed experts (6 per token) beside 2 shared, the first layer dense.
-    "moonlight-16b-a3b": ("deepseek_v3", dict(hidden_size=2048, num_hidden_layers=27, num_attention_heads=16,
-                                              num_key_value_heads=16, head_dim=64, intermediate_size=11264,
-                                              moe_intermediate_size=1408, n_routed_experts=64, num_experts_per_tok=6,
-                                              n_shared_experts=2, first_k_dense_replace=1, n_group=1, topk_group=1,
-                                              kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
-                                              qk_rope_head_dim=64, v_head_dim=128, routed_scaling_factor=2.446,
-                                              norm_topk_prob=True, vocab_size=163840, max_position_embeddings=8192,
-                                              rope_theta=50000.0)),
+    "moonlight-16b-a3b": (
+        "deepseek_v3",
+        dict(
+            hidden_size=2048,
+            num_hidden_layers=27,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            head_dim=64,
+            intermediate_size=11264,
+            moe_intermediate_size=1408,
+            n_routed_experts=64,
+            num_experts_per_tok=6,
+            n_shared_experts=2,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            routed_scaling_factor=2.446,
+            norm_topk_prob=True,
+            vocab_size=163840,
+            max_position_embeddings=8192,
+            rope_theta=50000.0,
+        ),
+    ),
     # Nemotron-3-Nano-30B-A3B (~60 GB in bf16): 52 layers, 23 Mamba2 (M), 23 MoE (E: 128 routed experts, top 6, one
     # shared expert, relu2), 6 GQA attention (*, no RoPE). Sure: the layer counts, hidden 2688, 32/2 heads, 128
     # experts / 6 active / 1 shared of 3712, the vocabulary. From memory of its config.json, not checked against
     # the file: the exact pattern string, the Mamba geometry (64 heads of 64, state 128, 8 groups, chunk 128), the
     # routed expert width 1856, routed_scaling_factor 2.5 and the context length. No dense MLP layer ("-"), so
     # intermediate_size builds nothing.
-    "nemotron-3-nano-30b-a3b": ("nemotron_h", dict(
-        hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME", hidden_size=2688,
-        num_hidden_layers=52, num_attention_heads=32, num_key_value_heads=2, head_dim=128, intermediate_size=1856,
-        mamba_num_heads=64, mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4, chunk_size=128,
-        n_routed_experts=128, num_experts_per_tok=6, n_shared_experts=1, moe_intermediate_size=1856,
-        moe_shared_expert_intermediate_size=3712, routed_scaling_factor=2.5, norm_topk_prob=True,
-        vocab_size=131072, max_position_embeddings=262144)),
+    "nemotron-3-nano-30b-a3b": (
+        "nemotron_h",
+        dict(
+            hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+            hidden_size=2688,
+            num_hidden_layers=52,
+            num_attention_heads=32,
+            num_key_value_heads=2,
+            head_dim=128,
+            intermediate_size=1856,
+            mamba_num_heads=64,
+            mamba_head_dim=64,
+            ssm_state_size=128,
+            n_groups=8,
+            conv_kernel=4,
+            chunk_size=128,
+            n_routed_experts=128,
+            num_experts_per_tok=6,
+            n_shared_experts=1,
+            moe_intermediate_size=1856,
+            moe_shared_expert_intermediate_size=3712,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            vocab_size=131072,
+            max_position_embeddings=262144,
+        ),
+    ),
 }
 
 

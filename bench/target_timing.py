@@ -33,9 +33,13 @@ HEADER_BYTES = 64 * 1024
 
 def host_info(dev: torch.device) -> dict[str, Any]:
     """The machine a target bench ran on, for its JSON: CPU, library versions, the device's name."""
-    return {"machine": platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
+    return {
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+    }
 
 
 def synthetic_batches(n: int, *, max_tokens: int, max_length: int, vocab: int, packed: bool) -> list[Batch]:
@@ -46,12 +50,18 @@ def synthetic_batches(n: int, *, max_tokens: int, max_length: int, vocab: int, p
     lengths = np.clip(rng.lognormal(np.log(median), 0.8, count), 16, max_length).astype(np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     data = TokenizedData(
-        tokens=rng.integers(0, vocab, offsets[-1]).astype(np.int32), loss_mask=np.ones(offsets[-1], np.uint8),
-        offsets=offsets, row_ids=np.arange(count, dtype=np.int64), num_rows=count, bad_rows=(),
-        directory=Path("."), from_cache=False,
+        tokens=rng.integers(0, vocab, offsets[-1]).astype(np.int32),
+        loss_mask=np.ones(offsets[-1], np.uint8),
+        offsets=offsets,
+        row_ids=np.arange(count, dtype=np.int64),
+        num_rows=count,
+        bad_rows=(),
+        directory=Path("."),
+        from_cache=False,
     )
-    batcher = ShardBatcher(data, rank=0, world_size=1, max_tokens_per_batch=max_tokens, epochs=1, packing=packed,
-                           bucket_window=256)
+    batcher = ShardBatcher(
+        data, rank=0, world_size=1, max_tokens_per_batch=max_tokens, epochs=1, packing=packed, bucket_window=256
+    )
     batches = []
     for batch in batcher.batches():
         batches.append(batch)
@@ -94,18 +104,27 @@ def _release_all(cfg, stop: threading.Event, ready: threading.Event) -> None:
         me.leave()
 
 
-def time_into_ring(target: TargetModel, warm: list[Batch], timed: list[Batch], max_tokens: int,
-                   slots: int) -> tuple[float, float, int]:
+def time_into_ring(
+    target: TargetModel, warm: list[Batch], timed: list[Batch], max_tokens: int, slots: int
+) -> tuple[float, float, int]:
     """(seconds for the timed batches, seconds blocked on a full ring, slot bytes)."""
     hidden = target.hidden_size if target.final_hidden else None
     specs = item_tensors(max_tokens, max_tokens, target.feature_width, hidden, target.dtype)
     slot_bytes = HEADER_BYTES + sum(-(-int(np.prod(s)) * d.itemsize // ALIGN) * ALIGN for _, d, s in specs)
     lock_dir = tempfile.mkdtemp(prefix="dflash-bench-target-")
-    cfg = load_config(None, [
-        f"run.name=bench-target-{os.getpid()}", f'run.run_dir="{lock_dir}"', f"ring.slots={slots}",
-        f"ring.slot_bytes={slot_bytes}", f"ring.slot_header_bytes={HEADER_BYTES}", "ring.wait_s=0.05",
-        "topology.producers=1", "topology.consumers=1",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"run.name=bench-target-{os.getpid()}",
+            f'run.run_dir="{lock_dir}"',
+            f"ring.slots={slots}",
+            f"ring.slot_bytes={slot_bytes}",
+            f"ring.slot_header_bytes={HEADER_BYTES}",
+            "ring.wait_s=0.05",
+            "topology.producers=1",
+            "topology.consumers=1",
+        ],
+    )
     Ring.unlink(cfg.run.name)
     owner = Ring.create(ring_spec(cfg))  # what the supervisor would do
     stop, ready = threading.Event(), threading.Event()

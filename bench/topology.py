@@ -42,9 +42,14 @@ def best_layout(target_tps: float, drafter_tps: float, gpus: int) -> dict[str, A
     """The split of `gpus` into targets and drafters (at least one each) that trains the most tokens per second."""
     t = max(range(1, gpus), key=lambda t: (min(t * target_tps, (gpus - t) * drafter_tps), -t))
     rate = min(t * target_tps, (gpus - t) * drafter_tps)
-    return {"gpus": gpus, "targets": t, "drafters": gpus - t, "tokens_per_s": round(rate, 1),
-            "tokens_per_gpu_s": round(rate / gpus, 1),
-            "bound_by": "targets" if t * target_tps < (gpus - t) * drafter_tps else "drafters"}
+    return {
+        "gpus": gpus,
+        "targets": t,
+        "drafters": gpus - t,
+        "tokens_per_s": round(rate, 1),
+        "tokens_per_gpu_s": round(rate / gpus, 1),
+        "bound_by": "targets" if t * target_tps < (gpus - t) * drafter_tps else "drafters",
+    }
 
 
 def topology(target_tps: float, drafter_tps: float, gpus: int = 8) -> dict[str, Any]:
@@ -71,23 +76,50 @@ def _free() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def run_topology_bench(*, shape: str = "qwen3.6-27b", recipe: str = "ddtree", tiny: bool = False,
-                       target_batches: int = 3, seqs: int = 1, seq_len: int = 4096, drafter_steps: int = 5,
-                       gpus: int = 8, profile: bool = False, precisions: tuple[str, ...] = ("bf16",),
-                       fp8_recipe: str = "rowwise") -> dict[str, Any]:
+def run_topology_bench(
+    *,
+    shape: str = "qwen3.6-27b",
+    recipe: str = "ddtree",
+    tiny: bool = False,
+    target_batches: int = 3,
+    seqs: int = 1,
+    seq_len: int = 4096,
+    drafter_steps: int = 5,
+    gpus: int = 8,
+    profile: bool = False,
+    precisions: tuple[str, ...] = ("bf16",),
+    fp8_recipe: str = "rowwise",
+) -> dict[str, Any]:
     """precisions: drafter.precision values whose drafter half runs against the one target half (the first one's
     figures are the report's "drafter" and "topology", the others' under "other_precisions")."""
     for precision in precisions:  # an FP8 drafter that cannot run here is refused before the target's minutes
         check_precision(precision, "auto")
     target = run_target_bench(shape="tiny" if tiny else shape, batches=target_batches, profile=profile)
-    progress("topology", "target", {"tokens_per_s": target["forward_tokens_per_s"], "mfu": target["mfu"]["forward"],
-                        "probe_passed": target["probe"]["passed"]})
+    progress(
+        "topology",
+        "target",
+        {
+            "tokens_per_s": target["forward_tokens_per_s"],
+            "mfu": target["mfu"]["forward"],
+            "probe_passed": target["probe"]["passed"],
+        },
+    )
     _free()
     target_tps = target["forward_tokens_per_s"]
     halves = {}
     for precision in precisions:
-        drafter = run_drafter_bench(tiny, drafter_steps, seqs=seqs, seq_len=seq_len, shape=shape, recipe=recipe,
-                                    check=False, profile=profile, precision=precision, fp8_recipe=fp8_recipe)
+        drafter = run_drafter_bench(
+            tiny,
+            drafter_steps,
+            seqs=seqs,
+            seq_len=seq_len,
+            shape=shape,
+            recipe=recipe,
+            check=False,
+            profile=profile,
+            precision=precision,
+            fp8_recipe=fp8_recipe,
+        )
         part = "drafter" if precision == precisions[0] else f"drafter-{precision}"
         progress("topology", part, {"tokens_per_s": drafter["tokens_per_s"], "mfu": drafter["mfu"]})
         _free()
@@ -99,8 +131,9 @@ def run_topology_bench(*, shape: str = "qwen3.6-27b", recipe: str = "ddtree", ti
         "shape": target["model"]["shape"],
         "recipe": drafter["recipe"],
         "drafter_tokens_per_step": drafter["shape"]["seqs"] * drafter["shape"]["seq_len"],
-        "drafter_block_positions_per_token": round(drafter["shape"]["anchors_per_seq"] * drafter["shape"]["block_size"]
-                                                   / drafter["shape"]["seq_len"], 2),
+        "drafter_block_positions_per_token": round(
+            drafter["shape"]["anchors_per_seq"] * drafter["shape"]["block_size"] / drafter["shape"]["seq_len"], 2
+        ),
         "target_mean_sequence_tokens": target["batches"]["mean_length"],
         "precision": precisions[0],
         "topology": halves[precisions[0]]["topology"],
@@ -128,17 +161,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter-steps", type=int, default=5, help="timed drafter steps")
     parser.add_argument("--gpus", type=int, default=8, help="GPUs of the host to lay out")
     parser.add_argument("--profile", action="store_true", help="add the top GPU kernels of both")
-    parser.add_argument("--precision", type=precisions, default=("bf16",),
-                        help="drafter.precision of the drafter half, or several comma-separated (bf16,fp8): each "
-                             "drafter half against the one target half")
+    parser.add_argument(
+        "--precision",
+        type=precisions,
+        default=("bf16",),
+        help="drafter.precision of the drafter half, or several comma-separated (bf16,fp8): each "
+        "drafter half against the one target half",
+    )
     fp8_recipe_argument(parser)
     parser.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
 
 
 def main(args: argparse.Namespace) -> int:
-    report = run_topology_bench(shape=args.shape, recipe=args.recipe, tiny=args.tiny,
-                                target_batches=args.target_batches, seqs=args.seqs, seq_len=args.seq_len,
-                                drafter_steps=args.drafter_steps, gpus=args.gpus, profile=args.profile,
-                                precisions=args.precision, fp8_recipe=args.fp8_recipe)
+    report = run_topology_bench(
+        shape=args.shape,
+        recipe=args.recipe,
+        tiny=args.tiny,
+        target_batches=args.target_batches,
+        seqs=args.seqs,
+        seq_len=args.seq_len,
+        drafter_steps=args.drafter_steps,
+        gpus=args.gpus,
+        profile=args.profile,
+        precisions=args.precision,
+        fp8_recipe=args.fp8_recipe,
+    )
     print(json.dumps(report, indent=2))
     return 0

@@ -31,10 +31,15 @@ def tree_budgets(text: str) -> tuple[int, ...]:
     if bad := [b for b in budgets if b > MAX_TREE_BUDGET]:
         raise argparse.ArgumentTypeError(
             f"a tree budget is at most {MAX_TREE_BUDGET} draft nodes, got {bad}: each round holds an "
-            f"(N + 1) x (prefix + N + 1) attention mask and N + 1 rows of target logits at once")
+            f"(N + 1) x (prefix + N + 1) attention mask and N + 1 rows of target logits at once"
+        )
     return budgets
 
 
 def fp8_recipe_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="rowwise",
-                        help="drafter.fp8_recipe: torchao's float8 recipe where a drafter trains in fp8")
+    parser.add_argument(
+        "--fp8-recipe",
+        choices=FP8_RECIPES,
+        default="rowwise",
+        help="drafter.fp8_recipe: torchao's float8 recipe where a drafter trains in fp8",
+    )

@@ -29,8 +29,10 @@ def _ops():
     ops = Patomic.ops(_WIDTH)
     fns = (ops.xchg_ops.fp_cmpxchg_strong, ops.unsigned_ops.fp_fetch_add, ops.fp_load, ops.fp_store)
     if not all(fns):
-        raise RuntimeError(f"the atomics package's patomic library has no lock-free {_WIDTH}-byte "
-                           f"compare-and-swap, fetch-add, load or store on this CPU: the ring cannot run here")
+        raise RuntimeError(
+            f"the atomics package's patomic library has no lock-free {_WIDTH}-byte "
+            f"compare-and-swap, fetch-add, load or store on this CPU: the ring cannot run here"
+        )
     return fns
 
 
@@ -74,6 +76,8 @@ def atomic_words(mm: mmap.mmap, offsets: list[int]) -> list[AtomicWord]:
     base = ctypes.addressof(anchor)
     for offset in offsets:
         if (base + offset) % _ALIGN or not 0 <= offset <= len(mm) - _WIDTH:
-            raise ValueError(f"atomic word at offset {offset} is not a {_ALIGN}-byte aligned 8-byte word "
-                             f"of the {len(mm)}-byte mapping")
+            raise ValueError(
+                f"atomic word at offset {offset} is not a {_ALIGN}-byte aligned 8-byte word "
+                f"of the {len(mm)}-byte mapping"
+            )
     return [AtomicWord(anchor, offset) for offset in offsets]

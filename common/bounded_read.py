@@ -16,8 +16,10 @@ def read_bytes(path: str | os.PathLike, cap: int, error: type[Exception], what: 
     with open(path, "rb") as f:
         data = f.read(cap + 1)
     if len(data) > cap:
-        raise error(f"{what} {path} is larger than {cap >> 20} MiB: it is not the file it should be "
-                    "(check the path, or replace the file)")
+        raise error(
+            f"{what} {path} is larger than {cap >> 20} MiB: it is not the file it should be "
+            "(check the path, or replace the file)"
+        )
     return data
 
 

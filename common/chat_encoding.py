@@ -116,8 +116,10 @@ class ChatEncoder:
         if not tokenizer.is_fast:
             raise DataError("loss masks need character offsets: load the target tokenizer as a fast tokenizer")
         if not tokenizer.chat_template:
-            raise DataError("the target tokenizer has no chat template: set target.tokenizer to a tokenizer "
-                            "directory that has one (chat_template in tokenizer_config.json, or chat_template.jinja)")
+            raise DataError(
+                "the target tokenizer has no chat template: set target.tokenizer to a tokenizer "
+                "directory that has one (chat_template in tokenizer_config.json, or chat_template.jinja)"
+            )
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.enable_thinking = enable_thinking

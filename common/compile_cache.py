@@ -34,8 +34,14 @@ def cache_key(role: str, fields: dict[str, Any]) -> str:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    identity = {"role": role, "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version,
-                "device": device, "config": fields}
+    identity = {
+        "role": role,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton_version,
+        "device": device,
+        "config": fields,
+    }
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -24,6 +24,8 @@ def checked_device(name: str) -> Any:
             why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
             raise DeviceError(f"device {name!r}: no CUDA device here ({why}); use --device cpu")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise DeviceError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) visible "
-                              f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
+            raise DeviceError(
+                f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) visible "
+                f"(cuda:0..cuda:{torch.cuda.device_count() - 1})"
+            )
     return device

@@ -71,15 +71,21 @@ class GpuCollector(Collector):
         if not self._handles:
             return
         nvml = self._nvml
-        util = GaugeMetricFamily("dflash_ring_gpu_utilization_ratio",
-                                 "Fraction of the last sample period a kernel ran on the GPU (0-1)", labels=["UUID"])
-        mem = GaugeMetricFamily("dflash_ring_gpu_memory_used_bytes", "GPU memory in use (all processes)",
-                                labels=["UUID"])
+        util = GaugeMetricFamily(
+            "dflash_ring_gpu_utilization_ratio",
+            "Fraction of the last sample period a kernel ran on the GPU (0-1)",
+            labels=["UUID"],
+        )
+        mem = GaugeMetricFamily(
+            "dflash_ring_gpu_memory_used_bytes", "GPU memory in use (all processes)", labels=["UUID"]
+        )
         power = GaugeMetricFamily("dflash_ring_gpu_power_watts", "GPU power draw", labels=["UUID"])
         for uuid, h in self._handles.items():
-            for family, read in ((util, lambda: nvml.nvmlDeviceGetUtilizationRates(h).gpu / 100.0),
-                                 (mem, lambda: nvml.nvmlDeviceGetMemoryInfo(h).used),
-                                 (power, lambda: nvml.nvmlDeviceGetPowerUsage(h) / 1000.0)):
+            for family, read in (
+                (util, lambda: nvml.nvmlDeviceGetUtilizationRates(h).gpu / 100.0),
+                (mem, lambda: nvml.nvmlDeviceGetMemoryInfo(h).used),
+                (power, lambda: nvml.nvmlDeviceGetPowerUsage(h) / 1000.0),
+            ):
                 try:
                     family.add_metric([uuid], float(read()))
                 except nvml.NVMLError:

@@ -121,12 +121,52 @@ ROW_DTYPE = np.dtype(
         # tokens: tokens a producer published (the drafters' view of the producers' tokens/s). Added after the
         # publish, so a producer killed in between leaves one item's tokens out: a rate, where items is the
         # exactly-once count.
-        "names": ["role", "index", "pid", "heartbeat_ns", "started_ns", "items", "status", "restarts",
-                  "pending_word", "cursor", "prev_cursor", "has_cursor", "planned_items",
-                  "intent_slot", "intent_word", "intent_items", "cursor_plan", "replayed", "prev_replayed",
-                  "planned_eval_items", "tokens"],
-        "formats": ["<u4", "<u4", "<u8", "<u8", "<u8", "<u8", "<u8", "<u8", "<u8", ("<i8", (2,)), ("<i8", (2,)),
-                    "<u8", "<u8", "<u8", "<u8", "<u8", "S24", "<u8", "<u8", "<u8", "<u8"],
+        "names": [
+            "role",
+            "index",
+            "pid",
+            "heartbeat_ns",
+            "started_ns",
+            "items",
+            "status",
+            "restarts",
+            "pending_word",
+            "cursor",
+            "prev_cursor",
+            "has_cursor",
+            "planned_items",
+            "intent_slot",
+            "intent_word",
+            "intent_items",
+            "cursor_plan",
+            "replayed",
+            "prev_replayed",
+            "planned_eval_items",
+            "tokens",
+        ],
+        "formats": [
+            "<u4",
+            "<u4",
+            "<u8",
+            "<u8",
+            "<u8",
+            "<u8",
+            "<u8",
+            "<u8",
+            "<u8",
+            ("<i8", (2,)),
+            ("<i8", (2,)),
+            "<u8",
+            "<u8",
+            "<u8",
+            "<u8",
+            "<u8",
+            "S24",
+            "<u8",
+            "<u8",
+            "<u8",
+            "<u8",
+        ],
         "offsets": [0, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 104, 112, 120, 128, 136, 160, 168, 176, 184],
         "itemsize": ROW_BYTES,
     }
@@ -187,7 +227,9 @@ class Identity:
     blob_len: int
 
 
-def write_identity(buf: memoryview, geo: Geometry, created_ns: int, fingerprint: bytes, run_name: str, blob: bytes) -> None:
+def write_identity(
+    buf: memoryview, geo: Geometry, created_ns: int, fingerprint: bytes, run_name: str, blob: bytes
+) -> None:
     """Write everything but the magic; the magic goes last so a half-made header reads as 'initializing'."""
     if len(blob) > FINGERPRINT_BLOB_MAX:
         raise ValueError(f"fingerprint fields take {len(blob)} bytes, more than {FINGERPRINT_BLOB_MAX}")
@@ -223,8 +265,20 @@ def read_identity(buf: memoryview, segment_bytes: int, segment_name: str, run: s
     fix = f"Stop every process of this run, then remove it with `dflash-ring clean {run}` and start again."
     if segment_bytes < HEADER_BYTES:
         raise RingHeaderError(f"segment {segment_name} is {segment_bytes} bytes, smaller than a ring header. {fix}")
-    (magic, version, n_slots, n_rows, slot_bytes, slot_header_bytes, payload_offset, total, created_ns,
-     fingerprint, run_name, blob_len) = _IDENTITY.unpack_from(buf, 0)
+    (
+        magic,
+        version,
+        n_slots,
+        n_rows,
+        slot_bytes,
+        slot_header_bytes,
+        payload_offset,
+        total,
+        created_ns,
+        fingerprint,
+        run_name,
+        blob_len,
+    ) = _IDENTITY.unpack_from(buf, 0)
     if magic != MAGIC:
         raise RingHeaderError(f"segment {segment_name} has magic {magic!r}, not a dflash-ring header. {fix}")
     if version != LAYOUT_VERSION:
@@ -232,8 +286,12 @@ def read_identity(buf: memoryview, segment_bytes: int, segment_name: str, run: s
             f"segment {segment_name} has layout version {version}, this build reads version {LAYOUT_VERSION}: "
             f"run every process of a run from the same release. {fix}"
         )
-    if not (1 <= n_slots <= 4096 and 3 <= n_rows <= 4097 and 0 < slot_header_bytes < slot_bytes < 1 << 40
-            and blob_len <= FINGERPRINT_BLOB_MAX):
+    if not (
+        1 <= n_slots <= 4096
+        and 3 <= n_rows <= 4097
+        and 0 < slot_header_bytes < slot_bytes < 1 << 40
+        and blob_len <= FINGERPRINT_BLOB_MAX
+    ):
         raise RingHeaderError(
             f"segment {segment_name} header has impossible geometry (slots={n_slots}, rows={n_rows}, "
             f"slot_bytes={slot_bytes}, slot_header_bytes={slot_header_bytes}). {fix}"

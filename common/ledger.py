@@ -62,4 +62,3 @@ def read_ledger(path: Path) -> LedgerFile:
             else:
                 out.records.append(rec)
     return out
-

@@ -88,6 +88,7 @@ class BatchIdentity:
 
 # ---- the supervisor -----------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class SupervisorStart(LedgerEvent):
     KIND: ClassVar[str] = "start"
@@ -96,6 +97,7 @@ class SupervisorStart(LedgerEvent):
 
 
 # ---- a producer ---------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ProducerStart(LedgerEvent):
@@ -129,6 +131,7 @@ class ShardDone(LedgerEvent):
 
 
 # ---- a drafter ----------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class DrafterStart(LedgerEvent):
@@ -191,6 +194,7 @@ class Exited(LedgerEvent):
 
 # ---- every role ---------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class StartupDone(LedgerEvent):
     KIND: ClassVar[str] = "startup"
@@ -200,10 +204,12 @@ class StartupDone(LedgerEvent):
 
 # ---- the writer and the parser --------------------------------------------------------------------
 
+
 def encode(event: LedgerEvent, pid: int, t: float) -> bytes:
     """The one writer of a ledger line."""
-    return (json.dumps({_KIND: event.KIND, _PID: pid, _TIME: t, **event.line_fields()}, separators=(",", ":"))
-            + "\n").encode()
+    return (
+        json.dumps({_KIND: event.KIND, _PID: pid, _TIME: t, **event.line_fields()}, separators=(",", ":")) + "\n"
+    ).encode()
 
 
 def parse(raw: bytes) -> dict[str, Any] | None:

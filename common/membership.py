@@ -22,8 +22,9 @@ class Membership:
         self._lock = lock
 
     @classmethod
-    def join(cls, ring: Ring, run: RunConfig, role: Role, index: int, *, journal_dir: str,
-             lock: LockFile | None = None) -> Membership:
+    def join(
+        cls, ring: Ring, run: RunConfig, role: Role, index: int, *, journal_dir: str, lock: LockFile | None = None
+    ) -> Membership:
         """Take this role's row, waiting until a predecessor in it is confirmed dead.
 
         Whatever the predecessor held (a half-written or half-read slot) is
@@ -43,8 +44,9 @@ class Membership:
             seal_drafter(journal_dir, index, ring.identity.created_ns, ring.unfinished_item_numbers())
         freed, redelivered = ring.reclaim_slots_of(row)
         if freed or redelivered:
-            log.warning("took over row %d from a dead predecessor: %d slot(s) freed, %d redelivered",
-                        row, freed, redelivered)
+            log.warning(
+                "took over row %d from a dead predecessor: %d slot(s) freed, %d redelivered", row, freed, redelivered
+            )
         ring.take_row(row, role, index)
         return cls(ring, lock, row, role, index)
 

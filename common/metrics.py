@@ -78,8 +78,10 @@ def _port_error(m: MetricsConfig, who: str, port: int, e: OSError) -> MetricsPor
             f"+ 200 regenerate: choose a free base with `--set metrics.port_base=N` (or port_base in [metrics]), "
             f"or turn metrics off with `--set metrics.enabled=false`"
         )
-    return MetricsPortError(f"cannot serve metrics for {who} on {m.bind}:{port} ({e}): check metrics.bind "
-                            f"and metrics.port_base, or set metrics.enabled = false")
+    return MetricsPortError(
+        f"cannot serve metrics for {who} on {m.bind}:{port} ({e}): check metrics.bind "
+        f"and metrics.port_base, or set metrics.enabled = false"
+    )
 
 
 def check_ports_free(m: MetricsConfig, t: TopologyConfig) -> None:
@@ -114,15 +116,21 @@ def serve(m: MetricsConfig, run_name: str, role: str, index: int = 0, uuid: str 
         return registry
     for c in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
         registry.register(c)
-    Gauge("dflash_ring_process_info", "This process: role (supervisor|target|drafter|regenerate), index, run "
-          "and GPU UUID (empty on the CPU); always 1", ["role", "index", "run", "UUID"],
-          registry=registry).labels(role, str(index), run_name, uuid).set(1)
+    Gauge(
+        "dflash_ring_process_info",
+        "This process: role (supervisor|target|drafter|regenerate), index, run "
+        "and GPU UUID (empty on the CPU); always 1",
+        ["role", "index", "run", "UUID"],
+        registry=registry,
+    ).labels(role, str(index), run_name, uuid).set(1)
     port = port_of(m, role, index)
     who = role if role in (SUPERVISOR, REGENERATE) else f"{role} {index}"
     if port > 65535:
-        raise MetricsPortError(f"metrics port of {who} would be {port} (metrics.port_base {m.port_base} + "
-                               f"{PORT_OFFSET[role]}), past 65535: lower metrics.port_base or set "
-                               "metrics.enabled = false")
+        raise MetricsPortError(
+            f"metrics port of {who} would be {port} (metrics.port_base {m.port_base} + "
+            f"{PORT_OFFSET[role]}), past 65535: lower metrics.port_base or set "
+            "metrics.enabled = false"
+        )
     try:
         start_http_server(port, addr=m.bind, registry=registry)
     except OSError as e:
@@ -133,9 +141,14 @@ def serve(m: MetricsConfig, run_name: str, role: str, index: int = 0, uuid: str 
 
 def startup_gauge(registry: CollectorRegistry) -> Gauge:
     """Start-up phases of this process (common/startup.py names them per role)."""
-    return Gauge("dflash_ring_startup_seconds", "Seconds each start-up phase of this process took, from its exec "
-                 "to its first useful work (supervisor: ring created or adopted; target: first publish; drafter: "
-                 "first step); the phases sum to the whole start-up", ["phase"], registry=registry)
+    return Gauge(
+        "dflash_ring_startup_seconds",
+        "Seconds each start-up phase of this process took, from its exec "
+        "to its first useful work (supervisor: ring created or adopted; target: first publish; drafter: "
+        "first step); the phases sum to the whole start-up",
+        ["phase"],
+        registry=registry,
+    )
 
 
 class DeviceSpan:
@@ -168,27 +181,47 @@ class ProducerMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None):
         r = registry if registry is not None else CollectorRegistry()
-        self.blocked = Counter("dflash_ring_producer_blocked_seconds_total",
-                               "Seconds this target waited for a free slot (ring full)", registry=r)
-        self.d2h = Histogram("dflash_ring_d2h_copy_seconds", "Device-to-host copy of one item into its slot",
-                             buckets=COPY_BUCKETS, registry=r)
-        self.step = Histogram("dflash_ring_target_step_seconds", "Target forward time of one batch",
-                              buckets=STEP_BUCKETS, registry=r)
+        self.blocked = Counter(
+            "dflash_ring_producer_blocked_seconds_total",
+            "Seconds this target waited for a free slot (ring full)",
+            registry=r,
+        )
+        self.d2h = Histogram(
+            "dflash_ring_d2h_copy_seconds",
+            "Device-to-host copy of one item into its slot",
+            buckets=COPY_BUCKETS,
+            registry=r,
+        )
+        self.step = Histogram(
+            "dflash_ring_target_step_seconds", "Target forward time of one batch", buckets=STEP_BUCKETS, registry=r
+        )
         self.tokens = Counter("dflash_ring_target_tokens_total", "Tokens this target published", registry=r)
         self.items = Counter("dflash_ring_target_items_total", "Items (batches) this target published", registry=r)
-        self.source_trained = Counter("dflash_ring_target_trained_tokens_total",
-                                      "Trained (loss-mask) tokens this target published, by data source: the "
-                                      "mix the drafters actually see", ["source"], registry=r)
-        self.bad_rows = Counter("dflash_ring_bad_rows_skipped_total",
-                                "Data set rows skipped as unusable at load (the whole set: each target "
-                                "reports the same rows; use max, not sum)", registry=r)
-        self.packing = Gauge("dflash_ring_target_packing_info",
-                             "1 for the batch layout this target runs (packed: the conformance probe passed; "
-                             "padded: target.packing = padded, or auto after a failed probe)",
-                             ["mode", "model_type"], registry=r)
-        self.conformance_error = Gauge("dflash_ring_target_conformance_error",
-                                       "Largest per-token relative error of packed against per-sequence features "
-                                       "in the start-up conformance probe (NaN: not probed)", registry=r)
+        self.source_trained = Counter(
+            "dflash_ring_target_trained_tokens_total",
+            "Trained (loss-mask) tokens this target published, by data source: the mix the drafters actually see",
+            ["source"],
+            registry=r,
+        )
+        self.bad_rows = Counter(
+            "dflash_ring_bad_rows_skipped_total",
+            "Data set rows skipped as unusable at load (the whole set: each target "
+            "reports the same rows; use max, not sum)",
+            registry=r,
+        )
+        self.packing = Gauge(
+            "dflash_ring_target_packing_info",
+            "1 for the batch layout this target runs (packed: the conformance probe passed; "
+            "padded: target.packing = padded, or auto after a failed probe)",
+            ["mode", "model_type"],
+            registry=r,
+        )
+        self.conformance_error = Gauge(
+            "dflash_ring_target_conformance_error",
+            "Largest per-token relative error of packed against per-sequence features "
+            "in the start-up conformance probe (NaN: not probed)",
+            registry=r,
+        )
 
 
 class DrafterMetrics:
@@ -196,68 +229,122 @@ class DrafterMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None):
         r = registry if registry is not None else CollectorRegistry()
-        self.wait = Counter("dflash_ring_consumer_wait_seconds_total",
-                            "Seconds this drafter waited for a ready slot (ring empty)", registry=r)
-        self.h2d = Histogram("dflash_ring_h2d_copy_seconds", "Host-to-device copy of one item out of its slot",
-                             buckets=COPY_BUCKETS, registry=r)
+        self.wait = Counter(
+            "dflash_ring_consumer_wait_seconds_total",
+            "Seconds this drafter waited for a ready slot (ring empty)",
+            registry=r,
+        )
+        self.h2d = Histogram(
+            "dflash_ring_h2d_copy_seconds",
+            "Host-to-device copy of one item out of its slot",
+            buckets=COPY_BUCKETS,
+            registry=r,
+        )
         self.items = Counter("dflash_ring_drafter_items_total", "Items this drafter took from the ring", registry=r)
         self.tokens = Counter("dflash_ring_drafter_tokens_total", "Tokens this drafter trained on", registry=r)
-        self.steps = Counter("dflash_ring_drafter_steps_total", "Optimizer steps of this drafter (this start)",
-                             registry=r)
-        self.step = Histogram("dflash_ring_drafter_step_seconds", "Time of one training step",
-                              buckets=STEP_BUCKETS, registry=r)
+        self.steps = Counter(
+            "dflash_ring_drafter_steps_total", "Optimizer steps of this drafter (this start)", registry=r
+        )
+        self.step = Histogram(
+            "dflash_ring_drafter_step_seconds", "Time of one training step", buckets=STEP_BUCKETS, registry=r
+        )
         self.loss = Gauge("dflash_ring_drafter_loss", "Training loss of the last step", registry=r)
-        self.accuracy = Gauge("dflash_ring_drafter_accuracy",
-                              "Top-1 accuracy of the last step, mean over block positions (0-1)", registry=r)
-        self.acceptance = Gauge("dflash_ring_drafter_acceptance_length",
-                                "Teacher-forced acceptance length of the last step's blocks (accepted prefix + 1)",
-                                registry=r)
-        self.acceptance_prob = Gauge("dflash_ring_drafter_probabilistic_acceptance_length",
-                                     "Probabilistic acceptance length of the last step's blocks: 1 + expected "
-                                     "accepted drafts under the drafter's own distribution (what CAP optimises)",
-                                     registry=r)
-        self.position_accuracy = Gauge("dflash_ring_drafter_position_accuracy",
-                                       "Top-1 accuracy of the last step at each block position (1..B-1)",
-                                       ["position"], registry=r)
-        self.accept_rate = Gauge("dflash_ring_drafter_position_accept_rate",
-                                 "DSpark: mean analytic acceptance 1 - TV of the last step at each draft position "
-                                 "(1 = the first draft)", ["position"], registry=r)
-        self.tau_probabilistic = Gauge("dflash_ring_drafter_tau_probabilistic",
-                                       "DSpark: 1 + sum over the block of the cumulative product of the analytic "
-                                       "acceptance, mean over the last step's blocks", registry=r)
-        self.confidence_error = Gauge("dflash_ring_drafter_confidence_abs_error",
-                                      "DSpark: mean |confidence - analytic acceptance| over the last step's drafts",
-                                      registry=r)
-        self.selector_accept_len = Gauge("dflash_ring_drafter_selector_accept_len",
-                                         "DFlash2: mean accepted length over the last step's blocks of the greedy "
-                                         "walk through the candidate selector (teacher-forced, exact while it is "
-                                         "right)", registry=r)
-        self.selector_recall = Gauge("dflash_ring_drafter_selector_top_k_recall",
-                                     "DFlash2: share of the last step's drafts whose label is in the unary top-K",
-                                     registry=r)
+        self.accuracy = Gauge(
+            "dflash_ring_drafter_accuracy",
+            "Top-1 accuracy of the last step, mean over block positions (0-1)",
+            registry=r,
+        )
+        self.acceptance = Gauge(
+            "dflash_ring_drafter_acceptance_length",
+            "Teacher-forced acceptance length of the last step's blocks (accepted prefix + 1)",
+            registry=r,
+        )
+        self.acceptance_prob = Gauge(
+            "dflash_ring_drafter_probabilistic_acceptance_length",
+            "Probabilistic acceptance length of the last step's blocks: 1 + expected "
+            "accepted drafts under the drafter's own distribution (what CAP optimises)",
+            registry=r,
+        )
+        self.position_accuracy = Gauge(
+            "dflash_ring_drafter_position_accuracy",
+            "Top-1 accuracy of the last step at each block position (1..B-1)",
+            ["position"],
+            registry=r,
+        )
+        self.accept_rate = Gauge(
+            "dflash_ring_drafter_position_accept_rate",
+            "DSpark: mean analytic acceptance 1 - TV of the last step at each draft position (1 = the first draft)",
+            ["position"],
+            registry=r,
+        )
+        self.tau_probabilistic = Gauge(
+            "dflash_ring_drafter_tau_probabilistic",
+            "DSpark: 1 + sum over the block of the cumulative product of the analytic "
+            "acceptance, mean over the last step's blocks",
+            registry=r,
+        )
+        self.confidence_error = Gauge(
+            "dflash_ring_drafter_confidence_abs_error",
+            "DSpark: mean |confidence - analytic acceptance| over the last step's drafts",
+            registry=r,
+        )
+        self.selector_accept_len = Gauge(
+            "dflash_ring_drafter_selector_accept_len",
+            "DFlash2: mean accepted length over the last step's blocks of the greedy "
+            "walk through the candidate selector (teacher-forced, exact while it is "
+            "right)",
+            registry=r,
+        )
+        self.selector_recall = Gauge(
+            "dflash_ring_drafter_selector_top_k_recall",
+            "DFlash2: share of the last step's drafts whose label is in the unary top-K",
+            registry=r,
+        )
         self.lr = Gauge("dflash_ring_drafter_learning_rate", "Learning rate of the last step", registry=r)
-        self.step_number = Gauge("dflash_ring_drafter_step", "Optimizer step reached (survives restarts)",
-                                 registry=r)
-        self.grad_norm = Gauge("dflash_ring_drafter_grad_norm", "Gradient norm of the last step, before clipping",
-                               registry=r)
+        self.step_number = Gauge("dflash_ring_drafter_step", "Optimizer step reached (survives restarts)", registry=r)
+        self.grad_norm = Gauge(
+            "dflash_ring_drafter_grad_norm", "Gradient norm of the last step, before clipping", registry=r
+        )
         # The step record's keys (consumer/step_record.py) each gauge shows.
-        self.gauges = {"loss": self.loss, "accuracy/mean": self.accuracy, "accept_len": self.acceptance,
-                       "accept_len_prob": self.acceptance_prob, "lr": self.lr, "grad_norm": self.grad_norm}
+        self.gauges = {
+            "loss": self.loss,
+            "accuracy/mean": self.accuracy,
+            "accept_len": self.acceptance,
+            "accept_len_prob": self.acceptance_prob,
+            "lr": self.lr,
+            "grad_norm": self.grad_norm,
+        }
         # Per data source (the configured names, at most data.MAX_SOURCES, and "other"), split "train" (the
         # steps since the last logged one) or "eval" (the held-out items of the last evaluation report).
         by_source = ["source", "split"]
-        self.source_loss = Gauge("dflash_ring_drafter_source_loss", "Loss over the blocks of one data source's "
-                                 "sequences (train: the steps since the last logged one; eval: the last evaluation report)", by_source,
-                                 registry=r)
-        self.source_accuracy = Gauge("dflash_ring_drafter_source_accuracy", "Top-1 accuracy over one data source's "
-                                     "blocks (0-1)", by_source, registry=r)
-        self.source_acceptance = Gauge("dflash_ring_drafter_source_acceptance_length", "Teacher-forced acceptance "
-                                       "length of one data source's blocks", by_source, registry=r)
-        self.source_tokens = Counter("dflash_ring_drafter_source_tokens_total", "Supervised (loss-mask) tokens "
-                                     "this drafter trained (train) or evaluated (eval), by data source", by_source,
-                                     registry=r)
-        self.eval_items = Counter("dflash_ring_drafter_eval_items_total", "Held-out items this drafter evaluated "
-                                  "(never trained)", registry=r)
+        self.source_loss = Gauge(
+            "dflash_ring_drafter_source_loss",
+            "Loss over the blocks of one data source's "
+            "sequences (train: the steps since the last logged one; eval: the last evaluation report)",
+            by_source,
+            registry=r,
+        )
+        self.source_accuracy = Gauge(
+            "dflash_ring_drafter_source_accuracy",
+            "Top-1 accuracy over one data source's blocks (0-1)",
+            by_source,
+            registry=r,
+        )
+        self.source_acceptance = Gauge(
+            "dflash_ring_drafter_source_acceptance_length",
+            "Teacher-forced acceptance length of one data source's blocks",
+            by_source,
+            registry=r,
+        )
+        self.source_tokens = Counter(
+            "dflash_ring_drafter_source_tokens_total",
+            "Supervised (loss-mask) tokens this drafter trained (train) or evaluated (eval), by data source",
+            by_source,
+            registry=r,
+        )
+        self.eval_items = Counter(
+            "dflash_ring_drafter_eval_items_total", "Held-out items this drafter evaluated (never trained)", registry=r
+        )
 
     def publish(self, step: int, step_s: float, record: dict[str, float]) -> None:
         """One optimizer step: its record (consumer/step_record.py) into the gauges, its time and number."""
@@ -266,10 +353,12 @@ class DrafterMetrics:
         self.step_number.set(step)
         for key, gauge in self.gauges.items():
             gauge.set(record[key])
-        for key, gauge in {"tau_probabilistic": self.tau_probabilistic,
-                           "confidence/abs_error": self.confidence_error,
-                           "selector/accept_len": self.selector_accept_len,
-                           "selector/top_k_recall": self.selector_recall}.items():
+        for key, gauge in {
+            "tau_probabilistic": self.tau_probabilistic,
+            "confidence/abs_error": self.confidence_error,
+            "selector/accept_len": self.selector_accept_len,
+            "selector/top_k_recall": self.selector_recall,
+        }.items():
             if key in record:  # DSpark's, DFlash2's
                 gauge.set(record[key])
         for key, value in record.items():
@@ -307,20 +396,29 @@ class RegenerateMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None):
         r = registry if registry is not None else CollectorRegistry()
-        self.prompts = Counter("dflash_ring_regenerate_prompts_total",
-                               "Source rows by outcome: complete and truncated_kept replies are written; "
-                               "truncated_dropped (hit max_new_tokens, keep_truncated off), unusable (a reply the data "
-                               "loader would refuse), error (the engine failed the prompt) and bad_row are skipped",
-                               ["outcome"], registry=r)
-        self.generated_tokens = Counter("dflash_ring_regenerate_generated_tokens_total",
-                                        "Tokens the engine generated (kept or not)", registry=r)
-        self.prompt_tokens = Counter("dflash_ring_regenerate_prompt_tokens_total",
-                                     "Prompt tokens the engine read", registry=r)
-        self.errors = Counter("dflash_ring_regenerate_errors_total",
-                              "Engine failures: reply (one prompt failed, skipped) or abort (the job stopped)",
-                              ["kind"], registry=r)
-        self.rows_done = Gauge("dflash_ring_regenerate_rows_done",
-                               "Source rows in finished shards, earlier starts included", registry=r)
+        self.prompts = Counter(
+            "dflash_ring_regenerate_prompts_total",
+            "Source rows by outcome: complete and truncated_kept replies are written; "
+            "truncated_dropped (hit max_new_tokens, keep_truncated off), unusable (a reply the data "
+            "loader would refuse), error (the engine failed the prompt) and bad_row are skipped",
+            ["outcome"],
+            registry=r,
+        )
+        self.generated_tokens = Counter(
+            "dflash_ring_regenerate_generated_tokens_total", "Tokens the engine generated (kept or not)", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "dflash_ring_regenerate_prompt_tokens_total", "Prompt tokens the engine read", registry=r
+        )
+        self.errors = Counter(
+            "dflash_ring_regenerate_errors_total",
+            "Engine failures: reply (one prompt failed, skipped) or abort (the job stopped)",
+            ["kind"],
+            registry=r,
+        )
+        self.rows_done = Gauge(
+            "dflash_ring_regenerate_rows_done", "Source rows in finished shards, earlier starts included", registry=r
+        )
         self.rows_total = Gauge("dflash_ring_regenerate_rows", "Source rows of the job", registry=r)
         for outcome in self.OUTCOMES:
             self.prompts.labels(outcome)
@@ -366,30 +464,49 @@ class RingCollector(Collector):
             ("consumed", "Items released by all drafters"),
             ("redelivered", "Items of dead drafters handed to another"),
             ("reclaimed", "Half-written slots of dead targets returned to free"),
-            ("corrupt", "Slots found corrupt: a header that failed validation (item dropped), or a state word "
-                         "the ring protocol cannot produce (item redelivered when its header reads)"),
+            (
+                "corrupt",
+                "Slots found corrupt: a header that failed validation (item dropped), or a state word "
+                "the ring protocol cannot produce (item redelivered when its header reads)",
+            ),
         ):
             yield CounterMetricFamily(f"dflash_ring_items_{key}", text, value=c[key])
-        yield GaugeMetricFamily("dflash_ring_producers_done", "Targets that finished their shard",
-                                value=c["producers_done"])
-        yield GaugeMetricFamily("dflash_ring_producers_expected", "Targets of the run (topology.producers)",
-                                value=expected)
+        yield GaugeMetricFamily(
+            "dflash_ring_producers_done", "Targets that finished their shard", value=c["producers_done"]
+        )
+        yield GaugeMetricFamily(
+            "dflash_ring_producers_expected", "Targets of the run (topology.producers)", value=expected
+        )
         yield GaugeMetricFamily("dflash_ring_draining", "1 while the run drains", value=int(c["drain"] != 0))
-        yield GaugeMetricFamily("dflash_ring_shutting_down", "1 once shutdown is broadcast",
-                                value=int(c["shutdown"] != 0))
-        yield CounterMetricFamily("dflash_ring_supervisor_adoptions", "Times a restarted supervisor adopted the ring",
-                                  value=c["supervisor_adoptions"])
-        starts = CounterMetricFamily("dflash_ring_process_starts",
-                                     "Times a process took its row (restarts = starts - 1)", labels=["role", "index"])
-        beat = GaugeMetricFamily("dflash_ring_heartbeat_age_seconds", "Seconds since a process's last heartbeat",
-                                 labels=["role", "index"])
+        yield GaugeMetricFamily(
+            "dflash_ring_shutting_down", "1 once shutdown is broadcast", value=int(c["shutdown"] != 0)
+        )
+        yield CounterMetricFamily(
+            "dflash_ring_supervisor_adoptions",
+            "Times a restarted supervisor adopted the ring",
+            value=c["supervisor_adoptions"],
+        )
+        starts = CounterMetricFamily(
+            "dflash_ring_process_starts",
+            "Times a process took its row (restarts = starts - 1)",
+            labels=["role", "index"],
+        )
+        beat = GaugeMetricFamily(
+            "dflash_ring_heartbeat_age_seconds", "Seconds since a process's last heartbeat", labels=["role", "index"]
+        )
         for row in st.rows:
             labels = [OPERATOR_NAME[Role[row["role"].upper()]], str(row["index"])]
             starts.add_metric(labels, row["restarts"] + 1)
             beat.add_metric(labels, row["heartbeat_age_s"])
         yield starts
         yield beat
-        yield GaugeMetricFamily("dflash_ring_consumers_live", "Drafters holding their lock now",
-                                value=sum(s.startswith("consumer-") for s in live))
-        yield GaugeMetricFamily("dflash_ring_producers_live", "Targets holding their lock now",
-                                value=sum(s.startswith(f"{ROLE_NAME[Role.PRODUCER]}-") for s in live))
+        yield GaugeMetricFamily(
+            "dflash_ring_consumers_live",
+            "Drafters holding their lock now",
+            value=sum(s.startswith("consumer-") for s in live),
+        )
+        yield GaugeMetricFamily(
+            "dflash_ring_producers_live",
+            "Targets holding their lock now",
+            value=sum(s.startswith(f"{ROLE_NAME[Role.PRODUCER]}-") for s in live),
+        )

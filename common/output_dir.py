@@ -21,8 +21,9 @@ def check_output_dir(path: str | os.PathLike) -> Path:
     if not existing.is_dir():
         raise OutputDirError(f"output directory {path}: {existing} is not a directory; choose another path")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise OutputDirError(f"output directory {path}: {existing} is not writable by this user; choose a "
-                             f"directory you can write to")
+        raise OutputDirError(
+            f"output directory {path}: {existing} is not writable by this user; choose a directory you can write to"
+        )
     st = os.statvfs(existing)
     if st.f_flag & os.ST_RDONLY:
         raise OutputDirError(f"output directory {path}: {existing} is on a read-only file system; choose another path")

@@ -37,11 +37,15 @@ def check_private(st: os.stat_result, what: str, fix: str) -> None:
     """Refuse an object not owned by this user, or one that group or others may read or write."""
     me = os.geteuid()
     if st.st_uid != me:
-        raise ForeignObjectError(f"{what} belongs to uid {st.st_uid}, not to this user (uid {me}): "
-                                 f"someone else created it, so it is not used. {fix}")
+        raise ForeignObjectError(
+            f"{what} belongs to uid {st.st_uid}, not to this user (uid {me}): "
+            f"someone else created it, so it is not used. {fix}"
+        )
     if st.st_mode & 0o077:
-        raise ForeignObjectError(f"{what} has mode {stat.S_IMODE(st.st_mode):04o}, wider than 0600: "
-                                 f"other users could read or change it, so it is not used. {fix}")
+        raise ForeignObjectError(
+            f"{what} has mode {stat.S_IMODE(st.st_mode):04o}, wider than 0600: "
+            f"other users could read or change it, so it is not used. {fix}"
+        )
 
 
 def check_private_fd(fd: int, what: str, fix: str) -> None:
@@ -86,11 +90,15 @@ def ensure_private_dir(path: Path, what: str = "lock directory", setting: str = 
 def _check_ancestor(d: Path, what: str, fix: str) -> None:
     st = os.stat(d)
     if st.st_uid not in (0, os.geteuid()):
-        raise ForeignObjectError(f"{what} parent {d} belongs to uid {st.st_uid}, not to this user "
-                                 f"(uid {os.geteuid()}) or root: its owner could replace the {what}. {fix}")
+        raise ForeignObjectError(
+            f"{what} parent {d} belongs to uid {st.st_uid}, not to this user "
+            f"(uid {os.geteuid()}) or root: its owner could replace the {what}. {fix}"
+        )
     if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-        raise ForeignObjectError(f"{what} parent {d} has mode {stat.S_IMODE(st.st_mode):04o}: others may "
-                                 f"write to it and it is not sticky, so they could replace the {what}. {fix}")
+        raise ForeignObjectError(
+            f"{what} parent {d} has mode {stat.S_IMODE(st.st_mode):04o}: others may "
+            f"write to it and it is not sticky, so they could replace the {what}. {fix}"
+        )
 
 
 def _check_own_dir(d: Path, what: str, fix: str) -> None:
@@ -98,37 +106,50 @@ def _check_own_dir(d: Path, what: str, fix: str) -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise ForeignObjectError(f"{what} {d} is not a directory. {fix}")
     if st.st_uid != os.geteuid():
-        raise ForeignObjectError(f"{what} {d} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}): "
-                                 f"someone else created it. {fix}")
+        raise ForeignObjectError(
+            f"{what} {d} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}): "
+            f"someone else created it. {fix}"
+        )
     if st.st_mode & 0o022:
-        raise ForeignObjectError(f"{what} {d} has mode {stat.S_IMODE(st.st_mode):04o}: others may write to it. "
-                                 f"chmod 700 {d}")
+        raise ForeignObjectError(
+            f"{what} {d} has mode {stat.S_IMODE(st.st_mode):04o}: others may write to it. chmod 700 {d}"
+        )
 
 
 def group_secret(secret_file: str) -> bytes:
     """The replica group's secret, from group.secret_file; refused unless a regular file of ours no one else can
     read or write (why: it is the group's only credential)."""
     if not secret_file:
-        raise SecretFileError("group.secret_file is not set: the replica group needs a shared secret file "
-                              "(same content on every host), e.g. `head -c 32 /dev/urandom > F && chmod 600 F`")
+        raise SecretFileError(
+            "group.secret_file is not set: the replica group needs a shared secret file "
+            "(same content on every host), e.g. `head -c 32 /dev/urandom > F && chmod 600 F`"
+        )
     try:
         fd = os.open(secret_file, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as e:
-        raise SecretFileError(f"group.secret_file = {secret_file!r}: cannot open it ({e.strerror}); "
-                              "create it with `head -c 32 /dev/urandom > F && chmod 600 F`") from None
+        raise SecretFileError(
+            f"group.secret_file = {secret_file!r}: cannot open it ({e.strerror}); "
+            "create it with `head -c 32 /dev/urandom > F && chmod 600 F`"
+        ) from None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
             raise SecretFileError(f"group.secret_file = {secret_file!r} is not a regular file")
         if st.st_uid != os.geteuid():
-            raise SecretFileError(f"group.secret_file = {secret_file!r} belongs to uid {st.st_uid}, not to "
-                                  f"this user ({os.geteuid()}): use a file of your own")
+            raise SecretFileError(
+                f"group.secret_file = {secret_file!r} belongs to uid {st.st_uid}, not to "
+                f"this user ({os.geteuid()}): use a file of your own"
+            )
         if st.st_mode & 0o077:
-            raise SecretFileError(f"group.secret_file = {secret_file!r} has mode "
-                                  f"{stat.S_IMODE(st.st_mode):04o}: others can read or write it; "
-                                  f"`chmod 600 {secret_file}`")
+            raise SecretFileError(
+                f"group.secret_file = {secret_file!r} has mode "
+                f"{stat.S_IMODE(st.st_mode):04o}: others can read or write it; "
+                f"`chmod 600 {secret_file}`"
+            )
         secret = f.read()
     if len(secret.strip()) < 16:
-        raise SecretFileError(f"group.secret_file = {secret_file!r} holds {len(secret.strip())} bytes: "
-                              "need at least 16, e.g. `head -c 32 /dev/urandom > F`")
+        raise SecretFileError(
+            f"group.secret_file = {secret_file!r} holds {len(secret.strip())} bytes: "
+            "need at least 16, e.g. `head -c 32 /dev/urandom > F`"
+        )
     return secret

@@ -24,8 +24,11 @@ class HostRegistration:
             return
         rc = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), _PORTABLE)
         if int(rc) != 0:
-            log.warning("cudaHostRegister of %d bytes failed (error %s): copies to and from them will be unpinned",
-                        tensor.numel(), int(rc))
+            log.warning(
+                "cudaHostRegister of %d bytes failed (error %s): copies to and from them will be unpinned",
+                tensor.numel(),
+                int(rc),
+            )
             return
         self._ptr = tensor.data_ptr()
 

@@ -34,12 +34,21 @@ class Rendezvous:
             self.sock.bind(addr)
             self.sock.listen(128)
         except OSError as e:
-            raise ConfigError(f"group.rendezvous = {address!r}: cannot listen there ({e.strerror or e}); "
-                              "use an address of this host and a free port") from None
+            raise ConfigError(
+                f"group.rendezvous = {address!r}: cannot listen there ({e.strerror or e}); "
+                "use an address of this host and a free port"
+            ) from None
         self.address = self.sock.getsockname()
         try:
-            self.store = TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                  timeout=timedelta(seconds=30), master_listen_fd=self.sock.fileno(), use_libuv=True)
+            self.store = TCPStore(
+                host,
+                port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=30),
+                master_listen_fd=self.sock.fileno(),
+                use_libuv=True,
+            )
         except BaseException:
             self.sock.close()
             raise

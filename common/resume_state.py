@@ -35,7 +35,7 @@ class ResumeState:
 
     @property
     def pending_replay(self) -> tuple[tuple[int, int], ...]:
-        return self.replay[self.replayed:]
+        return self.replay[self.replayed :]
 
 
 def cursor_path(state_dir: str | os.PathLike, run: str, index: int) -> Path:
@@ -69,22 +69,35 @@ class CursorFile:
         """(plan, plan description, state) whatever the plan; None when absent, CursorFileError when damaged."""
         try:
             saved = json.loads(read_text(self.path, RECORD_BYTES, CursorFileError, "cursor file"))
-            state = ResumeState(int(saved["epoch"]), int(saved["position"]),
-                                tuple((int(e), int(p)) for e, p in saved.get("replay", [])),
-                                int(saved.get("replayed", 0)), tuple(str(k) for k in saved.get("taken", [])))
+            state = ResumeState(
+                int(saved["epoch"]),
+                int(saved["position"]),
+                tuple((int(e), int(p)) for e, p in saved.get("replay", [])),
+                int(saved.get("replayed", 0)),
+                tuple(str(k) for k in saved.get("taken", [])),
+            )
             return str(saved.get("plan", "")), str(saved.get("plan_description", "")), state
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError) as e:
             raise CursorFileError(
                 f"cursor file {self.path} cannot be read ({type(e).__name__}: {e}): restore it, or delete "
-                "it to start this producer's shard again from the beginning (epoch 0)") from None
+                "it to start this producer's shard again from the beginning (epoch 0)"
+            ) from None
 
     def save(self, state: ResumeState, *, durable: bool = False) -> None:
         """Replace the file atomically; `durable` also fsyncs it (the one copy left once the ring is gone)."""
-        body = json.dumps({"epoch": state.epoch, "position": state.position, "plan": self.plan,
-                           "plan_description": self.description, "replay": [list(x) for x in state.replay],
-                           "replayed": state.replayed, "taken": list(state.taken)})
+        body = json.dumps(
+            {
+                "epoch": state.epoch,
+                "position": state.position,
+                "plan": self.plan,
+                "plan_description": self.description,
+                "replay": [list(x) for x in state.replay],
+                "replayed": state.replayed,
+                "taken": list(state.taken),
+            }
+        )
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:

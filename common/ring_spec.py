@@ -8,8 +8,16 @@ from dflash_ring.common.ring import RingSpec
 
 
 def ring_spec(cfg: Config) -> RingSpec:
-    return RingSpec.of(cfg.run.name, producers=cfg.topology.producers, consumers=cfg.topology.consumers,
-                       slots=cfg.ring.slots, slot_bytes=cfg.ring.slot_bytes,
-                       slot_header_bytes=cfg.ring.slot_header_bytes, lock_dir=cfg.run.lock_dir(),
-                       agreed=cfg.fingerprint_fields(), wait_s=cfg.ring.wait_s, pin=cfg.ring.pin,
-                       attach_timeout_s=cfg.run.attach_timeout_s)
+    return RingSpec.of(
+        cfg.run.name,
+        producers=cfg.topology.producers,
+        consumers=cfg.topology.consumers,
+        slots=cfg.ring.slots,
+        slot_bytes=cfg.ring.slot_bytes,
+        slot_header_bytes=cfg.ring.slot_header_bytes,
+        lock_dir=cfg.run.lock_dir(),
+        agreed=cfg.fingerprint_fields(),
+        wait_s=cfg.ring.wait_s,
+        pin=cfg.ring.pin,
+        attach_timeout_s=cfg.run.attach_timeout_s,
+    )

@@ -36,8 +36,10 @@ def mapping_pids(paths: list[Path]) -> dict[int, str]:
             continue
         try:
             with open(f"/proc/{entry.name}/maps") as f:
-                hit = any((fields := line.split(maxsplit=5))[4:5] and fields[4] in inodes
-                          and (fields[3], fields[4]) in keys for line in f)
+                hit = any(
+                    (fields := line.split(maxsplit=5))[4:5] and fields[4] in inodes and (fields[3], fields[4]) in keys
+                    for line in f
+                )
             if hit:
                 with open(f"/proc/{entry.name}/cmdline", "rb") as f:
                     found[int(entry.name)] = f.read(200).replace(b"\0", b" ").decode(errors="replace").strip()

@@ -51,8 +51,18 @@ class RoleProcess:
     """What a target or drafter process holds for its lifetime; made by `role_process` from the config's sections
     it reads: the ring's spec, metrics, run (name, locks, ledger), and train.checkpoint_dir (a drafter's journal)."""
 
-    def __init__(self, role: Role, gpu_uuid: str, startup: Startup, stack: contextlib.ExitStack, *, spec: RingSpec,
-                 metrics: MetricsConfig, run: RunConfig, journal_dir: str):
+    def __init__(
+        self,
+        role: Role,
+        gpu_uuid: str,
+        startup: Startup,
+        stack: contextlib.ExitStack,
+        *,
+        spec: RingSpec,
+        metrics: MetricsConfig,
+        run: RunConfig,
+        journal_dir: str,
+    ):
         self.role, self.gpu_uuid, self.startup = role, gpu_uuid, startup
         self.spec, self.metrics, self.run, self.journal_dir = spec, metrics, run, journal_dir
         self.index: int | None = None  # known once it serves (a standby learns it when it takes a seat over)
@@ -115,7 +125,9 @@ class RoleProcess:
     def join(self, ready: str, lock: LockFile | None = None) -> Membership:
         """Take this process's row and ledger and tell systemd it is ready (`ready` says what it loaded); `lock`:
         its index's lock when it has taken it already."""
-        self.member = Membership.join(self.ring, self.run, self.role, self.index, journal_dir=self.journal_dir, lock=lock)
+        self.member = Membership.join(
+            self.ring, self.run, self.role, self.index, journal_dir=self.journal_dir, lock=lock
+        )
         self._stack.callback(self._leave)
         self.ledger = Ledger.open(self.run.ledger_dir, self.role, self.index)
         sd_notify.ready(f"{self.name}: {ready}")
@@ -130,8 +142,16 @@ class RoleProcess:
 def role_process(cfg: Config, role: Role, index: int | None, gpu_uuid: str, startup: Startup) -> Iterator[RoleProcess]:
     """index None: serve later (`RoleProcess.serve`), once the index is this process's (a drafter)."""
     with contextlib.ExitStack() as stack:
-        proc = RoleProcess(role, gpu_uuid, startup, stack, spec=ring_spec(cfg), metrics=cfg.metrics, run=cfg.run,
-                           journal_dir=cfg.train.checkpoint_dir)
+        proc = RoleProcess(
+            role,
+            gpu_uuid,
+            startup,
+            stack,
+            spec=ring_spec(cfg),
+            metrics=cfg.metrics,
+            run=cfg.run,
+            journal_dir=cfg.train.checkpoint_dir,
+        )
         if index is not None:
             proc.serve(index)
         yield proc

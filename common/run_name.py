@@ -26,6 +26,8 @@ def is_valid(name: object) -> bool:
 def check_run_name(name: object, source: str = "run.name") -> str:
     """Return name if it is a safe run name, else raise RunNameError naming its source and the rule."""
     if not is_valid(name):
-        raise RunNameError(f"run name {name!r} (from {source}) is not allowed: a run name is {RULE}, because it "
-                           f"names the run's lock directory and shared memory; use such a name")
+        raise RunNameError(
+            f"run name {name!r} (from {source}) is not allowed: a run name is {RULE}, because it "
+            f"names the run's lock directory and shared memory; use such a name"
+        )
     return name  # type: ignore[return-value]

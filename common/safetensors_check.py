@@ -48,8 +48,10 @@ def check_safetensors_file(path: Path) -> dict:
         except (KeyError, TypeError, ValueError):
             raise _damaged(path, f"tensor {name!r} has no valid data_offsets") from None
         if not 0 <= start <= stop <= data:
-            raise _damaged(path, f"tensor {name!r} lies at bytes {start}-{stop} but the file holds {data} bytes of "
-                                 "data (truncated?)")
+            raise _damaged(
+                path,
+                f"tensor {name!r} lies at bytes {start}-{stop} but the file holds {data} bytes of data (truncated?)",
+            )
         end = max(end, stop)
     if end != data:
         raise _damaged(path, f"its tensors end at byte {end} of {data} bytes of data")
@@ -77,17 +79,21 @@ def weight_files(root: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(read_text(index, INDEX_BYTES, DamagedWeightsError, "safetensors index"))[
-                "weight_map"]
+                "weight_map"
+            ]
             names = sorted(set(weight_map.values()))
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             if isinstance(e, DamagedWeightsError):
                 raise
-            raise DamagedWeightsError(f"{index} is not a safetensors index ({type(e).__name__}: {e}): replace it "
-                                      "with the model's own") from None
+            raise DamagedWeightsError(
+                f"{index} is not a safetensors index ({type(e).__name__}: {e}): replace it with the model's own"
+            ) from None
         files = [root / name for name in names]
         if missing := [f.name for f in files if not f.is_file()]:
-            raise DamagedWeightsError(f"{index} names {missing[0]}, which is not in {root}"
-                                      f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}")
+            raise DamagedWeightsError(
+                f"{index} names {missing[0]}, which is not in {root}"
+                f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}"
+            )
     else:
         files = [root / "model.safetensors"]
     for f in files:
@@ -97,4 +103,3 @@ def weight_files(root: Path) -> list[Path]:
 
 def _damaged(path: Path, what: str) -> DamagedWeightsError:
     return DamagedWeightsError(f"{path} is not a readable safetensors file: {what}; copy or download it again")
-

@@ -50,8 +50,9 @@ class Seat:
     takeover: bool
 
 
-def take_seat(ring: Ring, lock_dir: Path, role: Role, indices: Sequence[int], stop: threading.Event,
-              standby: bool) -> Seat | None:
+def take_seat(
+    ring: Ring, lock_dir: Path, role: Role, indices: Sequence[int], stop: threading.Event, standby: bool
+) -> Seat | None:
     """The first seat of `indices` this process may take (module docstring), waiting for one; None when the run
     shuts down or `stop` is set first."""
     ensure_lock_dir(lock_dir)
@@ -75,8 +76,10 @@ def take_seat(ring: Ring, lock_dir: Path, role: Role, indices: Sequence[int], st
             else:
                 (index,) = indices
                 holder = _holder_pid(lock_path(lock_dir, role, index))
-                status = (f"{name} {index}: its lock is held by a live process (pid {holder}), as after a standby "
-                          f"took it over; waiting as its standby")
+                status = (
+                    f"{name} {index}: its lock is held by a live process (pid {holder}), as after a standby "
+                    f"took it over; waiting as its standby"
+                )
                 log.warning("%s", status)
             sd_notify.ready(status)
         sd_notify.watchdog()

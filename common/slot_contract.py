@@ -26,8 +26,9 @@ class SlotContractError(RuntimeError):
     """An item that does not carry what the contract says; the message names the tensor."""
 
 
-def item_tensors(num_tokens: int, num_sequences: int, width: int, hidden: int | None,
-                 dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+def item_tensors(
+    num_tokens: int, num_sequences: int, width: int, hidden: int | None, dtype: torch.dtype
+) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """Every tensor of one item, in slot order. `hidden` is None unless the final state is shipped."""
     import torch
 
@@ -44,16 +45,18 @@ def item_tensors(num_tokens: int, num_sequences: int, width: int, hidden: int | 
     return specs
 
 
-def check_fits(slot_bytes: int, header_bytes: int, max_tokens: int, width: int, hidden: int | None,
-               dtype: torch.dtype) -> None:
+def check_fits(
+    slot_bytes: int, header_bytes: int, max_tokens: int, width: int, hidden: int | None, dtype: torch.dtype
+) -> None:
     """Fail at start, not at the first long batch, when the largest possible item overflows a slot."""
     layout = SlotLayout(slot_bytes, header_bytes)
     try:
         for spec in item_tensors(max_tokens, max_tokens, width, hidden, dtype):
             layout.add(*spec)
     except ValueError as e:
-        raise SlotContractError(f"a full batch of data.max_tokens_per_batch = {max_tokens} tokens does not fit a "
-                                f"slot: {e}") from None
+        raise SlotContractError(
+            f"a full batch of data.max_tokens_per_batch = {max_tokens} tokens does not fit a slot: {e}"
+        ) from None
 
 
 @dataclass
@@ -73,8 +76,10 @@ class ItemView:
 def read_item(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> ItemView:
     missing = [name for name in (*HOST_TENSORS, FEATURES) if name not in tensors]
     if missing:
-        raise SlotContractError(f"ring item lacks {missing} (has {sorted(tensors)}): producer and drafter "
-                                "run different versions of the slot contract")
+        raise SlotContractError(
+            f"ring item lacks {missing} (has {sorted(tensors)}): producer and drafter "
+            "run different versions of the slot contract"
+        )
     return ItemView(*(tensors[name] for name in (*HOST_TENSORS, FEATURES)), tensors.get(FINAL_HIDDEN), dict(meta))
 
 
@@ -82,6 +87,8 @@ def item_sources(meta: dict[str, Any]) -> list[str]:
     """The source names an item's `source_ids` index, checked so a bad item fails here by name."""
     names = meta.get("sources")
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
-        raise SlotContractError(f"ring item meta has no list of source names (sources = {names!r}): producer and "
-                                "drafter run different versions of the slot contract")
+        raise SlotContractError(
+            f"ring item meta has no list of source names (sources = {names!r}): producer and "
+            "drafter run different versions of the slot contract"
+        )
     return names

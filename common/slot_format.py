@@ -30,8 +30,18 @@ MAX_NDIM = 8
 MAX_NAME = 128
 
 # dtypes that may travel, by name, with their sizes in bytes.
-ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4,
-                            "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+ITEMSIZE: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -121,13 +131,21 @@ def decode_header(buf: memoryview | bytes, slot_bytes: int, header_bytes: int) -
     if magic != PAYLOAD_MAGIC:
         raise SlotFormatError(f"slot header magic is {magic!r}, expected {PAYLOAD_MAGIC!r}")
     if body_len > header_bytes - _PREFIX.size or _PREFIX.size + body_len > len(buf):
-        raise SlotFormatError(f"slot header claims {body_len} bytes, the header area holds {header_bytes - _PREFIX.size}")
+        raise SlotFormatError(
+            f"slot header claims {body_len} bytes, the header area holds {header_bytes - _PREFIX.size}"
+        )
     raw = bytes(buf[_PREFIX.size : _PREFIX.size + body_len])
     try:
         doc = msgpack.unpackb(
-            raw, raw=False, strict_map_key=True, use_list=True,
-            max_str_len=header_bytes, max_bin_len=header_bytes,
-            max_array_len=1 << 16, max_map_len=1 << 12, max_ext_len=0,
+            raw,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_str_len=header_bytes,
+            max_bin_len=header_bytes,
+            max_array_len=1 << 16,
+            max_map_len=1 << 12,
+            max_ext_len=0,
         )
     except Exception as e:  # msgpack raises a zoo of types on garbage
         raise SlotFormatError(f"slot header is not valid msgpack: {type(e).__name__}: {e}") from None
@@ -151,8 +169,10 @@ def _check_entry(entry: Any, slot_bytes: int, header_bytes: int) -> TensorSpec:
         raise SlotFormatError(f"tensor name {name!r:.80} is not a short string")
     if not isinstance(dtype, str) or dtype not in ITEMSIZE:  # a list or map here is unhashable
         raise SlotFormatError(f"tensor {name!r} has unknown dtype {dtype!r:.40}")
-    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(
-        type(s) is int and 0 <= s < 1 << 40 for s in shape
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_NDIM
+        or not all(type(s) is int and 0 <= s < 1 << 40 for s in shape)
     ):
         raise SlotFormatError(f"tensor {name!r} has an invalid shape {shape!r:.80}")
     if type(offset) is not int or offset % ALIGN or offset < header_bytes:

@@ -32,15 +32,26 @@ TARGET_PHASES = ("imports", "config", "attach", "data", "model", "probe", "join"
 # a takeover's kill to first step is the phases after "standby".
 # "checkpoint" overlaps the first step's precompile (consumer/process.py); a standby precompiles at "precompile", once
 # attached, before it waits.
-DRAFTER_PHASES = ("imports", "config", "model", "checkpoint", "attach", "precompile", "standby", "takeover", "join",
-                  "first_item", "first_step")
+DRAFTER_PHASES = (
+    "imports",
+    "config",
+    "model",
+    "checkpoint",
+    "attach",
+    "precompile",
+    "standby",
+    "takeover",
+    "join",
+    "first_item",
+    "first_step",
+)
 
 
 def process_age_s() -> float:
     """Seconds since this process started (its start time in /proc, on the boot clock; 10 ms ticks)."""
     with open("/proc/self/stat", "rb") as f:
         stat = f.read()
-    start_ticks = int(stat[stat.rindex(b")") + 2:].split()[19])  # field 22, counted after "pid (comm)"
+    start_ticks = int(stat[stat.rindex(b")") + 2 :].split()[19])  # field 22, counted after "pid (comm)"
     return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
@@ -84,7 +95,11 @@ class Startup:
             return
         self.mark(phase)
         self.done = True
-        log.info("%s started in %.2fs: %s", self.what, self.total_s,
-                 ", ".join(f"{p} {s:.2f}s" for p, s in self.phases.items()))
+        log.info(
+            "%s started in %.2fs: %s",
+            self.what,
+            self.total_s,
+            ", ".join(f"{p} {s:.2f}s" for p, s in self.phases.items()),
+        )
         if ledger is not None:
             ledger.write(StartupDone(self.phases, self.total_s))

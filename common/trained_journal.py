@@ -116,15 +116,21 @@ def read_entries(path: Path) -> list[Entry]:
     if tail:
         bad.append(len(lines) + 1)
     if bad and path.exists() and path.read_bytes() == data:  # another reader may have rebuilt it already
-        keep_aside(path, f"{len(bad)} journal line(s) unreadable (line {', '.join(map(str, sorted(bad)[:5]))}"
-                         f"{', ...' if len(bad) > 5 else ''}), {len(out)} kept: the batches those lines named "
-                         "cannot be produced again and may be missing from the drafter's model")
+        keep_aside(
+            path,
+            f"{len(bad)} journal line(s) unreadable (line {', '.join(map(str, sorted(bad)[:5]))}"
+            f"{', ...' if len(bad) > 5 else ''}), {len(out)} kept: the batches those lines named "
+            "cannot be produced again and may be missing from the drafter's model",
+        )
         write_atomic(path, b"".join(_line(e) for e in out))
     return out
 
 
 def _line(e: Entry) -> bytes:
-    return json.dumps({"p": e.producer, "e": e.epoch, "q": e.position, "i": e.item}, separators=(",", ":")).encode() + b"\n"
+    return (
+        json.dumps({"p": e.producer, "e": e.epoch, "q": e.position, "i": e.item}, separators=(",", ":")).encode()
+        + b"\n"
+    )
 
 
 def latest_step(checkpoint_dir: str | os.PathLike, index: int) -> int:
@@ -184,22 +190,27 @@ def seal(directory: Path, resumes_from: int, ring: int, in_ring: Iterable[int], 
     for s in segments(directory, "open"):
         if s.pid == mine or s.after_step < resumes_from:
             continue
-        lost = s.path.with_name("lost" + s.path.name[len("open"):])
+        lost = s.path.with_name("lost" + s.path.name[len("open") :])
         if not lost.exists():  # the first seal wins: the ring has moved on since
             entries = [e for e in read_entries(s.path) if not (s.ring == ring and e.item in still)]
             write_atomic(lost, b"".join(_line(e) for e in entries))
             sealed += len(entries)
             if entries:
-                log.warning("drafter journal %s: %d batch(es) trained after checkpoint step %d died with pid %d; "
-                            "they are produced again", lost, len(entries), s.after_step, s.pid)
+                log.warning(
+                    "drafter journal %s: %d batch(es) trained after checkpoint step %d died with pid %d; "
+                    "they are produced again",
+                    lost,
+                    len(entries),
+                    s.after_step,
+                    s.pid,
+                )
         s.path.unlink(missing_ok=True)
     return sealed
 
 
 def seal_drafter(checkpoint_dir: str | os.PathLike, index: int, ring: int, in_ring: Iterable[int]) -> int:
     """Seal dead drafter `index`'s journal against the checkpoint its successor resumes from (`latest`)."""
-    return seal(journal_dir(checkpoint_dir, index), latest_step(checkpoint_dir, index), ring, in_ring,
-                mine=os.getpid())
+    return seal(journal_dir(checkpoint_dir, index), latest_step(checkpoint_dir, index), ring, in_ring, mine=os.getpid())
 
 
 def drop_covered(directory: Path, resumes_from: int, mine: int) -> None:

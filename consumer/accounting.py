@@ -50,8 +50,9 @@ _CRASH_POINT = {Trained: "trained", Evaluated: "evaluated"}
 
 
 class ItemAccount:
-    def __init__(self, consumed: Consumed, journal: Journal, ledger: Ledger | None,
-                 release: Callable[[SlotReader], None]):
+    def __init__(
+        self, consumed: Consumed, journal: Journal, ledger: Ledger | None, release: Callable[[SlotReader], None]
+    ):
         self.consumed, self.journal, self.ledger, self.release = consumed, journal, ledger, release
 
     def settle(self, kind: type[Settled], batch: DeviceBatch, slot: SlotReader, step: int, empty: bool = False) -> None:
@@ -62,7 +63,10 @@ class ItemAccount:
             self.journal.append(batch.meta, slot.item)
         if self.ledger is not None:  # before the release: a kill in between redelivers it (reconcile knows)
             identity = BatchIdentity.of(batch.meta)
-            self.ledger.write(Trained(step, slot.item, slot.deliveries, identity, empty=empty) if kind is Trained
-                              else Evaluated(step, slot.item, slot.deliveries, identity))
+            self.ledger.write(
+                Trained(step, slot.item, slot.deliveries, identity, empty=empty)
+                if kind is Trained
+                else Evaluated(step, slot.item, slot.deliveries, identity)
+            )
         crash_point(_CRASH_POINT[kind])
         self.release(slot)  # only now may the producers refill the slot

@@ -30,8 +30,13 @@ from typing import Any
 import torch
 
 from dflash_ring.common.pinning import HostRegistration
-from dflash_ring.consumer.checkpoint import (Checkpoint, CheckpointError, CheckpointStore, optimizer_from_flat,
-                                             optimizer_to_flat)
+from dflash_ring.consumer.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    CheckpointStore,
+    optimizer_from_flat,
+    optimizer_to_flat,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +86,13 @@ class HostSnapshot:
         host: dict[str, dict[str, torch.Tensor]] = {g: {} for g in groups}
         for (g, k, _), view in zip(sources, self._views):
             host[g][k] = view
-        return Checkpoint(ckpt.step, host["model"], optimizer_from_flat(host["optimizer"], _frozen(opt_rest)),
-                          host["tensors"], _frozen(ckpt.info))
+        return Checkpoint(
+            ckpt.step,
+            host["model"],
+            optimizer_from_flat(host["optimizer"], _frozen(opt_rest)),
+            host["tensors"],
+            _frozen(ckpt.info),
+        )
 
     @property
     def nbytes(self) -> int:
@@ -97,12 +107,17 @@ class HostSnapshot:
         t0 = time.perf_counter()
         self._buffer = torch.empty(total, dtype=torch.uint8)
         self._pinned = HostRegistration(self._buffer) if pin else None
-        self._views = [self._buffer[o : o + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-                       for o, (_, _, dtype, shape) in zip(offsets, layout)]
+        self._views = [
+            self._buffer[o : o + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            for o, (_, _, dtype, shape) in zip(offsets, layout)
+        ]
         self._layout = layout
-        log.info("checkpoint snapshot buffer: %.2f GB in host memory%s, %.1f s", total / 1e9,
-                 " (page-locked)" if self._pinned is not None and self._pinned.pinned else "",
-                 time.perf_counter() - t0)
+        log.info(
+            "checkpoint snapshot buffer: %.2f GB in host memory%s, %.1f s",
+            total / 1e9,
+            " (page-locked)" if self._pinned is not None and self._pinned.pinned else "",
+            time.perf_counter() - t0,
+        )
 
     def close(self) -> None:
         if self._pinned is not None:
@@ -139,8 +154,9 @@ class BackgroundWriter:
         """Write `ckpt` (a HostSnapshot's, once `copied` has passed), then call `durable` with its directory."""
         self.wait()
         self.step = ckpt.step
-        self._thread = threading.Thread(target=self._write, args=(ckpt, copied, durable),
-                                        name=f"checkpoint-{ckpt.step}")
+        self._thread = threading.Thread(
+            target=self._write, args=(ckpt, copied, durable), name=f"checkpoint-{ckpt.step}"
+        )
         self._thread.start()
 
     def _write(self, ckpt: Checkpoint, copied: torch.cuda.Event | None, durable: Callable[[Path], None]) -> None:
@@ -156,9 +172,11 @@ class BackgroundWriter:
         if self._error is None:
             return
         e, self._error = self._error, None
-        raise CheckpointError(f"writing checkpoint step-{self.step:08d} under {self.store.root} failed "
-                              f"({type(e).__name__}: {e}): fix the cause (free space, permissions) and restart the "
-                              "drafter; it resumes from its last complete checkpoint") from e
+        raise CheckpointError(
+            f"writing checkpoint step-{self.step:08d} under {self.store.root} failed "
+            f"({type(e).__name__}: {e}): fix the cause (free space, permissions) and restart the "
+            "drafter; it resumes from its last complete checkpoint"
+        ) from e
 
     def wait(self) -> None:
         """Until the write in flight is durable (raises its error)."""

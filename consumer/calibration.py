@@ -67,16 +67,24 @@ def reliability_bins(predicted: Sequence[float], outcomes: Sequence[bool], bins:
         sums[b] += p
         hits[b] += bool(y)
         counts[b] += 1
-    return [ReliabilityBin(lo=b / bins, hi=(b + 1) / bins, count=counts[b],
-                           mean_predicted=sums[b] / counts[b] if counts[b] else None,
-                           observed=hits[b] / counts[b] if counts[b] else None) for b in range(bins)]
+    return [
+        ReliabilityBin(
+            lo=b / bins,
+            hi=(b + 1) / bins,
+            count=counts[b],
+            mean_predicted=sums[b] / counts[b] if counts[b] else None,
+            observed=hits[b] / counts[b] if counts[b] else None,
+        )
+        for b in range(bins)
+    ]
 
 
 def expected_calibration_error(predicted: Sequence[float], outcomes: Sequence[bool], bins: int = BINS) -> float:
     """sum over equal-width bins of (bin count / N) * |mean prediction - observed rate|."""
     n = len(predicted)
-    return sum(b.count / n * abs(b.mean_predicted - b.observed)
-               for b in reliability_bins(predicted, outcomes, bins) if b.count)
+    return sum(
+        b.count / n * abs(b.mean_predicted - b.observed) for b in reliability_bins(predicted, outcomes, bins) if b.count
+    )
 
 
 def auroc(predicted: Sequence[float], outcomes: Sequence[bool]) -> float | None:
@@ -106,9 +114,13 @@ def brier_score(predicted: Sequence[float], outcomes: Sequence[bool]) -> float:
 
 def _score(position: int, predicted: Sequence[float], outcomes: Sequence[bool], bins: int) -> PositionCalibration:
     return PositionCalibration(
-        position=position, count=len(predicted), observed=sum(map(bool, outcomes)) / len(outcomes),
-        mean_predicted=sum(predicted) / len(predicted), ece=expected_calibration_error(predicted, outcomes, bins),
-        auroc=auroc(predicted, outcomes), brier=brier_score(predicted, outcomes),
+        position=position,
+        count=len(predicted),
+        observed=sum(map(bool, outcomes)) / len(outcomes),
+        mean_predicted=sum(predicted) / len(predicted),
+        ece=expected_calibration_error(predicted, outcomes, bins),
+        auroc=auroc(predicted, outcomes),
+        brier=brier_score(predicted, outcomes),
         bins=reliability_bins(predicted, outcomes, bins),
     )
 
@@ -136,8 +148,9 @@ def prefix_predictions(rounds: Sequence[tuple[Sequence[float], int]]) -> list[tu
     return per_position
 
 
-def confidence_calibration(rounds: Sequence[tuple[Sequence[float], int]], bins: int = BINS
-                           ) -> ConfidenceCalibration | None:
+def confidence_calibration(
+    rounds: Sequence[tuple[Sequence[float], int]], bins: int = BINS
+) -> ConfidenceCalibration | None:
     """The figures per position and pooled over positions; None without rounds."""
     if not rounds:
         return None

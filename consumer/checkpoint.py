@@ -109,8 +109,11 @@ class CheckpointStore:
         for name in FILES:
             fsync(tmp / name)
         crash_point("checkpoint.written")  # every file synced, nothing published: the previous checkpoint stands
-        (tmp / MANIFEST).write_text(json.dumps({"chunk_bytes": CHUNK_BYTES,
-                                                "sha256_chunks": _chunk_digests([tmp / n for n in FILES])}, indent=1))
+        (tmp / MANIFEST).write_text(
+            json.dumps(
+                {"chunk_bytes": CHUNK_BYTES, "sha256_chunks": _chunk_digests([tmp / n for n in FILES])}, indent=1
+            )
+        )
         fsync(tmp / MANIFEST)
         fsync(tmp)
         if final.exists():  # a checkpoint of the same step from before a crash: replace it
@@ -141,9 +144,12 @@ class CheckpointStore:
                 return self.load(path, device)
             except CheckpointError as e:
                 if not fall_back:
-                    raise CheckpointError(f"latest checkpoint {path} refused: {e}. To use an earlier one, name "
-                                          f"its directory (e.g. {candidates[1]})" if len(candidates) > 1 else
-                                          f"checkpoint {path} refused: {e}") from None
+                    raise CheckpointError(
+                        f"latest checkpoint {path} refused: {e}. To use an earlier one, name "
+                        f"its directory (e.g. {candidates[1]})"
+                        if len(candidates) > 1
+                        else f"checkpoint {path} refused: {e}"
+                    ) from None
                 log.error("refusing checkpoint %s: %s; trying the one before it", path, e)
         return None
 
@@ -159,8 +165,9 @@ class CheckpointStore:
             try:
                 info = json.loads((path / "trainer.json").read_text())
                 model = load_file(path / "model.safetensors", device=str(device))
-                opt = optimizer_from_flat(load_file(path / "optimizer.safetensors", device=str(device)),
-                                          info.pop("optimizer"))
+                opt = optimizer_from_flat(
+                    load_file(path / "optimizer.safetensors", device=str(device)), info.pop("optimizer")
+                )
                 tensors = load_file(path / "state.safetensors")  # RNG states: host tensors by torch's contract
             except (SafetensorError, OSError, ValueError, KeyError) as e:
                 verified.result()  # a corrupted file is named as such, before what its bytes made of the parse
@@ -185,8 +192,9 @@ class CheckpointStore:
         actual = _chunk_digests([path / n for n in FILES]) if chunked else {n: _sha256(path / n) for n in FILES}
         for name in FILES:
             if not isinstance(digests, dict) or digests.get(name) != actual[name]:
-                raise CheckpointError(f"{path / name} does not match the sha256 in its {MANIFEST}: "
-                                      "the file is corrupted")
+                raise CheckpointError(
+                    f"{path / name} does not match the sha256 in its {MANIFEST}: the file is corrupted"
+                )
 
     def contents(self) -> tuple[str, tuple[str, ...]]:
         """What `load_latest` chooses from (the `latest` pointer, the complete checkpoints): it differs after any
@@ -219,8 +227,11 @@ class CheckpointStore:
     def _complete_dirs(self) -> list[Path]:
         if not self.root.is_dir():
             return []
-        return sorted((p for p in self.root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)),
-                      key=lambda p: p.name, reverse=True)
+        return sorted(
+            (p for p in self.root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)),
+            key=lambda p: p.name,
+            reverse=True,
+        )
 
     def _prune(self, keep: int) -> None:
         for old in self._complete_dirs()[keep:]:
@@ -230,30 +241,36 @@ class CheckpointStore:
                 shutil.rmtree(stale, ignore_errors=True)
 
 
-
 def check_same_shape(ckpt: Checkpoint, model: torch.nn.Module, drafter: dict[str, Any]) -> None:
     """Before a resume: a checkpoint of another drafter shape (e.g. layer count) is refused by field name, one of
     another architecture (DSpark into DFlash, or the reverse) by naming both."""
     saved = ckpt.info.get("drafter") or {}
     theirs_arch, my_arch = saved.get("arch", "dflash"), drafter.get("arch", "dflash")  # absent: before DSpark
     if theirs_arch != my_arch:
-        raise CheckpointError(f"checkpoint {ckpt.path} holds a drafter of arch = {theirs_arch!r}, this run trains "
-                              f"arch = {my_arch!r}: resume it with arch = {theirs_arch!r}, or move {ckpt.path.parent} "
-                              "away to start afresh")
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} holds a drafter of arch = {theirs_arch!r}, this run trains "
+            f"arch = {my_arch!r}: resume it with arch = {theirs_arch!r}, or move {ckpt.path.parent} "
+            "away to start afresh"
+        )
     mine = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     theirs = {k: tuple(v.shape) for k, v in ckpt.model.items()}
     if mine == theirs:
         return
-    diffs = [f"drafter.{k} = {saved[k]!r} there, {v!r} here" for k, v in drafter.items() if k in saved and saved[k] != v]
+    diffs = [
+        f"drafter.{k} = {saved[k]!r} there, {v!r} here" for k, v in drafter.items() if k in saved and saved[k] != v
+    ]
     if not diffs:
         name = next(k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k))
         diffs = [f"tensor {name} is {theirs.get(name, 'absent')} there, {mine.get(name, 'absent')} here"]
-    raise CheckpointError(f"checkpoint {ckpt.path} holds a drafter of another shape ({'; '.join(diffs)}): resume "
-                          f"with the settings it was trained with, or move {ckpt.path.parent} away to start afresh")
+    raise CheckpointError(
+        f"checkpoint {ckpt.path} holds a drafter of another shape ({'; '.join(diffs)}): resume "
+        f"with the settings it was trained with, or move {ckpt.path.parent} away to start afresh"
+    )
 
 
 def _chunk_digests(paths: list[Path]) -> dict[str, list[str]]:
     """sha256 of each CHUNK_BYTES of each file, on a thread per core (pread and hashlib release the GIL)."""
+
     def digest(path: Path, offset: int) -> str:
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -275,8 +292,9 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike,
-                      target: str | os.PathLike | None = None) -> Path:
+def export_checkpoint(
+    ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, target: str | os.PathLike | None = None
+) -> Path:
     """`dflash-ring export`: a training checkpoint (a step dir, or a checkpoint root) -> an HF drafter dir, in the
     layout of its arch (DFlash, or DeepSeek's flat DSpark layout).
 
@@ -314,26 +332,34 @@ def _checkpoint_target_head(ckpt: Checkpoint, target: str | os.PathLike | None, 
     recorded = ckpt.info.get("target_path")
     where = target if target is not None else recorded
     if not where:
-        raise CheckpointError(f"checkpoint {ckpt.path} holds a DSpark drafter, whose export ships the target's "
-                              "embed_tokens and lm_head, and records no target path (written before it was "
-                              "recorded): pass the target model directory (dflash-ring export --target DIR)")
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} holds a DSpark drafter, whose export ships the target's "
+            "embed_tokens and lm_head, and records no target path (written before it was "
+            "recorded): pass the target model directory (dflash-ring export --target DIR)"
+        )
     root = Path(where).expanduser()
     origin = "--target" if target is not None else "the target path recorded in the checkpoint"
     try:
         files, embed_key, lm_head_key = head_tensor_keys(root)
         embed, lm_head = read_head(root, files, embed_key, lm_head_key, config_tied(root))
     except (OSError, KeyError, ValueError, TargetConfigError) as e:
-        raise CheckpointError(f"the DSpark export ships the target's embed_tokens and lm_head, but {root} ({origin}) "
-                              f"gives none: {' '.join(str(e).split())}; pass the target model directory "
-                              "(dflash-ring export --target DIR)") from None
+        raise CheckpointError(
+            f"the DSpark export ships the target's embed_tokens and lm_head, but {root} ({origin}) "
+            f"gives none: {' '.join(str(e).split())}; pass the target model directory "
+            "(dflash-ring export --target DIR)"
+        ) from None
     text = target_text_config(ckpt.info["target_config"])
     want = (int(text["vocab_size"]), int(text["hidden_size"]))
     for name, weight in (("embedding", embed), ("lm_head", lm_head)):
         if weight is not None and tuple(weight.shape) != want:
-            raise CheckpointError(f"{root} ({origin}) is not the target this drafter trained with: its {name} is "
-                                  f"{tuple(weight.shape)}, the checkpoint's target has [vocab, hidden] = {list(want)}")
+            raise CheckpointError(
+                f"{root} ({origin}) is not the target this drafter trained with: its {name} is "
+                f"{tuple(weight.shape)}, the checkpoint's target has [vocab, hidden] = {list(want)}"
+            )
     if spec is not None and spec.tied != (lm_head is None):
-        raise CheckpointError(f"{root} ({origin}) is not the target this drafter trained with: its lm_head is "
-                              f"{'tied' if lm_head is None else 'untied'}, the checkpoint's target head "
-                              f"{'tied' if spec.tied else 'untied'}")
+        raise CheckpointError(
+            f"{root} ({origin}) is not the target this drafter trained with: its lm_head is "
+            f"{'tied' if lm_head is None else 'untied'}, the checkpoint's target head "
+            f"{'tied' if spec.tied else 'untied'}"
+        )
     return FrozenTargetHead(embed, lm_head, spec=spec or HeadSpec(tied=lm_head is None))

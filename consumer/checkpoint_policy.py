@@ -39,8 +39,17 @@ class Checkpoints:
     write takes. The final checkpoint, and any write in flight, are durable before `final` returns.
     """
 
-    def __init__(self, store: CheckpointStore, every: int, keep: int, state: Callable[[], dict[str, Any]],
-                 trainer: Trainer, journal: Journal, ledger: Ledger | None, background: bool = True):
+    def __init__(
+        self,
+        store: CheckpointStore,
+        every: int,
+        keep: int,
+        state: Callable[[], dict[str, Any]],
+        trainer: Trainer,
+        journal: Journal,
+        ledger: Ledger | None,
+        background: bool = True,
+    ):
         self.store, self.every, self.keep, self.state, self.trainer = store, every, keep, state, trainer
         self.journal, self.ledger = journal, ledger
         self.saved_at = trainer.step  # the step of the newest checkpoint taken (durable once `wait` returns)
@@ -59,9 +68,14 @@ class Checkpoints:
             busy, t0 = self.writer.busy, time.perf_counter()
             self.writer.wait()  # the buffer is free only once the previous write is done (raises if it failed)
             if busy:
-                log.warning("checkpoint at step %d waited %.1f s for the write of step %d: a write takes longer than "
-                            "train.checkpoint_every_steps = %d steps", step, time.perf_counter() - t0,
-                            self.saved_at, self.every)
+                log.warning(
+                    "checkpoint at step %d waited %.1f s for the write of step %d: a write takes longer than "
+                    "train.checkpoint_every_steps = %d steps",
+                    step,
+                    time.perf_counter() - t0,
+                    self.saved_at,
+                    self.every,
+                )
             host = self.snapshot.take(ckpt)
             self.trainer.hold_updates(self.snapshot.copied)
             self.writer.start(host, self.snapshot.copied, lambda path: self._durable(path, step, items, taken_t))

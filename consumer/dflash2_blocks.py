@@ -31,7 +31,8 @@ from torch import nn
 
 
 def grouped_dynamic_causal_conv(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-    """x [..., B, H] (B: the block axis), delta [..., B, k, G], base [k, H] -> [..., B, H]; taps stay inside the block."""
+    """x [..., B, H] (B: the block axis), delta [..., B, k, G], base [k, H] -> [..., B, H]; taps stay inside the
+    block."""
     *lead, block, hidden = x.shape
     kernel, groups = base.shape[0], delta.shape[-1]
     grouped = x.reshape(*lead, block, groups, hidden // groups)
@@ -93,13 +94,20 @@ class CandidateSelector(nn.Module):
         successors = self.successor_codebook[candidates].to(context.dtype)
         return (context.unsqueeze(-2) * successors).sum(-1)
 
-    def scores(self, hidden: torch.Tensor, prev_ids: torch.Tensor, unary: torch.Tensor,
-               candidates: torch.Tensor) -> torch.Tensor:
+    def scores(
+        self, hidden: torch.Tensor, prev_ids: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor
+    ) -> torch.Tensor:
         """Scores [..., K] of the candidates (unary: their logits) given each slot's predecessor prev_ids [...]."""
         return unary.float() + self.pairwise(self.context(hidden, prev_ids), candidates).float()
 
-    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor, temperature: float = 0.0,
-             generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def walk(
+        self,
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Serving: the path through a block's drafting slots from the anchor.
 
         hidden [b, D, H] and logits [b, D, V] of the D drafting slots, anchor_ids [b]. Greedy (argmax of the scores)

@@ -84,8 +84,9 @@ def build_draft_tree(log_probs: torch.Tensor, budget: int) -> DraftTree:
     return DraftTree(tokens=tokens, depths=depths, parents=parents, scores=scores)
 
 
-def tree_attention_mask(tree: DraftTree, prefix_length: int, dtype: torch.dtype, device: torch.device | str
-                        ) -> torch.Tensor:
+def tree_attention_mask(
+    tree: DraftTree, prefix_length: int, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
     """[1, 1, N + 1, prefix + N + 1] additive mask: every node sees the whole committed prefix (the KV cache)
     and, among the tree's nodes, exactly its ancestors and itself.
 

@@ -23,8 +23,10 @@ if TYPE_CHECKING:  # transformers only where a config class is needed: its impor
 
 def _require(target: Mapping[str, Any], key: str) -> Any:
     if target.get(key) is None:
-        raise ValueError(f"target config has no {key!r} (model_type {target.get('model_type')!r}): "
-                         "point target.path at the model's own config.json")
+        raise ValueError(
+            f"target config has no {key!r} (model_type {target.get('model_type')!r}): "
+            "point target.path at the model's own config.json"
+        )
     return target[key]
 
 
@@ -58,8 +60,8 @@ def drafter_mlp_width(target: Mapping[str, Any]) -> int:
     shared_intermediate_size / moe_shared_expert_intermediate_size, else the shared expert count
     n_shared_experts / num_shared_experts / moe_num_shared_experts / num_shared_expert (Hunyuan) x expert width
     (DeepSeek-V3, Kimi-K2, GLM-4.5: 8 x 2048 + 2048 = 18432 for V3). A value given per layer (Hunyuan's
-    moe_topk, moe_intermediate_size and num_shared_expert lists) counts by its largest entry. Gemma4's MoE block runs beside its
-    dense MLP: both widths add. Nemotron-H sets experts even for its dense models: MoE only when a layer
+    moe_topk, moe_intermediate_size and num_shared_expert lists) counts by its largest entry. Gemma4's MoE block runs
+    beside its dense MLP: both widths add. Nemotron-H sets experts even for its dense models: MoE only when a layer
     is "moe". For Qwen3-30B-A3B / Qwen3-Coder-30B-A3B this is 8 x 768 = 6144, the dense intermediate_size
     of that config and, as we recall it (not verifiable offline), the width of z-lab's
     Qwen3-Coder-30B-A3B-DFlash. DrafterConfig.intermediate_size overrides this.
@@ -72,15 +74,22 @@ def drafter_mlp_width(target: Mapping[str, Any]) -> int:
         experts = 0
     if not experts:
         return dense_ffn_width(target)
-    top_k = _largest(_first(target, "num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k_experts",
-                            "moe_k"))
+    top_k = _largest(
+        _first(target, "num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k_experts", "moe_k")
+    )
     if top_k is None:
-        raise ValueError(f"target has {experts} experts but no num_experts_per_tok / num_experts_per_token / "
-                         "moe_topk / top_k_experts / moe_k")
+        raise ValueError(
+            f"target has {experts} experts but no num_experts_per_tok / num_experts_per_token / "
+            "moe_topk / top_k_experts / moe_k"
+        )
     expert_width = _largest(_first(target, "moe_intermediate_size", "expert_ffn_hidden_size")) or int(
-        _require(target, "intermediate_size"))
-    shared = _largest(_first(target, "shared_expert_intermediate_size", "shared_intermediate_size",
-                             "moe_shared_expert_intermediate_size"))
+        _require(target, "intermediate_size")
+    )
+    shared = _largest(
+        _first(
+            target, "shared_expert_intermediate_size", "shared_intermediate_size", "moe_shared_expert_intermediate_size"
+        )
+    )
     if shared is None:
         count = _first(target, "n_shared_experts", "num_shared_experts", "moe_num_shared_experts", "num_shared_expert")
         shared = (_largest(count) or 0) * expert_width
@@ -152,8 +161,13 @@ _WHOLE_HEAD_ROPE = {"proportional": "default"}
 # the drafter rotates its whole head_dim (Qwen3 layers have no partial rotary), and for text tokens
 # multimodal RoPE (Qwen3.5's mrope) equals 1-D RoPE, the three sections reading the same position; Ministral 3's
 # llama_4_scaling_beta scales the target's queries by position (an attention temperature, not a rotary).
-_TARGET_ONLY_ROPE_KEYS = ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved",
-                          "llama_4_scaling_beta")
+_TARGET_ONLY_ROPE_KEYS = (
+    "rope_theta",
+    "partial_rotary_factor",
+    "mrope_section",
+    "mrope_interleaved",
+    "llama_4_scaling_beta",
+)
 
 
 def drafter_rope(target: Mapping[str, Any], rope_theta: float | None = None) -> dict[str, Any]:
@@ -168,20 +182,26 @@ def drafter_rope(target: Mapping[str, Any], rope_theta: float | None = None) -> 
         return {"rope_theta": float(rope_theta), "rope_scaling": None}
     params = target.get("rope_parameters")
     if not params and target.get("rope_theta") is None:
-        raise ValueError(f"target (model_type {target.get('model_type')!r}) has no RoPE: its attention takes no "
-                         "rotary positions, so there is none to copy; set drafter.rope_theta to give the drafter one")
+        raise ValueError(
+            f"target (model_type {target.get('model_type')!r}) has no RoPE: its attention takes no "
+            "rotary positions, so there is none to copy; set drafter.rope_theta to give the drafter one"
+        )
     if not params:  # transformers 4 spelling
         params = {"rope_theta": target["rope_theta"], **(target.get("rope_scaling") or {})}
     if all(isinstance(v, Mapping) for v in params.values()):  # per layer type (Gemma3)
         if "full_attention" not in params:
-            raise ValueError(f"target rope_parameters per layer type {sorted(params)} has no 'full_attention' "
-                             "entry to give the drafter; set drafter.rope_theta")
+            raise ValueError(
+                f"target rope_parameters per layer type {sorted(params)} has no 'full_attention' "
+                "entry to give the drafter; set drafter.rope_theta"
+            )
         params = params["full_attention"]
     rope_type = params.get("rope_type", params.get("type", "default"))
     rope_type = _WHOLE_HEAD_ROPE.get(rope_type, rope_type)
     if rope_type not in DRAFTER_ROPE_TYPES:
-        raise ValueError(f"target rope_type {rope_type!r} is not representable by the drafter's fixed Qwen3 rotary "
-                         f"(supported: {', '.join(DRAFTER_ROPE_TYPES)}); set drafter.rope_theta for a plain RoPE")
+        raise ValueError(
+            f"target rope_type {rope_type!r} is not representable by the drafter's fixed Qwen3 rotary "
+            f"(supported: {', '.join(DRAFTER_ROPE_TYPES)}); set drafter.rope_theta for a plain RoPE"
+        )
     scaling = {k: v for k, v in params.items() if k not in _TARGET_ONLY_ROPE_KEYS}
     if rope_type == "default":
         scaling = None
@@ -211,8 +231,9 @@ def drafter_geometry(cfg: DrafterConfig, target: Mapping[str, Any]) -> dict[str,
         "rms_norm_eps": float(target.get("rms_norm_eps") or 1e-6),
         **drafter_rope(target, cfg.rope_theta),
         # Kimi-Linear and Bailing configs write it as model_max_length (their config classes map the one to the other).
-        "max_position_embeddings": int(_first(target, "max_position_embeddings", "model_max_length")
-                                       or _require(target, "max_position_embeddings")),
+        "max_position_embeddings": int(
+            _first(target, "max_position_embeddings", "model_max_length") or _require(target, "max_position_embeddings")
+        ),
         "vocab_size": int(_require(target, "vocab_size")),
     }
 
@@ -258,9 +279,11 @@ def drafter_hf_config(
         "dtype": str(dtype).removeprefix("torch."),
         # How it was trained (the resolved recipe): serving stacks ignore it, a reader of the export need not
         # find the run's config to know the objective.
-        "dflash_training": {key: getattr(cfg, key)
-                            for key in TRAINING_KEYS + {"dspark": DSPARK_TRAINING_KEYS,
-                                                        "dflash2": DFLASH2_TRAINING_KEYS}.get(cfg.arch, ())},
+        "dflash_training": {
+            key: getattr(cfg, key)
+            for key in TRAINING_KEYS
+            + {"dspark": DSPARK_TRAINING_KEYS, "dflash2": DFLASH2_TRAINING_KEYS}.get(cfg.arch, ())
+        },
     }
     if cfg.arch == "dspark":
         config["rope_parameters"] = rope_parameters(config["rope_theta"], config["rope_scaling"])
@@ -350,8 +373,13 @@ def model_config(hf_config: Mapping[str, Any]) -> SimpleNamespace | Qwen3Config:
     params = hf_config.get("rope_parameters") or rope_parameters(hf_config["rope_theta"], hf_config.get("rope_scaling"))
     if params.get("rope_type", "default") != "default":
         return qwen3_config(hf_config)
-    return SimpleNamespace(**(_MODEL_DEFAULTS | {k: v for k, v in hf_config.items() if k != "model_type"}
-                              | {"rope_parameters": dict(params)}))
+    return SimpleNamespace(
+        **(
+            _MODEL_DEFAULTS
+            | {k: v for k, v in hf_config.items() if k != "model_type"}
+            | {"rope_parameters": dict(params)}
+        )
+    )
 
 
 def block_size_of(config: Qwen3Config) -> int:

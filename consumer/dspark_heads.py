@@ -38,9 +38,11 @@ def check_dspark_head(spec: HeadSpec) -> None:
     plain embedding and add the Markov bias to the plain lm_head product, so a target whose head scales its embedding
     or its logits (Gemma, Granite, Cohere, Falcon-H1) would be served otherwise than trained: refused."""
     if spec.embed_scale is not None or spec.logit_multiplier is not None or spec.logit_softcap is not None:
-        raise ConfigError(f"arch 'dspark' needs a target whose head is a plain embedding and lm_head; this target's is "
-                          f"not ({spec.describe()}): the DSpark layout the engines load has no key for it. Train "
-                          "arch = 'dflash' for this target")
+        raise ConfigError(
+            f"arch 'dspark' needs a target whose head is a plain embedding and lm_head; this target's is "
+            f"not ({spec.describe()}): the DSpark layout the engines load has no key for it. Train "
+            "arch = 'dflash' for this target"
+        )
 
 
 class MarkovHead(nn.Module):

@@ -132,8 +132,9 @@ def cache_argument(model: PreTrainedModel) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def sample_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def sample_tokens(
+    logits: torch.Tensor, temperature: float, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Ids [...] from logits [..., V]: the argmax at temperature 0 (distribution None), else a sample of
     softmax(logits / temperature) (fp32), returned with it."""
     if temperature == 0:
@@ -143,8 +144,13 @@ def sample_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gen
     return flat.reshape(probs.shape[:-1]), probs
 
 
-def drafter_draft_fn(drafter: DFlashDraftModel, head: FrozenTargetHead, *, temperature: float = 0.0,
-                     generator: torch.Generator | None = None) -> DraftFn:
+def drafter_draft_fn(
+    drafter: DFlashDraftModel,
+    head: FrozenTargetHead,
+    *,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> DraftFn:
     """Drafts from an exported drafter, argmaxes at temperature 0, else samples at `temperature` from `generator`.
 
     DFlash (slots 1..B-1 draft): the block's hidden states through the target's lm_head, each slot independently
@@ -170,8 +176,15 @@ def drafter_draft_fn(drafter: DFlashDraftModel, head: FrozenTargetHead, *, tempe
     return draft
 
 
-def dspark_draft(drafter: DSparkDraftModel, head: FrozenTargetHead, committed: torch.Tensor, context: torch.Tensor,
-                 *, temperature: float = 0.0, generator: torch.Generator | None = None) -> Draft:
+def dspark_draft(
+    drafter: DSparkDraftModel,
+    head: FrozenTargetHead,
+    committed: torch.Tensor,
+    context: torch.Tensor,
+    *,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> Draft:
     """A DSpark block's B drafts: one backbone forward (slot k's hidden state h_k drafts token anchor + k + 1), then
     B Markov steps left to right. Step k forms the Markov features and the confidence of slot k from the drafted
     prefix, prev = [anchor, x_0 .. x_{k-1}], with the training forward's own `heads` (exact for the recurrent head
@@ -188,12 +201,22 @@ def dspark_draft(drafter: DSparkDraftModel, head: FrozenTargetHead, committed: t
         probs.append(q)
         confidence.append(conf[0, -1])
         prev = torch.cat([prev, token.view(1).to(prev.device)])
-    return Draft(tokens=torch.stack(tokens), probs=None if temperature == 0 else torch.stack(probs),
-                 confidence=torch.stack(confidence).float())
+    return Draft(
+        tokens=torch.stack(tokens),
+        probs=None if temperature == 0 else torch.stack(probs),
+        confidence=torch.stack(confidence).float(),
+    )
 
 
-def dflash2_draft(drafter: DFlash2DraftModel, head: FrozenTargetHead, committed: torch.Tensor, context: torch.Tensor,
-                  *, temperature: float = 0.0, generator: torch.Generator | None = None) -> Draft:
+def dflash2_draft(
+    drafter: DFlash2DraftModel,
+    head: FrozenTargetHead,
+    committed: torch.Tensor,
+    context: torch.Tensor,
+    *,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> Draft:
     """A DFlash2 block's B - 1 drafts, walked through the candidate selector from the anchor (z-lab's `propose`).
 
     One backbone forward; slot k's candidates are the top-K of lm_head(h_k), scored with the token before it (the
@@ -202,8 +225,9 @@ def dflash2_draft(drafter: DFlash2DraftModel, head: FrozenTargetHead, committed:
     zero outside the candidates: the distribution the draft was sampled from, for `verify_sampled`."""
     hidden = drafter.draft_block(context.to(drafter.fc.weight.dtype), committed, head)[1:]  # [B - 1, H]
     logits = head.logits(hidden)
-    path, candidates, scores = drafter.candidate_selector.walk(hidden[None], logits[None], committed[-1:],
-                                                               temperature, generator)
+    path, candidates, scores = drafter.candidate_selector.walk(
+        hidden[None], logits[None], committed[-1:], temperature, generator
+    )
     if temperature == 0:
         return Draft(tokens=path[0])
     q = torch.softmax(scores[0].float() / temperature, dim=-1)  # [B - 1, K], as walk sampled from
@@ -220,14 +244,21 @@ def drafter_distribution_fn(drafter: DFlashDraftModel, head: FrozenTargetHead) -
     return distributions
 
 
-def _draft_logits(drafter: DFlashDraftModel, head: FrozenTargetHead, committed: torch.Tensor,
-                  context: torch.Tensor) -> torch.Tensor:
+def _draft_logits(
+    drafter: DFlashDraftModel, head: FrozenTargetHead, committed: torch.Tensor, context: torch.Tensor
+) -> torch.Tensor:
     hidden = drafter.draft_block(context.to(drafter.fc.weight.dtype), committed, head)
     return head.logits(hidden[1:])
 
 
-def _prefill(target: PreTrainedModel, cache: DynamicCache, prompt_ids: Sequence[int], target_layer_ids: Sequence[int],
-             temperature: float = 0.0, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _prefill(
+    target: PreTrainedModel,
+    cache: DynamicCache,
+    prompt_ids: Sequence[int],
+    target_layer_ids: Sequence[int],
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The prompt through the target into the empty `cache`: (its features [S, n*H], the committed ids [S + 1]
     ending with the target's first token, its argmax or a sample at `temperature`). From here on the cache and the
     features cover committed[:-1]."""
@@ -246,8 +277,9 @@ def verify_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[in
     return n, int(verified[n])
 
 
-def verify_sampled(drafts: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                   generator: torch.Generator | None) -> tuple[int, int]:
+def verify_sampled(
+    drafts: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator | None
+) -> tuple[int, int]:
     """Speculative sampling: (drafts accepted, the target's token after them), distributed as sampling the target.
 
     drafts [n] were sampled from draft_probs [n, V] (q_k, each given the drafts before it); target_probs [n + 1, V]
@@ -268,12 +300,18 @@ def verify_sampled(drafts: torch.Tensor, draft_probs: torch.Tensor, target_probs
     return accepted, int(torch.multinomial(residual, 1, generator=generator))
 
 
-def _finish(generated: list[int], accepted: list[int], eos: set[int], max_new_tokens: int,
-            confidence: list[list[float]] | None = None) -> Generation:
+def _finish(
+    generated: list[int],
+    accepted: list[int],
+    eos: set[int],
+    max_new_tokens: int,
+    confidence: list[list[float]] | None = None,
+) -> Generation:
     tokens = generated[:max_new_tokens]
     stop = next((i for i, t in enumerate(tokens) if t in eos), None)
-    return Generation(tokens=tokens if stop is None else tokens[: stop + 1], accepted=accepted,
-                      confidence=confidence or [])
+    return Generation(
+        tokens=tokens if stop is None else tokens[: stop + 1], accepted=accepted, confidence=confidence or []
+    )
 
 
 @torch.inference_mode()
@@ -313,8 +351,10 @@ def speculative_generate(
         if proposal.tokens.shape != (num_drafts,):
             raise ValueError(f"draft returned shape {tuple(proposal.tokens.shape)}, expected ({num_drafts},)")
         if temperature > 0 and proposal.probs is None:
-            raise ValueError("sampled verification (temperature > 0) needs the distributions the drafts were "
-                             "sampled from (Draft.probs)")
+            raise ValueError(
+                "sampled verification (temperature > 0) needs the distributions the drafts were "
+                "sampled from (Draft.probs)"
+            )
         block = torch.cat([committed[-1:], proposal.tokens.to(device)])
         out = target(input_ids=block[None], **{cache_argument(target): cache}, output_hidden_states=True)
         logits = out.logits[0]  # [n + 1, V]: logits[k] is the target's next-token distribution after block[: k + 1]
@@ -376,8 +416,11 @@ def tree_speculative_generate(
         ids = torch.tensor([[int(committed[-1])] + tree.tokens], device=device)
         positions = past + torch.tensor([[0] + tree.depths], device=device)
         out = target(
-            input_ids=ids, position_ids=positions, attention_mask=tree_attention_mask(tree, past, target.dtype, device),
-            **{cache_argument(target): cache}, output_hidden_states=True,
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=tree_attention_mask(tree, past, target.dtype, device),
+            **{cache_argument(target): cache},
+            output_hidden_states=True,
         )
         path, bonus = follow_greedy(tree, out.logits[0].argmax(dim=-1).tolist())
         keep_path(cache, past, path)
@@ -407,9 +450,15 @@ def _acceptance(generations: Sequence[Generation], outcomes: int) -> dict:
     )
 
 
-def summarize(generations: Sequence[Generation], block_size: int,
-              trees: Mapping[int, Sequence[Generation]] | None = None, *, drafts_per_round: int | None = None,
-              temperature: float = 0.0, seed: int | None = None) -> AcceptanceReport:
+def summarize(
+    generations: Sequence[Generation],
+    block_size: int,
+    trees: Mapping[int, Sequence[Generation]] | None = None,
+    *,
+    drafts_per_round: int | None = None,
+    temperature: float = 0.0,
+    seed: int | None = None,
+) -> AcceptanceReport:
     """The chain's figures (rounds of `drafts_per_round` drafts, default B - 1), the confidence's calibration where
     the rounds carry confidences (DSpark), and for each tree budget (its generations on the same prompts) the tree's."""
     drafts = block_size - 1 if drafts_per_round is None else drafts_per_round
@@ -424,9 +473,16 @@ def summarize(generations: Sequence[Generation], block_size: int,
         )
         for budget, tree_generations in (trees or {}).items()
     ]
-    return AcceptanceReport(block_size=block_size, drafts_per_round=drafts, num_prompts=len(generations),
-                            **_acceptance(generations, drafts + 1), trees=tree_reports, temperature=temperature,
-                            seed=seed, calibration=confidence_calibration(rounds))
+    return AcceptanceReport(
+        block_size=block_size,
+        drafts_per_round=drafts,
+        num_prompts=len(generations),
+        **_acceptance(generations, drafts + 1),
+        trees=tree_reports,
+        temperature=temperature,
+        seed=seed,
+        calibration=confidence_calibration(rounds),
+    )
 
 
 def chat_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: int | None = None) -> list[list[int]]:
@@ -460,12 +516,16 @@ def check_compatible(drafter: DFlashDraftModel, target: PreTrainedModel) -> None
         raise ValueError(f"drafter mask_token_id {drafter.mask_token_id} is not a row of the target's embedding")
     selector = getattr(drafter, "candidate_selector", None)
     if selector is not None and selector.successor_codebook.shape[0] != config.vocab_size:
-        raise ValueError(f"the DFlash2 drafter's selector covers {selector.successor_codebook.shape[0]} tokens but the "
-                         f"target's vocabulary has {config.vocab_size}")
+        raise ValueError(
+            f"the DFlash2 drafter's selector covers {selector.successor_codebook.shape[0]} tokens but the "
+            f"target's vocabulary has {config.vocab_size}"
+        )
     markov = getattr(drafter, "markov_head", None)
     if markov is not None and markov.markov_w1.num_embeddings != config.vocab_size:
-        raise ValueError(f"the DSpark drafter's Markov head covers {markov.markov_w1.num_embeddings} tokens but the "
-                         f"target's vocabulary has {config.vocab_size}")
+        raise ValueError(
+            f"the DSpark drafter's Markov head covers {markov.markov_w1.num_embeddings} tokens but the "
+            f"target's vocabulary has {config.vocab_size}"
+        )
 
 
 def evaluate_drafter(
@@ -495,8 +555,7 @@ def evaluate_drafter(
     if device == "cpu" and cpu_threads is not None:
         torch.set_num_threads(cpu_threads)
     try:
-        return _evaluate(drafter_dir, target_dir, data, max_new_tokens, limit, device, tree_budgets, temperature,
-                         seed)
+        return _evaluate(drafter_dir, target_dir, data, max_new_tokens, limit, device, tree_budgets, temperature, seed)
     finally:
         torch.set_num_threads(previous)
 
@@ -509,9 +568,17 @@ def prompt_generators(seed: int, count: int, device: str | torch.device) -> list
     return [torch.Generator(device=device).manual_seed(s) for s in seeds]
 
 
-def _evaluate(drafter_dir: str | Path, target_dir: str | Path, data: str | Path, max_new_tokens: int,
-              limit: int | None, device: str, tree_budgets: Sequence[int], temperature: float,
-              seed: int) -> AcceptanceReport:
+def _evaluate(
+    drafter_dir: str | Path,
+    target_dir: str | Path,
+    data: str | Path,
+    max_new_tokens: int,
+    limit: int | None,
+    device: str,
+    tree_budgets: Sequence[int],
+    temperature: float,
+    seed: int,
+) -> AcceptanceReport:
     if bad := [b for b in tree_budgets if b < 1]:
         raise ValueError(f"tree budgets count draft nodes and must be at least 1, got {bad}")
     if not (math.isfinite(temperature) and temperature >= 0):
@@ -526,11 +593,15 @@ def _evaluate(drafter_dir: str | Path, target_dir: str | Path, data: str | Path,
     drafter = load_drafter(drafter_dir, device=device, dtype=torch.float32, arch=None, target_head=head).eval()
     dspark = isinstance(drafter, DSparkDraftModel) or getattr(drafter, "sample_from_anchor", False)
     if dspark and tree_budgets:
-        raise ValueError("tree verification (tree budgets) takes a DFlash drafter: a DSpark drafter's slots depend "
-                         "on the drafted prefix (its Markov head), which a tree of independent slots would drop")
+        raise ValueError(
+            "tree verification (tree budgets) takes a DFlash drafter: a DSpark drafter's slots depend "
+            "on the drafted prefix (its Markov head), which a tree of independent slots would drop"
+        )
     if isinstance(drafter, DFlash2DraftModel) and tree_budgets:
-        raise ValueError("tree verification (tree budgets) takes a DFlash drafter: a DFlash2 drafter's selector scores "
-                         "each slot with the token drafted before it, which a tree of independent slots would drop")
+        raise ValueError(
+            "tree verification (tree budgets) takes a DFlash drafter: a DFlash2 drafter's selector scores "
+            "each slot with the token drafted before it, which a tree of independent slots would drop"
+        )
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     with building_from(target_dir):  # a config.json the model code cannot build: one line naming the directory
         target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
@@ -538,22 +609,40 @@ def _evaluate(drafter_dir: str | Path, target_dir: str | Path, data: str | Path,
     eos = eos_ids(target, tokenizer)
     prompts = chat_prompts(data, tokenizer, limit)
     num_drafts = drafter.block_size if dspark else drafter.block_size - 1
-    decoding = dict(block_size=drafter.block_size, target_layer_ids=drafter.target_layer_ids, eos_token_ids=eos,
-                    max_new_tokens=max_new_tokens)
+    decoding = dict(
+        block_size=drafter.block_size,
+        target_layer_ids=drafter.target_layer_ids,
+        eos_token_ids=eos,
+        max_new_tokens=max_new_tokens,
+    )
     generators = prompt_generators(seed, len(prompts), device) if temperature > 0 else [None] * len(prompts)
     generations = [
-        speculative_generate(target, prompt, drafter_draft_fn(drafter, head, temperature=temperature, generator=g),
-                             num_drafts=num_drafts, temperature=temperature, generator=g, **decoding)
+        speculative_generate(
+            target,
+            prompt,
+            drafter_draft_fn(drafter, head, temperature=temperature, generator=g),
+            num_drafts=num_drafts,
+            temperature=temperature,
+            generator=g,
+            **decoding,
+        )
         for prompt, g in zip(prompts, generators)
     ]
     distributions = drafter_distribution_fn(drafter, head)
     trees = {
-        budget: [tree_speculative_generate(target, prompt, distributions, budget=budget, **decoding)
-                 for prompt in prompts]
+        budget: [
+            tree_speculative_generate(target, prompt, distributions, budget=budget, **decoding) for prompt in prompts
+        ]
         for budget in dict.fromkeys(tree_budgets)
     }
-    return summarize(generations, drafter.block_size, trees, drafts_per_round=num_drafts, temperature=temperature,
-                     seed=seed if temperature > 0 else None)
+    return summarize(
+        generations,
+        drafter.block_size,
+        trees,
+        drafts_per_round=num_drafts,
+        temperature=temperature,
+        seed=seed if temperature > 0 else None,
+    )
 
 
 def _optional(value: float | None) -> str:
@@ -561,13 +650,17 @@ def _optional(value: float | None) -> str:
 
 
 def format_calibration(calibration: ConfidenceCalibration) -> list[str]:
-    lines = [f"confidence calibration: prod_{{j<=k}} sigmoid(c_j) against the first k drafts all accepted, over "
-             f"{calibration.pooled.count // max(len(calibration.positions), 1)} rounds ({calibration.bins} bins)",
-             "      k  accepted  predicted    ECE  AUROC  Brier"]
+    lines = [
+        f"confidence calibration: prod_{{j<=k}} sigmoid(c_j) against the first k drafts all accepted, over "
+        f"{calibration.pooled.count // max(len(calibration.positions), 1)} rounds ({calibration.bins} bins)",
+        "      k  accepted  predicted    ECE  AUROC  Brier",
+    ]
     for row in [*calibration.positions, calibration.pooled]:
         name = f"{row.position:>7}" if row.position else " pooled"
-        lines.append(f"{name}  {row.observed:8.3f}  {row.mean_predicted:9.3f}  {row.ece:5.3f}  "
-                     f"{_optional(row.auroc):>5}  {row.brier:5.3f}")
+        lines.append(
+            f"{name}  {row.observed:8.3f}  {row.mean_predicted:9.3f}  {row.ece:5.3f}  "
+            f"{_optional(row.auroc):>5}  {row.brier:5.3f}"
+        )
     return lines
 
 

@@ -48,33 +48,42 @@ TARGET_HEAD_KEY = "dflash_target_head"
 
 ARCHITECTURES = {"dflash": ["DFlashDraftModel"], "dspark": ["Qwen3DSparkModel"], "dflash2": ["DFlash2DraftModel"]}
 ARCH_NAMES = {"dflash": "DFlash", "dspark": "DSpark", "dflash2": "DFlash2"}
-MODEL_CODE = {"dflash": (MODEL_CODE_NAME, MODEL_CODE_SOURCE), "dspark": (DSPARK_CODE_NAME, DSPARK_CODE_SOURCE),
-              "dflash2": ("dflash2.py", Path(__file__).with_name("hf_dflash2.py"))}
+MODEL_CODE = {
+    "dflash": (MODEL_CODE_NAME, MODEL_CODE_SOURCE),
+    "dspark": (DSPARK_CODE_NAME, DSPARK_CODE_SOURCE),
+    "dflash2": ("dflash2.py", Path(__file__).with_name("hf_dflash2.py")),
+}
 # Files the model code imports (relative imports, which transformers' trust_remote_code copies along).
 MODEL_CODE_IMPORTS = {"dflash2": (("dflash2_blocks.py", Path(__file__).with_name("dflash2_blocks.py")),)}
 # DFlash2's dflash_config keys for a target head's transforms (z-lab's dflash_generate and compute_logits read them).
-DFLASH2_HEAD_KEYS = {"embed_scale": "input_embedding_scale", "logit_multiplier": "output_multiplier",
-                     "logit_softcap": "final_logit_softcapping"}
+DFLASH2_HEAD_KEYS = {
+    "embed_scale": "input_embedding_scale",
+    "logit_multiplier": "output_multiplier",
+    "logit_softcap": "final_logit_softcapping",
+}
 # The target's head in a DSpark export: in the file, not parameters of our DSparkDraftModel (its FrozenTargetHead).
 HEAD_TENSORS = ("embed_tokens.weight", "lm_head.weight")
 
 
 def export_arch(config: Mapping[str, Any], source: str = "config.json") -> str:
-    """"dflash", "dspark" or "dflash2", by the config's architectures; anything else refused naming the layouts."""
+    """ "dflash", "dspark" or "dflash2", by the config's architectures; anything else refused naming the layouts."""
     found = config.get("architectures")
     for arch, names in ARCHITECTURES.items():
         if found == names:
             return arch
-    raise ValueError(f"{source}: architectures is {found}, neither {ARCHITECTURES['dflash']} (DFlash), "
-                     f"{ARCHITECTURES['dflash2']} (DFlash2) nor {ARCHITECTURES['dspark']} (DSpark)")
+    raise ValueError(
+        f"{source}: architectures is {found}, neither {ARCHITECTURES['dflash']} (DFlash), "
+        f"{ARCHITECTURES['dflash2']} (DFlash2) nor {ARCHITECTURES['dspark']} (DSpark)"
+    )
 
 
 def _describe(arch: str) -> str:
     return f"a {ARCH_NAMES[arch]} drafter (architectures {ARCHITECTURES[arch]})"
 
 
-def _check_weights(state: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], source: str,
-                   arch: str = "dflash") -> None:
+def _check_weights(
+    state: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], source: str, arch: str = "dflash"
+) -> None:
     """Refuse, naming the offending tensors, when names or shapes differ from what the config implies."""
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     wrong_shape = sorted(
@@ -129,28 +138,37 @@ def export_drafter(
     arch = drafter_config.arch
     if model.sample_from_anchor != (arch == "dspark"):
         model_arch = "dspark" if model.sample_from_anchor else "dflash"
-        raise ValueError(f"the model is {_describe(model_arch)}, its drafter config says arch = {arch!r} "
-                         f"({_describe(arch)}): export it with the config it was trained with")
+        raise ValueError(
+            f"the model is {_describe(model_arch)}, its drafter config says arch = {arch!r} "
+            f"({_describe(arch)}): export it with the config it was trained with"
+        )
     if head_spec is None and head is not None:
         head_spec = head.spec
     config = drafter_hf_config(drafter_config, target_config, dtype=dtype)
     if head_spec is not None:
         config[TARGET_HEAD_KEY] = head_spec.to_json()
         if arch == "dflash2":  # where z-lab's DFlash2 reads them
-            config["dflash_config"] |= {key: getattr(head_spec, ours) for ours, key in DFLASH2_HEAD_KEYS.items()
-                                        if getattr(head_spec, ours) is not None}
+            config["dflash_config"] |= {
+                key: getattr(head_spec, ours)
+                for ours, key in DFLASH2_HEAD_KEYS.items()
+                if getattr(head_spec, ours) is not None
+            }
     exported = _settings(config, arch)
     if exported != (model.block_size, model.mask_token_id, model.target_layer_ids):
         raise ValueError(f"config (block_size, mask_token_id, target_layer_ids) {exported} differs from the model's")
     state = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in model.state_dict().items()}
     if arch == "dspark":
         if head is None:
-            raise ValueError("a DSpark export ships the target's embed_tokens and lm_head (SGLang refuses a checkpoint "
-                             "without them): pass the target's head (head=FrozenTargetHead)")
+            raise ValueError(
+                "a DSpark export ships the target's embed_tokens and lm_head (SGLang refuses a checkpoint "
+                "without them): pass the target's head (head=FrozenTargetHead)"
+            )
         check_dspark_head(head.spec)
         # Clones: a tied target's lm_head is its embedding, and safetensors refuses tensors that share memory.
-        state |= {name: weight.detach().to(device="cpu", dtype=dtype).clone()
-                  for name, weight in zip(HEAD_TENSORS, (head.embed_weight, head.lm_head_weight))}
+        state |= {
+            name: weight.detach().to(device="cpu", dtype=dtype).clone()
+            for name, weight in zip(HEAD_TENSORS, (head.embed_weight, head.lm_head_weight))
+        }
     _check_weights(state, _expected_state(config, arch), "model", arch)
     code = (MODEL_CODE[arch], *MODEL_CODE_IMPORTS.get(arch, ()))
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -171,8 +189,12 @@ def export_drafter(
 
 
 def load_drafter(
-    path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-    arch: str | None = "dflash", target_head: FrozenTargetHead | None = None,
+    path: str | Path,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    arch: str | None = "dflash",
+    target_head: FrozenTargetHead | None = None,
 ) -> DFlashDraftModel:
     """Load an exported drafter (DFlashDraftModel, DSparkDraftModel or DFlash2DraftModel); dtype None keeps the
     stored dtype.
@@ -194,11 +216,13 @@ def load_drafter(
     if found == "dspark":
         stored = [state.pop(name) for name in HEAD_TENSORS]
         if target_head is not None:
-            for name, tensor, theirs in zip(HEAD_TENSORS, stored, (target_head.embed_weight,
-                                                                  target_head.lm_head_weight)):
+            for name, tensor, theirs in zip(
+                HEAD_TENSORS, stored, (target_head.embed_weight, target_head.lm_head_weight)
+            ):
                 if not torch.equal(theirs.detach().to(device="cpu", dtype=tensor.dtype), tensor):
-                    raise ValueError(f"{weights}: {name} differs from the target's: this drafter was exported for "
-                                     "another target")
+                    raise ValueError(
+                        f"{weights}: {name} differs from the target's: this drafter was exported for another target"
+                    )
     model = drafter_class(found)(qwen3_config(config))
     model.load_state_dict(state, strict=True)
     return model.to(device=device, dtype=dtype or state["fc.weight"].dtype)

@@ -36,7 +36,10 @@ def fp8_refusal(device: torch.device | str) -> str | None:
     """Why FP8 training cannot run on `device` ("auto": the GPU if there is one), as one line that says what to do;
     None if it can. Every unmet need is named, so one try shows all that is missing."""
     device = _resolved(device)
-    gpu = f"a GPU of compute capability >= {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} (FP8 tensor cores: Ada, Hopper or later)"
+    gpu = (
+        f"a GPU of compute capability >= {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} "
+        "(FP8 tensor cores: Ada, Hopper or later)"
+    )
     problems = []
     if not torch.cuda.is_available():
         problems.append(f"no CUDA device here: FP8 training needs {gpu}")
@@ -45,8 +48,10 @@ def fp8_refusal(device: torch.device | str) -> str | None:
     elif device.index is not None and device.index >= torch.cuda.device_count():
         problems.append(f"{device} is not a device here ({torch.cuda.device_count()} visible)")
     elif (capability := torch.cuda.get_device_capability(device)) < FP8_CAPABILITY:
-        problems.append(f"{torch.cuda.get_device_name(device)} has compute capability {capability[0]}.{capability[1]}: "
-                        f"FP8 training needs {gpu}")
+        problems.append(
+            f"{torch.cuda.get_device_name(device)} has compute capability {capability[0]}.{capability[1]}: "
+            f"FP8 training needs {gpu}"
+        )
     if importlib.util.find_spec("torchao") is None:
         problems.append(f"torchao is not installed ({INSTALL})")
     if not problems:
@@ -84,18 +89,29 @@ def convert_to_fp8(model: nn.Module, recipe: str = "rowwise") -> list[str]:
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as e:
-        raise Fp8Unavailable(f"drafter.precision = \"fp8\" needs torchao's float8 training, which does not import "
-                             f"({e}): {INSTALL}") from None
+        raise Fp8Unavailable(
+            f'drafter.precision = "fp8" needs torchao\'s float8 training, which does not import ({e}): {INSTALL}'
+        ) from None
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     skipped = [name for name, m in linears.items() if not fits_fp8(m)]
     if len(skipped) == len(linears):
-        raise Fp8Unavailable(f"drafter.precision = \"fp8\": none of the drafter's {len(linears)} linears has dims "
-                             f"that are multiples of {GEMM_MULTIPLE} (torch._scaled_mm needs them): set "
-                             "drafter.precision = \"bf16\"")
-    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
-                               module_filter_fn=lambda m, _name: isinstance(m, nn.Linear) and fits_fp8(m))
+        raise Fp8Unavailable(
+            f'drafter.precision = "fp8": none of the drafter\'s {len(linears)} linears has dims '
+            f"that are multiples of {GEMM_MULTIPLE} (torch._scaled_mm needs them): set "
+            'drafter.precision = "bf16"'
+        )
+    convert_to_float8_training(
+        model,
+        config=Float8LinearConfig.from_recipe_name(recipe),
+        module_filter_fn=lambda m, _name: isinstance(m, nn.Linear) and fits_fp8(m),
+    )
     if skipped:
-        log.warning("fp8: %d of %d linears stay in bf16, their dims not multiples of %d: %s", len(skipped),
-                    len(linears), GEMM_MULTIPLE, ", ".join(skipped))
+        log.warning(
+            "fp8: %d of %d linears stay in bf16, their dims not multiples of %d: %s",
+            len(skipped),
+            len(linears),
+            GEMM_MULTIPLE,
+            ", ".join(skipped),
+        )
     log.info("fp8: %d linears train in FP8 (torchao float8, %s)", len(linears) - len(skipped), recipe)
     return skipped

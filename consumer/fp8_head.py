@@ -43,8 +43,10 @@ class Fp8Head:
     @classmethod
     def of(cls, weight: torch.Tensor) -> Fp8Head:
         if weight.shape[0] % 16 or weight.shape[1] % 16:
-            raise Fp8Unavailable(f"the FP8 head needs a vocabulary and width divisible by 16 (torch._scaled_mm), got "
-                             f"{tuple(weight.shape)}; train this target with drafter.precision = \"bf16\"")
+            raise Fp8Unavailable(
+                f"the FP8 head needs a vocabulary and width divisible by 16 (torch._scaled_mm), got "
+                f'{tuple(weight.shape)}; train this target with drafter.precision = "bf16"'
+            )
         by_vocab, vocab_scale = quantize_rows(weight)
         by_hidden, hidden_scale = quantize_rows(weight.t())
         return cls(by_vocab, vocab_scale.t().contiguous(), by_hidden.contiguous(), hidden_scale.t().contiguous())
@@ -52,10 +54,12 @@ class Fp8Head:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The plain product hidden [M, H] x W^T as bf16 [M, V]."""
         rows, scale = quantize_rows(hidden)
-        return torch._scaled_mm(rows, self.by_vocab.t(), scale_a=scale, scale_b=self.vocab_scale,
-                                out_dtype=torch.bfloat16)
+        return torch._scaled_mm(
+            rows, self.by_vocab.t(), scale_a=scale, scale_b=self.vocab_scale, out_dtype=torch.bfloat16
+        )
 
     def grad_hidden(self, d_logits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """(d_logits * scale) [M, V] x W as bf16 [M, H]; d_logits comes quantized per row (quantize_rows, E5M2)."""
-        return torch._scaled_mm(d_logits, self.by_hidden.t(), scale_a=scale, scale_b=self.hidden_scale,
-                                out_dtype=torch.bfloat16)
+        return torch._scaled_mm(
+            d_logits, self.by_hidden.t(), scale_a=scale, scale_b=self.hidden_scale, out_dtype=torch.bfloat16
+        )

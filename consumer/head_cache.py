@@ -47,9 +47,11 @@ def _digest(key: str, head: dict) -> str:
 def _plausible(spec: HeadSpec) -> bool:
     """What the probe can derive: every factor finite, the scale and the cap positive (a softcap is a
     magnitude), the multiplier non-zero."""
-    return ((spec.embed_scale is None or (math.isfinite(spec.embed_scale) and spec.embed_scale > 0))
-            and (spec.logit_multiplier is None or (math.isfinite(spec.logit_multiplier) and spec.logit_multiplier != 0))
-            and (spec.logit_softcap is None or (math.isfinite(spec.logit_softcap) and spec.logit_softcap > 0)))
+    return (
+        (spec.embed_scale is None or (math.isfinite(spec.embed_scale) and spec.embed_scale > 0))
+        and (spec.logit_multiplier is None or (math.isfinite(spec.logit_multiplier) and spec.logit_multiplier != 0))
+        and (spec.logit_softcap is None or (math.isfinite(spec.logit_softcap) and spec.logit_softcap > 0))
+    )
 
 
 def cached_spec(cache: str | Path | None, key: str, untied_head: bool) -> HeadSpec | None:
@@ -77,8 +79,9 @@ def cached_spec(cache: str | Path | None, key: str, untied_head: bool) -> HeadSp
         return _doubt(path, "its digest does not match its content")
     try:
         if not isinstance(head["tied"], bool) or any(
-                not (head.get(k) is None or (type(head[k]) in (int, float)))
-                for k in ("embed_scale", "logit_multiplier", "logit_softcap")):
+            not (head.get(k) is None or (type(head[k]) in (int, float)))
+            for k in ("embed_scale", "logit_multiplier", "logit_softcap")
+        ):
             raise TypeError("a value of the wrong type")
         spec = HeadSpec.from_json(head)
     except (KeyError, TypeError, ValueError) as e:
@@ -107,8 +110,12 @@ def store_spec(cache: str | Path | None, key: str, spec: HeadSpec, errors) -> No
     path = Path(cache)
     path.parent.mkdir(parents=True, exist_ok=True)
     head = spec.to_json()
-    record = {"key": key, "head": head, "digest": _digest(key, head),
-              "verified_relative_error": {"embedding": errors.embedding, "logits": errors.logits}}
+    record = {
+        "key": key,
+        "head": head,
+        "digest": _digest(key, head),
+        "verified_relative_error": {"embedding": errors.embedding, "logits": errors.logits},
+    }
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:

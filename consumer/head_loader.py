@@ -25,12 +25,14 @@ def probe_target_head(target_dir: str | Path, embed: torch.Tensor | None = None,
     if embed is None:
         files, embed_key, lm_head_key = head_tensor_keys(root)
         embed, lm_head = read_head(root, files, embed_key, lm_head_key, config_tied(root))
-    return probe_head(load_target_hf_config(root), embed.cpu(), None if lm_head is None else lm_head.cpu(),
-                      str(root))
+    return probe_head(load_target_hf_config(root), embed.cpu(), None if lm_head is None else lm_head.cpu(), str(root))
 
 
 def load_target_head(
-    target_dir: str | Path, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+    target_dir: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
     cache: str | Path | None = None,
 ) -> FrozenTargetHead:
     """Read only embed_tokens and lm_head from a target checkpoint (never the whole model), with the
@@ -40,8 +42,9 @@ def load_target_head(
     key = fingerprint(root, files, [k for k in (embed_key, lm_head_key) if k is not None])
     spec = cached_spec(cache, key, untied_head=lm_head_key is not None)
     try:
-        embed, lm_head = read_head(root, files, embed_key, lm_head_key, spec.tied if spec else config_tied(root),
-                                   device)
+        embed, lm_head = read_head(
+            root, files, embed_key, lm_head_key, spec.tied if spec else config_tied(root), device
+        )
     except ValueError as e:
         if spec is None or cache is None:
             raise

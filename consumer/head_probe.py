@@ -129,8 +129,7 @@ class TargetHeadProbe:
     def sample(self, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Random ids [T] and unit-RMS hidden states [T, H]."""
         g = torch.Generator().manual_seed(seed)
-        return (torch.randint(0, self.vocab, (_TOKENS,), generator=g),
-                torch.randn(_TOKENS, self.hidden, generator=g))
+        return (torch.randint(0, self.vocab, (_TOKENS,), generator=g), torch.randn(_TOKENS, self.hidden, generator=g))
 
 
 def _float32(x: float) -> float:
@@ -186,21 +185,26 @@ def measure(probe: TargetHeadProbe, spec: HeadSpec) -> HeadErrors:
     peaks = [1e-6, None, 1e6 / abs(spec.logit_multiplier or 1.0)]
     if spec.logit_softcap is not None:
         peaks.append(3 * spec.logit_softcap / abs(spec.logit_multiplier or 1.0))
-    logits = max(relative_error(head.logits(h), probe.logits(h))
-                 for h in (hidden if p is None else _scaled(hidden, weight, p) for p in peaks))
+    logits = max(
+        relative_error(head.logits(h), probe.logits(h))
+        for h in (hidden if p is None else _scaled(hidden, weight, p) for p in peaks)
+    )
     return HeadErrors(embedding, logits)
 
 
 def check(probe: TargetHeadProbe, spec: HeadSpec, where: str) -> HeadErrors:
     """measure, refusing with one line when either part is off by more than TOLERANCE."""
     errors = measure(probe, spec)
-    for part, error in (("embedding (what the first decoder layer receives)", errors.embedding),
-                        ("logits", errors.logits)):
+    for part, error in (
+        ("embedding (what the first decoder layer receives)", errors.embedding),
+        ("logits", errors.logits),
+    ):
         if not error <= TOLERANCE:
             raise HeadProbeError(
                 f"{where}: the drafter's frozen head does not reproduce the target's {part}: relative error "
                 f"{error:.3g} > {TOLERANCE:g} with {spec.describe()}; the target applies a transform the head "
-                "does not model (per dimension, per position or nonlinear)")
+                "does not model (per dimension, per position or nonlinear)"
+            )
     return errors
 
 

@@ -95,9 +95,11 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         super().__init__(config)
         dflash = getattr(config, "dflash_config", None)
         if dflash is None:
-            raise ValueError(f"config has no dflash_config: not a DFlash drafter (architectures ['DFlashDraftModel']) "
-                             f"but architectures {getattr(config, 'architectures', None)}; a DSpark drafter "
-                             "(architectures ['Qwen3DSparkModel']) loads with the dspark.py its export ships")
+            raise ValueError(
+                f"config has no dflash_config: not a DFlash drafter (architectures ['DFlashDraftModel']) "
+                f"but architectures {getattr(config, 'architectures', None)}; a DSpark drafter "
+                "(architectures ['Qwen3DSparkModel']) loads with the dspark.py its export ships"
+            )
         self.block_size = int(dflash.get("block_size", getattr(config, "block_size", 0)))
         self.mask_token_id = int(dflash["mask_token_id"])
         self.target_layer_ids = list(dflash["target_layer_ids"])
@@ -133,8 +135,10 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         if past_key_values is not None or use_cache:
             raise ValueError("this DFlash drafter has no KV cache: pass the whole context as target_hidden each call")
         if target_hidden.shape[-1] != self.fc.in_features:
-            raise ValueError(f"target_hidden width {target_hidden.shape[-1]} != {self.fc.in_features} "
-                             f"(hidden states of target layers {self.target_layer_ids}, concatenated)")
+            raise ValueError(
+                f"target_hidden width {target_hidden.shape[-1]} != {self.fc.in_features} "
+                f"(hidden states of target layers {self.target_layer_ids}, concatenated)"
+            )
         batch, ctx_len, q_len = noise_embedding.shape[0], target_hidden.shape[1], noise_embedding.shape[1]
         if position_ids is None:
             position_ids = torch.arange(ctx_len + q_len, device=noise_embedding.device).expand(batch, -1)

@@ -124,17 +124,25 @@ class DFlash2DraftModel(Qwen3PreTrainedModel):
         self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
-        self.candidate_selector = CandidateSelector(config.vocab_size, hidden, int(_setting(config, "selector_rank")),
-                                                    int(_setting(config, "selector_top_k")))
+        self.candidate_selector = CandidateSelector(
+            config.vocab_size, hidden, int(_setting(config, "selector_rank")), int(_setting(config, "selector_top_k"))
+        )
         self.post_init()
 
     def target_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The context this drafter reads, from a target forward's output_hidden_states (layer l -> index l + 1)."""
         return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
 
-    def forward(self, noise_embedding: torch.Tensor, target_hidden: torch.Tensor,
-                position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                past_key_values=None, use_cache: bool = False, **kwargs) -> torch.Tensor:
+    def forward(
+        self,
+        noise_embedding: torch.Tensor,
+        target_hidden: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
+        use_cache: bool = False,
+        **kwargs,
+    ) -> torch.Tensor:
         """Draft hidden states [b, B, H], final-normed, of one block per row after its context (see hf_dflash.py):
         noise_embedding [b, B, H], target_hidden [b, c, n*H], position_ids [b, c + B] (default 0..c+B-1)."""
         if past_key_values is not None or use_cache:
@@ -154,9 +162,16 @@ class DFlash2DraftModel(Qwen3PreTrainedModel):
         cap = _setting(self.config, "final_logit_softcapping")
         return logits if not cap else torch.tanh(logits / float(cap)) * float(cap)
 
-    def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_head: nn.Module, temperature: float = 0.0,
-                generator: torch.Generator | None = None):
+    def propose(
+        self,
+        hidden: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        lm_head: nn.Module,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ):
         """The selector's walk over the drafting slots' hidden states [b, B-1, H] from anchor_ids [b]:
         (path [b, B-1], candidates [b, B-1, K], scores [b, B-1, K]; softmax(scores / T) is q over the candidates)."""
-        return self.candidate_selector.walk(hidden, self.compute_logits(hidden, lm_head), anchor_ids, temperature,
-                                            generator)
+        return self.candidate_selector.walk(
+            hidden, self.compute_logits(hidden, lm_head), anchor_ids, temperature, generator
+        )

@@ -16,8 +16,8 @@ consumer/dspark_heads.py), checked equal in fp32 by tests/test_peer_conformance.
         feeds back the token drafted at slot k-1) and
         vanilla: e_k = W1[prev_k]
         gated:   e_k = sigmoid(gate_proj([h_k ; W1[prev_k]])) * W1[prev_k]
-        rnn:     g, c, o = joint_proj([s_{k-1} ; W1[prev_k] ; h_k]); s_k = sigmoid(g) s_{k-1} + (1 - sigmoid(g)) tanh(c);
-                 e_k = tanh(o); s_{-1} = 0
+        rnn:     g, c, o = joint_proj([s_{k-1} ; W1[prev_k] ; h_k]);
+                 s_k = sigmoid(g) s_{k-1} + (1 - sigmoid(g)) tanh(c); e_k = tanh(o); s_{-1} = 0
     confidence_k = proj([h_k ; W1[prev_k]]) in fp32: the logit of P(slot k accepted | every earlier slot accepted)
 
 There is no KV cache: each call takes the whole context. Drafting a block: h = model(model.embed_tokens(block),
@@ -72,8 +72,9 @@ class DSparkAttention(nn.Module):
         q = _rotate(self.q_norm(self._heads(self.q_proj(x))), cos[:, ctx_len:], sin[:, ctx_len:])
         k = _rotate(self.k_norm(self._heads(self.k_proj(both))), cos, sin)
         v = self._heads(self.v_proj(both))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attention_mask, enable_gqa=self.num_heads != self.num_kv_heads
+        )
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
@@ -92,7 +93,8 @@ class DSparkDecoderLayer(nn.Module):
 
 
 class DSparkMarkovHead(nn.Module):
-    """markov_w1 [V, r] indexed by the previous token, markov_w2 [V, r] to the vocabulary; gated/rnn add a projection."""
+    """markov_w1 [V, r] indexed by the previous token, markov_w2 [V, r] to the vocabulary; gated/rnn add a
+    projection."""
 
     def __init__(self, vocab_size: int, rank: int, hidden_size: int, kind: str) -> None:
         super().__init__()
@@ -131,20 +133,28 @@ def check_dspark_config(config: Qwen3Config) -> None:
     its nested dflash_config, slot 0 drafting nothing, would load here as garbage)."""
     architectures = getattr(config, "architectures", None) or []
     if getattr(config, "dflash_config", None) is not None or "DFlashDraftModel" in architectures:
-        raise ValueError(f"this is a DFlash drafter (architectures {architectures}, a nested dflash_config), not a "
-                         "DSpark one (architectures ['Qwen3DSparkModel']): load it with its own dflash.py")
-    missing = [k for k in ("block_size", "target_layer_ids", "mask_token_id", "markov_rank", "markov_head_type")
-               if getattr(config, k, None) is None]
+        raise ValueError(
+            f"this is a DFlash drafter (architectures {architectures}, a nested dflash_config), not a "
+            "DSpark one (architectures ['Qwen3DSparkModel']): load it with its own dflash.py"
+        )
+    missing = [
+        k
+        for k in ("block_size", "target_layer_ids", "mask_token_id", "markov_rank", "markov_head_type")
+        if getattr(config, k, None) is None
+    ]
     if missing:
         raise ValueError(f"config has no {missing}: not a DSpark drafter (architectures ['Qwen3DSparkModel'])")
     if config.markov_head_type not in MARKOV_HEAD_TYPES:
         raise ValueError(f"markov_head_type {config.markov_head_type!r} is not one of {MARKOV_HEAD_TYPES}")
     if not getattr(config, "sample_from_anchor", True) or getattr(config, "dspark_bonus_anchor", False):
-        raise ValueError("this model drafts from the anchor (sample_from_anchor true): the 1+N bonus-anchor layout "
-                         "is another model")
+        raise ValueError(
+            "this model drafts from the anchor (sample_from_anchor true): the 1+N bonus-anchor layout is another model"
+        )
     if not (getattr(config, "enable_confidence_head", True) and getattr(config, "confidence_head_with_markov", True)):
-        raise ValueError("this model has the confidence head fed with the Markov embedding (enable_confidence_head "
-                         "and confidence_head_with_markov true)")
+        raise ValueError(
+            "this model has the confidence head fed with the Markov embedding (enable_confidence_head "
+            "and confidence_head_with_markov true)"
+        )
     if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
         raise ValueError(f"DSpark drafters have full_attention layers only, config has {config.layer_types}")
 
@@ -197,8 +207,10 @@ class Qwen3DSparkModel(Qwen3PreTrainedModel):
         if past_key_values is not None or use_cache:
             raise ValueError("this DSpark drafter has no KV cache: pass the whole context as target_hidden each call")
         if target_hidden.shape[-1] != self.fc.in_features:
-            raise ValueError(f"target_hidden width {target_hidden.shape[-1]} != {self.fc.in_features} "
-                             f"(hidden states of target layers {self.target_layer_ids}, concatenated)")
+            raise ValueError(
+                f"target_hidden width {target_hidden.shape[-1]} != {self.fc.in_features} "
+                f"(hidden states of target layers {self.target_layer_ids}, concatenated)"
+            )
         batch, ctx_len, q_len = noise_embedding.shape[0], target_hidden.shape[1], noise_embedding.shape[1]
         if position_ids is None:
             position_ids = torch.arange(ctx_len + q_len, device=noise_embedding.device).expand(batch, -1)
@@ -215,11 +227,16 @@ class Qwen3DSparkModel(Qwen3PreTrainedModel):
 
     def _blocks(self, prev_token_ids: torch.Tensor, hidden_states: torch.Tensor):
         if prev_token_ids.shape != hidden_states.shape[:-1]:
-            raise ValueError(f"prev_token_ids {tuple(prev_token_ids.shape)} must be hidden_states' "
-                             f"{tuple(hidden_states.shape[:-1])} (one previous token per slot)")
+            raise ValueError(
+                f"prev_token_ids {tuple(prev_token_ids.shape)} must be hidden_states' "
+                f"{tuple(hidden_states.shape[:-1])} (one previous token per slot)"
+            )
         lead = prev_token_ids.shape[:-1]
-        return (lead, prev_token_ids.reshape(-1, prev_token_ids.shape[-1]),
-                hidden_states.reshape(-1, *hidden_states.shape[-2:]))
+        return (
+            lead,
+            prev_token_ids.reshape(-1, prev_token_ids.shape[-1]),
+            hidden_states.reshape(-1, *hidden_states.shape[-2:]),
+        )
 
     def markov_bias(self, prev_token_ids: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """The Markov head's logit bias [.., B, V] for slots whose previous tokens are prev_token_ids [.., B] (slot 0:

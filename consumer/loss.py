@@ -47,8 +47,13 @@ class BlockLabels:
     valid: torch.Tensor  # [N, B] bool: slot k drafts, its token is inside the anchor's sequence, loss_mask set
 
 
-def block_labels(anchors: Anchors, input_ids: torch.Tensor, loss_mask: torch.Tensor, block_size: int,
-                 sample_from_anchor: bool = False) -> BlockLabels:
+def block_labels(
+    anchors: Anchors,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    block_size: int,
+    sample_from_anchor: bool = False,
+) -> BlockLabels:
     """DFlash: slot k is labelled with token anchor + k, slot 0 never. sample_from_anchor (DSpark): slot k with
     anchor + k + 1, and a slot after an unsupervised one is not supervised either (DeepSpec's eval mask)."""
     shift = 1 if sample_from_anchor else 0
@@ -132,9 +137,17 @@ class DFlashLoss:
         return self.valid_per_position.sum()
 
 
-def drafter_loss(model: DFlashDraftModel, hidden: torch.Tensor, anchors: Anchors, input_ids: torch.Tensor,
-                 loss_mask: torch.Tensor, head: FrozenTargetHead, cfg: DrafterConfig,
-                 target_hidden: torch.Tensor | None = None, heads: bool = True) -> DFlashLoss:
+def drafter_loss(
+    model: DFlashDraftModel,
+    hidden: torch.Tensor,
+    anchors: Anchors,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    head: FrozenTargetHead,
+    cfg: DrafterConfig,
+    target_hidden: torch.Tensor | None = None,
+    heads: bool = True,
+) -> DFlashLoss:
     """dflash_loss of a drafter's output, with its DSpark heads' outputs when it has them (heads=False leaves them
     out: the backbone alone, for timing): the one call the trainer and the benches make."""
     dspark = selector = None
@@ -143,8 +156,9 @@ def drafter_loss(model: DFlashDraftModel, hidden: torch.Tensor, anchors: Anchors
         dspark = DSparkHeads(markov, model.markov_head.markov_w2.weight, confidence)
     if heads and isinstance(model, DFlash2DraftModel):
         chooser = model.candidate_selector
-        selector = SelectorInputs(chooser.context(hidden, model.prev_ids(input_ids, anchors)),
-                                  chooser.successor_codebook, chooser.top_k)
+        selector = SelectorInputs(
+            chooser.context(hidden, model.prev_ids(input_ids, anchors)), chooser.successor_codebook, chooser.top_k
+        )
     return dflash_loss(hidden, anchors, input_ids, loss_mask, head, cfg, target_hidden, dspark, selector)
 
 
@@ -175,14 +189,18 @@ def dflash_loss(
     selector: DFlash2's selector inputs (arch "dflash2" only, and there whenever selector_weight > 0).
     """
     if cfg.needs_target_logits != (target_hidden is not None):
-        raise ValueError("target_hidden must be given exactly when kl_weight, tv_weight or confidence_weight > 0 "
-                         "or label = 'target_argmax'")
+        raise ValueError(
+            "target_hidden must be given exactly when kl_weight, tv_weight or confidence_weight > 0 "
+            "or label = 'target_argmax'"
+        )
     if dspark is not None and cfg.arch != "dspark" or dspark is None and cfg.confidence_weight > 0:
-        raise ValueError("the DSpark heads' outputs are given with arch = 'dspark' only, and there whenever "
-                         "confidence_weight > 0")
+        raise ValueError(
+            "the DSpark heads' outputs are given with arch = 'dspark' only, and there whenever confidence_weight > 0"
+        )
     if selector is not None and cfg.arch != "dflash2" or selector is None and cfg.selector_weight > 0:
-        raise ValueError("the selector's inputs are given with arch = 'dflash2' only, and there whenever "
-                         "selector_weight > 0")
+        raise ValueError(
+            "the selector's inputs are given with arch = 'dflash2' only, and there whenever selector_weight > 0"
+        )
     block_size = hidden.shape[1]
     if block_size != cfg.block_size:
         raise ValueError(f"hidden has blocks of {block_size}, config says {cfg.block_size}")
@@ -191,24 +209,43 @@ def dflash_loss(
     valid = labels.valid[:, first:]
     drafts = valid.shape[1]
     weighting = _weighting(cfg, valid)
-    spec = ChunkSpec(kl=cfg.kl_weight > 0, tv=cfg.tv_weight > 0 or cfg.confidence_weight > 0,
-                     multiplier=head.logit_multiplier, cap=head.logit_softcap, fp8=head.fp8 is not None and dspark is None)
+    spec = ChunkSpec(
+        kl=cfg.kl_weight > 0,
+        tv=cfg.tv_weight > 0 or cfg.confidence_weight > 0,
+        multiplier=head.logit_multiplier,
+        cap=head.logit_softcap,
+        fp8=head.fp8 is not None and dspark is None,
+    )
     teacher, used = None, labels.tokens[:, first:][valid]
     if target_hidden is not None:  # the draft of token anchor + j reads the target at anchor + j - 1
         teacher_positions = anchors.positions[:, None] + torch.arange(drafts, device=hidden.device)
-        teacher = teacher_logits(target_hidden, teacher_positions[valid], head.lm_head_weight, head.logit_multiplier,
-                                 head.logit_softcap, cfg.loss_chunk_tokens, keep_logits=spec.taught)
+        teacher = teacher_logits(
+            target_hidden,
+            teacher_positions[valid],
+            head.lm_head_weight,
+            head.logit_multiplier,
+            head.logit_softcap,
+            cfg.loss_chunk_tokens,
+            keep_logits=spec.taught,
+        )
         if cfg.label == "target_argmax":
             used = teacher.argmax[teacher.row]
-    plan = chunk_plan(valid, cfg.loss_chunk_tokens, weighting=weighting,
-                      terms=TermWeights(cfg.ce_weight, cfg.kl_weight, cfg.tv_weight),
-                      cap=Cap(cfg.cap_weight, valid.shape[0], drafts) if cfg.cap_weight > 0 else None, spec=spec,
-                      fp8=head.fp8, teacher=teacher if spec.taught else None,
-                      top_k=0 if selector is None else selector.top_k)
+    plan = chunk_plan(
+        valid,
+        cfg.loss_chunk_tokens,
+        weighting=weighting,
+        terms=TermWeights(cfg.ce_weight, cfg.kl_weight, cfg.tv_weight),
+        cap=Cap(cfg.cap_weight, valid.shape[0], drafts) if cfg.cap_weight > 0 else None,
+        spec=spec,
+        fp8=head.fp8,
+        teacher=teacher if spec.taught else None,
+        top_k=0 if selector is None else selector.top_k,
+    )
     markov, w2 = (None, None) if dspark is None else (dspark.markov[valid], dspark.markov_w2)
     rows = hidden[:, first:][valid]
     loss, ce, kl, l1, w, predictions, top_values, top_ids, row_lse = ChunkedHeadLoss.apply(
-        rows, markov, w2, head.lm_head_weight, used, valid, plan)
+        rows, markov, w2, head.lm_head_weight, used, valid, plan
+    )
     normaliser = plan.normaliser
 
     def grid(rows: torch.Tensor) -> torch.Tensor:
@@ -223,20 +260,36 @@ def dflash_loss(
     block_terms = cfg.ce_weight * ce + cfg.kl_weight * kl + cfg.tv_weight * l1
     stats = None
     if selector is not None:
-        terms = selector_terms(rows, selector.context[:, first:][valid], selector.successor_codebook, top_values,
-                               top_ids, row_lse, used, w, head.lm_head_weight, head.logit_multiplier, head.logit_softcap)
+        terms = selector_terms(
+            rows,
+            selector.context[:, first:][valid],
+            selector.successor_codebook,
+            top_values,
+            top_ids,
+            row_lse,
+            used,
+            w,
+            head.lm_head_weight,
+            head.logit_multiplier,
+            head.logit_softcap,
+        )
         loss = loss + cfg.selector_weight * terms.loss
         # the block's share of the selector term, in units of the head loss's normaliser: sum over blocks / S = term
         scale = cfg.selector_weight * normaliser / terms.normaliser.clamp_min(torch.finfo(torch.float32).tiny)
         block_terms = block_terms + scale * terms.ce
         stats = SelectorStats(
-            loss=terms.loss.detach(), rows=valid.sum(), in_top_k=terms.in_top_k.sum(), correct=terms.correct.sum(),
+            loss=terms.loss.detach(),
+            rows=valid.sum(),
+            in_top_k=terms.in_top_k.sum(),
+            correct=terms.correct.sum(),
             top_k_mass=terms.top_k_mass.sum(),
             block_accept=(grid(terms.correct).long().cumprod(dim=1).sum(dim=1) + 1).float(),
-            block_oracle=(grid(terms.in_top_k).long().cumprod(dim=1).sum(dim=1) + 1).float())
+            block_oracle=(grid(terms.in_top_k).long().cumprod(dim=1).sum(dim=1) + 1).float(),
+        )
     if dspark is not None:
         block_terms = block_terms + cfg.confidence_weight * F.binary_cross_entropy_with_logits(
-            dspark.confidence.detach()[valid], alpha, reduction="none")
+            dspark.confidence.detach()[valid], alpha, reduction="none"
+        )
     correct = grid(predictions == used)
     # A miss or an unsupervised position ends the accepted prefix, as the verifier would.
     block_accept = (correct.long().cumprod(dim=1).sum(dim=1) + 1).float()

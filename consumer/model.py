@@ -24,6 +24,7 @@ from dflash_ring.consumer.drafter_hf_config import block_size_of, drafter_hf_con
 from dflash_ring.consumer.dflash2_blocks import CandidateSelector, GroupedDynamicCausalConv
 from dflash_ring.consumer.dspark_heads import ConfidenceHead, MarkovHead
 from dflash_ring.consumer.qwen3_blocks import Qwen3MLP, Qwen3RMSNorm, rope_frequencies, rotate_half
+
 # The frozen head lives in target_head.py; re-exported for callers that import it from here.
 from .head_loader import load_target_head  # noqa: F401
 from .target_head import EMBED_KEYS, LM_HEAD_KEYS, FrozenTargetHead  # noqa: F401
@@ -82,7 +83,10 @@ def sample_anchors(
 
 
 def block_attention_mask(
-    anchors: torch.Tensor, ctx_len: int, block_size: int, sliding_window: int | None = None,
+    anchors: torch.Tensor,
+    ctx_len: int,
+    block_size: int,
+    sliding_window: int | None = None,
     sliding_causal: bool = True,
 ) -> torch.Tensor:
     """Boolean [n*B, ctx_len + n*B] mask (True = attend) for n blocks of one sequence.
@@ -131,7 +135,9 @@ def _attention_groups(
         for first in range(cu_anc[seq], cu_anc[seq + 1], anchors_per_group):
             last = min(first + anchors_per_group, cu_anc[seq + 1])
             ctx_len = local_host[last - 1]  # anchors are sorted: the last one sees the most context
-            masks = {w: block_attention_mask(local[first:last], ctx_len, block_size, w, sliding_causal) for w in windows}
+            masks = {
+                w: block_attention_mask(local[first:last], ctx_len, block_size, w, sliding_causal) for w in windows
+            }
             groups.append(
                 _AttentionGroup(
                     rows=slice(first * block_size, last * block_size),
@@ -170,8 +176,9 @@ class FlexLayout:
     masks: dict[int | None, BlockMask]  # by sliding window (None = full attention)
 
 
-def _tile_rows(slot: torch.Tensor, ranges: list[tuple[torch.Tensor, torch.Tensor]],
-               kv_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _tile_rows(
+    slot: torch.Tensor, ranges: list[tuple[torch.Tensor, torch.Tensor]], kv_tiles: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per query tile, the kv tiles of consecutive ranges [lo, lo + count): (counts, index rows) for BlockMask."""
     rows = torch.zeros_like(slot.expand(len(ranges[0][0]), -1))
     begin = torch.zeros_like(ranges[0][1])
@@ -181,8 +188,9 @@ def _tile_rows(slot: torch.Tensor, ranges: list[tuple[torch.Tensor, torch.Tensor
     return begin.to(torch.int32), rows.clamp(max=kv_tiles - 1).to(torch.int32)
 
 
-def flex_layout(anchors: Anchors, context_len: int, block_size: int, windows: set[int | None],
-                sliding_causal: bool = True) -> FlexLayout:
+def flex_layout(
+    anchors: Anchors, context_len: int, block_size: int, windows: set[int | None], sliding_causal: bool = True
+) -> FlexLayout:
     """sliding_causal: as block_attention_mask's (False: a sliding layer sees its whole block, DFlash2)."""
     n, dev = anchors.num_blocks, anchors.positions.device
     rows = n * block_size
@@ -241,13 +249,20 @@ def flex_layout(anchors: Anchors, context_len: int, block_size: int, windows: se
                 if sliding_causal:
                     blk_ok = blk_ok & (key % block_size <= offset)
             return torch.where(kv_idx < t_pad, ctx_ok, blk_ok)
+
         return mask_mod
 
     def block_mask(window: int | None) -> BlockMask:
         (counts, indices), (full_counts, full_indices) = tile_lists(window)
-        return BlockMask.from_kv_blocks(counts[None, None], indices[None, None], full_counts[None, None],
-                                        full_indices[None, None], BLOCK_SIZE=FLEX_TILE, mask_mod=rule(window),
-                                        seq_lengths=(q_len, t_pad + q_len))
+        return BlockMask.from_kv_blocks(
+            counts[None, None],
+            indices[None, None],
+            full_counts[None, None],
+            full_indices[None, None],
+            BLOCK_SIZE=FLEX_TILE,
+            mask_mod=rule(window),
+            seq_lengths=(q_len, t_pad + q_len),
+        )
 
     masks = {w: block_mask(w) for w in windows}
     return FlexLayout(num_queries=rows, context_len=t_pad, masks=masks)
@@ -259,8 +274,7 @@ _compiled_flex = None
 # (docs/benchmarks.md, issue 21): at head dim 256 (Qwen3.6-27B's width) a 128 x 64 forward tile with 8 warps and
 # 2 stages, which the backward kernel shares, ran a 2048-window layer of the ddtree recipe in 4.7 + 36.9 ms against
 # 7.4 + 47.4 ms with the defaults. Head dim 128 (Qwen3-8B) keeps the defaults.
-FLEX_KERNEL_OPTIONS: dict[int, dict[str, int]] = {256: {"BLOCK_M": 128, "BLOCK_N": 64, "num_stages": 2,
-                                                        "num_warps": 8}}
+FLEX_KERNEL_OPTIONS: dict[int, dict[str, int]] = {256: {"BLOCK_M": 128, "BLOCK_N": 64, "num_stages": 2, "num_warps": 8}}
 
 
 def _flex_attention(q, k, v, block_mask: BlockMask) -> torch.Tensor:
@@ -269,8 +283,9 @@ def _flex_attention(q, k, v, block_mask: BlockMask) -> torch.Tensor:
     if q.is_cuda:
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention, dynamic=True)
-        return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True,
-                              kernel_options=FLEX_KERNEL_OPTIONS.get(q.shape[-1]))
+        return _compiled_flex(
+            q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=FLEX_KERNEL_OPTIONS.get(q.shape[-1])
+        )
     return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
@@ -348,8 +363,9 @@ class DFlashAttention(nn.Module):
             return torch.cat([context, pad_ctx, block, pad_blk]).transpose(0, 1)[None]
 
         query = torch.cat([q, q.new_zeros(q_len - rows, *q.shape[1:])]).transpose(0, 1)[None]
-        out = _flex_attention(query, keys(k_context, k_block), keys(v_context, v_block),
-                              layout.masks[self.sliding_window])
+        out = _flex_attention(
+            query, keys(k_context, k_block), keys(v_context, v_block), layout.masks[self.sliding_window]
+        )
         return out[0, :, :rows].transpose(0, 1)
 
 
@@ -552,9 +568,13 @@ class DFlash2DraftModel(DFlashDraftModel):
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__(config)  # the convolutions start as the identity: _make_layer builds them after the init
         dflash = config.dflash_config
-        self.candidate_selector = CandidateSelector(config.vocab_size, config.hidden_size,
-                                                    int(dflash["selector_rank"]), int(dflash["selector_top_k"]),
-                                                    config.initializer_range)
+        self.candidate_selector = CandidateSelector(
+            config.vocab_size,
+            config.hidden_size,
+            int(dflash["selector_rank"]),
+            int(dflash["selector_top_k"]),
+            config.initializer_range,
+        )
         for layer in self.layers:  # the Linear init above drew kernel_projection: back to the identity
             layer.attention_conv.reset_parameters()
             layer.mlp_conv.reset_parameters()

@@ -79,7 +79,9 @@ log = logging.getLogger(__name__)
 def target_config_dict(target_path: str) -> dict[str, Any]:
     path = Path(target_path) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"target.path {target_path!r} has no config.json: point it at a local HF model directory")
+        raise FileNotFoundError(
+            f"target.path {target_path!r} has no config.json: point it at a local HF model directory"
+        )
     return json.loads(path.read_text())
 
 
@@ -107,8 +109,15 @@ class DrafterLoop:
     once, by whoever gets it redelivered.
     """
 
-    def __init__(self, trainer: Trainer, account: ItemAccount, report: StepReport, averaging: Averaging,
-                 checkpoints: Checkpoints, schedule: StepSchedule):
+    def __init__(
+        self,
+        trainer: Trainer,
+        account: ItemAccount,
+        report: StepReport,
+        averaging: Averaging,
+        checkpoints: Checkpoints,
+        schedule: StepSchedule,
+    ):
         self.trainer, self.account, self.report = trainer, account, report
         self.averaging, self.checkpoints, self.schedule = averaging, checkpoints, schedule
 
@@ -148,8 +157,15 @@ class Built:
     trainer: Trainer
 
 
-def build(drafter: DrafterConfig, target: TargetConfig, train: TrainConfig, source_names: tuple[str, ...],
-          compile_cache_dir: str, device: torch.device, head_cache: Path) -> Built:
+def build(
+    drafter: DrafterConfig,
+    target: TargetConfig,
+    train: TrainConfig,
+    source_names: tuple[str, ...],
+    compile_cache_dir: str,
+    device: torch.device,
+    head_cache: Path,
+) -> Built:
     """The drafter's parts (`source_names`: data.source_names(), the labels of the per-source figures;
     `compile_cache_dir`: run.compile_cache_dir). The target's frozen head (2.5 GB at 8B width: reading it and
     copying it to the GPU release the GIL) is read on a thread while this one imports the compiler the trainer needs
@@ -160,18 +176,27 @@ def build(drafter: DrafterConfig, target: TargetConfig, train: TrainConfig, sour
     compiles = train.compile and device.type == "cuda"
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="head") as pool:
         # The head probe runs once per target; a restart reads its result (no modeling code imported).
-        reading = pool.submit(load_target_head, target.path,
-                              dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, device=device,
-                              cache=head_cache)
+        reading = pool.submit(
+            load_target_head,
+            target.path,
+            dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+            device=device,
+            cache=head_cache,
+        )
         if compiles:
-            use_compile_cache(compile_cache_dir, "drafter",
-                              {"drafter": asdict(drafter_cfg), "target": target_config,
-                               "attention": train.attention_for("cuda")})
+            use_compile_cache(
+                compile_cache_dir,
+                "drafter",
+                {"drafter": asdict(drafter_cfg), "target": target_config, "attention": train.attention_for("cuda")},
+            )
             import_compiler()
         t_imports = time.perf_counter()
         head = reading.result()
-    log.info("target head read in %.2fs%s", time.perf_counter() - t0,
-             f" (beside it, the compiler imported in {t_imports - t0:.2f}s)" if compiles else "")
+    log.info(
+        "target head read in %.2fs%s",
+        time.perf_counter() - t0,
+        f" (beside it, the compiler imported in {t_imports - t0:.2f}s)" if compiles else "",
+    )
     torch.manual_seed(train.seed)  # the initial weights: reproducible, and equal across replicas
     with torch.device(device):  # initialised where it trains: an 8B-wide drafter takes ~10 s on a CPU
         model = build_drafter(drafter_cfg, target_config)
@@ -218,8 +243,9 @@ class Resumed:
             log.info("resumed from %s (step %d)", ckpt.path, ckpt.step)
 
 
-def run_drafter(cfg: Config, indices: list[int], device_name: str | None, startup: Startup,
-                standby: bool = False) -> int:
+def run_drafter(
+    cfg: Config, indices: list[int], device_name: str | None, startup: Startup, standby: bool = False
+) -> int:
     """Drafter `indices[0]`; with `standby`, a warm standby for every drafter of `indices`: built and attached, it
     takes over the first whose holder dies (common/seat.py), and exits 0 at the run's end if none does."""
     device = pick_device(device_name or cfg.train.device, indices[0])
@@ -231,8 +257,15 @@ def run_drafter(cfg: Config, indices: list[int], device_name: str | None, startu
         check_port_free(cfg.metrics, DRAFTER, indices[0])
     with role_process(cfg, Role.CONSUMER, None, device_uuid(device), startup) as proc:
         # The head cache is per drafter directory; a standby reads (or writes) its first index's.
-        built = build(cfg.drafter, cfg.target, cfg.train, cfg.data.source_names(), cfg.run.compile_cache_dir, device,
-                      Path(cfg.train.checkpoint_dir) / f"drafter-{indices[0]}" / HEAD_CACHE_NAME)
+        built = build(
+            cfg.drafter,
+            cfg.target,
+            cfg.train,
+            cfg.data.source_names(),
+            cfg.run.compile_cache_dir,
+            device,
+            Path(cfg.train.checkpoint_dir) / f"drafter-{indices[0]}" / HEAD_CACHE_NAME,
+        )
         startup.mark("model")  # the target's frozen head, the drafter built on its device
         resumed = None
         if not standby:
@@ -248,14 +281,22 @@ def run_drafter(cfg: Config, indices: list[int], device_name: str | None, startu
         startup.mark("precompile")
         seat = take_seat(ring, cfg.run.lock_dir(), Role.CONSUMER, indices, proc.stop, standby)
         if seat is None:
-            log.info("drafter %s: the run %s before %s", "standby" if standby else indices[0],
-                     "was stopped" if proc.stop.is_set() else "ended", "anything died" if standby else "its seat freed")
+            log.info(
+                "drafter %s: the run %s before %s",
+                "standby" if standby else indices[0],
+                "was stopped" if proc.stop.is_set() else "ended",
+                "anything died" if standby else "its seat freed",
+            )
             return 0
         startup.mark("standby")  # waiting for the seat (a drafter whose seat is free: no time)
         if standby:
             startup.what = f"drafter {seat.index}"
-            log.warning("standby (pid %d) takes over drafter %d, whose holder (pid %d) died", os.getpid(), seat.index,
-                        seat.predecessor_pid)
+            log.warning(
+                "standby (pid %d) takes over drafter %d, whose holder (pid %d) died",
+                os.getpid(),
+                seat.index,
+                seat.predecessor_pid,
+            )
             resumed = Resumed(cfg.train.checkpoint_dir, seat.index, built.trainer, built.drafter_cfg)
         proc.serve(seat.index)  # the index's port: free now that its seat is ours
         resumed.load()  # the latest the seat's last holder made durable (nothing new: nothing loaded again)
@@ -278,36 +319,69 @@ def _precompile(data: DataConfig, trainer: Trainer) -> None:
         log.info("first step precompiled in %.2fs", seconds)
 
 
-def train(cfg: Config, seat: Seat, proc: RoleProcess, built: Built, resumed: Resumed, tracking: Tracking,
-          startup: Startup) -> None:
+def train(
+    cfg: Config, seat: Seat, proc: RoleProcess, built: Built, resumed: Resumed, tracking: Tracking, startup: Startup
+) -> None:
     """Drafter `seat.index` from joining to its exit: the row, the journal, the loop, the final checkpoint."""
     index, trainer, ring = seat.index, built.trainer, proc.ring
     metrics = DrafterMetrics(proc.registry)
     drafter_cfg, consumed = built.drafter_cfg, resumed.consumed
     me = proc.join("model loaded, ring attached", seat.lock)  # seals a dead predecessor's journal first
     journal = resume_journal(cfg.train.checkpoint_dir, index, ring, trainer.step)
-    checkpoints = Checkpoints(resumed.store, cfg.train.checkpoint_every_steps, cfg.train.keep_checkpoints,
-                              partial(consumed.saved_with,
-                                      {"drafter": asdict(drafter_cfg), "target_config": built.target_config,
-                                       "target_head": built.head.spec.to_json(),
-                                       # where a DSpark export reads the target's embed_tokens/lm_head from
-                                       "target_path": str(Path(cfg.target.path).expanduser().resolve())}),
-                              trainer, journal, proc.ledger, background=cfg.train.async_checkpoints)
+    checkpoints = Checkpoints(
+        resumed.store,
+        cfg.train.checkpoint_every_steps,
+        cfg.train.keep_checkpoints,
+        partial(
+            consumed.saved_with,
+            {
+                "drafter": asdict(drafter_cfg),
+                "target_config": built.target_config,
+                "target_head": built.head.spec.to_json(),
+                # where a DSpark export reads the target's embed_tokens/lm_head from
+                "target_path": str(Path(cfg.target.path).expanduser().resolve()),
+            },
+        ),
+        trainer,
+        journal,
+        proc.ledger,
+        background=cfg.train.async_checkpoints,
+    )
     if proc.ledger is not None:
         proc.ledger.write(DrafterStart(trainer.step, seat.predecessor_pid if seat.takeover else None))
-    averaging = Averaging.join(cfg.train.average_every_steps, cfg.topology.consumers, cfg.group, cfg.run.name,
-                               cfg.run.lock_dir(), index, trainer.model,
-                               partial(fingerprint_fields, drafter_cfg, cfg.target, cfg.train, cfg.group, trainer.model))
+    averaging = Averaging.join(
+        cfg.train.average_every_steps,
+        cfg.topology.consumers,
+        cfg.group,
+        cfg.run.name,
+        cfg.run.lock_dir(),
+        index,
+        trainer.model,
+        partial(fingerprint_fields, drafter_cfg, cfg.target, cfg.train, cfg.group, trainer.model),
+    )
     startup.mark("join")  # the row (a dead predecessor's slots undone), the replicas' weights caught up
-    log.info("drafter %d on %s: %d parameters, ring %s", index, trainer.device,
-             sum(p.numel() for p in trainer.model.parameters()), ring.name)
+    log.info(
+        "drafter %d on %s: %d parameters, ring %s",
+        index,
+        trainer.device,
+        sum(p.numel() for p in trainer.model.parameters()),
+        ring.name,
+    )
     prefetch = Prefetcher(ring, me.row, trainer.device, metrics, proc.ledger)
-    report = StepReport(metrics, tracking, partial(ring_reading, ring), cfg.train.log_every_steps,
-                        cfg.train.eval_every_steps)
-    schedule = StepSchedule(trainer, cfg.train.total_steps, ring, cfg.topology.producers, cfg.topology.consumers,
-                            prefetch.pending)
-    loop = DrafterLoop(trainer, ItemAccount(consumed, journal, proc.ledger, prefetch.port.release), report, averaging,
-                       checkpoints, schedule)
+    report = StepReport(
+        metrics, tracking, partial(ring_reading, ring), cfg.train.log_every_steps, cfg.train.eval_every_steps
+    )
+    schedule = StepSchedule(
+        trainer, cfg.train.total_steps, ring, cfg.topology.producers, cfg.topology.consumers, prefetch.pending
+    )
+    loop = DrafterLoop(
+        trainer,
+        ItemAccount(consumed, journal, proc.ledger, prefetch.port.release),
+        report,
+        averaging,
+        checkpoints,
+        schedule,
+    )
     prefetch.start()
     while (taken := prefetch.next(proc.stop, me)) is not None:
         startup.mark("first_item")  # waited for and copied out of the ring
@@ -320,13 +394,17 @@ def train(cfg: Config, seat: Seat, proc: RoleProcess, built: Built, resumed: Res
         loop.take(taken)
     report.end(trainer.step)
     if flushed := trainer.flush(schedule.total()):
-        log.info("the last %d micro-batch(es) of an unfinished accumulation applied as step %d", flushed,
-                 trainer.step)
+        log.info("the last %d micro-batch(es) of an unfinished accumulation applied as step %d", flushed, trainer.step)
     averaging.close(trainer.step)
     checkpoints.final()
     journal.close()
-    log.info("drafter %d done: %d steps, %d items; %s", index, trainer.step, consumed.items,
-             "stopped by signal" if proc.stop.is_set() else "run finished")
+    log.info(
+        "drafter %d done: %d steps, %d items; %s",
+        index,
+        trainer.step,
+        consumed.items,
+        "stopped by signal" if proc.stop.is_set() else "run finished",
+    )
     if proc.ledger is not None:
         proc.ledger.write(Exited(trainer.step))
 

@@ -107,8 +107,9 @@ class SignedStore(Store):
         self.inner, self.secret, self.prefix, self.timeout_s = inner, secret, prefix, timeout_s
 
     def sub(self, prefix: str, timeout_s: float | None = None) -> SignedStore:
-        return SignedStore(self.inner, self.secret, self.prefix + prefix,
-                           self.timeout_s if timeout_s is None else timeout_s)
+        return SignedStore(
+            self.inner, self.secret, self.prefix + prefix, self.timeout_s if timeout_s is None else timeout_s
+        )
 
     def _mac(self, full: str, value: bytes) -> bytes:
         msg = b"dflash-ring/group/v1\0" + full.encode() + b"\0" + value
@@ -143,8 +144,10 @@ class SignedStore(Store):
             if value is not None:
                 return value
             if time.monotonic() > deadline:
-                raise RuntimeError(f"replica group store: no validly signed value at {self.prefix + key} "
-                                   "(missing, or written by someone without the group secret)")
+                raise RuntimeError(
+                    f"replica group store: no validly signed value at {self.prefix + key} "
+                    "(missing, or written by someone without the group secret)"
+                )
             time.sleep(0.02)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
@@ -170,20 +173,32 @@ class SignedStore(Store):
                 return value.encode()
             if (theirs := self._open(full, cur)) is not None:
                 return theirs
-            log.warning("replacing a value at %s not signed with this host's group secret (written by someone "
-                        "without it, or group.secret_file differs between hosts)", full)
+            log.warning(
+                "replacing a value at %s not signed with this host's group secret (written by someone "
+                "without it, or group.secret_file differs between hosts)",
+                full,
+            )
             expected = cur
         raise _Unavailable(f"store key {full} keeps being overwritten with unsigned values")
 
 
-def fingerprint_fields(drafter: DrafterConfig, target: TargetConfig, train: TrainConfig, group: GroupConfig,
-                       model: nn.Module) -> dict[str, Any]:
+def fingerprint_fields(
+    drafter: DrafterConfig, target: TargetConfig, train: TrainConfig, group: GroupConfig, model: nn.Module
+) -> dict[str, Any]:
     """What every host of a group must agree on, by config field name."""
     fields: dict[str, Any] = {f"drafter.{k}": v for k, v in drafter.model_fields().items()}  # not precision
     if target.path:
         fields |= target.geometry().fingerprint_fields()
-    for k in ("average_every_steps", "lr", "weight_decay", "betas", "warmup_ratio", "min_lr_ratio", "grad_clip",
-              "grad_accum"):
+    for k in (
+        "average_every_steps",
+        "lr",
+        "weight_decay",
+        "betas",
+        "warmup_ratio",
+        "min_lr_ratio",
+        "grad_clip",
+        "grad_accum",
+    ):
         fields[f"train.{k}"] = getattr(train, k)
     fields["group.hosts"] = group.hosts
     fields["model.parameter_shapes"] = [list(p.shape) for p in model.parameters()]
@@ -195,8 +210,16 @@ class _Unavailable(Exception):
 
 
 class ReplicaGroup:
-    def __init__(self, group: GroupConfig, host: str, index: int, model: nn.Module, lock_dir: Path,
-                 fields: dict[str, Any], fresh: bool):
+    def __init__(
+        self,
+        group: GroupConfig,
+        host: str,
+        index: int,
+        model: nn.Module,
+        lock_dir: Path,
+        fields: dict[str, Any],
+        fresh: bool,
+    ):
         self.cfg, self.host, self.index, self.lock_dir = group, host, index, lock_dir
         self.fields = json.loads(json.dumps(fields, default=str))
         self.fresh = fresh  # no live weights yet: take the live hosts' mean when a generation forms
@@ -215,8 +238,16 @@ class ReplicaGroup:
         self._beat: tuple[threading.Thread, threading.Event] | None = None
 
     @classmethod
-    def named(cls, group: GroupConfig, run_name: str, index: int, model: nn.Module, lock_dir: Path,
-              fields: dict[str, Any], fresh: bool) -> ReplicaGroup:
+    def named(
+        cls,
+        group: GroupConfig,
+        run_name: str,
+        index: int,
+        model: nn.Module,
+        lock_dir: Path,
+        fields: dict[str, Any],
+        fresh: bool,
+    ) -> ReplicaGroup:
         """This host's member, named group.host_name or <hostname>/<run.name>."""
         host = group.host_name or f"{socket.gethostname()}/{run_name}"
         return cls(group, host, index, model, lock_dir, fields, fresh)
@@ -242,8 +273,7 @@ class ReplicaGroup:
         if self.gen < 0:
             return self._join()
         try:
-            changed = (int(self.store.add("gen", 0)) != self.gen
-                       or int(self.store.add("joins", 0)) != self._joins_seen)
+            changed = int(self.store.add("gen", 0)) != self.gen or int(self.store.add("joins", 0)) != self._joins_seen
         except RuntimeError as e:
             self._lost_store(e)
             return False
@@ -257,8 +287,9 @@ class ReplicaGroup:
                 self.averages += 1
                 averaged = True
             except RuntimeError as e:
-                log.warning("group generation %d lost a host at step %d (%s): re-forming", self.gen, step,
-                            _first_line(e))
+                log.warning(
+                    "group generation %d lost a host at step %d (%s): re-forming", self.gen, step, _first_line(e)
+                )
                 changed = True
         if changed:
             old = self.gen
@@ -287,8 +318,13 @@ class ReplicaGroup:
             if self.store is None:
                 host, port = parse_rendezvous(self.cfg.rendezvous)
                 first, self._connects = self._connects == 0, self._connects + 1
-                raw = TCPStore(host, port, is_master=False, wait_for_workers=False,
-                               timeout=timedelta(seconds=min(self.cfg.timeout_s, 30.0 if first else 5.0)))
+                raw = TCPStore(
+                    host,
+                    port,
+                    is_master=False,
+                    wait_for_workers=False,
+                    timeout=timedelta(seconds=min(self.cfg.timeout_s, 30.0 if first else 5.0)),
+                )
                 self.store = SignedStore(raw, self.secret, timeout_s=self.cfg.settle_s + 10.0)
                 self._check_fingerprint()
             self._form()
@@ -310,12 +346,17 @@ class ReplicaGroup:
             return
         theirs = json.loads(first)
         by = (self.store.read("fingerprint_host") or b"?").decode()
-        diff = [f"{k} = {self.fields.get(k, '<unset>')!r} here, {theirs.get(k, '<unset>')!r} on {by}"
-                for k in sorted(set(self.fields) | set(theirs)) if self.fields.get(k) != theirs.get(k)]
+        diff = [
+            f"{k} = {self.fields.get(k, '<unset>')!r} here, {theirs.get(k, '<unset>')!r} on {by}"
+            for k in sorted(set(self.fields) | set(theirs))
+            if self.fields.get(k) != theirs.get(k)
+        ]
         self.close()
-        raise ConfigError(f"host {self.host} cannot join the drafter replica group at {self.cfg.rendezvous}: "
-                          f"its config differs from the group's: {'; '.join(diff)}. Every host must use the "
-                          f"same settings (restart the rendezvous host's supervisor to start a new group)")
+        raise ConfigError(
+            f"host {self.host} cannot join the drafter replica group at {self.cfg.rendezvous}: "
+            f"its config differs from the group's: {'; '.join(diff)}. Every host must use the "
+            f"same settings (restart the rendezvous host's supervisor to start a new group)"
+        )
 
     def _form(self) -> None:
         store, deadline = self.store, time.monotonic() + self.cfg.timeout_s
@@ -335,8 +376,13 @@ class ReplicaGroup:
             store.set(f"g{g}/host{rank}", self.host)
             try:  # a rank counts only with a signed host record: one taken without the secret sinks g
                 hosts = [store.get(f"g{g}/host{r}").decode() for r in range(size)]
-                pg = ProcessGroupGloo(store.sub(f"g{g}/pg/", self.cfg.timeout_s), rank, size,
-                                      timedelta(seconds=self.cfg.timeout_s)) if size > 1 else None
+                pg = (
+                    ProcessGroupGloo(
+                        store.sub(f"g{g}/pg/", self.cfg.timeout_s), rank, size, timedelta(seconds=self.cfg.timeout_s)
+                    )
+                    if size > 1
+                    else None
+                )
             except RuntimeError as e:
                 log.warning("generation %d did not connect (%s): next one", g, _first_line(e))
                 store.compare_set("gen", str(g), str(g + 1))
@@ -420,8 +466,9 @@ class ReplicaGroup:
             self.averages += 1
             if self.fresh and mine == 0 and votes[1 + self.rank] > 0:
                 live = int((votes[1 + self.size :] > 0).sum())
-                log.info("caught up with the live hosts' weights (generation %d, %d live of %d)", self.gen, live,
-                         self.size)
+                log.info(
+                    "caught up with the live hosts' weights (generation %d, %d live of %d)", self.gen, live, self.size
+                )
         self.fresh = False
 
     @torch.no_grad()
@@ -456,8 +503,13 @@ class ReplicaGroup:
         weights = (finite & live) if bool((finite & live).any()) else finite
         for r in torch.nonzero(~finite).flatten().tolist():
             name = self.hosts[r] if r < len(self.hosts) else "?"
-            log.warning("generation %d: %s (rank %d) has non-finite parameters: left out of this average%s",
-                        self.gen, name, r, " (this host: taking the others' mean)" if r == self.rank else "")
+            log.warning(
+                "generation %d: %s (rank %d) has non-finite parameters: left out of this average%s",
+                self.gen,
+                name,
+                r,
+                " (this host: taking the others' mean)" if r == self.rank else "",
+            )
         total = float(weights.sum())
         if total == 0:
             log.warning("generation %d: no member has finite parameters: nothing averaged", self.gen)
@@ -490,8 +542,12 @@ class ReplicaGroup:
         self.gen, self.size = -1, 0
 
     def _lost_store(self, e: BaseException) -> None:
-        log.warning("replica group store %s unreachable (%s): training alone, retrying in %.0fs",
-                    self.cfg.rendezvous, _first_line(e), RETRY_S)
+        log.warning(
+            "replica group store %s unreachable (%s): training alone, retrying in %.0fs",
+            self.cfg.rendezvous,
+            _first_line(e),
+            RETRY_S,
+        )
         self._teardown()
         self.store = None
         self._retry_at = time.monotonic() + RETRY_S

@@ -55,8 +55,11 @@ class ReplicaAverager:
         except posix_ipc.ExistentialError:  # a peer made it; never resize what it uses
             shm = posix_ipc.SharedMemory(replica_segment_name(run))
         try:  # a peer's, so ours: anyone else's would read and steer our weights
-            check_private_fd(shm.fd, f"replica segment {replica_segment_name(run)}",
-                             f"Remove it as its owner with `dflash-ring clean {run}`, or choose another run.name")
+            check_private_fd(
+                shm.fd,
+                f"replica segment {replica_segment_name(run)}",
+                f"Remove it as its owner with `dflash-ring clean {run}`, or choose another run.name",
+            )
         except ForeignObjectError:
             shm.close_fd()
             raise
@@ -70,17 +73,24 @@ class ReplicaAverager:
         shm.close_fd()
         self._headers = [np.frombuffer(self._mm, dtype="<u8", count=3, offset=i * stride) for i in range(replicas)]
         host = torch.frombuffer(self._mm, dtype=torch.uint8)
-        self._flat = [host[i * stride + SLOT_HEADER : i * stride + SLOT_HEADER + self.n * 4].view(torch.float32)
-                      for i in range(replicas)]
+        self._flat = [
+            host[i * stride + SLOT_HEADER : i * stride + SLOT_HEADER + self.n * 4].view(torch.float32)
+            for i in range(replicas)
+        ]
         self._pin = HostRegistration(host) if self.params[0].is_cuda else None
         del host
         self._headers[index][1] = 0  # what a predecessor published is stale until we publish
 
     def live_peers(self) -> list[int]:
         """Peers alive now with a complete published copy."""
-        return [j for j in range(self.replicas)
-                if j != self.index and is_alive(lock_path(self.lock_dir, Role.CONSUMER, j))
-                and self._headers[j][1] > 0 and self._headers[j][0] % 2 == 0]
+        return [
+            j
+            for j in range(self.replicas)
+            if j != self.index
+            and is_alive(lock_path(self.lock_dir, Role.CONSUMER, j))
+            and self._headers[j][1] > 0
+            and self._headers[j][0] % 2 == 0
+        ]
 
     def publish(self, step: int) -> None:
         header, flat = self._headers[self.index], self._flat[self.index]
@@ -114,8 +124,9 @@ class ReplicaAverager:
         peers = self.live_peers()
         if peers:
             self.average(include_self=False)
-            log.info("caught up with live replica(s) %s (their steps %s)", peers,
-                     [int(self._headers[j][1]) for j in peers])
+            log.info(
+                "caught up with live replica(s) %s (their steps %s)", peers, [int(self._headers[j][1]) for j in peers]
+            )
         return len(peers)
 
     def close(self) -> None:
@@ -137,8 +148,17 @@ class Averaging:
         self.every, self.replicas, self.group = every, replicas, group
 
     @classmethod
-    def join(cls, every: int, consumers: int, group: GroupConfig, run_name: str, lock_dir: Path, index: int,
-             model: nn.Module, group_fields: Callable[[], dict[str, Any]]) -> Averaging:
+    def join(
+        cls,
+        every: int,
+        consumers: int,
+        group: GroupConfig,
+        run_name: str,
+        lock_dir: Path,
+        index: int,
+        model: nn.Module,
+        group_fields: Callable[[], dict[str, Any]],
+    ) -> Averaging:
         """Drafter `index`'s averaging (train.average_every_steps, topology.consumers, the group section), joined:
         it catches up with the live replicas' weights, and a host in a group with the live hosts', before the
         first step. `group_fields`: what every host must agree on (replica_group.fingerprint_fields)."""

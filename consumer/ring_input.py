@@ -46,8 +46,14 @@ def to_device(r: SlotReader, device: torch.device, stream: torch.cuda.Stream | N
     if stream is not None:
         stream.synchronize()
         # Allocated on the side stream, used on the default one: keep the allocator from reusing them early.
-        for x in (batch.features, batch.input_ids, batch.loss_mask, batch.cu_seqlens, batch.final_hidden,
-                  batch.source_ids):
+        for x in (
+            batch.features,
+            batch.input_ids,
+            batch.loss_mask,
+            batch.cu_seqlens,
+            batch.final_hidden,
+            batch.source_ids,
+        ):
             if x is not None:
                 x.record_stream(torch.cuda.default_stream(device))
     elif device.type == "cpu":  # .to(cpu) aliases the slot: take a private copy
@@ -72,8 +78,14 @@ class Prefetcher(threading.Thread):
     hands out the reader with the batch, and the training loop releases it).
     """
 
-    def __init__(self, ring: Ring, row: int, device: torch.device, metrics: DrafterMetrics | None = None,
-                 ledger: Ledger | None = None):
+    def __init__(
+        self,
+        ring: Ring,
+        row: int,
+        device: torch.device,
+        metrics: DrafterMetrics | None = None,
+        ledger: Ledger | None = None,
+    ):
         super().__init__(name="prefetch", daemon=True)
         self.ring, self.port, self.device = ring, ring.consumer(row), device
         self.metrics = metrics or DrafterMetrics()
@@ -144,5 +156,6 @@ class Prefetcher(threading.Thread):
 
 def ring_reading(ring: Ring) -> RingReading:
     """What the step's record shows of the ring (consumer/step_record.py: Window)."""
-    return RingReading(ring.wait_seconds, ring.counter(Counter.PRODUCED), ring.produced_tokens(),
-                       ring.slot_counts()["ready"])
+    return RingReading(
+        ring.wait_seconds, ring.counter(Counter.PRODUCED), ring.produced_tokens(), ring.slot_counts()["ready"]
+    )

@@ -51,8 +51,9 @@ class SourceStats:
     def add(self, other: SourceStats) -> None:
         for f in fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            setattr(self, f.name, tuple(a + b for a, b in zip(mine, theirs)) if isinstance(mine, tuple)
-                    else mine + theirs)
+            setattr(
+                self, f.name, tuple(a + b for a, b in zip(mine, theirs)) if isinstance(mine, tuple) else mine + theirs
+            )
 
     @property
     def tau_probabilistic(self) -> float:
@@ -120,14 +121,20 @@ class SourceLabels:
                 continue
             if name not in self._warned:
                 self._warned.add(name)
-                log.warning("ring items name data source %r, which this drafter's config does not list (%s): "
-                            "counted as %r in the per-source figures", name, ", ".join(self.configured), OTHER)
+                log.warning(
+                    "ring items name data source %r, which this drafter's config does not list (%s): "
+                    "counted as %r in the per-source figures",
+                    name,
+                    ", ".join(self.configured),
+                    OTHER,
+                )
             out.append(OTHER)
         return out
 
 
-def by_source(out: DFlashLoss, anchors: Anchors, source_ids: torch.Tensor, loss_mask: torch.Tensor,
-              labels: Sequence[str]) -> dict[str, SourceStats]:
+def by_source(
+    out: DFlashLoss, anchors: Anchors, source_ids: torch.Tensor, loss_mask: torch.Tensor, labels: Sequence[str]
+) -> dict[str, SourceStats]:
     """Each source's sums over the blocks of `out` (one item); `labels[k]` names source index k.
 
     One host transfer for all of it: the sums are gathered into one [8, K] tensor on the device.
@@ -142,20 +149,32 @@ def by_source(out: DFlashLoss, anchors: Anchors, source_ids: torch.Tensor, loss_
 
     ones = torch.ones_like(out.block_loss_sum)
     calib = out.calibration
-    sums = torch.stack([
-        per_source(block_source, ones),
-        per_source(token_source, loss_mask.to(device)),
-        per_source(block_source, out.block_loss_sum),
-        per_source(block_source, out.block_weight_sum),
-        per_source(block_source, out.block_correct),
-        per_source(block_source, out.block_valid),
-        per_source(block_source, out.block_accept),
-        per_source(block_source, out.block_accept_prob),
-        *((per_source(block_source, ones), per_source(block_source, out.block_tau_probabilistic))
-          if out.block_tau_probabilistic is not None else ()),
-        *((per_source(block_source, calib.abs_error), per_source(block_source, calib.bias),
-           per_source(block_source, calib.cumprod_bias)) if calib is not None else ()),
-    ]).tolist()
+    sums = torch.stack(
+        [
+            per_source(block_source, ones),
+            per_source(token_source, loss_mask.to(device)),
+            per_source(block_source, out.block_loss_sum),
+            per_source(block_source, out.block_weight_sum),
+            per_source(block_source, out.block_correct),
+            per_source(block_source, out.block_valid),
+            per_source(block_source, out.block_accept),
+            per_source(block_source, out.block_accept_prob),
+            *(
+                (per_source(block_source, ones), per_source(block_source, out.block_tau_probabilistic))
+                if out.block_tau_probabilistic is not None
+                else ()
+            ),
+            *(
+                (
+                    per_source(block_source, calib.abs_error),
+                    per_source(block_source, calib.bias),
+                    per_source(block_source, calib.cumprod_bias),
+                )
+                if calib is not None
+                else ()
+            ),
+        ]
+    ).tolist()
     result: dict[str, SourceStats] = {}
     for j, label in enumerate(labels):
         b, t, ls, ws, c, v, a, ap, *dspark = (row[j] for row in sums)
@@ -168,4 +187,3 @@ def by_source(out: DFlashLoss, anchors: Anchors, source_ids: torch.Tensor, loss_
             extra |= {"confidence_drafts": int(v), "confidence_sums": tuple(dspark[2:5])}
         result.setdefault(label, SourceStats()).add(SourceStats(int(b), int(t), ls, ws, int(c), int(v), a, ap, **extra))
     return result
-

@@ -3,8 +3,9 @@ gauges, the trackers and the run's record file.
 
 Keys are "/"-separated names (`loss`, `accuracy/pos_3`, `ring/depth`; per data source `source/<name>/loss`;
 evaluation records `eval/...`), and no key is also the start of another (`accuracy` beside `accuracy/pos_1`):
-MLflow's file store keeps each key as a path, so one would have to be a file and a directory at once. The log line, `DrafterMetrics.publish` and the trackers all read this dict
-and nothing else, so a number added here reaches every one of them (trackers log whatever keys it has).
+MLflow's file store keeps each key as a path, so one would have to be a file and a directory at once. The log line,
+`DrafterMetrics.publish` and the trackers all read this dict and nothing else, so a number added here reaches every
+one of them (trackers log whatever keys it has).
 """
 
 from __future__ import annotations
@@ -59,24 +60,37 @@ class Window:
 
     def stats(self) -> WindowStats:
         now = self.read_ring()
-        return WindowStats(seconds=max(time.perf_counter() - self.t0, 1e-9), tokens=self.tokens,
-                           wait_s=now.wait_s - self.first.wait_s, produced=now.produced - self.first.produced,
-                           produced_tokens=now.produced_tokens - self.first.produced_tokens, depth=now.depth,
-                           by_source=self.by_source)
+        return WindowStats(
+            seconds=max(time.perf_counter() - self.t0, 1e-9),
+            tokens=self.tokens,
+            wait_s=now.wait_s - self.first.wait_s,
+            produced=now.produced - self.first.produced,
+            produced_tokens=now.produced_tokens - self.first.produced_tokens,
+            depth=now.depth,
+            by_source=self.by_source,
+        )
 
 
 def step_scalars(m: StepMetrics, w: WindowStats) -> dict[str, float]:
     """One optimizer step (and the window up to it) as the flat record every sink reads."""
     acc = m.accuracy_per_position
     return {
-        "loss": m.loss, "ce": m.ce, "kl": m.kl, "cap": m.cap,
+        "loss": m.loss,
+        "ce": m.ce,
+        "kl": m.kl,
+        "cap": m.cap,
         "accuracy/mean": sum(acc) / len(acc) if acc else 0.0,
         **{f"accuracy/pos_{k}": a for k, a in enumerate(acc, 1)},  # pos_1: the first token after the anchor
-        "accept_len": m.accept_len, "accept_len_prob": m.accept_len_prob,
-        "lr": m.lr, "grad_norm": m.grad_norm, "step_s": m.step_s,
+        "accept_len": m.accept_len,
+        "accept_len_prob": m.accept_len_prob,
+        "lr": m.lr,
+        "grad_norm": m.grad_norm,
+        "step_s": m.step_s,
         "tokens_per_s": w.tokens / w.seconds,
-        "ring/depth": float(w.depth), "ring/wait_s": w.wait_s,
-        "producers/items_per_s": w.produced / w.seconds, "producers/tokens_per_s": w.produced_tokens / w.seconds,
+        "ring/depth": float(w.depth),
+        "ring/wait_s": w.wait_s,
+        "producers/items_per_s": w.produced / w.seconds,
+        "producers/tokens_per_s": w.produced_tokens / w.seconds,
         **dspark_scalars(m),
         **dflash2_scalars(m),
         **source_scalars(w.by_source),  # over the window: a source missing from one batch still has a figure
@@ -92,8 +106,13 @@ def window_scalars(by_source: dict[str, SourceStats]) -> dict[str, float]:
     total = overall(by_source)
     if not total.blocks:
         return {}
-    return {"window/loss": total.loss, "window/accuracy": total.accuracy, "window/accept_len": total.accept_len,
-            "window/accept_len_prob": total.accept_len_prob, "window/blocks": float(total.blocks)}
+    return {
+        "window/loss": total.loss,
+        "window/accuracy": total.accuracy,
+        "window/accept_len": total.accept_len,
+        "window/accept_len_prob": total.accept_len_prob,
+        "window/blocks": float(total.blocks),
+    }
 
 
 def dspark_scalars(m: StepMetrics) -> dict[str, float]:
@@ -102,11 +121,18 @@ def dspark_scalars(m: StepMetrics) -> dict[str, float]:
     d = m.dspark
     if d is None:
         return {}
-    out = {"tv": d.tv, "tau_probabilistic": d.tau_probabilistic,
-           **{f"accept_rate/pos_{k}": a for k, a in enumerate(d.accept_rate_per_position, 1)}}
+    out = {
+        "tv": d.tv,
+        "tau_probabilistic": d.tau_probabilistic,
+        **{f"accept_rate/pos_{k}": a for k, a in enumerate(d.accept_rate_per_position, 1)},
+    }
     if d.confidence_loss is not None:
-        out |= {"confidence_loss": d.confidence_loss, "confidence/abs_error": d.confidence_abs_error,
-                "confidence/bias": d.confidence_bias, "confidence/cumprod_bias": d.confidence_cumprod_bias}
+        out |= {
+            "confidence_loss": d.confidence_loss,
+            "confidence/abs_error": d.confidence_abs_error,
+            "confidence/bias": d.confidence_bias,
+            "confidence/cumprod_bias": d.confidence_cumprod_bias,
+        }
     return out
 
 
@@ -116,10 +142,15 @@ def dflash2_scalars(m: StepMetrics) -> dict[str, float]:
     d = m.dflash2
     if d is None:
         return {}
-    return {"selector_loss": d.selector_loss, "selector/unary_top1": d.unary_top1,
-            "selector/top_k_recall": d.top_k_recall, "selector/top_k_mass": d.top_k_mass,
-            "selector/accuracy": d.selector_accuracy, "selector/accept_len": d.selector_accept_len,
-            "selector/oracle_accept_len": d.oracle_accept_len}
+    return {
+        "selector_loss": d.selector_loss,
+        "selector/unary_top1": d.unary_top1,
+        "selector/top_k_recall": d.top_k_recall,
+        "selector/top_k_mass": d.top_k_mass,
+        "selector/accuracy": d.selector_accuracy,
+        "selector/accept_len": d.selector_accept_len,
+        "selector/oracle_accept_len": d.oracle_accept_len,
+    }
 
 
 def source_scalars(by_source: dict[str, SourceStats], prefix: str = "") -> dict[str, float]:
@@ -133,14 +164,20 @@ def source_scalars(by_source: dict[str, SourceStats], prefix: str = "") -> dict[
         out[key + "tokens"] = float(s.tokens)
         out[key + "blocks"] = float(s.blocks)
         if s.blocks:
-            out |= {key + "loss": s.loss, key + "accuracy": s.accuracy, key + "accept_len": s.accept_len,
-                    key + "accept_len_prob": s.accept_len_prob}
+            out |= {
+                key + "loss": s.loss,
+                key + "accuracy": s.accuracy,
+                key + "accept_len": s.accept_len,
+                key + "accept_len_prob": s.accept_len_prob,
+            }
         if s.analytic_blocks:
             out[key + "tau_probabilistic"] = s.tau_probabilistic
         if s.confidence_drafts:
-            out |= {key + "confidence_abs_error": s.confidence_sums[0] / s.confidence_drafts,
-                    key + "confidence_bias": s.confidence_sums[1] / s.confidence_drafts,
-                    key + "confidence_cumprod_bias": s.confidence_sums[2] / s.confidence_drafts}
+            out |= {
+                key + "confidence_abs_error": s.confidence_sums[0] / s.confidence_drafts,
+                key + "confidence_bias": s.confidence_sums[1] / s.confidence_drafts,
+                key + "confidence_cumprod_bias": s.confidence_sums[2] / s.confidence_drafts,
+            }
     return out
 
 
@@ -151,21 +188,28 @@ def eval_scalars(by_source: dict[str, SourceStats], items: int) -> dict[str, flo
     total = overall(by_source)
     out = {"eval/items": float(items), "eval/blocks": float(total.blocks), "eval/tokens": float(total.tokens)}
     if total.blocks:
-        out |= {"eval/loss": total.loss, "eval/accuracy": total.accuracy, "eval/accept_len": total.accept_len,
-                "eval/accept_len_prob": total.accept_len_prob}
+        out |= {
+            "eval/loss": total.loss,
+            "eval/accuracy": total.accuracy,
+            "eval/accept_len": total.accept_len,
+            "eval/accept_len_prob": total.accept_len_prob,
+        }
     return out | source_scalars(by_source, "eval/")
 
 
 def source_line(record: dict[str, float], prefix: str = "") -> str:
     """The per-source figures of a record (`source_scalars`' keys under `prefix`), for a log line."""
-    names = sorted({k[len(prefix) + 7:].rsplit("/", 1)[0] for k in record if k.startswith(prefix + "source/")})
+    names = sorted({k[len(prefix) + 7 :].rsplit("/", 1)[0] for k in record if k.startswith(prefix + "source/")})
     parts = []
     for name in names:
         key = f"{prefix}source/{name}/"
         blocks, tokens = int(record[key + "blocks"]), int(record[key + "tokens"])
-        parts.append(f"{name}: loss {record[key + 'loss']:.4f} acc {record[key + 'accuracy']:.3f} accept_len "
-                     f"{record[key + 'accept_len']:.2f} ({blocks} blocks, {tokens} tokens)" if blocks
-                     else f"{name}: no block ({tokens} tokens)")
+        parts.append(
+            f"{name}: loss {record[key + 'loss']:.4f} acc {record[key + 'accuracy']:.3f} accept_len "
+            f"{record[key + 'accept_len']:.2f} ({blocks} blocks, {tokens} tokens)"
+            if blocks
+            else f"{name}: no block ({tokens} tokens)"
+        )
     return "; ".join(parts)
 
 
@@ -173,12 +217,17 @@ def log_line(step: int, total: int, r: dict[str, float]) -> str:
     """The record as the drafter's log line (for people; programs read the record file or /metrics)."""
     last = max((k for k in r if k.startswith("accuracy/pos_")), key=lambda k: int(k.rsplit("_", 1)[1]), default=None)
     acc1, acc_last = r.get("accuracy/pos_1", 0.0), r[last] if last else 0.0
-    return (f"step {step}/{total} loss {r['loss']:.4f} acc@1 {acc1:.3f} acc@last {acc_last:.3f} "
-            f"accept_len {r['accept_len']:.2f} accept_len_prob {r['accept_len_prob']:.2f} lr {r['lr']:.2e} "
-            f"grad_norm {r['grad_norm']:.3g} tok/s {r['tokens_per_s']:.0f} ring_wait {r['ring/wait_s']:.1f}s "
-            f"depth {r['ring/depth']:.0f} producers {r['producers/items_per_s']:.2f} items/s "
-            f"{r['producers/tokens_per_s']:.0f} tok/s"
-            + (f" tau_prob {r['tau_probabilistic']:.2f}" if "tau_probabilistic" in r else "")
-            + (f" conf_err {r['confidence/abs_error']:.3f}" if "confidence/abs_error" in r else "")
-            + (f" sel_accept_len {r['selector/accept_len']:.2f} top_k_recall {r['selector/top_k_recall']:.3f}"
-               if "selector/accept_len" in r else ""))
+    return (
+        f"step {step}/{total} loss {r['loss']:.4f} acc@1 {acc1:.3f} acc@last {acc_last:.3f} "
+        f"accept_len {r['accept_len']:.2f} accept_len_prob {r['accept_len_prob']:.2f} lr {r['lr']:.2e} "
+        f"grad_norm {r['grad_norm']:.3g} tok/s {r['tokens_per_s']:.0f} ring_wait {r['ring/wait_s']:.1f}s "
+        f"depth {r['ring/depth']:.0f} producers {r['producers/items_per_s']:.2f} items/s "
+        f"{r['producers/tokens_per_s']:.0f} tok/s"
+        + (f" tau_prob {r['tau_probabilistic']:.2f}" if "tau_probabilistic" in r else "")
+        + (f" conf_err {r['confidence/abs_error']:.3f}" if "confidence/abs_error" in r else "")
+        + (
+            f" sel_accept_len {r['selector/accept_len']:.2f} top_k_recall {r['selector/top_k_recall']:.3f}"
+            if "selector/accept_len" in r
+            else ""
+        )
+    )

@@ -25,8 +25,14 @@ log = logging.getLogger(__name__)
 
 
 class StepReport:
-    def __init__(self, metrics: DrafterMetrics, tracking: Tracking, read_ring: Callable[[], RingReading],
-                 log_every: int, eval_every: int = 100):
+    def __init__(
+        self,
+        metrics: DrafterMetrics,
+        tracking: Tracking,
+        read_ring: Callable[[], RingReading],
+        log_every: int,
+        eval_every: int = 100,
+    ):
         self.metrics, self.tracking, self.log_every, self.eval_every = metrics, tracking, log_every, eval_every
         self.window = Window(read_ring)
         self.unlogged: tuple[int, int, dict[str, float]] | None = None  # the newest step, when not logged
@@ -39,8 +45,11 @@ class StepReport:
             try:
                 self._count_held_out(str(line["item"]), held_out_sources(line["sources"]))
             except (KeyError, TypeError, ValueError) as e:
-                log.warning("tracking: a held-out line of %s is malformed (%s): left out of the next evaluation "
-                            "record", tracking.record.f.name, " ".join(str(e).split()) or type(e).__name__)
+                log.warning(
+                    "tracking: a held-out line of %s is malformed (%s): left out of the next evaluation record",
+                    tracking.record.f.name,
+                    " ".join(str(e).split()) or type(e).__name__,
+                )
 
     @property
     def eval_items(self) -> int:
@@ -95,9 +104,11 @@ class StepReport:
             return
         self.eval_sources, self.eval_seen = {}, set()
         self.metrics.publish_sources(record)
-        text = (f"eval at step {step}: {int(record['eval/items'])} held-out items, loss "
-                f"{record.get('eval/loss', float('nan')):.4f} acc {record.get('eval/accuracy', float('nan')):.3f} "
-                f"accept_len {record.get('eval/accept_len', float('nan')):.2f}")
+        text = (
+            f"eval at step {step}: {int(record['eval/items'])} held-out items, loss "
+            f"{record.get('eval/loss', float('nan')):.4f} acc {record.get('eval/accuracy', float('nan')):.3f} "
+            f"accept_len {record.get('eval/accept_len', float('nan')):.2f}"
+        )
         log.info("%s; by source: %s", text, source_line(record, "eval/"))
 
     def log_step(self) -> None:

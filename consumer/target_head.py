@@ -54,12 +54,19 @@ class HeadSpec:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> HeadSpec:
-        return cls(tied=bool(data["tied"]), **{k: None if data.get(k) is None else float(data[k])
-                                               for k in ("embed_scale", "logit_multiplier", "logit_softcap")})
+        return cls(
+            tied=bool(data["tied"]),
+            **{
+                k: None if data.get(k) is None else float(data[k])
+                for k in ("embed_scale", "logit_multiplier", "logit_softcap")
+            },
+        )
 
     def describe(self) -> str:
-        return (f"tied={self.tied}, embed_scale={self.embed_scale}, logit_multiplier={self.logit_multiplier}, "
-                f"logit_softcap={self.logit_softcap}")
+        return (
+            f"tied={self.tied}, embed_scale={self.embed_scale}, logit_multiplier={self.logit_multiplier}, "
+            f"logit_softcap={self.logit_softcap}"
+        )
 
 
 def config_tied(root: Path) -> bool:
@@ -84,8 +91,9 @@ class FrozenTargetHead(nn.Module):
     not parameters, so an optimizer built from .parameters() cannot touch them.
     """
 
-    def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None = None, *,
-                 spec: HeadSpec | None = None) -> None:
+    def __init__(
+        self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None = None, *, spec: HeadSpec | None = None
+    ) -> None:
         super().__init__()
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         # None = tied: a second buffer would be copied separately by .to().
@@ -155,7 +163,9 @@ def _tensor_files(root: Path) -> dict[str, Path]:
 def _one_key(files: dict[str, Any], keys: tuple[str, ...], root: Path, what: str) -> str | None:
     found = [k for k in keys if k in files]
     if len(found) > 1:
-        raise TargetConfigError(f"{root}: the checkpoint holds several {what} tensors {found}; keep only the model's own")
+        raise TargetConfigError(
+            f"{root}: the checkpoint holds several {what} tensors {found}; keep only the model's own"
+        )
     return found[0] if found else None
 
 
@@ -168,8 +178,14 @@ def head_tensor_keys(root: Path) -> tuple[dict[str, Path], str, str | None]:
     return files, embed_key, _one_key(files, LM_HEAD_KEYS, root, "lm_head")
 
 
-def read_head(root: Path, files: dict[str, Path], embed_key: str, lm_head_key: str | None, tied: bool,
-              device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor | None]:
+def read_head(
+    root: Path,
+    files: dict[str, Path],
+    embed_key: str,
+    lm_head_key: str | None,
+    tied: bool,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The embedding and lm_head (None: tied) as stored, checking the stored copy of a tied one."""
 
     def read(name: str) -> torch.Tensor:
@@ -180,8 +196,10 @@ def read_head(root: Path, files: dict[str, Path], embed_key: str, lm_head_key: s
     if tied:
         # The model uses the embedding as its lm_head; a stored copy that differs would be ignored by it.
         if lm_head_key is not None and not torch.equal(read(lm_head_key), embed):
-            raise TargetConfigError(f"{root}: tie_word_embeddings is true but {lm_head_key} differs from {embed_key}; "
-                                    "fix the checkpoint or set tie_word_embeddings false in its config.json")
+            raise TargetConfigError(
+                f"{root}: tie_word_embeddings is true but {lm_head_key} differs from {embed_key}; "
+                "fix the checkpoint or set tie_word_embeddings false in its config.json"
+            )
         return embed, None
     if lm_head_key is None:
         raise TargetConfigError(f"{root}: no lm_head.weight although tie_word_embeddings is false")

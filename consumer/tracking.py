@@ -75,9 +75,11 @@ def read_records(path: Path) -> list[Any]:
         try:
             out.append(json.loads(line.decode("utf-8")))
         except (ValueError, RecursionError) as e:
-            raise RecordFileError(f"record file {path}, line {n}: not JSON ({type(e).__name__}): a damaged byte or "
-                                  "an edit; the drafter rebuilds the file at its next start, keeping the damaged "
-                                  "copy, or move the file out of the directory") from None
+            raise RecordFileError(
+                f"record file {path}, line {n}: not JSON ({type(e).__name__}): a damaged byte or "
+                "an edit; the drafter rebuilds the file at its next start, keeping the damaged "
+                "copy, or move the file out of the directory"
+            ) from None
     return out
 
 
@@ -126,8 +128,11 @@ class RecordFile:
         self.last: dict[str, int] = {}
         lines, bad, whole = checked_lines(path.read_bytes()) if path.exists() else ([], [], 0)
         if bad:  # rebuilt from its good lines before this drafter appends: the damaged copy is kept aside
-            keep_aside(path, f"{len(bad)} record line(s) unreadable (line {', '.join(map(str, bad[:5]))}"
-                             f"{', ...' if len(bad) > 5 else ''}), {len(lines)} kept; the curves lack those steps")
+            keep_aside(
+                path,
+                f"{len(bad)} record line(s) unreadable (line {', '.join(map(str, bad[:5]))}"
+                f"{', ...' if len(bad) > 5 else ''}), {len(lines)} kept; the curves lack those steps",
+            )
             if lines and lines[0].get("series") != "config":  # the header was the damaged line: this config's
                 lines.insert(0, header)
             write_atomic(path, b"".join(json.dumps(x).encode() + b"\n" for x in lines))
@@ -211,8 +216,10 @@ class TensorBoard:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise TrackingError(f"tracking.backends has 'tensorboard' but the tensorboard package is not installed: "
-                                f"{INSTALL}, or drop it from tracking.backends") from None
+            raise TrackingError(
+                f"tracking.backends has 'tensorboard' but the tensorboard package is not installed: "
+                f"{INSTALL}, or drop it from tracking.backends"
+            ) from None
         logdir = root / "tensorboard" / f"drafter-{index}"
         # Resumed: TensorBoard's readers drop what this directory holds from the record's last step on (a
         # killed drafter may have logged it or not), and that step is sent again.
@@ -239,25 +246,45 @@ class WandB:
         try:
             import wandb
         except ImportError:
-            raise TrackingError(f"tracking.backends has 'wandb' but the wandb package is not installed: {INSTALL}, "
-                                "or drop it from tracking.backends") from None
+            raise TrackingError(
+                f"tracking.backends has 'wandb' but the wandb package is not installed: {INSTALL}, "
+                "or drop it from tracking.backends"
+            ) from None
         run_name = t.run_name or run.name
         try:
             self.run = wandb.init(
-                mode=t.wandb_mode, dir=str(root), project=t.project, entity=t.wandb_entity or None,
-                id=series_id(root, run.name, index), resume="allow", group=run_name, name=f"{run_name}/drafter-{index}",
-                job_type="drafter", tags=list(t.tags),
+                mode=t.wandb_mode,
+                dir=str(root),
+                project=t.project,
+                entity=t.wandb_entity or None,
+                id=series_id(root, run.name, index),
+                resume="allow",
+                group=run_name,
+                name=f"{run_name}/drafter-{index}",
+                job_type="drafter",
+                tags=list(t.tags),
                 config={**tomllib.loads(run.config_text), "fingerprint": run.fingerprint},
-                settings=wandb.Settings(silent=True, console="off", disable_git=True, save_code=False,
-                                        x_disable_stats=True, x_disable_machine_info=True),
+                settings=wandb.Settings(
+                    silent=True,
+                    console="off",
+                    disable_git=True,
+                    save_code=False,
+                    x_disable_stats=True,
+                    x_disable_machine_info=True,
+                ),
             )
         except wandb.errors.UsageError as e:
-            hint = ("set a key (`wandb login` or WANDB_API_KEY) or tracking.wandb_mode = \"offline\""
-                    if t.wandb_mode == "online" else "check tracking.project, tracking.wandb_entity and tracking.dir")
+            hint = (
+                'set a key (`wandb login` or WANDB_API_KEY) or tracking.wandb_mode = "offline"'
+                if t.wandb_mode == "online"
+                else "check tracking.project, tracking.wandb_entity and tracking.dir"
+            )
             raise TrackingError(f"tracking: W&B cannot start with wandb_mode = {t.wandb_mode!r}: {e}; {hint}") from None
         except wandb.errors.Error as e:
-            raise TrackingError(f"tracking: W&B cannot start ({e}): check tracking.wandb_mode, tracking.project and "
-                                "tracking.wandb_entity, or drop 'wandb' from tracking.backends") from None
+            raise TrackingError(
+                f"tracking: W&B cannot start ({e}): check tracking.wandb_mode, tracking.project and "
+                "tracking.wandb_entity, or drop 'wandb' from tracking.backends"
+            ) from None
         # Offline, what the killed drafter's run files kept (wandb writes them every ~15 s); online, the server
         # has what was streamed.
         self.kept = None
@@ -288,8 +315,10 @@ class MLflow:
             from mlflow.exceptions import MlflowException
             from mlflow.tracking import MlflowClient
         except ImportError:
-            raise TrackingError(f"tracking.backends has 'mlflow' but mlflow is not installed: {INSTALL}, or drop it "
-                                "from tracking.backends") from None
+            raise TrackingError(
+                f"tracking.backends has 'mlflow' but mlflow is not installed: {INSTALL}, or drop it "
+                "from tracking.backends"
+            ) from None
         self.Metric = Metric
         sid, run_name = series_id(root, run.name, index), t.run_name or run.name
         try:
@@ -303,15 +332,23 @@ class MLflow:
                 # A drafter killed between its record line and this store's write left that step out.
                 self.kept = max((m.step for m in self.client.get_metric_history(self.run_id, "loss")), default=0)
             else:
-                tags = {"dflash_ring.series": sid, "dflash_ring.run": run.name, "dflash_ring.drafter": str(index),
-                        "fingerprint": run.fingerprint, **{tag: "" for tag in t.tags}}
-                self.run_id = self.client.create_run(experiment, tags=tags,
-                                                     run_name=f"{run_name}/drafter-{index}").info.run_id
+                tags = {
+                    "dflash_ring.series": sid,
+                    "dflash_ring.run": run.name,
+                    "dflash_ring.drafter": str(index),
+                    "fingerprint": run.fingerprint,
+                    **{tag: "" for tag in t.tags},
+                }
+                self.run_id = self.client.create_run(
+                    experiment, tags=tags, run_name=f"{run_name}/drafter-{index}"
+                ).info.run_id
                 self.client.log_text(self.run_id, run.config_text, "config.toml")
         except Exception as e:  # MlflowException, or the HTTP client's own errors for an unreachable server
-            raise TrackingError(f"tracking.mlflow_tracking_uri = {uri!r}: MLflow cannot start there "
-                                f"({' '.join(str(e).split())[:300]}): check the URI or the server, or drop 'mlflow' "
-                                "from tracking.backends") from None
+            raise TrackingError(
+                f"tracking.mlflow_tracking_uri = {uri!r}: MLflow cannot start there "
+                f"({' '.join(str(e).split())[:300]}): check the URI or the server, or drop 'mlflow' "
+                "from tracking.backends"
+            ) from None
 
     def _experiment(self, name: str, MlflowException: type) -> str:
         if (e := self.client.get_experiment_by_name(name)) is not None:
@@ -349,9 +386,16 @@ class Tracking:
 
     def __init__(self, tracking: TrackingConfig, root: Path, index: int, run: RunRecord):
         root = check_tracking_dir(root)
-        self.record = RecordFile(record_path(root, index), {"series": "config", "run": run.name,
-                                                            "drafter": index, "fingerprint": run.fingerprint,
-                                                            "config": run.config_text})
+        self.record = RecordFile(
+            record_path(root, index),
+            {
+                "series": "config",
+                "run": run.name,
+                "drafter": index,
+                "fingerprint": run.fingerprint,
+                "config": run.config_text,
+            },
+        )
         resume_after = None if self.record.fresh else self.record.last.get(TRAIN, 0)
         self.backends: list[Backend] = []
         try:
@@ -364,9 +408,13 @@ class Tracking:
             for b in list(self.backends):
                 if b.kept is not None:
                     self._send(b, [x for x in self.record.logged if x["step"] > b.kept])
-            log.info("tracking: drafter %d's series resume after step %d (%s)", index, resume_after,
-                     ", ".join(f"{b.name}{'' if b.kept is None else f' had {b.kept}'}" for b in self.backends)
-                     or "record file only")
+            log.info(
+                "tracking: drafter %d's series resume after step %d (%s)",
+                index,
+                resume_after,
+                ", ".join(f"{b.name}{'' if b.kept is None else f' had {b.kept}'}" for b in self.backends)
+                or "record file only",
+            )
 
     def emit(self, step: int, record: dict[str, float]) -> bool:
         """One logged step's record, once per series: a restarted drafter's steps up to its last logged one are
@@ -386,9 +434,14 @@ class Tracking:
                 step = line["step"]
                 b.log(step, {k: v for k, v in line.items() if k not in ("step", "series", "time")})
         except Exception as e:  # a tracker's own failure, whatever its kind: training goes on without it
-            log.warning("tracking: %s failed at step %d (%s); it is dropped for the rest of this run, training "
-                        "goes on (the record file %s keeps every step)", b.name, step,
-                        " ".join(str(e).split())[:300] or type(e).__name__, self.record.f.name)
+            log.warning(
+                "tracking: %s failed at step %d (%s); it is dropped for the rest of this run, training "
+                "goes on (the record file %s keeps every step)",
+                b.name,
+                step,
+                " ".join(str(e).split())[:300] or type(e).__name__,
+                self.record.f.name,
+            )
             self.backends.remove(b)
 
     def close(self) -> None:

@@ -100,10 +100,15 @@ class DFlash2Figures:
         if s is None:
             return None
         rows, blocks = max(int(s.rows), 1), max(out.num_blocks, 1)
-        return cls(selector_loss=float(s.loss), unary_top1=float(out.correct_per_position.sum()) / rows,
-                   top_k_recall=float(s.in_top_k) / rows, top_k_mass=float(s.top_k_mass) / rows,
-                   selector_accuracy=float(s.correct) / rows, selector_accept_len=float(s.block_accept.sum()) / blocks,
-                   oracle_accept_len=float(s.block_oracle.sum()) / blocks)
+        return cls(
+            selector_loss=float(s.loss),
+            unary_top1=float(out.correct_per_position.sum()) / rows,
+            top_k_recall=float(s.in_top_k) / rows,
+            top_k_mass=float(s.top_k_mass) / rows,
+            selector_accuracy=float(s.correct) / rows,
+            selector_accept_len=float(s.block_accept.sum()) / blocks,
+            oracle_accept_len=float(s.block_oracle.sum()) / blocks,
+        )
 
 
 @dataclass(frozen=True)
@@ -125,11 +130,18 @@ class DSparkFigures:
         if out.calibration is not None:
             drafts = max(int(out.num_valid_tokens), 1)
             c = out.calibration
-            calib = {"confidence_loss": float(out.confidence), "confidence_abs_error": float(c.abs_error.sum()) / drafts,
-                     "confidence_bias": float(c.bias.sum()) / drafts,
-                     "confidence_cumprod_bias": float(c.cumprod_bias.sum()) / drafts}
-        return cls(tv=float(out.tv), accept_rate_per_position=[round(r, 4) for r in rate],
-                   tau_probabilistic=float(out.tau_probabilistic), **calib)
+            calib = {
+                "confidence_loss": float(out.confidence),
+                "confidence_abs_error": float(c.abs_error.sum()) / drafts,
+                "confidence_bias": float(c.bias.sum()) / drafts,
+                "confidence_cumprod_bias": float(c.cumprod_bias.sum()) / drafts,
+            }
+        return cls(
+            tv=float(out.tv),
+            accept_rate_per_position=[round(r, 4) for r in rate],
+            tau_probabilistic=float(out.tau_probabilistic),
+            **calib,
+        )
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -157,8 +169,9 @@ class StepSchedule:
     estimate is still exact as the ring runs dry); a prefetched held-out item is not counted in `pending`.
     """
 
-    def __init__(self, trainer: Trainer, total_steps: int, ring: Ring, producers: int, consumers: int,
-                 pending: Callable[[], int]):
+    def __init__(
+        self, trainer: Trainer, total_steps: int, ring: Ring, producers: int, consumers: int, pending: Callable[[], int]
+    ):
         self.trainer, self.total_steps, self.ring, self.pending = trainer, total_steps, ring, pending
         self.producers, self.consumers = producers, consumers
 
@@ -186,8 +199,15 @@ class StepSchedule:
 
 
 class Trainer:
-    def __init__(self, model: DFlashDraftModel, head: FrozenTargetHead, drafter: DrafterConfig,
-                 train: TrainConfig, device: torch.device, sources: SourceLabels | None = None):
+    def __init__(
+        self,
+        model: DFlashDraftModel,
+        head: FrozenTargetHead,
+        drafter: DrafterConfig,
+        train: TrainConfig,
+        device: torch.device,
+        sources: SourceLabels | None = None,
+    ):
         if drafter.arch == "dspark":
             check_dspark_head(head.spec)
         self.model = model.to(device)  # fp32 master weights; bf16 only inside autocast on GPU
@@ -200,15 +220,20 @@ class Trainer:
         if self.compiled:  # sdpa groups vary
             self.model.compile_layers(include_fc=fp8)
         elif fp8:
-            log.warning("fp8 with eager layers (train.compile = false or attention sdpa): the casts to FP8 are not "
-                        "fused, so a step may well be slower than in bf16")
+            log.warning(
+                "fp8 with eager layers (train.compile = false or attention sdpa): the casts to FP8 are not "
+                "fused, so a step may well be slower than in bf16"
+            )
         self.head = head
         self.drafter = drafter
         self.cfg = train
         self.device = device
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=train.lr, weight_decay=train.weight_decay,
-            betas=tuple(train.betas or (0.9, 0.95)), fused=device.type == "cuda",
+            self.model.parameters(),
+            lr=train.lr,
+            weight_decay=train.weight_decay,
+            betas=tuple(train.betas or (0.9, 0.95)),
+            fused=device.type == "cuda",
         )
         self.anchor_rng = torch.Generator(device=device).manual_seed(train.seed)
         # Source names as items carry them, mapped onto the configured ones (None: taken as they come).
@@ -244,11 +269,20 @@ class Trainer:
         lr, grad_norm = self._update(total_steps)
         step_sources, self._step_sources = self._step_sources, {}
         return StepMetrics(
-            step=self.step, loss=float(out.loss.detach()), ce=float(out.ce), kl=float(out.kl), cap=float(out.cap),
+            step=self.step,
+            loss=float(out.loss.detach()),
+            ce=float(out.ce),
+            kl=float(out.kl),
+            cap=float(out.cap),
             accuracy_per_position=[round(float(a), 4) for a in out.accuracy_per_position],
-            accept_len=float(out.accept_len), accept_len_prob=float(out.accept_len_prob), lr=lr,
-            grad_norm=float(grad_norm), tokens=batch.num_tokens,
-            step_s=time.perf_counter() - t0, by_source=step_sources, dspark=DSparkFigures.of(out),
+            accept_len=float(out.accept_len),
+            accept_len_prob=float(out.accept_len_prob),
+            lr=lr,
+            grad_norm=float(grad_norm),
+            tokens=batch.num_tokens,
+            step_s=time.perf_counter() - t0,
+            by_source=step_sources,
+            dspark=DSparkFigures.of(out),
             dflash2=DFlash2Figures.of(out),
         )
 
@@ -258,8 +292,9 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         # The norm is computed either way (it is logged); clipping to inf leaves the gradient as it is.
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                   self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
+        )
         if self._hold is not None:  # a checkpoint snapshot still copying these weights and moments out
             torch.cuda.current_stream(self.device).wait_event(self._hold)
             self._hold = None
@@ -290,7 +325,8 @@ class Trainer:
         meta = batch.meta
         key = f"{self.cfg.seed}/{meta.get('producer')}/{meta.get('epoch')}/{meta.get('position')}".encode()
         rng = torch.Generator(device=self.device).manual_seed(
-            int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1)
+            int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+        )
         anchors = sample_anchors(batch.loss_mask, batch.cu_seqlens, self.drafter.num_anchors, rng)
         if anchors.num_blocks == 0:
             return {}
@@ -301,11 +337,24 @@ class Trainer:
     def _forward(self, batch: DeviceBatch, anchors: Anchors) -> DFlashLoss:
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
         with autocast:
-            hidden = self.model(batch.features, batch.input_ids, anchors, self.head,
-                                attention=self.cfg.attention_for(self.device.type),
-                                anchors_per_group=self.cfg.anchors_per_group)
-            return drafter_loss(self.model, hidden, anchors, batch.input_ids, batch.loss_mask, self.head,
-                                self.drafter, batch.final_hidden if self.drafter.needs_target_logits else None)
+            hidden = self.model(
+                batch.features,
+                batch.input_ids,
+                anchors,
+                self.head,
+                attention=self.cfg.attention_for(self.device.type),
+                anchors_per_group=self.cfg.anchors_per_group,
+            )
+            return drafter_loss(
+                self.model,
+                hidden,
+                anchors,
+                batch.input_ids,
+                batch.loss_mask,
+                self.head,
+                self.drafter,
+                batch.final_hidden if self.drafter.needs_target_logits else None,
+            )
 
     def _by_source(self, batch: DeviceBatch, anchors: Anchors, out: DFlashLoss) -> dict[str, SourceStats]:
         if batch.source_ids is None:
@@ -342,16 +391,24 @@ class Trainer:
             cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.long, device=self.device)
             # Every sequence's second half is its reply: the part the loss supervises.
             position = torch.arange(tokens, device=self.device) - torch.repeat_interleave(
-                cu[:-1], torch.tensor(lengths, device=self.device))
+                cu[:-1], torch.tensor(lengths, device=self.device)
+            )
             batch = DeviceBatch(
                 features=torch.randn(tokens, width, generator=rng, device=self.device).to(dtype),
-                input_ids=torch.randint(0, self.head.embed_weight.shape[0], (tokens,), generator=rng,
-                                        device=self.device),
-                loss_mask=position >= torch.repeat_interleave(torch.tensor(lengths, device=self.device) // 2,
-                                                              torch.tensor(lengths, device=self.device)),
+                input_ids=torch.randint(
+                    0, self.head.embed_weight.shape[0], (tokens,), generator=rng, device=self.device
+                ),
+                loss_mask=position
+                >= torch.repeat_interleave(
+                    torch.tensor(lengths, device=self.device) // 2, torch.tensor(lengths, device=self.device)
+                ),
                 cu_seqlens=cu,
-                final_hidden=(torch.randn(tokens, hidden, generator=rng, device=self.device).to(dtype)
-                              if self.drafter.needs_target_logits else None))
+                final_hidden=(
+                    torch.randn(tokens, hidden, generator=rng, device=self.device).to(dtype)
+                    if self.drafter.needs_target_logits
+                    else None
+                ),
+            )
             anchors = sample_anchors(batch.loss_mask, batch.cu_seqlens, self.drafter.num_anchors, rng)
             if anchors.num_blocks:
                 self._forward(batch, anchors).loss.backward()
@@ -374,8 +431,9 @@ class Trainer:
         tensors = {"rng.torch": torch.get_rng_state(), "rng.anchors": self.anchor_rng.get_state()}
         if self.device.type == "cuda":
             tensors["rng.cuda"] = torch.cuda.get_rng_state(self.device)
-        return Checkpoint(self.step, self.model.state_dict(), self.optimizer.state_dict(), tensors,
-                          dict(info, micro=self._micro))
+        return Checkpoint(
+            self.step, self.model.state_dict(), self.optimizer.state_dict(), tensors, dict(info, micro=self._micro)
+        )
 
     def restore(self, ckpt: Checkpoint) -> None:
         self.model.load_state_dict(ckpt.model)

@@ -32,11 +32,11 @@ def run_file_records(path: Path) -> list[Any]:
         if BLOCK - pos % BLOCK < CHUNK_HEADER:  # a block's tail too short for a header is padding
             pos += BLOCK - pos % BLOCK
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + CHUNK_HEADER])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + CHUNK_HEADER])
         if kind == 0:  # zeros to the block's end
             pos += BLOCK - pos % BLOCK
             continue
-        chunk, pos = data[pos + CHUNK_HEADER:pos + CHUNK_HEADER + length], pos + CHUNK_HEADER + length
+        chunk, pos = data[pos + CHUNK_HEADER : pos + CHUNK_HEADER + length], pos + CHUNK_HEADER + length
         if len(chunk) < length:
             break
         pending = chunk if kind in (FULL, FIRST) else pending + chunk
@@ -54,8 +54,11 @@ def offline_runs(wandb_dir: Path, run_id: str = "*") -> list[tuple[Any | None, l
     for f in sorted(wandb_dir.glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")):
         records = run_file_records(f)
         run = next((r.run for r in records if r.WhichOneof("record_type") == "run"), None)
-        rows = [{(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
-                for r in records if r.WhichOneof("record_type") == "history"]
+        rows = [
+            {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
+            for r in records
+            if r.WhichOneof("record_type") == "history"
+        ]
         runs.append((run, rows))
     return runs
 

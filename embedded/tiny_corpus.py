@@ -94,10 +94,15 @@ def _addition(rng: random.Random) -> Row:
     if prompt.startswith("What"):
         reply = f"{add} {a} plus {b} is {a + b}. {answer}"
     else:
-        start = _pick(rng, f"{name} starts with {a} {things}.", f"At first {name} has {a} {things}.",
-                      f"{name} begins with {a} {things}.")
-        then = _pick(rng, f"Then {name} gets {b} more.", f"After that {name} gets {b} more.",
-                     f"Later {name} is given {b} more.")
+        start = _pick(
+            rng,
+            f"{name} starts with {a} {things}.",
+            f"At first {name} has {a} {things}.",
+            f"{name} begins with {a} {things}.",
+        )
+        then = _pick(
+            rng, f"Then {name} gets {b} more.", f"After that {name} gets {b} more.", f"Later {name} is given {b} more."
+        )
         reply = f"{start} {then} {add} {a} plus {b} is {a + b}. {name} has {a + b} {things}. {answer}"
     return _chat(prompt, reply)
 
@@ -117,9 +122,12 @@ def _subtraction(rng: random.Random) -> Row:
     if prompt.startswith("What"):
         reply = f"{take} {a} minus {b} is {left}. {answer}"
     else:
-        start = _pick(rng, f"{name} starts with {a} {things} and gives away {b}.",
-                      f"At first {name} has {a} {things}, then gives {b} away.",
-                      f"{name} has {a} {things} and gives {b} of them away.")
+        start = _pick(
+            rng,
+            f"{name} starts with {a} {things} and gives away {b}.",
+            f"At first {name} has {a} {things}, then gives {b} away.",
+            f"{name} has {a} {things} and gives {b} of them away.",
+        )
         reply = f"{start} {take} {a} minus {b} is {left}. {name} has {left} {things} left. {answer}"
     return _chat(prompt, reply)
 
@@ -134,8 +142,12 @@ def _count(rng: random.Random) -> Row:
     else:
         prompt, counted = f"Help {name} count the {things} down from {values[-1]} to {values[0]}.", values[::-1]
     opener = _pick(rng, "Sure.", "Okay, let us count.", "Of course! Here we go.")
-    total = _pick(rng, f"That is {NUMBER_WORDS[length]} {things}.", f"That makes {NUMBER_WORDS[length]} {things}.",
-                  f"So there are {NUMBER_WORDS[length]} {things}.")
+    total = _pick(
+        rng,
+        f"That is {NUMBER_WORDS[length]} {things}.",
+        f"That makes {NUMBER_WORDS[length]} {things}.",
+        f"So there are {NUMBER_WORDS[length]} {things}.",
+    )
     reply = f"{opener} {', '.join(map(str, counted))}. {total}"
     return _chat(prompt, reply)
 
@@ -143,16 +155,21 @@ def _count(rng: random.Random) -> Row:
 def _repeat(rng: random.Random) -> Row:
     words = rng.sample(WORDS, rng.randint(3, 6))
     opener = _pick(rng, "Here are the words again:", "Sure, the words are:", "Okay. Once more:")
-    total = _pick(rng, f"That is {NUMBER_WORDS[len(words)]} words.", f"There are {NUMBER_WORDS[len(words)]} words.",
-                  f"That makes {NUMBER_WORDS[len(words)]} words in all.")
+    total = _pick(
+        rng,
+        f"That is {NUMBER_WORDS[len(words)]} words.",
+        f"There are {NUMBER_WORDS[len(words)]} words.",
+        f"That makes {NUMBER_WORDS[len(words)]} words in all.",
+    )
     return _chat(f"Repeat these words: {' '.join(words)}.", f"{opener} {' '.join(words)}. {total}")
 
 
 def _reverse(rng: random.Random) -> Row:
     words = rng.sample(WORDS, rng.randint(3, 5))
     opener = _pick(rng, "Here are the words in reverse order:", "Sure, in reverse order:", "Okay, the reverse order:")
-    first = _pick(rng, f"The first word is now {words[-1]}.", f"Now {words[-1]} comes first.",
-                  f"So {words[-1]} is first now.")
+    first = _pick(
+        rng, f"The first word is now {words[-1]}.", f"Now {words[-1]} comes first.", f"So {words[-1]} is first now."
+    )
     return _chat(f"Reverse these words: {' '.join(words)}.", f"{opener} {' '.join(reversed(words))}. {first}")
 
 
@@ -160,9 +177,12 @@ def _sort(rng: random.Random) -> Row:
     values = rng.sample(range(10), rng.randint(3, 6))
     ordered = sorted(values)
     opener = _pick(rng, "In order from small to big:", "Sorted from small to big:", "Okay, from small to big:")
-    ends = _pick(rng, f"The smallest is {ordered[0]} and the biggest is {ordered[-1]}.",
-                 f"So {ordered[0]} is the smallest and {ordered[-1]} is the biggest.",
-                 f"The biggest is {ordered[-1]} and the smallest is {ordered[0]}.")
+    ends = _pick(
+        rng,
+        f"The smallest is {ordered[0]} and the biggest is {ordered[-1]}.",
+        f"So {ordered[0]} is the smallest and {ordered[-1]} is the biggest.",
+        f"The biggest is {ordered[-1]} and the smallest is {ordered[0]}.",
+    )
     return _chat(f"Sort these numbers: {_numbers(values)}.", f"{opener} {_numbers(ordered)}. {ends}")
 
 
@@ -172,11 +192,15 @@ def _describe(rng: random.Random) -> Row:
     prompt = rng.choice(
         (f"{name} has a {color} {animal}. Tell me about it.", f"Describe the {color} {animal} of {name}.")
     )
-    facts = _pick(rng, f"The {animal} is a {size} animal and lives in the {home}.",
-                  f"It is a {size} animal that lives in the {home}.",
-                  f"This {size} animal lives in the {home}.")
-    hobby = _pick(rng, f"It likes to {likes}.", f"Its favourite thing is to {likes}.",
-                  f"Most of all it likes to {likes}.")
+    facts = _pick(
+        rng,
+        f"The {animal} is a {size} animal and lives in the {home}.",
+        f"It is a {size} animal that lives in the {home}.",
+        f"This {size} animal lives in the {home}.",
+    )
+    hobby = _pick(
+        rng, f"It likes to {likes}.", f"Its favourite thing is to {likes}.", f"Most of all it likes to {likes}."
+    )
     ending = _pick(rng, f"{name} loves the {color} {animal}.", f"{name} is very fond of it.", "They are good friends.")
     reply = f"{name} has a {color} {animal}. {facts} {hobby} {ending}"
     return _chat(prompt, reply)

@@ -22,27 +22,48 @@ MAX_NEW_TOKENS = 128
 
 def regenerate_config(target: Path, train_file: Path, out: Path, cache_dir: Path) -> Config:
     d = Config()
-    return replace(d, data=replace(d.data, path=str(train_file), max_length=256, cache_dir=str(cache_dir)),
-                   target=replace(d.target, path=str(target), device="cpu"),
-                   metrics=replace(d.metrics, enabled=False),
-                   regenerate=replace(d.regenerate, output=str(out), max_new_tokens=MAX_NEW_TOKENS))
+    return replace(
+        d,
+        data=replace(d.data, path=str(train_file), max_length=256, cache_dir=str(cache_dir)),
+        target=replace(d.target, path=str(target), device="cpu"),
+        metrics=replace(d.metrics, enabled=False),
+        regenerate=replace(d.regenerate, output=str(out), max_new_tokens=MAX_NEW_TOKENS),
+    )
 
 
-def ensure_tiny_replies(target: Path, train_file: Path, cache_root: Path, workdir: Path,
-                        log=lambda line: print(line, file=sys.stderr, flush=True)) -> Path:
+def ensure_tiny_replies(
+    target: Path,
+    train_file: Path,
+    cache_root: Path,
+    workdir: Path,
+    log=lambda line: print(line, file=sys.stderr, flush=True),
+) -> Path:
     """The regenerated data set's directory (built on first use, then reused)."""
     out = cache_root / "tiny-replies" / target.name
     cfg_path = workdir / "regenerate.toml"
     workdir.mkdir(parents=True, exist_ok=True)
-    cfg_path.write_text(dump_toml(regenerate_config(target, train_file, out, workdir / "data-cache"), header=(
-        "How the embedded default regenerates the tiny corpus's replies with the tiny target:\n"
-        "`dflash-ring regenerate --config` this file.")))
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_ring", "regenerate", "--config", str(cfg_path),
-                             "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    cfg_path.write_text(
+        dump_toml(
+            regenerate_config(target, train_file, out, workdir / "data-cache"),
+            header=(
+                "How the embedded default regenerates the tiny corpus's replies with the tiny target:\n"
+                "`dflash-ring regenerate --config` this file."
+            ),
+        )
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash_ring", "regenerate", "--config", str(cfg_path), "--threads", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+    )
     for line in proc.stdout:
         if line := line.rstrip("\n").rsplit("\r", 1)[-1].rstrip():
             log(f"regenerate | {line}")
     if proc.wait() != 0:
-        raise RuntimeError(f"regenerating the tiny corpus's replies failed (exit {proc.returncode}); its lines are "
-                           f"above. Run `dflash-ring regenerate --config {cfg_path}` to retry")
+        raise RuntimeError(
+            f"regenerating the tiny corpus's replies failed (exit {proc.returncode}); its lines are "
+            f"above. Run `dflash-ring regenerate --config {cfg_path}` to retry"
+        )
     return out

@@ -25,8 +25,7 @@ class PublishAccount:
 
     def publish(self, writer: SlotWriter, b: Batch) -> None:
         """Batch `b`, written into `writer`'s slot (its copy landed), published and recorded."""
-        self.port.publish(writer, cursor=(b.cursor.epoch, b.cursor.position), replayed=b.replayed,
-                          tokens=b.num_tokens)
+        self.port.publish(writer, cursor=(b.cursor.epoch, b.cursor.position), replayed=b.replayed, tokens=b.num_tokens)
         if self.ledger is not None:
             self.ledger.write(Published(writer.item, b.epoch, b.position, replay=b.is_replay, eval=b.eval))
         if self.replay is not None:

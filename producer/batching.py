@@ -59,8 +59,9 @@ class Batch:
 
     def trained_by_source(self, sources: int) -> np.ndarray:
         """Loss-mask tokens of each source (index into ShardBatcher.sources) in this batch."""
-        return np.bincount(np.repeat(self.source_ids, self.lengths), weights=self.loss_mask,
-                           minlength=sources).astype(np.int64)
+        return np.bincount(np.repeat(self.source_ids, self.lengths), weights=self.loss_mask, minlength=sources).astype(
+            np.int64
+        )
 
     def padded(self, pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(input_ids, attention_mask, loss_mask), each [num_sequences, max_length], right-padded."""
@@ -82,8 +83,9 @@ def _permutation(n: int, entropy: list[int]) -> np.ndarray:
     return np.argsort(keys, kind="stable")
 
 
-def epoch_counts(sizes: Sequence[int], weights: Sequence[float], repeat: Sequence[bool],
-                 names: Sequence[str]) -> list[int]:
+def epoch_counts(
+    sizes: Sequence[int], weights: Sequence[float], repeat: Sequence[bool], names: Sequence[str]
+) -> list[int]:
     """Rows each source gives every epoch, by the epoch-size rule in DataConfig's docstring."""
     total = sum(weights)
     limits = [n * total / w for n, w, r in zip(sizes, weights, repeat, strict=True) if not r]
@@ -93,9 +95,11 @@ def epoch_counts(sizes: Sequence[int], weights: Sequence[float], repeat: Sequenc
     counts = [c if r else min(c, n) for c, n, r in zip(counts, sizes, repeat, strict=True)]
     for c, n, w, name in zip(counts, sizes, weights, names, strict=True):
         if c == 0:
-            raise DataError(f"data source {name!r} (weight {w:g}, {n} usable rows) gets no row in an epoch of "
-                            f"{sum(counts)} rows: raise its weight, or set repeat = true on the sources that "
-                            "limit the epoch")
+            raise DataError(
+                f"data source {name!r} (weight {w:g}, {n} usable rows) gets no row in an epoch of "
+                f"{sum(counts)} rows: raise its weight, or set repeat = true on the sources that "
+                "limit the epoch"
+            )
     return counts
 
 
@@ -136,16 +140,19 @@ def held_out(name: str, row_ids: np.ndarray, fraction: float, seed: int) -> np.n
 
 def split_sources(sources: Sequence[SourceData], fraction: float, seed: int) -> list[np.ndarray]:
     """Per source, a mask of its evaluation samples: every one of an `eval` source, else `held_out`'s."""
-    return [np.ones(len(s.data), bool) if s.eval else held_out(s.name, s.data.row_ids, fraction, seed)
-            for s in sources]
+    return [np.ones(len(s.data), bool) if s.eval else held_out(s.name, s.data.row_ids, fraction, seed) for s in sources]
 
 
 def training_counts(sources: Sequence[SourceData], held: Sequence[np.ndarray]) -> list[int]:
     """Training rows each source gives every epoch (`epoch_counts` over its rows not held out; 0 for an
     `eval` source)."""
     train = [(k, s) for k, s in enumerate(sources) if not s.eval]
-    counts = epoch_counts([int((~held[k]).sum()) for k, _ in train], [s.weight for _, s in train],
-                          [s.repeat for _, s in train], [s.name for _, s in train])
+    counts = epoch_counts(
+        [int((~held[k]).sum()) for k, _ in train],
+        [s.weight for _, s in train],
+        [s.repeat for _, s in train],
+        [s.name for _, s in train],
+    )
     out = [0] * len(sources)
     for (k, _), c in zip(train, counts, strict=True):
         out[k] = c
@@ -156,14 +163,21 @@ def interleave(train: list[np.ndarray], evals: list[np.ndarray]) -> list[np.ndar
     """Evaluation batches spread evenly among the training batches (training first on a tie)."""
     if not evals:
         return train
-    keys = np.concatenate([(np.arange(len(train)) + 0.5) / max(len(train), 1),
-                           (np.arange(len(evals)) + 0.5) / len(evals)])
+    keys = np.concatenate(
+        [(np.arange(len(train)) + 0.5) / max(len(train), 1), (np.arange(len(evals)) + 0.5) / len(evals)]
+    )
     both = train + evals
     return [both[i] for i in np.argsort(keys, kind="stable")]
 
 
 def plan_epoch(
-    lengths: np.ndarray, *, seed: int, epoch: int, max_tokens: int, packing: bool, bucket_window: int,
+    lengths: np.ndarray,
+    *,
+    seed: int,
+    epoch: int,
+    max_tokens: int,
+    packing: bool,
+    bucket_window: int,
     salt: tuple[int, ...] = (),
 ) -> list[np.ndarray]:
     """All batches of one epoch as arrays of sample indices, in the order they are dealt out.
@@ -232,8 +246,15 @@ class ShardBatcher:
         self._plan: tuple[int, list[np.ndarray]] | None = None
 
     @classmethod
-    def from_config(cls, data: TokenizedData | Sequence[SourceData], cfg: DataConfig, *, rank: int,
-                    world_size: int, packing: bool = True) -> ShardBatcher:
+    def from_config(
+        cls,
+        data: TokenizedData | Sequence[SourceData],
+        cfg: DataConfig,
+        *,
+        rank: int,
+        world_size: int,
+        packing: bool = True,
+    ) -> ShardBatcher:
         return cls(
             data,
             rank=rank,
@@ -270,12 +291,16 @@ class ShardBatcher:
         else:
             data = "data mixture " + ", ".join(
                 f"{s.name} = {s.path} {'eval' if s.eval else f'weight {s.weight:g}'}{' repeat' if s.repeat else ''} "
-                f"(tokenized {s.data.directory.name})" for s in self.sources)
+                f"(tokenized {s.data.directory.name})"
+                for s in self.sources
+            )
         if self.eval_fraction > 0:
             data += f", eval_fraction {self.eval_fraction:g}"
-        return (f"{data}, seed {self.seed}, max_tokens_per_batch "
-                f"{self.max_tokens}, {'packed' if self.packing else 'padded'}, bucket_window {self.bucket_window}, "
-                f"shard {self.rank} of {self.world_size}")
+        return (
+            f"{data}, seed {self.seed}, max_tokens_per_batch "
+            f"{self.max_tokens}, {'packed' if self.packing else 'padded'}, bucket_window {self.bucket_window}, "
+            f"shard {self.rank} of {self.world_size}"
+        )
 
     def epoch_plan(self, epoch: int) -> list[np.ndarray]:
         """This shard's batches for `epoch`, as sample indices into the sources laid end to end."""
@@ -288,8 +313,15 @@ class ShardBatcher:
         return self._plan[1]
 
     def _plan_of(self, samples: np.ndarray, epoch: int, salt: tuple[int, ...] = ()) -> list[np.ndarray]:
-        return plan_epoch(self._lengths[samples], seed=self.seed, epoch=epoch, max_tokens=self.max_tokens,
-                          packing=self.packing, bucket_window=self.bucket_window, salt=salt)
+        return plan_epoch(
+            self._lengths[samples],
+            seed=self.seed,
+            epoch=epoch,
+            max_tokens=self.max_tokens,
+            packing=self.packing,
+            bucket_window=self.bucket_window,
+            salt=salt,
+        )
 
     def is_eval(self, samples: np.ndarray) -> bool:
         """Whether a planned batch (sample indices, as `epoch_plan` gives them) is an evaluation batch."""
@@ -317,8 +349,10 @@ class ShardBatcher:
         """One batch of the plan by its coordinates: a batch a stopped run left untrained, produced again."""
         plan = self.epoch_plan(epoch) if epoch >= 0 else []
         if not 0 <= position < len(plan):
-            raise ValueError(f"batch (epoch {epoch}, position {position}) is not in this shard's plan "
-                             f"({len(plan)} batches in that epoch)")
+            raise ValueError(
+                f"batch (epoch {epoch}, position {position}) is not in this shard's plan "
+                f"({len(plan)} batches in that epoch)"
+            )
         following = Cursor(epoch, position + 1) if position + 1 < len(plan) else Cursor(epoch + 1, 0)
         return self._batch(plan[position], epoch, position, following)
 

@@ -83,17 +83,26 @@ class ProbeReport:
         if self.passed:
             return f"{head}: packed features equal each sequence's own forward (max error {self.max_error:.2e})"
         bad = self.first_bad
-        return (f"{head}: packed features differ from each sequence's own forward from layer {bad.layer} "
-                f"({bad.kind}) on: error {bad.max_error:.2e} > allowed {bad.allowed:.2e} (the model's own padded "
-                f"forward differs by {bad.noise_floor:.2e})")
+        return (
+            f"{head}: packed features differ from each sequence's own forward from layer {bad.layer} "
+            f"({bad.kind}) on: error {bad.max_error:.2e} > allowed {bad.allowed:.2e} (the model's own padded "
+            f"forward differs by {bad.noise_floor:.2e})"
+        )
 
     def to_json(self) -> dict:
-        return {**asdict(self), "passed": self.passed, "max_error": self.max_error,
-                "first_bad_layer": None if self.first_bad is None else self.first_bad.layer}
+        return {
+            **asdict(self),
+            "passed": self.passed,
+            "max_error": self.max_error,
+            "first_bad_layer": None if self.first_bad is None else self.first_bad.layer,
+        }
 
     def table(self) -> str:
-        rows = [f"{c.layer:>5}  {c.kind:<20} {c.max_error:.2e}   {c.noise_floor:.2e}   {c.allowed:.2e}"
-                f"{'  <- differs' if not c.max_error <= c.allowed else ''}" for c in self.layers]
+        rows = [
+            f"{c.layer:>5}  {c.kind:<20} {c.max_error:.2e}   {c.noise_floor:.2e}   {c.allowed:.2e}"
+            f"{'  <- differs' if not c.max_error <= c.allowed else ''}"
+            for c in self.layers
+        ]
         return "\n".join([f"{'layer':>5}  {'type':<20} {'error':<10} {'padded':<10} allowed", *rows])
 
 
@@ -111,8 +120,9 @@ def active_sliding_window(config) -> int | None:
 def probe_lengths(config) -> list[int]:
     """Sequences of different lengths; the second runs half a window past any window (capped at the model's limit)."""
     window = active_sliding_window(config) or 0
-    longest = min(max(BASE_LENGTHS[1], window + max(37, window // 2)),
-                  int(getattr(config, "max_position_embeddings", 1 << 30)))
+    longest = min(
+        max(BASE_LENGTHS[1], window + max(37, window // 2)), int(getattr(config, "max_position_embeddings", 1 << 30))
+    )
     return [BASE_LENGTHS[0], longest, *BASE_LENGTHS[2:]]
 
 
@@ -130,9 +140,13 @@ def probe(target: TargetModel, lengths: list[int] | None = None, seed: int = 0) 
     lengths = list(lengths or probe_lengths(config))
     depth = target.deepest + 1
     report = ProbeReport(
-        model_type=config.model_type, architecture=(config.architectures or [type(target.decoder).__name__])[0],
-        attn_implementation=target.attn_implementation, dtype=str(target.dtype).removeprefix("torch."),
-        device=str(target.device), lengths=lengths, tolerance=TOLERANCE.get(target.dtype, 1e-2),
+        model_type=config.model_type,
+        architecture=(config.architectures or [type(target.decoder).__name__])[0],
+        attn_implementation=target.attn_implementation,
+        dtype=str(target.dtype).removeprefix("torch."),
+        device=str(target.device),
+        lengths=lengths,
+        tolerance=TOLERANCE.get(target.dtype, 1e-2),
     )
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, int(config.vocab_size), (sum(lengths),), generator=generator)
@@ -140,16 +154,20 @@ def probe(target: TargetModel, lengths: list[int] | None = None, seed: int = 0) 
     spans = list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
     was_packed = target.packed
     captured: dict[int, torch.Tensor] = {}
-    hooks = [layer.register_forward_hook(
-        lambda m, a, out, i=i: captured.__setitem__(i, out[0] if isinstance(out, tuple) else out), prepend=True)
-        for i, layer in enumerate(list(target.decoder.layers)[:depth])]
+    hooks = [
+        layer.register_forward_hook(
+            lambda m, a, out, i=i: captured.__setitem__(i, out[0] if isinstance(out, tuple) else out), prepend=True
+        )
+        for i, layer in enumerate(list(target.decoder.layers)[:depth])
+    ]
     try:
         device_ids = ids.to(target.device)
         positions = torch.cat([torch.arange(n) for n in lengths]).to(target.device)
         try:
             target.use_packing(True)  # refuses attention implementations it cannot mirror
-            target.forward_packed(device_ids, positions, bounds.to(device=target.device, dtype=torch.int32),
-                                  bounds.tolist())
+            target.forward_packed(
+                device_ids, positions, bounds.to(device=target.device, dtype=torch.int32), bounds.tolist()
+            )
         except Exception as e:  # noqa: BLE001 - any failure of the packed path is a finding, not a crash
             report.error = f"{type(e).__name__}: {e}"
             return report
@@ -161,8 +179,11 @@ def probe(target: TargetModel, lengths: list[int] | None = None, seed: int = 0) 
         for r, (a, b) in enumerate(spans):
             rows[r, : b - a], mask[r, : b - a] = ids[a:b], 1
         captured.clear()
-        target._run(input_ids=rows.to(target.device), attention_mask=mask.to(target.device),
-                    position_ids=(mask.cumsum(-1) - 1).clamp(min=0).to(target.device))
+        target._run(
+            input_ids=rows.to(target.device),
+            attention_mask=mask.to(target.device),
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0).to(target.device),
+        )
         padded = {i: captured[i] for i in range(depth)}
         errors = torch.zeros(depth, dtype=torch.float64)
         floor = torch.zeros(depth, dtype=torch.float64)
@@ -174,8 +195,12 @@ def probe(target: TargetModel, lengths: list[int] | None = None, seed: int = 0) 
                 errors[i] = max(errors[i], relative_error(packed[i][a:b], alone))
                 floor[i] = max(floor[i], relative_error(padded[i][r, : b - a], alone))
         kinds = layer_kinds(config, depth)
-        report.layers = [LayerCheck(i, kinds[i], float(errors[i]), float(floor[i]),
-                                    max(report.tolerance, NOISE_FACTOR * float(floor[i]))) for i in range(depth)]
+        report.layers = [
+            LayerCheck(
+                i, kinds[i], float(errors[i]), float(floor[i]), max(report.tolerance, NOISE_FACTOR * float(floor[i]))
+            )
+            for i in range(depth)
+        ]
         return report
     finally:
         for h in hooks:
@@ -190,8 +215,9 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm().clamp_min(1e-12))
 
 
-def choose_packing(target: TargetModel, mode: str,
-                   run_probe: Callable[[TargetModel], ProbeReport] | None = None) -> ProbeReport | None:
+def choose_packing(
+    target: TargetModel, mode: str, run_probe: Callable[[TargetModel], ProbeReport] | None = None
+) -> ProbeReport | None:
     """Set the target's batch layout for `target.packing` = mode; refuse "packed" when the probe fails. `run_probe`:
     the probe to run, when not this module's own (producer/probe_cache.py's keeps its result for restarts)."""
     if mode == "padded":
@@ -203,14 +229,19 @@ def choose_packing(target: TargetModel, mode: str,
         target.use_packing(True)
         return report
     if mode == "packed":
-        raise TargetConfigError(f"target.packing = \"packed\" refused: {report.summary()}. Set target.packing = "
-                                f"\"auto\" or \"padded\" to train on padded batches, or report the model type.")
-    log.warning("conformance probe: %s; using padded batches (target.packing = \"auto\")", report.summary())
+        raise TargetConfigError(
+            f'target.packing = "packed" refused: {report.summary()}. Set target.packing = '
+            f'"auto" or "padded" to train on padded batches, or report the model type.'
+        )
+    log.warning('conformance probe: %s; using padded batches (target.packing = "auto")', report.summary())
     target.use_packing(False)
     return report
 
 
 def report_json(report: ProbeReport | None, mode: str, packed: bool) -> str:
-    body = {"packing": mode, "chosen": "packed" if packed else "padded",
-            "probe": None if report is None else report.to_json()}
+    body = {
+        "packing": mode,
+        "chosen": "packed" if packed else "padded",
+        "probe": None if report is None else report.to_json(),
+    }
     return json.dumps(body, indent=2)

@@ -76,10 +76,12 @@ def check_row_size(raw: Any, cap: int) -> None:
     dict's total text."""
     size = len(raw) if isinstance(raw, str) else _text_size(raw, cap)
     if isinstance(raw, str) and raw.startswith(_OVERSIZED):
-        size = int(raw[len(_OVERSIZED):].split()[0])
+        size = int(raw[len(_OVERSIZED) :].split()[0])
     if size > cap:
-        raise BadRow(f"row of {size} bytes, over the {cap}-byte bound ({ROW_BYTES_PER_TOKEN} per token of "
-                     "data.max_length): skipped unread, as it holds far more than a sample keeps")
+        raise BadRow(
+            f"row of {size} bytes, over the {cap}-byte bound ({ROW_BYTES_PER_TOKEN} per token of "
+            "data.max_length): skipped unread, as it holds far more than a sample keeps"
+        )
 
 
 def _text_size(value: Any, cap: int) -> int:
@@ -106,8 +108,10 @@ def open_dataset(data: DataFiles, cfg: DataConfig) -> tuple[datasets.Dataset, bo
         if not any(f.stat().st_size for f in data.files):
             raise DataError(f"data set {data.root} has no rows")  # the text reader fails on empty input
         cap = max_row_bytes(cfg.max_length)
-        lines = [str(_bounded_lines(_as_json_lines(f, hf_cache / "json-lines"), hf_cache / "json-lines", cap))
-                 for f in data.files]
+        lines = [
+            str(_bounded_lines(_as_json_lines(f, hf_cache / "json-lines"), hf_cache / "json-lines", cap))
+            for f in data.files
+        ]
         ds = datasets.load_dataset(
             "text",
             data_files=lines,
@@ -171,9 +175,11 @@ def _as_json_lines(path: Path, cache: Path) -> Path:
     if out.exists():
         return out
     if (size := path.stat().st_size) > JSON_ARRAY_BYTES:
-        raise DataError(f"{path} is a JSON array of {size >> 20} MiB, parsed whole only up to "
-                        f"{JSON_ARRAY_BYTES >> 20} MiB: write it as one JSON object per line (.jsonl), which is "
-                        "read a row at a time")
+        raise DataError(
+            f"{path} is a JSON array of {size >> 20} MiB, parsed whole only up to "
+            f"{JSON_ARRAY_BYTES >> 20} MiB: write it as one JSON object per line (.jsonl), which is "
+            "read a row at a time"
+        )
     try:
         rows = json.loads(path.read_text(encoding="utf-8-sig"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -47,8 +47,14 @@ class DataStats:
     total: SourceStats
 
     def to_json(self) -> str:
-        return json.dumps({"histogram_edges": list(HISTOGRAM_EDGES), "sources": [asdict(s) for s in self.sources],
-                           "total": asdict(self.total)}, indent=2)
+        return json.dumps(
+            {
+                "histogram_edges": list(HISTOGRAM_EDGES),
+                "sources": [asdict(s) for s in self.sources],
+                "total": asdict(self.total),
+            },
+            indent=2,
+        )
 
 
 def trained_per_row(data: TokenizedData) -> np.ndarray:
@@ -66,8 +72,9 @@ def trained_per_row(data: TokenizedData) -> np.ndarray:
 
 
 def histogram(trained: np.ndarray) -> tuple[int, ...]:
-    return tuple(np.bincount(np.searchsorted(HISTOGRAM_EDGES, trained, side="left"),
-                             minlength=len(HISTOGRAM_EDGES) + 1).tolist())
+    return tuple(
+        np.bincount(np.searchsorted(HISTOGRAM_EDGES, trained, side="left"), minlength=len(HISTOGRAM_EDGES) + 1).tolist()
+    )
 
 
 def bucket_labels() -> list[str]:
@@ -81,24 +88,43 @@ def data_stats(sources: Sequence[SourceData], eval_fraction: float = 0.0, seed: 
     held = split_sources(sources, eval_fraction, seed)
     trained = [trained_per_row(s.data) for s in sources]
     counts = training_counts(sources, held)
-    epoch_trained = [round(int(t[~h].sum()) * c / max(int((~h).sum()), 1))
-                     for t, h, c in zip(trained, held, counts, strict=True)]
+    epoch_trained = [
+        round(int(t[~h].sum()) * c / max(int((~h).sum()), 1)) for t, h, c in zip(trained, held, counts, strict=True)
+    ]
     rows_total, trained_total = sum(counts), sum(epoch_trained)
     stats = tuple(
         SourceStats(
-            name=s.name, path=s.path, weight=s.weight, repeat=s.repeat, rows=s.data.num_rows,
-            bad_rows=len(s.data.bad_rows), tokens=int(s.data.offsets[-1]), trained_tokens=int(t.sum()),
-            histogram=histogram(t), epoch_rows=c, epoch_trained_tokens=et, epoch_row_share=c / rows_total,
-            epoch_trained_share=et / trained_total if trained_total else 0.0, eval_rows=int(h.sum()),
+            name=s.name,
+            path=s.path,
+            weight=s.weight,
+            repeat=s.repeat,
+            rows=s.data.num_rows,
+            bad_rows=len(s.data.bad_rows),
+            tokens=int(s.data.offsets[-1]),
+            trained_tokens=int(t.sum()),
+            histogram=histogram(t),
+            epoch_rows=c,
+            epoch_trained_tokens=et,
+            epoch_row_share=c / rows_total,
+            epoch_trained_share=et / trained_total if trained_total else 0.0,
+            eval_rows=int(h.sum()),
         )
         for s, t, h, c, et in zip(sources, trained, held, counts, epoch_trained, strict=True)
     )
     total = SourceStats(
-        name="total", path="", weight=sum(s.weight for s in sources), repeat=any(s.repeat for s in sources),
-        rows=sum(s.rows for s in stats), bad_rows=sum(s.bad_rows for s in stats),
-        tokens=sum(s.tokens for s in stats), trained_tokens=sum(s.trained_tokens for s in stats),
+        name="total",
+        path="",
+        weight=sum(s.weight for s in sources),
+        repeat=any(s.repeat for s in sources),
+        rows=sum(s.rows for s in stats),
+        bad_rows=sum(s.bad_rows for s in stats),
+        tokens=sum(s.tokens for s in stats),
+        trained_tokens=sum(s.trained_tokens for s in stats),
         histogram=tuple(int(x) for x in np.sum([s.histogram for s in stats], axis=0)),
-        epoch_rows=rows_total, epoch_trained_tokens=trained_total, epoch_row_share=1.0, epoch_trained_share=1.0,
+        epoch_rows=rows_total,
+        epoch_trained_tokens=trained_total,
+        epoch_row_share=1.0,
+        epoch_trained_share=1.0,
         eval_rows=sum(s.eval_rows for s in stats),
     )
     return DataStats(stats, total)
@@ -106,11 +132,13 @@ def data_stats(sources: Sequence[SourceData], eval_fraction: float = 0.0, seed: 
 
 def log_lines(stats: DataStats) -> list[str]:
     """One line per source, as the producer logs its composition before it publishes."""
-    return [f"data source {s.name} ({s.path}): {s.rows} rows, {s.bad_rows} bad skipped, {s.tokens} tokens, "
-            f"{s.trained_tokens} trained; weight {s.weight:g}{' repeat' if s.repeat else ''}: {s.epoch_rows} rows "
-            f"per epoch ({100 * s.epoch_row_share:.1f}% of rows, {100 * s.epoch_trained_share:.1f}% of trained "
-            f"tokens){f'; {s.eval_rows} rows held out for evaluation' if s.eval_rows else ''}"
-            for s in stats.sources]
+    return [
+        f"data source {s.name} ({s.path}): {s.rows} rows, {s.bad_rows} bad skipped, {s.tokens} tokens, "
+        f"{s.trained_tokens} trained; weight {s.weight:g}{' repeat' if s.repeat else ''}: {s.epoch_rows} rows "
+        f"per epoch ({100 * s.epoch_row_share:.1f}% of rows, {100 * s.epoch_trained_share:.1f}% of trained "
+        f"tokens){f'; {s.eval_rows} rows held out for evaluation' if s.eval_rows else ''}"
+        for s in stats.sources
+    ]
 
 
 def print_table(stats: DataStats) -> None:
@@ -119,15 +147,36 @@ def print_table(stats: DataStats) -> None:
     from rich.table import Table
 
     t = Table(title="data composition (per epoch: under the weights, after tokenization)")
-    for col in ("source", "weight", "repeat", "rows", "bad", "tokens", "trained", "epoch rows", "% rows",
-                "% trained", "held out"):
+    for col in (
+        "source",
+        "weight",
+        "repeat",
+        "rows",
+        "bad",
+        "tokens",
+        "trained",
+        "epoch rows",
+        "% rows",
+        "% trained",
+        "held out",
+    ):
         t.add_column(col, justify="left" if col == "source" else "right")
     for s in (*stats.sources, stats.total):
         if s is stats.total:
             t.add_section()
-        t.add_row(s.name, f"{s.weight:g}", "yes" if s.repeat else "", f"{s.rows:,}", f"{s.bad_rows:,}",
-                  f"{s.tokens:,}", f"{s.trained_tokens:,}", f"{s.epoch_rows:,}", f"{100 * s.epoch_row_share:.1f}",
-                  f"{100 * s.epoch_trained_share:.1f}", f"{s.eval_rows:,}")
+        t.add_row(
+            s.name,
+            f"{s.weight:g}",
+            "yes" if s.repeat else "",
+            f"{s.rows:,}",
+            f"{s.bad_rows:,}",
+            f"{s.tokens:,}",
+            f"{s.trained_tokens:,}",
+            f"{s.epoch_rows:,}",
+            f"{100 * s.epoch_row_share:.1f}",
+            f"{100 * s.epoch_trained_share:.1f}",
+            f"{s.eval_rows:,}",
+        )
     h = Table(title="rows by trained tokens per row")
     h.add_column("trained tokens", justify="right")
     for s in (*stats.sources, stats.total):

@@ -12,8 +12,13 @@ import logging
 from collections.abc import Iterator, Sequence
 
 import torch
-from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel,
-                          PreTrainedTokenizerBase)
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from dflash_ring.common.chat_encoding import eos_ids
 from dflash_ring.common.config.target import TargetConfig, TargetConfigError
@@ -51,12 +56,15 @@ class SeededSampler(LogitsProcessor):
 class HfEngine:
     """Generation with an in-process Hugging Face model and its tokenizer's chat template."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, batch_tokens: int,
-                 batch_size: int):
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, batch_tokens: int, batch_size: int
+    ):
         self.eos = sorted(eos_ids(model, tokenizer))
         if not self.eos:
-            raise TargetConfigError("neither the target's generation_config.json nor its tokenizer names an EOS "
-                                    "token: replies could not end")
+            raise TargetConfigError(
+                "neither the target's generation_config.json nor its tokenizer names an EOS "
+                "token: replies could not end"
+            )
         pad = tokenizer.pad_token_id
         self.pad = self.eos[0] if pad is None else pad
         # Only our settings: a checkpoint's own generation defaults (Qwen3: top_k, temperature) never join in.
@@ -74,8 +82,14 @@ class HfEngine:
         tokenizer = chat_tokenizer(cfg)
         model = load_causal_lm(cfg, resolve_device(device))
         engine = cls(model, tokenizer, batch_tokens=batch_tokens, batch_size=batch_size)
-        log.info("hf engine: %s (%s) on %s (%s), EOS ids %s", cfg.path, model.config.model_type, model.device,
-                 model.dtype, engine.eos)
+        log.info(
+            "hf engine: %s (%s) on %s (%s), EOS ids %s",
+            cfg.path,
+            model.config.model_type,
+            model.device,
+            model.dtype,
+            engine.eos,
+        )
         return engine
 
     def generate(self, prompts: Sequence[Prompt], settings: GenerationSettings) -> Iterator[Reply]:
@@ -89,8 +103,9 @@ class HfEngine:
             yield from self._generate(batch, settings)
 
     def encode(self, prompt: Prompt, enable_thinking: bool) -> list[int]:
-        text = self.tokenizer.apply_chat_template(list(prompt.messages), tokenize=False, add_generation_prompt=True,
-                                                  enable_thinking=enable_thinking)
+        text = self.tokenizer.apply_chat_template(
+            list(prompt.messages), tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+        )
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     @torch.inference_mode()
@@ -99,16 +114,22 @@ class HfEngine:
         input_ids = torch.full((len(batch), width), self.pad, dtype=torch.long)
         attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
         for row, (_, ids) in enumerate(batch):  # left padding: every prompt ends in the last column
-            input_ids[row, width - len(ids):] = torch.tensor(ids)
-            attention_mask[row, width - len(ids):] = 1
+            input_ids[row, width - len(ids) :] = torch.tensor(ids)
+            attention_mask[row, width - len(ids) :] = 1
         sampler = None
         if settings.temperature > 0:
             seeds = [prompt_seed(settings.seed, prompt.index) for prompt, _ in batch]
             sampler = LogitsProcessorList([SeededSampler(seeds, settings.temperature, settings.top_p)])
         out = self.model.generate(
-            input_ids=input_ids.to(self.model.device), attention_mask=attention_mask.to(self.model.device),
-            generation_config=GenerationConfig(max_new_tokens=settings.max_new_tokens, do_sample=False,
-                                               eos_token_id=self.eos, pad_token_id=self.pad, use_cache=True),
+            input_ids=input_ids.to(self.model.device),
+            attention_mask=attention_mask.to(self.model.device),
+            generation_config=GenerationConfig(
+                max_new_tokens=settings.max_new_tokens,
+                do_sample=False,
+                eos_token_id=self.eos,
+                pad_token_id=self.pad,
+                use_cache=True,
+            ),
             logits_processor=sampler,
         )
         eos = set(self.eos)
@@ -136,14 +157,17 @@ def chat_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerBase:
     prompts could not be rendered."""
     tokenizer = target_tokenizer(cfg)
     if not tokenizer.chat_template:
-        raise TargetConfigError(f"the target tokenizer {cfg.tokenizer or cfg.path} has no chat template, so prompts "
-                                "cannot be rendered: set target.tokenizer to a tokenizer directory that has one "
-                                "(chat_template in tokenizer_config.json, or chat_template.jinja)")
+        raise TargetConfigError(
+            f"the target tokenizer {cfg.tokenizer or cfg.path} has no chat template, so prompts "
+            "cannot be rendered: set target.tokenizer to a tokenizer directory that has one "
+            "(chat_template in tokenizer_config.json, or chat_template.jinja)"
+        )
     return tokenizer
 
 
-def length_batches(encoded: list[tuple[Prompt, list[int]]], batch_tokens: int,
-                   batch_size: int) -> Iterator[list[tuple[Prompt, list[int]]]]:
+def length_batches(
+    encoded: list[tuple[Prompt, list[int]]], batch_tokens: int, batch_size: int
+) -> Iterator[list[tuple[Prompt, list[int]]]]:
     """Prompts sorted by length (ties by row), cut into batches of at most batch_size prompts and batch_tokens
     padded tokens; a prompt longer than batch_tokens goes alone. Deterministic for the same prompts."""
     batch: list[tuple[Prompt, list[int]]] = []

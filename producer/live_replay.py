@@ -31,8 +31,15 @@ POLL_S = 1.0  # how often a producer looks for sealed segments: a drafter's deat
 
 
 class LiveReplay:
-    def __init__(self, index: int, start: ResumeState, cursor_file: CursorFile, checkpoint_dir: str | Path,
-                 in_plan: Callable[[int, int], bool], ledger: Ledger | None = None):
+    def __init__(
+        self,
+        index: int,
+        start: ResumeState,
+        cursor_file: CursorFile,
+        checkpoint_dir: str | Path,
+        in_plan: Callable[[int, int], bool],
+        ledger: Ledger | None = None,
+    ):
         self.index, self.cursor_file, self.checkpoint_dir, self.ledger = index, cursor_file, checkpoint_dir, ledger
         self.in_plan = in_plan  # (epoch, position) -> whether this shard's plan has that batch
         self._replay = list(start.replay)
@@ -40,14 +47,18 @@ class LiveReplay:
         self._committed = (start.epoch, start.position, start.replayed)
         self._lock = threading.Lock()
         self._polled = 0.0
-        pending = start.replay[start.replayed:]
+        pending = start.replay[start.replayed :]
         if outside := [x for x in pending if not in_plan(*x)]:
             # Saved by an older version, or edited: nothing of them is published yet (they are after `replayed`), so
             # the list is rebuilt without them, the damaged file kept aside; kept, they would be owed for ever.
-            keep_aside(cursor_file.path, f"its replay list names {len(outside)} batch(es) not in producer {index}'s "
-                                         f"plan ({', '.join(f'epoch {e} position {q}' for e, q in outside[:5])}): "
-                                         "they are not produced", copy=True)
-            self._replay = self._replay[:start.replayed] + [x for x in pending if in_plan(*x)]
+            keep_aside(
+                cursor_file.path,
+                f"its replay list names {len(outside)} batch(es) not in producer {index}'s "
+                f"plan ({', '.join(f'epoch {e} position {q}' for e, q in outside[:5])}): "
+                "they are not produced",
+                copy=True,
+            )
+            self._replay = self._replay[: start.replayed] + [x for x in pending if in_plan(*x)]
             self._save(durable=True)
 
     def __len__(self) -> int:
@@ -72,10 +83,14 @@ class LiveReplay:
             # at every start. The segment is taken all the same (its other entries are), and the entries refused.
             for key, entries in owed:
                 if outside := [(e.epoch, e.position) for e in entries if not self.in_plan(e.epoch, e.position)]:
-                    log.error("sealed journal segment %s names %d batch(es) that are not in producer %d's plan (%s): "
-                              "refused, not produced (the segment belongs to another data plan, or was edited)",
-                              key, len(outside), self.index,
-                              ", ".join(f"epoch {e} position {q}" for e, q in outside[:5]))
+                    log.error(
+                        "sealed journal segment %s names %d batch(es) that are not in producer %d's plan (%s): "
+                        "refused, not produced (the segment belongs to another data plan, or was edited)",
+                        key,
+                        len(outside),
+                        self.index,
+                        ", ".join(f"epoch {e} position {q}" for e, q in outside[:5]),
+                    )
             self._replay += added
             self._taken += [key for key, _ in owed]
             self._save(durable=True)  # before any of them can be published
@@ -83,8 +98,11 @@ class LiveReplay:
             self.ledger.write(Intake([key for key, _ in owed], [list(x) for x in added]))
         if not added:
             return 0
-        log.warning("producing again %d batch(es) that dead drafters trained after their last checkpoint (%s)",
-                    len(added), ", ".join(key for key, _ in owed))
+        log.warning(
+            "producing again %d batch(es) that dead drafters trained after their last checkpoint (%s)",
+            len(added),
+            ", ".join(key for key, _ in owed),
+        )
         return len(added)
 
     def commit(self, epoch: int, position: int, replayed: int) -> None:
@@ -107,5 +125,6 @@ class LiveReplay:
 
     def _save(self, durable: bool) -> None:
         epoch, position, replayed = self._committed
-        self.cursor_file.save(ResumeState(epoch, position, tuple(self._replay), replayed, tuple(self._taken)),
-                              durable=durable)
+        self.cursor_file.save(
+            ResumeState(epoch, position, tuple(self._replay), replayed, tuple(self._taken)), durable=durable
+        )

@@ -146,8 +146,9 @@ class OpenAIEngine:
     def __init__(self, cfg: RegenerateConfig, *, backoff_base_s: float = 1.0, backoff_cap_s: float = 30.0):
         if not cfg.base_urls:
             raise RegenerateConfigError(
-                'regenerate.base_urls is empty: the openai engine needs at least one server, '
-                'e.g. base_urls = ["http://127.0.0.1:8000/v1"]')
+                "regenerate.base_urls is empty: the openai engine needs at least one server, "
+                'e.g. base_urls = ["http://127.0.0.1:8000/v1"]'
+            )
         self.cfg = cfg
         self.base_urls = [url.rstrip("/") for url in cfg.base_urls]
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
@@ -156,7 +157,8 @@ class OpenAIEngine:
             if not key:
                 raise RegenerateConfigError(
                     f"regenerate.api_key_env = {cfg.api_key_env!r}, but that environment variable is not set "
-                    "(or empty): set it, or leave api_key_env empty for a server without a key")
+                    "(or empty): set it, or leave api_key_env empty for a server without a key"
+                )
             self._headers["Authorization"] = f"Bearer {key}"
         self._backoff = (backoff_base_s, backoff_cap_s)
         self._servers = _Servers(self.base_urls, backoff_base_s, backoff_cap_s)
@@ -210,14 +212,16 @@ class OpenAIEngine:
             if not self._model:
                 answer = self._call("GET", "/models", None)
                 if answer.status != 200:
-                    what = (answer.body if answer.status == _TOO_LARGE
-                            else f"HTTP {answer.status}: {_snippet(answer.body)}")
+                    what = (
+                        answer.body if answer.status == _TOO_LARGE else f"HTTP {answer.status}: {_snippet(answer.body)}"
+                    )
                     raise OpenAIEngineError(f"openai engine: GET {answer.url}/models answered {what}")
                 models = answer.body.get("data") if isinstance(answer.body, dict) else None
                 if not (isinstance(models, list) and models and isinstance(models[0], dict) and "id" in models[0]):
                     raise OpenAIEngineError(
                         f"openai engine: GET {answer.url}/models lists no model ({_snippet(answer.body)}): "
-                        "set regenerate.model")
+                        "set regenerate.model"
+                    )
                 self._model = str(models[0]["id"])
                 log.info("openai engine: using model %s, the first that %s lists", self._model, answer.url)
             return self._model
@@ -243,7 +247,8 @@ class OpenAIEngine:
             raise ServerRefusedError(
                 f"openai engine: HTTP {answer.status} from {answer.url}/chat/completions: {_snippet(answer.body)}; "
                 "every request would be refused alike: check regenerate.api_key_env (401/403), the base URL "
-                "(it ends with /v1) and regenerate.model (404)")
+                "(it ends with /v1) and regenerate.model (404)"
+            )
         if answer.status == _TOO_LARGE:
             return _error(prompt, f"{answer.url} sent {answer.body}")
         if answer.status != 200:
@@ -254,19 +259,31 @@ class OpenAIEngine:
             text = message.get("content") or ""
             reasoning = message.get("reasoning_content") or message.get("reasoning")
             usage = answer.body.get("usage") or {}
-            prompt_tokens, completion_tokens = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
+            prompt_tokens, completion_tokens = (
+                int(usage.get("prompt_tokens", 0)),
+                int(usage.get("completion_tokens", 0)),
+            )
             finish = choice.get("finish_reason")
             _check_reply(text, prompt_tokens, completion_tokens, settings.max_new_tokens)
         except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError) as e:
-            return _error(prompt, f"unreadable answer from {answer.url} ({type(e).__name__}: {e}): {_snippet(answer.body)}")
+            return _error(
+                prompt, f"unreadable answer from {answer.url} ({type(e).__name__}: {e}): {_snippet(answer.body)}"
+            )
         if reasoning:
             # The server split the reply (a reasoning parser): what the model wrote cannot be put back exactly.
             raise OpenAIEngineError(
                 f"openai engine: {answer.url} returns the reasoning apart from the reply (a reasoning parser is on): "
-                "start the server without one, so replies come back exactly as the target wrote them")
+                "start the server without one, so replies come back exactly as the target wrote them"
+            )
         if finish not in ("stop", "length"):
-            return Reply(prompt.index, "", "error", prompt_tokens, completion_tokens,
-                         error=f"{answer.url} finished with {finish!r}, not 'stop' or 'length'")
+            return Reply(
+                prompt.index,
+                "",
+                "error",
+                prompt_tokens,
+                completion_tokens,
+                error=f"{answer.url} finished with {finish!r}, not 'stop' or 'length'",
+            )
         return Reply(prompt.index, text, finish, prompt_tokens, completion_tokens)
 
     # --- HTTP with failover and retries -----------------------------------------------------------
@@ -303,7 +320,8 @@ class OpenAIEngine:
         raise ServerUnavailableError(
             f"openai engine: no server answered {method} {path} after {self.cfg.retries + 1} rounds "
             f"(regenerate.retries = {self.cfg.retries}) over {', '.join(self.base_urls)}; "
-            f"last failure: {last.url}{path}: {last.what}")
+            f"last failure: {last.url}{path}: {last.what}"
+        )
 
     def _send(self, method: str, url: str, path: str, data: bytes | None) -> _Answer | _Failure:
         """One request, bounded as a whole: `timeout_s` from connect to the last byte (a server dripping its reply
@@ -317,8 +335,9 @@ class OpenAIEngine:
         started = time.monotonic()
         deadline.start()
         try:
-            conn.request(method, target.path + (f"?{target.query}" if target.query else ""), body=data,
-                         headers=self._headers)
+            conn.request(
+                method, target.path + (f"?{target.query}" if target.query else ""), body=data, headers=self._headers
+            )
             response = conn.getresponse()
             raw = _read_capped(response, self._reply_cap)
             status = response.status
@@ -329,8 +348,12 @@ class OpenAIEngine:
                 return _Failure(url, f"cannot connect: {e}")
             return _Failure(url, f"{type(e).__name__}: {e}")
         except _TooLarge:
-            return _Answer(_TOO_LARGE, f"a reply over {self._reply_cap} bytes (the cap for regenerate.max_new_tokens "
-                                       f"= {self._max_new_tokens}), not read further", url)
+            return _Answer(
+                _TOO_LARGE,
+                f"a reply over {self._reply_cap} bytes (the cap for regenerate.max_new_tokens "
+                f"= {self._max_new_tokens}), not read further",
+                url,
+            )
         finally:
             deadline.cancel()
             conn.close()
@@ -380,8 +403,9 @@ def _check_reply(text: Any, prompt_tokens: int, completion_tokens: int, max_new_
     if prompt_tokens < 0 or completion_tokens < 0:
         raise ValueError(f"negative token counts (prompt {prompt_tokens}, completion {completion_tokens})")
     if completion_tokens > max_new_tokens:
-        raise ValueError(f"{completion_tokens} completion tokens, over the {max_new_tokens} asked for "
-                         "(regenerate.max_new_tokens)")
+        raise ValueError(
+            f"{completion_tokens} completion tokens, over the {max_new_tokens} asked for (regenerate.max_new_tokens)"
+        )
 
 
 def _parse(raw: bytes) -> Any:

@@ -72,6 +72,8 @@ PACKED = {"sdpa": "packed_varlen", "eager": "packed_varlen_eager"}
 FLASH = ("flash_attention_2", "flash_attention_3")
 # Keyword arguments the packed forward adds; stripped before a module sees one sequence.
 PACK_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
 # The pack being run: its sequences' [start, end) spans on the host (for the per-sequence paths) and its
 # cumulative lengths as int64 on the device and the host (for the varlen recurrent kernels). A context variable,
 # not a forward argument: a Python list among a compiled layer's inputs is guarded element by element, so every
@@ -121,7 +123,8 @@ def _sequence_mask(length: int, sliding_window: int | None, reference: str, like
     if reference == "sdpa":
         return allowed[None, None]
     return torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill_(
-        ~allowed, torch.finfo(like.dtype).min)[None, None]
+        ~allowed, torch.finfo(like.dtype).min
+    )[None, None]
 
 
 def _reference_attention(module: nn.Module, reference: str) -> Callable:
@@ -135,9 +138,13 @@ def _reference_attention(module: nn.Module, reference: str) -> Callable:
 
 
 def _varlen_kernel_fits(query: torch.Tensor, sliding_window: int | None, sinks: torch.Tensor | None) -> bool:
-    return (query.is_cuda and sinks is None and varlen_attn is not None
-            and query.dtype in (torch.bfloat16, torch.float16)
-            and ("window_size" in _VARLEN_KEYWORDS or ("is_causal" in _VARLEN_KEYWORDS and sliding_window is None)))
+    return (
+        query.is_cuda
+        and sinks is None
+        and varlen_attn is not None
+        and query.dtype in (torch.bfloat16, torch.float16)
+        and ("window_size" in _VARLEN_KEYWORDS or ("is_causal" in _VARLEN_KEYWORDS and sliding_window is None))
+    )
 
 
 def _varlen_kernel(query, key, value, cu_seqlens, max_len, scaling, sliding_window) -> torch.Tensor:
@@ -207,8 +214,10 @@ def packed_implementation(reference: str) -> str:
     if reference in FLASH:
         return reference  # HF's flash path reads cu_seq_lens_* itself
     if reference not in PACKED:
-        raise ValueError(f"packed batches support attention implementations {sorted(PACKED) + list(FLASH)}, "
-                         f"not {reference!r}; set target.packing = \"padded\" or another target.attn_implementation")
+        raise ValueError(
+            f"packed batches support attention implementations {sorted(PACKED) + list(FLASH)}, "
+            f'not {reference!r}; set target.packing = "padded" or another target.attn_implementation'
+        )
     return PACKED[reference]
 
 
@@ -249,15 +258,18 @@ def packing_refusal(layers: nn.ModuleList) -> str | None:
     for i, layer in enumerate(layers):
         attention = getattr(layer, "self_attn", None)
         if isinstance(getattr(attention, "indexer", None), nn.Module):
-            return (f"layer {i} ({type(attention).__name__}) picks each query's keys with a sparse-attention indexer, "
-                    "a top-k over the whole row that later layers reuse by position; packing has no per-sequence "
-                    "form of it, padded batches are exact (set target.packing = \"padded\" or \"auto\")")
+            return (
+                f"layer {i} ({type(attention).__name__}) picks each query's keys with a sparse-attention indexer, "
+                "a top-k over the whole row that later layers reuse by position; packing has no per-sequence "
+                'form of it, padded batches are exact (set target.packing = "padded" or "auto")'
+            )
     return None
 
 
 def is_recurrent_mixer(name: str, module: nn.Module) -> bool:
-    return (name.rsplit(".", 1)[-1] in RECURRENT_MIXERS
-            and any(isinstance(child, nn.Conv1d) for child in module.children()))
+    return name.rsplit(".", 1)[-1] in RECURRENT_MIXERS and any(
+        isinstance(child, nn.Conv1d) for child in module.children()
+    )
 
 
 def recurrent_mixers(layers: nn.ModuleList) -> dict[int, nn.Module]:

@@ -61,8 +61,10 @@ class TokenizedData:
 def target_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerBase:
     """The tokenizer (and chat template) every sample is encoded with: the target's own, from disk only."""
     if not (cfg.tokenizer or cfg.path):
-        raise DataError("target.path is empty: the data is tokenized with the target's tokenizer and chat template; "
-                        "set target.path (or target.tokenizer) to its local directory")
+        raise DataError(
+            "target.path is empty: the data is tokenized with the target's tokenizer and chat template; "
+            "set target.path (or target.tokenizer) to its local directory"
+        )
     return AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.path, local_files_only=True)
 
 
@@ -83,8 +85,9 @@ def load_sources(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> list[So
     mixture = cfg.mixture()
     for _, sub in mixture:
         locate(sub)  # a missing or unreadable source fails now, not after tokenizing the ones before it
-    return [SourceData(s.name, s.path, s.weight, s.repeat, load_tokenized(sub, tokenizer), s.eval)
-            for s, sub in mixture]
+    return [
+        SourceData(s.name, s.path, s.weight, s.repeat, load_tokenized(sub, tokenizer), s.eval) for s, sub in mixture
+    ]
 
 
 def load_tokenized(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TokenizedData:
@@ -170,9 +173,13 @@ def _build(cfg: DataConfig, encoder: ChatEncoder, data: DataFiles, key: str, fin
             batch_size=256,
             num_proc=min(cfg.num_proc, len(ds)) if cfg.num_proc > 1 else None,
             remove_columns=ds.column_names,
-            features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
-                                        "loss_mask": datasets.List(datasets.Value("uint8")),
-                                        "bad": datasets.Value("string")}),
+            features=datasets.Features(
+                {
+                    "input_ids": datasets.List(datasets.Value("int32")),
+                    "loss_mask": datasets.List(datasets.Value("uint8")),
+                    "bad": datasets.Value("string"),
+                }
+            ),
             cache_file_name=str(tmp / "map.arrow"),
             load_from_cache_file=False,
             new_fingerprint=key,

@@ -54,14 +54,24 @@ def probe_key(target: TargetModel, model_dir: str | os.PathLike) -> str:
 
     root = Path(model_dir).expanduser().resolve()
     files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in root.iterdir() if p.is_file())
-    code = {Path(m.__file__).name: hashlib.sha256(Path(m.__file__).read_bytes()).hexdigest()
-            for m in (conformance, packing, target_module)}
+    code = {
+        Path(m.__file__).name: hashlib.sha256(Path(m.__file__).read_bytes()).hexdigest()
+        for m in (conformance, packing, target_module)
+    }
     device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else target.device.type
-    identity = {"model": str(root), "files": files,
-                "config": hashlib.sha256((root / "config.json").read_bytes()).hexdigest(), "code": code,
-                "torch": torch.__version__, "transformers": transformers.__version__, "device": device,
-                "dtype": str(target.dtype), "attention": target.attn_implementation, "layers": target.layer_ids,
-                "final_hidden": target.final_hidden}
+    identity = {
+        "model": str(root),
+        "files": files,
+        "config": hashlib.sha256((root / "config.json").read_bytes()).hexdigest(),
+        "code": code,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": device,
+        "dtype": str(target.dtype),
+        "attention": target.attn_implementation,
+        "layers": target.layer_ids,
+        "final_hidden": target.final_hidden,
+    }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -71,8 +81,9 @@ def cached_report(directory: Path, key: str) -> ProbeReport | None:
     try:
         raw = json.loads(path.read_bytes())
         names = {f.name for f in fields(ProbeReport)}
-        report = ProbeReport(**{k: raw[k] for k in names if k != "layers"},
-                             layers=[LayerCheck(**c) for c in raw["layers"]])
+        report = ProbeReport(
+            **{k: raw[k] for k in names if k != "layers"}, layers=[LayerCheck(**c) for c in raw["layers"]]
+        )
         if report.passed != raw["passed"]:
             raise ValueError("its verdict does not follow from its figures")
         return report

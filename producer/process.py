@@ -64,14 +64,17 @@ LOG_EVERY_S = 30.0
 
 # ---- slot format --------------------------------------------------------------------------------
 
+
 def check_slot_fits(ring: RingConfig, max_tokens_per_batch: int, target: TargetModel) -> None:
     """The largest batch (data.max_tokens_per_batch) of this target's features fits a slot of `ring`."""
     hidden = target.hidden_size if target.final_hidden else None
-    check_fits(ring.slot_bytes, ring.slot_header_bytes, max_tokens_per_batch, target.feature_width, hidden,
-               target.dtype)
+    check_fits(
+        ring.slot_bytes, ring.slot_header_bytes, max_tokens_per_batch, target.feature_width, hidden, target.dtype
+    )
 
 
 # ---- loader -----------------------------------------------------------------------------------
+
 
 @dataclass
 class Prepared:
@@ -92,8 +95,11 @@ def prepare(batch: Batch, *, packed: bool, pad_id: int, pin: bool) -> Prepared:
         }
     else:
         ids, mask, _ = batch.padded(pad_id)
-        arrays = {"input_ids": ids.astype(np.int64), "attention_mask": mask.astype(np.int64),
-                  "token_index": np.flatnonzero(mask)}
+        arrays = {
+            "input_ids": ids.astype(np.int64),
+            "attention_mask": mask.astype(np.int64),
+            "token_index": np.flatnonzero(mask),
+        }
     inputs = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
     if pin:
         inputs = {k: v.pin_memory() for k, v in inputs.items()}
@@ -140,6 +146,7 @@ class Loader:
 
 # ---- forward and writer -------------------------------------------------------------------------
 
+
 def run_target(target: TargetModel, prep: Prepared) -> TargetOutput:
     """Launch the forward; on a GPU this returns as soon as the kernels are queued."""
     inputs = {k: v.to(target.device, non_blocking=True) for k, v in prep.inputs.items()}
@@ -170,12 +177,27 @@ class SlotFiller:
     def fill(self, w: SlotWriter, batch: Batch, out: TargetOutput) -> InFlight:
         f = out.features
         hidden = out.final_hidden.shape[1] if out.final_hidden is not None else None
-        views = {name: w.tensor(name, dtype, shape) for name, dtype, shape in
-                 item_tensors(batch.num_tokens, len(batch.lengths), f.shape[1], hidden, f.dtype)}
+        views = {
+            name: w.tensor(name, dtype, shape)
+            for name, dtype, shape in item_tensors(batch.num_tokens, len(batch.lengths), f.shape[1], hidden, f.dtype)
+        }
         for name in HOST_TENSORS:
             views[name].copy_(torch.from_numpy(getattr(batch, name)))
-        w.meta = dict(zip(META_KEYS, (self.index, batch.epoch, batch.position, batch.num_tokens, len(batch.lengths),
-                                      self.source_names, batch.eval), strict=True))
+        w.meta = dict(
+            zip(
+                META_KEYS,
+                (
+                    self.index,
+                    batch.epoch,
+                    batch.position,
+                    batch.num_tokens,
+                    len(batch.lengths),
+                    self.source_names,
+                    batch.eval,
+                ),
+                strict=True,
+            )
+        )
         device_out = [(FEATURES, f)] + ([(FINAL_HIDDEN, out.final_hidden)] if hidden is not None else [])
         if self.stream is None:
             span = DeviceSpan(f.device)
@@ -213,10 +235,19 @@ class Stats:
 class Producer:
     """The main loop: one batch in the forward, the previous one's copy landing, at most one slot held."""
 
-    def __init__(self, ring: Ring, row: int, index: int, target: TargetModel, *,
-                 stop: threading.Event, account: PublishAccount | None = None,
-                 metrics: ProducerMetrics | None = None, source_names: tuple[str, ...] = ("data",),
-                 startup: Startup | None = None):
+    def __init__(
+        self,
+        ring: Ring,
+        row: int,
+        index: int,
+        target: TargetModel,
+        *,
+        stop: threading.Event,
+        account: PublishAccount | None = None,
+        metrics: ProducerMetrics | None = None,
+        source_names: tuple[str, ...] = ("data",),
+        startup: Startup | None = None,
+    ):
         self.ring, self.port, self.target = ring, ring.producer(row), target
         self.source_names = source_names  # Batch.source_ids index these
         self.stop = stop
@@ -305,14 +336,27 @@ class Producer:
     def _log(self) -> None:
         self._logged = time.monotonic()
         s, elapsed = self.stats, max(self._logged - self.stats.started, 1e-9)
-        log.info("published %d batches, %d tokens (%.0f tokens/s), %.1fs waiting on a full ring, padding %.1f%%",
-                 s.batches, s.tokens, s.tokens / elapsed, self.ring.wait_seconds, 100 * s.padding_fraction)
+        log.info(
+            "published %d batches, %d tokens (%.0f tokens/s), %.1fs waiting on a full ring, padding %.1f%%",
+            s.batches,
+            s.tokens,
+            s.tokens / elapsed,
+            self.ring.wait_seconds,
+            100 * s.padding_fraction,
+        )
 
 
 # ---- the process ------------------------------------------------------------------------------
 
-def serve_replays(producer: Producer, replay: LiveReplay, batcher: ShardBatcher, epochs: int,
-                  load: Callable[[Iterator[Batch]], Loader], stop: threading.Event) -> Loader | None:
+
+def serve_replays(
+    producer: Producer,
+    replay: LiveReplay,
+    batcher: ShardBatcher,
+    epochs: int,
+    load: Callable[[Iterator[Batch]], Loader],
+    stop: threading.Event,
+) -> Loader | None:
     """After the shard: publish each replay that joins the list, until shutdown, drain or a stop signal. The
     supervisor ends the run only once nothing is owed (supervisor/owed.py), so a drafter that dies near the end
     still has its lost batches produced again. Returns the last loader (for the caller to close)."""
@@ -350,8 +394,16 @@ def run_producer(cfg: Config, index: int, device_name: str | None, startup: Star
             return 0
 
 
-def _produce(cfg: Config, index: int, device: torch.device, startup: Startup, proc: RoleProcess,
-             metrics: ProducerMetrics, ring: Ring, group: TensorGroup | None = None) -> int:
+def _produce(
+    cfg: Config,
+    index: int,
+    device: torch.device,
+    startup: Startup,
+    proc: RoleProcess,
+    metrics: ProducerMetrics,
+    ring: Ring,
+    group: TensorGroup | None = None,
+) -> int:
     """The producer after `attach`: loading and planning are interruptible (`RoleProcess.interruptible`); the
     publish loop checks the stop flag itself. With a tensor-parallel group, this process is its leader: the only
     rank that touches the ring."""
@@ -368,16 +420,24 @@ def _produce(cfg: Config, index: int, device: torch.device, startup: Startup, pr
         target = TargetModel.load(cfg.target, device, packed=False, group=group)
         startup.mark("model")
         # Before anything is published; a restart on the same model, code and device reads the saved result.
-        probe = choose_packing(target, cfg.target.packing,
-                               cached_probe(Path(cfg.target.state_dir).expanduser() / "probe", cfg.target.path))
+        probe = choose_packing(
+            target, cfg.target.packing, cached_probe(Path(cfg.target.state_dir).expanduser() / "probe", cfg.target.path)
+        )
         startup.mark("probe")
         metrics.packing.labels("packed" if target.packed else "padded", target.config.model_type).set(1)
         metrics.conformance_error.set(float("nan") if probe is None or probe.max_error is None else probe.max_error)
         check_slot_fits(cfg.ring, cfg.data.max_tokens_per_batch, target)
         if cfg.target.compile and device.type == "cuda" and target.packed:
-            use_compile_cache(cfg.run.compile_cache_dir, "target",
-                              {"model": target.config.to_dict(), "layers": target.layer_ids, "dtype": str(target.dtype),
-                               "final_hidden": target.final_hidden})
+            use_compile_cache(
+                cfg.run.compile_cache_dir,
+                "target",
+                {
+                    "model": target.config.to_dict(),
+                    "layers": target.layer_ids,
+                    "dtype": str(target.dtype),
+                    "final_hidden": target.final_hidden,
+                },
+            )
             log.info("compiled decoder layers %s (first batches compile)", target.compile_layers())
         batcher = ShardBatcher.from_config(sources, cfg.data, rank=index, world_size=producers, packing=target.packed)
         path = cursor_path(cfg.target.state_dir, cfg.run.name, index)
@@ -393,27 +453,55 @@ def _produce(cfg: Config, index: int, device: torch.device, startup: Startup, pr
     loader = None
     try:
         start, source = resume_point(port, cursor_file)
-        log.info("producer %d of %d: %d samples an epoch, %d epochs, %s features; resuming at epoch %d "
-                 "position %d (from the %s)%s", index, producers, composition.total.epoch_rows, cfg.data.epochs,
-                 resolve_dtype(cfg.target.dtype, device), start.epoch, start.position, source,
-                 f", after {len(start.pending_replay)} batch(es) a stopped run left untrained"
-                 if start.pending_replay else "")
+        log.info(
+            "producer %d of %d: %d samples an epoch, %d epochs, %s features; resuming at epoch %d "
+            "position %d (from the %s)%s",
+            index,
+            producers,
+            composition.total.epoch_rows,
+            cfg.data.epochs,
+            resolve_dtype(cfg.target.dtype, device),
+            start.epoch,
+            start.position,
+            source,
+            f", after {len(start.pending_replay)} batch(es) a stopped run left untrained"
+            if start.pending_replay
+            else "",
+        )
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
         def load(batches: Iterator[Batch]) -> Loader:
-            return Loader(batches, lambda b: prepare(b, packed=target.packed, pad_id=pad_id,
-                                                     pin=device.type == "cuda"))
+            return Loader(batches, lambda b: prepare(b, packed=target.packed, pad_id=pad_id, pin=device.type == "cuda"))
 
-        replay = LiveReplay(index, start, cursor_file, cfg.train.checkpoint_dir,
-                            lambda e, q: 0 <= e < len(plan) and 0 <= q < plan[e], proc.ledger)
+        replay = LiveReplay(
+            index,
+            start,
+            cursor_file,
+            cfg.train.checkpoint_dir,
+            lambda e, q: 0 <= e < len(plan) and 0 <= q < plan[e],
+            proc.ledger,
+        )
         loader = load(resumed_batches(batcher, start, replay))
         if proc.ledger is not None:
-            proc.ledger.write(ProducerStart(plan, [start.epoch, start.position],
-                                            [list(x) for x in start.pending_replay],
-                                            eval_positions if any(eval_positions) else None))
-        producer = Producer(ring, me.row, index, target, stop=proc.stop,
-                            account=PublishAccount(port, proc.ledger, replay), metrics=metrics,
-                            source_names=tuple(s.name for s in sources), startup=startup)
+            proc.ledger.write(
+                ProducerStart(
+                    plan,
+                    [start.epoch, start.position],
+                    [list(x) for x in start.pending_replay],
+                    eval_positions if any(eval_positions) else None,
+                )
+            )
+        producer = Producer(
+            ring,
+            me.row,
+            index,
+            target,
+            stop=proc.stop,
+            account=PublishAccount(port, proc.ledger, replay),
+            metrics=metrics,
+            source_names=tuple(s.name for s in sources),
+            startup=startup,
+        )
         if producer.run(loader):
             port.done()
             if proc.ledger is not None:

@@ -101,12 +101,18 @@ class RegenerateSummary:
 
 
 def generation_settings(r: RegenerateConfig, data_cfg: DataConfig) -> GenerationSettings:
-    return GenerationSettings(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              seed=r.seed, enable_thinking=data_cfg.enable_thinking)
+    return GenerationSettings(
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        seed=r.seed,
+        enable_thinking=data_cfg.enable_thinking,
+    )
 
 
-def job_settings(r: RegenerateConfig, data_cfg: DataConfig, target: TargetConfig, data: DataFiles,
-                 rows: int) -> dict[str, Any]:
+def job_settings(
+    r: RegenerateConfig, data_cfg: DataConfig, target: TargetConfig, data: DataFiles, rows: int
+) -> dict[str, Any]:
     """What the output depends on: a resume must match all of it. Throughput settings (batch sizes,
     concurrency, URLs, timeouts) are left out, so a resume may change them."""
     job: dict[str, Any] = {
@@ -117,12 +123,17 @@ def job_settings(r: RegenerateConfig, data_cfg: DataConfig, target: TargetConfig
         "data.rows": rows,
         "data.files": data.fingerprint,  # paths, sizes and modification times
         "data.enable_thinking": data_cfg.enable_thinking,
-        **{f"regenerate.{k}": getattr(r, k) for k in ("engine", "max_new_tokens", "temperature", "top_p", "seed",
-                                                      "keep_truncated", "shard_rows")},
+        **{
+            f"regenerate.{k}": getattr(r, k)
+            for k in ("engine", "max_new_tokens", "temperature", "top_p", "seed", "keep_truncated", "shard_rows")
+        },
     }
     if r.engine == "hf":
-        job |= {"target.path": os.path.abspath(os.path.expanduser(target.path)),
-                "target.tokenizer": target.tokenizer, "target.dtype": target.dtype}
+        job |= {
+            "target.path": os.path.abspath(os.path.expanduser(target.path)),
+            "target.tokenizer": target.tokenizer,
+            "target.dtype": target.dtype,
+        }
     else:
         job |= {"regenerate.model": r.model}
     return job
@@ -133,8 +144,7 @@ def open_engine(r: RegenerateConfig, target: TargetConfig, device: str | None) -
     if r.engine == "hf":
         from .hf_engine import HfEngine
 
-        return HfEngine.load(target, device or target.device, batch_tokens=r.batch_tokens,
-                             batch_size=r.batch_size)
+        return HfEngine.load(target, device or target.device, batch_tokens=r.batch_tokens, batch_size=r.batch_size)
     from .openai_engine import OpenAIEngine
 
     return OpenAIEngine(r)
@@ -145,19 +155,31 @@ def check_settings(r: RegenerateConfig, data_cfg: DataConfig, target: TargetConf
     if not r.output:
         raise RegenerateConfigError("regenerate.output is empty: set it to the directory the replies are written to")
     if data_cfg.sources:
-        raise RegenerateConfigError("regenerate reads one data set, data.path, and [[data.sources]] is set: "
-                                    "regenerate each source into its own regenerate.output, then list those "
-                                    "outputs in [[data.sources]]")
+        raise RegenerateConfigError(
+            "regenerate reads one data set, data.path, and [[data.sources]] is set: "
+            "regenerate each source into its own regenerate.output, then list those "
+            "outputs in [[data.sources]]"
+        )
     if r.engine == "openai" and not r.base_urls:
-        raise RegenerateConfigError("regenerate.engine = \"openai\" needs regenerate.base_urls, e.g. "
-                                    "[\"http://127.0.0.1:8000/v1\"] (the server's OpenAI-compatible API)")
+        raise RegenerateConfigError(
+            'regenerate.engine = "openai" needs regenerate.base_urls, e.g. '
+            '["http://127.0.0.1:8000/v1"] (the server\'s OpenAI-compatible API)'
+        )
     if r.engine == "hf" and not target.path:
-        raise RegenerateConfigError("regenerate.engine = \"hf\" runs the target in this process: set target.path "
-                                    "to its local model directory")
+        raise RegenerateConfigError(
+            'regenerate.engine = "hf" runs the target in this process: set target.path to its local model directory'
+        )
 
 
-def regenerate(r: RegenerateConfig, data_cfg: DataConfig, target: TargetConfig, *, device: str | None = None,
-               metrics: RegenerateMetrics | None = None, progress: Progress | None = None) -> RegenerateSummary:
+def regenerate(
+    r: RegenerateConfig,
+    data_cfg: DataConfig,
+    target: TargetConfig,
+    *,
+    device: str | None = None,
+    metrics: RegenerateMetrics | None = None,
+    progress: Progress | None = None,
+) -> RegenerateSummary:
     """Answer every usable prompt of the data set (data.path) once, resuming where an earlier start stopped."""
     started = time.monotonic()
     check_settings(r, data_cfg, target)
@@ -165,8 +187,10 @@ def regenerate(r: RegenerateConfig, data_cfg: DataConfig, target: TargetConfig, 
     out = check_output_dir(r.output)
     data = locate(data_cfg)
     if out == data.root or data.root.is_relative_to(out):
-        raise RegenerateConfigError(f"regenerate.output = {out} holds the source data ({data.root}): write the "
-                                    "replies to a directory of their own")
+        raise RegenerateConfigError(
+            f"regenerate.output = {out} holds the source data ({data.root}): write the "
+            "replies to a directory of their own"
+        )
     ds, json_rows = open_dataset(data, data_cfg)
     rows = len(ds)
     if rows == 0:
@@ -197,8 +221,9 @@ def regenerate(r: RegenerateConfig, data_cfg: DataConfig, target: TargetConfig, 
                 if k in output.records:
                     continue
                 first, last = k * r.shard_rows, min(rows, (k + 1) * r.shard_rows)
-                prompts, bad = shard_prompts(batch_rows(ds[first:last], json_rows), json_rows, first,
-                                             max_row_bytes(data_cfg.max_length))
+                prompts, bad = shard_prompts(
+                    batch_rows(ds[first:last], json_rows), json_rows, first, max_row_bytes(data_cfg.max_length)
+                )
                 unwarned += bad
                 usable = usable or bool(prompts)
                 if usable:
@@ -210,8 +235,15 @@ def regenerate(r: RegenerateConfig, data_cfg: DataConfig, target: TargetConfig, 
                 if prompts:
                     engine = engine or _opened(r, target, device, len(output.records))
                     on_reply = (lambda n: progress(done + len(bad) + n, rows)) if progress else None
-                    replies = _answer(engine, prompts, settings, metrics, on_reply,
-                                      f"shard {k} (rows {first}-{last - 1})", len(output.records))
+                    replies = _answer(
+                        engine,
+                        prompts,
+                        settings,
+                        metrics,
+                        on_reply,
+                        f"shard {k} (rows {first}-{last - 1})",
+                        len(output.records),
+                    )
                 record, lines = shard_output(k, first, last - first, prompts, replies, bad, r.keep_truncated)
                 if prompts and not answered and len(record.errors) == len(prompts):
                     held.append(record)
@@ -229,11 +261,21 @@ def regenerate(r: RegenerateConfig, data_cfg: DataConfig, target: TargetConfig, 
                 if progress:
                     progress(done, rows)
                 if usable:  # a source of only bad rows: one error line at the end, no progress lines before
-                    log.info("shard %d/%d written: %d replies of %d rows (%d truncated dropped, %d unusable, "
-                             "%d errors, %d bad rows); %d/%d rows, %s", k + 1, shards, record.written, record.rows,
-                             len(record.truncated_dropped), len(record.unusable), len(record.errors),
-                             len(record.bad_rows), done, rows, _rate_text(done - before, time.monotonic() - started,
-                                                                          rows - done))
+                    log.info(
+                        "shard %d/%d written: %d replies of %d rows (%d truncated dropped, %d unusable, "
+                        "%d errors, %d bad rows); %d/%d rows, %s",
+                        k + 1,
+                        shards,
+                        record.written,
+                        record.rows,
+                        len(record.truncated_dropped),
+                        len(record.unusable),
+                        len(record.errors),
+                        len(record.bad_rows),
+                        done,
+                        rows,
+                        _rate_text(done - before, time.monotonic() - started, rows - done),
+                    )
         finally:
             if engine is not None:
                 engine.close()
@@ -243,9 +285,11 @@ def regenerate(r: RegenerateConfig, data_cfg: DataConfig, target: TargetConfig, 
     if summary.bad_rows == rows:
         bad = [b for k in sorted(output.records) for b in output.records[k].bad_rows]
         examples = "; ".join(f"row {i}: {why}" for i, why in bad[:3])
-        raise DataError(f"no usable row in {data.root}: all {rows} rows were skipped ({examples}; all listed in "
-                        f"{out / STATE_DIR}). Each row needs 'messages' (a list of {{role, content}} whose reply "
-                        "follows a user turn) or a non-empty 'prompt'")
+        raise DataError(
+            f"no usable row in {data.root}: all {rows} rows were skipped ({examples}; all listed in "
+            f"{out / STATE_DIR}). Each row needs 'messages' (a list of {{role, content}} whose reply "
+            "follows a user turn) or a non-empty 'prompt'"
+        )
     if warned > _WARN_ROWS:
         log.warning("... and %d more bad rows (all listed in %s)", warned - _WARN_ROWS, out / STATE_DIR)
     return summary
@@ -255,13 +299,16 @@ def _all_failed(held: list[ShardRecord], finished: int) -> RegenerateError:
     """Every prompt the engine was given failed: one line with the first reasons, nothing recorded as done."""
     errors = [e for rec in held for e in rec.errors]
     examples = "; ".join(f"row {i}: {why}" for i, why in errors[:2])
-    return RegenerateError(f"the engine failed on every prompt it was given ({len(errors)} rows of {len(held)} "
-                           f"shards; {examples}): none of them is recorded as done ({finished} shards finished "
-                           "before); fix the cause and run the same command again")
+    return RegenerateError(
+        f"the engine failed on every prompt it was given ({len(errors)} rows of {len(held)} "
+        f"shards; {examples}): none of them is recorded as done ({finished} shards finished "
+        "before); fix the cause and run the same command again"
+    )
 
 
-def shard_prompts(rows: Sequence[Any], json_rows: bool, first: int,
-                  cap: int | None = None) -> tuple[list[Prompt], list[list[Any]]]:
+def shard_prompts(
+    rows: Sequence[Any], json_rows: bool, first: int, cap: int | None = None
+) -> tuple[list[Prompt], list[list[Any]]]:
     """The prompts of consecutive source rows starting at row `first`, and the rows that hold none ([row, why]);
     a row over `cap` (`max_row_bytes`) is one of those, unparsed."""
     prompts, bad = [], []
@@ -283,20 +330,31 @@ def _opened(r: RegenerateConfig, target: TargetConfig, device: str | None, finis
         raise
     except Exception as e:
         log.debug("engine failure", exc_info=True)
-        raise RegenerateError(f"cannot start the {r.engine} engine: {type(e).__name__}: {e}. The "
-                              f"{finished} finished shards are kept: run the same command again to resume") from e
+        raise RegenerateError(
+            f"cannot start the {r.engine} engine: {type(e).__name__}: {e}. The "
+            f"{finished} finished shards are kept: run the same command again to resume"
+        ) from e
 
 
-def _answer(engine: Engine, prompts: list[Prompt], settings: GenerationSettings, metrics: RegenerateMetrics,
-            on_reply: Callable[[int], None] | None, where: str, finished: int) -> dict[int, Reply]:
+def _answer(
+    engine: Engine,
+    prompts: list[Prompt],
+    settings: GenerationSettings,
+    metrics: RegenerateMetrics,
+    on_reply: Callable[[int], None] | None,
+    where: str,
+    finished: int,
+) -> dict[int, Reply]:
     """One reply per prompt, or RegenerateError: an engine failure ends the job with finished shards kept."""
     wanted = {p.index for p in prompts}
     replies: dict[int, Reply] = {}
     try:
         for reply in engine.generate(prompts, settings):
             if reply.index not in wanted or reply.index in replies:
-                raise RegenerateError(f"the engine answered row {reply.index} of {where} "
-                                      f"{'twice' if reply.index in replies else 'without being asked'}")
+                raise RegenerateError(
+                    f"the engine answered row {reply.index} of {where} "
+                    f"{'twice' if reply.index in replies else 'without being asked'}"
+                )
             replies[reply.index] = reply
             metrics.prompt_tokens.inc(reply.prompt_tokens)
             metrics.generated_tokens.inc(reply.completion_tokens)
@@ -310,19 +368,38 @@ def _answer(engine: Engine, prompts: list[Prompt], settings: GenerationSettings,
     except Exception as e:  # the engine's own failure (a server gone after its retries, out of memory, ...)
         metrics.errors.labels("abort").inc()
         log.debug("engine failure", exc_info=True)
-        raise RegenerateError(f"the engine failed on {where}: {type(e).__name__}: {e}. The {finished} finished "
-                              "shards are kept: run the same command again to resume") from e
+        raise RegenerateError(
+            f"the engine failed on {where}: {type(e).__name__}: {e}. The {finished} finished "
+            "shards are kept: run the same command again to resume"
+        ) from e
     if missing := sorted(wanted - replies.keys()):
         metrics.errors.labels("abort").inc()
         raise RegenerateError(f"the engine gave no reply to {len(missing)} rows of {where} (first: row {missing[0]})")
     return replies
 
 
-def shard_output(shard: int, first: int, rows: int, prompts: Sequence[Prompt], replies: dict[int, Reply],
-                 bad: list[list[Any]], keep_truncated: bool) -> tuple[ShardRecord, list[str]]:
+def shard_output(
+    shard: int,
+    first: int,
+    rows: int,
+    prompts: Sequence[Prompt],
+    replies: dict[int, Reply],
+    bad: list[list[Any]],
+    keep_truncated: bool,
+) -> tuple[ShardRecord, list[str]]:
     """The shard's jsonl lines, in source order, and its record."""
-    record = ShardRecord(shard=shard, first_row=first, rows=rows, written=0, complete=0, truncated_kept=0,
-                         prompt_tokens=0, completion_tokens=0, sha256="", bad_rows=bad)
+    record = ShardRecord(
+        shard=shard,
+        first_row=first,
+        rows=rows,
+        written=0,
+        complete=0,
+        truncated_kept=0,
+        prompt_tokens=0,
+        completion_tokens=0,
+        sha256="",
+        bad_rows=bad,
+    )
     lines = []
     for prompt in prompts:
         reply = replies[prompt.index]
@@ -366,8 +443,10 @@ class OutputDir:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock_fd)
-            raise RegenerateError(f"another regenerate job is writing to {self.root} (it holds "
-                                  f"{self.state / 'lock'}): wait for it, or set another regenerate.output") from None
+            raise RegenerateError(
+                f"another regenerate job is writing to {self.root} (it holds "
+                f"{self.state / 'lock'}): wait for it, or set another regenerate.output"
+            ) from None
         try:
             for leftover in [*self.root.glob(".*.tmp"), *self.state.glob(".*.tmp")]:
                 leftover.unlink()  # a crashed start's half-written file; nobody else writes here now
@@ -394,8 +473,9 @@ class OutputDir:
         elif path.exists():  # written by a start that crashed before its record; this time nothing is kept
             path.unlink()
             fsync(self.root)
-        _write_durably(self.state / f"{Path(shard_name(record.shard)).stem}.json",
-                       json.dumps(dataclasses.asdict(record)).encode())
+        _write_durably(
+            self.state / f"{Path(shard_name(record.shard)).stem}.json", json.dumps(dataclasses.asdict(record)).encode()
+        )
         self.records[record.shard] = record
 
     def _check_job(self) -> None:
@@ -404,8 +484,10 @@ class OutputDir:
             others = sorted(p.name for p in self.root.iterdir() if p.name != STATE_DIR)
             theirs = sorted(p.name for p in self.state.iterdir() if p.name != "lock")
             if others or theirs:
-                raise RegenerateError(f"regenerate.output = {self.root} already holds {(others or theirs)[0]!r} "
-                                      f"and no job record ({job_file}): choose a new or empty directory")
+                raise RegenerateError(
+                    f"regenerate.output = {self.root} already holds {(others or theirs)[0]!r} "
+                    f"and no job record ({job_file}): choose a new or empty directory"
+                )
             _write_durably(job_file, json.dumps(self.job, indent=1, sort_keys=True).encode())
             return
         try:
@@ -413,29 +495,42 @@ class OutputDir:
         except (OSError, ValueError) as e:
             raise RegenerateError(f"{job_file} cannot be read ({e}): choose a new regenerate.output") from None
         if there != self.job:
-            changed = [f"{k} = {_shown(k, there.get(k))} there, {_shown(k, self.job.get(k))} here"
-                       for k in sorted(there.keys() | self.job.keys()) if there.get(k) != self.job.get(k)]
-            raise RegenerateError(f"regenerate.output = {self.root} holds a job started from another source or with "
-                                  f"other settings ({'; '.join(changed)}): run with the settings of {job_file}, "
-                                  "or set a new regenerate.output")
+            changed = [
+                f"{k} = {_shown(k, there.get(k))} there, {_shown(k, self.job.get(k))} here"
+                for k in sorted(there.keys() | self.job.keys())
+                if there.get(k) != self.job.get(k)
+            ]
+            raise RegenerateError(
+                f"regenerate.output = {self.root} holds a job started from another source or with "
+                f"other settings ({'; '.join(changed)}): run with the settings of {job_file}, "
+                "or set a new regenerate.output"
+            )
 
     def _read_records(self) -> None:
         for path in sorted(self.state.glob("shard-*.json")):
             try:
                 record = ShardRecord(**json.loads(read_text(path, RECORD_BYTES, RegenerateError, "shard record")))
             except (OSError, ValueError, TypeError) as e:
-                raise RegenerateError(f"shard record {path} cannot be read ({e}): delete it and "
-                                      f"{self.root / (path.stem + '.jsonl')} to write that shard again") from None
+                raise RegenerateError(
+                    f"shard record {path} cannot be read ({e}): delete it and "
+                    f"{self.root / (path.stem + '.jsonl')} to write that shard again"
+                ) from None
             shard_file = self.root / shard_name(record.shard)
             if record.shard >= self.shards or path.name != f"{shard_file.stem}.json":
                 raise RegenerateError(f"shard record {path} names shard {record.shard} of a {self.shards}-shard job")
-            if record.written and (not shard_file.is_file()
-                                   or hashlib.sha256(shard_file.read_bytes()).hexdigest() != record.sha256):
-                raise RegenerateError(f"{shard_file} is missing or differs from what its record {path} says was "
-                                      "written: delete both to write that shard again")
+            if record.written and (
+                not shard_file.is_file() or hashlib.sha256(shard_file.read_bytes()).hexdigest() != record.sha256
+            ):
+                raise RegenerateError(
+                    f"{shard_file} is missing or differs from what its record {path} says was "
+                    "written: delete both to write that shard again"
+                )
             self.records[record.shard] = record
-        unrecorded = [p.name for p in sorted(self.root.glob("shard-*.jsonl"))
-                      if int(p.stem.removeprefix("shard-")) not in self.records]
+        unrecorded = [
+            p.name
+            for p in sorted(self.root.glob("shard-*.jsonl"))
+            if int(p.stem.removeprefix("shard-")) not in self.records
+        ]
         if unrecorded:
             log.info("%s: %s written without a record before a crash; written again", self.root, ", ".join(unrecorded))
 
@@ -452,7 +547,7 @@ def _write_durably(path: Path, data: bytes) -> None:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -469,9 +564,14 @@ def _shown(key: str, value: Any) -> str:
 
 
 def _count(metrics: RegenerateMetrics, record: ShardRecord) -> None:
-    for outcome, n in (("complete", record.complete), ("truncated_kept", record.truncated_kept),
-                       ("truncated_dropped", len(record.truncated_dropped)), ("unusable", len(record.unusable)),
-                       ("error", len(record.errors)), ("bad_row", len(record.bad_rows))):
+    for outcome, n in (
+        ("complete", record.complete),
+        ("truncated_kept", record.truncated_kept),
+        ("truncated_dropped", len(record.truncated_dropped)),
+        ("unusable", len(record.unusable)),
+        ("error", len(record.errors)),
+        ("bad_row", len(record.bad_rows)),
+    ):
         metrics.prompts.labels(outcome).inc(n)
 
 
@@ -482,17 +582,27 @@ def _rate_text(rows: int, seconds: float, left: int) -> str:
     return f"{rate:.1f} rows/s, ETA {left / rate:.0f} s"
 
 
-def _summary(output: OutputDir, data: DataFiles, rows: int, shards: int, resumed: int, this_start: int,
-             seconds: float) -> RegenerateSummary:
+def _summary(
+    output: OutputDir, data: DataFiles, rows: int, shards: int, resumed: int, this_start: int, seconds: float
+) -> RegenerateSummary:
     recs = output.records.values()
     return RegenerateSummary(
-        output=str(output.root), source=str(data.root), rows=rows, shards=shards, shards_resumed=resumed,
-        written=sum(r.written for r in recs), complete=sum(r.complete for r in recs),
+        output=str(output.root),
+        source=str(data.root),
+        rows=rows,
+        shards=shards,
+        shards_resumed=resumed,
+        written=sum(r.written for r in recs),
+        complete=sum(r.complete for r in recs),
         truncated_kept=sum(r.truncated_kept for r in recs),
-        truncated_dropped=sum(len(r.truncated_dropped) for r in recs), unusable=sum(len(r.unusable) for r in recs),
-        errors=sum(len(r.errors) for r in recs), bad_rows=sum(len(r.bad_rows) for r in recs),
-        prompt_tokens=sum(r.prompt_tokens for r in recs), completion_tokens=sum(r.completion_tokens for r in recs),
-        rows_this_start=this_start, seconds=seconds,
+        truncated_dropped=sum(len(r.truncated_dropped) for r in recs),
+        unusable=sum(len(r.unusable) for r in recs),
+        errors=sum(len(r.errors) for r in recs),
+        bad_rows=sum(len(r.bad_rows) for r in recs),
+        prompt_tokens=sum(r.prompt_tokens for r in recs),
+        completion_tokens=sum(r.completion_tokens for r in recs),
+        rows_this_start=this_start,
+        seconds=seconds,
     )
 
 

@@ -39,7 +39,8 @@ def resume_point(port: ProducerPort, cursor_file: CursorFile) -> tuple[ResumeSta
                 f"{committed[1]}) of data plan {theirs or '<unrecorded>'} ({what}), but this producer's data "
                 f"plan is {cursor_file.plan} ({cursor_file.description}): finish the old run, or end it with "
                 f"`dflash-ring stop {run}` (or `dflash-ring clean {run}` if its processes are dead) before "
-                f"starting one with other data or batching, or restore the old data and data.* settings")
+                f"starting one with other data or batching, or restore the old data and data.* settings"
+            )
         replay, taken = (saved.replay, saved.taken) if saved is not None else ((), ())
         return ResumeState(*committed, replay, min(port.committed_replayed(), len(replay)), taken), "ring"
     port.set_cursor_plan(cursor_file.plan)  # before our first publish: the cursors to come are of our plan

@@ -49,7 +49,7 @@ class TargetOutput:
 
 
 def resolve_device(name: str) -> torch.device:
-    """"auto" -> cuda if present, else cpu; a bare "cuda" gets the current index (streams need one)."""
+    """ "auto" -> cuda if present, else cpu; a bare "cuda" gets the current index (streams need one)."""
     device = checked_device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -71,8 +71,10 @@ def check_weights(cfg: TargetConfig) -> Path:
     root = Path(cfg.path).expanduser()
     cfg.model_config()  # a missing path or config.json: its own clear error
     if not any((root / name).is_file() for name in WEIGHT_FILES):
-        raise TargetConfigError(f"target.path = {cfg.path}: no model.safetensors or model.safetensors.index.json "
-                                "there (a local HF model directory with safetensors weights is needed)")
+        raise TargetConfigError(
+            f"target.path = {cfg.path}: no model.safetensors or model.safetensors.index.json "
+            "there (a local HF model directory with safetensors weights is needed)"
+        )
     weight_files(root)
     return root
 
@@ -87,12 +89,17 @@ def load_causal_lm(cfg: TargetConfig, device: torch.device) -> PreTrainedModel:
 
     with building_from(root):  # a config.json the model code cannot build, weights of other shapes: one line
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(root), dtype=resolve_dtype(cfg.dtype, device),
-                                                         attn_implementation=attn, local_files_only=True,
-                                                         use_safetensors=True)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(root),
+                dtype=resolve_dtype(cfg.dtype, device),
+                attn_implementation=attn,
+                local_files_only=True,
+                use_safetensors=True,
+            )
         except SafetensorError as e:  # damage the header check cannot see (a tensor's bytes of the wrong kind)
-            raise TargetConfigError(f"target.path = {cfg.path}: its safetensors weights do not load ({e}); copy "
-                                    "or download them again") from None
+            raise TargetConfigError(
+                f"target.path = {cfg.path}: its safetensors weights do not load ({e}); copy or download them again"
+            ) from None
     return model.to(device).eval().requires_grad_(False)
 
 
@@ -107,9 +114,14 @@ def load_sharded(cfg: TargetConfig, device: torch.device):
         plan = {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=dist.get_world_size())}
     except (ImportError, TypeError):  # a transformers before DistributedConfig took the plan (5.17)
         plan = {"tp_plan": "auto"}
-    model = AutoModelForCausalLM.from_pretrained(str(root), dtype=resolve_dtype(cfg.dtype, device),
-                                                 attn_implementation=attn, local_files_only=True,
-                                                 use_safetensors=True, **plan)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(root),
+        dtype=resolve_dtype(cfg.dtype, device),
+        attn_implementation=attn,
+        local_files_only=True,
+        use_safetensors=True,
+        **plan,
+    )
     return model.eval().requires_grad_(False)
 
 
@@ -117,7 +129,9 @@ def decoder_of(model: nn.Module) -> nn.Module:
     """The base decoder of a causal LM (`model.model` for Qwen2/3, Llama, Mistral), with `.layers`."""
     base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
     if not isinstance(getattr(base, "layers", None), nn.ModuleList):
-        raise TargetConfigError(f"{type(model).__name__}: cannot find its decoder layer list (expected model.model.layers)")
+        raise TargetConfigError(
+            f"{type(model).__name__}: cannot find its decoder layer list (expected model.model.layers)"
+        )
     return base
 
 
@@ -156,24 +170,42 @@ class TargetModel:
         if packed and self._packing_refusal is not None:
             raise TargetConfigError(f"packed batches refused: {self._packing_refusal}")
         self.decoder.set_attn_implementation(
-            packed_implementation(self.attn_implementation) if packed else self.attn_implementation)
+            packed_implementation(self.attn_implementation) if packed else self.attn_implementation
+        )
         self.packed = packed
 
     @classmethod
-    def load(cls, cfg: TargetConfig, device: torch.device, *, packed: bool, group: TensorGroup | None = None,
-             ) -> TargetModel:
+    def load(
+        cls,
+        cfg: TargetConfig,
+        device: torch.device,
+        *,
+        packed: bool,
+        group: TensorGroup | None = None,
+    ) -> TargetModel:
         """From a local directory only; the LM head is dropped with the wrapper (no logits, less memory). With a
         group (target.tensor_parallel > 1, this process its leader), sharded by the family's plan over its ranks."""
         geometry = cfg.geometry()
         model = load_causal_lm(cfg, device) if group is None else load_sharded(cfg, device)
         args = (model, list(geometry.layer_ids))
-        target = (cls(*args, final_hidden=bool(cfg.ship_final_hidden), packed=packed) if group is None else
-                  ShardedTarget(*args, final_hidden=bool(cfg.ship_final_hidden), packed=packed, group=group))
+        target = (
+            cls(*args, final_hidden=bool(cfg.ship_final_hidden), packed=packed)
+            if group is None
+            else ShardedTarget(*args, final_hidden=bool(cfg.ship_final_hidden), packed=packed, group=group)
+        )
         del model
-        log.info("target %s (%s) on %s%s (%s, %s attention): layers %s of %d%s", cfg.path, target.config.model_type,
-                 device, "" if group is None else f" and {group.size - 1} more rank(s), tensor parallel",
-                 target.dtype, target.attn_implementation, target.layer_ids, len(target.decoder.layers),
-                 ", final hidden shipped" if cfg.ship_final_hidden else f", stops after layer {target.deepest}")
+        log.info(
+            "target %s (%s) on %s%s (%s, %s attention): layers %s of %d%s",
+            cfg.path,
+            target.config.model_type,
+            device,
+            "" if group is None else f" and {group.size - 1} more rank(s), tensor parallel",
+            target.dtype,
+            target.attn_implementation,
+            target.layer_ids,
+            len(target.decoder.layers),
+            ", final hidden shipped" if cfg.ship_final_hidden else f", stops after layer {target.deepest}",
+        )
         if target.recurrent_path is not None:
             log.info("recurrent token mixers of a pack: %s", target.recurrent_description())
         return target
@@ -249,23 +281,29 @@ class TargetModel:
         return hook
 
     @torch.inference_mode()
-    def forward_packed(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                       cu_seqlens_cpu: list[int]) -> TargetOutput:
+    def forward_packed(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_cpu: list[int]
+    ) -> TargetOutput:
         """input_ids/position_ids [tokens] (positions restart at 0 per sequence), cu_seqlens [n + 1] int32."""
         spans = list(zip(cu_seqlens_cpu[:-1], cu_seqlens_cpu[1:]))
         max_len = max(b - a for a, b in spans)
         with packed_spans(spans, self.device):
             final = self._run(
-                input_ids=input_ids[None], position_ids=position_ids[None], cu_seq_lens_q=cu_seqlens,
-                cu_seq_lens_k=cu_seqlens, max_length_q=max_len, max_length_k=max_len,
+                input_ids=input_ids[None],
+                position_ids=position_ids[None],
+                cu_seq_lens_q=cu_seqlens,
+                cu_seq_lens_k=cu_seqlens,
+                max_length_q=max_len,
+                max_length_k=max_len,
             )
         features = torch.cat([self._captured[i][0] for i in self.layer_ids], dim=-1)
         self._captured.clear()
         return TargetOutput(features, None if final is None else final[0])
 
     @torch.inference_mode()
-    def forward_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                       token_index: torch.Tensor) -> TargetOutput:
+    def forward_padded(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_index: torch.Tensor
+    ) -> TargetOutput:
         """Right-padded [rows, width] batch; `token_index` (flat positions of real tokens, computed on the host
         so no boolean mask syncs the GPU) keeps only real tokens, rows concatenated as in a packed batch."""
         position_ids = (attention_mask.cumsum(-1) - 1).clamp_(min=0)
@@ -291,8 +329,9 @@ class ShardedTarget(TargetModel):
     """The group leader's target: every forward (a batch's, the probe's) goes to the group's ranks first, so their
     collectives meet; the features are the leader's, replicated after each layer's all-reduce."""
 
-    def __init__(self, model: PreTrainedModel, layer_ids: list[int], *, final_hidden: bool, packed: bool,
-                 group: TensorGroup):
+    def __init__(
+        self, model: PreTrainedModel, layer_ids: list[int], *, final_hidden: bool, packed: bool, group: TensorGroup
+    ):
         self.group = group
         super().__init__(model, layer_ids, final_hidden=final_hidden, packed=packed)
 

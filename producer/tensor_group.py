@@ -75,14 +75,19 @@ def check_group(cfg: TargetConfig, device: torch.device) -> None:
     if device.type == "cuda":
         first, count = device.index or 0, torch.cuda.device_count()
         if first + n > count:
-            raise TargetConfigError(f"target.tensor_parallel = {n} from {device} needs GPUs {first}..{first + n - 1}, "
-                                    f"but {count} are visible: lower it or start the group on an earlier GPU")
+            raise TargetConfigError(
+                f"target.tensor_parallel = {n} from {device} needs GPUs {first}..{first + n - 1}, "
+                f"but {count} are visible: lower it or start the group on an earlier GPU"
+            )
     elif torch.cuda.is_available():
-        raise TargetConfigError(f"target.tensor_parallel = {n} on the CPU refused on a host with CUDA devices: "
-                                "transformers' tensor parallelism binds the accelerator; use a cuda device")
+        raise TargetConfigError(
+            f"target.tensor_parallel = {n} on the CPU refused on a host with CUDA devices: "
+            "transformers' tensor parallelism binds the accelerator; use a cuda device"
+        )
     elif n > (os.cpu_count() or 1):
-        raise TargetConfigError(f"target.tensor_parallel = {n}: more ranks than this host's {os.cpu_count()} CPU "
-                                "cores; lower it")
+        raise TargetConfigError(
+            f"target.tensor_parallel = {n}: more ranks than this host's {os.cpu_count()} CPU cores; lower it"
+        )
 
 
 def _send(header: list[int], tensors: list[torch.Tensor], device: torch.device) -> None:
@@ -118,7 +123,7 @@ def receive(device: torch.device) -> tuple[int, bool, dict]:
     op, packed, max_length = h[:3]
     inputs: dict = {}
     for i, key in enumerate(INPUT_KEYS):
-        present, ndim, d0, d1, dtype = h[3 + 5 * i: 8 + 5 * i]
+        present, ndim, d0, d1, dtype = h[3 + 5 * i : 8 + 5 * i]
         if present:
             t = torch.empty([d0, d1][:ndim], dtype=DTYPES[dtype], device=device)
             dist.broadcast(t, src=0)
@@ -189,26 +194,50 @@ class TensorGroup:
         store.set_timeout(JOIN_TIMEOUT)
         spec = json.dumps(asdict(cfg))
         for rank in range(1, group.size):
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(group.size),
-                   "LOCAL_RANK": str(rank_device(device, rank).index or 0)}
-            group.ranks.append(subprocess.Popen(
-                [sys.executable, "-m", "dflash_ring.producer.tensor_rank", "--store-file", str(store_file),
-                 "--rank", str(rank), "--device", str(rank_device(device, rank)), "--leader", str(os.getpid()),
-                 "--target", spec], env=env))
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "WORLD_SIZE": str(group.size),
+                "LOCAL_RANK": str(rank_device(device, rank).index or 0),
+            }
+            group.ranks.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "dflash_ring.producer.tensor_rank",
+                        "--store-file",
+                        str(store_file),
+                        "--rank",
+                        str(rank),
+                        "--device",
+                        str(rank_device(device, rank)),
+                        "--leader",
+                        str(os.getpid()),
+                        "--target",
+                        spec,
+                    ],
+                    env=env,
+                )
+            )
         for rank, proc in enumerate(group.ranks, start=1):
             threading.Thread(target=group._watch, args=(rank, proc), name=f"rank-{rank}", daemon=True).start()
         os.environ.update(RANK="0", WORLD_SIZE=str(group.size), LOCAL_RANK=str(device.index or 0))
-        dist.init_process_group(backend_for(device), store=store, rank=0, world_size=group.size,
-                                timeout=JOIN_TIMEOUT)
+        dist.init_process_group(backend_for(device), store=store, rank=0, world_size=group.size, timeout=JOIN_TIMEOUT)
         group._store = store  # kept for the group's lifetime (the ranks' keys live in it)
-        log.info("tensor-parallel group of %d ranks (%s) joined: ranks %s", group.size, backend_for(device),
-                 [p.pid for p in group.ranks])
+        log.info(
+            "tensor-parallel group of %d ranks (%s) joined: ranks %s",
+            group.size,
+            backend_for(device),
+            [p.pid for p in group.ranks],
+        )
         return group
 
     @classmethod
     @contextmanager
-    def held(cls, cfg: TargetConfig, device: torch.device,
-             interruptible: Callable[[], AbstractContextManager[None]]) -> Iterator[TensorGroup | None]:
+    def held(
+        cls, cfg: TargetConfig, device: torch.device, interruptible: Callable[[], AbstractContextManager[None]]
+    ) -> Iterator[TensorGroup | None]:
         """The group for a producer's lifetime (None when target.tensor_parallel = 1): started in an interruptible
         phase (its ranks load for minutes), stopped in order on a clean exit, its ranks killed on any other."""
         if cfg.tensor_parallel == 1:
@@ -240,8 +269,12 @@ class TensorGroup:
         if self._closing.is_set():
             return
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
-        log.error("tensor-parallel rank %d (pid %d) exited with %s: the group goes down to restart as one",
-                  rank, proc.pid, how)
+        log.error(
+            "tensor-parallel rank %d (pid %d) exited with %s: the group goes down to restart as one",
+            rank,
+            proc.pid,
+            how,
+        )
         logging.shutdown()
         os._exit(1)  # a producer's death to the ring: its slot and cursor are undone by whoever takes the row
 

@@ -28,8 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", required=True, help="the leader's target settings, as JSON")
     args = p.parse_args(argv)
     die_with_leader(args.leader)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s target-rank-{args.rank}[%(process)d] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format=f"%(asctime)s target-rank-{args.rank}[%(process)d] %(levelname)s %(name)s: %(message)s",
+    )
     # systemd's stop (SIGTERM to the unit's every process) and a terminal's Ctrl-C reach the ranks too: the leader
     # finishes its batch, which needs them, then says stop; a leader's death kills them (PR_SET_PDEATHSIG).
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -40,11 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     store = dist.FileStore(args.store_file, cfg.tensor_parallel)
     store.set_timeout(JOIN_TIMEOUT)
-    dist.init_process_group(backend_for(device), store=store, rank=args.rank, world_size=cfg.tensor_parallel,
-                            timeout=JOIN_TIMEOUT)
+    dist.init_process_group(
+        backend_for(device), store=store, rank=args.rank, world_size=cfg.tensor_parallel, timeout=JOIN_TIMEOUT
+    )
     model = load_sharded(cfg, device)
-    target = TargetModel(model, list(cfg.geometry().layer_ids), final_hidden=bool(cfg.ship_final_hidden),
-                         packed=False)
+    target = TargetModel(model, list(cfg.geometry().layer_ids), final_hidden=bool(cfg.ship_final_hidden), packed=False)
     del model
     serve_rank(target, device)
     dist.destroy_process_group()

@@ -28,8 +28,24 @@ import torch.nn.functional as F
 from torch import nn
 
 # The Qwen3.5 Gated DeltaNet layout this forward reproduces (transformers' Qwen3_5GatedDeltaNet).
-LAYOUT = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm", "out_proj",
-          "key_dim", "value_dim", "head_k_dim", "head_v_dim", "num_k_heads", "num_v_heads", "activation")
+LAYOUT = (
+    "in_proj_qkv",
+    "in_proj_z",
+    "in_proj_b",
+    "in_proj_a",
+    "conv1d",
+    "A_log",
+    "dt_bias",
+    "norm",
+    "out_proj",
+    "key_dim",
+    "value_dim",
+    "head_k_dim",
+    "head_v_dim",
+    "num_k_heads",
+    "num_v_heads",
+    "activation",
+)
 KERNEL_ACTIVATIONS = ("silu", "swish")
 
 
@@ -89,8 +105,13 @@ class VarlenGatedDeltaNet:
         # output is rounded once instead of twice, which on its own moves a bf16 layer by ~1e-2 (more than the
         # probe allows for bf16 noise; measured on the H200, 2026-12-03).
         mixed_qkv, _ = self.kernels.causal_conv1d(
-            mixed_qkv, weight=m.conv1d.weight.squeeze(1), bias=m.conv1d.bias, activation=None,
-            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+            mixed_qkv,
+            weight=m.conv1d.weight.squeeze(1),
+            bias=m.conv1d.bias,
+            activation=None,
+            cu_seqlens=cu_seqlens,
+            cu_seqlens_cpu=cu_seqlens_cpu,
+        )
         mixed_qkv = F.silu(mixed_qkv)
         query, key, value = torch.split(mixed_qkv, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
         query = query.reshape(1, tokens, -1, m.head_k_dim)
@@ -102,7 +123,16 @@ class VarlenGatedDeltaNet:
             query = query.repeat_interleave(groups, dim=2)
             key = key.repeat_interleave(groups, dim=2)
         out, _ = self.kernels.chunk_gated_delta_rule(
-            query, key, value, g=g, beta=beta, initial_state=None, output_final_state=False,
-            use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+            query,
+            key,
+            value,
+            g=g,
+            beta=beta,
+            initial_state=None,
+            output_final_state=False,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=cu_seqlens,
+            cu_seqlens_cpu=cu_seqlens_cpu,
+        )
         out = m.norm(out.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim)).reshape(1, tokens, -1)
         return m.out_proj(out)

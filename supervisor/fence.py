@@ -75,8 +75,12 @@ def fence(lock_dir: Path, names: list[str], wait_s: float = DEATH_WAIT_S) -> lis
             if pid == os.getpid():
                 continue
             if not has_open(pid, path):
-                log.error("%s is locked by pid %d, which has no such file open (another pid namespace, or a pid "
-                          "reused): not signalled; it is fenced only once its holder exits", path.name, pid)
+                log.error(
+                    "%s is locked by pid %d, which has no such file open (another pid namespace, or a pid "
+                    "reused): not signalled; it is fenced only once its holder exits",
+                    path.name,
+                    pid,
+                )
                 continue
             try:
                 os.kill(pid, signal.SIGKILL)

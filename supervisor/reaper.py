@@ -57,8 +57,14 @@ def reap(ring: Ring, lock_dir: Path, checkpoint_dir: str | None = None) -> list[
         if not (was_running or freed or redelivered):
             continue  # it left cleanly between our two looks
         name = role.name.lower()
-        log.warning("%s %d (pid %d) died: %d slot(s) freed, %d redelivered",
-                    name, int(r["index"]), int(r["pid"]), freed, redelivered)
+        log.warning(
+            "%s %d (pid %d) died: %d slot(s) freed, %d redelivered",
+            name,
+            int(r["index"]),
+            int(r["pid"]),
+            freed,
+            redelivered,
+        )
         reaped.append(Reaped(row, name, int(r["index"]), freed, redelivered))
     return reaped
 
@@ -68,8 +74,17 @@ def repair_words(ring: Ring) -> list[CorruptSlot]:
     segment): counted corrupt, their items redelivered, and each named, so the run still ends and says why."""
     found = ring.repair_impossible_words()
     for c in found:
-        log.error("slot %d (item %d) is corrupt: its state word %#x %s, which the ring protocol cannot produce; "
-                  "%s (counted corrupt: `dflash-ring status`, dflash_ring_items_corrupt_total). Something other "
-                  "than the protocol wrote it: look for another process that maps /dev/shm%s "
-                  "(fuser -v /dev/shm%s)", c.slot, c.item, c.word, c.why, c.outcome, ring.name, ring.name)
+        log.error(
+            "slot %d (item %d) is corrupt: its state word %#x %s, which the ring protocol cannot produce; "
+            "%s (counted corrupt: `dflash-ring status`, dflash_ring_items_corrupt_total). Something other "
+            "than the protocol wrote it: look for another process that maps /dev/shm%s "
+            "(fuser -v /dev/shm%s)",
+            c.slot,
+            c.item,
+            c.word,
+            c.why,
+            c.outcome,
+            ring.name,
+            ring.name,
+        )
     return found

@@ -83,28 +83,42 @@ class Supervisor:
             self.startup.export(registry)
         if self.cfg.group.serve and self._rendezvous is None:  # before the ring too: bound to its address only
             self._rendezvous = serve_rendezvous(self.cfg.group.rendezvous)
-            log.info("serving the drafter replica group's rendezvous at %s (that address only; members sign with "
-                     "group.secret_file)", self.cfg.group.rendezvous)
+            log.info(
+                "serving the drafter replica group's rendezvous at %s (that address only; members sign with "
+                "group.secret_file)",
+                self.cfg.group.rendezvous,
+            )
         run = self.cfg.run.name
         if Ring.exists(run):
             self.ring = self._adopt_or_reclaim(run)
         else:
             Ring.unlink(run)  # semaphores left by a crash during create or teardown
             self.ring = Ring.create(ring_spec(self.cfg))
-            log.info("created ring %s: %d slots x %.1f MiB, %d producer(s), %d consumer(s)",
-                     self.ring.name, self.cfg.ring.slots, self.cfg.ring.slot_bytes / 2**20,
-                     self.cfg.topology.producers, self.cfg.topology.consumers)
+            log.info(
+                "created ring %s: %d slots x %.1f MiB, %d producer(s), %d consumer(s)",
+                self.ring.name,
+                self.cfg.ring.slots,
+                self.cfg.ring.slot_bytes / 2**20,
+                self.cfg.topology.producers,
+                self.cfg.topology.consumers,
+            )
         t = self.cfg.topology
         if self.cfg.ring.slots < 2 * t.consumers + t.producers:
-            log.warning("ring.slots = %d: each drafter holds up to 2 slots until it has trained them (one training, "
-                        "one prefetched), so %d drafter(s) leave the %d producer(s) little room to run ahead; "
-                        "set ring.slots to at least %d", self.cfg.ring.slots, t.consumers, t.producers,
-                        2 * t.consumers + 2 * t.producers)
+            log.warning(
+                "ring.slots = %d: each drafter holds up to 2 slots until it has trained them (one training, "
+                "one prefetched), so %d drafter(s) leave the %d producer(s) little room to run ahead; "
+                "set ring.slots to at least %d",
+                self.cfg.ring.slots,
+                t.consumers,
+                t.producers,
+                2 * t.consumers + 2 * t.producers,
+            )
         self.ring.take_row(0, Role.SUPERVISOR, 0)
         ledger = Ledger.open(self.cfg.run.ledger_dir, Role.SUPERVISOR, 0)
         if ledger is not None:  # which ring: created or adopted
-            ledger.write(SupervisorStart(self.ring.identity.created_ns,
-                                         self.ring.counter(Counter.SUPERVISOR_ADOPTIONS)))
+            ledger.write(
+                SupervisorStart(self.ring.identity.created_ns, self.ring.counter(Counter.SUPERVISOR_ADOPTIONS))
+            )
         self.startup.finish("ring", ledger)  # lock, metrics port, ring created or adopted, row taken
         if ledger is not None:
             ledger.close()
@@ -150,7 +164,9 @@ class Supervisor:
                 f"or start the supervisor with --reclaim-stale to discard it"
             )
         if ring is not None:
-            save_unfinished(ring, self.cfg.target.state_dir, self.cfg.train.checkpoint_dir)  # what it held is produced again, not lost
+            save_unfinished(
+                ring, self.cfg.target.state_dir, self.cfg.train.checkpoint_dir
+            )  # what it held is produced again, not lost
             ring.close()
         elif half_created is not None:
             log.warning("%s; it never held an item, so nothing is lost with it", half_created)
@@ -180,8 +196,13 @@ class Supervisor:
                 ring.set_flag(Counter.PRODUCERS_DONE, done)
                 if not ring.shutting_down and self._may_shut_down(ring, done, producers):
                     ring.set_flag(Counter.SHUTDOWN)
-                    log.info("shutdown: %d/%d producers done, ring empty, %d items produced, %d consumed",
-                             done, producers, ring.counter(Counter.PRODUCED), ring.counter(Counter.CONSUMED))
+                    log.info(
+                        "shutdown: %d/%d producers done, ring empty, %d items produced, %d consumed",
+                        done,
+                        producers,
+                        ring.counter(Counter.PRODUCED),
+                        ring.counter(Counter.CONSUMED),
+                    )
                 if ring.shutting_down or ring.draining:
                     self._notify_stopping()
                 if ring.shutting_down:
@@ -194,15 +215,24 @@ class Supervisor:
                     # A live process that still heartbeats is finishing its item or its checkpoint:
                     # wait for it. Give up only on one silent for exit_timeout_s, or on a third signal.
                     timeout = self.cfg.supervisor.exit_timeout_s
-                    if (time.monotonic() - shutdown_at > timeout and not self._others_progressing(ring, timeout)
-                            or self._signals > 2):
-                        log.error("still alive %.0fs after shutdown and silent: %s; stopping them with SIGKILL before "
-                                  "what they hold is handed to the replay lists", time.monotonic() - shutdown_at,
-                                  ", ".join(others))
+                    if (
+                        time.monotonic() - shutdown_at > timeout
+                        and not self._others_progressing(ring, timeout)
+                        or self._signals > 2
+                    ):
+                        log.error(
+                            "still alive %.0fs after shutdown and silent: %s; stopping them with SIGKILL before "
+                            "what they hold is handed to the replay lists",
+                            time.monotonic() - shutdown_at,
+                            ", ".join(others),
+                        )
                         if survivors := fence(self.lock_dir, others):
-                            log.error("%s survived SIGKILL: leaving the ring in place (nothing handed over twice); "
-                                      "once they are gone, `dflash-ring clean %s` or a restart hands it over",
-                                      ", ".join(survivors), self.cfg.run.name)
+                            log.error(
+                                "%s survived SIGKILL: leaving the ring in place (nothing handed over twice); "
+                                "once they are gone, `dflash-ring clean %s` or a restart hands it over",
+                                ", ".join(survivors),
+                                self.cfg.run.name,
+                            )
                             self.close()
                             return 1
                         self._teardown(ring)
@@ -237,8 +267,10 @@ class Supervisor:
         still = owed(self.cfg.target.state_dir, self.cfg.run.name, self.cfg.train.checkpoint_dir, ring)
         if still and time.monotonic() - self._owed_logged > 10:
             self._owed_logged = time.monotonic()
-            log.info("every shard done, but dead drafters' lost batches are still being produced again: %s",
-                     ", ".join(f"producer {i}: {n}" for i, n in sorted(still.items())))
+            log.info(
+                "every shard done, but dead drafters' lost batches are still being produced again: %s",
+                ", ".join(f"producer {i}: {n}" for i, n in sorted(still.items())),
+            )
         return not still
 
     @staticmethod
@@ -249,16 +281,21 @@ class Supervisor:
         return bool(((time.time_ns() - running["heartbeat_ns"].astype("i8")) < within_s * 1e9).any())
 
     def _apply_stop_requests(self, ring: Ring) -> None:
-        request = max(ring.counter(Counter.STOP_REQUEST), STOP_DRAIN if self._signals == 1 else 0,
-                      STOP_NOW if self._signals > 1 else 0)
+        request = max(
+            ring.counter(Counter.STOP_REQUEST),
+            STOP_DRAIN if self._signals == 1 else 0,
+            STOP_NOW if self._signals > 1 else 0,
+        )
         if request >= STOP_DRAIN and not ring.draining:
             log.info("drain requested: producers take no new work; shutdown follows once the ring is empty")
             ring.set_flag(Counter.DRAIN)
             ring.broadcast()
         if request >= STOP_NOW and not ring.shutting_down:
             ring.set_flag(Counter.SHUTDOWN)  # from now on no item is claimed: what is ready stays untrained
-            log.warning("immediate stop requested: drafters finish the items they hold and exit; items still "
-                        "ready go back to the producers' replay lists when the run ends")
+            log.warning(
+                "immediate stop requested: drafters finish the items they hold and exit; items still "
+                "ready go back to the producers' replay lists when the run ends"
+            )
 
     def _notify_stopping(self) -> None:
         """Once, when the run starts to drain or shut down: systemd then shows it as deactivating."""
@@ -276,12 +313,13 @@ class Supervisor:
         seal_journals(ring, self.cfg.train.checkpoint_dir)  # every process has left: a drafter dead since owes too
         held, damaged = ring.unfinished_items()
         still = owed(self.cfg.target.state_dir, self.cfg.run.name, self.cfg.train.checkpoint_dir, ring)
-        complete = (self.producers_done(ring) == self.cfg.topology.producers and not held and not damaged
-                    and not still)
+        complete = self.producers_done(ring) == self.cfg.topology.producers and not held and not damaged and not still
         if still and not held and self.producers_done(ring) == self.cfg.topology.producers:
-            log.error("a drafter died after the run's last batch was trained: %d batch(es) it trained after its "
-                      "checkpoint are in the producers' replay lists; start the run again to train them",
-                      sum(still.values()))
+            log.error(
+                "a drafter died after the run's last batch was trained: %d batch(es) it trained after its "
+                "checkpoint are in the producers' replay lists; start the run again to train them",
+                sum(still.values()),
+            )
         if not complete:  # stopped before the end: the resume points, with what the ring still holds
             save_unfinished(ring, self.cfg.target.state_dir, self.cfg.train.checkpoint_dir)
         if self._metrics is not None:

@@ -85,8 +85,10 @@ def save_unfinished(ring: Ring, state_dir: str, checkpoint_dir: str) -> Unfinish
                 earlier = state.replay[replayed:]  # entries not yet published again: still owed
                 taken = state.taken
             elif state.pending_replay:
-                out.lost.append(f"{len(state.pending_replay)} replay entries of producer {index} in {f.path}: "
-                                "they belong to another data plan")
+                out.lost.append(
+                    f"{len(state.pending_replay)} replay entries of producer {index} in {f.path}: "
+                    "they belong to another data plan"
+                )
         owed = owed_to(index, checkpoint_dir, taken)
         lost_with_drafters = tuple((e.epoch, e.position) for _, entries in owed for e in entries)
         replay = earlier + tuple(sorted(items - set(earlier))) + lost_with_drafters
@@ -97,9 +99,13 @@ def save_unfinished(ring: Ring, state_dir: str, checkpoint_dir: str) -> Unfinish
     for index, items in held.items():
         out.lost.append(f"{len(items)} item(s) of producer {index}, which has no row in the ring")
     if out.items:
-        log.warning("the ring held %d untrained item(s) (with what dead drafters trained after their checkpoints); written to the producers' replay lists (%s): "
-                    "they are produced again first when the run starts again", out.items,
-                    ", ".join(f"producer {i}: {n}" for i, n in sorted(out.saved.items())))
+        log.warning(
+            "the ring held %d untrained item(s) (with what dead drafters trained after their checkpoints); "
+            "written to the producers' replay lists (%s): "
+            "they are produced again first when the run starts again",
+            out.items,
+            ", ".join(f"producer {i}: {n}" for i, n in sorted(out.saved.items())),
+        )
     for line in out.lost:
         log.error("lost with the ring: %s", line)
     return out

@@ -73,8 +73,11 @@ def _processes_are_marked(request, monkeypatch):
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", note_start)
     yield
     if started:
-        pytest.fail(f"{request.node.nodeid} starts processes ({started[0][:200]}) but is not marked "
-                    "@pytest.mark.processes: mark it, so `pytest -m 'not processes'` stays quick", pytrace=False)
+        pytest.fail(
+            f"{request.node.nodeid} starts processes ({started[0][:200]}) but is not marked "
+            "@pytest.mark.processes: mark it, so `pytest -m 'not processes'` stays quick",
+            pytrace=False,
+        )
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -97,7 +100,8 @@ def run(request, tmp_path: Path):
         if proc.stderr is not None:
             if failed:  # every process's last words, the supervisor's too: a CI failure must be readable as it is
                 proc.stderr.seek(0)
-                print(f"--- exit {proc.returncode}: {' '.join(map(str, proc.args))[-200:]}\n"
-                      f"{proc.stderr.read()[-2000:]}")
+                print(
+                    f"--- exit {proc.returncode}: {' '.join(map(str, proc.args))[-200:]}\n{proc.stderr.read()[-2000:]}"
+                )
             proc.stderr.close()
     Ring.unlink(r.name)

@@ -32,8 +32,10 @@ def require(tool: str, install: str) -> str:
     if path:
         return path
     if os.environ.get("CI"):
-        pytest.fail(f"{tool} is not installed but CI is set: the deploy checks must run in CI. "
-                    f"Install it with `{install}` (.ci/run and `make test` do so as root)")
+        pytest.fail(
+            f"{tool} is not installed but CI is set: the deploy checks must run in CI. "
+            f"Install it with `{install}` (.ci/run and `make test` do so as root)"
+        )
     pytest.skip(f"{tool} not found: {install}")
 
 
@@ -54,8 +56,11 @@ def dashboard_panels(dash: dict) -> list[dict]:
 
 def panel_exprs(dash: dict, rate_interval: str = "1m") -> list[tuple[str, str]]:
     """(panel title, PromQL) for every panel target, with Grafana's $__rate_interval filled in."""
-    return [(p["title"], t["expr"].replace(RATE_INTERVAL, rate_interval))
-            for p in dashboard_panels(dash) for t in p.get("targets", [])]
+    return [
+        (p["title"], t["expr"].replace(RATE_INTERVAL, rate_interval))
+        for p in dashboard_panels(dash)
+        for t in p.get("targets", [])
+    ]
 
 
 def is_gpu_expr(expr: str) -> bool:

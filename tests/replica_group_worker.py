@@ -39,16 +39,24 @@ def main() -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     locks = args.out / f"{args.host}.locks"
     locks.mkdir(parents=True, exist_ok=True)
-    group = ReplicaGroup(GroupConfig(rendezvous=args.rendezvous, hosts=2, settle_s=2.0, timeout_s=20.0,
-                                     secret_file=args.secret),
-                         args.host, 0, model, locks, {"drafter.block_size": args.block_size}, fresh=True)
+    group = ReplicaGroup(
+        GroupConfig(rendezvous=args.rendezvous, hosts=2, settle_s=2.0, timeout_s=20.0, secret_file=args.secret),
+        args.host,
+        0,
+        model,
+        locks,
+        {"drafter.block_size": args.block_size},
+        fresh=True,
+    )
     dumps = args.out / args.host
     dumps.mkdir(exist_ok=True)
 
     def dump() -> None:
         if group.size > 1:
-            save_file({k: v.detach().clone() for k, v in model.state_dict().items()},
-                      str(dumps / f"{group.gen}-{group.round}.safetensors"))
+            save_file(
+                {k: v.detach().clone() for k, v in model.state_dict().items()},
+                str(dumps / f"{group.gen}-{group.round}.safetensors"),
+            )
 
     try:
         group.start()

@@ -62,8 +62,9 @@ def consume(args: argparse.Namespace, ring: Ring, me: Membership, ledger) -> Non
             return  # shutdown: the only reason a consumer stops
         producer, k = (int(x) for x in r.tensors["ids"])
         data = r.tensors["data"]
-        ok = (r.meta == {"producer": producer, "k": k, "epoch": 0, "position": k}
-              and bool((data == value_of(producer, k)).all()))
+        ok = r.meta == {"producer": producer, "k": k, "epoch": 0, "position": k} and bool(
+            (data == value_of(producer, k)).all()
+        )
         if args.hold_s and seen == args.hold_at:
             Path(args.marker).write_text(str(r.item))
             time.sleep(args.hold_s)  # the test kills us here, holding the slot

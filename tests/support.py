@@ -70,8 +70,9 @@ class Run:
             "metrics": {"port_base": self.metrics_base},
         }
 
-    def write_config(self, producers: int, consumers: int, slots: int = 4, slot_bytes: int = 1 << 20,
-                     **sections: Mapping[str, Any]) -> Config:
+    def write_config(
+        self, producers: int, consumers: int, slots: int = 4, slot_bytes: int = 1 << 20, **sections: Mapping[str, Any]
+    ) -> Config:
         """Write run.toml: the run's settings with `sections` ({"train": {"lr": 1e-3}, ...}) over them."""
         return write_config(self.config, merged(self.settings(producers, consumers, slots, slot_bytes), sections))
 
@@ -96,21 +97,34 @@ class Run:
         return self.spawn("-m", "dflash_ring", "supervisor", "--config", str(self.config), *extra)
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        out = subprocess.run([sys.executable, "-m", "dflash_ring", *args], cwd=self.tmp, capture_output=True,
-                             text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "dflash_ring", *args], cwd=self.tmp, capture_output=True, text=True, timeout=120
+        )
         if check and out.returncode != 0:
             raise AssertionError(f"dflash-ring {' '.join(args)} exited {out.returncode}: {out.stderr}")
         return out
 
     def worker(self, role: str, index: int, *extra: str) -> subprocess.Popen:
-        return self.spawn(str(WORKER), role, "--config", str(self.config), "--index", str(index),
-                          "--ledger", str(self.ledger(role, index)), *extra)
+        return self.spawn(
+            str(WORKER),
+            role,
+            "--config",
+            str(self.config),
+            "--index",
+            str(index),
+            "--ledger",
+            str(self.ledger(role, index)),
+            *extra,
+        )
 
     def wait_joined(self, role: str, indices: range | list[int], timeout: float = 120.0) -> None:
         """Until each of these processes holds its lock (joined the run): a process still importing on a loaded
         box must not find the work, or the run, already over."""
-        wait_for(lambda: all((self.lock_dir / f"{role}-{i}.lock").exists() for i in indices), timeout=timeout,
-                 what=f"{role}(s) {list(indices)} to join")
+        wait_for(
+            lambda: all((self.lock_dir / f"{role}-{i}.lock").exists() for i in indices),
+            timeout=timeout,
+            what=f"{role}(s) {list(indices)} to join",
+        )
 
     def ledger_lines(self, kind: str) -> list[list[str]]:
         lines = []
@@ -207,8 +221,12 @@ def pipeline_settings(tmp: Path, target: Path, data: Path) -> dict:
     return {
         "ring": {"slot_header_bytes": 65536},
         "data": {"path": str(data), "max_length": 128, "max_tokens_per_batch": 512, "cache_dir": str(tmp / "cache")},
-        "target": {"path": str(target), "mask_token_id": len(load_tokenizer(target)), "state_dir": str(tmp / "state"),
-                   "device": "cpu"},
+        "target": {
+            "path": str(target),
+            "mask_token_id": len(load_tokenizer(target)),
+            "state_dir": str(tmp / "state"),
+            "device": "cpu",
+        },
         "drafter": {"num_hidden_layers": 1, "block_size": 4, "loss_gamma": 2.0, "num_anchors": 16},
         "train": {"device": "cpu", "checkpoint_dir": str(tmp / "ckpt"), "log_every_steps": 1},
     }
@@ -218,13 +236,24 @@ def pipeline_settings(tmp: Path, target: Path, data: Path) -> dict:
 LEARNS = {"train": {"lr": 3e-3, "warmup_ratio": 0.1}}
 # tests/test_pipeline.py's run, also under Prometheus and across hosts: twelve epochs of cyclic rows,
 # replicas averaging every 2 steps and checkpointing every 5.
-PIPELINE_RUN = merged(LEARNS, {"data": {"epochs": 12}, "train": {"average_every_steps": 2, "checkpoint_every_steps": 5}})
+PIPELINE_RUN = merged(
+    LEARNS, {"data": {"epochs": 12}, "train": {"average_every_steps": 2, "checkpoint_every_steps": 5}}
+)
 
 
-def pipeline_config(run: Run, target: Path, data: Path, *layers: Mapping[str, Mapping[str, Any]], consumers: int = 2,
-                    slots: int = 8, slot_bytes: int = 4 << 20) -> Config:
+def pipeline_config(
+    run: Run,
+    target: Path,
+    data: Path,
+    *layers: Mapping[str, Mapping[str, Any]],
+    consumers: int = 2,
+    slots: int = 8,
+    slot_bytes: int = 4 << 20,
+) -> Config:
     """run.toml for a supervisor, one target and `consumers` drafters: `pipeline_settings`, then `layers` over it."""
-    return run.write_config(1, consumers, slots, slot_bytes, **merged(pipeline_settings(run.tmp, target, data), *layers))
+    return run.write_config(
+        1, consumers, slots, slot_bytes, **merged(pipeline_settings(run.tmp, target, data), *layers)
+    )
 
 
 STEP = re.compile(r"step (\d+)/\d+ loss ([\d.]+) acc@1 ([\d.]+)")
@@ -245,8 +274,10 @@ HYBRID_MAMBA = ("nemotron_h", "falcon_h1", "bamba", "granitemoehybrid", "zamba2"
 # bailing_hybrid), each among full-attention layers and starting the tiny stack.
 LINEAR_RECURRENT = ("olmo_hybrid", "kimi_linear", "bailing_hybrid")
 ARCHS = tuple(FAMILIES)
-WORDS = ("the quick brown fox jumps over the lazy dog drafter target hidden state ring shared memory "
-         "capital France Paris explain speculative decoding numbers hello world thanks sure okay").split()
+WORDS = (
+    "the quick brown fox jumps over the lazy dog drafter target hidden state ring shared memory "
+    "capital France Paris explain speculative decoding numbers hello world thanks sure okay"
+).split()
 
 
 # Packed (or padded) against per-sequence features in float32: the largest relative RMS error of a
@@ -263,14 +294,25 @@ def assert_same_features(got: list[torch.Tensor], want: list[torch.Tensor], tole
     assert not bad, f"sequences {bad} differ from their own forward: errors {[f'{errors[i]:.1e}' for i in bad]}"
 
 
-def build_target(path: Path, arch: str, layers: int = 6, hidden: int = 64, seed: int = 0,
-                 init: Callable[[torch.nn.Module], None] | None = None, **extra) -> Path:
+def build_target(
+    path: Path,
+    arch: str,
+    layers: int = 6,
+    hidden: int = 64,
+    seed: int = 0,
+    init: Callable[[torch.nn.Module], None] | None = None,
+    **extra,
+) -> Path:
     """A random-weight target with the tiny tokenizer beside it, as `save_pretrained` writes a real one;
     `init` may change the weights before saving (e.g. make a mechanism's effect large)."""
     tokenizer = tiny_chat_tokenizer(path)
     config = tiny_config(
-        arch, vocab_size=len(tokenizer) + 8,  # spare rows, like Qwen3's: the first one can be the mask token
-        hidden_size=hidden, num_hidden_layers=layers, pad_token_id=tokenizer.pad_token_id, **extra,
+        arch,
+        vocab_size=len(tokenizer) + 8,  # spare rows, like Qwen3's: the first one can be the mask token
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        pad_token_id=tokenizer.pad_token_id,
+        **extra,
     )
     torch.manual_seed(seed)
     model = model_class(arch)(config)
@@ -335,8 +377,9 @@ def tiny_qwen3_config(**overrides) -> Qwen3Config:
     return Qwen3Config(**{**base, **overrides})
 
 
-def save_tiny_qwen3(path: Path, seed: int = 0, init: Callable[[torch.nn.Module], None] | None = None,
-                    sharded: bool = False, **overrides) -> Qwen3ForCausalLM:
+def save_tiny_qwen3(
+    path: Path, seed: int = 0, init: Callable[[torch.nn.Module], None] | None = None, sharded: bool = False, **overrides
+) -> Qwen3ForCausalLM:
     """A random `tiny_qwen3_config` target (seeded) saved as an HF model directory (no tokenizer);
     `init` may change the weights before saving, `sharded` saves it in many small shards."""
     config = tiny_qwen3_config(**overrides)
@@ -359,8 +402,17 @@ def cyclic_rows(path: Path, rows: int, seed: int = 0) -> Path:
         for _ in range(rows):
             start = rng.randrange(len(WORDS))
             reply = " ".join(WORDS[(start + i) % len(WORDS)] for i in range(24))
-            f.write(json.dumps({"messages": [{"role": "user", "content": f"continue from {WORDS[start]}"},
-                                             {"role": "assistant", "content": reply}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "user", "content": f"continue from {WORDS[start]}"},
+                            {"role": "assistant", "content": reply},
+                        ]
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
@@ -370,10 +422,16 @@ def synthetic(source: int, lengths, name: str = "") -> TokenizedData:
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     sample_of = np.repeat(np.arange(len(lengths)), lengths)
     tokens = (source * 10_000_000 + sample_of * 1000 + np.arange(offsets[-1]) - offsets[sample_of]).astype(np.int32)
-    return TokenizedData(tokens=tokens, loss_mask=((tokens + source) % 2).astype(np.uint8), offsets=offsets,
-                         row_ids=np.arange(len(lengths), dtype=np.int64) * 2,  # skipped rows leave gaps
-                         num_rows=2 * len(lengths), bad_rows=(), directory=Path(f"/c/tokenized-{name or source}"),
-                         from_cache=False)
+    return TokenizedData(
+        tokens=tokens,
+        loss_mask=((tokens + source) % 2).astype(np.uint8),
+        offsets=offsets,
+        row_ids=np.arange(len(lengths), dtype=np.int64) * 2,  # skipped rows leave gaps
+        num_rows=2 * len(lengths),
+        bad_rows=(),
+        directory=Path(f"/c/tokenized-{name or source}"),
+        from_cache=False,
+    )
 
 
 def mixture(*specs: tuple[str, int, float, bool]) -> list[SourceData]:
@@ -391,10 +449,16 @@ def packed_batch(lengths: Iterable[int], seed: int = 0, vocab: int = 400) -> Bat
     lengths = np.asarray(lengths, dtype=np.int32)
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     return Batch(
-        input_ids=rng.integers(0, vocab, cu[-1]).astype(np.int32), loss_mask=np.ones(cu[-1], np.uint8),
-        lengths=lengths, cu_seqlens=cu, sample_ids=np.arange(len(lengths), dtype=np.int64),
-        source_ids=np.zeros(len(lengths), dtype=np.int32), epoch=0, position=0,
-        cursor=Cursor(0, 1), padding_fraction=0.0,
+        input_ids=rng.integers(0, vocab, cu[-1]).astype(np.int32),
+        loss_mask=np.ones(cu[-1], np.uint8),
+        lengths=lengths,
+        cu_seqlens=cu,
+        sample_ids=np.arange(len(lengths), dtype=np.int64),
+        source_ids=np.zeros(len(lengths), dtype=np.int32),
+        epoch=0,
+        position=0,
+        cursor=Cursor(0, 1),
+        padding_fraction=0.0,
     )
 
 

@@ -60,9 +60,14 @@ def test_the_embedded_default_trains_the_dflash2_variant(tmp_path):
     assert d.layer_types == ["sliding_attention"] * 2 and d.sliding_window == 2048 > cfg.data.max_length
     assert (d.conv_kernel_size, d.conv_group_size, d.selector_rank, d.selector_top_k) == (2, 16, 256, 16)
     tiny = TinyTargetRecipe()
-    target = tiny_qwen3_config(hidden_size=tiny.hidden_size, num_hidden_layers=tiny.num_hidden_layers,
-                               num_attention_heads=tiny.num_attention_heads, head_dim=tiny.hidden_size //
-                               tiny.num_attention_heads, vocab_size=704, intermediate_size=tiny.intermediate_size)
+    target = tiny_qwen3_config(
+        hidden_size=tiny.hidden_size,
+        num_hidden_layers=tiny.num_hidden_layers,
+        num_attention_heads=tiny.num_attention_heads,
+        head_dim=tiny.hidden_size // tiny.num_attention_heads,
+        vocab_size=704,
+        intermediate_size=tiny.intermediate_size,
+    )
     # the run gives the drafter the target's mask token and layers (target.mask_token_id, target.layer_ids)
     drafter = replace(d, mask_token_id=cfg.target.mask_token_id, target_layer_ids=cfg.target.layer_ids)
     assert isinstance(build_drafter(drafter, target), DFlash2DraftModel)

@@ -34,7 +34,8 @@ def test_reliability_bins_and_ece_by_hand():
     # 1.0 falls in the last bin, 0.1 in the second; two bins: [0, .5) and [.5, 1]
     assert [b.count for b in reliability_bins([1.0, 0.1, 0.0], [True, False, False])] == [1, 1] + [0] * 7 + [1]
     assert expected_calibration_error([0.2, 0.4, 0.6, 1.0], [False, True, True, True], bins=2) == pytest.approx(
-        (2 * abs(0.3 - 0.5) + 2 * abs(0.8 - 1.0)) / 4)
+        (2 * abs(0.3 - 0.5) + 2 * abs(0.8 - 1.0)) / 4
+    )
 
 
 def test_brier_by_hand():

@@ -22,10 +22,14 @@ def test_tiny_checkpoint_bench_measures_both_ways_and_says_so_as_it_goes(tmp_pat
     figures = {m[2]: json.loads(m[3]) for m in lines if m and m[1] == "checkpoint"}
     assert list(figures) == ["warmup", "before", "in_step", "snapshot", "background", "after"]
     assert figures["warmup"]["warmup_s"] == report["warmup_s"]
-    assert (figures["before"]["step_s"], figures["after"]["step_s"]) == (report["step_s"]["before"],
-                                                                        report["step_s"]["after"])
-    assert figures["in_step"] == {"checkpoint_bytes": report["checkpoint_bytes"],
-                                  **{k: report["in_step"][k] for k in ("critical_path_s", "write_gb_per_s")}}
+    assert (figures["before"]["step_s"], figures["after"]["step_s"]) == (
+        report["step_s"]["before"],
+        report["step_s"]["after"],
+    )
+    assert figures["in_step"] == {
+        "checkpoint_bytes": report["checkpoint_bytes"],
+        **{k: report["in_step"][k] for k in ("critical_path_s", "write_gb_per_s")},
+    }
     assert figures["snapshot"]["host_buffer_bytes"] == report["host_buffer_bytes"]
     assert all(report["background"][k] == v for k, v in figures["snapshot"].items() if k != "host_buffer_bytes")
     assert figures["background"] == {k: report["background"][k] for k in figures["background"]}

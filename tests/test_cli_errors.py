@@ -22,8 +22,13 @@ PROGRESS_BAR = re.compile(r"^\s*$|examples/s\]$")  # the data set reader's progr
 
 def _foreign_ring(tmp: Path, name: str) -> list[str]:
     """A ring of this run name whose segment belongs to another user."""
-    Ring.create(ring_spec(load_config(None, [f"run.name={name}", "ring.slots=1", "ring.slot_bytes=8192",
-                                             "ring.slot_header_bytes=4096"]))).close()
+    Ring.create(
+        ring_spec(
+            load_config(
+                None, [f"run.name={name}", "ring.slots=1", "ring.slot_bytes=8192", "ring.slot_header_bytes=4096"]
+            )
+        )
+    ).close()
     os.chown(f"/dev/shm/dflash-ring.{name}", 65534, 65534)
     return []
 
@@ -31,10 +36,26 @@ def _foreign_ring(tmp: Path, name: str) -> list[str]:
 def _model_dir_without_weights(tmp: Path, name: str) -> list[str]:
     d = tmp / "model"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({
-        "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 6, "vocab_size": 100,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 128, "head_dim": 32}))
-    return ["--set", f'target.path="{d}"', "--set", "target.mask_token_id=95"]  # a mask: the drafter gets to the weights
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen3",
+                "hidden_size": 64,
+                "num_hidden_layers": 6,
+                "vocab_size": 100,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "intermediate_size": 128,
+                "head_dim": 32,
+            }
+        )
+    )
+    return [
+        "--set",
+        f'target.path="{d}"',
+        "--set",
+        "target.mask_token_id=95",
+    ]  # a mask: the drafter gets to the weights
 
 
 def _huge_config(tmp: Path, name: str) -> list[str]:
@@ -73,18 +94,32 @@ def _corrupted_checkpoint(tmp: Path, name: str) -> list[str]:
 
 def _checkpoint_of_one_layer(tmp: Path, name: str) -> list[str]:
     target, _ = _checkpoints(tmp)
-    return ["--set", f'target.path="{target}"', "--set", "target.mask_token_id=95",
-            "--set", f'train.checkpoint_dir="{tmp / "ckpt"}"', "--set", "drafter.num_hidden_layers=2"]
+    return [
+        "--set",
+        f'target.path="{target}"',
+        "--set",
+        "target.mask_token_id=95",
+        "--set",
+        f'train.checkpoint_dir="{tmp / "ckpt"}"',
+        "--set",
+        "drafter.num_hidden_layers=2",
+    ]
 
 
-def _ring_for_target(tmp: Path, name: str, data: Path, tokenizer: Path | None = None,
-                     slot_bytes: int = 8192) -> list[str]:
+def _ring_for_target(
+    tmp: Path, name: str, data: Path, tokenizer: Path | None = None, slot_bytes: int = 8192
+) -> list[str]:
     """A tiny target, `data`, and a live ring for them, so `dflash-ring target` gets as far as its data."""
     from support import build_target
 
-    sets = [f'target.path="{build_target(tmp / "model", "qwen3", layers=4)}"', f'data.path="{data}"',
-            f'data.cache_dir="{tmp / "cache"}"', "ring.slots=1", f"ring.slot_bytes={slot_bytes}",
-            "ring.slot_header_bytes=4096"]
+    sets = [
+        f'target.path="{build_target(tmp / "model", "qwen3", layers=4)}"',
+        f'data.path="{data}"',
+        f'data.cache_dir="{tmp / "cache"}"',
+        "ring.slots=1",
+        f"ring.slot_bytes={slot_bytes}",
+        "ring.slot_header_bytes=4096",
+    ]
     if tokenizer is not None:
         sets.append(f'target.tokenizer="{tokenizer}"')
     Ring.create(ring_spec(load_config(None, [*sets, f"run.name={name}"]))).close()
@@ -124,9 +159,11 @@ def _ring_with_data(tmp: Path, name: str) -> list[str]:
 
 def _mix(body: str) -> typing.Callable[[Path, str], list[str]]:
     """A setup writing {tmp}/mix.toml: `body` after a [data] section, {tmp} in it replaced."""
+
     def setup(tmp: Path, name: str) -> list[str]:
         (tmp / "mix.toml").write_text(f'[data]\ncache_dir = "{tmp / "cache"}"\n' + body.replace("{tmp}", str(tmp)))
         return []
+
     return setup
 
 
@@ -137,15 +174,18 @@ def _mix_with_a_bad_source(tmp: Path, name: str) -> list[str]:
     tiny_chat_tokenizer(tmp / "tok")
     write_chat_rows(tmp / "good.jsonl", 4)
     (tmp / "bad.jsonl").write_text('{"prompt": "no reply"}\n')
-    return _mix('[[data.sources]]\npath = "{tmp}/bad.jsonl"\n[[data.sources]]\npath = "{tmp}/good.jsonl"\n'
-                '[target]\ntokenizer = "{tmp}/tok"\n')(tmp, name)
+    return _mix(
+        '[[data.sources]]\npath = "{tmp}/bad.jsonl"\n[[data.sources]]\npath = "{tmp}/good.jsonl"\n'
+        '[target]\ntokenizer = "{tmp}/tok"\n'
+    )(tmp, name)
 
 
 DATA_STATS = ["data", "stats", "--config", "{tmp}/mix.toml"]
 
 
-def _regenerate(tmp: Path, name: str = "", *, data: Path | None = None, tokenizer: Path | None = None,
-                weights: bool = True) -> list[str]:
+def _regenerate(
+    tmp: Path, name: str = "", *, data: Path | None = None, tokenizer: Path | None = None, weights: bool = True
+) -> list[str]:
     """A tiny target (or a model directory without weights), chat rows (or `data`), and an output directory:
     `dflash-ring regenerate` gets as far as its input allows."""
     from support import build_target, write_chat_rows
@@ -154,8 +194,12 @@ def _regenerate(tmp: Path, name: str = "", *, data: Path | None = None, tokenize
         sets = [f'target.path="{build_target(tmp / "model", "qwen3", layers=2)}"']
     else:
         sets = _model_dir_without_weights(tmp, name)[1::2]
-    sets += [f'data.path="{data or write_chat_rows(tmp / "chat.jsonl", 3)}"', f'data.cache_dir="{tmp / "cache"}"',
-             f'regenerate.output="{tmp / "out"}"', "regenerate.max_new_tokens=2"]
+    sets += [
+        f'data.path="{data or write_chat_rows(tmp / "chat.jsonl", 3)}"',
+        f'data.cache_dir="{tmp / "cache"}"',
+        f'regenerate.output="{tmp / "out"}"',
+        "regenerate.max_new_tokens=2",
+    ]
     if tokenizer is not None:
         sets.append(f'target.tokenizer="{tokenizer}"')
     return [a for s in sets for a in ("--set", s)]
@@ -224,10 +268,18 @@ def _damaged_cursor_file(tmp: Path, name: str) -> list[str]:
     """A producer of a live ring whose cursor file (its resume point once a ring is gone) is not JSON."""
     from support import build_target, write_chat_rows
 
-    sets = [f'target.path="{build_target(tmp / "model", "qwen3", layers=4)}"', 'target.device="cpu"',
-            f'target.state_dir="{tmp / "state"}"', f'data.path="{write_chat_rows(tmp / "chat.jsonl", 4)}"',
-            f'data.cache_dir="{tmp / "cache"}"', "data.max_length=128", "data.max_tokens_per_batch=256",
-            "ring.slots=2", f"ring.slot_bytes={1 << 20}", "ring.slot_header_bytes=65536"]
+    sets = [
+        f'target.path="{build_target(tmp / "model", "qwen3", layers=4)}"',
+        'target.device="cpu"',
+        f'target.state_dir="{tmp / "state"}"',
+        f'data.path="{write_chat_rows(tmp / "chat.jsonl", 4)}"',
+        f'data.cache_dir="{tmp / "cache"}"',
+        "data.max_length=128",
+        "data.max_tokens_per_batch=256",
+        "ring.slots=2",
+        f"ring.slot_bytes={1 << 20}",
+        "ring.slot_header_bytes=65536",
+    ]
     Ring.create(ring_spec(load_config(None, [*sets, f"run.name={name}"]))).close()
     (tmp / "state" / name).mkdir(parents=True)
     (tmp / "state" / name / "producer-0.json").write_text('{"epoch": 1, "posit')
@@ -237,6 +289,7 @@ def _damaged_cursor_file(tmp: Path, name: str) -> list[str]:
 def _target_with(field: str, raw: str) -> typing.Callable[[Path, str], list[str]]:
     """A tiny target whose config.json writes `field` as the JSON text `raw` (a value of the wrong type: [64],
     1e400, NaN), with a mask token: what transformers' strict config classes refuse (issue 34 item 1)."""
+
     def setup(tmp: Path, name: str) -> list[str]:
         from support import build_target
 
@@ -245,6 +298,7 @@ def _target_with(field: str, raw: str) -> typing.Callable[[Path, str], list[str]
         value = json.loads(text)[field]
         (model / "config.json").write_text(text.replace(f'"{field}": {value}', f'"{field}": {raw}', 1))
         return ["--set", f'target.path="{model}"', "--set", "target.mask_token_id=95"]
+
     return setup
 
 
@@ -270,16 +324,20 @@ def _eval_target_with(field: str, raw: str) -> typing.Callable[[Path, str], list
         _target_with(field, raw)(tmp, name)
         write_chat_rows(tmp / "chat.jsonl", 2)
         return []
+
     return setup
 
 
 def _records(*lines: str) -> typing.Callable[[Path, str], list[str]]:
     """RUN_DIR/tracking/drafter-0.jsonl holding these lines (a header first)."""
+
     def setup(tmp: Path, name: str) -> list[str]:
         (tmp / "tracking").mkdir()
         (tmp / "tracking" / "drafter-0.jsonl").write_text(
-            '{"series": "config", "run": "r", "fingerprint": "abc"}\n' + "".join(f"{x}\n" for x in lines))
+            '{"series": "config", "run": "r", "fingerprint": "abc"}\n' + "".join(f"{x}\n" for x in lines)
+        )
         return []
+
     return setup
 
 
@@ -294,124 +352,319 @@ CASES = [
     ("status-foreign-run", _foreign_ring, ["status", "{run}"], "belongs to uid 65534"),
     ("clean-foreign-run", _foreign_ring, ["clean", "{run}"], "belongs to uid 65534"),
     ("missing-config", None, ["status", "--config", "{tmp}/nope.toml"], "does not exist"),
-    ("config-too-large", _huge_config, ["status", "--config", "{tmp}/huge.toml"],
-     "config file {tmp}/huge.toml is larger than 4 MiB"),
+    (
+        "config-too-large",
+        _huge_config,
+        ["status", "--config", "{tmp}/huge.toml"],
+        "config file {tmp}/huge.toml is larger than 4 MiB",
+    ),
     ("export-unwritable", _a_file, ["export", "{tmp}/ckpt", "{tmp}/afile/out"], "is not a directory"),
     ("export-no-checkpoint", None, ["export", "{tmp}/ckpt", "{tmp}/out"], "no complete checkpoint"),
     ("target-index-out-of-range", None, ["target", "--index", "3", *NO_METRICS], "--index 3 is out of range"),
     ("drafter-index-out-of-range", None, ["drafter", "--index", "-1", *NO_METRICS], "--index -1 is out of range"),
     ("drafter-no-target", None, ["drafter", "--index", "0", *NO_METRICS], "target.path is empty"),
-    ("drafter-tracking-dir-a-file", _a_file, ["drafter", "--index", "0", *NO_METRICS, "--set",
-                                              'tracking.dir="{tmp}/afile/x"'],
-     "tracking.dir: output directory {tmp}/afile/x: {tmp}/afile is not a directory"),
+    (
+        "drafter-tracking-dir-a-file",
+        _a_file,
+        ["drafter", "--index", "0", *NO_METRICS, "--set", 'tracking.dir="{tmp}/afile/x"'],
+        "tracking.dir: output directory {tmp}/afile/x: {tmp}/afile is not a directory",
+    ),
     ("report-no-records", None, ["report", "{tmp}"], "no drafter record files (drafter-<j>.jsonl) in {tmp}/tracking"),
-    ("drafter-model-without-weights", _model_dir_without_weights, ["drafter", "--index", "0", *NO_METRICS],
-     "no model.safetensors"),
-    ("export-corrupted-latest", _corrupted_checkpoint, ["export", "{tmp}/ckpt/drafter-0", "{tmp}/out"],
-     "step-00000002/model.safetensors does not match the sha256 in its manifest.json"),
-    ("export-corrupted-step", _corrupted_checkpoint, ["export", "{tmp}/ckpt/drafter-0/step-00000002", "{tmp}/out"],
-     "step-00000002/model.safetensors does not match the sha256 in its manifest.json"),
-    ("drafter-resume-other-layer-count", _checkpoint_of_one_layer, ["drafter", "--index", "0", *NO_METRICS],
-     "drafter.num_hidden_layers = 1 there, 2 here"),
+    (
+        "drafter-model-without-weights",
+        _model_dir_without_weights,
+        ["drafter", "--index", "0", *NO_METRICS],
+        "no model.safetensors",
+    ),
+    (
+        "export-corrupted-latest",
+        _corrupted_checkpoint,
+        ["export", "{tmp}/ckpt/drafter-0", "{tmp}/out"],
+        "step-00000002/model.safetensors does not match the sha256 in its manifest.json",
+    ),
+    (
+        "export-corrupted-step",
+        _corrupted_checkpoint,
+        ["export", "{tmp}/ckpt/drafter-0/step-00000002", "{tmp}/out"],
+        "step-00000002/model.safetensors does not match the sha256 in its manifest.json",
+    ),
+    (
+        "drafter-resume-other-layer-count",
+        _checkpoint_of_one_layer,
+        ["drafter", "--index", "0", *NO_METRICS],
+        "drafter.num_hidden_layers = 1 there, 2 here",
+    ),
     ("target-missing-data", _missing_data, ["target", "--index", "0", *NO_METRICS], "nope.jsonl does not exist"),
     ("target-empty-data", _empty_data, ["target", "--index", "0", *NO_METRICS], "has no rows"),
     ("target-all-malformed-data", _malformed_data, ["target", "--index", "0", *NO_METRICS], "no usable row"),
-    ("target-tokenizer-without-chat-template", _tokenizer_without_chat_template,
-     ["target", "--index", "0", *NO_METRICS], "has no chat template"),
-    ("mix-path-and-sources", _mix('path = "{tmp}/a.jsonl"\n[[data.sources]]\npath = "{tmp}/b.jsonl"\n'),
-     DATA_STATS, "data.path = '{tmp}/a.jsonl' and [[data.sources]] are both set"),
-    ("mix-bad-weight", _mix('[[data.sources]]\npath = "a.jsonl"\n[[data.sources]]\npath = "b.jsonl"\nweight = 0\n'),
-     DATA_STATS, "data.sources[1].weight = 0.0: must be a finite number > 0"),
-    ("mix-duplicate-name", _mix('[[data.sources]]\npath = "x/a.jsonl"\n[[data.sources]]\npath = "b.jsonl"\n'
-                                'name = "a"\n'), DATA_STATS, "data.sources[0] and data.sources[1] are both named 'a'"),
-    ("mix-unknown-key", _mix('[[data.sources]]\npath = "a.jsonl"\nrepeats = true\n'), DATA_STATS,
-     "unknown config key 'repeats' in [data.sources[0]]"),
+    (
+        "target-tokenizer-without-chat-template",
+        _tokenizer_without_chat_template,
+        ["target", "--index", "0", *NO_METRICS],
+        "has no chat template",
+    ),
+    (
+        "mix-path-and-sources",
+        _mix('path = "{tmp}/a.jsonl"\n[[data.sources]]\npath = "{tmp}/b.jsonl"\n'),
+        DATA_STATS,
+        "data.path = '{tmp}/a.jsonl' and [[data.sources]] are both set",
+    ),
+    (
+        "mix-bad-weight",
+        _mix('[[data.sources]]\npath = "a.jsonl"\n[[data.sources]]\npath = "b.jsonl"\nweight = 0\n'),
+        DATA_STATS,
+        "data.sources[1].weight = 0.0: must be a finite number > 0",
+    ),
+    (
+        "mix-duplicate-name",
+        _mix('[[data.sources]]\npath = "x/a.jsonl"\n[[data.sources]]\npath = "b.jsonl"\nname = "a"\n'),
+        DATA_STATS,
+        "data.sources[0] and data.sources[1] are both named 'a'",
+    ),
+    (
+        "mix-unknown-key",
+        _mix('[[data.sources]]\npath = "a.jsonl"\nrepeats = true\n'),
+        DATA_STATS,
+        "unknown config key 'repeats' in [data.sources[0]]",
+    ),
     ("mix-source-without-usable-rows", _mix_with_a_bad_source, DATA_STATS, "no usable row in {tmp}/bad.jsonl"),
     ("regenerate-no-output", None, ["regenerate", *NO_METRICS], "regenerate.output is empty"),
-    ("regenerate-bad-setting", None, ["regenerate", "--set", "regenerate.shard_rows=0"],
-     "regenerate.shard_rows = 0: must be an integer >= 1"),
-    ("regenerate-bad-engine", None, ["regenerate", "--set", "regenerate.engine=vllm"],
-     "regenerate.engine = 'vllm': expected one of 'hf', 'openai'"),
-    ("regenerate-no-target", None, ["regenerate", "--set", "regenerate.output=out", *NO_METRICS],
-     "set target.path"),
+    (
+        "regenerate-bad-setting",
+        None,
+        ["regenerate", "--set", "regenerate.shard_rows=0"],
+        "regenerate.shard_rows = 0: must be an integer >= 1",
+    ),
+    (
+        "regenerate-bad-engine",
+        None,
+        ["regenerate", "--set", "regenerate.engine=vllm"],
+        "regenerate.engine = 'vllm': expected one of 'hf', 'openai'",
+    ),
+    ("regenerate-no-target", None, ["regenerate", "--set", "regenerate.output=out", *NO_METRICS], "set target.path"),
     ("regenerate-missing-data", _regenerate_missing_data, ["regenerate", *NO_METRICS], "nope.jsonl does not exist"),
     ("regenerate-all-rows-bad", _regenerate_malformed_data, ["regenerate", *NO_METRICS], "no usable row"),
-    ("regenerate-model-without-weights", _regenerate_without_weights, ["regenerate", *NO_METRICS],
-     "no model.safetensors or model.safetensors.index.json"),
-    ("regenerate-tokenizer-without-chat-template", _regenerate_tokenizer_without_chat_template,
-     ["regenerate", *NO_METRICS], "has no chat template"),
-    ("regenerate-resume-other-settings", _regenerated_once, ["regenerate", "--set", "regenerate.temperature=0.5",
-                                                             *NO_METRICS], "regenerate.temperature = 0.0 there, 0.5 here"),
-    ("regenerate-a-mixture", _mix('[[data.sources]]\npath = "a.jsonl"\n'),
-     ["regenerate", "--config", "{tmp}/mix.toml", "--set", "regenerate.output=out", *NO_METRICS],
-     "regenerate reads one data set, data.path, and [[data.sources]] is set"),
-    ("check-target-truncated-weights", _truncated_target, ["check-target"],
-     "{tmp}/model/model.safetensors is not a readable safetensors file"),
-    ("drafter-truncated-weights", _truncated_target, ["drafter", "--index", "0", *NO_METRICS],
-     "{tmp}/model/model.safetensors is not a readable safetensors file"),
-    ("regenerate-truncated-weights", _regenerate_truncated_weights, ["regenerate", *NO_METRICS],
-     "{tmp}/model/model.safetensors is not a readable safetensors file"),
-    ("regenerate-metrics-port-past-65535", _regenerate,
-     ["regenerate", "--set", "metrics.port_base=65400"], "past 65535"),
+    (
+        "regenerate-model-without-weights",
+        _regenerate_without_weights,
+        ["regenerate", *NO_METRICS],
+        "no model.safetensors or model.safetensors.index.json",
+    ),
+    (
+        "regenerate-tokenizer-without-chat-template",
+        _regenerate_tokenizer_without_chat_template,
+        ["regenerate", *NO_METRICS],
+        "has no chat template",
+    ),
+    (
+        "regenerate-resume-other-settings",
+        _regenerated_once,
+        ["regenerate", "--set", "regenerate.temperature=0.5", *NO_METRICS],
+        "regenerate.temperature = 0.0 there, 0.5 here",
+    ),
+    (
+        "regenerate-a-mixture",
+        _mix('[[data.sources]]\npath = "a.jsonl"\n'),
+        ["regenerate", "--config", "{tmp}/mix.toml", "--set", "regenerate.output=out", *NO_METRICS],
+        "regenerate reads one data set, data.path, and [[data.sources]] is set",
+    ),
+    (
+        "check-target-truncated-weights",
+        _truncated_target,
+        ["check-target"],
+        "{tmp}/model/model.safetensors is not a readable safetensors file",
+    ),
+    (
+        "drafter-truncated-weights",
+        _truncated_target,
+        ["drafter", "--index", "0", *NO_METRICS],
+        "{tmp}/model/model.safetensors is not a readable safetensors file",
+    ),
+    (
+        "regenerate-truncated-weights",
+        _regenerate_truncated_weights,
+        ["regenerate", *NO_METRICS],
+        "{tmp}/model/model.safetensors is not a readable safetensors file",
+    ),
+    (
+        "regenerate-metrics-port-past-65535",
+        _regenerate,
+        ["regenerate", "--set", "metrics.port_base=65400"],
+        "past 65535",
+    ),
     # Issue 23 item 5: numbers out of range were accepted (NaN passes `lr <= 0`), crashed later (a negative sleep:
     # a traceback) or planned work without end (a producer planning a trillion epochs, deaf to SIGTERM).
-    ("lr-nan", None, ["status", "--set", "run.name={run}", "--set", "train.lr=nan"],
-     "train.lr = nan: must be a finite number > 0"),
-    ("kl-weight-nan", None, ["status", "--set", "run.name={run}", "--set", "drafter.kl_weight=nan"],
-     "drafter.kl_weight = nan: must be a finite number >= 0"),
-    ("supervisor-negative-reap-interval", None,
-     ["supervisor", "--set", "run.name={run}", "--set", 'run.run_dir="{tmp}/locks"', *NO_METRICS,
-      "--set", "supervisor.reap_interval_s=-1"], "supervisor.reap_interval_s = -1.0: must be a finite number > 0"),
-    ("target-a-trillion-epochs", _ring_with_data, ["target", "--index", "0", *NO_METRICS,
-                                                   "--set", "data.epochs=1_000_000_000_000"],
-     "data.epochs = 1_000_000_000_000: must be an integer >= 1 and <= 10000"),
-    ("chaos-unknown-stop-mode", None, ["chaos", "--stop-modes", "stall-stop-now,pause", "--workdir", "{tmp}/c"],
-     "--stop-modes pause: not a whole-run stop; choose among stop-now, sigterm-all, sigkill-all, stall-stop-now"),
+    (
+        "lr-nan",
+        None,
+        ["status", "--set", "run.name={run}", "--set", "train.lr=nan"],
+        "train.lr = nan: must be a finite number > 0",
+    ),
+    (
+        "kl-weight-nan",
+        None,
+        ["status", "--set", "run.name={run}", "--set", "drafter.kl_weight=nan"],
+        "drafter.kl_weight = nan: must be a finite number >= 0",
+    ),
+    (
+        "supervisor-negative-reap-interval",
+        None,
+        [
+            "supervisor",
+            "--set",
+            "run.name={run}",
+            "--set",
+            'run.run_dir="{tmp}/locks"',
+            *NO_METRICS,
+            "--set",
+            "supervisor.reap_interval_s=-1",
+        ],
+        "supervisor.reap_interval_s = -1.0: must be a finite number > 0",
+    ),
+    (
+        "target-a-trillion-epochs",
+        _ring_with_data,
+        ["target", "--index", "0", *NO_METRICS, "--set", "data.epochs=1_000_000_000_000"],
+        "data.epochs = 1_000_000_000_000: must be an integer >= 1 and <= 10000",
+    ),
+    (
+        "chaos-unknown-stop-mode",
+        None,
+        ["chaos", "--stop-modes", "stall-stop-now,pause", "--workdir", "{tmp}/c"],
+        "--stop-modes pause: not a whole-run stop; choose among stop-now, sigterm-all, sigkill-all, stall-stop-now",
+    ),
     # Issue 30: the 27B's ddtree step at 4 x 3072 died of CUDA OOM minutes in; the estimate refuses it first.
-    ("bench-drafter-does-not-fit", None, ["bench", "drafter", "--shape", "qwen3.6-27b", "--recipe", "ddtree",
-                                          "--seqs", "4", "--seq-len", "3072", "--gpu-memory-gib", "140"],
-     "--seqs 4 --seq-len 3072 does not fit"),
+    (
+        "bench-drafter-does-not-fit",
+        None,
+        [
+            "bench",
+            "drafter",
+            "--shape",
+            "qwen3.6-27b",
+            "--recipe",
+            "ddtree",
+            "--seqs",
+            "4",
+            "--seq-len",
+            "3072",
+            "--gpu-memory-gib",
+            "140",
+        ],
+        "--seqs 4 --seq-len 3072 does not fit",
+    ),
     # Issue 34: inputs that ended in a traceback. A target config.json field transformers' strict config classes
     # refuse is one TargetConfigError at the one loading point (common/config/target.load_target_hf_config).
-    ("check-target-hidden-size-a-list", _target_with("hidden_size", "[64]"), ["check-target"],
-     "{tmp}/model/config.json: transformers refuses it (Validation error for field 'hidden_size'"),
-    ("check-config-hidden-size-inf", _target_with("hidden_size", "1e400"), ["check-config"],
-     "{tmp}/model/config.json: transformers refuses it (Validation error for field 'hidden_size'"),
-    ("drafter-layers-nan", _target_with("num_hidden_layers", "NaN"), ["drafter", "--index", "0", *NO_METRICS],
-     "Validation error for field 'num_hidden_layers'"),
-    ("eval-hidden-size-a-list", _eval_target_with("hidden_size", "[64]"), EVAL,
-     "{tmp}/model/config.json: transformers refuses it (Validation error for field 'hidden_size'"),
-    ("drafter-no-mask-token", _target_without_mask, ["drafter", "--index", "0", *NO_METRICS],
-     "target.mask_token_id is unset"),
+    (
+        "check-target-hidden-size-a-list",
+        _target_with("hidden_size", "[64]"),
+        ["check-target"],
+        "{tmp}/model/config.json: transformers refuses it (Validation error for field 'hidden_size'",
+    ),
+    (
+        "check-config-hidden-size-inf",
+        _target_with("hidden_size", "1e400"),
+        ["check-config"],
+        "{tmp}/model/config.json: transformers refuses it (Validation error for field 'hidden_size'",
+    ),
+    (
+        "drafter-layers-nan",
+        _target_with("num_hidden_layers", "NaN"),
+        ["drafter", "--index", "0", *NO_METRICS],
+        "Validation error for field 'num_hidden_layers'",
+    ),
+    (
+        "eval-hidden-size-a-list",
+        _eval_target_with("hidden_size", "[64]"),
+        EVAL,
+        "{tmp}/model/config.json: transformers refuses it (Validation error for field 'hidden_size'",
+    ),
+    (
+        "drafter-no-mask-token",
+        _target_without_mask,
+        ["drafter", "--index", "0", *NO_METRICS],
+        "target.mask_token_id is unset",
+    ),
     ("check-config-no-mask-token", _target_without_mask, ["check-config"], "target.mask_token_id is unset"),
     ("eval-no-cuda", _eval_files, [*EVAL, "--device", "cuda:0"], "device 'cuda:0': no CUDA device here"),
-    ("report-record-not-an-object", _records("[1, 2]"), ["report", "{tmp}"],
-     "record file {tmp}/tracking/drafter-0.jsonl, line 2: expected a JSON object, got list"),
-    ("report-record-without-step", _records('{"series": "train", "loss": 1.0}'), ["report", "{tmp}"],
-     "line 2: a logged step needs an integer \"step\", got None"),
-    ("report-record-string-loss", _records('{"step": 1, "series": "train", "loss": "low"}'), ["report", "{tmp}"],
-     "line 2: 'loss' = 'low': expected a number"),
-    ("report-record-without-series", _records('{"step": 1, "loss": 1.0}'), ["report", "{tmp}"],
-     "line 2: a logged step needs a string \"series\""),
-    ("chaos-stops-without-kills", None, ["chaos", "--kills", "0", "--whole-run-stops", "3", "--workdir", "{tmp}/c"],
-     "--whole-run-stops 3 with --kills 0"),
-    ("chaos-negative-seconds", None, ["chaos", "--seconds", "-1", "--workdir", "{tmp}/c"],
-     "--seconds -1.0: the fault window must be a finite number of seconds > 0"),
-    ("supervisor-hidden-size-a-list", _target_with("hidden_size", "[64]"),
-     ["supervisor", "--set", "run.name={run}", "--set", 'run.run_dir="{tmp}/locks"', *NO_METRICS],
-     "{tmp}/model/config.json: transformers refuses it (Validation error for field 'hidden_size'"),
-    ("check-target-zero-heads", _target_with("num_attention_heads", "0"), ["check-target"],
-     "{tmp}/model: transformers cannot build the model its config.json describes (ZeroDivisionError"),
-    ("check-config-zero-heads", _target_with("num_attention_heads", "0"), ["check-config"],
-     "{tmp}/model: transformers cannot build the model its config.json describes (ZeroDivisionError"),
-    ("check-config-width-not-the-weights", _target_with("hidden_size", "65"), ["check-config"],
-     "config.json makes lm_head.weight of shape [410, 65], its weights hold [410, 64]"),
-    ("check-config-tracking-dir-a-file", _a_file, ["check-config", "--set", 'tracking.dir="{tmp}/afile/x"'],
-     "tracking.dir: output directory {tmp}/afile/x: {tmp}/afile is not a directory"),
-    ("report-out-not-png", _records('{"step": 1, "series": "train", "loss": 1.0}'),
-     ["report", "{tmp}", "--out", "{tmp}/x.jpgx"], "--out {tmp}/x.jpgx: the report is a PNG"),
-    ("bench-regenerate-no-cuda", None, ["bench", "regenerate", "--shape", "tiny", "--device", "cuda:0"],
-     "device 'cuda:0': no CUDA device here"),
+    (
+        "report-record-not-an-object",
+        _records("[1, 2]"),
+        ["report", "{tmp}"],
+        "record file {tmp}/tracking/drafter-0.jsonl, line 2: expected a JSON object, got list",
+    ),
+    (
+        "report-record-without-step",
+        _records('{"series": "train", "loss": 1.0}'),
+        ["report", "{tmp}"],
+        'line 2: a logged step needs an integer "step", got None',
+    ),
+    (
+        "report-record-string-loss",
+        _records('{"step": 1, "series": "train", "loss": "low"}'),
+        ["report", "{tmp}"],
+        "line 2: 'loss' = 'low': expected a number",
+    ),
+    (
+        "report-record-without-series",
+        _records('{"step": 1, "loss": 1.0}'),
+        ["report", "{tmp}"],
+        'line 2: a logged step needs a string "series"',
+    ),
+    (
+        "chaos-stops-without-kills",
+        None,
+        ["chaos", "--kills", "0", "--whole-run-stops", "3", "--workdir", "{tmp}/c"],
+        "--whole-run-stops 3 with --kills 0",
+    ),
+    (
+        "chaos-negative-seconds",
+        None,
+        ["chaos", "--seconds", "-1", "--workdir", "{tmp}/c"],
+        "--seconds -1.0: the fault window must be a finite number of seconds > 0",
+    ),
+    (
+        "supervisor-hidden-size-a-list",
+        _target_with("hidden_size", "[64]"),
+        ["supervisor", "--set", "run.name={run}", "--set", 'run.run_dir="{tmp}/locks"', *NO_METRICS],
+        "{tmp}/model/config.json: transformers refuses it (Validation error for field 'hidden_size'",
+    ),
+    (
+        "check-target-zero-heads",
+        _target_with("num_attention_heads", "0"),
+        ["check-target"],
+        "{tmp}/model: transformers cannot build the model its config.json describes (ZeroDivisionError",
+    ),
+    (
+        "check-config-zero-heads",
+        _target_with("num_attention_heads", "0"),
+        ["check-config"],
+        "{tmp}/model: transformers cannot build the model its config.json describes (ZeroDivisionError",
+    ),
+    (
+        "check-config-width-not-the-weights",
+        _target_with("hidden_size", "65"),
+        ["check-config"],
+        "config.json makes lm_head.weight of shape [410, 65], its weights hold [410, 64]",
+    ),
+    (
+        "check-config-tracking-dir-a-file",
+        _a_file,
+        ["check-config", "--set", 'tracking.dir="{tmp}/afile/x"'],
+        "tracking.dir: output directory {tmp}/afile/x: {tmp}/afile is not a directory",
+    ),
+    (
+        "report-out-not-png",
+        _records('{"step": 1, "series": "train", "loss": 1.0}'),
+        ["report", "{tmp}", "--out", "{tmp}/x.jpgx"],
+        "--out {tmp}/x.jpgx: the report is a PNG",
+    ),
+    (
+        "bench-regenerate-no-cuda",
+        None,
+        ["bench", "regenerate", "--shape", "tiny", "--device", "cuda:0"],
+        "device 'cuda:0': no CUDA device here",
+    ),
 ]
 
 
@@ -432,23 +685,27 @@ def test_bad_invocation_is_one_line_exit_2(tmp_path, case):
         args = [a.format(run=name, tmp=tmp_path) for a in argv] + extra
         if args[0] in ("target", "drafter"):
             args += ["--set", f"run.name={name}", "--set", "run.attach_timeout_s=0"]
-        out = subprocess.run([sys.executable, "-m", "dflash_ring", *args], cwd=tmp_path, capture_output=True,
-                             text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "dflash_ring", *args], cwd=tmp_path, capture_output=True, text=True, timeout=120
+        )
     finally:
         for p in Path("/dev/shm").glob(f"*dflash-ring.{name}*"):
             p.unlink()
     lines = [ln for ln in out.stderr.strip().splitlines() if not PROGRESS_BAR.search(ln)]
     assert out.returncode == 2 and "Traceback" not in out.stderr and len(lines) == 1, (out.returncode, out.stderr)
-    assert lines[0].startswith(f"dflash-ring {args[0]}: error: ") and says.format(tmp=tmp_path, run=name) in lines[0], \
+    assert lines[0].startswith(f"dflash-ring {args[0]}: error: ") and says.format(tmp=tmp_path, run=name) in lines[0], (
         lines[0]
+    )
 
 
 @pytest.mark.processes
 def test_help_imports_neither_torch_nor_transformers():
     """`dflash-ring --help` answers at once: parsing must not wait for torch or transformers."""
-    code = ("import sys\nfrom dflash_ring.cli import main\n"
-            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "print(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules))")
+    code = (
+        "import sys\nfrom dflash_ring.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
 
@@ -456,10 +713,18 @@ def test_help_imports_neither_torch_nor_transformers():
 # Errors after the process has started its work (loaded its model, logged what it does): its last line is the
 # one error line, with no traceback, and it exits 2.
 LATE_CASES = [
-    ("regenerate-every-prompt-fails", _regenerate_every_prompt_fails, ["regenerate", *NO_METRICS],
-     "the engine failed on every prompt it was given (3 rows of 1 shards; row 0: chat template failed"),
-    ("target-damaged-cursor-file", _damaged_cursor_file, ["target", "--index", "0", *NO_METRICS],
-     "cursor file {tmp}/state/{run}/producer-0.json cannot be read"),
+    (
+        "regenerate-every-prompt-fails",
+        _regenerate_every_prompt_fails,
+        ["regenerate", *NO_METRICS],
+        "the engine failed on every prompt it was given (3 rows of 1 shards; row 0: chat template failed",
+    ),
+    (
+        "target-damaged-cursor-file",
+        _damaged_cursor_file,
+        ["target", "--index", "0", *NO_METRICS],
+        "cursor file {tmp}/state/{run}/producer-0.json cannot be read",
+    ),
 ]
 
 
@@ -472,8 +737,9 @@ def test_a_late_error_ends_in_one_line_exit_2(tmp_path, case):
         args = [*argv, *setup(tmp_path, name)]
         if args[0] == "target":
             args += ["--set", f"run.name={name}", "--set", "run.attach_timeout_s=0"]
-        out = subprocess.run([sys.executable, "-m", "dflash_ring", *args], cwd=tmp_path, capture_output=True,
-                             text=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-m", "dflash_ring", *args], cwd=tmp_path, capture_output=True, text=True, timeout=300
+        )
     finally:
         for p in Path("/dev/shm").glob(f"*dflash-ring.{name}*"):
             p.unlink()
@@ -488,8 +754,10 @@ def test_report_prints_the_file_it_writes(tmp_path, capsys):
     """`report --out X` writes X.png (matplotlib adds the suffix): the line names X.png, which exists."""
     from dflash_ring.cli import main
 
-    _records('{"step": 1, "series": "train", "loss": 2.0, "accept_len": 1.5}',
-             '{"step": 2, "series": "train", "loss": 1.0, "accept_len": 2.0}')(tmp_path, "")
+    _records(
+        '{"step": 1, "series": "train", "loss": 2.0, "accept_len": 1.5}',
+        '{"step": 2, "series": "train", "loss": 1.0, "accept_len": 2.0}',
+    )(tmp_path, "")
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "X")]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith(f"{tmp_path / 'X.png'}: ") and (tmp_path / "X.png").is_file(), printed

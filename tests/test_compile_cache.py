@@ -69,8 +69,13 @@ print(json.dumps(dict(counters["inductor"])))
 @pytest.mark.skipif(shutil.which("cc") is None, reason="Inductor on the CPU needs a C compiler")
 def test_a_restarted_process_loads_the_compiled_graph_instead_of_compiling(tmp_path):
     def run() -> dict:
-        out = subprocess.run([sys.executable, "-c", COMPILE_TWICE, str(tmp_path)], capture_output=True, text=True,
-                             timeout=300, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": "/nonexistent"})
+        out = subprocess.run(
+            [sys.executable, "-c", COMPILE_TWICE, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": "/nonexistent"},
+        )
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -29,8 +29,12 @@ from dflash_ring.common.config.ranges import DEFAULT, INT64_MAX, Range, range_of
 
 PREFIX = "dflash-ring check-config: error: "
 # Deterministic in CI: examples derived from the test alone, no example database.
-EXAMPLES = dict(derandomize=True, database=None, deadline=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+EXAMPLES = dict(
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 SOURCE = "data.sources[0]"  # a [[data.sources]] entry's fields are set in an entry that has a path
 
 
@@ -57,8 +61,9 @@ def _settings() -> list[Setting]:
             item = _table_list_item(hints[f.name])
             if item is not None:
                 item_hints = typing.get_type_hints(item, include_extras=True)
-                found += [Setting(f"{section.name}.{f.name}[0]", g.name, item_hints[g.name])
-                          for g in dataclasses.fields(item)]
+                found += [
+                    Setting(f"{section.name}.{f.name}[0]", g.name, item_hints[g.name]) for g in dataclasses.fields(item)
+                ]
     return found
 
 
@@ -73,6 +78,7 @@ SETTINGS = _settings()
 
 
 # --- values: of the declared type and of every other, at and past the edges of the declared range ---------------
+
 
 def _strip(hint: typing.Any) -> tuple[typing.Any, Range | None]:
     """The plain type of a hint without None and Annotated, and the Range declared on it."""
@@ -90,12 +96,17 @@ def _strip(hint: typing.Any) -> tuple[typing.Any, Range | None]:
 
 TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=12)  # any text UTF-8 can carry
 SCALARS = st.one_of(
-    st.booleans(), TEXT, st.just(""),
-    st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([math.nan, math.inf, -math.inf, -0.0, 1e308]),
-    st.integers(-2**70, 2**70), st.sampled_from([-1, 0, 1, INT64_MAX, INT64_MAX + 1, 10**12, -2**63 - 1]),
+    st.booleans(),
+    TEXT,
+    st.just(""),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([math.nan, math.inf, -math.inf, -0.0, 1e308]),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([-1, 0, 1, INT64_MAX, INT64_MAX + 1, 10**12, -(2**63) - 1]),
 )
-ANY = st.one_of(SCALARS, st.lists(SCALARS, max_size=3), st.dictionaries(st.sampled_from(["a", "path"]), SCALARS,
-                                                                        max_size=2))
+ANY = st.one_of(
+    SCALARS, st.lists(SCALARS, max_size=3), st.dictionaries(st.sampled_from(["a", "path"]), SCALARS, max_size=2)
+)
 
 
 def _numbers(kind: type, bound: Range) -> st.SearchStrategy:
@@ -103,9 +114,10 @@ def _numbers(kind: type, bound: Range) -> st.SearchStrategy:
     edges = [e for e in (bound.low, bound.high) if e is not None] + [0]
     if kind is int:
         near = st.sampled_from(edges).flatmap(lambda e: st.integers(int(e) - 2, int(e) + 2))
-        return st.one_of(near, st.integers(-2**64, 2**64), st.integers(-5, 20))
-    near = st.sampled_from(edges).flatmap(lambda e: st.sampled_from([e, math.nextafter(e, math.inf),
-                                                                    math.nextafter(e, -math.inf), e + 0.5]))
+        return st.one_of(near, st.integers(-(2**64), 2**64), st.integers(-5, 20))
+    near = st.sampled_from(edges).flatmap(
+        lambda e: st.sampled_from([e, math.nextafter(e, math.inf), math.nextafter(e, -math.inf), e + 0.5])
+    )
     return st.one_of(near, st.floats(allow_nan=True, allow_infinity=True), st.integers(-3, 3))
 
 
@@ -134,6 +146,7 @@ def _values(setting: Setting) -> st.SearchStrategy:
 
 # --- writing a value and checking the outcome ----------------------------------------------------------------------
 
+
 def _toml(v: typing.Any) -> str:
     if isinstance(v, dict):
         return "{" + ", ".join(f"{k} = {_toml(x)}" for k, x in v.items()) + "}"
@@ -157,8 +170,12 @@ def check_config_in_process(path: Path) -> tuple[int, str]:
 
 
 def check_config_subprocess(path: Path) -> tuple[int, str]:
-    out = subprocess.run([sys.executable, "-m", "dflash_ring", "check-config", "--config", str(path)],
-                         capture_output=True, text=True, timeout=60)  # a hang fails here, not the run
+    out = subprocess.run(
+        [sys.executable, "-m", "dflash_ring", "check-config", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # a hang fails here, not the run
     return out.returncode, out.stderr
 
 
@@ -193,8 +210,9 @@ def assert_outcome(setting: Setting, path: Path, code: int, stderr: str) -> None
     lines = stderr.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith(PREFIX), (code, stderr)
     section = setting.section.split("[")[0].split(".")[0]
-    assert section in lines[0] and setting.key in lines[0], f"{path.read_text()!r}: the error names neither " \
-                                                              f"{setting.name!r}: {lines[0]}"
+    assert section in lines[0] and setting.key in lines[0], (
+        f"{path.read_text()!r}: the error names neither {setting.name!r}: {lines[0]}"
+    )
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=[s.name for s in SETTINGS])

@@ -30,8 +30,13 @@ def _changed(value: typing.Any, hint: typing.Any) -> typing.Any:
     (item,) = typing.get_args(hint)
     if dataclasses.is_dataclass(item):  # a list of tables ([[data.sources]]): every field of each changed
         hints = typing.get_type_hints(item)
-        return [item(**{f.name: _changed(getattr(item(path=path), f.name), hints[f.name])
-                        for f in dataclasses.fields(item)} | {"path": path}) for path in ("a.jsonl", "b/c d.jsonl")]
+        return [
+            item(
+                **{f.name: _changed(getattr(item(path=path), f.name), hints[f.name]) for f in dataclasses.fields(item)}
+                | {"path": path}
+            )
+            for path in ("a.jsonl", "b/c d.jsonl")
+        ]
     if typing.get_origin(item) is typing.Literal:  # a list of choices (tracking.backends): two of them
         return list(typing.get_args(item))[:2]
     return [item(1), item(2)] if item is not str else ["x", 'y"']
@@ -51,9 +56,20 @@ def test_every_field_round_trips_through_toml():
 
 
 def test_a_run_config_round_trips_and_writes_only_what_differs(tmp_path):
-    cfg = load_config(None, ["run.name=tiny", f"run.run_dir={tmp_path / 'locks'}", "ring.slots=4",
-                             "ring.slot_bytes=8388608", "topology.consumers=2", "target.layer_ids=[1, 2]",
-                             "target.mask_token_id=642", "train.lr=3e-3", "data.path=/data/a b.jsonl"])
+    cfg = load_config(
+        None,
+        [
+            "run.name=tiny",
+            f"run.run_dir={tmp_path / 'locks'}",
+            "ring.slots=4",
+            "ring.slot_bytes=8388608",
+            "topology.consumers=2",
+            "target.layer_ids=[1, 2]",
+            "target.mask_token_id=642",
+            "train.lr=3e-3",
+            "data.path=/data/a b.jsonl",
+        ],
+    )
     text = dump_toml(cfg, header="written by a test\ncopy me", comments={"metrics": "ports", "train.lr": "peak"})
     path = tmp_path / "run.toml"
     path.write_text(text)
@@ -81,6 +97,13 @@ def test_derived_fields_are_left_out(tmp_path):
     assert "layer_types" not in text and "num_hidden_layers = 3" in text
     (tmp_path / "c.toml").write_text(text.replace("= 3", "= 4"))
     assert load_config(tmp_path / "c.toml").drafter.layer_types == ["full_attention"] * 4
-    assert "layer_types" in dump_toml(load_config(None, ["drafter.num_hidden_layers=2",
-                                                          'drafter.layer_types=["sliding_attention", "full_attention"]',
-                                                          "drafter.sliding_window=64"]))
+    assert "layer_types" in dump_toml(
+        load_config(
+            None,
+            [
+                "drafter.num_hidden_layers=2",
+                'drafter.layer_types=["sliding_attention", "full_attention"]',
+                "drafter.sliding_window=64",
+            ],
+        )
+    )

@@ -46,7 +46,7 @@ def damaged(draw, data: bytes) -> bytes:
         elif kind == "insert":
             out[i:i] = draw(st.binary(min_size=1, max_size=8))
         elif out:
-            del out[i:i + draw(st.integers(1, 16))]
+            del out[i : i + draw(st.integers(1, 16))]
     return bytes(out)
 
 
@@ -55,6 +55,7 @@ def asides(path: Path) -> list[Path]:
 
 
 # --- the drafter's journal ---------------------------------------------------------------------------------------
+
 
 def _journal(root: Path) -> Path:
     j = Journal(journal_dir(root, 0), ring=3, after_step=0)
@@ -83,12 +84,25 @@ def test_a_damaged_journal_segment_is_rebuilt_from_its_readable_lines_and_kept_a
             assert [k.read_bytes() for k in kept] == [bad]
             assert read_entries(path) == entries and asides(path) == kept  # read again: clean, nothing new aside
         else:  # read as it is: every line an entry the writer could have written
-            assert bad == b"".join(json.dumps({"p": e.producer, "e": e.epoch, "q": e.position, "i": e.item},
-                                              separators=(",", ":")).encode() + b"\n" for e in entries)
+            assert bad == b"".join(
+                json.dumps(
+                    {"p": e.producer, "e": e.epoch, "q": e.position, "i": e.item}, separators=(",", ":")
+                ).encode()
+                + b"\n"
+                for e in entries
+            )
 
 
-@pytest.mark.parametrize("line", [b'{"p":0,"e":0,"q":9,"i":\xff}', b'{"p":0,"e":0,"q":1e400,"i":1}',
-                                  b'{"p":0,"e":0,"q":2.5,"i":1}', b'{"p":true,"e":0,"q":1,"i":1}', b'[1,2,3,4]'])
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"p":0,"e":0,"q":9,"i":\xff}',
+        b'{"p":0,"e":0,"q":1e400,"i":1}',
+        b'{"p":0,"e":0,"q":2.5,"i":1}',
+        b'{"p":true,"e":0,"q":1,"i":1}',
+        b"[1,2,3,4]",
+    ],
+)
 def test_sealing_a_journal_with_a_line_of_the_issue_keeps_the_rest_and_the_damaged_copy(tmp_path, line, caplog):
     """What the drafter at join, the supervisor at teardown and `clean` all do with a dead drafter's segment:
     seal it. The issue's lines (a byte that is not UTF-8, a number like 1e400) crashed all three."""
@@ -151,8 +165,16 @@ def test_one_flipped_byte_mid_file_costs_its_line_not_the_rest_of_the_curve(tmp_
     assert "1 record line(s) unreadable (line 4), 9 kept" in caplog.text and len(asides(path)) == 1
 
 
-@pytest.mark.parametrize("line", [b'5', b'{"step": "x", "series": "train"}', b'{"step": 9, "series": 3}',
-                                  b'{"step": 9, "series": "train", "loss": "low"}', b'{"no": "step"}'])
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"5",
+        b'{"step": "x", "series": "train"}',
+        b'{"step": 9, "series": 3}',
+        b'{"step": 9, "series": "train", "loss": "low"}',
+        b'{"no": "step"}',
+    ],
+)
 def test_a_malformed_line_no_longer_stops_the_drafter_at_start(tmp_path, line):
     path = tmp_path / "drafter-0.jsonl"
     path.write_bytes(_records(path) + line + b"\n")
@@ -162,6 +184,7 @@ def test_a_malformed_line_no_longer_stops_the_drafter_at_start(tmp_path, line):
 
 
 # --- the head cache ----------------------------------------------------------------------------------------------
+
 
 class _Errors:
     embedding, logits = 1e-7, 2e-7
@@ -194,16 +217,19 @@ def _edited(path: Path, redigest: bool, **head) -> None:
     path.write_text(json.dumps(record))
 
 
-@pytest.mark.parametrize("head, redigest, untied_head", [
-    (dict(embed_scale=math.nan), True, True),  # trained NaN silently
-    (dict(embed_scale=math.nan), False, True),
-    (dict(logit_softcap=1e-6), False, True),  # trained nothing silently
-    (dict(logit_softcap=-3.0), True, True),
-    (dict(logit_multiplier=0.0), True, True),
-    (dict(tied=False), True, False),  # a traceback blaming the target
-    (dict(tied="yes"), True, True),
-    (dict(embed_scale="8"), True, True),
-])
+@pytest.mark.parametrize(
+    "head, redigest, untied_head",
+    [
+        (dict(embed_scale=math.nan), True, True),  # trained NaN silently
+        (dict(embed_scale=math.nan), False, True),
+        (dict(logit_softcap=1e-6), False, True),  # trained nothing silently
+        (dict(logit_softcap=-3.0), True, True),
+        (dict(logit_multiplier=0.0), True, True),
+        (dict(tied=False), True, False),  # a traceback blaming the target
+        (dict(tied="yes"), True, True),
+        (dict(embed_scale="8"), True, True),
+    ],
+)
 def test_the_issues_head_cache_values_are_doubted(tmp_path, head, redigest, untied_head, caplog):
     path = tmp_path / "target-head.json"
     store_spec(path, "k", HeadSpec(tied=True, embed_scale=8.0, logit_softcap=30.0), _Errors)
@@ -215,6 +241,7 @@ def test_the_issues_head_cache_values_are_doubted(tmp_path, head, redigest, unti
 
 # --- the producer's replay list ----------------------------------------------------------------------------------
 
+
 def _in_plan(epoch: int, position: int) -> bool:
     return epoch == 0 and 0 <= position < 4
 
@@ -223,8 +250,9 @@ def test_a_sealed_segment_naming_a_batch_outside_the_plan_is_refused_before_the_
     """The issue's crash loop: the entry was saved in the cursor file before the producer failed on it."""
     d = journal_dir(tmp_path, 0)
     d.mkdir(parents=True)
-    (d / "lost-00000000-11-3.jsonl").write_text('{"p":0,"e":0,"q":2,"i":1}\n{"p":0,"e":0,"q":999,"i":2}\n'
-                                                '{"p":0,"e":7,"q":0,"i":3}\n')
+    (d / "lost-00000000-11-3.jsonl").write_text(
+        '{"p":0,"e":0,"q":2,"i":1}\n{"p":0,"e":0,"q":999,"i":2}\n{"p":0,"e":7,"q":0,"i":3}\n'
+    )
     cursor = CursorFile(tmp_path / "producer-0.json", "plan")
     live = LiveReplay(0, ResumeState(), cursor, tmp_path, _in_plan)
     with caplog.at_level(logging.ERROR):
@@ -259,8 +287,15 @@ def test_a_damaged_cursor_file_is_read_or_refused_in_one_line(data):
             assert str(cursor.path) in str(e) and "\n" not in str(e)
 
 
-@pytest.mark.parametrize("head, redigest", [(dict(tied=True), True), (dict(tied=False), True),
-                                            (dict(embed_scale=math.nan), True), (dict(logit_softcap=1e-6), False)])
+@pytest.mark.parametrize(
+    "head, redigest",
+    [
+        (dict(tied=True), True),
+        (dict(tied=False), True),
+        (dict(embed_scale=math.nan), True),
+        (dict(logit_softcap=1e-6), False),
+    ],
+)
 def test_a_real_target_head_read_through_a_doubted_cache_is_the_probes(tmp_path, head, redigest):
     """Through the real loader on a real (untied) checkpoint: the issue's edits give the head the probe derives
     and a rewritten cache. A value the probe could derive with the digest made to match (a tiny softcap, so
@@ -292,6 +327,7 @@ def test_the_report_refuses_a_line_that_is_not_json_in_one_line_naming_it(tmp_pa
 
 # --- a drafter's checkpoint directory: the `latest` pointer ---------------------------------------------------------
 
+
 def _two_checkpoints(root: Path):
     from dflash_ring.consumer.checkpoint import Checkpoint, CheckpointStore
 
@@ -299,8 +335,15 @@ def _two_checkpoints(root: Path):
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters())
     for step in (1, 2):
-        store.save(Checkpoint(step, {k: v.detach().clone() for k, v in model.state_dict().items()},
-                              opt.state_dict(), {"rng": torch.get_rng_state()}), keep=2)
+        store.save(
+            Checkpoint(
+                step,
+                {k: v.detach().clone() for k, v in model.state_dict().items()},
+                opt.state_dict(),
+                {"rng": torch.get_rng_state()},
+            ),
+            keep=2,
+        )
     return store
 
 

@@ -28,14 +28,21 @@ BUDGET = 256
 
 
 def epoch(sources, world: int = 1, epochs: int = 1, seed: int = 5) -> list[list[Batch]]:
-    return [list(ShardBatcher(sources, rank=r, world_size=world, max_tokens_per_batch=BUDGET, epochs=epochs,
-                              seed=seed).batches()) for r in range(world)]
+    return [
+        list(
+            ShardBatcher(
+                sources, rank=r, world_size=world, max_tokens_per_batch=BUDGET, epochs=epochs, seed=seed
+            ).batches()
+        )
+        for r in range(world)
+    ]
 
 
 def drawn(batches, e: int = 0) -> Tally:
     """(source, row) -> times trained in epoch e."""
-    return Tally((int(s), int(r)) for b in batches if b.epoch == e
-                 for s, r in zip(b.source_ids.tolist(), b.sample_ids.tolist()))
+    return Tally(
+        (int(s), int(r)) for b in batches if b.epoch == e for s, r in zip(b.source_ids.tolist(), b.sample_ids.tolist())
+    )
 
 
 def test_weights_3_to_1_give_those_shares_of_every_epoch():
@@ -105,7 +112,7 @@ def test_deterministic_and_exact_resume_from_mid_epoch_cursors_across_three_prod
     for rank, mine in enumerate(everything):
         for i in (len(mine) // 3, len(mine) // 2, len(mine) - 1):  # mid-epoch 0, around the boundary, the end
             fresh = ShardBatcher(sources, rank=rank, world_size=3, max_tokens_per_batch=BUDGET, epochs=2, seed=5)
-            assert [key(b) for b in fresh.batches(from_cursor=mine[i][2])] == mine[i + 1:]
+            assert [key(b) for b in fresh.batches(from_cursor=mine[i][2])] == mine[i + 1 :]
     # Across the ranks every sample of the epoch's draw comes exactly once: the ranks split one plan.
     one = ShardBatcher(sources, rank=0, world_size=1, max_tokens_per_batch=BUDGET, epochs=2, seed=5)
     for e in (0, 1):
@@ -118,14 +125,34 @@ def test_deterministic_and_exact_resume_from_mid_epoch_cursors_across_three_prod
 # budget 24, bucket_window 4, two producers; epochs 0 and 1): a single data.path must keep it exactly.
 LENGTHS = [5, 9, 3, 12, 7, 4, 8, 6, 10, 2, 11, 1, 13, 5, 6]
 BEFORE = {
-    (True, 0): [(0, 0, [25, 19, 27]), (0, 1, [11, 15, 3]), (0, 2, [1, 29, 17]), (1, 0, [9, 17]), (1, 1, [7, 15]),
-                (1, 2, [23, 5, 3])],
-    (True, 1): [(0, 0, [9, 21, 5]), (0, 1, [23, 13, 7]), (1, 0, [25, 27, 29]), (1, 1, [13]),
-                (1, 2, [21, 19, 11, 1])],
-    (False, 0): [(0, 0, [1, 29]), (0, 1, [25]), (0, 2, [17, 11]), (0, 3, [23, 13]), (1, 0, [15, 9]),
-                 (1, 1, [19, 11, 1]), (1, 2, [25]), (1, 3, [17, 21])],
-    (False, 1): [(0, 0, [7]), (0, 1, [15, 3]), (0, 2, [21, 5]), (0, 3, [19, 27, 9]), (1, 0, [27, 29, 13]),
-                 (1, 1, [3, 7]), (1, 2, [23, 5])],
+    (True, 0): [
+        (0, 0, [25, 19, 27]),
+        (0, 1, [11, 15, 3]),
+        (0, 2, [1, 29, 17]),
+        (1, 0, [9, 17]),
+        (1, 1, [7, 15]),
+        (1, 2, [23, 5, 3]),
+    ],
+    (True, 1): [(0, 0, [9, 21, 5]), (0, 1, [23, 13, 7]), (1, 0, [25, 27, 29]), (1, 1, [13]), (1, 2, [21, 19, 11, 1])],
+    (False, 0): [
+        (0, 0, [1, 29]),
+        (0, 1, [25]),
+        (0, 2, [17, 11]),
+        (0, 3, [23, 13]),
+        (1, 0, [15, 9]),
+        (1, 1, [19, 11, 1]),
+        (1, 2, [25]),
+        (1, 3, [17, 21]),
+    ],
+    (False, 1): [
+        (0, 0, [7]),
+        (0, 1, [15, 3]),
+        (0, 2, [21, 5]),
+        (0, 3, [19, 27, 9]),
+        (1, 0, [27, 29, 13]),
+        (1, 1, [3, 7]),
+        (1, 2, [23, 5]),
+    ],
 }
 # plan_key of that plan's shard 1 before mixtures, for data tokenized into tokenized-0123456789abcdef01234567.
 KEY_BEFORE = "41e44c2fb70936d6fe8c36b5"
@@ -133,8 +160,13 @@ KEY_BEFORE = "41e44c2fb70936d6fe8c36b5"
 
 def single(lengths=LENGTHS) -> TokenizedData:
     data = synthetic(0, lengths)
-    return TokenizedData(**{**data.__dict__, "row_ids": np.arange(len(lengths), dtype=np.int64) * 2 + 1,
-                            "directory": Path("/c/tokenized-0123456789abcdef01234567")})
+    return TokenizedData(
+        **{
+            **data.__dict__,
+            "row_ids": np.arange(len(lengths), dtype=np.int64) * 2 + 1,
+            "directory": Path("/c/tokenized-0123456789abcdef01234567"),
+        }
+    )
 
 
 @pytest.mark.parametrize("packing", [True, False])
@@ -143,8 +175,9 @@ def single(lengths=LENGTHS) -> TokenizedData:
 def test_one_data_set_plans_exactly_as_before_mixtures(packing, rank, as_source):
     data = single()
     given = [SourceData("only", "/d/x.jsonl", 3.0, True, data)] if as_source else data  # weight/repeat: no effect
-    batcher = ShardBatcher(given, rank=rank, world_size=2, max_tokens_per_batch=24, epochs=2, seed=7,
-                           packing=packing, bucket_window=4)
+    batcher = ShardBatcher(
+        given, rank=rank, world_size=2, max_tokens_per_batch=24, epochs=2, seed=7, packing=packing, bucket_window=4
+    )
     assert [(b.epoch, b.position, b.sample_ids.tolist()) for b in batcher.batches()] == BEFORE[packing, rank]
     if packing and rank == 1:
         assert batcher.plan_key() == KEY_BEFORE  # so a resume across the upgrade keeps its cursor
@@ -173,8 +206,16 @@ def test_a_resume_with_another_mix_is_refused_naming_both(tmp_path):
     assert old.plan != new.plan
     assert "code = /d/code.jsonl weight 3 (tokenized" in old.description and "repeat" not in old.description
     assert "chat = /d/chat.jsonl weight 1 repeat (tokenized" in new.description
-    cfg = load_config(None, [f"run.name=mix{os.getpid()}", "ring.slots=1", "ring.slot_bytes=8192",
-                             "ring.slot_header_bytes=4096", "topology.consumers=1"])
+    cfg = load_config(
+        None,
+        [
+            f"run.name=mix{os.getpid()}",
+            "ring.slots=1",
+            "ring.slot_bytes=8192",
+            "ring.slot_header_bytes=4096",
+            "topology.consumers=1",
+        ],
+    )
     Ring.unlink(cfg.run.name)
     try:
         with Ring.create(ring_spec(cfg)) as ring:
@@ -190,15 +231,24 @@ def test_a_resume_with_another_mix_is_refused_naming_both(tmp_path):
     assert old.description in str(e.value) and new.description in str(e.value)
 
 
-@pytest.mark.parametrize("sets, says", [
-    (['data.path="a.jsonl"', 'data.sources=[{path="b.jsonl"}]'], "are both set"),
-    (['data.sources=[{path="a.jsonl"}, {path="b.jsonl", weight=-1}]'], "data.sources[1].weight = -1.0: must be a finite number > 0"),
-    (['data.sources=[{path="x/a.jsonl"}, {path="y/a.jsonl"}]'], "data.sources[0] and data.sources[1] are both named 'a'"),
-    (['data.sources=[{path="a.jsonl", wieght=2}]'], "unknown config key 'wieght' in [data.sources[0]]"),
-    (['data.sources=[{path="a.jsonl", repeat="yes"}]'], "data.sources[0].repeat = 'yes': expected true or false"),
-    (['data.sources=[{weight=2}]'], "[data.sources[0]]: path is empty"),
-    (['data.sources=[{path="a.jsonl"}]', 'data.format="jsonl"'], "set them in each source's entry"),
-])
+@pytest.mark.parametrize(
+    "sets, says",
+    [
+        (['data.path="a.jsonl"', 'data.sources=[{path="b.jsonl"}]'], "are both set"),
+        (
+            ['data.sources=[{path="a.jsonl"}, {path="b.jsonl", weight=-1}]'],
+            "data.sources[1].weight = -1.0: must be a finite number > 0",
+        ),
+        (
+            ['data.sources=[{path="x/a.jsonl"}, {path="y/a.jsonl"}]'],
+            "data.sources[0] and data.sources[1] are both named 'a'",
+        ),
+        (['data.sources=[{path="a.jsonl", wieght=2}]'], "unknown config key 'wieght' in [data.sources[0]]"),
+        (['data.sources=[{path="a.jsonl", repeat="yes"}]'], "data.sources[0].repeat = 'yes': expected true or false"),
+        (["data.sources=[{weight=2}]"], "[data.sources[0]]: path is empty"),
+        (['data.sources=[{path="a.jsonl"}]', 'data.format="jsonl"'], "set them in each source's entry"),
+    ],
+)
 def test_mixture_config_errors_name_the_entry(sets, says):
     with pytest.raises(ConfigError) as e:
         load_config(None, sets)
@@ -206,8 +256,13 @@ def test_mixture_config_errors_name_the_entry(sets, says):
 
 
 def test_a_mixture_config_round_trips_as_a_list_of_tables(tmp_path):
-    cfg = load_config(None, ['data.sources=[{path="/d/code.jsonl", weight=3}, '
-                             '{path="/d/chat", name="talk", repeat=true, format="disk", split="test"}]'])
+    cfg = load_config(
+        None,
+        [
+            'data.sources=[{path="/d/code.jsonl", weight=3}, '
+            '{path="/d/chat", name="talk", repeat=true, format="disk", split="test"}]'
+        ],
+    )
     text = dump_toml(cfg)
     assert text.count("[[data.sources]]") == 2 and 'name = "code"' not in text  # derived from the path: left out
     (tmp_path / "c.toml").write_text(text)

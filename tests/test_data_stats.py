@@ -31,11 +31,24 @@ from dflash_ring.producer.batching import ShardBatcher
 from dflash_ring.producer.pretokenized import load_sources
 from support import build_target, load_tokenizer, wait_exit, wait_for, write_chat_rows, write_config
 
-CODE = [{"prompt": "write it", "response": "1" * 5}, {"prompt": "again", "response": "2" * 20},
-        {"prompt": "more", "response": "3" * 40}, {"prompt": "no reply"}]  # the last is bad: skipped
-CHAT = [{"prompt": "hi", "response": "4" * 100}, {"prompt": "long", "response": "5" * 300},
-        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "6" * 10},
-                      {"role": "user", "content": "b"}, {"role": "assistant", "content": "7" * 4}]}]
+CODE = [
+    {"prompt": "write it", "response": "1" * 5},
+    {"prompt": "again", "response": "2" * 20},
+    {"prompt": "more", "response": "3" * 40},
+    {"prompt": "no reply"},
+]  # the last is bad: skipped
+CHAT = [
+    {"prompt": "hi", "response": "4" * 100},
+    {"prompt": "long", "response": "5" * 300},
+    {
+        "messages": [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "6" * 10},
+            {"role": "user", "content": "b"},
+            {"role": "assistant", "content": "7" * 4},
+        ]
+    },
+]
 # Trained tokens per usable row, by hand: digits + 2 per reply.
 CODE_TRAINED = [7, 22, 42]
 CHAT_TRAINED = [102, 302, 12 + 6]
@@ -47,16 +60,25 @@ def world(tmp_path_factory) -> Path:
     tiny_chat_tokenizer(root / "tok")
     for name, rows in (("code", CODE), ("chat", CHAT)):
         (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    write_config(root / "mix.toml", {
-        "data": {"cache_dir": root / "cache", "max_length": 4096,
-                 "sources": [{"path": root / "code.jsonl", "weight": 3}, {"path": root / "chat.jsonl", "name": "talk"}]},
-        "target": {"tokenizer": root / "tok"}})
+    write_config(
+        root / "mix.toml",
+        {
+            "data": {
+                "cache_dir": root / "cache",
+                "max_length": 4096,
+                "sources": [{"path": root / "code.jsonl", "weight": 3}, {"path": root / "chat.jsonl", "name": "talk"}],
+            },
+            "target": {"tokenizer": root / "tok"},
+        },
+    )
     return root
 
 
 def row_tokens(tokenizer, row: dict) -> int:
-    messages = row.get("messages") or [{"role": "user", "content": row["prompt"]},
-                                       {"role": "assistant", "content": row["response"]}]
+    messages = row.get("messages") or [
+        {"role": "user", "content": row["prompt"]},
+        {"role": "assistant", "content": row["response"]},
+    ]
     text = tokenizer.apply_chat_template(messages, tokenize=False, enable_thinking=False)
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -76,12 +98,32 @@ def expected(world: Path) -> dict:
         for n in trained:
             hist[k][bucket(n)] += 1
     return {
-        "code": dict(rows=4, bad_rows=1, tokens=code_tokens, trained_tokens=sum(CODE_TRAINED), histogram=hist[0],
-                     epoch_rows=3, epoch_trained_tokens=epoch_trained[0], epoch_row_share=0.75,
-                     epoch_trained_share=epoch_trained[0] / sum(epoch_trained), weight=3.0, repeat=False),
-        "talk": dict(rows=3, bad_rows=0, tokens=chat_tokens, trained_tokens=sum(CHAT_TRAINED), histogram=hist[1],
-                     epoch_rows=1, epoch_trained_tokens=epoch_trained[1], epoch_row_share=0.25,
-                     epoch_trained_share=epoch_trained[1] / sum(epoch_trained), weight=1.0, repeat=False),
+        "code": dict(
+            rows=4,
+            bad_rows=1,
+            tokens=code_tokens,
+            trained_tokens=sum(CODE_TRAINED),
+            histogram=hist[0],
+            epoch_rows=3,
+            epoch_trained_tokens=epoch_trained[0],
+            epoch_row_share=0.75,
+            epoch_trained_share=epoch_trained[0] / sum(epoch_trained),
+            weight=3.0,
+            repeat=False,
+        ),
+        "talk": dict(
+            rows=3,
+            bad_rows=0,
+            tokens=chat_tokens,
+            trained_tokens=sum(CHAT_TRAINED),
+            histogram=hist[1],
+            epoch_rows=1,
+            epoch_trained_tokens=epoch_trained[1],
+            epoch_row_share=0.25,
+            epoch_trained_share=epoch_trained[1] / sum(epoch_trained),
+            weight=1.0,
+            repeat=False,
+        ),
     }
 
 
@@ -89,7 +131,8 @@ def check(report: dict, want: dict) -> None:
     for s in report["sources"]:
         shares = ("epoch_row_share", "epoch_trained_share")
         assert {k: s[k] for k in want[s["name"]] if k not in shares} == {
-            k: v for k, v in want[s["name"]].items() if k not in shares}, s["name"]
+            k: v for k, v in want[s["name"]].items() if k not in shares
+        }, s["name"]
         assert [s[k] for k in shares] == pytest.approx([want[s["name"]][k] for k in shares]), s["name"]
     total = report["total"]
     for k in ("rows", "bad_rows", "tokens", "trained_tokens", "epoch_rows", "epoch_trained_tokens"):
@@ -119,8 +162,9 @@ def test_buckets_are_fixed_and_cover_every_length():
 
 def test_a_source_without_a_usable_row_is_an_error(world, tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"prompt": "x"}\n{"messages": []}\n')
-    cfg = load_config(world / "mix.toml", [f'data.sources=[{{path="{world / "code.jsonl"}"}}, '
-                                           f'{{path="{tmp_path / "bad.jsonl"}"}}]'])
+    cfg = load_config(
+        world / "mix.toml", [f'data.sources=[{{path="{world / "code.jsonl"}"}}, {{path="{tmp_path / "bad.jsonl"}"}}]']
+    )
     with pytest.raises(DataError, match="no usable row in .*bad.jsonl"):
         load_sources(cfg.data, tiny_chat_tokenizer(world / "tok"))
 
@@ -138,10 +182,18 @@ def test_a_row_far_over_max_length_is_skipped_unread_and_the_rest_keep_their_row
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     else:
         data = tmp_path / "big.parquet"
-        datasets.Dataset.from_list([{"prompt": r.get("prompt", "p"), "response": r.get("response", "r")}
-                                    for r in rows]).to_parquet(str(data))
-    cfg = load_config(None, [f'data.path="{data}"', f'data.cache_dir="{tmp_path / "cache"}"', "data.max_length=128",
-                             "data.max_tokens_per_batch=256"])
+        datasets.Dataset.from_list(
+            [{"prompt": r.get("prompt", "p"), "response": r.get("response", "r")} for r in rows]
+        ).to_parquet(str(data))
+    cfg = load_config(
+        None,
+        [
+            f'data.path="{data}"',
+            f'data.cache_dir="{tmp_path / "cache"}"',
+            "data.max_length=128",
+            "data.max_tokens_per_batch=256",
+        ],
+    )
     [source] = load_sources(cfg.data, tiny_chat_tokenizer(world / "tok"))
     assert source.data.num_rows == 4 and source.data.row_ids.tolist() == [0, 2, 3]
     [(index, why)] = source.data.bad_rows
@@ -151,8 +203,12 @@ def test_a_row_far_over_max_length_is_skipped_unread_and_the_rest_keep_their_row
 @pytest.mark.processes
 def test_the_cli_prints_json_and_a_table(world):
     def cli(*extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "dflash_ring", "data", "stats", "--config",
-                               str(world / "mix.toml"), *extra], capture_output=True, text=True, timeout=300)
+        return subprocess.run(
+            [sys.executable, "-m", "dflash_ring", "data", "stats", "--config", str(world / "mix.toml"), *extra],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     out = cli("--json")
     assert out.returncode == 0, out.stderr
@@ -167,8 +223,13 @@ def scrape(port: int, name: str) -> dict[str, float]:
     """One labelled counter of a process's /metrics page, by its `source` label."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         families = text_string_to_metric_families(r.read().decode())
-    return {s.labels["source"]: s.value for f in families if f.name == name.removesuffix("_total")
-            for s in f.samples if s.name == name}
+    return {
+        s.labels["source"]: s.value
+        for f in families
+        if f.name == name.removesuffix("_total")
+        for s in f.samples
+        if s.name == name
+    }
 
 
 @pytest.mark.processes
@@ -188,9 +249,16 @@ def test_producers_of_a_mixture_log_its_composition_and_publish_exactly_its_plan
     target = build_target(tmp_path / "model", "qwen3", layers=4)
     code, chat = write_chat_rows(tmp_path / "code.jsonl", 40), write_chat_rows(tmp_path / "chat.jsonl", 12, seed=1)
     cfg = run.write_config(
-        2, 1, slots=4,
-        data={"sources": [{"path": str(code), "weight": 3.0}, {"path": str(chat), "weight": 1.0, "repeat": True}],
-              "cache_dir": str(tmp_path / "cache"), "max_length": 256, "max_tokens_per_batch": 512, "seed": 3},
+        2,
+        1,
+        slots=4,
+        data={
+            "sources": [{"path": str(code), "weight": 3.0}, {"path": str(chat), "weight": 1.0, "repeat": True}],
+            "cache_dir": str(tmp_path / "cache"),
+            "max_length": 256,
+            "max_tokens_per_batch": 512,
+            "seed": 3,
+        },
         target={"path": str(target), "num_draft_layers": 2, "state_dir": str(tmp_path / "state"), "device": "cpu"},
     )
     sources = load_sources(cfg.data, load_tokenizer(target))  # tokenized here: the producers find the cache
@@ -200,8 +268,11 @@ def test_producers_of_a_mixture_log_its_composition_and_publish_exactly_its_plan
     with Ring.attach(ring_spec(cfg)) as ring:
         wait_for(lambda: ring.counter(Counter.PRODUCED) == 4, timeout=180, what="a full ring")
         # A producer still starting (it may not have published yet) serves its metrics only once its port is up.
-        wait_for(lambda: all(serves(cfg.metrics.port_base + 1 + p) for p in (0, 1)), timeout=120,
-                 what="both producers' metrics")
+        wait_for(
+            lambda: all(serves(cfg.metrics.port_base + 1 + p) for p in (0, 1)),
+            timeout=120,
+            what="both producers' metrics",
+        )
         published = [scrape(cfg.metrics.port_base + 1 + p, "dflash_ring_target_trained_tokens_total") for p in (0, 1)]
         me = Membership.join(ring, cfg.run, Role.CONSUMER, 0, journal_dir=cfg.train.checkpoint_dir)
         port = ring.consumer(me.row)
@@ -221,8 +292,9 @@ def test_producers_of_a_mixture_log_its_composition_and_publish_exactly_its_plan
     # The first four items were in the ring when the counters were read: their trained tokens by source.
     first = [plan[m["producer"], m["epoch"], m["position"]] for m, _, _ in items[:4]]
     by_source = sum(b.trained_by_source(2) for b in first)
-    assert {k: sum(p.get(k, 0) for p in published) for k in ("code", "chat")} == dict(zip(("code", "chat"),
-                                                                                            by_source.tolist()))
+    assert {k: sum(p.get(k, 0) for p in published) for k in ("code", "chat")} == dict(
+        zip(("code", "chat"), by_source.tolist())
+    )
     assert batchers[0].counts == [40, 13]  # code sets the epoch (40 rows = 3/4), chat's 12 rows give 13 (1/4)
     for p in producers:
         err = p.stderr.read()

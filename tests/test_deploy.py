@@ -18,11 +18,28 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from deploy_support import (DASHBOARD, DATASOURCE_UID, DEPLOY, INSTALLED_BIN, PROMETHEUS, RULES, UNITS, dashboard,
-                            dashboard_panels, metric_names, panel_exprs, require)
+from deploy_support import (
+    DASHBOARD,
+    DATASOURCE_UID,
+    DEPLOY,
+    INSTALLED_BIN,
+    PROMETHEUS,
+    RULES,
+    UNITS,
+    dashboard,
+    dashboard_panels,
+    metric_names,
+    panel_exprs,
+    require,
+)
 
-SERVICES = ["dflash-ring-supervisor.service", "dflash-ring-target@.service", "dflash-ring-drafter@.service",
-            "dflash-ring-drafter-standby@.service", "dflash-ring-target-group@.service"]
+SERVICES = [
+    "dflash-ring-supervisor.service",
+    "dflash-ring-target@.service",
+    "dflash-ring-drafter@.service",
+    "dflash-ring-drafter-standby@.service",
+    "dflash-ring-target-group@.service",
+]
 CONFIG = "/etc/dflash-ring/run.toml"
 ENV_FILE = "/etc/dflash-ring/env"
 
@@ -60,10 +77,17 @@ def installed_binary() -> str:
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("unit", ["dflash-ring-supervisor.service", "dflash-ring.target",
-                                  "dflash-ring-target@0.service", "dflash-ring-drafter@6.service",
-                                  "dflash-ring-target-group@2.service",
-                                  "dflash-ring-drafter-standby@7.service"])
+@pytest.mark.parametrize(
+    "unit",
+    [
+        "dflash-ring-supervisor.service",
+        "dflash-ring.target",
+        "dflash-ring-target@0.service",
+        "dflash-ring-drafter@6.service",
+        "dflash-ring-target-group@2.service",
+        "dflash-ring-drafter-standby@7.service",
+    ],
+)
 def test_units_pass_systemd_analyze_verify(tmp_path, unit):
     tool = require("systemd-analyze", "apt-get install systemd")
     for f in UNITS.iterdir():
@@ -112,8 +136,12 @@ def test_services_are_notify_watchdogged_restartable_and_part_of_the_target():
 def test_sysusers_snippet_creates_a_system_user(tmp_path):
     tool = require("systemd-sysusers", "apt-get install systemd")
     (tmp_path / "etc").mkdir()
-    out = subprocess.run([tool, f"--root={tmp_path}", str(UNITS / "dflash-ring.sysusers.conf")],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [tool, f"--root={tmp_path}", str(UNITS / "dflash-ring.sysusers.conf")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     (entry,) = [ln.split(":") for ln in (tmp_path / "etc" / "passwd").read_text().splitlines()]
     # A system uid: systemd-logind's RemoveIPC= leaves system users' shared memory alone.
@@ -140,8 +168,9 @@ def run_exec(unit: str, key: str, instance: str, extra_env: dict[str, str]) -> t
     u = read_unit(unit)
     (line,) = u["Service"][key]
     argv = systemd_command(line, instance)
-    printer = (f"{shlex.quote(sys.executable)} -c "
-               + shlex.quote("import json, os, sys; print(json.dumps([sys.argv[1:], dict(os.environ)]))"))
+    printer = f"{shlex.quote(sys.executable)} -c " + shlex.quote(
+        "import json, os, sys; print(json.dumps([sys.argv[1:], dict(os.environ)]))"
+    )
     argv = [a.replace(INSTALLED_BIN, printer) for a in argv]
     env = {"PATH": "/usr/bin:/bin"} | env_file() | extra_env
     for assignment in u["Service"].get("Environment", []):
@@ -156,12 +185,15 @@ def run_exec(unit: str, key: str, instance: str, extra_env: dict[str, str]) -> t
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("unit,instance,first_gpu,index", [
-    ("dflash-ring-target@.service", "3", None, 3),
-    ("dflash-ring-drafter@.service", "5", None, 0),  # the env file's DFLASH_DRAFTER_FIRST_GPU=5
-    ("dflash-ring-drafter@.service", "7", None, 2),
-    ("dflash-ring-drafter@.service", "6", "2", 4),
-])
+@pytest.mark.parametrize(
+    "unit,instance,first_gpu,index",
+    [
+        ("dflash-ring-target@.service", "3", None, 3),
+        ("dflash-ring-drafter@.service", "5", None, 0),  # the env file's DFLASH_DRAFTER_FIRST_GPU=5
+        ("dflash-ring-drafter@.service", "7", None, 2),
+        ("dflash-ring-drafter@.service", "6", "2", 4),
+    ],
+)
 def test_instance_is_the_gpu_and_the_role_index_comes_from_the_env_file(unit, instance, first_gpu, index):
     from dflash_ring.cli import _parser
 
@@ -176,13 +208,15 @@ def test_instance_is_the_gpu_and_the_role_index_comes_from_the_env_file(unit, in
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("instance, ranks, index, gpus", [("0", "2", 0, "0,1"), ("2", "2", 1, "2,3"),
-                                                         ("4", "4", 1, "4,5,6,7")])
+@pytest.mark.parametrize(
+    "instance, ranks, index, gpus", [("0", "2", 0, "0,1"), ("2", "2", 1, "2,3"), ("4", "4", 1, "4,5,6,7")]
+)
 def test_a_target_group_unit_sees_its_n_gpus_and_is_producer_first_gpu_over_n(instance, ranks, index, gpus):
     from dflash_ring.cli import _parser
 
-    args, env = run_exec("dflash-ring-target-group@.service", "ExecStart", instance,
-                         {"DFLASH_TARGET_TENSOR_PARALLEL": ranks})
+    args, env = run_exec(
+        "dflash-ring-target-group@.service", "ExecStart", instance, {"DFLASH_TARGET_TENSOR_PARALLEL": ranks}
+    )
     parsed = _parser().parse_args(args)
     assert (parsed.command, parsed.index, parsed.device, parsed.config) == ("target", index, "cuda:0", CONFIG)
     assert env["CUDA_VISIBLE_DEVICES"] == gpus and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
@@ -214,7 +248,8 @@ def test_supervisor_execstop_ends_the_run_only_when_systemd_stops_a_live_supervi
     parsed = _parser().parse_args(args)
     assert (parsed.command, parsed.now, parsed.config) == ("stop", True, CONFIG)
     start = _parser().parse_args(
-        shlex.split(one(read_unit("dflash-ring-supervisor.service"), "Service", "ExecStart"))[1:])
+        shlex.split(one(read_unit("dflash-ring-supervisor.service"), "Service", "ExecStart"))[1:]
+    )
     assert (start.command, start.config) == ("supervisor", CONFIG)
 
 
@@ -247,8 +282,16 @@ def test_promtool_test_rules():
 def test_every_alert_has_severity_runbook_and_a_promtool_case():
     rules = yaml.safe_load(RULES.read_text())["groups"][0]["rules"]
     names = {r["alert"] for r in rules}
-    assert names == {"ProcessDown", "DrafterStarved", "ProducersBlocked", "PipelineStalled", "GPUIdle",
-                     "RestartLoop", "SlotsReclaimed", "NoTrainingProgress"}
+    assert names == {
+        "ProcessDown",
+        "DrafterStarved",
+        "ProducersBlocked",
+        "PipelineStalled",
+        "GPUIdle",
+        "RestartLoop",
+        "SlotsReclaimed",
+        "NoTrainingProgress",
+    }
     for r in rules:
         assert r["labels"]["severity"] in ("warning", "critical"), r["alert"]
         assert "for" in r and r["annotations"]["summary"], r["alert"]
@@ -299,8 +342,14 @@ def test_dashboard_panels_use_the_provisioned_datasource_and_parse(tmp_path):
             assert t["expr"].strip(), p["title"]
     # promtool parses PromQL as it checks rules: every panel query as a recording rule.
     exprs = panel_exprs(dash)
-    group = {"groups": [{"name": "dashboard", "rules": [{"record": f"dashboard:query_{i}", "expr": e}
-                                                         for i, (_, e) in enumerate(exprs)]}]}
+    group = {
+        "groups": [
+            {
+                "name": "dashboard",
+                "rules": [{"record": f"dashboard:query_{i}", "expr": e} for i, (_, e) in enumerate(exprs)],
+            }
+        ]
+    }
     (tmp_path / "dashboard.rules.yml").write_text(yaml.safe_dump(group))
     out = promtool("check", "rules", str(tmp_path / "dashboard.rules.yml"))
     assert out.returncode == 0, out.stdout + out.stderr
@@ -308,16 +357,29 @@ def test_dashboard_panels_use_the_provisioned_datasource_and_parse(tmp_path):
 
 def test_dashboard_covers_the_operations_questions():
     used = set().union(*(metric_names(e) for _, e in panel_exprs(dashboard())))
-    for name in ["dflash_ring_items_produced_total", "dflash_ring_items_consumed_total",
-                 "dflash_ring_target_tokens_total", "dflash_ring_drafter_tokens_total", "dflash_ring_depth_items",
-                 "dflash_ring_slots", "dflash_ring_consumer_wait_seconds_total",
-                 "dflash_ring_producer_blocked_seconds_total", "dflash_ring_drafter_loss",
-                 "dflash_ring_drafter_accuracy", "dflash_ring_drafter_acceptance_length",
-                 "dflash_ring_drafter_learning_rate", "dflash_ring_gpu_utilization_ratio",
-                 "dflash_ring_drafter_probabilistic_acceptance_length", "dflash_ring_drafter_position_accuracy",
-                 "dflash_ring_process_starts_total", "dflash_ring_items_redelivered_total",
-                 "dflash_ring_drafter_source_loss", "dflash_ring_drafter_source_acceptance_length",
-                 "dflash_ring_drafter_source_tokens_total", "dflash_ring_target_trained_tokens_total"]:
+    for name in [
+        "dflash_ring_items_produced_total",
+        "dflash_ring_items_consumed_total",
+        "dflash_ring_target_tokens_total",
+        "dflash_ring_drafter_tokens_total",
+        "dflash_ring_depth_items",
+        "dflash_ring_slots",
+        "dflash_ring_consumer_wait_seconds_total",
+        "dflash_ring_producer_blocked_seconds_total",
+        "dflash_ring_drafter_loss",
+        "dflash_ring_drafter_accuracy",
+        "dflash_ring_drafter_acceptance_length",
+        "dflash_ring_drafter_learning_rate",
+        "dflash_ring_gpu_utilization_ratio",
+        "dflash_ring_drafter_probabilistic_acceptance_length",
+        "dflash_ring_drafter_position_accuracy",
+        "dflash_ring_process_starts_total",
+        "dflash_ring_items_redelivered_total",
+        "dflash_ring_drafter_source_loss",
+        "dflash_ring_drafter_source_acceptance_length",
+        "dflash_ring_drafter_source_tokens_total",
+        "dflash_ring_target_trained_tokens_total",
+    ]:
         assert name in used, f"no dashboard panel shows {name}"
     # The per-source panels keep the source apart (and train apart from eval where both are there).
     by_source = [(title, e) for title, e in panel_exprs(dashboard()) if "by source" in title]
@@ -342,11 +404,20 @@ def exported_names(tmp_path: Path) -> set[str]:
     # Labelled series export samples once they have a label: one source's, through the drafter's own path.
     ProducerMetrics(registry).source_trained.labels("code").inc(1)
     drafter = DrafterMetrics(registry)
-    drafter.publish_sources({f"{split}source/code/{what}": 1.0 for split in ("", "eval/")
-                             for what in ("loss", "accuracy", "accept_len")})
+    drafter.publish_sources(
+        {f"{split}source/code/{what}": 1.0 for split in ("", "eval/") for what in ("loss", "accuracy", "accept_len")}
+    )
     drafter.count_source_tokens({"code": 1}, "train")
-    cfg = load_config(None, [f"run.name=deploy-names-{tmp_path.name[-20:]}", f"run.run_dir={tmp_path / 'locks'}",
-                             "ring.slots=2", "ring.slot_bytes=65536", "ring.slot_header_bytes=4096"])
+    cfg = load_config(
+        None,
+        [
+            f"run.name=deploy-names-{tmp_path.name[-20:]}",
+            f"run.run_dir={tmp_path / 'locks'}",
+            "ring.slots=2",
+            "ring.slot_bytes=65536",
+            "ring.slot_header_bytes=4096",
+        ],
+    )
     (tmp_path / "locks").mkdir()
     ring = Ring.create(ring_spec(cfg))
     try:
@@ -364,8 +435,15 @@ def exported_names(tmp_path: Path) -> set[str]:
         Ring.unlink(cfg.run.name)
     # GPU gauges export nothing without NVML; their names are fixed in gpu_metrics.py.
     gpu_source = (Path(__file__).resolve().parent.parent / "common" / "gpu_metrics.py").read_text()
-    names |= {n for n in ("dflash_ring_gpu_utilization_ratio", "dflash_ring_gpu_memory_used_bytes",
-                          "dflash_ring_gpu_power_watts") if f'"{n}"' in gpu_source}
+    names |= {
+        n
+        for n in (
+            "dflash_ring_gpu_utilization_ratio",
+            "dflash_ring_gpu_memory_used_bytes",
+            "dflash_ring_gpu_power_watts",
+        )
+        if f'"{n}"' in gpu_source
+    }
     return names
 
 

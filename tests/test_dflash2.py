@@ -1,6 +1,7 @@
 """DFlash2: the recipe and its refusals, the grouped dynamic causal convolution (identity at init, taps inside the
 block), the mask of its sliding layers, the candidate selector's loss (gold outside the top-K excluded), its figures,
-and a training step of a real drafter on a tiny target. Conformance with z-lab's model: tests/test_peer_conformance.py."""
+and a training step of a real drafter on a tiny target. Conformance with z-lab's model:
+tests/test_peer_conformance.py."""
 
 from __future__ import annotations
 
@@ -34,8 +35,16 @@ def test_the_dflash2_recipe_is_the_released_checkpoints_config():
     assert DrafterConfig(arch="dflash2", block_size=8).selector_top_k == 16  # the arch's defaults without the recipe
 
 
-@pytest.mark.parametrize("key", [{"conv_kernel_size": 2}, {"selector_rank": 8}, {"selector_top_k": 4},
-                                 {"selector_weight": 0.5}, {"conv_group_size": 8}])
+@pytest.mark.parametrize(
+    "key",
+    [
+        {"conv_kernel_size": 2},
+        {"selector_rank": 8},
+        {"selector_top_k": 4},
+        {"selector_weight": 0.5},
+        {"conv_group_size": 8},
+    ],
+)
 @pytest.mark.parametrize("other", [{}, {"recipe": "ddtree"}, {"recipe": "dspark"}])
 def test_dflash2_only_keys_on_another_arch_are_refused(key, other):
     with pytest.raises(ValueError, match="DFlash2-only.*arch = 'd"):
@@ -120,16 +129,27 @@ def packed_inputs(n_features: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     lengths = [24, 17]
     total = sum(lengths)
-    return (torch.randn(total, n_features, generator=gen), torch.randint(0, 250, (total,), generator=gen),
-            anchors_from_local(lengths, [[2, 11, 19], [3, 12]]))
+    return (
+        torch.randn(total, n_features, generator=gen),
+        torch.randint(0, 250, (total,), generator=gen),
+        anchors_from_local(lengths, [[2, 11, 19], [3, 12]]),
+    )
 
 
 def test_a_fresh_dflash2_drafter_drafts_what_its_dflash_backbone_does(target):
     """Identity convolutions: with the same backbone weights, DFlash2 and DFlash draft alike (full layers: there the
     two archs' masks agree)."""
     _, config, head = target
-    cfg2 = DrafterConfig(arch="dflash2", num_hidden_layers=2, block_size=4, loss_gamma=2.0, mask_token_id=250,
-                         conv_group_size=8, selector_rank=8, selector_top_k=4)
+    cfg2 = DrafterConfig(
+        arch="dflash2",
+        num_hidden_layers=2,
+        block_size=4,
+        loss_gamma=2.0,
+        mask_token_id=250,
+        conv_group_size=8,
+        selector_rank=8,
+        selector_top_k=4,
+    )
     model2 = tiny_drafter(cfg2, config).eval()
     model1 = DFlashDraftModel(model2.config).eval()
     missing, unexpected = model1.load_state_dict(model2.state_dict(), strict=False)
@@ -144,9 +164,18 @@ def test_dflash2_sliding_layers_are_bidirectional_inside_the_block_in_both_atten
     mask = block_attention_mask(torch.tensor([5]), ctx_len=5, block_size=4, sliding_window=16, sliding_causal=False)
     assert mask[:, 5:].all()
     assert torch.equal(mask[:, :5], block_attention_mask(torch.tensor([5]), 5, 4, 16)[:, :5])  # the same window
-    cfg = DrafterConfig(arch="dflash2", num_hidden_layers=2, block_size=4, loss_gamma=2.0, mask_token_id=250,
-                        layer_types=["sliding_attention", "full_attention"], sliding_window=8, conv_group_size=8,
-                        selector_rank=8, selector_top_k=4)
+    cfg = DrafterConfig(
+        arch="dflash2",
+        num_hidden_layers=2,
+        block_size=4,
+        loss_gamma=2.0,
+        mask_token_id=250,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=8,
+        conv_group_size=8,
+        selector_rank=8,
+        selector_top_k=4,
+    )
     model = tiny_drafter(cfg, config).eval()
     with torch.no_grad():
         for layer in model.layers:  # non-trivial convolutions
@@ -197,8 +226,11 @@ def selector_reference(hidden, chooser, anchors, input_ids, loss_mask, head, cfg
     ce = torch.nn.functional.cross_entropy(logits, gold, reduction="none")
     prev = input_ids[(anchors.positions[:, None] + torch.arange(block) - 1).clamp(0, len(input_ids) - 1)][valid]
     unary, cand = logits.topk(cfg.selector_top_k, -1)
-    scores = unary + (chooser.predecessor_codebook[prev][:, None] * chooser.hidden_projection(hidden[valid])[:, None]
-                      * chooser.successor_codebook[cand]).sum(-1)
+    scores = unary + (
+        chooser.predecessor_codebook[prev][:, None]
+        * chooser.hidden_projection(hidden[valid])[:, None]
+        * chooser.successor_codebook[cand]
+    ).sum(-1)
     inside = (cand == gold[:, None]).any(-1)
     target = (cand == gold[:, None]).long().argmax(-1)
     sel = torch.nn.functional.cross_entropy(scores[inside], target[inside], reduction="none")
@@ -214,8 +246,15 @@ def test_the_selector_loss_and_gradients_equal_the_full_logits_reference(spec):
 
     head_spec = HeadSpec(tied=False, logit_multiplier=0.7, logit_softcap=3.0) if spec else None
     head, input_ids, loss_mask, anchors, hidden, chooser = selector_case(spec=head_spec)
-    cfg = DrafterConfig(arch="dflash2", block_size=5, loss_gamma=3.0, selector_top_k=4, selector_rank=4,
-                        selector_weight=0.7, conv_group_size=8)
+    cfg = DrafterConfig(
+        arch="dflash2",
+        block_size=5,
+        loss_gamma=3.0,
+        selector_top_k=4,
+        selector_rank=4,
+        selector_weight=0.7,
+        conv_group_size=8,
+    )
     params = [hidden, *chooser.parameters()]
     reference, inside, *_ = selector_reference(hidden, chooser, anchors, input_ids, loss_mask, head, cfg)
     assert 0 < int(inside.sum()) < inside.numel()  # both kinds of rows: the rule is exercised
@@ -223,8 +262,15 @@ def test_the_selector_loss_and_gradients_equal_the_full_logits_reference(spec):
     for chunk in (1, 7, 10_000):
         chunked = DrafterConfig(**{**cfg.model_fields(), "loss_chunk_tokens": chunk})
         context = chooser.context(hidden, _predecessors(input_ids, anchors, 5))
-        out = dflash_loss(hidden, anchors, input_ids, loss_mask, head, chunked,
-                          selector=SelectorInputs(context, chooser.successor_codebook, 4))
+        out = dflash_loss(
+            hidden,
+            anchors,
+            input_ids,
+            loss_mask,
+            head,
+            chunked,
+            selector=SelectorInputs(context, chooser.successor_codebook, 4),
+        )
         torch.testing.assert_close(out.loss.detach(), reference.detach())
         for got, want in zip(torch.autograd.grad(out.loss, params), expected):
             torch.testing.assert_close(got, want)
@@ -237,12 +283,26 @@ def test_a_gold_outside_the_top_k_is_left_out_of_the_selector_and_counted_in_the
     from dflash_ring.consumer.model import _predecessors
 
     head, input_ids, loss_mask, anchors, hidden, chooser = selector_case(top_k=2)
-    cfg = DrafterConfig(arch="dflash2", block_size=5, loss_gamma=3.0, selector_top_k=2, selector_rank=4,
-                        conv_group_size=8, ce_weight=0.0)  # the selector's term alone
+    cfg = DrafterConfig(
+        arch="dflash2",
+        block_size=5,
+        loss_gamma=3.0,
+        selector_top_k=2,
+        selector_rank=4,
+        conv_group_size=8,
+        ce_weight=0.0,
+    )  # the selector's term alone
     _, inside, scores, target = selector_reference(hidden, chooser, anchors, input_ids, loss_mask, head, cfg)
     context = chooser.context(hidden, _predecessors(input_ids, anchors, 5))
-    out = dflash_loss(hidden, anchors, input_ids, loss_mask, head, cfg,
-                      selector=SelectorInputs(context, chooser.successor_codebook, 2))
+    out = dflash_loss(
+        hidden,
+        anchors,
+        input_ids,
+        loss_mask,
+        head,
+        cfg,
+        selector=SelectorInputs(context, chooser.successor_codebook, 2),
+    )
     # the gold tokens of the rows left out get no gradient in the successor codebook, unless a kept row has them
     from dflash_ring.consumer.loss import block_labels
 
@@ -259,9 +319,17 @@ def test_a_gold_outside_the_top_k_is_left_out_of_the_selector_and_counted_in_the
     weight = head.lm_head_weight.clone()
     weight[0] = -10 * weight.abs().max()
     positive = hidden.abs()
-    out = dflash_loss(positive, anchors, hopeless, loss_mask, type(head)(head.embed_weight, weight), cfg,
-                      selector=SelectorInputs(chooser.context(positive, _predecessors(hopeless, anchors, 5)),
-                                              chooser.successor_codebook, 2))
+    out = dflash_loss(
+        positive,
+        anchors,
+        hopeless,
+        loss_mask,
+        type(head)(head.embed_weight, weight),
+        cfg,
+        selector=SelectorInputs(
+            chooser.context(positive, _predecessors(hopeless, anchors, 5)), chooser.successor_codebook, 2
+        ),
+    )
     assert int(out.selector.in_top_k) == 0 and float(out.selector.loss) == 0.0
     assert all(torch.isfinite(g).all() for g in torch.autograd.grad(out.loss, [hidden, chooser.successor_codebook]))
 
@@ -273,12 +341,21 @@ def test_the_selector_figures_are_their_definitions():
     from dflash_ring.consumer.trainer import DFlash2Figures
 
     head, input_ids, loss_mask, anchors, hidden, chooser = selector_case(top_k=3)
-    cfg = DrafterConfig(arch="dflash2", block_size=5, loss_gamma=3.0, selector_top_k=3, selector_rank=4,
-                        conv_group_size=8)
+    cfg = DrafterConfig(
+        arch="dflash2", block_size=5, loss_gamma=3.0, selector_top_k=3, selector_rank=4, conv_group_size=8
+    )
     _, inside, scores, target = selector_reference(hidden, chooser, anchors, input_ids, loss_mask, head, cfg)
-    out = dflash_loss(hidden, anchors, input_ids, loss_mask, head, cfg,
-                      selector=SelectorInputs(chooser.context(hidden, _predecessors(input_ids, anchors, 5)),
-                                              chooser.successor_codebook, 3))
+    out = dflash_loss(
+        hidden,
+        anchors,
+        input_ids,
+        loss_mask,
+        head,
+        cfg,
+        selector=SelectorInputs(
+            chooser.context(hidden, _predecessors(input_ids, anchors, 5)), chooser.successor_codebook, 3
+        ),
+    )
     labels = block_labels(anchors, input_ids, loss_mask, 5)
     valid = labels.valid[:, 1:]
     logits = head.logits(hidden[:, 1:].detach()).float()
@@ -314,21 +391,37 @@ def test_a_dflash2_drafter_trains_on_a_tiny_target(tmp_path):
 
     save_tiny_qwen3(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    drafter = DrafterConfig(recipe="dflash2", num_hidden_layers=1, sliding_window=16, num_anchors=8,
-                            conv_group_size=16, selector_rank=8, selector_top_k=4, mask_token_id=config["vocab_size"] - 1)
+    drafter = DrafterConfig(
+        recipe="dflash2",
+        num_hidden_layers=1,
+        sliding_window=16,
+        num_anchors=8,
+        conv_group_size=16,
+        selector_rank=8,
+        selector_top_k=4,
+        mask_token_id=config["vocab_size"] - 1,
+    )
     model = build_drafter(drafter, config)
     assert isinstance(model, DFlash2DraftModel)
-    assert {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
-            "candidate_selector.hidden_projection.weight", "layers.0.attention_conv.base_kernel",
-            "layers.0.mlp_conv.kernel_projection.weight"} <= set(model.state_dict())
+    assert {
+        "candidate_selector.predecessor_codebook",
+        "candidate_selector.successor_codebook",
+        "candidate_selector.hidden_projection.weight",
+        "layers.0.attention_conv.base_kernel",
+        "layers.0.mlp_conv.kernel_projection.weight",
+    } <= set(model.state_dict())
     head = load_target_head(tmp_path)
     trainer = Trainer(model, head, drafter, TrainConfig(lr=3e-3, warmup_ratio=0.0), torch.device("cpu"))
     torch.manual_seed(0)
     n_layers, hidden = len(model.target_layer_ids), config["hidden_size"]
     length = 40
     ids = torch.arange(length) % 7 + 3  # a counting rule the drafter can learn
-    batch = DeviceBatch(features=torch.randn(length, n_layers * hidden), input_ids=ids,
-                        loss_mask=torch.ones(length, dtype=torch.bool), cu_seqlens=torch.tensor([0, length]))
+    batch = DeviceBatch(
+        features=torch.randn(length, n_layers * hidden),
+        input_ids=ids,
+        loss_mask=torch.ones(length, dtype=torch.bool),
+        cu_seqlens=torch.tensor([0, length]),
+    )
     first = last = None
     for _ in range(25):
         m = trainer.train_step(batch, total_steps=25)
@@ -344,8 +437,15 @@ def test_a_dflash2_drafter_trains_on_a_tiny_target(tmp_path):
     from dflash_ring.consumer.step_record import WindowStats, step_scalars
 
     record = step_scalars(last, WindowStats(1.0, 40, 0.0, 1, 40, 0, {}))
-    assert {"selector_loss", "selector/unary_top1", "selector/top_k_recall", "selector/top_k_mass",
-            "selector/accuracy", "selector/accept_len", "selector/oracle_accept_len"} <= set(record)
+    assert {
+        "selector_loss",
+        "selector/unary_top1",
+        "selector/top_k_recall",
+        "selector/top_k_mass",
+        "selector/accuracy",
+        "selector/accept_len",
+        "selector/oracle_accept_len",
+    } <= set(record)
 
 
 def test_a_dflash2_export_is_zlabs_layout_and_loads_back(target, tmp_path):
@@ -355,27 +455,45 @@ def test_a_dflash2_export_is_zlabs_layout_and_loads_back(target, tmp_path):
     from dflash_ring.consumer.target_head import HeadSpec
 
     _, config, head = target
-    cfg = DrafterConfig(recipe="dflash2", num_hidden_layers=2, sliding_window=16, mask_token_id=250,
-                        selector_rank=8, selector_top_k=4)
+    cfg = DrafterConfig(
+        recipe="dflash2", num_hidden_layers=2, sliding_window=16, mask_token_id=250, selector_rank=8, selector_top_k=4
+    )
     model = tiny_drafter(cfg, config)
     with torch.no_grad():
         model.layers[1].mlp_conv.base_kernel.normal_()
-    out = export_drafter(model, cfg, config, tmp_path / "drafter", dtype=torch.float32,
-                         head_spec=HeadSpec(tied=False, logit_softcap=30.0))
+    out = export_drafter(
+        model,
+        cfg,
+        config,
+        tmp_path / "drafter",
+        dtype=torch.float32,
+        head_spec=HeadSpec(tied=False, logit_softcap=30.0),
+    )
     exported = json.loads((out / "config.json").read_text())
     assert exported["architectures"] == ["DFlash2DraftModel"] and exported["is_causal"] is False
     assert exported["auto_map"] == {"AutoModel": "dflash2.DFlash2DraftModel"}
-    assert exported["dflash_config"] == {"block_size": 8, "conv_kernel_size": 2, "conv_group_size": 16,
-                                         "selector_rank": 8, "selector_top_k": 4, "mask_token_id": 250,
-                                         "target_layer_ids": model.target_layer_ids,
-                                         "final_logit_softcapping": 30.0}
+    assert exported["dflash_config"] == {
+        "block_size": 8,
+        "conv_kernel_size": 2,
+        "conv_group_size": 16,
+        "selector_rank": 8,
+        "selector_top_k": 4,
+        "mask_token_id": 250,
+        "target_layer_ids": model.target_layer_ids,
+        "final_logit_softcapping": 30.0,
+    }
     assert exported["use_sliding_window"] is True and exported["dflash_training"]["selector_weight"] == 1.0
     assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "dflash2.py", "dflash2_blocks.py"}
     with safe_open(out / "model.safetensors", "pt") as f:
         names = set(f.keys())
-    assert {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
-            "candidate_selector.hidden_projection.weight"} <= names
-    assert not {"candidate_selector.predecessor_codebook.weight", "candidate_selector.successor_codebook.weight"} & names
+    assert {
+        "candidate_selector.predecessor_codebook",
+        "candidate_selector.successor_codebook",
+        "candidate_selector.hidden_projection.weight",
+    } <= names
+    assert (
+        not {"candidate_selector.predecessor_codebook.weight", "candidate_selector.successor_codebook.weight"} & names
+    )
     back = load_drafter(out, arch="dflash2")
     assert isinstance(back, DFlash2DraftModel) and isinstance(load_drafter(out, arch=None), DFlash2DraftModel)
     with pytest.raises(ValueError, match="is a DFlash2 drafter.*a DFlash drafter .* is expected"):

@@ -47,8 +47,13 @@ def one_thread():
 def target_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("target")
     tokenizer = tiny_chat_tokenizer(path)
-    save_tiny_qwen3(path, init=lambda target: target.lm_head.weight.mul_(20), vocab_size=VOCAB,
-                    tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id)
+    save_tiny_qwen3(
+        path,
+        init=lambda target: target.lm_head.weight.mul_(20),
+        vocab_size=VOCAB,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     return path
 
 
@@ -63,13 +68,28 @@ def head_of(target: Qwen3ForCausalLM) -> FrozenTargetHead:
 
 def dflash2_config(vocab: int = VOCAB, block: int = BLOCK, layer_ids=LAYER_IDS, top_k: int = TOP_K) -> DrafterConfig:
     # A window of 8 cuts the longer prompt's context: the sliding layer's mask matters in the decode.
-    return DrafterConfig(recipe="dflash2", num_hidden_layers=1, block_size=block, sliding_window=8,
-                         conv_group_size=16, selector_rank=8, selector_top_k=top_k, mask_token_id=vocab - 1,
-                         target_layer_ids=layer_ids)
+    return DrafterConfig(
+        recipe="dflash2",
+        num_hidden_layers=1,
+        block_size=block,
+        sliding_window=8,
+        conv_group_size=16,
+        selector_rank=8,
+        selector_top_k=top_k,
+        mask_token_id=vocab - 1,
+        target_layer_ids=layer_ids,
+    )
 
 
-def dflash2_drafter(target_config, block: int = BLOCK, layer_ids=LAYER_IDS, top_k: int = TOP_K, seed: int = 1,
-                    codebook_std: float = 1.0, norm_scale: float = 1.0) -> DFlash2DraftModel:
+def dflash2_drafter(
+    target_config,
+    block: int = BLOCK,
+    layer_ids=LAYER_IDS,
+    top_k: int = TOP_K,
+    seed: int = 1,
+    codebook_std: float = 1.0,
+    norm_scale: float = 1.0,
+) -> DFlash2DraftModel:
     """A fresh DFlash2 drafter with convolutions off the identity and codebooks large enough that the selector's
     bilinear term changes its choices (a decode by the unary argmax would draft otherwise)."""
     torch.manual_seed(seed)
@@ -87,8 +107,17 @@ def dflash2_drafter(target_config, block: int = BLOCK, layer_ids=LAYER_IDS, top_
 
 
 def generate(target, prompt, draft, max_new=MAX_NEW, **kw):
-    return speculative_generate(target, prompt, draft, block_size=BLOCK, num_drafts=BLOCK - 1,
-                                target_layer_ids=LAYER_IDS, eos_token_ids=(), max_new_tokens=max_new, **kw)
+    return speculative_generate(
+        target,
+        prompt,
+        draft,
+        block_size=BLOCK,
+        num_drafts=BLOCK - 1,
+        target_layer_ids=LAYER_IDS,
+        eos_token_ids=(),
+        max_new_tokens=max_new,
+        **kw,
+    )
 
 
 def block_of(drafter, head, committed, context):
@@ -131,8 +160,9 @@ def test_a_dflash2_draft_is_the_walk_and_carries_its_q_over_the_candidates(targe
     committed = torch.randint(0, VOCAB - 1, (13,))
     context = torch.randn(12, drafter.fc.in_features)
     with torch.no_grad():
-        got = dflash2_draft(drafter, head, committed, context, temperature=temperature,
-                            generator=torch.Generator().manual_seed(5))
+        got = dflash2_draft(
+            drafter, head, committed, context, temperature=temperature, generator=torch.Generator().manual_seed(5)
+        )
         hidden, logits = block_of(drafter, head, committed, context)
         unary, candidates = logits.topk(TOP_K, -1)
         prev = torch.cat([committed[-1:], got.tokens[:-1]])
@@ -162,8 +192,9 @@ def zlab():
 def exported(target, target_dir, tmp_path_factory):
     drafter = dflash2_drafter(target.config)
     config = json.loads((target_dir / "config.json").read_text())
-    out = export_drafter(drafter, dflash2_config(), config, tmp_path_factory.mktemp("dflash2") / "drafter",
-                         dtype=torch.float32)
+    out = export_drafter(
+        drafter, dflash2_config(), config, tmp_path_factory.mktemp("dflash2") / "drafter", dtype=torch.float32
+    )
     return drafter, out
 
 
@@ -187,8 +218,11 @@ def test_the_drafted_path_and_q_are_zlabs_propose(zlab, target, exported, monkey
             block = torch.full((1, BLOCK), theirs.mask_token_id)
             block[0, 0] = ids[anchor]
             with torch.no_grad():
-                want = theirs(position_ids=torch.arange(anchor + BLOCK)[None],
-                              noise_embedding=target.get_input_embeddings()(block), target_hidden=context[None])
+                want = theirs(
+                    position_ids=torch.arange(anchor + BLOCK)[None],
+                    noise_embedding=target.get_input_embeddings()(block),
+                    target_hidden=context[None],
+                )
                 want = want[:, 1:]
                 ours, _ = block_of(drafter, head, committed, context)
                 assert (ours - want[0]).abs().max() <= 1e-5
@@ -196,8 +230,9 @@ def test_the_drafted_path_and_q_are_zlabs_propose(zlab, target, exported, monkey
                 z_path, _, _ = theirs.propose(want, ids[anchor : anchor + 1], target.lm_head, 0.0)
                 assert greedy.tokens.tolist() == z_path[0].tolist()
 
-                sampled = dflash2_draft(drafter, head, committed, context, temperature=1.0,
-                                        generator=torch.Generator().manual_seed(anchor))
+                sampled = dflash2_draft(
+                    drafter, head, committed, context, temperature=1.0, generator=torch.Generator().manual_seed(anchor)
+                )
                 _, z_candidates = torch.topk(theirs.compute_logits(want, target.lm_head), TOP_K, dim=-1, sorted=False)
                 picks = iter((z_candidates[0] == sampled.tokens[:, None]).int().argmax(-1).tolist())
                 monkeypatch.setattr(zlab, "_sample_probs", lambda q: torch.tensor([next(picks)]))
@@ -220,7 +255,7 @@ def test_greedy_eval_rounds_are_zlabs_dflash_generate(zlab, target, exported, mo
     for prompt in PROMPTS:
         got = generate(target, prompt, draft, max_new=MAX_NEW + 1)
         stats = zlab.dflash_generate(theirs, target, torch.tensor([prompt]), MAX_NEW, None, return_stats=True)
-        assert stats.output_ids[0, len(prompt):].tolist() == got.tokens[:MAX_NEW]
+        assert stats.output_ids[0, len(prompt) :].tolist() == got.tokens[:MAX_NEW]
         # a round commits its accepted drafts and one target token; theirs caps the last round at max_new_tokens
         lengths = [n + 1 for n in got.accepted]
         assert stats.acceptance_lengths[:-1] == lengths[: len(stats.acceptance_lengths) - 1]
@@ -235,8 +270,16 @@ MICRO_PROMPT = [0, 1, 2, 1]
 @pytest.fixture(scope="module")
 def micro_target():
     """A target of three tokens: the first four generated tokens have 81 outcomes, each likely enough to count."""
-    config = tiny_qwen3_config(vocab_size=MICRO_VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                               num_key_value_heads=1, head_dim=16, intermediate_size=64, tie_word_embeddings=False)
+    config = tiny_qwen3_config(
+        vocab_size=MICRO_VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=64,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config).eval()
     with torch.no_grad():
@@ -253,13 +296,23 @@ def test_sampling_at_temperature_one_is_lossless(micro_target):
     rejection 104.8; q reported as the unary softmax over V 387.3; q of the second slot scored with the anchor as its
     predecessor (what a decode ignoring the drafted prefix would divide by) 72.7."""
     target, head = micro_target, head_of(micro_target)
-    drafter = dflash2_drafter(target.config, block=3, layer_ids=MICRO_LAYERS, top_k=2, codebook_std=1.0,
-                              norm_scale=10.0)
+    drafter = dflash2_drafter(
+        target.config, block=3, layer_ids=MICRO_LAYERS, top_k=2, codebook_std=1.0, norm_scale=10.0
+    )
     counts = Counter()
     for g in prompt_generators(0, MICRO_RUNS, "cpu"):
-        got = speculative_generate(target, MICRO_PROMPT, drafter_draft_fn(drafter, head, temperature=1.0, generator=g),
-                                   block_size=3, num_drafts=2, target_layer_ids=MICRO_LAYERS, eos_token_ids=(),
-                                   max_new_tokens=MICRO_NEW, temperature=1.0, generator=g)
+        got = speculative_generate(
+            target,
+            MICRO_PROMPT,
+            drafter_draft_fn(drafter, head, temperature=1.0, generator=g),
+            block_size=3,
+            num_drafts=2,
+            target_layer_ids=MICRO_LAYERS,
+            eos_token_ids=(),
+            max_new_tokens=MICRO_NEW,
+            temperature=1.0,
+            generator=g,
+        )
         counts[tuple(got.tokens)] += 1
     stat, df = pearson(counts, exact_joint(target, MICRO_PROMPT, MICRO_NEW), MICRO_RUNS)
     assert stat < chi2_bound(df), (stat, df)

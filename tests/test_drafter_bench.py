@@ -49,18 +49,26 @@ def test_dflash2_flops_and_memory_count_the_convolutions_and_the_selector():
     from dflash_ring.consumer.model import sample_anchors
 
     target, d2 = _shape("qwen3.6-27b", "dflash2")
-    plain = DrafterConfig(num_hidden_layers=5, block_size=8, num_anchors=512, layer_types=d2.layer_types,
-                          sliding_window=2048, mask_token_id=d2.mask_token_id)
+    plain = DrafterConfig(
+        num_hidden_layers=5,
+        block_size=8,
+        num_anchors=512,
+        layer_types=d2.layer_types,
+        sliding_window=2048,
+        mask_token_id=d2.mask_token_id,
+    )
     g = drafter_geometry(d2, target)
     h, k, groups, r, top_k = g["hidden_size"], 2, g["hidden_size"] // 16, 256, 16
     assert dflash2_conv_flops(target, d2) == 2 * (2 * h * 2 * k * groups + 4 * k * h)
     assert selector_flops(target, d2) == 3 * (2 * h * r + r + 2 * top_k * r) + 2 * top_k * h
     assert dflash2_conv_flops(target, plain) == selector_flops(target, plain) == 0
-    anchors = sample_anchors(torch.ones(4096, dtype=torch.bool), torch.tensor([0, 4096]), 512,
-                             torch.Generator().manual_seed(0))
+    anchors = sample_anchors(
+        torch.ones(4096, dtype=torch.bool), torch.tensor([0, 4096]), 512, torch.Generator().manual_seed(0)
+    )
     supervised = anchors.num_blocks * 7
-    extra = step_flops(target, d2, 3, 4096, anchors, supervised, 0) - step_flops(target, plain, 3, 4096, anchors,
-                                                                                 supervised, 0)
+    extra = step_flops(target, d2, 3, 4096, anchors, supervised, 0) - step_flops(
+        target, plain, 3, 4096, anchors, supervised, 0
+    )
     want = 3 * 5 * anchors.num_blocks * 8 * dflash2_conv_flops(target, d2) + supervised * selector_flops(target, d2)
     assert extra == pytest.approx(want, rel=1e-9)
     # the matmul parts, measured on small modules of the same formulas
@@ -73,12 +81,16 @@ def test_dflash2_flops_and_memory_count_the_convolutions_and_the_selector():
         selector.hidden_projection(x)
     assert counter.get_total_flops() == 3 * 8 * 2 * 64 * 8
     with torch.device("meta"):
-        assert dflash2_parameters(g, d2) == (sum(p.numel() for p in build_drafter(d2, target).parameters())
-                                             - sum(p.numel() for p in build_drafter(plain, target).parameters()))
+        assert dflash2_parameters(g, d2) == (
+            sum(p.numel() for p in build_drafter(d2, target).parameters())
+            - sum(p.numel() for p in build_drafter(plain, target).parameters())
+        )
     for compiled in (True, False):
         conv_bytes, selector_bytes = dflash2_activation_bytes(g, d2, compiled)
-        grown = (step_memory(target, d2, 1, 4096, compiled=compiled, check=False).step
-                 - step_memory(target, plain, 1, 4096, compiled=compiled, check=False).step)
+        grown = (
+            step_memory(target, d2, 1, 4096, compiled=compiled, check=False).step
+            - step_memory(target, plain, 1, 4096, compiled=compiled, check=False).step
+        )
         block_tokens = 512 * 8
         assert grown == pytest.approx(14 * dflash2_parameters(g, d2) + block_tokens * (5 * conv_bytes + selector_bytes))
     assert dflash2_activation_bytes(g, plain, True) == (0.0, 0.0)
@@ -101,8 +113,9 @@ MEASURED = [
 
 
 @pytest.mark.parametrize("shape,recipe,seqs,seq_len,compiled,check,measured", MEASURED)
-def test_the_estimate_reproduces_the_peaks_measured_on_the_h200(shape, recipe, seqs, seq_len, compiled, check,
-                                                                 measured):
+def test_the_estimate_reproduces_the_peaks_measured_on_the_h200(
+    shape, recipe, seqs, seq_len, compiled, check, measured
+):
     target, drafter = _shape(shape, recipe)
     memory = step_memory(target, drafter, seqs, seq_len, compiled=compiled, check=check)
     teacher_logits = 2 * seqs * seq_len * target["vocab_size"] if drafter.needs_target_logits else 0
@@ -110,28 +123,48 @@ def test_the_estimate_reproduces_the_peaks_measured_on_the_h200(shape, recipe, s
     assert (memory.peak - teacher_logits) / GiB == pytest.approx(measured, rel=0.05)
 
 
-@pytest.mark.parametrize("shape,recipe,check,expected", [
-    ("qwen3-8b", "paper", True, (4, 3072)),  # the default, kept
-    ("qwen3.6-27b", "paper", True, (4, 3072)),
-    ("qwen3.6-27b", "ddtree", True, (1, 4096)),  # the eager gradient check needs ~149 GiB at 2 x 4096
-    ("qwen3.6-27b", "ddtree", False, (2, 4096)),  # measured 100 GiB
-])
+@pytest.mark.parametrize(
+    "shape,recipe,check,expected",
+    [
+        ("qwen3-8b", "paper", True, (4, 3072)),  # the default, kept
+        ("qwen3.6-27b", "paper", True, (4, 3072)),
+        ("qwen3.6-27b", "ddtree", True, (1, 4096)),  # the eager gradient check needs ~149 GiB at 2 x 4096
+        ("qwen3.6-27b", "ddtree", False, (2, 4096)),  # measured 100 GiB
+    ],
+)
 def test_unset_samples_are_the_most_that_fit_one_h200(shape, recipe, check, expected):
     target, drafter = _shape(shape, recipe)
-    seqs, seq_len, memory = fit_samples(target, drafter, None, None, H200_BYTES, compiled=True, check=check,
-                                        default=DEFAULT_SAMPLES, fallback_len=SAMPLE_TOKENS.get(shape, 3072))
+    seqs, seq_len, memory = fit_samples(
+        target,
+        drafter,
+        None,
+        None,
+        H200_BYTES,
+        compiled=True,
+        check=check,
+        default=DEFAULT_SAMPLES,
+        fallback_len=SAMPLE_TOKENS.get(shape, 3072),
+    )
     assert (seqs, seq_len) == expected and memory.peak <= 0.9 * H200_BYTES
 
 
 def test_given_samples_are_kept_or_refused_with_what_fits():
     target, drafter = _shape("qwen3.6-27b", "ddtree")
-    assert fit_samples(target, drafter, 2, None, H200_BYTES, compiled=True, check=False,
-                       fallback_len=4096)[:2] == (2, 3072)  # the default length first
-    with pytest.raises(DoesNotFit, match=r"^--seqs 3 --seq-len 4096 does not fit: .* at most --seqs 2 --seq-len "
-                                         r"4096 fits$"):
+    assert fit_samples(target, drafter, 2, None, H200_BYTES, compiled=True, check=False, fallback_len=4096)[:2] == (
+        2,
+        3072,
+    )  # the default length first
+    with pytest.raises(
+        DoesNotFit,
+        match=r"^--seqs 3 --seq-len 4096 does not fit: .* at most --seqs 2 --seq-len "
+        r"4096 fits$",
+    ):
         fit_samples(target, drafter, 3, 4096, H200_BYTES, compiled=True, check=False)
-    with pytest.raises(DoesNotFit, match=r"at most --seqs 1 --seq-len 4096 fits; with --no-check .*: --seqs 2 "
-                                         r"--seq-len 4096$"):
+    with pytest.raises(
+        DoesNotFit,
+        match=r"at most --seqs 1 --seq-len 4096 fits; with --no-check .*: --seqs 2 "
+        r"--seq-len 4096$",
+    ):
         fit_samples(target, drafter, 2, 4096, H200_BYTES, compiled=True, check=True)
 
 
@@ -139,9 +172,26 @@ def test_given_samples_are_kept_or_refused_with_what_fits():
 def test_tiny_drafter_bench_prints_each_figure_before_the_json():
     """The CPU run of the 27B's ddtree bench, checked for one H200 first: each figure on stderr as it is measured
     (what a run cut off by a time limit keeps), the same figures in the final JSON."""
-    out = subprocess.run([sys.executable, "-m", "dflash_ring", "bench", "drafter", "--shape", "qwen3.6-27b",
-                          "--recipe", "ddtree", "--gpu-memory-gib", str(H200_BYTES / GiB), "--json"],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash_ring",
+            "bench",
+            "drafter",
+            "--shape",
+            "qwen3.6-27b",
+            "--recipe",
+            "ddtree",
+            "--gpu-memory-gib",
+            str(H200_BYTES / GiB),
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-3000:]
     lines = out.stdout.splitlines()
     start = lines.index("{")

@@ -28,8 +28,13 @@ HIDDEN, NUM_LAYERS = 64, 2
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     path = tmp_path_factory.mktemp("target")
-    save_tiny_qwen3(path, num_hidden_layers=8, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                    bos_token_id=1, eos_token_id=2)
+    save_tiny_qwen3(
+        path,
+        num_hidden_layers=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return json.loads((path / "config.json").read_text()), load_target_head(path)
 
 
@@ -136,8 +141,15 @@ def test_export_writes_the_public_dflash_format(tmp_path, target, drafter):
 def test_hf_config_reads_legacy_and_transformers5_rope_keys():
     cfg = DrafterConfig(block_size=16, mask_token_id=5)
     common = dict(
-        hidden_size=64, num_hidden_layers=36, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        intermediate_size=128, vocab_size=256, rms_norm_eps=1e-6, max_position_embeddings=131072,
+        hidden_size=64,
+        num_hidden_layers=36,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=256,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=131072,
     )
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
     legacy = drafter_hf_config(cfg, {**common, "rope_theta": 1e6, "rope_scaling": yarn})
@@ -212,8 +224,9 @@ def trained_layer_causal(model, layer: int) -> bool:
     """Whether the training mask of this layer is causal inside the block (lower triangular), else bidirectional
     there: read off the mask the model builds, not off its attributes."""
     window = model.layers[layer].self_attn.sliding_window
-    mask = block_attention_mask(torch.tensor([5]), ctx_len=5, block_size=4, sliding_window=window,
-                                sliding_causal=model.sliding_causal)[:, 5:]
+    mask = block_attention_mask(
+        torch.tensor([5]), ctx_len=5, block_size=4, sliding_window=window, sliding_causal=model.sliding_causal
+    )[:, 5:]
     if torch.equal(mask, torch.ones(4, 4, dtype=torch.bool).tril()):
         return True
     assert mask.all()
@@ -231,8 +244,9 @@ def test_an_export_serves_its_layers_as_they_trained(tmp_path, target, recipe):
     use_sliding_window is true exactly when a layer slides. For z-lab this is also run, not only read:
     tests/test_peer_conformance.py gets our drafts to 1e-5 through z-lab's own models (DFlash and DFlash2)."""
     target_config, _ = target
-    cfg = DrafterConfig(recipe=recipe, num_hidden_layers=NUM_LAYERS, mask_token_id=250,
-                        sliding_window=None if recipe == "paper" else 64)
+    cfg = DrafterConfig(
+        recipe=recipe, num_hidden_layers=NUM_LAYERS, mask_token_id=250, sliding_window=None if recipe == "paper" else 64
+    )
     model = build_drafter(cfg, target_config)
     out = export_drafter(model, cfg, target_config, tmp_path / recipe)
     config = json.loads((out / "config.json").read_text())

@@ -21,8 +21,13 @@ from transformers import AutoModel, AutoModelForCausalLM
 from dflash_ring.bench.target_shapes import shape_config
 from dflash_ring.common.config.drafter import DrafterConfig, build_target_layer_ids
 from dflash_ring.consumer.drafter_hf_config import drafter_hf_config, drafter_rope
-from dflash_ring.consumer.export import (DSPARK_CODE_SOURCE, MODEL_CODE_SOURCE, TARGET_HEAD_KEY, export_drafter,
-                                         load_drafter)
+from dflash_ring.consumer.export import (
+    DSPARK_CODE_SOURCE,
+    MODEL_CODE_SOURCE,
+    TARGET_HEAD_KEY,
+    export_drafter,
+    load_drafter,
+)
 from dflash_ring.consumer.head_probe import HeadProbeError, TargetHeadProbe, check, derive
 from dflash_ring.consumer.loss import dflash_loss
 from dflash_ring.consumer.model import Anchors, build_drafter, load_target_head
@@ -40,47 +45,123 @@ LAYERS, HIDDEN, BLOCK = 6, 64, 4
 # Tiny family geometry (bench/target_shapes.tiny_config): intermediate 128; MoE: 2 of 4 experts of 32 (+ a
 # shared expert where the family has one: 32, Granite-MoE-hybrid's 64); gpt-oss, MiniMax(-M2), Mixtral, OLMoE,
 # Granite-MoE and Cohere2-MoE experts are intermediate_size wide (128), as are Hunyuan-MoE's (+ its shared one).
-MLP_WIDTH = {"qwen3_moe": 2 * 32, "gpt_oss": 2 * 128, "qwen3_next": 2 * 32 + 32, "qwen3_5_moe": 2 * 32 + 32,
-             "deepseek_v3": 2 * 32 + 32, "deepseek_v2": 2 * 32 + 32, "glm4_moe_lite": 2 * 32 + 32,
-             "glm4_moe": 2 * 32 + 32, "glm_moe_dsa": 2 * 32 + 32, "minimax_m2": 2 * 128, "nemotron_h": 2 * 32 + 32,
-             "longcat_flash": 2 * 32, "granitemoehybrid": 2 * 128 + 64, "jamba": 2 * 128,
-             "qwen2_moe": 2 * 32 + 32, "mixtral": 2 * 128, "olmoe": 2 * 128, "granitemoe": 2 * 128,
-             "ernie4_5_moe": 2 * 32 + 32, "hunyuan_v1_moe": 2 * 128 + 128, "hy_v3": 2 * 32 + 32,
-             "exaone_moe": 2 * 32 + 32, "dots1": 2 * 32 + 32, "solar_open": 2 * 32 + 32, "afmoe": 2 * 32 + 32,
-             "cohere2_moe": 2 * 128, "mimo_v2_flash": 2 * 32, "deepseek_v32": 2 * 32 + 32, "lfm2_moe": 2 * 32,
-             "kimi_linear": 2 * 32 + 32, "bailing_hybrid": 2 * 32 + 32, "minimax": 2 * 128}
-# Multi-head latent attention: key/value heads = heads; head_dim = v_head_dim (12; the config's head_dim is the rope part).
-MLA = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "youtu", "glm_moe_dsa", "longcat_flash", "deepseek_v32",
-       "kimi_linear", "bailing_hybrid")
+MLP_WIDTH = {
+    "qwen3_moe": 2 * 32,
+    "gpt_oss": 2 * 128,
+    "qwen3_next": 2 * 32 + 32,
+    "qwen3_5_moe": 2 * 32 + 32,
+    "deepseek_v3": 2 * 32 + 32,
+    "deepseek_v2": 2 * 32 + 32,
+    "glm4_moe_lite": 2 * 32 + 32,
+    "glm4_moe": 2 * 32 + 32,
+    "glm_moe_dsa": 2 * 32 + 32,
+    "minimax_m2": 2 * 128,
+    "nemotron_h": 2 * 32 + 32,
+    "longcat_flash": 2 * 32,
+    "granitemoehybrid": 2 * 128 + 64,
+    "jamba": 2 * 128,
+    "qwen2_moe": 2 * 32 + 32,
+    "mixtral": 2 * 128,
+    "olmoe": 2 * 128,
+    "granitemoe": 2 * 128,
+    "ernie4_5_moe": 2 * 32 + 32,
+    "hunyuan_v1_moe": 2 * 128 + 128,
+    "hy_v3": 2 * 32 + 32,
+    "exaone_moe": 2 * 32 + 32,
+    "dots1": 2 * 32 + 32,
+    "solar_open": 2 * 32 + 32,
+    "afmoe": 2 * 32 + 32,
+    "cohere2_moe": 2 * 128,
+    "mimo_v2_flash": 2 * 32,
+    "deepseek_v32": 2 * 32 + 32,
+    "lfm2_moe": 2 * 32,
+    "kimi_linear": 2 * 32 + 32,
+    "bailing_hybrid": 2 * 32 + 32,
+    "minimax": 2 * 128,
+}
+# Multi-head latent attention: key/value heads = heads; head_dim = v_head_dim (12; the config's head_dim is the rope
+# part).
+MLA = (
+    "deepseek_v3",
+    "deepseek_v2",
+    "glm4_moe_lite",
+    "youtu",
+    "glm_moe_dsa",
+    "longcat_flash",
+    "deepseek_v32",
+    "kimi_linear",
+    "bailing_hybrid",
+)
 ROPE = {
     "gemma3": (1e6, None),  # the full-attention entry of its per-layer-type rope
     "gemma4_text": (1e6, None),  # the same; its "proportional" partial rotary is a whole-head default one
-    "gpt_oss": (150000.0, {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
-                           "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}),
-    "minimax_m2": (5e6, None), "lfm2": (1e6, None), "longcat_flash": (1e7, None), "cohere": (5e5, None),
+    "gpt_oss": (
+        150000.0,
+        {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+        },
+    ),
+    "minimax_m2": (5e6, None),
+    "lfm2": (1e6, None),
+    "longcat_flash": (1e7, None),
+    "cohere": (5e5, None),
     "smollm3": (2e6, None),
-    "olmo3": (5e5, None), "ernie4_5": (5e5, None), "ernie4_5_moe": (5e5, None), "mixtral": (1e6, None),
-    "minimax": (1e6, None), "hy_v3": (11158840.0, None), "solar_open": (1e6, None), "lfm2_moe": (1e6, None),
+    "olmo3": (5e5, None),
+    "ernie4_5": (5e5, None),
+    "ernie4_5_moe": (5e5, None),
+    "mixtral": (1e6, None),
+    "minimax": (1e6, None),
+    "hy_v3": (11158840.0, None),
+    "solar_open": (1e6, None),
+    "lfm2_moe": (1e6, None),
     "lfm3": (1e6, None),  # the full-attention entry; its "proportional" partial rotary = a whole-head default one
     "mimo_v2_flash": (5e6, None),  # the full-attention entry; partial rotary dropped
     "bailing_hybrid": (6e6, None),
-    "apertus": (1.2e7, {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                        "original_max_position_embeddings": 8192}),
+    "apertus": (
+        1.2e7,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
     # yarn kept; llama_4_scaling_beta (a query temperature of the target's attention) dropped.
-    "ministral3": (1e6, {"rope_type": "yarn", "type": "yarn", "factor": 16.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                         "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 16384,
-                         "max_position_embeddings": 4096}),
+    "ministral3": (
+        1e6,
+        {
+            "rope_type": "yarn",
+            "type": "yarn",
+            "factor": 16.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 16384,
+            "max_position_embeddings": 4096,
+        },
+    ),
 }
 # The transforms the probe must find (none for every other family), as the tiny configs set them.
 HEADS = {
-    "gemma3": dict(embed_scale=8.0), "gemma4_text": dict(embed_scale=8.0),  # sqrt(64)
+    "gemma3": dict(embed_scale=8.0),
+    "gemma4_text": dict(embed_scale=8.0),  # sqrt(64)
     "gemma2": dict(embed_scale=8.0, logit_softcap=30.0),
     "granite": dict(embed_scale=12.0, logit_multiplier=0.125),  # 1 / logits_scaling 8
     "granitemoehybrid": dict(embed_scale=12.0, logit_multiplier=0.1),
     "falcon_h1": dict(embed_scale=5.656854, logit_multiplier=0.0390625),
-    "cohere": dict(logit_multiplier=0.0625), "cohere2": dict(logit_multiplier=0.125),
-    "gemma": dict(embed_scale=8.0), "afmoe": dict(embed_scale=8.0),  # Trinity's muP input scale, sqrt(64)
-    "granitemoe": dict(embed_scale=12.0, logit_multiplier=0.125), "cohere2_moe": dict(logit_multiplier=0.25),
+    "cohere": dict(logit_multiplier=0.0625),
+    "cohere2": dict(logit_multiplier=0.125),
+    "gemma": dict(embed_scale=8.0),
+    "afmoe": dict(embed_scale=8.0),  # Trinity's muP input scale, sqrt(64)
+    "granitemoe": dict(embed_scale=12.0, logit_multiplier=0.125),
+    "cohere2_moe": dict(logit_multiplier=0.25),
 }
 # Position-free attention (Kimi-Linear's MLA is NoPE; Zamba's shared attention block takes no positions): the
 # drafter's RoPE is set explicitly.
@@ -89,14 +170,20 @@ NO_ROPE = ("nemotron_h", "jamba", "zamba", "kimi_linear")
 
 def drafter_cfg(vocab: int, name: str = "") -> DrafterConfig:
     # One sliding and one full layer: the remote-code model must reproduce both masks.
-    return DrafterConfig(num_hidden_layers=2, block_size=BLOCK, loss_gamma=2.0, num_anchors=6,
-                         mask_token_id=vocab - 8, layer_types=["sliding_attention", "full_attention"],
-                         sliding_window=8, rope_theta=1e4 if name in NO_ROPE else None)
+    return DrafterConfig(
+        num_hidden_layers=2,
+        block_size=BLOCK,
+        loss_gamma=2.0,
+        num_anchors=6,
+        mask_token_id=vocab - 8,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=8,
+        rope_theta=1e4 if name in NO_ROPE else None,
+    )
 
 
 # qwen3 in the quick subset; the other families are `slow` (pytest -m "not processes and not slow").
-@pytest.fixture(scope="module", params=[a if a == "qwen3" else pytest.param(a, marks=pytest.mark.slow)
-                                        for a in ARCHS])
+@pytest.fixture(scope="module", params=[a if a == "qwen3" else pytest.param(a, marks=pytest.mark.slow) for a in ARCHS])
 def family(request, tmp_path_factory):
     """(name, target dir, config.json, the target loaded by AutoModelForCausalLM in fp32)."""
     name, where = request.param, tmp_path_factory.mktemp(request.param)
@@ -126,12 +213,31 @@ def test_drafter_geometry_follows_the_target(family):
     hf = drafter_hf_config(drafter_cfg(410, name), config)
     assert hf["dflash_config"]["target_layer_ids"] == build_target_layer_ids(LAYERS, 2) == [1, 3]
     assert hf["num_target_layers"] == LAYERS
-    got = {k: hf[k] for k in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads",
-                              "head_dim", "intermediate_size", "hidden_act", "model_type", "tie_word_embeddings")}
-    assert got == {"hidden_size": HIDDEN, "vocab_size": config.get("text_config", config)["vocab_size"],
-                   "num_attention_heads": 4, "num_key_value_heads": 4 if name in MLA else 2, "head_dim": 12 if name in MLA else 16,
-                   "intermediate_size": MLP_WIDTH.get(name, 128), "hidden_act": "silu", "model_type": "qwen3",
-                   "tie_word_embeddings": False}
+    got = {
+        k: hf[k]
+        for k in (
+            "hidden_size",
+            "vocab_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "hidden_act",
+            "model_type",
+            "tie_word_embeddings",
+        )
+    }
+    assert got == {
+        "hidden_size": HIDDEN,
+        "vocab_size": config.get("text_config", config)["vocab_size"],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4 if name in MLA else 2,
+        "head_dim": 12 if name in MLA else 16,
+        "intermediate_size": MLP_WIDTH.get(name, 128),
+        "hidden_act": "silu",
+        "model_type": "qwen3",
+        "tie_word_embeddings": False,
+    }
     assert (hf["rope_theta"], hf["rope_scaling"]) == ROPE.get(name, (10000.0, None))
     if name in NO_ROPE:
         with pytest.raises(ValueError, match="has no RoPE.*set drafter.rope_theta"):
@@ -167,8 +273,10 @@ def test_head_probe_keeps_the_layers_on_meta_and_refuses_a_wrong_head(family):
     assert spec == HeadSpec(tied=False, **HEADS.get(name, {}))
     check(probe, spec, name)
     hidden = probe.hidden
-    wrong = [(dict(embed_scale=(spec.embed_scale or 1.0) * hidden ** 0.5), "embedding"),
-             (dict(logit_multiplier=(spec.logit_multiplier or 1.0) * 2), "logits")]
+    wrong = [
+        (dict(embed_scale=(spec.embed_scale or 1.0) * hidden**0.5), "embedding"),
+        (dict(logit_multiplier=(spec.logit_multiplier or 1.0) * 2), "logits"),
+    ]
     if spec.embed_scale is not None:
         wrong.append((dict(embed_scale=None), "embedding"))
     if spec.logit_multiplier is not None:
@@ -185,8 +293,12 @@ def train_batch(model, vocab: int, layer_ids: list[int]) -> DeviceBatch:
     seqs = sequences(vocab)
     feats = [target_features(model, s, layer_ids)[0] for s in seqs]
     masks = [torch.arange(len(s)) >= len(s) // 3 for s in seqs]  # prompt, then a supervised reply
-    return DeviceBatch(features=torch.cat(feats), input_ids=torch.cat(seqs), loss_mask=torch.cat(masks),
-                       cu_seqlens=torch.tensor([0, len(seqs[0]), len(seqs[0]) + len(seqs[1])]))
+    return DeviceBatch(
+        features=torch.cat(feats),
+        input_ids=torch.cat(seqs),
+        loss_mask=torch.cat(masks),
+        cu_seqlens=torch.tensor([0, len(seqs[0]), len(seqs[0]) + len(seqs[1])]),
+    )
 
 
 def remote_draft(remote, head, feats, ids, anchor: int, mask_id: int) -> torch.Tensor:
@@ -204,8 +316,9 @@ def test_drafter_trains_exports_and_loads_back_both_ways(family, tmp_path):
     drafter = build_drafter(cfg, config)
     head = load_target_head(path)
     batch = train_batch(target, vocab, drafter.target_layer_ids)
-    trainer = Trainer(drafter, head, cfg, TrainConfig(lr=3e-3, warmup_ratio=0.0, total_steps=100, seed=0),
-                      torch.device("cpu"))
+    trainer = Trainer(
+        drafter, head, cfg, TrainConfig(lr=3e-3, warmup_ratio=0.0, total_steps=100, seed=0), torch.device("cpu")
+    )
     losses = [trainer.train_step(batch, 100).loss for _ in range(6)]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
 
@@ -222,8 +335,9 @@ def test_drafter_trains_exports_and_loads_back_both_ways(family, tmp_path):
     remote = AutoModel.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
     assert type(remote).__name__ == "DFlashDraftModel" and remote.target_layer_ids == drafter.target_layer_ids
     # Context 30 > window 8: the sliding layer's mask matters here. fp32, same ops: agree to 1e-5.
-    torch.testing.assert_close(remote_draft(remote, head, feats, ids, 30, cfg.mask_token_id), ours,
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        remote_draft(remote, head, feats, ids, 30, cfg.mask_token_id), ours, rtol=1e-5, atol=1e-5
+    )
 
     tensors = load_file(out / "model.safetensors")
     fc = tensors["fc.weight"]  # a tampered weight must show in the remote model's output (not a rescale:
@@ -238,9 +352,16 @@ def test_drafter_trains_exports_and_loads_back_both_ways(family, tmp_path):
 
 @pytest.fixture(scope="module")
 def gemma3_tied_capped(tmp_path_factory):
-    """Gemma3 as published (tied, no lm_head.weight), with final logit softcapping on, small enough to bind on random weights."""
-    path = build_target(tmp_path_factory.mktemp("gemma3_tied"), "gemma3", layers=LAYERS, hidden=HIDDEN,
-                        tie_word_embeddings=True, final_logit_softcapping=0.1)
+    """Gemma3 as published (tied, no lm_head.weight), with final logit softcapping on, small enough to bind on random
+    weights."""
+    path = build_target(
+        tmp_path_factory.mktemp("gemma3_tied"),
+        "gemma3",
+        layers=LAYERS,
+        hidden=HIDDEN,
+        tie_word_embeddings=True,
+        final_logit_softcapping=0.1,
+    )
     return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
@@ -264,17 +385,17 @@ def test_softcapped_loss_gradient_equals_autograd_through_the_cap(gemma3_tied_ca
     cfg = DrafterConfig(block_size=BLOCK, loss_gamma=2.0, mask_token_id=402, loss_chunk_tokens=3)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 400, (12,), generator=g)
-    anchors = Anchors(positions=torch.tensor([1, 5]), cu_anchors=torch.tensor([0, 2]),
-                      cu_seqlens=torch.tensor([0, 12]))
+    anchors = Anchors(positions=torch.tensor([1, 5]), cu_anchors=torch.tensor([0, 2]), cu_seqlens=torch.tensor([0, 12]))
     hidden = torch.randn(2, BLOCK, HIDDEN, generator=g, dtype=torch.float64, requires_grad=True)
     loss = dflash_loss(hidden, anchors, ids, torch.ones(12, dtype=torch.bool), head, cfg).loss
     (grad,) = torch.autograd.grad(loss, hidden)
 
     weights = torch.exp(-torch.arange(BLOCK - 1, dtype=torch.float64) / 2.0)
-    labels = torch.stack([ids[a + 1:a + BLOCK] for a in (1, 5)])
+    labels = torch.stack([ids[a + 1 : a + BLOCK] for a in (1, 5)])
     reference_hidden = hidden.detach().clone().requires_grad_(True)
-    ce = torch.nn.functional.cross_entropy(head.logits(reference_hidden[:, 1:]).transpose(1, 2), labels,
-                                           reduction="none")
+    ce = torch.nn.functional.cross_entropy(
+        head.logits(reference_hidden[:, 1:]).transpose(1, 2), labels, reduction="none"
+    )
     reference = (ce * weights).sum() / (2 * weights.sum())
     (reference_grad,) = torch.autograd.grad(reference, reference_hidden)
     torch.testing.assert_close(loss.double(), reference.detach())
@@ -285,13 +406,23 @@ def test_gemma3_multimodal_checkpoint_names(tmp_path):
     """Gemma3ForConditionalGeneration saves the hub's language_model.model.* names; tied, scaled."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    text = dict(vocab_size=300, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, intermediate_size=128, sliding_window=16)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                  image_size=28, patch_size=14)
+    text = dict(
+        vocab_size=300,
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        sliding_window=16,
+    )
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
     torch.manual_seed(0)
-    Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
-                                   ).save_pretrained(tmp_path)
+    Gemma3ForConditionalGeneration(
+        Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    ).save_pretrained(tmp_path)
     names = set(load_file(tmp_path / "model.safetensors"))
     assert "language_model.model.embed_tokens.weight" in names and "lm_head.weight" not in names
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
@@ -300,8 +431,13 @@ def test_gemma3_multimodal_checkpoint_names(tmp_path):
     _, first, final_hidden, logits = target_features(model, ids, [0])
     assert torch.equal(head.embed(ids), first)
     torch.testing.assert_close(head.logits(final_hidden), logits, rtol=1e-5, atol=1e-5)
-    assert drafter_hf_config(DrafterConfig(block_size=BLOCK, loss_gamma=2.0, mask_token_id=299),
-                             json.loads((tmp_path / "config.json").read_text()))["rope_theta"] == 1e6
+    assert (
+        drafter_hf_config(
+            DrafterConfig(block_size=BLOCK, loss_gamma=2.0, mask_token_id=299),
+            json.loads((tmp_path / "config.json").read_text()),
+        )["rope_theta"]
+        == 1e6
+    )
 
 
 # --- what is refused, and the real shapes ----------------------------------------------------------
@@ -312,13 +448,22 @@ def test_unrepresentable_rope_is_refused_with_a_way_out():
         with pytest.raises(ValueError, match=f"rope_type '{rope_type}' is not representable.*drafter.rope_theta"):
             drafter_rope({"rope_parameters": {"rope_type": rope_type, "rope_theta": 1e4, "factor": 2.0}})
     assert drafter_rope({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, rope_theta=5e5) == {
-        "rope_theta": 5e5, "rope_scaling": None}
+        "rope_theta": 5e5,
+        "rope_scaling": None,
+    }
     with pytest.raises(ValueError, match="no 'full_attention'"):
         drafter_rope({"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
-    llama31 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    assert drafter_rope({"rope_parameters": llama31})["rope_scaling"] == {k: v for k, v in llama31.items()
-                                                                          if k != "rope_theta"}
+    llama31 = {
+        "rope_type": "llama3",
+        "rope_theta": 5e5,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    assert drafter_rope({"rope_parameters": llama31})["rope_scaling"] == {
+        k: v for k, v in llama31.items() if k != "rope_theta"
+    }
 
 
 def test_a_head_the_probe_cannot_run_is_one_line(tmp_path):
@@ -358,10 +503,14 @@ def test_real_shapes_give_the_published_drafter_geometry():
 @pytest.mark.parametrize("source", [MODEL_CODE_SOURCE, DSPARK_CODE_SOURCE], ids=["dflash.py", "dspark.py"])
 def test_shipped_model_file_imports_only_torch_and_transformers(source):
     tree = ast.parse(source.read_text())
-    roots = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-             for alias in node.names}
-    roots |= {node.module.split(".")[0] for node in ast.walk(tree)
-              if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
+    roots = {
+        alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+    }
+    roots |= {
+        node.module.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+    }
     assert roots <= {"__future__", "torch", "transformers"}, roots
     assert not any(isinstance(node, ast.ImportFrom) and node.level for node in ast.walk(tree))
 
@@ -376,9 +525,11 @@ def test_a_restart_reuses_the_derived_head_without_modeling_code(tmp_path):
     path = build_target(tmp_path / "target", "gemma3", layers=2, hidden=32)
     cache = tmp_path / "drafter-0" / "target-head.json"
     first = load_target_head(path, cache=cache)
-    code = ("import json, sys; from dflash_ring.consumer.head_loader import load_target_head; "
-            f"head = load_target_head({str(path)!r}, cache={str(cache)!r}); "
-            "print(json.dumps([head.spec.to_json(), [m for m in sys.modules if 'modeling' in m]]))")
+    code = (
+        "import json, sys; from dflash_ring.consumer.head_loader import load_target_head; "
+        f"head = load_target_head({str(path)!r}, cache={str(cache)!r}); "
+        "print(json.dumps([head.spec.to_json(), [m for m in sys.modules if 'modeling' in m]]))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout) == [first.spec.to_json(), []]

@@ -256,8 +256,14 @@ def test_target_argmax_labels_are_the_targets_greedy_tokens():
     cfg = DrafterConfig(block_size=block, loss_gamma=1.0, label="target_argmax")
     out = dflash_loss(hidden, anchors, input_ids, torch.ones(8, dtype=torch.bool), head, cfg, target_hidden)
     assert out.accept_len.item() == 4.0 and out.correct_per_position.tolist() == [2, 2, 2]
-    data = dflash_loss(hidden, anchors, input_ids, torch.ones(8, dtype=torch.bool), head,
-                       DrafterConfig(block_size=block, loss_gamma=1.0))
+    data = dflash_loss(
+        hidden,
+        anchors,
+        input_ids,
+        torch.ones(8, dtype=torch.bool),
+        head,
+        DrafterConfig(block_size=block, loss_gamma=1.0),
+    )
     assert data.accept_len.item() == 1.0  # against the data tokens every draft misses
 
 
@@ -328,11 +334,13 @@ def test_learns_counting_rule_at_every_block_position(counting_setup, single_thr
 
 # --- the teacher once per position, the FP8 head ----------------------------------------------------
 
+
 def test_teacher_logits_are_computed_once_per_distinct_position_and_equal_a_product_per_row():
     torch.manual_seed(2)
     vocab, hidden_size = 48, 16
-    head = FrozenTargetHead(torch.randn(vocab, hidden_size, dtype=torch.float64),
-                            torch.randn(vocab, hidden_size, dtype=torch.float64))
+    head = FrozenTargetHead(
+        torch.randn(vocab, hidden_size, dtype=torch.float64), torch.randn(vocab, hidden_size, dtype=torch.float64)
+    )
     target_hidden = torch.randn(30, hidden_size, dtype=torch.float64)
     positions = torch.tensor([3, 4, 5, 4, 5, 6, 5, 6, 7, 29, 0])  # overlapping blocks read shared positions
     for chunk in (1, 4, 100):

@@ -46,22 +46,40 @@ def target_dir(tmp_path_factory):
 # --- configuration -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "default", "rope_theta": 1e6},
-    {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
-    {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 1024},
-    {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 1024},
-])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default", "rope_theta": 1e6},
+        {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+        {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 1024},
+        {
+            "rope_type": "llama3",
+            "rope_theta": 5e5,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 1024,
+        },
+    ],
+)
 def test_qwen3_blocks_equal_transformers_qwen3(rope):
     """The drafter's own RMSNorm, MLP, rotate_half and RoPE frequencies (kept out of modeling_qwen3 for start-up
     time) have transformers' parameter names and give its results bit for bit."""
-    config = Qwen3Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, max_position_embeddings=4096, rope_parameters=rope)
+    config = Qwen3Config(
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        rope_parameters=rope,
+    )
     torch.manual_seed(0)
     x = torch.randn(5, 64)
-    for ours, theirs in ((qwen3_blocks.Qwen3MLP(config), modeling_qwen3.Qwen3MLP(config)),
-                         (qwen3_blocks.Qwen3RMSNorm(64, eps=1e-6), modeling_qwen3.Qwen3RMSNorm(64, eps=1e-6))):
+    for ours, theirs in (
+        (qwen3_blocks.Qwen3MLP(config), modeling_qwen3.Qwen3MLP(config)),
+        (qwen3_blocks.Qwen3RMSNorm(64, eps=1e-6), modeling_qwen3.Qwen3RMSNorm(64, eps=1e-6)),
+    ):
         with torch.no_grad():
             for p in ours.parameters():
                 p.normal_()
@@ -75,10 +93,27 @@ def test_qwen3_blocks_equal_transformers_qwen3(rope):
 
 # Every config attribute the drafter's modules read (consumer/model.py, qwen3_blocks.py, dspark_heads.py,
 # dflash2_blocks.py): what model_config must give exactly as Qwen3Config does.
-MODEL_READS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-               "num_hidden_layers", "rms_norm_eps", "hidden_act", "initializer_range", "layer_types",
-               "sliding_window", "vocab_size", "rope_parameters", "dflash_config", "block_size", "mask_token_id",
-               "target_layer_ids", "markov_head_type", "markov_rank")
+MODEL_READS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_hidden_layers",
+    "rms_norm_eps",
+    "hidden_act",
+    "initializer_range",
+    "layer_types",
+    "sliding_window",
+    "vocab_size",
+    "rope_parameters",
+    "dflash_config",
+    "block_size",
+    "mask_token_id",
+    "target_layer_ids",
+    "markov_head_type",
+    "markov_rank",
+)
 
 
 @pytest.mark.parametrize("arch", ["dflash", "dspark", "dflash2"])
@@ -91,8 +126,15 @@ def test_the_drafter_is_built_without_transformers_config_class_as_with_it(arch,
     from dflash_ring.consumer.model import drafter_class
 
     layer_types = ["sliding_attention", "full_attention"] if arch == "dflash2" else ["full_attention"] * 2
-    cfg = DrafterConfig(arch=arch, num_hidden_layers=2, block_size=8, mask_token_id=MASK_ID, rope_theta=rope_theta,
-                        layer_types=layer_types, **({"sliding_window": 8} if arch == "dflash2" else {}))
+    cfg = DrafterConfig(
+        arch=arch,
+        num_hidden_layers=2,
+        block_size=8,
+        mask_token_id=MASK_ID,
+        rope_theta=rope_theta,
+        layer_types=layer_types,
+        **({"sliding_window": 8} if arch == "dflash2" else {}),
+    )
     hf = drafter_hf_config(cfg, tiny_qwen3_config().to_dict())
     light, full = model_config(hf), qwen3_config(hf)
     assert type(light).__name__ == "SimpleNamespace"
@@ -111,8 +153,9 @@ def test_a_non_default_rope_builds_through_qwen3_config():
     from dflash_ring.consumer.drafter_hf_config import drafter_hf_config, model_config
 
     target = tiny_qwen3_config(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}).to_dict()
-    config = model_config(drafter_hf_config(DrafterConfig(num_hidden_layers=2, block_size=8, mask_token_id=MASK_ID),
-                                            target))
+    config = model_config(
+        drafter_hf_config(DrafterConfig(num_hidden_layers=2, block_size=8, mask_token_id=MASK_ID), target)
+    )
     assert isinstance(config, Qwen3Config) and config.rope_parameters["rope_type"] == "linear"
 
 
@@ -267,8 +310,16 @@ def setup(target_dir):
 def draft_logits(model, head, context, input_ids, anchors, group=64):
     attention = "flex" if group == "flex" else "sdpa"
     with torch.no_grad():
-        return head.logits(model(context, input_ids, anchors, head, attention=attention,
-                                 anchors_per_group=group if attention == "sdpa" else 64))
+        return head.logits(
+            model(
+                context,
+                input_ids,
+                anchors,
+                head,
+                attention=attention,
+                anchors_per_group=group if attention == "sdpa" else 64,
+            )
+        )
 
 
 @pytest.mark.parametrize("group", [1, 2, 64, "flex"])
@@ -386,8 +437,15 @@ def test_flex_attention_matches_grouped_sdpa(target_dir, block_size, window):
     Forward only: flex has no CPU backward; `bench drafter` compares the gradients on the GPU."""
     torch.manual_seed(3)
     layer_types = ["full_attention", "sliding_attention"] if window else None
-    cfg = DrafterConfig(num_hidden_layers=2, block_size=block_size, loss_gamma=2.0, mask_token_id=MASK_ID,
-                        target_layer_ids=[1, 2], layer_types=layer_types, sliding_window=window)
+    cfg = DrafterConfig(
+        num_hidden_layers=2,
+        block_size=block_size,
+        loss_gamma=2.0,
+        mask_token_id=MASK_ID,
+        target_layer_ids=[1, 2],
+        layer_types=layer_types,
+        sliding_window=window,
+    )
     model = build_drafter(cfg, tiny_qwen3_config()).double()
     head = load_target_head(target_dir, dtype=torch.float64)
     lengths = [150, 61, 300]
@@ -411,14 +469,20 @@ def _tiles(counts: torch.Tensor | None, indices: torch.Tensor | None, shape: tup
 
 
 @settings(max_examples=40, deadline=None)
-@given(block_size=st.sampled_from([4, 10, 16]), window=st.sampled_from([None, 13, 150, 300]),
-       lengths=st.lists(st.integers(1, 400), min_size=1, max_size=4), seed=st.integers(0, 2**16))
+@given(
+    block_size=st.sampled_from([4, 10, 16]),
+    window=st.sampled_from([None, 13, 150, 300]),
+    lengths=st.lists(st.integers(1, 400), min_size=1, max_size=4),
+    seed=st.integers(0, 2**16),
+)
 def test_flex_tile_lists_cover_the_mask_and_full_tiles_are_whole(block_size, window, lengths, seed):
     """The kernel evaluates the mask only on partial tiles and runs full tiles unmasked: every key a query
     may see must lie in a listed tile, each tile listed once, and a full tile must be allowed throughout."""
     g = torch.Generator().manual_seed(seed)
-    local = [sorted(torch.randperm(n, generator=g)[: torch.randint(0, n + 1, (1,), generator=g).item()].tolist())
-             for n in lengths]
+    local = [
+        sorted(torch.randperm(n, generator=g)[: torch.randint(0, n + 1, (1,), generator=g).item()].tolist())
+        for n in lengths
+    ]
     anchors = anchors_from_local(lengths, local)
     layout = flex_layout(anchors, sum(lengths), block_size, {window})
     mask = layout.masks[window]

@@ -48,8 +48,17 @@ def store(tmp_path):
 
 
 def leader(run, store: str, host: str, *extra: str, secret: Path | None = None):
-    return run.spawn(str(WORKER), host, "--rendezvous", store, "--out", str(run.tmp / "out"),
-                     "--secret", str(secret or run.tmp / "group.secret"), *extra)
+    return run.spawn(
+        str(WORKER),
+        host,
+        "--rendezvous",
+        store,
+        "--out",
+        str(run.tmp / "out"),
+        "--secret",
+        str(secret or run.tmp / "group.secret"),
+        *extra,
+    )
 
 
 def step_of(run, host: str) -> int:
@@ -116,12 +125,26 @@ def test_a_host_with_another_drafter_config_is_refused_by_field(run, store):
 
 def host_config(run, target, data, port: int, serve: bool, secret: Path) -> None:
     """One host's run: the pipeline's, with one drafter, two epochs and a group of two hosts; metrics off."""
-    pipeline_config(run, target, data, PIPELINE_RUN, {
-        "data": {"epochs": 2},
-        "group": {"rendezvous": f"tcp://127.0.0.1:{port}", "secret_file": str(secret), "serve": serve, "hosts": 2,
-                  "settle_s": 5.0, "timeout_s": 30.0, "host_name": run.name},
-        "metrics": {"enabled": False},
-    }, consumers=1)
+    pipeline_config(
+        run,
+        target,
+        data,
+        PIPELINE_RUN,
+        {
+            "data": {"epochs": 2},
+            "group": {
+                "rendezvous": f"tcp://127.0.0.1:{port}",
+                "secret_file": str(secret),
+                "serve": serve,
+                "hosts": 2,
+                "settle_s": 5.0,
+                "timeout_s": 30.0,
+                "host_name": run.name,
+            },
+            "metrics": {"enabled": False},
+        },
+        consumers=1,
+    )
 
 
 def test_two_hosts_with_their_own_rings_train_one_model(run):

@@ -44,15 +44,15 @@ def test_dspark_only_keys_on_a_dflash_drafter_are_refused(key):
 
 def test_dspark_refuses_sliding_layers_and_dpace_with_a_confidence_head():
     with pytest.raises(ValueError, match="full_attention layers only"):
-        DrafterConfig(arch="dspark", block_size=7, loss_gamma=4.0, layer_types=["sliding_attention"],
-                      sliding_window=64)
+        DrafterConfig(arch="dspark", block_size=7, loss_gamma=4.0, layer_types=["sliding_attention"], sliding_window=64)
     with pytest.raises(ValueError, match="confidence_weight > 0 needs loss = 'ce'"):
         DrafterConfig(recipe="dspark", loss="dpace")
 
 
 def test_a_dflash_configs_fingerprint_fields_are_what_they_were_before_dspark():
     assert not {"arch", "ce_weight", "tv_weight", "confidence_weight", "markov_rank", "markov_head"} & set(
-        DrafterConfig(recipe="ddtree").model_fields())
+        DrafterConfig(recipe="ddtree").model_fields()
+    )
     assert DrafterConfig(recipe="dspark").model_fields()["arch"] == "dspark"
 
 
@@ -94,8 +94,9 @@ def test_markov_features_equal_their_formulas():
         torch.testing.assert_close(head.bias(e), e @ head.markov_w2.weight.T)
     conf = ConfidenceHead(6, 5)
     emb = torch.randn(3, 4, 5)
-    torch.testing.assert_close(conf(hidden, emb), (torch.cat([hidden, emb], -1) @ conf.proj.weight.T
-                                                   + conf.proj.bias).squeeze(-1))
+    torch.testing.assert_close(
+        conf(hidden, emb), (torch.cat([hidden, emb], -1) @ conf.proj.weight.T + conf.proj.bias).squeeze(-1)
+    )
 
 
 def test_l1_gradient_equals_autograd():
@@ -125,7 +126,9 @@ def dspark_reference(hidden, markov, w2, conf, anchors, input_ids, loss_mask, he
     alpha = (1 - 0.5 * l1).clamp(0, 1).detach()
     bce = F.binary_cross_entropy_with_logits(conf, alpha, reduction="none")
     s = w.sum()
-    return (cfg.ce_weight * (w * ce).sum() + cfg.tv_weight * (w * l1).sum() + cfg.confidence_weight * (w * bce).sum()) / s
+    return (
+        cfg.ce_weight * (w * ce).sum() + cfg.tv_weight * (w * l1).sum() + cfg.confidence_weight * (w * bce).sum()
+    ) / s
 
 
 @pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
@@ -151,15 +154,25 @@ def test_dspark_loss_and_gradients_equal_the_full_logits_reference(kind):
 
     cfg = DrafterConfig(recipe="dspark", block_size=block, markov_rank=rank, markov_head=kind)
     e, c = heads()
-    reference = dspark_reference(hidden, e, markov_head.markov_w2.weight, c, anchors, input_ids, loss_mask, head,
-                                 target_hidden, cfg)
+    reference = dspark_reference(
+        hidden, e, markov_head.markov_w2.weight, c, anchors, input_ids, loss_mask, head, target_hidden, cfg
+    )
     expected = torch.autograd.grad(reference, params)
     for chunk in (1, 7, 10_000):
-        chunked = DrafterConfig(recipe="dspark", block_size=block, markov_rank=rank, markov_head=kind,
-                                loss_chunk_tokens=chunk)
+        chunked = DrafterConfig(
+            recipe="dspark", block_size=block, markov_rank=rank, markov_head=kind, loss_chunk_tokens=chunk
+        )
         e, c = heads()
-        out = dflash_loss(hidden, anchors, input_ids, loss_mask, head, chunked, target_hidden,
-                          dspark=DSparkHeads(e, markov_head.markov_w2.weight, c))
+        out = dflash_loss(
+            hidden,
+            anchors,
+            input_ids,
+            loss_mask,
+            head,
+            chunked,
+            target_hidden,
+            dspark=DSparkHeads(e, markov_head.markov_w2.weight, c),
+        )
         torch.testing.assert_close(out.loss.detach(), reference.detach())
         for got, want in zip(torch.autograd.grad(out.loss, params), expected):
             torch.testing.assert_close(got, want)
@@ -178,8 +191,16 @@ def test_dspark_figures_equal_hand_computed_values():
     anchors = anchors_from_local([4], [[0]])
     conf = torch.tensor([[2.0, 0.0, -1.0]])
     cfg = DrafterConfig(recipe="dspark", block_size=3, markov_rank=1)
-    out = dflash_loss(hidden, anchors, input_ids, loss_mask, head, cfg, target_hidden,
-                      dspark=DSparkHeads(torch.zeros(1, 3, 1), torch.zeros(2, 1), conf))
+    out = dflash_loss(
+        hidden,
+        anchors,
+        input_ids,
+        loss_mask,
+        head,
+        cfg,
+        target_hidden,
+        dspark=DSparkHeads(torch.zeros(1, 3, 1), torch.zeros(2, 1), conf),
+    )
     alpha = 1 - (q - p).abs()
     torch.testing.assert_close(out.alpha_per_position, alpha)
     torch.testing.assert_close(out.tau_probabilistic, 1 + alpha.cumprod(0).sum())
@@ -190,8 +211,10 @@ def test_dspark_figures_equal_hand_computed_values():
     torch.testing.assert_close(calib.cumprod_bias, (sig.cumprod(0) - alpha.cumprod(0)).sum()[None])
     w = torch.exp(-torch.arange(3.0) / 4)
     torch.testing.assert_close(out.tv, (w * 2 * (q - p).abs()).sum() / w.sum())
-    torch.testing.assert_close(calibration(sig[None], alpha[None], torch.tensor([[True, True, False]])).abs_error,
-                               (sig - alpha).abs()[:2].sum()[None])
+    torch.testing.assert_close(
+        calibration(sig[None], alpha[None], torch.tensor([[True, True, False]])).abs_error,
+        (sig - alpha).abs()[:2].sum()[None],
+    )
     # teacher-forced: the label is token 0 everywhere; slots 0 and 1 put it first, slot 2 does not -> 2 + 1
     torch.testing.assert_close(out.accept_len, torch.tensor(3.0))
     assert int(out.valid_per_position.sum()) == 3
@@ -206,22 +229,31 @@ def test_a_dspark_drafter_trains_on_a_tiny_target(tmp_path):
     import json
 
     config = json.loads(target_config)
-    drafter = DrafterConfig(recipe="dspark", num_hidden_layers=1, markov_rank=8, num_anchors=8,
-                            mask_token_id=config["vocab_size"] - 1)
+    drafter = DrafterConfig(
+        recipe="dspark", num_hidden_layers=1, markov_rank=8, num_anchors=8, mask_token_id=config["vocab_size"] - 1
+    )
     model = build_drafter(drafter, config)
     assert isinstance(model, DSparkDraftModel)
     names = set(model.state_dict())
-    assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight",
-            "confidence_head.proj.bias"} <= names
+    assert {
+        "markov_head.markov_w1.weight",
+        "markov_head.markov_w2.weight",
+        "confidence_head.proj.weight",
+        "confidence_head.proj.bias",
+    } <= names
     head = load_target_head(tmp_path)
     trainer = Trainer(model, head, drafter, TrainConfig(lr=3e-3, warmup_ratio=0.0), torch.device("cpu"))
     torch.manual_seed(0)
     n_layers, hidden = len(model.target_layer_ids), config["hidden_size"]
     length = 40
     ids = torch.arange(length) % 7 + 3  # a counting rule the drafter can learn
-    batch = DeviceBatch(features=torch.randn(length, n_layers * hidden), input_ids=ids,
-                        loss_mask=torch.ones(length, dtype=torch.bool), cu_seqlens=torch.tensor([0, length]),
-                        final_hidden=torch.randn(length, hidden))
+    batch = DeviceBatch(
+        features=torch.randn(length, n_layers * hidden),
+        input_ids=ids,
+        loss_mask=torch.ones(length, dtype=torch.bool),
+        cu_seqlens=torch.tensor([0, length]),
+        final_hidden=torch.randn(length, hidden),
+    )
     first = last = None
     for _ in range(25):
         m = trainer.train_step(batch, total_steps=25)
@@ -249,30 +281,54 @@ def test_dspark_figures_reach_the_record_per_source_and_prometheus():
     anchors = sample_anchors(loss_mask, cu_seqlens_from_lengths(lengths), 4, torch.Generator())
     hidden, target_hidden = torch.randn(anchors.num_blocks, block, hidden_size), torch.randn(22, hidden_size)
     cfg = DrafterConfig(recipe="dspark", block_size=block, markov_rank=rank)
-    heads = DSparkHeads(torch.randn(anchors.num_blocks, block, rank), torch.randn(vocab, rank),
-                        torch.randn(anchors.num_blocks, block))
+    heads = DSparkHeads(
+        torch.randn(anchors.num_blocks, block, rank), torch.randn(vocab, rank), torch.randn(anchors.num_blocks, block)
+    )
     out = dflash_loss(hidden, anchors, input_ids, loss_mask, head, cfg, target_hidden, dspark=heads)
     # Two sources (one per sequence) add up to the batch; each source's figures are its blocks' own.
     stats = by_source(out, anchors, torch.tensor([0, 1]), loss_mask, ["code", "chat"])
     n0 = int(anchors.cu_anchors[1])
-    torch.testing.assert_close(stats["code"].tau_probabilistic,
-                               float(out.block_tau_probabilistic[:n0].mean()), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        stats["code"].tau_probabilistic, float(out.block_tau_probabilistic[:n0].mean()), rtol=1e-6, atol=1e-6
+    )
     total_tau = sum(s.tau_prob_sum for s in stats.values()) / anchors.num_blocks
     torch.testing.assert_close(total_tau, float(out.tau_probabilistic), rtol=1e-6, atol=1e-6)
     drafts = sum(s.confidence_drafts for s in stats.values())
     figures = DSparkFigures.of(out)
-    torch.testing.assert_close(sum(s.confidence_sums[0] for s in stats.values()) / drafts,
-                               figures.confidence_abs_error, rtol=1e-6, atol=1e-6)
-    m = StepMetrics(step=1, loss=float(out.loss), ce=float(out.ce), kl=0.0, cap=0.0, accuracy_per_position=[0.5] * 4,
-                    accept_len=1.0, accept_len_prob=1.0, lr=1e-3, grad_norm=1.0, tokens=22, step_s=0.1,
-                    by_source=stats, dspark=figures)
+    torch.testing.assert_close(
+        sum(s.confidence_sums[0] for s in stats.values()) / drafts, figures.confidence_abs_error, rtol=1e-6, atol=1e-6
+    )
+    m = StepMetrics(
+        step=1,
+        loss=float(out.loss),
+        ce=float(out.ce),
+        kl=0.0,
+        cap=0.0,
+        accuracy_per_position=[0.5] * 4,
+        accept_len=1.0,
+        accept_len_prob=1.0,
+        lr=1e-3,
+        grad_norm=1.0,
+        tokens=22,
+        step_s=0.1,
+        by_source=stats,
+        dspark=figures,
+    )
     record = step_scalars(m, WindowStats(1.0, 22, 0.0, 1, 22, 0, stats))
     assert record["tau_probabilistic"] == figures.tau_probabilistic
     assert [record[f"accept_rate/pos_{k}"] for k in range(1, 5)] == figures.accept_rate_per_position
-    assert {"confidence_loss", "confidence/abs_error", "confidence/bias", "confidence/cumprod_bias",
-            "source/code/tau_probabilistic", "source/chat/confidence_cumprod_bias"} <= set(record)
+    assert {
+        "confidence_loss",
+        "confidence/abs_error",
+        "confidence/bias",
+        "confidence/cumprod_bias",
+        "source/code/tau_probabilistic",
+        "source/chat/confidence_cumprod_bias",
+    } <= set(record)
     registry = CollectorRegistry()
     DrafterMetrics(registry).publish(1, 0.1, record)
     assert registry.get_sample_value("dflash_ring_drafter_tau_probabilistic") == figures.tau_probabilistic
-    assert registry.get_sample_value("dflash_ring_drafter_position_accept_rate", {"position": "1"}) == \
-        figures.accept_rate_per_position[0]
+    assert (
+        registry.get_sample_value("dflash_ring_drafter_position_accept_rate", {"position": "1"})
+        == figures.accept_rate_per_position[0]
+    )

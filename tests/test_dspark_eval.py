@@ -54,8 +54,13 @@ def target_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("target")
     tokenizer = tiny_chat_tokenizer(path)
     # A sharper lm_head than the default init, so greedy argmaxes are not near-ties.
-    save_tiny_qwen3(path, init=lambda target: target.lm_head.weight.mul_(20), vocab_size=VOCAB,
-                    tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id)
+    save_tiny_qwen3(
+        path,
+        init=lambda target: target.lm_head.weight.mul_(20),
+        vocab_size=VOCAB,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     return path
 
 
@@ -69,12 +74,25 @@ def head_of(target: Qwen3ForCausalLM) -> FrozenTargetHead:
 
 
 def dspark_config(target_config, kind: str = "vanilla", block: int = BLOCK, layer_ids=LAYER_IDS) -> DrafterConfig:
-    return DrafterConfig(recipe="dspark", num_hidden_layers=1, block_size=block, markov_rank=8, markov_head=kind,
-                         mask_token_id=target_config.vocab_size - 1, target_layer_ids=layer_ids)
+    return DrafterConfig(
+        recipe="dspark",
+        num_hidden_layers=1,
+        block_size=block,
+        markov_rank=8,
+        markov_head=kind,
+        mask_token_id=target_config.vocab_size - 1,
+        target_layer_ids=layer_ids,
+    )
 
 
-def dspark_drafter(target_config, kind: str = "vanilla", block: int = BLOCK, layer_ids=LAYER_IDS, seed: int = 1,
-                   markov_std: float = 1.0) -> DSparkDraftModel:
+def dspark_drafter(
+    target_config,
+    kind: str = "vanilla",
+    block: int = BLOCK,
+    layer_ids=LAYER_IDS,
+    seed: int = 1,
+    markov_std: float = 1.0,
+) -> DSparkDraftModel:
     """A fresh DSpark drafter whose Markov head is as large as the backbone's logits (the init's is ~0), so the
     drafts depend on the drafted prefix and a drafter that ignored it would draft otherwise."""
     cfg = dspark_config(target_config, kind, block, layer_ids)
@@ -92,12 +110,21 @@ def plain_greedy(target: Qwen3ForCausalLM, prompt: list[int], n: int) -> list[in
     ids = list(prompt)
     for _ in range(n):
         ids.append(int(target(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def generate(target, prompt, draft, num_drafts=BLOCK, max_new=MAX_NEW, **kw):
-    return speculative_generate(target, prompt, draft, block_size=BLOCK, num_drafts=num_drafts,
-                                target_layer_ids=LAYER_IDS, eos_token_ids=(), max_new_tokens=max_new, **kw)
+    return speculative_generate(
+        target,
+        prompt,
+        draft,
+        block_size=BLOCK,
+        num_drafts=num_drafts,
+        target_layer_ids=LAYER_IDS,
+        eos_token_ids=(),
+        max_new_tokens=max_new,
+        **kw,
+    )
 
 
 # --- greedy ---------------------------------------------------------------------------------------
@@ -121,7 +148,7 @@ def test_perfect_dspark_drafts_are_all_accepted_and_counted(target):
 
     def oracle(committed, context):
         done = committed.shape[0] - len(prompt)
-        return Draft(tokens=torch.tensor(continuation[done: done + BLOCK]), confidence=torch.full((BLOCK,), 3.0))
+        return Draft(tokens=torch.tensor(continuation[done : done + BLOCK]), confidence=torch.full((BLOCK,), 3.0))
 
     got = generate(target, prompt, oracle)
     assert got.tokens == continuation[:MAX_NEW]
@@ -134,8 +161,7 @@ def test_perfect_dspark_drafts_are_all_accepted_and_counted(target):
 
     def wrong_after_two(committed, context):
         drafts = oracle(committed, context)
-        return Draft(tokens=torch.cat([drafts.tokens[:2], (drafts.tokens[2:] + 1) % 400]),
-                     confidence=drafts.confidence)
+        return Draft(tokens=torch.cat([drafts.tokens[:2], (drafts.tokens[2:] + 1) % 400]), confidence=drafts.confidence)
 
     got = generate(target, prompt, wrong_after_two)
     assert got.tokens == continuation[:MAX_NEW] and set(got.accepted) == {2}
@@ -156,8 +182,11 @@ def test_markov_steps_draft_what_the_training_forward_gives_for_the_drafted_pref
         got = dspark_draft(drafter, head, committed, context, temperature=temperature, generator=generator)
         ids = torch.cat([committed, got.tokens])
         padded = torch.cat([context, torch.zeros(BLOCK + 1, context.shape[1])])
-        anchors = Anchors(positions=torch.tensor([length]), cu_anchors=torch.tensor([0, 1]),
-                          cu_seqlens=torch.tensor([0, ids.shape[0]]))
+        anchors = Anchors(
+            positions=torch.tensor([length]),
+            cu_anchors=torch.tensor([0, 1]),
+            cu_seqlens=torch.tensor([0, ids.shape[0]]),
+        )
         hidden = drafter(padded, ids, anchors, head)
         prev = drafter.prev_ids(ids, anchors)
         assert prev[0].tolist() == [int(committed[-1]), *got.tokens[:-1].tolist()]
@@ -181,12 +210,18 @@ def test_sampled_verification_uses_both_distributions_at_the_temperature(target,
     monkeypatch.setattr(evaluate, "verify_sampled", recording)
     g = torch.Generator().manual_seed(0)
     prompt = PROMPTS[0]
-    got = generate(target, prompt, drafter_draft_fn(drafter, head, temperature=0.5, generator=g), max_new=2,
-                   temperature=0.5, generator=g)
+    got = generate(
+        target,
+        prompt,
+        drafter_draft_fn(drafter, head, temperature=0.5, generator=g),
+        max_new=2,
+        temperature=0.5,
+        generator=g,
+    )
     ((drafts, q, p),) = seen
     with torch.no_grad():
         logits = target(input_ids=torch.tensor([prompt + got.tokens[:1] + drafts.tolist()])).logits[0]
-    torch.testing.assert_close(p, torch.softmax(logits[-(BLOCK + 1):] / 0.5, -1), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(p, torch.softmax(logits[-(BLOCK + 1) :] / 0.5, -1), atol=1e-5, rtol=1e-4)
     assert q.shape == (BLOCK, VOCAB) and torch.allclose(q.sum(-1), torch.ones(BLOCK))
 
 
@@ -274,8 +309,16 @@ MICRO_PROMPT = [0, 1, 2, 1]
 @pytest.fixture(scope="module")
 def micro_target():
     """A target of three tokens: the first four generated tokens have 81 outcomes, each likely enough to count."""
-    config = tiny_qwen3_config(vocab_size=MICRO_VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                               num_key_value_heads=1, head_dim=16, intermediate_size=64, tie_word_embeddings=False)
+    config = tiny_qwen3_config(
+        vocab_size=MICRO_VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=64,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config).eval()
     with torch.no_grad():
@@ -288,9 +331,12 @@ def exact_joint(target, prompt, n):
     """The target's exact probability of every n-token continuation of prompt (temperature 1)."""
     prefixes = list(itertools.product(range(target.config.vocab_size), repeat=n - 1))
     log_p = torch.log_softmax(target(input_ids=torch.tensor([prompt + list(t) for t in prefixes])).logits.double(), -1)
-    log_p = log_p[:, len(prompt) - 1:]
-    return {(*t, last): float(sum(log_p[i, k, (*t, last)[k]] for k in range(n)).exp())
-            for i, t in enumerate(prefixes) for last in range(target.config.vocab_size)}
+    log_p = log_p[:, len(prompt) - 1 :]
+    return {
+        (*t, last): float(sum(log_p[i, k, (*t, last)[k]] for k in range(n)).exp())
+        for i, t in enumerate(prefixes)
+        for last in range(target.config.vocab_size)
+    }
 
 
 @pytest.mark.parametrize("arch", ["dspark", "dflash"])
@@ -306,8 +352,13 @@ def test_sampling_at_temperature_one_is_lossless(micro_target, arch):
         drafter = dspark_drafter(target.config, block=2, layer_ids=MICRO_LAYERS, markov_std=5.0)
         block = 2
     else:
-        cfg = DrafterConfig(num_hidden_layers=1, block_size=3, loss_gamma=2.0, mask_token_id=MICRO_VOCAB - 1,
-                            target_layer_ids=MICRO_LAYERS)
+        cfg = DrafterConfig(
+            num_hidden_layers=1,
+            block_size=3,
+            loss_gamma=2.0,
+            mask_token_id=MICRO_VOCAB - 1,
+            target_layer_ids=MICRO_LAYERS,
+        )
         torch.manual_seed(1)
         drafter = build_drafter(cfg, target.config).eval()
         with torch.no_grad():
@@ -315,9 +366,18 @@ def test_sampling_at_temperature_one_is_lossless(micro_target, arch):
         block = 3
     counts = Counter()
     for g in prompt_generators(0, MICRO_RUNS, "cpu"):
-        got = speculative_generate(target, MICRO_PROMPT, drafter_draft_fn(drafter, head, temperature=1.0, generator=g),
-                                   block_size=block, num_drafts=2, target_layer_ids=MICRO_LAYERS, eos_token_ids=(),
-                                   max_new_tokens=MICRO_NEW, temperature=1.0, generator=g)
+        got = speculative_generate(
+            target,
+            MICRO_PROMPT,
+            drafter_draft_fn(drafter, head, temperature=1.0, generator=g),
+            block_size=block,
+            num_drafts=2,
+            target_layer_ids=MICRO_LAYERS,
+            eos_token_ids=(),
+            max_new_tokens=MICRO_NEW,
+            temperature=1.0,
+            generator=g,
+        )
         counts[tuple(got.tokens)] += 1
     stat, df = pearson(counts, exact_joint(target, MICRO_PROMPT, MICRO_NEW), MICRO_RUNS)
     assert stat < chi2_bound(df), (stat, df)
@@ -347,14 +407,28 @@ def data(tmp_path_factory):
 def dspark_dir(target, target_dir, tmp_path_factory):
     """A DSpark export (DeepSeek's flat layout, fp32) of a gated-head drafter for the target."""
     head = load_target_head(target_dir)
-    return export_drafter(dspark_drafter(target.config, "gated"), dspark_config(target.config, "gated"),
-                          target.config, tmp_path_factory.mktemp("dspark") / "drafter", dtype=torch.float32,
-                          head=head)
+    return export_drafter(
+        dspark_drafter(target.config, "gated"),
+        dspark_config(target.config, "gated"),
+        target.config,
+        tmp_path_factory.mktemp("dspark") / "drafter",
+        dtype=torch.float32,
+        head=head,
+    )
 
 
 def test_eval_of_a_dspark_drafter_greedy_and_sampled(target_dir, data, dspark_dir, capsys):
-    args = ["eval", "--drafter", str(dspark_dir), "--target", str(target_dir), "--data", str(data),
-            "--max-new-tokens", "12"]
+    args = [
+        "eval",
+        "--drafter",
+        str(dspark_dir),
+        "--target",
+        str(target_dir),
+        "--data",
+        str(data),
+        "--max-new-tokens",
+        "12",
+    ]
     assert main([*args, "--json"]) == 0
     greedy = json.loads(capsys.readouterr().out)
     assert (greedy["temperature"], greedy["seed"], greedy["drafts_per_round"]) == (0.0, None, BLOCK)
@@ -376,8 +450,9 @@ def test_eval_of_a_dspark_drafter_greedy_and_sampled(target_dir, data, dspark_di
 
 
 def test_eval_of_a_dflash_drafter_at_temperature_one(target, target_dir, data, tmp_path):
-    cfg = DrafterConfig(num_hidden_layers=1, block_size=BLOCK, loss_gamma=2.0, mask_token_id=VOCAB - 1,
-                        target_layer_ids=LAYER_IDS)
+    cfg = DrafterConfig(
+        num_hidden_layers=1, block_size=BLOCK, loss_gamma=2.0, mask_token_id=VOCAB - 1, target_layer_ids=LAYER_IDS
+    )
     torch.manual_seed(1)
     config = json.loads((target_dir / "config.json").read_text())
     exported = export_drafter(build_drafter(cfg, config), cfg, config, tmp_path / "dflash")
@@ -388,12 +463,15 @@ def test_eval_of_a_dflash_drafter_at_temperature_one(target, target_dir, data, t
     assert evaluate_drafter(exported, target_dir, data, max_new_tokens=10, temperature=1.0, seed=3) == report
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
-    (["--temperature", "nan"], "temperature must be a finite number >= 0"),
-    (["--temperature", "1", "--tree-budget", "4"], "tree verification .* is greedy only"),
-    (["--tree-budget", "4"], "tree verification .* takes a DFlash drafter"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--temperature", "-1"], "temperature must be a finite number >= 0"),
+        (["--temperature", "nan"], "temperature must be a finite number >= 0"),
+        (["--temperature", "1", "--tree-budget", "4"], "tree verification .* is greedy only"),
+        (["--tree-budget", "4"], "tree verification .* takes a DFlash drafter"),
+    ],
+)
 def test_eval_refusals_are_one_line(target_dir, data, dspark_dir, capsys, extra, message):
     args = ["eval", "--drafter", str(dspark_dir), "--target", str(target_dir), "--data", str(data), *extra]
     assert main(args) == 2

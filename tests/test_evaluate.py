@@ -33,8 +33,13 @@ def target_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("target")
     tokenizer = tiny_chat_tokenizer(path)
     # A sharper lm_head than the default init, so greedy argmaxes are not near-ties.
-    save_tiny_qwen3(path, init=lambda target: target.lm_head.weight.mul_(20), vocab_size=448,
-                    tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id)
+    save_tiny_qwen3(
+        path,
+        init=lambda target: target.lm_head.weight.mul_(20),
+        vocab_size=448,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     return path
 
 

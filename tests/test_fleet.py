@@ -18,15 +18,19 @@ from dflash_ring.tools.fleet import Readiness, role_command, scrape, wait_for
 from support import free_port_base
 
 
-@pytest.mark.parametrize("name, want", [
-    ("supervisor", {"command": "supervisor", "reclaim_stale": False}),
-    ("target-3", {"command": "target", "index": 3, "device": "cuda:1"}),
-    ("drafter-0", {"command": "drafter", "index": 0, "standby": None, "device": "cuda:1"}),
-    ("standby-2", {"command": "drafter", "index": None, "standby": "all", "device": "cuda:1"}),
-])
+@pytest.mark.parametrize(
+    "name, want",
+    [
+        ("supervisor", {"command": "supervisor", "reclaim_stale": False}),
+        ("target-3", {"command": "target", "index": 3, "device": "cuda:1"}),
+        ("drafter-0", {"command": "drafter", "index": 0, "standby": None, "device": "cuda:1"}),
+        ("standby-2", {"command": "drafter", "index": None, "standby": "all", "device": "cuda:1"}),
+    ],
+)
 def test_a_role_command_line_is_one_the_cli_accepts(name, want):
-    cmd = role_command(name, "/etc/run.toml", ["train.lr=0.1", "ring.slots=8"],
-                       device=None if name == "supervisor" else "cuda:1")
+    cmd = role_command(
+        name, "/etc/run.toml", ["train.lr=0.1", "ring.slots=8"], device=None if name == "supervisor" else "cuda:1"
+    )
     assert cmd[:3] == [sys.executable, "-m", "dflash_ring"]
     args = _parser().parse_args(cmd[3:])
     assert {k: getattr(args, k) for k in want} == want
@@ -65,8 +69,10 @@ def test_readiness_is_the_process_own_ready_notification():
     readiness = Readiness()
     try:
         assert not readiness.ready()
-        code = ("import sys; from dflash_ring.common import sd_notify; sd_notify.notify('WATCHDOG=1'); "
-                "sys.exit(0 if sd_notify.ready('built, waiting') else 1)")
+        code = (
+            "import sys; from dflash_ring.common import sd_notify; sd_notify.notify('WATCHDOG=1'); "
+            "sys.exit(0 if sd_notify.ready('built, waiting') else 1)"
+        )
         child = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **readiness.env()})
         wait_for(readiness.ready, 120, "the child's READY=1", poll_s=0.05)
         assert child.wait(60) == 0 and readiness.statuses == ["built, waiting"]  # the watchdog ping is no READY

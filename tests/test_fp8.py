@@ -57,26 +57,32 @@ def test_precision_is_a_format_not_a_model_for_the_fingerprints():
     assert "drafter.fp8_recipe" not in bf16.fingerprint_fields()
     assert fingerprint_digest(bf16.fingerprint_fields()) == fingerprint_digest(fp8.fingerprint_fields())
     model = nn.Linear(16, 16)
-    assert (fingerprint_fields(bf16.drafter, bf16.target, bf16.train, bf16.group, model)
-            == fingerprint_fields(fp8.drafter, fp8.target, fp8.train, fp8.group, model))
+    assert fingerprint_fields(bf16.drafter, bf16.target, bf16.train, bf16.group, model) == fingerprint_fields(
+        fp8.drafter, fp8.target, fp8.train, fp8.group, model
+    )
 
 
 @pytest.mark.processes
 @capable
-@pytest.mark.parametrize("argv", [
-    ["check-config", "--set", FP8],
-    ["check-config", "--set", FP8, "--set", 'train.device="cpu"'],
-    ["drafter", "--index", "0", "--set", FP8],
-    ["drafter", "--standby", "--set", FP8],
-    ["bench", "drafter", "--precision", "fp8"],
-    ["bench", "precision"],
-], ids=["check-config", "check-config-cpu", "drafter", "standby", "bench-drafter", "bench-precision"])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["check-config", "--set", FP8],
+        ["check-config", "--set", FP8, "--set", 'train.device="cpu"'],
+        ["drafter", "--index", "0", "--set", FP8],
+        ["drafter", "--standby", "--set", FP8],
+        ["bench", "drafter", "--precision", "fp8"],
+        ["bench", "precision"],
+    ],
+    ids=["check-config", "check-config-cpu", "drafter", "standby", "bench-drafter", "bench-precision"],
+)
 def test_fp8_without_a_capable_gpu_is_refused_in_one_line(argv, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "dflash_ring", *argv], capture_output=True, text=True, timeout=120,
-                         cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "dflash_ring", *argv], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, out.stderr
-    assert lines[0].startswith(f"dflash-ring {argv[0]}: error: drafter.precision = \"fp8\" cannot run here: "), lines
+    assert lines[0].startswith(f'dflash-ring {argv[0]}: error: drafter.precision = "fp8" cannot run here: '), lines
     assert 'set drafter.precision = "bf16"' in lines[0] and "compute capability >= 8.9" in lines[0]
     assert out.stdout == ""  # nothing trained, nothing reported
 
@@ -85,14 +91,25 @@ def test_fp8_without_a_capable_gpu_is_refused_in_one_line(argv, tmp_path):
 @capable
 def test_dflash_ring_run_refuses_fp8_before_starting_any_process(tmp_path):
     config = tmp_path / "run.toml"
-    write_config(config, {"drafter": {"precision": "fp8"}, "metrics": {"enabled": False},
-                          "run": {"name": "fp8-refused", "run_dir": tmp_path / "locks"},
-                          "train": {"checkpoint_dir": tmp_path / "ckpt"}})
-    out = subprocess.run([sys.executable, "-m", "dflash_ring", "run", "--config", str(config)], capture_output=True,
-                         text=True, timeout=120, cwd=tmp_path)
+    write_config(
+        config,
+        {
+            "drafter": {"precision": "fp8"},
+            "metrics": {"enabled": False},
+            "run": {"name": "fp8-refused", "run_dir": tmp_path / "locks"},
+            "train": {"checkpoint_dir": tmp_path / "ckpt"},
+        },
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "dflash_ring", "run", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, out.stderr
-    assert lines[0].startswith("dflash-ring run: error: drafter.precision = \"fp8\" cannot run here: "), lines
+    assert lines[0].startswith('dflash-ring run: error: drafter.precision = "fp8" cannot run here: '), lines
     assert "supervisor |" not in out.stderr and not (tmp_path / "locks").exists()  # no process was started
 
 
@@ -116,7 +133,9 @@ def test_a_converted_drafter_keeps_the_bf16_layout(tiny):
     assert convert_to_fp8(converted) == []  # the tiny widths (64, 16-wide heads, 128) all fit torch._scaled_mm
     kinds = {type(m).__name__ for m in converted.modules()}
     assert "Float8Linear" in kinds and not any(type(m) is nn.Linear for m in converted.modules())
-    assert {k: v.shape for k, v in converted.state_dict().items()} == {k: v.shape for k, v in model.state_dict().items()}
+    assert {k: v.shape for k, v in converted.state_dict().items()} == {
+        k: v.shape for k, v in model.state_dict().items()
+    }
     assert [id(p) for p in converted.parameters()] == [id(p) for p in params]
     converted.load_state_dict(model.state_dict())  # a bf16 checkpoint resumes in fp8, strictly
     model.load_state_dict(converted.state_dict())  # and back
@@ -146,8 +165,9 @@ def _cpu_fp8_gemm() -> bool:
 @pytest.mark.skipif(not _cpu_fp8_gemm(), reason="this torch build has no CPU float8 _scaled_mm")
 @pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp", "tensorwise"])
 def test_a_converted_drafter_trains_about_as_the_unconverted_one(tiny, recipe):
-    """One forward and backward of the same drafter and batch, FP8 GEMMs against fp32: the loss within 1% and every weight's gradient pointing the same
-    way. A sanity check of the conversion; `bench precision` is the guard over training, on a GPU."""
+    """One forward and backward of the same drafter and batch, FP8 GEMMs against fp32: the loss within 1% and every
+    weight's gradient pointing the same way. A sanity check of the conversion; `bench precision` is the guard over
+    training, on a GPU."""
     drafter, _, model, head = tiny
     converted = copy.deepcopy(model)
     convert_to_fp8(converted, recipe)

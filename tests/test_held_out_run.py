@@ -17,8 +17,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from support import build_target, merged, pipeline_settings, wait_exit, wait_for, write_chat_rows
 
-SOURCE = re.compile(r"(?:^|; )([A-Za-z0-9_.-]+): (?:loss \S+ acc \S+ accept_len \S+ \(\d+ blocks, |no block \()"
-                    r"(\d+) tokens\)")
+SOURCE = re.compile(
+    r"(?:^|; )([A-Za-z0-9_.-]+): (?:loss \S+ acc \S+ accept_len \S+ \(\d+ blocks, |no block \()"
+    r"(\d+) tokens\)"
+)
 
 
 def scrape(port: int) -> dict[str, list] | None:
@@ -48,11 +50,18 @@ def test_a_mixture_reports_per_source_and_evaluates_held_out_items_exactly_once_
     target = build_target(run.tmp / "target", "qwen3", layers=4, hidden=32)
     code = write_chat_rows(run.tmp / "code.jsonl", 60, seed=1)
     chat = write_chat_rows(run.tmp / "chat.jsonl", 40, seed=2)
-    settings = merged(pipeline_settings(run.tmp, target, code), {
-        "run": {"ledger_dir": str(run.tmp / "ledger")},
-        "data": {"sources": [{"path": str(code), "weight": 3.0}, {"path": str(chat), "weight": 1.0}],
-                 "eval_fraction": 0.2, "epochs": 3},
-        "train": {"checkpoint_every_steps": 3, "average_every_steps": 0, "eval_every_steps": 2}})
+    settings = merged(
+        pipeline_settings(run.tmp, target, code),
+        {
+            "run": {"ledger_dir": str(run.tmp / "ledger")},
+            "data": {
+                "sources": [{"path": str(code), "weight": 3.0}, {"path": str(chat), "weight": 1.0}],
+                "eval_fraction": 0.2,
+                "epochs": 3,
+            },
+            "train": {"checkpoint_every_steps": 3, "average_every_steps": 0, "eval_every_steps": 2},
+        },
+    )
     del settings["data"]["path"]
     cfg = run.write_config(1, 1, 8, 4 << 20, **settings)
     procs = [run.supervisor(), run.role("target", 0)]
@@ -76,8 +85,11 @@ def test_a_mixture_reports_per_source_and_evaluates_held_out_items_exactly_once_
     accept = samples["dflash_ring_drafter_source_acceptance_length"]
     assert {x.labels["source"] for x in accept} <= {"code", "chat"}  # bounded: the configured names only
     assert all(x.value >= 1 for x in accept)
-    assert [x.value for x in samples["dflash_ring_drafter_source_tokens_total"]
-            if x.labels == {"source": "code", "split": "train"}][0] > 0
+    assert [
+        x.value
+        for x in samples["dflash_ring_drafter_source_tokens_total"]
+        if x.labels == {"source": "code", "split": "train"}
+    ][0] > 0
 
     for p in (*procs, again):
         assert wait_exit(p, 300) == 0, p.stderr.read()[-3000:]

@@ -27,8 +27,16 @@ TOKENS, WIDTH = 6, 4
 
 @pytest.fixture
 def ring():
-    cfg = load_config(None, [f"run.name=account{os.getpid()}", "ring.slots=2", "ring.slot_bytes=16384",
-                             "ring.slot_header_bytes=4096", "topology.consumers=1"])
+    cfg = load_config(
+        None,
+        [
+            f"run.name=account{os.getpid()}",
+            "ring.slots=2",
+            "ring.slot_bytes=16384",
+            "ring.slot_header_bytes=4096",
+            "topology.consumers=1",
+        ],
+    )
     Ring.unlink(cfg.run.name)
     try:
         with Ring.create(ring_spec(cfg)) as r:
@@ -42,8 +50,9 @@ def claimed(ring: Ring, position: int, eval_: bool = False):
     prefetcher does."""
     row = ring.row_of(Role.PRODUCER, 0)
     w = ring.producer(row).try_acquire()
-    views = {name: w.tensor(name, dtype, shape) for name, dtype, shape in
-             item_tensors(TOKENS, 1, WIDTH, None, torch.float32)}
+    views = {
+        name: w.tensor(name, dtype, shape) for name, dtype, shape in item_tensors(TOKENS, 1, WIDTH, None, torch.float32)
+    }
     for view in views.values():
         view.zero_()
     views[CU_SEQLENS].copy_(torch.tensor([0, TOKENS]))
@@ -54,13 +63,20 @@ def claimed(ring: Ring, position: int, eval_: bool = False):
 
 
 def account(ring: Ring, tmp_path, ledger: Ledger) -> ItemAccount:
-    return ItemAccount(Consumed(), Journal(tmp_path / "journal", ring.identity.created_ns, 0), ledger,
-                       ring.consumer(ring.row_of(Role.CONSUMER, 0)).release)
+    return ItemAccount(
+        Consumed(),
+        Journal(tmp_path / "journal", ring.identity.created_ns, 0),
+        ledger,
+        ring.consumer(ring.row_of(Role.CONSUMER, 0)).release,
+    )
 
 
 def journaled(tmp_path) -> list[tuple[int, int, int, int]]:
-    return [(e.producer, e.epoch, e.position, e.item) for p in sorted((tmp_path / "journal").glob("*.jsonl"))
-            for e in read_entries(p)]
+    return [
+        (e.producer, e.epoch, e.position, e.item)
+        for p in sorted((tmp_path / "journal").glob("*.jsonl"))
+        for e in read_entries(p)
+    ]
 
 
 def test_a_trained_item_is_counted_journaled_recorded_and_released(ring, tmp_path):
@@ -72,7 +88,14 @@ def test_a_trained_item_is_counted_journaled_recorded_and_released(ring, tmp_pat
     assert journaled(tmp_path) == [(0, 0, 3, slot.item)]
     (rec,) = read_ledger(tmp_path / "drafter-0.jsonl").records
     assert {k: rec[k] for k in ("ev", "step", "item", "deliveries", "producer", "epoch", "pos")} == {
-        "ev": "train", "step": 1, "item": slot.item, "deliveries": 1, "producer": 0, "epoch": 0, "pos": 3}
+        "ev": "train",
+        "step": 1,
+        "item": slot.item,
+        "deliveries": 1,
+        "producer": 0,
+        "epoch": 0,
+        "pos": 3,
+    }
     assert "empty" not in rec
     assert ring.slot_counts()["reading"] == 0 and ring.counter(Counter.CONSUMED) == 1
 

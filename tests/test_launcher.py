@@ -26,13 +26,11 @@ STEP = re.compile(r"drafter-(\d) \| .* step (\d+)/(\d+) loss")
 
 
 def test_embedded_config_is_written_by_the_one_writer_and_reads_back(tmp_path):
-    cfg = embedded_run_config(tmp_path / "work", tmp_path / "tiny-target", mask_token_id=642,
-                              data=tmp_path / "replies")
+    cfg = embedded_run_config(tmp_path / "work", tmp_path / "tiny-target", mask_token_id=642, data=tmp_path / "replies")
     text = dump_toml(cfg, header="the embedded default")
     (tmp_path / "run.toml").write_text(text)
     assert load_config(tmp_path / "run.toml") == cfg
-    assert re.findall(r"^\[(\w+)\]$", text, re.M) == ["run", "ring", "data", "target", "drafter", "train",
-                                                             "tracking"]
+    assert re.findall(r"^\[(\w+)\]$", text, re.M) == ["run", "ring", "data", "target", "drafter", "train", "tracking"]
     assert len(text.splitlines()) < 40  # what the run sets, not 80 lines of defaults
     assert "layer_types" not in text  # derived from num_hidden_layers: an edited copy stays consistent
 
@@ -44,13 +42,32 @@ def _launcher_config(tmp_path) -> Config:
         run=replace(d.run, name=f"launch{os.getpid()}", run_dir=str(tmp_path / "locks"), attach_timeout_s=60),
         ring=replace(d.ring, slots=4, slot_bytes=4 << 20, slot_header_bytes=64 << 10, wait_s=0.1),
         supervisor=replace(d.supervisor, reap_interval_s=0.1, exit_timeout_s=60),
-        data=replace(d.data, path=str(cyclic_rows(tmp_path / "chat.jsonl", 96)), max_length=128,
-                     max_tokens_per_batch=512, epochs=5, cache_dir=str(tmp_path / "cache")),
-        target=replace(d.target, path=str(target), mask_token_id=len(load_tokenizer(target)),
-                       state_dir=str(tmp_path / "state"), device="cpu"),
+        data=replace(
+            d.data,
+            path=str(cyclic_rows(tmp_path / "chat.jsonl", 96)),
+            max_length=128,
+            max_tokens_per_batch=512,
+            epochs=5,
+            cache_dir=str(tmp_path / "cache"),
+        ),
+        target=replace(
+            d.target,
+            path=str(target),
+            mask_token_id=len(load_tokenizer(target)),
+            state_dir=str(tmp_path / "state"),
+            device="cpu",
+        ),
         drafter=DrafterConfig(num_hidden_layers=1, block_size=4, num_anchors=16, loss_gamma=2.0),
-        train=replace(d.train, lr=3e-3, warmup_ratio=0.1, device="cpu", average_every_steps=2,
-                      checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every_steps=5, log_every_steps=1),
+        train=replace(
+            d.train,
+            lr=3e-3,
+            warmup_ratio=0.1,
+            device="cpu",
+            average_every_steps=2,
+            checkpoint_dir=str(tmp_path / "ckpt"),
+            checkpoint_every_steps=5,
+            log_every_steps=1,
+        ),
         metrics=replace(d.metrics, port_base=free_port_base()),
         tracking=replace(d.tracking, backends=["tensorboard"]),  # as the embedded default
     )
@@ -61,8 +78,14 @@ def test_run_reports_exact_totals_and_clean_logs(tmp_path):
     (tmp_path / "run.toml").write_text(dump_toml(_launcher_config(tmp_path)))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("COLUMNS", None)
-    out = subprocess.run([sys.executable, "-m", "dflash_ring", "run", "--config", str(tmp_path / "run.toml"),
-                          "--no-eval"], cwd=tmp_path, capture_output=True, text=True, timeout=540, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "dflash_ring", "run", "--config", str(tmp_path / "run.toml"), "--no-eval"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=540,
+        env=env,
+    )
     log = out.stderr
     assert out.returncode == 0, log[-4000:]
     assert "\r" not in log  # no progress-bar fragments from datasets or transformers
@@ -89,7 +112,7 @@ def test_run_reports_exact_totals_and_clean_logs(tmp_path):
     assert f"tensorboard --logdir {tmp_path / 'tracking' / 'tensorboard'}" in log
     for j, (steps, _) in done.items():
         assert len(tensorboard_scalars(tmp_path / "tracking" / "tensorboard" / f"drafter-{j}", "loss")) == steps
-    print(log[log.index(header) - 400:])  # the table, for a reader of -s output
+    print(log[log.index(header) - 400 :])  # the table, for a reader of -s output
 
 
 @pytest.mark.processes
@@ -105,15 +128,24 @@ def test_a_full_disk_under_the_checkpoints_ends_the_run_with_the_drafters_exit_c
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "run.toml").write_text(dump_toml(replace(cfg, train=replace(cfg.train, checkpoint_every_steps=2))))
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    script = (f"mount --make-rprivate / && mount -t tmpfs -o size=64k tmpfs {tmp_path / 'ckpt'} && exec "
-              f"{sys.executable} -m dflash_ring run --config {tmp_path / 'run.toml'} --no-eval")
-    out = subprocess.run(["unshare", *as_root, "--mount", "sh", "-c", script], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=540, env=env)
+    script = (
+        f"mount --make-rprivate / && mount -t tmpfs -o size=64k tmpfs {tmp_path / 'ckpt'} && exec "
+        f"{sys.executable} -m dflash_ring run --config {tmp_path / 'run.toml'} --no-eval"
+    )
+    out = subprocess.run(
+        ["unshare", *as_root, "--mount", "sh", "-c", script],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=540,
+        env=env,
+    )
     log = out.stderr
     assert out.returncode == 2, log[-4000:]
     assert "No space left on device" in log, log[-4000:]
-    assert "launcher | every drafter exited (drafter-0 with 2, drafter-1 with 2): the run cannot finish" in log, \
-        log[-4000:]
+    assert "launcher | every drafter exited (drafter-0 with 2, drafter-1 with 2): the run cannot finish" in log, log[
+        -4000:
+    ]
     assert not (Path("/dev/shm") / f"dflash-ring.{cfg.run.name}").exists()  # the supervisor tore the ring down
     saved = CursorFile(cursor_path(cfg.target.state_dir, cfg.run.name, 0), "").read()
     assert saved is not None and saved[2].pending_replay, log[-4000:]  # the untrained items, to be produced again
@@ -124,5 +156,5 @@ def test_paired_difference_is_over_the_prompts_both_scored():
 
     mean, half, n = paired_difference([3.0, 2.0, None, 4.0], [2.0, 2.0, 5.0, 2.0])
     assert (mean, n) == (1.0, 3)
-    assert half == pytest.approx(1.96 * 1.0 / 3 ** 0.5)  # differences 1, 0, 2: sample sd 1
+    assert half == pytest.approx(1.96 * 1.0 / 3**0.5)  # differences 1, 0, 2: sample sd 1
     assert paired_difference([3.0, None], [2.0, 2.0]) is None

@@ -55,8 +55,11 @@ def imported_modules(path: Path, root: Path = ROOT) -> set[str]:
 
 def sources(root: Path = ROOT) -> dict[str, Path]:
     """Every module of the package by its dotted name (tests, builds and hidden folders such as the venv left out)."""
-    return {module_name(path, root): path for path in sorted(root.rglob("*.py"))
-            if not any(part in ("tests", "build") or part.startswith(".") for part in path.relative_to(root).parts)}
+    return {
+        module_name(path, root): path
+        for path in sorted(root.rglob("*.py"))
+        if not any(part in ("tests", "build") or part.startswith(".") for part in path.relative_to(root).parts)
+    }
 
 
 def imported_packages(path: Path, root: Path = ROOT) -> set[str]:
@@ -80,8 +83,9 @@ def violations(root: Path = ROOT) -> list[str]:
 
 def import_graph(modules: dict[str, Path], root: Path = ROOT) -> dict[str, set[str]]:
     """module -> the modules of `modules` it imports (a package's __init__ counts as the package)."""
-    return {name: {m for m in imported_modules(path, root) if m in modules and m != name}
-            for name, path in modules.items()}
+    return {
+        name: {m for m in imported_modules(path, root) if m in modules and m != name} for name, path in modules.items()
+    }
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -127,7 +131,11 @@ def test_no_import_circle_anywhere():
 def test_the_check_sees_a_circle_through_a_function_level_import(tmp_path):
     package = tmp_path / "pkg"
     package.mkdir()
-    sources = {"a": "from dflash_ring.pkg import b\n", "b": "def f():\n    from .a import g\n", "c": "from . import b\n"}
+    sources = {
+        "a": "from dflash_ring.pkg import b\n",
+        "b": "def f():\n    from .a import g\n",
+        "c": "from . import b\n",
+    }
     modules = {}
     for stem, text in sources.items():
         (package / f"{stem}.py").write_text(text)
@@ -136,14 +144,19 @@ def test_the_check_sees_a_circle_through_a_function_level_import(tmp_path):
 
 
 def test_the_check_refuses_an_upward_import_and_an_unplaced_package(tmp_path):
-    for where, text in {"embedded/a.py": "from dflash_ring.consumer import model\n",
-                        "tools/b.py": "def f():\n    from ..bench import ring\n",
-                        "producer/c.py": "from dflash_ring.common import ring\n",
-                        "extras/d.py": "import os\n"}.items():
+    for where, text in {
+        "embedded/a.py": "from dflash_ring.consumer import model\n",
+        "tools/b.py": "def f():\n    from ..bench import ring\n",
+        "producer/c.py": "from dflash_ring.common import ring\n",
+        "extras/d.py": "import os\n",
+    }.items():
         (tmp_path / where).parent.mkdir(exist_ok=True)
         (tmp_path / where).write_text(text)
-    assert violations(tmp_path) == ["embedded/a.py imports dflash_ring.consumer", "extras/d.py: package extras has no "
-                                    "floor in tests/test_layering.py", "tools/b.py imports dflash_ring.bench"]
+    assert violations(tmp_path) == [
+        "embedded/a.py imports dflash_ring.consumer",
+        "extras/d.py: package extras has no floor in tests/test_layering.py",
+        "tools/b.py imports dflash_ring.bench",
+    ]
 
 
 def test_the_check_sees_a_crossing(tmp_path):

@@ -26,24 +26,50 @@ from dflash_ring.common.ring import Ring
 from support import build_target, pipeline_config, wait_exit, wait_for, write_chat_rows
 
 SUPERVISOR_NAMES = [
-    "dflash_ring_capacity_slots", "dflash_ring_slots", "dflash_ring_depth_items", "dflash_ring_items_produced_total",
-    "dflash_ring_items_consumed_total", "dflash_ring_items_redelivered_total", "dflash_ring_items_reclaimed_total",
-    "dflash_ring_producers_done", "dflash_ring_producers_expected", "dflash_ring_process_starts_total",
-    "dflash_ring_consumers_live", "dflash_ring_producers_live", "dflash_ring_startup_seconds",
+    "dflash_ring_capacity_slots",
+    "dflash_ring_slots",
+    "dflash_ring_depth_items",
+    "dflash_ring_items_produced_total",
+    "dflash_ring_items_consumed_total",
+    "dflash_ring_items_redelivered_total",
+    "dflash_ring_items_reclaimed_total",
+    "dflash_ring_producers_done",
+    "dflash_ring_producers_expected",
+    "dflash_ring_process_starts_total",
+    "dflash_ring_consumers_live",
+    "dflash_ring_producers_live",
+    "dflash_ring_startup_seconds",
 ]
 TARGET_NAMES = [
-    "dflash_ring_producer_blocked_seconds_total", "dflash_ring_d2h_copy_seconds", "dflash_ring_target_tokens_total",
-    "dflash_ring_target_items_total", "dflash_ring_bad_rows_skipped_total", "dflash_ring_target_step_seconds",
-    "dflash_ring_target_packing_info", "dflash_ring_target_conformance_error", "dflash_ring_startup_seconds",
+    "dflash_ring_producer_blocked_seconds_total",
+    "dflash_ring_d2h_copy_seconds",
+    "dflash_ring_target_tokens_total",
+    "dflash_ring_target_items_total",
+    "dflash_ring_bad_rows_skipped_total",
+    "dflash_ring_target_step_seconds",
+    "dflash_ring_target_packing_info",
+    "dflash_ring_target_conformance_error",
+    "dflash_ring_startup_seconds",
 ]
 DRAFTER_NAMES = [
-    "dflash_ring_consumer_wait_seconds_total", "dflash_ring_h2d_copy_seconds", "dflash_ring_drafter_tokens_total",
-    "dflash_ring_drafter_steps_total", "dflash_ring_drafter_step_seconds", "dflash_ring_drafter_loss",
-    "dflash_ring_drafter_accuracy", "dflash_ring_drafter_acceptance_length", "dflash_ring_drafter_learning_rate",
-    "dflash_ring_drafter_grad_norm", "dflash_ring_startup_seconds",
+    "dflash_ring_consumer_wait_seconds_total",
+    "dflash_ring_h2d_copy_seconds",
+    "dflash_ring_drafter_tokens_total",
+    "dflash_ring_drafter_steps_total",
+    "dflash_ring_drafter_step_seconds",
+    "dflash_ring_drafter_loss",
+    "dflash_ring_drafter_accuracy",
+    "dflash_ring_drafter_acceptance_length",
+    "dflash_ring_drafter_learning_rate",
+    "dflash_ring_drafter_grad_norm",
+    "dflash_ring_startup_seconds",
 ]
-HISTOGRAMS = {"dflash_ring_d2h_copy_seconds", "dflash_ring_target_step_seconds", "dflash_ring_h2d_copy_seconds",
-              "dflash_ring_drafter_step_seconds"}
+HISTOGRAMS = {
+    "dflash_ring_d2h_copy_seconds",
+    "dflash_ring_target_step_seconds",
+    "dflash_ring_h2d_copy_seconds",
+    "dflash_ring_drafter_step_seconds",
+}
 
 
 class Scrape:
@@ -134,12 +160,18 @@ def long_run_config(run) -> None:
     """Many epochs of a small set: the run outlasts the test, which ends it with a drain."""
     target = build_target(run.tmp / "target", "qwen3", layers=4, hidden=32)
     data = write_chat_rows(run.tmp / "chat.jsonl", 64)
-    pipeline_config(run, target, data, {
-        "ring": {"slot_header_bytes": 4096},
-        "data": {"max_tokens_per_batch": 256, "epochs": 500},
-        "drafter": {"num_anchors": 8},
-        "train": {"average_every_steps": 0, "checkpoint_every_steps": 100000, "log_every_steps": 100000},
-    }, slot_bytes=1 << 20)
+    pipeline_config(
+        run,
+        target,
+        data,
+        {
+            "ring": {"slot_header_bytes": 4096},
+            "data": {"max_tokens_per_batch": 256, "epochs": 500},
+            "drafter": {"num_anchors": 8},
+            "train": {"average_every_steps": 0, "checkpoint_every_steps": 100000, "log_every_steps": 100000},
+        },
+        slot_bytes=1 << 20,
+    )
 
 
 def check_supervisor_matches_status(run, sup: Scrape) -> None:
@@ -181,28 +213,40 @@ def test_every_process_serves_its_metrics_and_the_supervisor_matches_status(run,
             msg = notify_socket.recv(4096).decode()
             ready += [msg] if msg.startswith("READY=1") else []
         assert sorted(m.split("STATUS=")[1].split(":")[0].split()[0] for m in ready) == [
-            "drafter", "drafter", "ring", "target"]
+            "drafter",
+            "drafter",
+            "ring",
+            "target",
+        ]
 
-        scrapes = {name: wait_for(lambda p=port: try_scrape(p), what=f"{name} /metrics")
-                   for name, port in ports.items()}
+        scrapes = {
+            name: wait_for(lambda p=port: try_scrape(p), what=f"{name} /metrics") for name, port in ports.items()
+        }
         for name, port in ports.items():
             assert listening_addresses(port) == {"127.0.0.1"}, name  # loopback only by default
             role, _, index = name.partition("-")
             s = scrapes[name]
             info = s.samples["dflash_ring_process_info"]
             assert [(i.labels, i.value) for i in info] == [
-                ({"role": role, "index": index or "0", "run": run.name, "UUID": ""}, 1.0)]
+                ({"role": role, "index": index or "0", "run": run.name, "UUID": ""}, 1.0)
+            ]
             assert not [n for n in s.families if n.startswith("dflash_ring_gpu_")], name  # no GPU here: nothing
-        for names, who in ((SUPERVISOR_NAMES, ["supervisor"]), (TARGET_NAMES, ["target-0"]),
-                           (DRAFTER_NAMES, ["drafter-0", "drafter-1"])):
+        for names, who in (
+            (SUPERVISOR_NAMES, ["supervisor"]),
+            (TARGET_NAMES, ["target-0"]),
+            (DRAFTER_NAMES, ["drafter-0", "drafter-1"]),
+        ):
             for w in who:
                 missing = [n for n in names if not scrapes[w].has(n)]
                 assert not missing, (w, missing)
         assert not scrapes["supervisor"].has("dflash_ring_target_items_total")
 
         # Quiet moment 1: drafters stopped, the target blocked on a full ring.
-        wait_for(lambda: Scrape(ports["supervisor"]).value("dflash_ring_items_consumed_total") >= 2, timeout=120,
-                 what="drafters consuming")
+        wait_for(
+            lambda: Scrape(ports["supervisor"]).value("dflash_ring_items_consumed_total") >= 2,
+            timeout=120,
+            what="drafters consuming",
+        )
         for d in drafters:
             d.send_signal(signal.SIGSTOP)
 

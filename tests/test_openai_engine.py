@@ -38,8 +38,7 @@ from dflash_ring.common.config.regenerate import RegenerateConfig, RegenerateCon
 from dflash_ring.embedded.tiny_corpus import CorpusSpec
 from dflash_ring.embedded.tiny_target import TinyTargetRecipe, ensure_tiny_target
 from dflash_ring.producer.generation import GenerationSettings, Prompt, Reply, prompt_seed
-from dflash_ring.producer.openai_engine import (OpenAIEngine, ServerRefusedError, ServerUnavailableError,
-                                                backoff_delay)
+from dflash_ring.producer.openai_engine import OpenAIEngine, ServerRefusedError, ServerUnavailableError, backoff_delay
 from support import free_port_base
 
 # The embedded recipe, small: ~5 s on one core, and trained enough to end its replies with <|im_end|>
@@ -67,8 +66,11 @@ CHATS = [
     [{"role": "user", "content": "Sort these numbers: 5 2 9."}],
     [{"role": "user", "content": "Reverse these words: red sun swim."}],
     [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 12 minus 5?"}],
-    [{"role": "user", "content": "What is 1 plus 1?"}, {"role": "assistant", "content": "The answer is 2."},
-     {"role": "user", "content": "Count from 7 to 9."}],
+    [
+        {"role": "user", "content": "What is 1 plus 1?"},
+        {"role": "assistant", "content": "The answer is 2."},
+        {"role": "user", "content": "Count from 7 to 9."},
+    ],
     [{"role": "user", "content": "hello there, café ünïcode"}],
 ]
 
@@ -94,14 +96,37 @@ class Server:
 
 def start_server(model_dir: Path, log: Path) -> Server:
     port = free_port_base(span=1)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONUNBUFFERED": "1", "HF_HOME": str(log.parent / "hf-home")}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "HF_HOME": str(log.parent / "hf-home"),
+    }
     started = time.monotonic()
     out = open(log, "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "transformers.cli.transformers", "serve", str(model_dir), "--host", "127.0.0.1",
-         "--port", str(port), "--device", "cpu", "--dtype", "float32"],
-        stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)  # its own group, killed whole
+        [
+            sys.executable,
+            "-m",
+            "transformers.cli.transformers",
+            "serve",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+        ],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )  # its own group, killed whole
     out.close()
     server = Server(proc, f"http://127.0.0.1:{port}/v1", log, 0.0)
     try:
@@ -109,8 +134,9 @@ def start_server(model_dir: Path, log: Path) -> Server:
             if proc.poll() is not None:
                 raise AssertionError(f"transformers serve exited {proc.returncode}:\n{log.read_text()[-3000:]}")
             if time.monotonic() - started > SERVER_START_TIMEOUT_S:
-                raise AssertionError(f"transformers serve not ready in {SERVER_START_TIMEOUT_S} s:\n"
-                                     f"{log.read_text()[-3000:]}")
+                raise AssertionError(
+                    f"transformers serve not ready in {SERVER_START_TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
+                )
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                     if r.status == 200:
@@ -169,8 +195,11 @@ def closed_url() -> str:
 
 
 def engine(urls: list[str], backoff_base_s: float = FAST, **cfg) -> OpenAIEngine:
-    return OpenAIEngine(RegenerateConfig(engine="openai", base_urls=urls, **{"retries": 2, **cfg}),
-                        backoff_base_s=backoff_base_s, backoff_cap_s=30.0)
+    return OpenAIEngine(
+        RegenerateConfig(engine="openai", base_urls=urls, **{"retries": 2, **cfg}),
+        backoff_base_s=backoff_base_s,
+        backoff_cap_s=30.0,
+    )
 
 
 def collect(eng: OpenAIEngine, ps: list[Prompt], settings: GenerationSettings = GREEDY) -> dict[int, Reply]:
@@ -218,9 +247,13 @@ def reference(target):
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
 
     def reply(prompt: Prompt, settings: GenerationSettings = GREEDY) -> Reply:
-        inputs = tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True,
-                                               enable_thinking=settings.enable_thinking, return_tensors="pt",
-                                               return_dict=True)
+        inputs = tokenizer.apply_chat_template(
+            list(prompt.messages),
+            add_generation_prompt=True,
+            enable_thinking=settings.enable_thinking,
+            return_tensors="pt",
+            return_dict=True,
+        )
         if settings.temperature > 0:  # as the server does: its torch seed set to the request's, then generate
             torch.manual_seed(prompt_seed(settings.seed, prompt.index))
             sampling = {"do_sample": True, "temperature": settings.temperature, "top_p": settings.top_p}
@@ -233,11 +266,16 @@ def reference(target):
                 out = model.generate(**inputs, max_new_tokens=settings.max_new_tokens, **sampling)
         finally:
             torch.set_num_threads(threads)
-        generated = out[0, inputs["input_ids"].shape[1]:]
+        generated = out[0, inputs["input_ids"].shape[1] :]
         # The server's rule: "length" when as many tokens as allowed were generated (even if the last is the end).
         finish = "length" if len(generated) >= settings.max_new_tokens else "stop"
-        return Reply(prompt.index, tokenizer.decode(generated, skip_special_tokens=True), finish,
-                     inputs["input_ids"].shape[1], len(generated))
+        return Reply(
+            prompt.index,
+            tokenizer.decode(generated, skip_special_tokens=True),
+            finish,
+            inputs["input_ids"].shape[1],
+            len(generated),
+        )
 
     reply.tokenizer = tokenizer
     return reply
@@ -284,14 +322,22 @@ def test_thinking_switch_reaches_the_chat_template(server, reference):
         settings = replace(GREEDY, enable_thinking=thinking, max_new_tokens=4)
         got = collect(engine([server.base_url]), ps, settings)
         for p in ps:
-            want = len(reference.tokenizer.apply_chat_template(list(p.messages), add_generation_prompt=True,
-                                                               enable_thinking=thinking, tokenize=True,
-                                                               return_dict=True)["input_ids"])
+            want = len(
+                reference.tokenizer.apply_chat_template(
+                    list(p.messages),
+                    add_generation_prompt=True,
+                    enable_thinking=thinking,
+                    tokenize=True,
+                    return_dict=True,
+                )["input_ids"]
+            )
             assert got[p.index].prompt_tokens == want, (thinking, p.messages)
-    off = reference.tokenizer.apply_chat_template(list(ps[0].messages), add_generation_prompt=True,
-                                                  enable_thinking=False, tokenize=False)
-    on = reference.tokenizer.apply_chat_template(list(ps[0].messages), add_generation_prompt=True,
-                                                 enable_thinking=True, tokenize=False)
+    off = reference.tokenizer.apply_chat_template(
+        list(ps[0].messages), add_generation_prompt=True, enable_thinking=False, tokenize=False
+    )
+    on = reference.tokenizer.apply_chat_template(
+        list(ps[0].messages), add_generation_prompt=True, enable_thinking=True, tokenize=False
+    )
     assert off != on, "the template must tell the two settings apart for this test to mean anything"
 
 
@@ -362,8 +408,9 @@ def test_fails_over_from_a_server_that_stopped_answering(server, second_server, 
     try:
         # timeout 3 s and a retry: the live server, generating one request at a time on a shared 2-core box,
         # must not time out itself.
-        eng = engine([second_server.base_url, server.base_url], retries=1, concurrency=2, timeout_s=3.0,
-                     backoff_base_s=1.0)
+        eng = engine(
+            [second_server.base_url, server.base_url], retries=1, concurrency=2, timeout_s=3.0, backoff_base_s=1.0
+        )
         sent = count_sends(eng)
         started = time.monotonic()
         got = collect(eng, prompts())
@@ -393,8 +440,11 @@ def test_all_servers_closed_is_one_clear_error_after_retries(target, model):
     """Every URL in every round, `retries` rounds after the first with growing waits, then one error naming
     the URLs and the last failure (a RuntimeError: the CLI prints it on one line and exits 2)."""
     urls = [closed_url(), closed_url()]
-    eng = OpenAIEngine(RegenerateConfig(engine="openai", base_urls=urls, retries=2,
-                                        model=str(target) if model else ""), backoff_base_s=0.2, backoff_cap_s=30)
+    eng = OpenAIEngine(
+        RegenerateConfig(engine="openai", base_urls=urls, retries=2, model=str(target) if model else ""),
+        backoff_base_s=0.2,
+        backoff_cap_s=30,
+    )
     sent = count_sends(eng)
     started = time.monotonic()
     with pytest.raises(ServerUnavailableError) as error:
@@ -451,8 +501,14 @@ def test_request_body_carries_the_settings():
     finally:
         eng.close()
     assert body == {
-        "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 7, "temperature": 0.7,
-        "top_p": 0.9, "seed": prompt_seed(3, 42), "n": 1, "stream": False,
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 7,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "seed": prompt_seed(3, 42),
+        "n": 1,
+        "stream": False,
         "chat_template_kwargs": {"enable_thinking": True},
     }
     assert eng.base_urls == ["http://127.0.0.1:9/v1"]
@@ -491,13 +547,26 @@ def test_the_regenerate_command_through_the_server_writes_what_the_hf_engine_wri
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     outputs = {}
     for name in ("openai", "hf"):
-        sets = [f'data.path="{data}"', f'data.cache_dir="{tmp_path / "cache"}"', f'target.path="{target}"',
-                'target.device="cpu"', "metrics.enabled=false", f'regenerate.engine="{name}"',
-                f'regenerate.output="{tmp_path / name}"', "regenerate.max_new_tokens=48", "regenerate.shard_rows=3",
-                f'regenerate.base_urls=["{closed_url()}", "{server.base_url}"]', "regenerate.retries=1"]
-        out = subprocess.run([sys.executable, "-m", "dflash_ring", "regenerate", "--json",
-                              *[a for s in sets for a in ("--set", s)]],
-                             capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        sets = [
+            f'data.path="{data}"',
+            f'data.cache_dir="{tmp_path / "cache"}"',
+            f'target.path="{target}"',
+            'target.device="cpu"',
+            "metrics.enabled=false",
+            f'regenerate.engine="{name}"',
+            f'regenerate.output="{tmp_path / name}"',
+            "regenerate.max_new_tokens=48",
+            "regenerate.shard_rows=3",
+            f'regenerate.base_urls=["{closed_url()}", "{server.base_url}"]',
+            "regenerate.retries=1",
+        ]
+        out = subprocess.run(
+            [sys.executable, "-m", "dflash_ring", "regenerate", "--json", *[a for s in sets for a in ("--set", s)]],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         outputs[name] = [p.read_bytes() for p in sorted((tmp_path / name).glob("shard-*.jsonl"))]
     assert len(outputs["openai"]) == 3 and outputs["openai"] == outputs["hf"]
@@ -522,8 +591,12 @@ def test_a_url_or_key_refused_for_every_row_stops_the_job(server):
 
 
 def _ok_reply(content: Any = "a fine reply", completion_tokens: int = 3) -> bytes:
-    return json.dumps({"choices": [{"message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
-                       "usage": {"prompt_tokens": 5, "completion_tokens": completion_tokens}}).encode()
+    return json.dumps(
+        {
+            "choices": [{"message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": completion_tokens},
+        }
+    ).encode()
 
 
 class _Misbehaving(http.server.BaseHTTPRequestHandler):
@@ -549,8 +622,12 @@ class _Misbehaving(http.server.BaseHTTPRequestHandler):
             except OSError:  # the client hung up: done
                 return
             return
-        reply = {"huge": lambda: _ok_reply("word " * 600_000), "overcount": lambda: _ok_reply(completion_tokens=999),
-                 "deep": lambda: b"[" * 200_000 + b"]" * 200_000, "number": lambda: _ok_reply(content=12345)}
+        reply = {
+            "huge": lambda: _ok_reply("word " * 600_000),
+            "overcount": lambda: _ok_reply(completion_tokens=999),
+            "deep": lambda: b"[" * 200_000 + b"]" * 200_000,
+            "number": lambda: _ok_reply(content=12345),
+        }
         data = reply.get(what, _ok_reply)()
         self._headers(len(data))
         self.wfile.write(data)

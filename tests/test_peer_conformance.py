@@ -28,7 +28,8 @@ which z-lab would serve them causal (measured).
 
 The oracles are test-only packages, installed by `make setup` with --no-deps (Makefile TEST_ORACLES, pins in
 constraints.txt). Without them these tests skip, and fail when CI is set. By hand:
-`.venv/bin/pip install --no-deps -c constraints.txt dflash speculators hs-connectors loguru && .venv/bin/python -m pytest -q tests/test_peer_conformance.py`.
+`.venv/bin/pip install --no-deps -c constraints.txt dflash speculators hs-connectors loguru`, then
+`.venv/bin/python -m pytest -q tests/test_peer_conformance.py`.
 Note that z-lab's model runs here on our transformers (constraints.txt), not on the one its package pins.
 """
 
@@ -73,8 +74,10 @@ def oracle(module: str, distribution: str):
     try:
         return importlib.import_module(module)
     except ImportError as error:
-        reason = (f"test oracle {module} ({distribution}) does not import: {error!r}. `make setup` installs it; "
-                  f"by hand: .venv/bin/pip install --no-deps -c constraints.txt {distribution}")
+        reason = (
+            f"test oracle {module} ({distribution}) does not import: {error!r}. `make setup` installs it; "
+            f"by hand: .venv/bin/pip install --no-deps -c constraints.txt {distribution}"
+        )
         if os.environ.get("CI"):
             pytest.fail(f"{reason} (CI is set: the conformance checks must run in CI)", pytrace=False)
         pytest.skip(reason)
@@ -153,9 +156,11 @@ def zlab_draft(zlab_model, target, features: torch.Tensor, ids: torch.Tensor, an
     block = torch.full((1, zlab_model.block_size), zlab_model.mask_token_id)
     block[0, 0] = ids[anchor]
     with torch.no_grad():
-        return zlab_model(position_ids=torch.arange(anchor + zlab_model.block_size)[None],
-                          noise_embedding=target.get_input_embeddings()(block),
-                          target_hidden=features[:anchor][None])[0]
+        return zlab_model(
+            position_ids=torch.arange(anchor + zlab_model.block_size)[None],
+            noise_embedding=target.get_input_embeddings()(block),
+            target_hidden=features[:anchor][None],
+        )[0]
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -166,7 +171,10 @@ def test_zlab_loads_every_weight_and_reads_our_layout(zlab, exported):
     case, model, out, *_ = exported
     theirs = load_zlab(zlab, out)
     assert (theirs.block_size, theirs.mask_token_id, theirs.target_layer_ids) == (
-        model.block_size, model.mask_token_id, model.target_layer_ids)
+        model.block_size,
+        model.mask_token_id,
+        model.target_layer_ids,
+    )
     ours_sliding = [layer.self_attn.sliding_window for layer in model.layers]
     assert [layer.self_attn.sliding_window for layer in theirs.layers] == ours_sliding
     # z-lab's default (no is_causal key): a sliding layer is causal inside the block, a full one bidirectional
@@ -182,11 +190,16 @@ def test_zlab_loads_every_weight_and_reads_our_layout(zlab, exported):
 def test_our_producer_selects_the_features_zlab_does(zlab, exported):
     """The context we train on is what z-lab's generation loop feeds its drafter: the same layers, same indexing."""
     _, model, _, path, _, target, _ = exported
-    producer = TargetModel(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), model.target_layer_ids,
-                           final_hidden=False, packed=False)
+    producer = TargetModel(
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+        model.target_layer_ids,
+        final_hidden=False,
+        packed=False,
+    )
     for ids in sequences():
-        ours = producer.forward_padded(ids[None], torch.ones(1, ids.numel(), dtype=torch.long),
-                                       torch.arange(ids.numel())).features
+        ours = producer.forward_padded(
+            ids[None], torch.ones(1, ids.numel(), dtype=torch.long), torch.arange(ids.numel())
+        ).features
         assert max_diff(ours, zlab_features(zlab, target, ids, model.target_layer_ids)) <= TOLERANCE
 
 
@@ -200,24 +213,27 @@ def test_zlab_drafts_what_our_training_model_drafts(zlab, exported, attention):
     features = [zlab_features(zlab, target, ids, model.target_layer_ids) for ids in seqs]
     anchors = anchors_from_local(LENGTHS, LOCAL_ANCHORS)
     with torch.no_grad():
-        ours = model(torch.cat(features), torch.cat(seqs), anchors, head, attention=attention,
-                     anchors_per_group=2)
+        ours = model(torch.cat(features), torch.cat(seqs), anchors, head, attention=attention, anchors_per_group=2)
     blocks = [(seq, a) for seq, local in enumerate(LOCAL_ANCHORS) for a in local]
     want = torch.stack([zlab_draft(theirs, target, features[seq], seqs[seq], a) for seq, a in blocks])
     with torch.no_grad():
         ours_logits, want_logits = head.logits(ours), theirs.compute_logits(want, target.lm_head)
         seq, a = blocks[-1]
-        inference = model.draft_block(features[seq][:a], seqs[seq][:a + 1], head)
-    diffs = {"hidden": max_diff(ours, want), "logits": max_diff(ours_logits, want_logits),
-             "draft_block": max_diff(inference, want[-1])}
+        inference = model.draft_block(features[seq][:a], seqs[seq][: a + 1], head)
+    diffs = {
+        "hidden": max_diff(ours, want),
+        "logits": max_diff(ours_logits, want_logits),
+        "draft_block": max_diff(inference, want[-1]),
+    }
     assert max(diffs.values()) <= TOLERANCE, f"{case}/{attention} against z-lab dflash {zlab[1]}: {diffs}"
     assert want_logits.abs().max() > 0.1  # logits of some size: the tolerance means something
 
 
 def test_what_zlab_would_serve_with_an_is_causal_key(zlab, targets, tmp_path):
     """Why the export writes no is_causal key (test_drafter_export.py checks that it writes none): written into
-    config.json, z-lab's model takes it over the per-layer default. is_causal false serves our causal sliding layers bidirectional
-    inside the block, is_causal true makes our bidirectional full layers causal; either gives other drafts. And the
+    config.json, z-lab's model takes it over the per-layer default. is_causal false serves our causal sliding layers
+    bidirectional inside the block, is_causal true makes our bidirectional full layers causal; either gives other
+    drafts. And the
     window cuts this context: served as full attention, the sliding layers would draft otherwise too."""
     rope, layers = CASES["sliding"]
     path, target_config, target, head = targets(rope)
@@ -229,7 +245,7 @@ def test_what_zlab_would_serve_with_an_is_causal_key(zlab, targets, tmp_path):
     features = zlab_features(zlab, target, ids, model.target_layer_ids)
     anchor = LOCAL_ANCHORS[0][-1]
     with torch.no_grad():
-        ours = model.draft_block(features[:anchor], ids[:anchor + 1], head)
+        ours = model.draft_block(features[:anchor], ids[: anchor + 1], head)
     assert max_diff(zlab_draft(load_zlab(zlab, out), target, features, ids, anchor), ours) <= TOLERANCE
     for keys in ({"is_causal": False}, {"is_causal": True}, {"layer_types": ["full_attention"] * len(SLIDING)}):
         edited = shutil.copytree(out, tmp_path / f"edited-{len(list(tmp_path.iterdir()))}")
@@ -264,8 +280,14 @@ def dspark_exported(request, targets, tmp_path_factory):
     """(kind, our fp32 DSpark drafter, its fp32 export dir, target dir, HF target, our head, DrafterConfig)."""
     path, target_config, target, head = targets(DEFAULT_ROPE)
     torch.manual_seed(5)
-    cfg = DrafterConfig(recipe="dspark", num_hidden_layers=2, block_size=BLOCK, markov_rank=MARKOV_RANK,
-                        markov_head=request.param, mask_token_id=MASK_ID)
+    cfg = DrafterConfig(
+        recipe="dspark",
+        num_hidden_layers=2,
+        block_size=BLOCK,
+        markov_rank=MARKOV_RANK,
+        markov_head=request.param,
+        mask_token_id=MASK_ID,
+    )
     model = build_drafter(cfg, target_config).eval()
     with torch.no_grad():  # norms off 1 and heads of some size: a dropped weight or a swapped input would show
         for name, param in model.named_parameters():
@@ -275,8 +297,9 @@ def dspark_exported(request, targets, tmp_path_factory):
                 param.normal_(0.0, 0.15)  # pre-activations of order 1: the gates neither saturate nor amplify
             elif name.startswith(("markov_head.", "confidence_head.")):
                 param.normal_(0.0, 0.5)
-    out = export_drafter(model, cfg, target_config, tmp_path_factory.mktemp("dspark") / "drafter",
-                         dtype=torch.float32, head=head)
+    out = export_drafter(
+        model, cfg, target_config, tmp_path_factory.mktemp("dspark") / "drafter", dtype=torch.float32, head=head
+    )
     return request.param, model, out, path, target, head, cfg
 
 
@@ -305,10 +328,11 @@ def hf_dspark(hf, seqs, features):
         ids = seqs[seq]
         block = torch.full((1, hf.block_size), hf.mask_token_id)
         block[0, 0] = ids[a]
-        prev = ids[a:a + hf.block_size][None]
+        prev = ids[a : a + hf.block_size][None]
         with torch.no_grad():
-            hidden = hf(hf.embed_tokens(block), features[seq][:a][None],
-                        position_ids=torch.arange(a + hf.block_size)[None])
+            hidden = hf(
+                hf.embed_tokens(block), features[seq][:a][None], position_ids=torch.arange(a + hf.block_size)[None]
+            )
             rows["hidden"].append(hidden[0])
             rows["logits"].append(hf.draft_logits(prev, hidden)[0])
             rows["bias"].append(hf.markov_bias(prev, hidden)[0])
@@ -321,19 +345,45 @@ def build_speculators_dspark(module, out, target_dir):
     norm read from the tiny target), its transformer config our export's, eager attention, then our export's tensors
     loaded by name: their names are ours, only the verifier's own copies (targets of their loss) are not in the file."""
     config = json.loads((out / "config.json").read_text())
-    layer_config = Qwen3Config(**{k: config[k] for k in (
-        "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-        "intermediate_size", "hidden_act", "rms_norm_eps", "rope_parameters", "max_position_embeddings", "vocab_size",
-        "layer_types", "attention_bias", "attention_dropout", "tie_word_embeddings")})
+    layer_config = Qwen3Config(
+        **{
+            k: config[k]
+            for k in (
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "intermediate_size",
+                "hidden_act",
+                "rms_norm_eps",
+                "rope_parameters",
+                "max_position_embeddings",
+                "vocab_size",
+                "layer_types",
+                "attention_bias",
+                "attention_dropout",
+                "tie_word_embeddings",
+            )
+        }
+    )
     model = module.DSparkDraftModel.from_training_args(
-        layer_config, verifier_name_or_path=str(target_dir), draft_vocab_size=config["vocab_size"],
-        block_size=config["block_size"], mask_token_id=config["mask_token_id"],
+        layer_config,
+        verifier_name_or_path=str(target_dir),
+        draft_vocab_size=config["vocab_size"],
+        block_size=config["block_size"],
+        mask_token_id=config["mask_token_id"],
         target_layer_ids=[i + 1 for i in config["target_layer_ids"]],  # theirs count HF hidden_states indices
-        markov_rank=config["markov_rank"], markov_head_type=config["markov_head_type"], draft_attn_impl="eager")
+        markov_rank=config["markov_rank"],
+        markov_head_type=config["markov_head_type"],
+        draft_attn_impl="eager",
+    )
     assert model.config.sample_from_anchor
     loaded = model.load_state_dict(load_file(out / WEIGHTS_NAME), strict=False)
-    assert (sorted(loaded.missing_keys), loaded.unexpected_keys) == (["verifier_lm_head.weight",
-                                                                      "verifier_norm.weight"], [])
+    assert (sorted(loaded.missing_keys), loaded.unexpected_keys) == (
+        ["verifier_lm_head.weight", "verifier_norm.weight"],
+        [],
+    )
     return model.eval()
 
 
@@ -350,8 +400,10 @@ def speculators_dspark_forward(module, model, seqs, features, monkeypatch):
         return original(logits, targets, confidence_logits, *args, **kwargs)
 
     monkeypatch.setattr(module, "compute_metrics", capture)
-    hooks = [model.norm.register_forward_hook(lambda m, i, o: seen.__setitem__("hidden", o)),
-             model.lm_head.register_forward_hook(lambda m, i, o: seen.__setitem__("backbone", o))]
+    hooks = [
+        model.norm.register_forward_hook(lambda m, i, o: seen.__setitem__("hidden", o)),
+        model.lm_head.register_forward_hook(lambda m, i, o: seen.__setitem__("backbone", o)),
+    ]
     anchors = anchors_from_local(LENGTHS, LOCAL_ANCHORS).positions
     total = sum(LENGTHS)
     loss_mask = torch.zeros(1, total, dtype=torch.long)
@@ -359,20 +411,31 @@ def speculators_dspark_forward(module, model, seqs, features, monkeypatch):
     document_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(LENGTHS)])[None]
     position_ids = torch.cat([torch.arange(n) for n in LENGTHS])[None]
     # Their DSpark objective in its eager implementation (the fused one needs Triton): the loss is not compared.
-    loss_kwargs, _ = module.DSparkDraftModel.get_trainer_kwargs(loss_fn='{"ce": 0.1, "tv": 0.9}',
-                                                               loss_implementation="eager", max_anchors=anchors.numel())
+    loss_kwargs, _ = module.DSparkDraftModel.get_trainer_kwargs(
+        loss_fn='{"ce": 0.1, "tv": 0.9}', loss_implementation="eager", max_anchors=anchors.numel()
+    )
     try:
         with torch.no_grad():
-            model(hidden_states=torch.cat(features)[None], input_ids=torch.cat(seqs)[None], loss_mask=loss_mask,
-                  verifier_last_hidden_states=torch.zeros(1, total, model.hidden_size), document_ids=document_ids,
-                  position_ids=position_ids, **loss_kwargs)
+            model(
+                hidden_states=torch.cat(features)[None],
+                input_ids=torch.cat(seqs)[None],
+                loss_mask=loss_mask,
+                verifier_last_hidden_states=torch.zeros(1, total, model.hidden_size),
+                document_ids=document_ids,
+                position_ids=position_ids,
+                **loss_kwargs,
+            )
     finally:
         for hook in hooks:
             hook.remove()
     n, block = anchors.numel(), model.block_size
     logits = seen["logits"].view(n, block, -1)
-    return {"hidden": seen["hidden"].view(n, block, -1), "logits": logits,
-            "bias": logits - seen["backbone"].view(n, block, -1), "confidence": seen["confidence"].view(n, block)}
+    return {
+        "hidden": seen["hidden"].view(n, block, -1),
+        "logits": logits,
+        "bias": logits - seen["backbone"].view(n, block, -1),
+        "confidence": seen["confidence"].view(n, block),
+    }
 
 
 def test_a_dspark_export_loads_in_transformers_with_every_weight(dspark_exported):
@@ -380,8 +443,11 @@ def test_a_dspark_export_loads_in_transformers_with_every_weight(dspark_exported
     hf, info = AutoModel.from_pretrained(out, trust_remote_code=True, dtype=torch.float32, output_loading_info=True)
     assert not any(info.values()), info
     assert type(hf).__name__ == "Qwen3DSparkModel"
-    assert (hf.block_size, hf.mask_token_id, hf.target_layer_ids) == (model.block_size, model.mask_token_id,
-                                                                      model.target_layer_ids)
+    assert (hf.block_size, hf.mask_token_id, hf.target_layer_ids) == (
+        model.block_size,
+        model.mask_token_id,
+        model.target_layer_ids,
+    )
     theirs = hf.state_dict()
     for name, tensor in model.state_dict().items():
         assert torch.equal(theirs[name], tensor), name
@@ -405,18 +471,30 @@ def test_dspark_training_model_export_and_speculators_agree(dspark_exported, spe
     ours = ours_dspark(model, head, seqs, features)
     hf = AutoModel.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
     exported = hf_dspark(hf, seqs, features)
-    theirs = speculators_dspark_forward(module, build_speculators_dspark(module, out, target_dir), seqs, features,
-                                        monkeypatch)
-    diffs = {f"{who}/{k}": max_diff(got[k], ours[k]) for who, got in (("export", exported), ("speculators", theirs))
-             for k in ours}
+    theirs = speculators_dspark_forward(
+        module, build_speculators_dspark(module, out, target_dir), seqs, features, monkeypatch
+    )
+    diffs = {
+        f"{who}/{k}": max_diff(got[k], ours[k])
+        for who, got in (("export", exported), ("speculators", theirs))
+        for k in ours
+    }
     assert max(diffs.values()) <= TOLERANCE, f"{kind} against speculators {version}: {diffs}"
     assert ours["bias"].abs().max() > 0.1 and ours["confidence"].abs().max() > 0.1  # heads of some size
     assert max_diff(ours["logits"], head.logits(ours["hidden"])) > 0.1  # the bias changes the logits
 
+
 # --- DFlash2 -------------------------------------------------------------------------------------------------------
 
-DFLASH2 = {"arch": "dflash2", "num_hidden_layers": 3, "layer_types": SLIDING, "sliding_window": WINDOW,
-           "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}
+DFLASH2 = {
+    "arch": "dflash2",
+    "num_hidden_layers": 3,
+    "layer_types": SLIDING,
+    "sliding_window": WINDOW,
+    "conv_group_size": 16,
+    "selector_rank": 8,
+    "selector_top_k": 4,
+}
 
 
 @pytest.fixture(scope="module")
@@ -436,8 +514,7 @@ def dflash2_exported(targets, tmp_path_factory):
                 param.normal_(std=0.1)
             elif "codebook" in name:
                 param.normal_(std=1.0)  # a bilinear term that changes the selector's choices
-    out = export_drafter(model, cfg, target_config, tmp_path_factory.mktemp("dflash2") / "drafter",
-                         dtype=torch.float32)
+    out = export_drafter(model, cfg, target_config, tmp_path_factory.mktemp("dflash2") / "drafter", dtype=torch.float32)
     return model, out, target, head
 
 
@@ -452,18 +529,23 @@ def test_zlab_loads_every_dflash2_weight_and_reads_our_layout(zlab, dflash2_expo
     model, out, *_ = dflash2_exported
     theirs = load_zlab_dflash2(zlab, out)
     assert (theirs.block_size, theirs.mask_token_id, theirs.target_layer_ids) == (
-        model.block_size, model.mask_token_id, model.target_layer_ids)
+        model.block_size,
+        model.mask_token_id,
+        model.target_layer_ids,
+    )
     assert theirs.candidate_selector.top_k == model.candidate_selector.top_k
     # is_causal false: every layer bidirectional inside the block, as DFlash2 trains; the windows kept
     assert [layer.self_attn.is_causal for layer in theirs.layers] == [False] * len(SLIDING)
     assert [layer.self_attn.sliding_window for layer in theirs.layers] == [
-        layer.self_attn.sliding_window for layer in model.layers]
-    mapped = {"candidate_selector.predecessor_codebook": "candidate_selector.predecessor_codebook.weight",
-              "candidate_selector.successor_codebook": "candidate_selector.successor_codebook.weight"}
+        layer.self_attn.sliding_window for layer in model.layers
+    ]
+    mapped = {
+        "candidate_selector.predecessor_codebook": "candidate_selector.predecessor_codebook.weight",
+        "candidate_selector.successor_codebook": "candidate_selector.successor_codebook.weight",
+    }
     theirs_state = theirs.state_dict()
     for name, tensor in model.state_dict().items():
         assert torch.equal(theirs_state[mapped.get(name, name)], tensor), name
-
 
 
 def test_without_is_causal_zlab_would_serve_dflash2_sliding_layers_causal(zlab, dflash2_exported, tmp_path):
@@ -474,7 +556,7 @@ def test_without_is_causal_zlab_would_serve_dflash2_sliding_layers_causal(zlab, 
     features = zlab_features(zlab, target, ids, model.target_layer_ids)
     anchor = LOCAL_ANCHORS[0][-1]
     with torch.no_grad():
-        ours = model.draft_block(features[:anchor], ids[:anchor + 1], head)
+        ours = model.draft_block(features[:anchor], ids[: anchor + 1], head)
     assert max_diff(zlab_draft(load_zlab_dflash2(zlab, out), target, features, ids, anchor), ours) <= TOLERANCE
     edited = shutil.copytree(out, tmp_path / "no-is-causal")
     config = json.loads((edited / "config.json").read_text())
@@ -484,8 +566,9 @@ def test_without_is_causal_zlab_would_serve_dflash2_sliding_layers_causal(zlab, 
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "flex"])
-def test_zlab_and_our_remote_code_draft_and_select_what_our_dflash2_training_model_does(zlab, dflash2_exported,
-                                                                                       attention):
+def test_zlab_and_our_remote_code_draft_and_select_what_our_dflash2_training_model_does(
+    zlab, dflash2_exported, attention
+):
     """Every block of a packed batch: draft hidden states and logits of our training forward, of z-lab's
     DFlash2DraftModel and of our export through trust_remote_code; then the selector: the greedy path and its
     candidates from the anchor, and at T = 1 q over the candidates along z-lab's sampled path against our scores."""
@@ -514,11 +597,16 @@ def test_zlab_and_our_remote_code_draft_and_select_what_our_dflash2_training_mod
         torch.manual_seed(11)
         s_path, s_candidates, s_q = theirs.propose(want[:, 1:], anchor_ids, target.lm_head, 1.0)
         prev = torch.cat([anchor_ids[:, None], s_path[:, :-1]], 1)
-        along = model.candidate_selector.scores(ours[:, 1:], prev, ours_logits[:, 1:].gather(-1, s_candidates),
-                                                s_candidates)
-    diffs = {"hidden": max_diff(ours, want), "remote_hidden": max_diff(served, want),
-             "logits": max_diff(ours_logits, theirs.compute_logits(want, target.lm_head)),
-             "remote_scores": max_diff(r_scores, scores), "q_along_sampled_path": max_diff(along.softmax(-1), s_q)}
+        along = model.candidate_selector.scores(
+            ours[:, 1:], prev, ours_logits[:, 1:].gather(-1, s_candidates), s_candidates
+        )
+    diffs = {
+        "hidden": max_diff(ours, want),
+        "remote_hidden": max_diff(served, want),
+        "logits": max_diff(ours_logits, theirs.compute_logits(want, target.lm_head)),
+        "remote_scores": max_diff(r_scores, scores),
+        "q_along_sampled_path": max_diff(along.softmax(-1), s_q),
+    }
     assert max(diffs.values()) <= TOLERANCE, f"dflash2/{attention} against z-lab dflash {zlab[1]}: {diffs}"
     assert torch.equal(path, z_path) and torch.equal(path, r_path), (path, z_path, r_path)
     assert torch.equal(candidates.sort(-1).values, z_candidates.sort(-1).values)

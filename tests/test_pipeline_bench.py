@@ -19,11 +19,30 @@ PROGRESS = re.compile(r"^(\w+) (\w+): (\{.*\})$")  # bench/progress.py's lines
 @pytest.mark.processes
 def test_tiny_pipeline_bench_kills_and_restarts_the_drafter_then_the_target(tmp_path):
     # Warm-up past the kill run's first checkpoint (every 5 steps), so the restarted drafter must resume from one.
-    out = subprocess.run([sys.executable, "-m", "dflash_ring", "bench", "pipeline", "--tiny", "--seconds", "6",
-                          "--warmup-steps", "6", "--kill-drafter", "--standby", "--kill-target", "--workdir",
-                          str(tmp_path),
-                          "--port-base", str(free_port_base())],
-                         capture_output=True, text=True, timeout=1500)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash_ring",
+            "bench",
+            "pipeline",
+            "--tiny",
+            "--seconds",
+            "6",
+            "--warmup-steps",
+            "6",
+            "--kill-drafter",
+            "--standby",
+            "--kill-target",
+            "--workdir",
+            str(tmp_path),
+            "--port-base",
+            str(free_port_base()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert out.returncode == 0, out.stderr[-5000:]
     rep = json.loads(out.stdout)
     assert rep["checkpoint_every_steps"] == 5
@@ -48,19 +67,29 @@ def test_tiny_pipeline_bench_kills_and_restarts_the_drafter_then_the_target(tmp_
     sk = pipe["drafter_kill_with_standby"]
     assert sk["took_over_by"] == "standby" and sk["resumed_from_checkpoint"] and sk["drafter_starts"] == 3
     assert list(sk["startup_phases_s"]) == list(DRAFTER_PHASES) and sk["standby_wait_s"] > 0
-    assert list(sk["takeover_phases_s"]) == list(DRAFTER_PHASES)[DRAFTER_PHASES.index("standby") + 1:]
+    assert list(sk["takeover_phases_s"]) == list(DRAFTER_PHASES)[DRAFTER_PHASES.index("standby") + 1 :]
     assert sk["startup_s"] == round(sum(sk["takeover_phases_s"].values()), 2) and isinstance(sk["goal"]["met"], bool)
     assert sk["first_step_after_kill_s"] > 0 and sk["target_process_unchanged"]
     for kill in (dk, tk):
         assert kill["first_step_after_kill_s" if kill is dk else "first_publish_after_kill_s"] > 0
-        assert set(kill["tokens_per_s_from_kill_to_recovery"]) == set(kill["tokens_per_s_before_kill"]) == {
-            "target", "drafter"}
+        assert (
+            set(kill["tokens_per_s_from_kill_to_recovery"])
+            == set(kill["tokens_per_s_before_kill"])
+            == {"target", "drafter"}
+        )
         assert kill["before_kill_window_s"] > 0
     # Each phase's figures went to stderr as it was measured (what a run cut off by a time limit keeps), as the
     # report has them.
     figures = {m[2]: json.loads(m[3]) for m in map(PROGRESS.match, out.stderr.splitlines()) if m and m[1] == "pipeline"}
-    assert list(figures) == ["standalone_target", "standalone_drafter", "window", "drafter_kill",
-                             "drafter_kill_with_standby", "target_kill", "balanced_topology"], list(figures)
+    assert list(figures) == [
+        "standalone_target",
+        "standalone_drafter",
+        "window",
+        "drafter_kill",
+        "drafter_kill_with_standby",
+        "target_kill",
+        "balanced_topology",
+    ], list(figures)
     assert figures["standalone_target"] == rep["standalone_target"]
     assert figures["standalone_drafter"] == rep["standalone_drafter"]
     assert figures["window"] == {k: pipe[k] for k in figures["window"]} and "drafter_tokens_per_s" in figures["window"]

@@ -45,8 +45,10 @@ def reference_losses(config_path, order: list[int] | None = None) -> list[float]
         with torch.no_grad():
             out = run_target(target, prepare(batch, packed=True, pad_id=0, pin=False))
         device_batch = DeviceBatch(
-            features=out.features.clone(), input_ids=torch.from_numpy(batch.input_ids).long(),
-            loss_mask=torch.from_numpy(batch.loss_mask).bool(), cu_seqlens=torch.from_numpy(batch.cu_seqlens).long(),
+            features=out.features.clone(),
+            input_ids=torch.from_numpy(batch.input_ids).long(),
+            loss_mask=torch.from_numpy(batch.loss_mask).bool(),
+            cu_seqlens=torch.from_numpy(batch.cu_seqlens).long(),
         )
         if (m := trainer.train_step(device_batch, cfg.train.total_steps)) is not None:
             losses.append(m.loss)
@@ -56,10 +58,18 @@ def reference_losses(config_path, order: list[int] | None = None) -> list[float]
 def test_pipeline_loss_curve_equals_in_process_reference(run):
     target = build_target(run.tmp / "target", "qwen3", layers=4)
     data = cyclic_rows(run.tmp / "chat.jsonl", 64, seed=3)
-    pipeline_config(run, target, data, LEARNS, {
-        "data": {"epochs": 3},
-        "train": {"total_steps": STEPS, "seed": 7, "checkpoint_every_steps": 1000},
-    }, consumers=1, slots=3)
+    pipeline_config(
+        run,
+        target,
+        data,
+        LEARNS,
+        {
+            "data": {"epochs": 3},
+            "train": {"total_steps": STEPS, "seed": 7, "checkpoint_every_steps": 1000},
+        },
+        consumers=1,
+        slots=3,
+    )
     sup = run.supervisor()
     producer = run.role("target", 0)
     drafter = run.role("drafter", 0)

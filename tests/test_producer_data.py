@@ -244,7 +244,9 @@ def test_cache_is_reused_without_tokenizing(tokenizer, tmp_path, monkeypatch):
     monkeypatch.setattr(ChatEncoder, "encode", refuse)
     monkeypatch.setattr(datasets, "load_dataset", refuse)
     # Batching settings are not part of the cache key.
-    second = load_tokenized(DataConfig(path=str(path), cache_dir=cfg.cache_dir, seed=5, max_tokens_per_batch=8192), tokenizer)
+    second = load_tokenized(
+        DataConfig(path=str(path), cache_dir=cfg.cache_dir, seed=5, max_tokens_per_batch=8192), tokenizer
+    )
     assert second.from_cache and second.directory == first.directory
     assert np.array_equal(second.tokens, first.tokens) and np.array_equal(second.offsets, first.offsets)
 

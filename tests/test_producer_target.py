@@ -39,7 +39,9 @@ def split(t: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_packed_features_equal_each_sequence_alone(targets, arch):
-    target = TargetModel.load(TargetConfig(path=str(targets[arch]), num_draft_layers=2), torch.device("cpu"), packed=True)
+    target = TargetModel.load(
+        TargetConfig(path=str(targets[arch]), num_draft_layers=2), torch.device("cpu"), packed=True
+    )
     assert target.layer_ids == [1, 3] and target.dtype == torch.float32
     batch = packed_batch(LENGTHS)
     out = run_target(target, prepare(batch, packed=True, pad_id=0, pin=False))
@@ -126,7 +128,8 @@ def test_forward_stops_after_the_deepest_captured_layer_and_never_computes_logit
     assert "norm" not in calls  # nor layers 3..5
     assert widths and vocab not in widths
     assert not hasattr(target, "lm_head") and not any(
-        isinstance(m, torch.nn.Linear) and m.out_features == vocab for m in target.decoder.modules())
+        isinstance(m, torch.nn.Linear) and m.out_features == vocab for m in target.decoder.modules()
+    )
     # Features come in layer_ids order, not depth order.
     expected = reference_features(targets["llama"], sequences(batch), [2, 0])
     assert_same_features(split(out.features, batch), expected)
@@ -159,12 +162,23 @@ def test_layer_ids_follow_the_dflash_rule_and_are_range_checked(targets, tmp_pat
 
 
 def test_target_geometry_joins_the_config_fingerprint(targets, tmp_path):
-    cfg = load_config(None, [f'target.path="{targets["qwen3"]}"', "target.num_draft_layers=2",
-                             "target.mask_token_id=405", "target.ship_final_hidden=true"])
+    cfg = load_config(
+        None,
+        [
+            f'target.path="{targets["qwen3"]}"',
+            "target.num_draft_layers=2",
+            "target.mask_token_id=405",
+            "target.ship_final_hidden=true",
+        ],
+    )
     fields = cfg.fingerprint_fields()
     assert {k: v for k, v in fields.items() if k.startswith("target.")} == {
-        "target.hidden_size": 64, "target.num_hidden_layers": 6, "target.vocab_size": fields["target.vocab_size"],
-        "target.layer_ids": [1, 3], "target.mask_token_id": 405, "target.ship_final_hidden": True,
+        "target.hidden_size": 64,
+        "target.num_hidden_layers": 6,
+        "target.vocab_size": fields["target.vocab_size"],
+        "target.layer_ids": [1, 3],
+        "target.mask_token_id": 405,
+        "target.ship_final_hidden": True,
     }
     assert "target.hidden_size" not in load_config(None, []).fingerprint_fields()
     with pytest.raises(ConfigError, match="config.json"):
@@ -173,14 +187,18 @@ def test_target_geometry_joins_the_config_fingerprint(targets, tmp_path):
         load_config(None, ['target.dtype="float16"'])
 
 
-@pytest.mark.parametrize("family,keys,layers", [
-    # Nemotron-H: the layer count is its pattern's length (config.json has no num_hidden_layers).
-    ("nemotron_h", dict(hidden_size=64, vocab_size=300, layers_block_type=["mamba", "moe", "attention"] * 2), 6),
-    # LongCat-Flash: num_layers decoder layers of two attention sublayers each (num_hidden_layers is 2 x that).
-    ("longcat_flash", dict(hidden_size=64, vocab_size=300, num_layers=5), 5),
-])
+@pytest.mark.parametrize(
+    "family,keys,layers",
+    [
+        # Nemotron-H: the layer count is its pattern's length (config.json has no num_hidden_layers).
+        ("nemotron_h", dict(hidden_size=64, vocab_size=300, layers_block_type=["mamba", "moe", "attention"] * 2), 6),
+        # LongCat-Flash: num_layers decoder layers of two attention sublayers each (num_hidden_layers is 2 x that).
+        ("longcat_flash", dict(hidden_size=64, vocab_size=300, num_layers=5), 5),
+    ],
+)
 def test_geometry_of_a_config_that_names_its_layers_otherwise_is_read_through_its_config_class(
-        tmp_path, family, keys, layers):
+    tmp_path, family, keys, layers
+):
     from transformers import AutoConfig
 
     AutoConfig.for_model(family, **keys).save_pretrained(tmp_path)

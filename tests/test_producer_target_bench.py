@@ -24,8 +24,13 @@ def test_shapes_a_bench_offers_are_the_benchs():
     import argparse
     import importlib
 
-    for bench, offered in {"target": set(SHAPES), "topology": set(SHAPES), "regenerate": set(SHAPES),
-                           "drafter": set(SHAPES) - {"tiny"}, "precision": set(SHAPES) - {"tiny"}}.items():
+    for bench, offered in {
+        "target": set(SHAPES),
+        "topology": set(SHAPES),
+        "regenerate": set(SHAPES),
+        "drafter": set(SHAPES) - {"tiny"},
+        "precision": set(SHAPES) - {"tiny"},
+    }.items():
         parser = argparse.ArgumentParser()
         importlib.import_module(f"dflash_ring.bench.{bench}").add_arguments(parser)
         (shape,) = [a for a in parser._actions if a.dest == "shape"]
@@ -35,8 +40,11 @@ def test_shapes_a_bench_offers_are_the_benchs():
 def test_moe_flops_count_only_the_routed_experts_a_token_uses(tmp_path):
     from support import build_target as save_target
 
-    target = TargetModel.load(TargetConfig(path=str(save_target(tmp_path / "moe", "qwen3_moe")), num_draft_layers=2),
-                              torch.device("cpu"), packed=True)
+    target = TargetModel.load(
+        TargetConfig(path=str(save_target(tmp_path / "moe", "qwen3_moe")), num_draft_layers=2),
+        torch.device("cpu"),
+        packed=True,
+    )
     layer = target.decoder.layers[0]
     experts = sum(p.numel() for n, p in layer.named_parameters() if ".experts." in f".{n}")
     total = sum(p.numel() for p in layer.parameters())
@@ -83,8 +91,9 @@ def test_regenerate_bench_runs_both_paths_on_the_same_prompts(capsys):
     """`dflash-ring bench regenerate --shape tiny` in-process: every reply runs to max_new_tokens on both paths."""
     from dflash_ring.bench.regenerate import run_regenerate_bench
 
-    rep = run_regenerate_bench(shape="tiny", device="cpu", prompts=8, max_new_tokens=4, batch_size=4,
-                               median_words=20, max_words=60)
+    rep = run_regenerate_bench(
+        shape="tiny", device="cpu", prompts=8, max_new_tokens=4, batch_size=4, median_words=20, max_words=60
+    )
     assert rep["engine"]["finish_length"] == 8
     assert rep["engine"]["generated_tokens"] == rep["baseline_model_generate"]["generated_tokens"] == 32
     assert rep["ratio_engine_over_baseline"] > 0

@@ -21,8 +21,16 @@ from dflash_ring.common.ring import ConfigMismatchError, Ring
 from dflash_ring.common.ring_spec import ring_spec
 from dflash_ring.producer.batching import ShardBatcher
 from dflash_ring.producer.pretokenized import TokenizedData, load_tokenized
-from support import (assert_same_features, build_target, load_tokenizer, reference_features, reference_final_hidden, wait_exit,
-                     wait_for, write_chat_rows)
+from support import (
+    assert_same_features,
+    build_target,
+    load_tokenizer,
+    reference_features,
+    reference_final_hidden,
+    wait_exit,
+    wait_for,
+    write_chat_rows,
+)
 
 ROWS = 48
 
@@ -62,13 +70,30 @@ def one_thread(monkeypatch):
     torch.set_num_threads(threads)
 
 
-def configure(run, world: World, arch: str = "qwen3", *, producers: int = 1, epochs: int = 1, slots: int = 4,
-              max_tokens: int = 512, **target: Any) -> Config:
+def configure(
+    run,
+    world: World,
+    arch: str = "qwen3",
+    *,
+    producers: int = 1,
+    epochs: int = 1,
+    slots: int = 4,
+    max_tokens: int = 512,
+    **target: Any,
+) -> Config:
     """A run of `producers` targets of `arch` over the world's chat rows (`target`: more [target] settings)."""
     return run.write_config(
-        producers, 1, slots=slots,
-        data={"path": str(world.data), "cache_dir": str(world.cache), "max_length": 256,
-              "max_tokens_per_batch": max_tokens, "epochs": epochs, "seed": 3},
+        producers,
+        1,
+        slots=slots,
+        data={
+            "path": str(world.data),
+            "cache_dir": str(world.cache),
+            "max_length": 256,
+            "max_tokens_per_batch": max_tokens,
+            "epochs": epochs,
+            "seed": 3,
+        },
         target={"path": str(world.targets[arch]), "num_draft_layers": 2, "state_dir": str(run.tmp / "state"), **target},
     )
 
@@ -101,8 +126,13 @@ def finish(run, procs) -> None:
 
 def samples_of(data: TokenizedData) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Source row -> (tokens, loss mask)."""
-    return {int(row): (data.tokens[data.offsets[i]:data.offsets[i + 1]], data.loss_mask[data.offsets[i]:data.offsets[i + 1]])
-            for i, row in enumerate(data.row_ids)}
+    return {
+        int(row): (
+            data.tokens[data.offsets[i] : data.offsets[i + 1]],
+            data.loss_mask[data.offsets[i] : data.offsets[i + 1]],
+        )
+        for i, row in enumerate(data.row_ids)
+    }
 
 
 @pytest.mark.parametrize("arch,final", [("qwen3", False), ("llama", True)])
@@ -112,14 +142,22 @@ def test_features_from_the_ring_equal_a_plain_forward_of_each_sequence_alone(run
     sup, prod = run.supervisor(), run.role("target", 0)
     items = consume(cfg)
     finish(run, [prod, sup])
-    assert items and all(set(i.meta) == {"producer", "epoch", "position", "num_tokens", "num_sequences", "sources",
-                                         "eval"} for i in items)
+    assert items and all(
+        set(i.meta) == {"producer", "epoch", "position", "num_tokens", "num_sequences", "sources", "eval"}
+        for i in items
+    )
     names = {"input_ids", "loss_mask", "cu_seqlens", "sample_ids", "source_ids", "features"} | (
-        {"final_hidden"} if final else set())
+        {"final_hidden"} if final else set()
+    )
     first = items[0].tensors
     assert set(first) == names
-    assert (first["input_ids"].dtype, first["loss_mask"].dtype, first["cu_seqlens"].dtype, first["sample_ids"].dtype,
-            first["features"].dtype) == (torch.int32, torch.uint8, torch.int32, torch.int64, torch.float32)
+    assert (
+        first["input_ids"].dtype,
+        first["loss_mask"].dtype,
+        first["cu_seqlens"].dtype,
+        first["sample_ids"].dtype,
+        first["features"].dtype,
+    ) == (torch.int32, torch.uint8, torch.int32, torch.int64, torch.float32)
     rows = torch.cat([i.tensors["sample_ids"] for i in items]).tolist()
     assert sorted(rows) == data.row_ids.tolist()  # every sample exactly once
     samples = samples_of(data)
@@ -152,7 +190,9 @@ def test_three_producers_cover_the_data_exactly_once_per_epoch(run, world):
         assert sorted(rows) == data.row_ids.tolist(), f"epoch {epoch}"
         for p in range(3):
             plan = ShardBatcher.from_config(data, cfg.data, rank=p, world_size=3).epoch_plan(epoch)
-            positions = sorted(i.meta["position"] for i in items if i.meta["epoch"] == epoch and i.meta["producer"] == p)
+            positions = sorted(
+                i.meta["position"] for i in items if i.meta["epoch"] == epoch and i.meta["producer"] == p
+            )
             assert positions == list(range(len(plan))), f"producer {p} epoch {epoch}"
     assert run.leftovers() == []
 
@@ -161,8 +201,10 @@ def test_three_producers_cover_the_data_exactly_once_per_epoch(run, world):
 def test_interrupted_producer_restarts_with_exactly_the_remaining_batches(run, world, sig):
     cfg = configure(run, world, epochs=2, slots=2, max_tokens=256)
     data = tokenized(cfg)
-    plan = [(b.epoch, b.position, b.sample_ids.tolist()) for b in
-            ShardBatcher.from_config(data, cfg.data, rank=0, world_size=1).batches()]
+    plan = [
+        (b.epoch, b.position, b.sample_ids.tolist())
+        for b in ShardBatcher.from_config(data, cfg.data, rank=0, world_size=1).batches()
+    ]
     sup = run.supervisor()
     incarnations = [run.role("target", 0)]
 
@@ -197,8 +239,9 @@ def test_a_drafter_built_for_another_target_geometry_is_refused_by_name(run, wor
     narrow = load_config(run.config, [f'target.path="{world.targets["narrow"]}"'])
     with pytest.raises(ConfigMismatchError, match=r"target\.hidden_size: ring has 64, this process has 32"):
         Ring.attach(ring_spec(narrow), timeout_s=5)
-    out = run.cli("target", "--config", str(run.config), "--index", "0", "--set", "target.ship_final_hidden=true",
-                  check=False)
+    out = run.cli(
+        "target", "--config", str(run.config), "--index", "0", "--set", "target.ship_final_hidden=true", check=False
+    )
     assert out.returncode == 2 and "target.ship_final_hidden" in out.stderr
     sup.send_signal(signal.SIGTERM)
     assert wait_exit(sup) == 0
@@ -217,8 +260,11 @@ def test_a_drained_run_started_again_does_not_redo_a_finished_shard(run, world):
     def drain_once_shard_0_is_done(n: int) -> None:
         if n == shard[0]:  # producer 1 has not started: the drain ends the run with its shard untouched
             with Ring.open(run.name) as ring:  # done, it stays for replays until the run ends: the drain ends it
-                wait_for(lambda: ring.row_status(ring.row_of(Role.PRODUCER, 0)) == RowStatus.DONE, timeout=60,
-                         what="producer 0's shard done")
+                wait_for(
+                    lambda: ring.row_status(ring.row_of(Role.PRODUCER, 0)) == RowStatus.DONE,
+                    timeout=60,
+                    what="producer 0's shard done",
+                )
             run.spawn("-m", "dflash_ring", "stop", "--config", str(run.config))
 
     first = consume(cfg, after_each=drain_once_shard_0_is_done)
@@ -244,14 +290,18 @@ def test_a_producer_restarted_with_other_data_refuses_the_old_plans_ring_cursor(
     first = run.role("target", 0)
     with Ring.attach(ring_spec(cfg)) as ring:
         row = ring.row_of(Role.PRODUCER, 0)
-        wait_for(lambda: ring.committed_cursor(row) is not None and ring.counter(Counter.PRODUCED) == 2,
-                 timeout=120, what="a full ring")  # nobody consumed yet: the producer waits, its cursor set
+        wait_for(
+            lambda: ring.committed_cursor(row) is not None and ring.counter(Counter.PRODUCED) == 2,
+            timeout=120,
+            what="a full ring",
+        )  # nobody consumed yet: the producer waits, its cursor set
         first.send_signal(signal.SIGKILL)
         assert wait_exit(first) == -signal.SIGKILL
         me = Membership.join(ring, cfg.run, Role.CONSUMER, 0, journal_dir=cfg.train.checkpoint_dir)
         port = ring.consumer(me.row)
-        again = run.spawn("-m", "dflash_ring", "target", "--config", str(run.config), "--index", "0",
-                          "--set", f'data.path="{other}"')
+        again = run.spawn(
+            "-m", "dflash_ring", "target", "--config", str(run.config), "--index", "0", "--set", f'data.path="{other}"'
+        )
         consumed, deadline = 0, time.monotonic() + 120
         while again.poll() is None and time.monotonic() < deadline:  # before the fix it ran to "shard done"
             if (r := port.claim(timeout_s=0.2)) is not None:

@@ -35,8 +35,14 @@ import yaml
 from deploy_support import PROMETHEUS, RULES, dashboard, is_gpu_expr, panel_exprs, require
 from support import PIPELINE_RUN, build_target, cyclic_rows, pipeline_config, wait_exit
 
-QUIET_WHEN_HEALTHY = {"ProcessDown", "RestartLoop", "SlotsReclaimed", "PipelineStalled", "NoTrainingProgress",
-                      "GPUIdle"}
+QUIET_WHEN_HEALTHY = {
+    "ProcessDown",
+    "RestartLoop",
+    "SlotsReclaimed",
+    "PipelineStalled",
+    "NoTrainingProgress",
+    "GPUIdle",
+}
 SPEED_DEPENDENT = {"DrafterStarved", "ProducersBlocked"}
 
 
@@ -66,10 +72,16 @@ class Prom:
         self.config_file.write_text(yaml.safe_dump(config))
         self.log = tmp / "prometheus.log"
         self.proc = subprocess.Popen(
-            [require("prometheus", "apt-get install prometheus"), f"--config.file={self.config_file}",
-             f"--storage.tsdb.path={tmp / 'prom-data'}", f"--web.listen-address=127.0.0.1:{self.port}",
-             "--log.level=warn"],
-            stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+            [
+                require("prometheus", "apt-get install prometheus"),
+                f"--config.file={self.config_file}",
+                f"--storage.tsdb.path={tmp / 'prom-data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--log.level=warn",
+            ],
+            stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+        )
 
     def get(self, path: str, **params) -> dict:
         url = f"{self.url}{path}" + (f"?{urllib.parse.urlencode(params)}" if params else "")
@@ -97,7 +109,9 @@ class Prom:
         return self.get("/api/v1/alerts")["alerts"]
 
     def firing(self, name: str) -> list[dict]:
-        return [a["labels"] for a in self.active_alerts() if a["labels"]["alertname"] == name and a["state"] == "firing"]
+        return [
+            a["labels"] for a in self.active_alerts() if a["labels"]["alertname"] == name and a["state"] == "firing"
+        ]
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -136,8 +150,12 @@ def scrape_config(run_ports: dict[str, int], rules: Path) -> dict:
 def start(run, *args: str) -> subprocess.Popen:
     """A dflash-ring process with its log in a file (a pipe nobody reads would block a long run)."""
     log = (run.tmp / f"{'-'.join(args[:3:2])}.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_ring", *args[:1], "--config", str(run.config), *args[1:]],
-                            cwd=run.tmp, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash_ring", *args[:1], "--config", str(run.config), *args[1:]],
+        cwd=run.tmp,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     run.procs.append(proc)
     return proc
 
@@ -153,9 +171,16 @@ def test_prometheus_scrapes_the_pipeline_evaluates_the_dashboard_and_fires_on_a_
     target = build_target(run.tmp / "target", "qwen3", layers=4)
     data = cyclic_rows(run.tmp / "chat.jsonl", 96)
     # Long enough that the producer cannot finish its shard during the test; few log lines and checkpoints.
-    cfg = pipeline_config(run, target, data, PIPELINE_RUN, {
-        "data": {"epochs": 10000}, "train": {"checkpoint_every_steps": 100000, "log_every_steps": 10},
-    })
+    cfg = pipeline_config(
+        run,
+        target,
+        data,
+        PIPELINE_RUN,
+        {
+            "data": {"epochs": 10000},
+            "train": {"checkpoint_every_steps": 100000, "log_every_steps": 10},
+        },
+    )
     ports = run_ports(cfg.metrics, cfg.topology)
     assert set(ports) == {"supervisor", "target-0", "drafter-0", "drafter-1"}
 
@@ -174,15 +199,29 @@ def test_prometheus_scrapes_the_pipeline_evaluates_the_dashboard_and_fires_on_a_
 
         wait_for(all_up, timeout=300, what="every process to be scraped")
         # Both drafters have trained and the ring has moved items, as seen by Prometheus itself.
-        wait_for(lambda: all_up() and len(prom.query("increase(dflash_ring_drafter_steps_total[10m]) > 0")) == 2
-                 and prom.query("increase(dflash_ring_items_consumed_total[10m]) > 0"),
-                 timeout=400, what="both drafters to step and the ring to move items")
-        wait_for(lambda: len(prom.query("count_over_time(dflash_ring_drafter_loss[1m]) > 5")) == 2,
-                 timeout=60, what="a few scrapes of the drafters")
+        wait_for(
+            lambda: (
+                all_up()
+                and len(prom.query("increase(dflash_ring_drafter_steps_total[10m]) > 0")) == 2
+                and prom.query("increase(dflash_ring_items_consumed_total[10m]) > 0")
+            ),
+            timeout=400,
+            what="both drafters to step and the ring to move items",
+        )
+        wait_for(
+            lambda: len(prom.query("count_over_time(dflash_ring_drafter_loss[1m]) > 5")) == 2,
+            timeout=60,
+            what="a few scrapes of the drafters",
+        )
         # Per-source series, with a `source` label: one source here, the data file's name, on both drafters (a few
         # scrapes of each, so that the per-source rates have two samples).
-        wait_for(lambda: len(prom.query('count_over_time(dflash_ring_drafter_source_tokens_total{split="train"}[1m])'
-                                        ' > 2')) == 2, timeout=300, what="per-source series of both drafters")
+        wait_for(
+            lambda: (
+                len(prom.query('count_over_time(dflash_ring_drafter_source_tokens_total{split="train"}[1m]) > 2')) == 2
+            ),
+            timeout=300,
+            what="per-source series of both drafters",
+        )
         by_source = prom.query('dflash_ring_drafter_source_loss{split="train"}')
         assert len(by_source) == 2 and {r["metric"]["source"] for r in by_source} == {"chat"}, by_source
 
@@ -224,8 +263,11 @@ def test_prometheus_scrapes_the_pipeline_evaluates_the_dashboard_and_fires_on_a_
             assert [(a["role"], a["index"]) for a in down] == [("target", "0")], down
             stalled = wait_for(lambda: prom.firing("PipelineStalled"), timeout=180, what="PipelineStalled to fire")
             assert stalled[0]["role"] == "supervisor" and stalled[0]["severity"] == "critical"
-            starved = wait_for(lambda: len(prom.firing("DrafterStarved")) == 2 and prom.firing("DrafterStarved"),
-                               timeout=120, what="DrafterStarved to fire for both drafters")
+            starved = wait_for(
+                lambda: len(prom.firing("DrafterStarved")) == 2 and prom.firing("DrafterStarved"),
+                timeout=120,
+                what="DrafterStarved to fire for both drafters",
+            )
             assert sorted(a["index"] for a in starved) == ["0", "1"]
             assert not prom.firing("SlotsReclaimed") and not prom.firing("RestartLoop")
         finally:

@@ -25,14 +25,21 @@ from support import save_tiny_qwen3
 
 def test_ddtree_expands_to_the_replaced_pipelines_recipe():
     d = DrafterConfig(recipe="ddtree")
-    assert (d.block_size, d.num_anchors, d.loss_gamma, d.kl_weight, d.cap_weight, d.loss) == (32, 1024, 10.0, 0.15,
-                                                                                             0.1, "ce")
+    assert (d.block_size, d.num_anchors, d.loss_gamma, d.kl_weight, d.cap_weight, d.loss) == (
+        32,
+        1024,
+        10.0,
+        0.15,
+        0.1,
+        "ce",
+    )
     assert d.layer_types == ["sliding_attention"] * 4 + ["full_attention"] and d.sliding_window == 2048
     assert d.needs_target_logits
     dpace = DrafterConfig(recipe="dpace")
     assert (dpace.loss, dpace.dpace_alpha, dpace.block_size, dpace.num_hidden_layers) == ("dpace", 0.5, 16, 5)
-    assert DrafterConfig() == DrafterConfig(num_hidden_layers=1, block_size=16, num_anchors=512, loss="ce",
-                                            kl_weight=0.0, cap_weight=0.0, label="data")  # no recipe: as before
+    assert DrafterConfig() == DrafterConfig(
+        num_hidden_layers=1, block_size=16, num_anchors=512, loss="ce", kl_weight=0.0, cap_weight=0.0, label="data"
+    )  # no recipe: as before
 
 
 def test_explicit_keys_override_the_recipe_and_the_resolved_values_are_fingerprinted(tmp_path):
@@ -58,14 +65,17 @@ def test_the_final_hidden_state_ships_exactly_when_the_objective_reads_it():
         load_config(None, ["drafter.kl_weight=0.1", "target.ship_final_hidden=false"])
 
 
-@pytest.mark.parametrize("override, message", [
-    ('drafter.recipe="eagle"', "recipe 'eagle' is not one of 'paper', 'dpace', 'ddtree'"),
-    ('drafter.loss="mse"', "drafter.loss = 'mse': expected one of 'ce', 'dpace'"),
-    ("drafter.dpace_alpha=1.5", "drafter.dpace_alpha = 1.5: must be a finite number >= 0 and <= 1"),
-    ("drafter.cap_weight=-1", "drafter.cap_weight = -1.0: must be a finite number >= 0"),
-    ("drafter.kl_weight=nan", "drafter.kl_weight = nan: must be a finite number >= 0"),
-    ("drafter.block_size=12", "no paper loss_gamma for block_size=12"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ('drafter.recipe="eagle"', "recipe 'eagle' is not one of 'paper', 'dpace', 'ddtree'"),
+        ('drafter.loss="mse"', "drafter.loss = 'mse': expected one of 'ce', 'dpace'"),
+        ("drafter.dpace_alpha=1.5", "drafter.dpace_alpha = 1.5: must be a finite number >= 0 and <= 1"),
+        ("drafter.cap_weight=-1", "drafter.cap_weight = -1.0: must be a finite number >= 0"),
+        ("drafter.kl_weight=nan", "drafter.kl_weight = nan: must be a finite number >= 0"),
+        ("drafter.block_size=12", "no paper loss_gamma for block_size=12"),
+    ],
+)
 def test_bad_objective_settings_are_refused_by_name(override, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
@@ -106,18 +116,27 @@ def batch(seed: int, final_hidden: bool) -> DeviceBatch:
     ids = torch.randint(0, 90, (sum(lengths),), generator=g)
     mask = torch.ones(sum(lengths), dtype=torch.bool)
     mask[:8] = False  # a prompt
-    return DeviceBatch(features=torch.randn(sum(lengths), HIDDEN, generator=g), input_ids=ids, loss_mask=mask,
-                       cu_seqlens=torch.tensor([0, 40, 64]),
-                       final_hidden=torch.randn(sum(lengths), HIDDEN, generator=g) if final_hidden else None,
-                       meta={"producer": 0, "epoch": 0, "position": seed})
+    return DeviceBatch(
+        features=torch.randn(sum(lengths), HIDDEN, generator=g),
+        input_ids=ids,
+        loss_mask=mask,
+        cu_seqlens=torch.tensor([0, 40, 64]),
+        final_hidden=torch.randn(sum(lengths), HIDDEN, generator=g) if final_hidden else None,
+        meta={"producer": 0, "epoch": 0, "position": seed},
+    )
 
 
 def make_trainer(target, drafter: DrafterConfig, seed: int = 0) -> Trainer:
     path, target_config = target
     torch.manual_seed(seed)
     model = build_drafter(drafter, target_config)
-    return Trainer(model, load_target_head(path), drafter, TrainConfig(lr=3e-3, warmup_ratio=0.0, total_steps=40,
-                                                                       seed=seed), torch.device("cpu"))
+    return Trainer(
+        model,
+        load_target_head(path),
+        drafter,
+        TrainConfig(lr=3e-3, warmup_ratio=0.0, total_steps=40, seed=seed),
+        torch.device("cpu"),
+    )
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -158,8 +177,9 @@ def test_each_recipe_trains_resumes_exactly_and_exports(name, target, tmp_path, 
     block[0] = ids[30]
     with torch.no_grad():
         theirs = remote(head.embed(block)[None], feats[:30][None])[0]
-        full = AutoModel.from_pretrained(out, trust_remote_code=True, dtype=torch.float32,
-                                         layer_types=["full_attention"] * 5).eval()
+        full = AutoModel.from_pretrained(
+            out, trust_remote_code=True, dtype=torch.float32, layer_types=["full_attention"] * 5
+        ).eval()
         unwindowed = full(head.embed(block)[None], feats[:30][None])[0]
     # Context 30 > window 8: served as full attention, the sliding layers would give other drafts.
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)

@@ -79,21 +79,37 @@ def chat_rows(n: int, seed: int = 0) -> list[dict]:
         if i % 5 == 1:
             rows.append({"prompt": f"row {i}: {text(2, 12)}", "response": text(2, 8)})
         elif i % 5 == 3:
-            rows.append({"messages": [{"role": "system", "content": "be brief"},
-                                      {"role": "user", "content": f"row {i}: {text(2, 20)}"},
-                                      {"role": "assistant", "content": text(2, 8)},
-                                      {"role": "user", "content": text(1, 6)},
-                                      {"role": "assistant", "content": text(2, 8)}]})
+            rows.append(
+                {
+                    "messages": [
+                        {"role": "system", "content": "be brief"},
+                        {"role": "user", "content": f"row {i}: {text(2, 20)}"},
+                        {"role": "assistant", "content": text(2, 8)},
+                        {"role": "user", "content": text(1, 6)},
+                        {"role": "assistant", "content": text(2, 8)},
+                    ]
+                }
+            )
         elif i % 5 == 4:
             rows.append({"messages": [{"role": "user", "content": f"row {i}: {text(2, 30)}"}]})  # prompt only
         else:
-            rows.append({"messages": [{"role": "user", "content": f"row {i}: {text(2, 30)}"},
-                                      {"role": "assistant", "content": text(2, 10)}]})
+            rows.append(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"row {i}: {text(2, 30)}"},
+                        {"role": "assistant", "content": text(2, 10)},
+                    ]
+                }
+            )
     return rows
 
 
-BAD_LINES = ['{"messages": "not a list"}', "[1, 2]", "not json at all",
-             '{"messages": [{"role": "assistant", "content": "no question"}]}']
+BAD_LINES = [
+    '{"messages": "not a list"}',
+    "[1, 2]",
+    "not json at all",
+    '{"messages": [{"role": "assistant", "content": "no question"}]}',
+]
 
 
 def write_rows(path: Path, rows: list, bad_at: dict[int, str] | None = None) -> Path:
@@ -106,10 +122,12 @@ def write_rows(path: Path, rows: list, bad_at: dict[int, str] | None = None) -> 
 
 
 def settings(tmp: Path, target: Path, data: Path, **regen) -> dict:
-    return {"data": {"path": str(data), "cache_dir": str(tmp / "cache")},
-            "target": {"path": str(target), "device": "cpu"},
-            "metrics": {"enabled": False},
-            "regenerate": {"output": str(tmp / "out"), "max_new_tokens": MAX_NEW, "shard_rows": 4, **regen}}
+    return {
+        "data": {"path": str(data), "cache_dir": str(tmp / "cache")},
+        "target": {"path": str(target), "device": "cpu"},
+        "metrics": {"enabled": False},
+        "regenerate": {"output": str(tmp / "out"), "max_new_tokens": MAX_NEW, "shard_rows": 4, **regen},
+    }
 
 
 def output_rows(out: Path) -> list[dict]:
@@ -135,9 +153,13 @@ def test_the_prompt_is_the_chat_before_its_last_reply():
     assert prompt_of({"messages": [u, a, u]}) == [u, a, u]  # prompt only: the whole chat
     assert prompt_of({"prompt": "q", "response": "r"}) == [u]
     assert prompt_of({"prompt": "q"}) == [u]
-    for bad, says in (({"messages": [a]}, "follows nothing"), ({"messages": [u, a, a]}, "follows a assistant turn"),
-                      ({"messages": [{"role": "system", "content": "s"}]}, "follows a system turn"),
-                      ({"prompt": ""}, "'prompt' is not a non-empty string"), ({"response": "r"}, "'prompt'")):
+    for bad, says in (
+        ({"messages": [a]}, "follows nothing"),
+        ({"messages": [u, a, a]}, "follows a assistant turn"),
+        ({"messages": [{"role": "system", "content": "s"}]}, "follows a system turn"),
+        ({"prompt": ""}, "'prompt' is not a non-empty string"),
+        ({"response": "r"}, "'prompt'"),
+    ):
         with pytest.raises(BadRow, match=says):
             prompt_of(bad)
 
@@ -171,10 +193,12 @@ def test_hf_engine_greedy_equals_generate_prompt_by_prompt(target):
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     eos = tokenizer.eos_token_id
     for p in prompts:
-        ids = tokenizer.apply_chat_template(list(p.messages), add_generation_prompt=True, enable_thinking=False,
-                                            return_tensors="pt", return_dict=True)["input_ids"]
-        out = model.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=eos,
-                             pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
+        ids = tokenizer.apply_chat_template(
+            list(p.messages), add_generation_prompt=True, enable_thinking=False, return_tensors="pt", return_dict=True
+        )["input_ids"]
+        out = model.generate(
+            ids, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id
+        )[0, ids.shape[1] :].tolist()
         stopped = eos in out
         text = tokenizer.decode(out[: out.index(eos)] if stopped else out, skip_special_tokens=True)
         got = replies[p.index]
@@ -204,11 +228,14 @@ def test_sampling_is_seeded_per_prompt_whatever_the_batch(target):
 
 
 def test_a_template_that_fails_on_a_prompt_is_that_prompt_s_error(tmp_path, target):
-    template = ("{%- for m in messages %}{%- if 'FAIL' in m.content %}{{ raise_exception('cannot render FAIL') }}"
-                "{%- endif %}{%- endfor %}" + QWEN3_STYLE_CHAT_TEMPLATE)
+    template = (
+        "{%- for m in messages %}{%- if 'FAIL' in m.content %}{{ raise_exception('cannot render FAIL') }}"
+        "{%- endif %}{%- endfor %}" + QWEN3_STYLE_CHAT_TEMPLATE
+    )
     tiny_chat_tokenizer(tmp_path / "tok", chat_template=template)
-    engine = HfEngine.load(TargetConfig(path=str(target), tokenizer=str(tmp_path / "tok")), "cpu",
-                           batch_tokens=4096, batch_size=8)
+    engine = HfEngine.load(
+        TargetConfig(path=str(target), tokenizer=str(tmp_path / "tok")), "cpu", batch_tokens=4096, batch_size=8
+    )
     prompts = [Prompt(0, ({"role": "user", "content": "hello"},)), Prompt(1, ({"role": "user", "content": "FAIL"},))]
     replies = {r.index: r for r in engine.generate(prompts, GenerationSettings(4, 0.0, 1.0, 0, False))}
     assert replies[1].finish_reason == "error" and "cannot render FAIL" in replies[1].error
@@ -218,8 +245,9 @@ def test_a_template_that_fails_on_a_prompt_is_that_prompt_s_error(tmp_path, targ
 def test_a_tokenizer_without_a_chat_template_is_refused(tmp_path, target):
     tiny_chat_tokenizer(tmp_path / "plain", chat_template="")
     with pytest.raises(ValueError, match="has no chat template"):
-        HfEngine.load(TargetConfig(path=str(target), tokenizer=str(tmp_path / "plain")), "cpu",
-                      batch_tokens=4096, batch_size=8)
+        HfEngine.load(
+            TargetConfig(path=str(target), tokenizer=str(tmp_path / "plain")), "cpu", batch_tokens=4096, batch_size=8
+        )
 
 
 # --- the job ---------------------------------------------------------------------------------------
@@ -259,20 +287,24 @@ def test_the_output_is_a_data_set_with_prompts_unchanged_and_bad_rows_counted(tm
     assert [i for rec in records(tmp_path / "out") for i, _ in rec["bad_rows"]] == bad_at
 
     tokenizer = AutoTokenizer.from_pretrained(target)
-    loaded = load_tokenized(run_config({"data": {"path": str(tmp_path / "out"),
-                                                 "cache_dir": str(tmp_path / "cache")}}).data, tokenizer)
+    loaded = load_tokenized(
+        run_config({"data": {"path": str(tmp_path / "out"), "cache_dir": str(tmp_path / "cache")}}).data, tokenizer
+    )
     assert (loaded.num_rows, len(loaded), loaded.bad_rows) == (summary.written, summary.written, ())
 
 
 def test_truncated_replies_are_dropped_and_counted_when_not_kept(tmp_path, target):
     data = write_rows(tmp_path / "src.jsonl", chat_rows(10))
     kept = regenerated(run_config(settings(tmp_path, target, data)))
-    dropped = regenerated(run_config(settings(tmp_path, target, data, keep_truncated=False, output=str(tmp_path / "d"))))
+    dropped = regenerated(
+        run_config(settings(tmp_path, target, data, keep_truncated=False, output=str(tmp_path / "d")))
+    )
     assert kept.truncated_kept > 0 and dropped.truncated_dropped == kept.truncated_kept
     assert dropped.written == kept.complete == dropped.complete
     assert len(output_rows(tmp_path / "d")) == dropped.written
     assert sorted(i for rec in records(tmp_path / "d") for i in rec["truncated_dropped"]) == sorted(
-        row_of(r) for r in output_rows(tmp_path / "out") if r not in output_rows(tmp_path / "d"))
+        row_of(r) for r in output_rows(tmp_path / "out") if r not in output_rows(tmp_path / "d")
+    )
 
 
 def test_a_finished_job_is_left_alone_and_a_resume_with_other_settings_is_refused(tmp_path, target):
@@ -294,8 +326,10 @@ def test_a_finished_job_is_left_alone_and_a_resume_with_other_settings_is_refuse
         regenerated(run_config(settings(tmp_path, target, other)))
 
 
-FAILING_TEMPLATE = ("{%- for m in messages %}{%- if 'FAIL' in m.content %}{{ raise_exception('cannot render FAIL') }}"
-                    "{%- endif %}{%- endfor %}" + QWEN3_STYLE_CHAT_TEMPLATE)
+FAILING_TEMPLATE = (
+    "{%- for m in messages %}{%- if 'FAIL' in m.content %}{{ raise_exception('cannot render FAIL') }}"
+    "{%- endif %}{%- endfor %}" + QWEN3_STYLE_CHAT_TEMPLATE
+)
 
 
 def test_a_job_whose_every_prompt_fails_records_nothing(tmp_path, target):
@@ -304,8 +338,11 @@ def test_a_job_whose_every_prompt_fails_records_nothing(tmp_path, target):
     tiny_chat_tokenizer(tmp_path / "tok", chat_template=FAILING_TEMPLATE)
     data = write_rows(tmp_path / "src.jsonl", [{"prompt": f"row {i}: FAIL", "response": "x"} for i in range(6)])
     cfg = merged(settings(tmp_path, target, data), {"target": {"tokenizer": str(tmp_path / "tok")}})
-    with pytest.raises(RegenerateError, match=r"failed on every prompt it was given \(6 rows of 2 shards; row 0: "
-                                              r"chat template failed"):
+    with pytest.raises(
+        RegenerateError,
+        match=r"failed on every prompt it was given \(6 rows of 2 shards; row 0: "
+        r"chat template failed",
+    ):
         regenerated(run_config(cfg))
     assert records(tmp_path / "out") == [] and output_rows(tmp_path / "out") == []
 
@@ -334,9 +371,14 @@ def test_an_output_directory_of_other_files_is_refused(tmp_path, target):
 
 
 def _cli(tmp: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "dflash_ring", "regenerate", "--config", str(tmp / "regen.toml"),
-                             *extra], cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+    return subprocess.Popen(
+        [sys.executable, "-m", "dflash_ring", "regenerate", "--config", str(tmp / "regen.toml"), *extra],
+        cwd=tmp,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 180) -> tuple[int, str, str]:
@@ -397,8 +439,9 @@ def test_killed_at_any_moment_a_restart_gives_each_usable_prompt_exactly_once(tm
 def test_an_engine_failure_is_one_line_and_keeps_finished_shards(tmp_path, target):
     """A real engine failure mid-job: on the meta device the target loads but cannot produce a token."""
     rows = chat_rows(6)
-    data = write_rows(tmp_path / "src.jsonl", rows, {0: BAD_LINES[0], 1: BAD_LINES[1], 2: BAD_LINES[2],
-                                                      3: BAD_LINES[3]})  # shard 0: bad rows only
+    data = write_rows(
+        tmp_path / "src.jsonl", rows, {0: BAD_LINES[0], 1: BAD_LINES[1], 2: BAD_LINES[2], 3: BAD_LINES[3]}
+    )  # shard 0: bad rows only
     write_config(tmp_path / "regen.toml", settings(tmp_path, target, data))
     rc, _, err = _finish(_cli(tmp_path, "--device", "meta"))
     lines = err.strip().splitlines()

@@ -135,8 +135,11 @@ def test_a_client_with_another_secret_cannot_join_or_change_the_group(run, store
     assert member_lines(log_c) == [] and not list((run.tmp / "out" / "hostC").glob("*")), log_c[-3000:]
     assert "group.secret_file differs between hosts" in log_c
     after_c = len(common_rounds(run, "hostA", "hostB"))
-    wait_for(lambda: len(common_rounds(run, "hostA", "hostB")) >= after_c + 3, timeout=90,
-             what="hostA and hostB averaging again")
+    wait_for(
+        lambda: len(common_rounds(run, "hostA", "hostB")) >= after_c + 3,
+        timeout=90,
+        what="hostA and hostB averaging again",
+    )
     (run.tmp / "out" / "stop").touch()
     for p in (a, b):
         assert wait_exit(p, 60) == 0, p.stderr.read()[-3000:]

@@ -37,8 +37,11 @@ def test_kills_between_cas_and_numbering_or_counting_lose_nothing_and_repeat_not
     run.worker("consumer", 0)
 
     status = lambda: json.loads(run.cli("status", "--config", str(run.config), "--json").stdout)
-    wait_for(lambda: len(run.ledger_lines("C")) >= items - 1 and status()["slots_by_state"]["free"] == 1,
-             timeout=60, what="every item consumed")
+    wait_for(
+        lambda: len(run.ledger_lines("C")) >= items - 1 and status()["slots_by_state"]["free"] == 1,
+        timeout=60,
+        what="every item consumed",
+    )
     st = status()
     published = Counter(int(f[2]) for f in run.ledger_lines("P"))
     consumed = Counter(int(f[3]) for f in run.ledger_lines("C"))

@@ -20,8 +20,12 @@ def test_a_runs_leftovers_are_its_segment_and_semaphores_and_none_of_a_longer_na
     Ring.unlink(run)
     Ring.unlink(longer)
     try:
-        with Ring.create(spec), Ring.create(RingSpec.of(longer, producers=1, consumers=1, slots=1, slot_bytes=8192,
-                                                        slot_header_bytes=4096)):
+        with (
+            Ring.create(spec),
+            Ring.create(
+                RingSpec.of(longer, producers=1, consumers=1, slots=1, slot_bytes=8192, slot_header_bytes=4096)
+            ),
+        ):
             assert set(leftover_files(run)) == {segment_files(run)[0], *map(semaphore_path, semaphore_names(run))}
             assert all(p.parent == SHM_DIR and p.exists() for p in leftover_files(run))
         assert Ring.unlink(run) and leftover_files(run) == []
@@ -33,8 +37,17 @@ def test_a_runs_leftovers_are_its_segment_and_semaphores_and_none_of_a_longer_na
 
 
 def test_a_spec_from_a_config_agrees_with_the_configs_fingerprint_and_a_bare_spec_records_no_lock_dir():
-    cfg = load_config(None, [f"run.name=spec{os.getpid()}", "ring.slots=2", "ring.slot_bytes=8192",
-                             "ring.slot_header_bytes=4096", "topology.producers=2", "topology.consumers=3"])
+    cfg = load_config(
+        None,
+        [
+            f"run.name=spec{os.getpid()}",
+            "ring.slots=2",
+            "ring.slot_bytes=8192",
+            "ring.slot_header_bytes=4096",
+            "topology.producers=2",
+            "topology.consumers=3",
+        ],
+    )
     spec = ring_spec(cfg)
     assert dict(spec.fields) == cfg.fingerprint_fields()
     assert spec.fingerprint == fingerprint_digest(cfg.fingerprint_fields())  # what the tracker header names too

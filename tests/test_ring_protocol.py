@@ -59,8 +59,9 @@ def test_killed_consumer_item_is_redelivered_and_killed_producer_slot_is_freed(r
     # Both consumers in before any item: a victim still importing on a loaded box would find every item taken by
     # the other and never reach the item it is to hold.
     run.wait_joined("consumer", [0, 1])
-    victim_p = run.worker("producer", 1, "--items", "12", "--hold-at", "5", "--hold-s", "600",
-                          "--marker", str(marker_p))
+    victim_p = run.worker(
+        "producer", 1, "--items", "12", "--hold-at", "5", "--hold-s", "600", "--marker", str(marker_p)
+    )
     producer0 = run.worker("producer", 0, "--items", "12", "--delay-s", "0.01")
     wait_for(marker_c.exists, what="the consumer to hold a slot")
     held_item = int(marker_c.read_text())
@@ -68,9 +69,17 @@ def test_killed_consumer_item_is_redelivered_and_killed_producer_slot_is_freed(r
     victim_c.send_signal(signal.SIGKILL)
     victim_p.send_signal(signal.SIGKILL)
     wait_exit(victim_c), wait_exit(victim_p)
-    status = wait_for(lambda: (s := json.loads(run.cli("status", "--config", str(run.config), "--json").stdout))
-                      ["counters"]["redelivered"] >= 1 and s["counters"]["reclaimed"] >= 1 and s,
-                      what="the reaper to redeliver and reclaim")
+    status = wait_for(
+        lambda: (
+            (s := json.loads(run.cli("status", "--config", str(run.config), "--json").stdout))["counters"][
+                "redelivered"
+            ]
+            >= 1
+            and s["counters"]["reclaimed"] >= 1
+            and s
+        ),
+        what="the reaper to redeliver and reclaim",
+    )
     assert status["counters"]["redelivered"] == 1 and status["counters"]["reclaimed"] == 1
     dead = {(r["role"], r["index"]) for r in status["rows"] if r["status"] == "dead"}
     assert dead == {("consumer", 0), ("producer", 1)}

@@ -56,8 +56,7 @@ def test_reclaim_stale_starts_fresh(run):
     sup.send_signal(signal.SIGKILL)
     wait_exit(sup)
     sup = run.supervisor("--reclaim-stale")
-    wait_for(lambda: Ring.exists(run.name) and status()["created_ns"] != first["created_ns"],
-             what="a fresh ring")
+    wait_for(lambda: Ring.exists(run.name) and status()["created_ns"] != first["created_ns"], what="a fresh ring")
     run.cli("stop", "--config", str(run.config), "--now")
     assert wait_exit(sup) == 0
     assert "reclaimed stale run" in sup.stderr.read()
@@ -76,12 +75,25 @@ def test_drafter_replicas_with_other_drafter_settings_are_refused_by_field_name(
         assert "drafter.loss_gamma: ring has 4.0, this process has 5.0" in msg, msg
         assert "ring.slots" not in msg and "topology" not in msg
         with pytest.raises(ConfigMismatchError, match=r"drafter\.num_hidden_layers: ring has 1, this process has 2"):
-            Ring.attach(ring_spec(cfg_for(run, **{"drafter.num_hidden_layers": 2, "drafter.block_size": 8})),
-                        timeout_s=5)
+            Ring.attach(
+                ring_spec(cfg_for(run, **{"drafter.num_hidden_layers": 2, "drafter.block_size": 8})), timeout_s=5
+            )
         # Same shape, another objective (issue 21): the recipe's resolved fields are named.
         with pytest.raises(ConfigMismatchError) as e:
-            Ring.attach(ring_spec(cfg_for(run, **{"drafter.recipe": "dpace", "drafter.num_hidden_layers": 1,
-                                                  "drafter.block_size": 8, "drafter.num_anchors": 512})), timeout_s=5)
+            Ring.attach(
+                ring_spec(
+                    cfg_for(
+                        run,
+                        **{
+                            "drafter.recipe": "dpace",
+                            "drafter.num_hidden_layers": 1,
+                            "drafter.block_size": 8,
+                            "drafter.num_anchors": 512,
+                        },
+                    )
+                ),
+                timeout_s=5,
+            )
         msg = str(e.value)
         assert "drafter.loss: ring has 'ce', this process has 'dpace'" in msg, msg
         assert "drafter.recipe: ring has None, this process has 'dpace'" in msg, msg
@@ -118,8 +130,7 @@ def test_unknown_config_key_and_bad_override_are_named(tmp_path):
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_fuzzed_ring_header_gives_a_clear_error(data):
-    cfg = load_config(None, ["run.name=fuzzhdr", "ring.slots=2", "ring.slot_bytes=8192",
-                             "ring.slot_header_bytes=4096"])
+    cfg = load_config(None, ["run.name=fuzzhdr", "ring.slots=2", "ring.slot_bytes=8192", "ring.slot_header_bytes=4096"])
     Ring.unlink("fuzzhdr")
     with Ring.create(ring_spec(cfg)) as ring:
         size = ring.geometry.total_bytes
@@ -150,13 +161,23 @@ def test_arbitrary_bytes_never_escape_as_anything_but_slot_format_error(blob):
 
 
 _entry = st.lists(
-    st.one_of(st.text(max_size=8), st.integers(-(2**63), 2**64 - 1), st.lists(st.integers(-5, 2**45), max_size=10),
-              st.sampled_from(["float32", "bfloat16", "int64", "complex", ""]), st.none()),
-    min_size=0, max_size=5)
+    st.one_of(
+        st.text(max_size=8),
+        st.integers(-(2**63), 2**64 - 1),
+        st.lists(st.integers(-5, 2**45), max_size=10),
+        st.sampled_from(["float32", "bfloat16", "int64", "complex", ""]),
+        st.none(),
+    ),
+    min_size=0,
+    max_size=5,
+)
 
 
 @settings(max_examples=500, deadline=None)
-@given(entries=st.lists(_entry, max_size=4), meta=st.dictionaries(st.text(max_size=5), st.integers(-(2**63), 2**63 - 1), max_size=3))
+@given(
+    entries=st.lists(_entry, max_size=4),
+    meta=st.dictionaries(st.text(max_size=5), st.integers(-(2**63), 2**63 - 1), max_size=3),
+)
 def test_structurally_valid_msgpack_with_hostile_fields_is_bounded(entries, meta):
     body = msgpack.packb({"tensors": entries, "meta": meta})
     raw = b"DFS1" + struct.pack("<I", len(body)) + body

@@ -99,8 +99,11 @@ def test_an_impossible_state_word_is_counted_named_and_its_item_trained_exactly_
         slot, item = corrupt_a_ready_slot(ring, CORRUPTIONS[how])
         del ring
     consumer = run.worker("consumer", 0)
-    wait_for(lambda: len(run.ledger_lines("C")) >= ITEMS, timeout=60,
-             what=f"every item trained, the one in corrupted slot {slot} (item {item}) included")
+    wait_for(
+        lambda: len(run.ledger_lines("C")) >= ITEMS,
+        timeout=60,
+        what=f"every item trained, the one in corrupted slot {slot} (item {item}) included",
+    )
     assert status(run)["counters"]["corrupt"] == 1
     go.touch()
     assert wait_exit(producer) == 0 and wait_exit(consumer) == 0
@@ -161,22 +164,34 @@ def test_a_segment_whose_supervisor_died_creating_it_is_named_and_reclaimed(run,
 
 def test_only_words_the_protocol_can_reach_pass():
     roles = np.array([Role.SUPERVISOR, Role.PRODUCER, Role.CONSUMER], dtype="<u4")
-    reachable = [0, pack_state(7, NO_OWNER, SlotState.FREE), pack_state(7, 1, SlotState.WRITING),
-                 pack_state(7, 1, SlotState.READY), pack_state(7, NO_OWNER, SlotState.READY),
-                 pack_state(7, 2, SlotState.READING)]
+    reachable = [
+        0,
+        pack_state(7, NO_OWNER, SlotState.FREE),
+        pack_state(7, 1, SlotState.WRITING),
+        pack_state(7, 1, SlotState.READY),
+        pack_state(7, NO_OWNER, SlotState.READY),
+        pack_state(7, 2, SlotState.READING),
+    ]
     assert [impossible_word(w, roles) for w in reachable] == [None] * len(reachable)
-    for word, why in [(pack_state(7, 2, SlotState.FREE), "FREE with owner row 2"),
-                      (pack_state(7, 1, SlotState.READING), "READING by row 1, the producer row"),
-                      (pack_state(7, NO_OWNER, SlotState.WRITING), f"WRITING by row {NO_OWNER}, outside the 3-row"),
-                      (pack_state(7, 2, SlotState.READY), "READY by row 2, the consumer row"),
-                      ((7 << 24) | 4, "state 4, which is no slot state")]:
+    for word, why in [
+        (pack_state(7, 2, SlotState.FREE), "FREE with owner row 2"),
+        (pack_state(7, 1, SlotState.READING), "READING by row 1, the producer row"),
+        (pack_state(7, NO_OWNER, SlotState.WRITING), f"WRITING by row {NO_OWNER}, outside the 3-row"),
+        (pack_state(7, 2, SlotState.READY), "READY by row 2, the consumer row"),
+        ((7 << 24) | 4, "state 4, which is no slot state"),
+    ]:
         assert why in (impossible_word(word, roles) or ""), (hex(word), impossible_word(word, roles))
-    assert "a row no process has taken" in impossible_word(pack_state(7, 2, SlotState.READING),
-                                                           np.array([1, 2, 0], dtype="<u4"))
+    assert "a row no process has taken" in impossible_word(
+        pack_state(7, 2, SlotState.READING), np.array([1, 2, 0], dtype="<u4")
+    )
     # The supervisor's vectorized first look (every pass, every word) objects to exactly these words.
     roles = np.array([Role.SUPERVISOR, Role.PRODUCER, Role.CONSUMER, Role.NONE], dtype="<u4")
-    words = [(gen << 24) | (owner << 8) | state for gen in (0, 7) for owner in (0, 1, 2, 3, 4, 999, NO_OWNER)
-             for state in (0, 1, 2, 3, 4, 127, 255)]
+    words = [
+        (gen << 24) | (owner << 8) | state
+        for gen in (0, 7)
+        for owner in (0, 1, 2, 3, 4, 999, NO_OWNER)
+        for state in (0, 1, 2, 3, 4, 127, 255)
+    ]
     objected = set(_suspects(np.array(words, dtype="<u8"), roles).tolist())
     assert objected == {i for i, w in enumerate(words) if impossible_word(w, roles) is not None}
 

@@ -19,8 +19,16 @@ def proc():
     cfg = Config()
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGALRM)}
     with contextlib.ExitStack() as stack:
-        p = RoleProcess(Role.PRODUCER, "", Startup("target 0"), stack, spec=ring_spec(cfg), metrics=cfg.metrics,
-                        run=cfg.run, journal_dir="")
+        p = RoleProcess(
+            Role.PRODUCER,
+            "",
+            Startup("target 0"),
+            stack,
+            spec=ring_spec(cfg),
+            metrics=cfg.metrics,
+            run=cfg.run,
+            journal_dir="",
+        )
         signal.signal(signal.SIGTERM, p._on_signal)  # what `attach` installs once the ring is there
         yield p
     signal.setitimer(signal.ITIMER_REAL, 0)

@@ -13,8 +13,9 @@ from dflash_ring.common.config.schema import default_runtime_root
 
 
 def cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash_ring", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "dflash_ring", *args], cwd=cwd, capture_output=True, text=True, timeout=120, env=env
+    )
 
 
 def one_line_error(out: subprocess.CompletedProcess) -> str:
@@ -48,10 +49,19 @@ def runtime_root(tmp_path):
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("how,name", [
-    ("clean", "TRAVERSAL"), ("clean", ".."), ("status", "."), ("stop", "a/b"), ("status", ""),
-    ("config", ".."), ("set", ".hidden"), ("config", "TRAVERSAL"),
-])
+@pytest.mark.parametrize(
+    "how,name",
+    [
+        ("clean", "TRAVERSAL"),
+        ("clean", ".."),
+        ("status", "."),
+        ("stop", "a/b"),
+        ("status", ""),
+        ("config", ".."),
+        ("set", ".hidden"),
+        ("config", "TRAVERSAL"),
+    ],
+)
 def test_every_way_a_run_name_comes_in_is_validated(tmp_path, runtime_root, how, name):
     root, env = runtime_root
     victim = tmp_path / "victim"
@@ -158,8 +168,9 @@ def test_a_ring_in_use_is_never_stale_to_another_config(run):
     other = run.tmp / "other.toml"  # what `dflash-ring run` elsewhere, or a second operator, would use
     other.write_text(run.config.read_text().replace(str(run.lock_dir), str(run.tmp / "other-locks")))
 
-    intruder = run.spawn("-m", "dflash_ring", "supervisor", "--config", str(other), "--reclaim-stale",
-                      "--set", "metrics.enabled=false")
+    intruder = run.spawn(
+        "-m", "dflash_ring", "supervisor", "--config", str(other), "--reclaim-stale", "--set", "metrics.enabled=false"
+    )
     assert wait_exit(intruder) == 2
     err = intruder.stderr.read()
     assert "run.lock_dir: ring has" in err and "in use by" in err and "consumer-0.lock" in err, err
@@ -169,17 +180,21 @@ def test_a_ring_in_use_is_never_stale_to_another_config(run):
     assert seen["created_ns"] == created and all(r["alive"] for r in seen["rows"] if r["role"] == "consumer")
 
     # A process that only maps the ring (attached, not joined: e.g. loading its model) keeps it in use too.
-    holder = run.spawn("-c", "import sys, time; from dflash_ring.common.ring import Ring; "
-                             f"r = Ring.open({run.name!r}); print('up', flush=True); time.sleep(600)",
-                       stdout=subprocess.PIPE)
+    holder = run.spawn(
+        "-c",
+        "import sys, time; from dflash_ring.common.ring import Ring; "
+        f"r = Ring.open({run.name!r}); print('up', flush=True); time.sleep(600)",
+        stdout=subprocess.PIPE,
+    )
     assert holder.stdout.readline().strip() == "up"
     for p in (sup, consumer):
         p.send_signal(signal.SIGKILL)
         wait_exit(p)
     line = one_line_error(run.cli("clean", "--config", str(other), check=False))
     assert f"pid {holder.pid}" in line, line
-    again = run.spawn("-m", "dflash_ring", "supervisor", "--config", str(other), "--reclaim-stale",
-                      "--set", "metrics.enabled=false")
+    again = run.spawn(
+        "-m", "dflash_ring", "supervisor", "--config", str(other), "--reclaim-stale", "--set", "metrics.enabled=false"
+    )
     assert wait_exit(again) == 2 and f"pid {holder.pid}" in again.stderr.read()
     assert status(run.config)["created_ns"] == created
     holder.kill()

@@ -23,10 +23,20 @@ WAITING = "drafter standby for 0: built, ring attached, waiting"
 def _config(run: Run, epochs: int) -> None:
     target = build_target(run.tmp / "target", "qwen3", layers=4, hidden=32)
     data = write_chat_rows(run.tmp / "chat.jsonl", 40)
-    run.write_config(1, 1, 8, 4 << 20, **merged(pipeline_settings(run.tmp, target, data), {
-        "run": {"ledger_dir": str(run.tmp / "ledger")},
-        "data": {"epochs": epochs},
-        "train": {"checkpoint_every_steps": 3, "average_every_steps": 0}}))
+    run.write_config(
+        1,
+        1,
+        8,
+        4 << 20,
+        **merged(
+            pipeline_settings(run.tmp, target, data),
+            {
+                "run": {"ledger_dir": str(run.tmp / "ledger")},
+                "data": {"epochs": epochs},
+                "train": {"checkpoint_every_steps": 3, "average_every_steps": 0},
+            },
+        ),
+    )
 
 
 def _log(run: Run, proc) -> str:
@@ -91,8 +101,11 @@ def test_a_drafter_whose_seat_a_live_process_holds_waits_as_its_standby_past_the
     # (which also serves the index's metrics port). It used to fail after run.attach_timeout_s (or at once, on the
     # port), and systemd restarted it into the same failure.
     waiter = run.role("drafter", 0, "--set", "run.attach_timeout_s=1")
-    wait_for(lambda: "waiting as its standby" in _log(run, waiter) or waiter.poll() is not None, timeout=300,
-             what="the second drafter 0 to wait")
+    wait_for(
+        lambda: "waiting as its standby" in _log(run, waiter) or waiter.poll() is not None,
+        timeout=300,
+        what="the second drafter 0 to wait",
+    )
     time.sleep(2)  # twice the bound the wait used to have
     assert waiter.poll() is None, _log(run, waiter)[-3000:]
     holder.kill()

@@ -42,15 +42,21 @@ def test_phases_run_from_exec_each_once_and_finish_writes_one_record(tmp_path):
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("module,absent", [
-    ("dflash_ring.supervisor.supervisor", ["torch", "transformers"]),
-    ("dflash_ring.consumer.process", ["transformers.modeling_utils", "transformers.models.qwen3.modeling_qwen3",
-                                      "datasets", "torch._dynamo"]),
-    ("dflash_ring.producer.process", ["datasets", "pyarrow", "pandas"]),
-])
+@pytest.mark.parametrize(
+    "module,absent",
+    [
+        ("dflash_ring.supervisor.supervisor", ["torch", "transformers"]),
+        (
+            "dflash_ring.consumer.process",
+            ["transformers.modeling_utils", "transformers.models.qwen3.modeling_qwen3", "datasets", "torch._dynamo"],
+        ),
+        ("dflash_ring.producer.process", ["datasets", "pyarrow", "pandas"]),
+    ],
+)
 def test_a_role_imports_only_what_its_start_needs(module, absent):
-    code = (f"import json, sys, dflash_ring.cli, {module}; "
-            f"print(json.dumps([m for m in {absent!r} if m in sys.modules]))")
+    code = (
+        f"import json, sys, dflash_ring.cli, {module}; print(json.dumps([m for m in {absent!r} if m in sys.modules]))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout) == []

@@ -15,8 +15,11 @@ def test_stop_now_with_a_busy_drafter_reports_what_was_left_and_exits_zero(run):
     sup = run.supervisor("--set", "supervisor.exit_timeout_s=1.0")
     producer = run.worker("producer", 0, "--items", "100000", "--ring-cursor")
     consumer = run.worker("consumer", 0, "--work-s", "2.5")
-    wait_for(lambda: len(run.ledger_lines("C")) >= 1 and len(run.ledger_lines("P")) >= 4, timeout=60,
-             what="a full ring and a drafter mid-item")
+    wait_for(
+        lambda: len(run.ledger_lines("C")) >= 1 and len(run.ledger_lines("P")) >= 4,
+        timeout=60,
+        what="a full ring and a drafter mid-item",
+    )
     stop = run.spawn("-m", "dflash_ring", "stop", "--config", str(run.config), "--now", "--timeout", "60")
     assert wait_exit(consumer) == 0 and wait_exit(producer) == 0
     assert wait_exit(stop) == 0, stop.stderr.read()

@@ -23,10 +23,14 @@ ROWS = 40_000  # tokenizing them takes long enough (seconds even on a fast box) 
 def test_a_producer_stopped_while_tokenizing_stops_there(run, tmp_path):
     target = build_target(tmp_path / "model", "qwen3", layers=4)
     data = write_chat_rows(tmp_path / "big.jsonl", ROWS)
-    cfg = run.write_config(1, 1, slots=2, data={"path": str(data), "cache_dir": str(tmp_path / "cache"),
-                                                "max_length": 256, "max_tokens_per_batch": 512},
-                           target={"path": str(target), "state_dir": str(tmp_path / "state"), "device": "cpu"},
-                           metrics={"enabled": False})
+    cfg = run.write_config(
+        1,
+        1,
+        slots=2,
+        data={"path": str(data), "cache_dir": str(tmp_path / "cache"), "max_length": 256, "max_tokens_per_batch": 512},
+        target={"path": str(target), "state_dir": str(tmp_path / "state"), "device": "cpu"},
+        metrics={"enabled": False},
+    )
     Ring.create(ring_spec(cfg)).close()
     proc = run.role("target", 0)
     log = tmp_path / "proc-0.stderr"
@@ -45,10 +49,14 @@ def test_a_drafter_stopped_while_waiting_for_its_first_item_exits_zero_and_leave
     """The drafter's other waiting phase: joined (row taken), no item ever published. SIGTERM ends it with exit 0
     (systemctl stop counts nothing else as clean), its row given back, the ring left to its supervisor."""
     target = build_target(tmp_path / "model", "qwen3", layers=4)
-    cfg = run.write_config(1, 1, slots=2, target={"path": str(target), "device": "cpu",
-                                                  "mask_token_id": len(load_tokenizer(target))},
-                           train={"device": "cpu", "checkpoint_dir": str(tmp_path / "ckpt")},
-                           metrics={"enabled": False})
+    cfg = run.write_config(
+        1,
+        1,
+        slots=2,
+        target={"path": str(target), "device": "cpu", "mask_token_id": len(load_tokenizer(target))},
+        train={"device": "cpu", "checkpoint_dir": str(tmp_path / "ckpt")},
+        metrics={"enabled": False},
+    )
     with Ring.create(ring_spec(cfg)) as ring:
         proc = run.role("drafter", 0)
         log = tmp_path / "proc-0.stderr"

@@ -21,8 +21,12 @@ from dflash_ring.cli import main
 from support import build_target
 
 # Deterministic in CI: examples derived from the test alone, no example database.
-EXAMPLES = dict(derandomize=True, database=None, deadline=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+EXAMPLES = dict(
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 MASK = 95
 # JSON text Python's json module does not write from a value: overflow to inf, and the non-standard constants
 # transformers' reader (json.load) accepts.
@@ -37,20 +41,55 @@ def target(tmp_path_factory) -> tuple[Path, str]:
 
 def values() -> st.SearchStrategy:
     """A config.json value of any JSON type, or one of RAW (as its text)."""
-    scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.sampled_from([0, 1, -1, 2**31, 2**63]),
-                        st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=4))
-    return st.one_of(scalars, st.sampled_from(RAW).map(lambda t: ("raw", t)),
-                     st.lists(scalars, max_size=2), st.dictionaries(st.text(max_size=3), scalars, max_size=2))
+    scalars = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**70), 2**70),
+        st.sampled_from([0, 1, -1, 2**31, 2**63]),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.text(max_size=4),
+    )
+    return st.one_of(
+        scalars,
+        st.sampled_from(RAW).map(lambda t: ("raw", t)),
+        st.lists(scalars, max_size=2),
+        st.dictionaries(st.text(max_size=3), scalars, max_size=2),
+    )
 
 
 # The keys a qwen3 target's config.json has that shape the model (the rest: ids, names, flags) and a few it
 # has not; each mutation sets one to a value, or removes it (None).
-KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "num_key_value_heads",
-        "intermediate_size", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_parameters",
-        "tie_word_embeddings", "model_type", "architectures", "layer_types", "sliding_window", "use_sliding_window",
-        "max_window_layers", "attention_bias", "hidden_act", "pad_token_id", "dtype", "num_layers", "text_config")
-mutations = st.lists(st.tuples(st.sampled_from(KEYS), st.one_of(st.just(None), values().map(lambda v: ("set", v)))),
-                     min_size=1, max_size=3)
+KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "vocab_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "head_dim",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_parameters",
+    "tie_word_embeddings",
+    "model_type",
+    "architectures",
+    "layer_types",
+    "sliding_window",
+    "use_sliding_window",
+    "max_window_layers",
+    "attention_bias",
+    "hidden_act",
+    "pad_token_id",
+    "dtype",
+    "num_layers",
+    "text_config",
+)
+mutations = st.lists(
+    st.tuples(st.sampled_from(KEYS), st.one_of(st.just(None), values().map(lambda v: ("set", v)))),
+    min_size=1,
+    max_size=3,
+)
 
 
 def mutated(base: str, changes: list[tuple[str, object]]) -> str:
@@ -77,8 +116,19 @@ def one_line_or_ok(command: str, model: Path) -> tuple[int, str]:
     err, out = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
         try:
-            rc = main([command, "--set", f'target.path="{model}"', "--set", f"target.mask_token_id={MASK}",
-                       "--set", "target.device=\"cpu\"", "--set", "metrics.enabled=false"])
+            rc = main(
+                [
+                    command,
+                    "--set",
+                    f'target.path="{model}"',
+                    "--set",
+                    f"target.mask_token_id={MASK}",
+                    "--set",
+                    'target.device="cpu"',
+                    "--set",
+                    "metrics.enabled=false",
+                ]
+            )
         except SystemExit as e:
             rc = e.code
     text = err.getvalue()
@@ -130,8 +180,13 @@ def test_the_fuzzed_target_is_accepted_unchanged_and_the_listed_values_refused(t
     """The rule can fail: the unchanged target passes both checks, and each value issue 34 lists is refused."""
     model, base = target
     assert one_line_or_ok("check-config", model)[0] == 0
-    for key, raw in (("hidden_size", "[64]"), ("hidden_size", "1e400"), ("num_hidden_layers", "NaN"),
-                     ("num_attention_heads", "0"), ("hidden_size", "65")):
+    for key, raw in (
+        ("hidden_size", "[64]"),
+        ("hidden_size", "1e400"),
+        ("num_hidden_layers", "NaN"),
+        ("num_attention_heads", "0"),
+        ("hidden_size", "65"),
+    ):
         (model / "config.json").write_text(mutated(base, [(key, ("set", ("raw", raw)))]))
         try:
             rc, text = one_line_or_ok("check-config", model)

@@ -25,16 +25,28 @@ from dflash_ring.producer.probe_cache import cached_probe
 from dflash_ring.producer.process import prepare, run_target
 from dflash_ring.producer.target import TargetModel
 from dflash_ring.common.config.target import TargetConfig, TargetConfigError
-from support import (FEATURE_TOLERANCE, HYBRID_MAMBA, LINEAR_RECURRENT, assert_same_features, build_target,
-                     packed_batch, reference_features, write_config)
+from support import (
+    FEATURE_TOLERANCE,
+    HYBRID_MAMBA,
+    LINEAR_RECURRENT,
+    assert_same_features,
+    build_target,
+    packed_batch,
+    reference_features,
+    write_config,
+)
 
 # Every family's target is built once for the module (the `targets` fixture): the quick subset leaves it out.
 pytestmark = pytest.mark.slow
 
 LENGTHS = [37, 8, 120, 64, 9, 200, 12]  # 120 and 200 run past the tiny families' 16-token windows
 PACKED_FAMILIES = [f for f in FAMILIES if f not in PADDED_ONLY]
-LAYOUTS = [pytest.param(f, packed, id=f"{f}-{'packed' if packed else 'padded'}")
-           for f in FAMILIES for packed in (True, False) if not (packed and f in PADDED_ONLY)]
+LAYOUTS = [
+    pytest.param(f, packed, id=f"{f}-{'packed' if packed else 'padded'}")
+    for f in FAMILIES
+    for packed in (True, False)
+    if not (packed and f in PADDED_ONLY)
+]
 
 
 SINKS = ("gpt_oss", "mimo_v2_flash")  # attention sinks (MiMo-V2-Flash: in its sliding layers)
@@ -59,7 +71,9 @@ def per_sequence(t: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
 
 
 def load(path: Path, packed: bool, **keys) -> TargetModel:
-    return TargetModel.load(TargetConfig(path=str(path), num_draft_layers=3, **keys), torch.device("cpu"), packed=packed)
+    return TargetModel.load(
+        TargetConfig(path=str(path), num_draft_layers=3, **keys), torch.device("cpu"), packed=packed
+    )
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +210,8 @@ def test_every_stateful_layer_and_only_those_run_per_sequence(targets, family):
     target = load(targets[family], True)
     kinds = layer_kinds(target.config, len(target.decoder.layers))
     assert sorted(packing.recurrent_mixers(target.decoder.layers)) == [
-        i for i, kind in enumerate(kinds) if kind in ("linear_attention", "hybrid")]
+        i for i, kind in enumerate(kinds) if kind in ("linear_attention", "hybrid")
+    ]
 
 
 def test_a_stack_without_attention_layers_runs_packed(tmp_path):
@@ -218,8 +233,12 @@ def test_the_packed_attention_refuses_implementations_it_cannot_mirror():
 
 
 def check_target(config: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash_ring", "check-target", "--config", str(config), *args],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "dflash_ring", "check-target", "--config", str(config), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.processes
@@ -237,8 +256,9 @@ def test_check_target_reports_the_probe_as_json(targets, tmp_path):
     assert set(head) == {"tied", "embed_scale", "logit_multiplier", "logit_softcap", "verified_relative_error"}
     assert all(0 <= e < 1e-3 for e in head["verified_relative_error"].values()), head
     plain = check_target(config)
-    assert plain.returncode == 0 and re.search(r"^drafter head: tied=\w+, embed_scale=.*logits [\d.e-]+\)$",
-                                               plain.stdout, re.M), plain.stdout
+    assert plain.returncode == 0 and re.search(
+        r"^drafter head: tied=\w+, embed_scale=.*logits [\d.e-]+\)$", plain.stdout, re.M
+    ), plain.stdout
 
 
 @pytest.mark.processes
@@ -251,7 +271,8 @@ def test_check_target_of_a_directory_without_weights_is_one_clear_line(targets, 
     out = check_target(config)
     assert out.returncode == 2 and out.stdout == ""
     assert "Traceback" not in out.stderr and out.stderr.strip().splitlines()[-1].startswith(
-        "dflash-ring check-target: error:")
+        "dflash-ring check-target: error:"
+    )
 
 
 def test_an_attention_implementation_packing_cannot_mirror_falls_back_or_refuses(targets):
@@ -263,8 +284,9 @@ def test_an_attention_implementation_packing_cannot_mirror_falls_back_or_refuses
     assert report.error is not None and "flex_attention" in report.error and not target.packed
 
 
-def test_a_restart_reads_the_probe_result_saved_for_exactly_this_model_and_probes_again_otherwise(tmp_path, caplog,
-                                                                                                  monkeypatch):
+def test_a_restart_reads_the_probe_result_saved_for_exactly_this_model_and_probes_again_otherwise(
+    tmp_path, caplog, monkeypatch
+):
     """producer/probe_cache.py: the second start on the same model directory reads the saved report (the probe does
     not run); a model file touched, or a damaged entry (moved aside, with a warning), makes it probe again."""
     from dflash_ring.producer import conformance
@@ -278,7 +300,7 @@ def test_a_restart_reads_the_probe_result_saved_for_exactly_this_model_and_probe
     first = choose_packing(load(path, True), "auto", cached)
     again = choose_packing(load(path, True), "auto", cached)
     assert len(runs) == 1 and again.to_json() == first.to_json() and first.passed
-    entry, = cache[0].glob("*.json")
+    (entry,) = cache[0].glob("*.json")
     assert entry.stat().st_mode & 0o777 == 0o600
     original = (path / "config.json").stat().st_mtime_ns
     os.utime(path / "config.json", ns=(1, 1))  # a model file touched: another key

@@ -72,14 +72,18 @@ def test_a_family_without_a_plan_is_refused_in_one_line_naming_those_with_one(tm
     assert tensor_parallel_refusal(TargetConfig(path=str(path), tensor_parallel=1)) is None
 
 
-@pytest.mark.parametrize(("ranks", "says"), [
-    (3, "does not divide the target's num_attention_heads = 4"),  # 4 heads, 2 K/V heads, MLP 128
-    (4, "does not divide the target's num_key_value_heads = 2"),
-])
+@pytest.mark.parametrize(
+    ("ranks", "says"),
+    [
+        (3, "does not divide the target's num_attention_heads = 4"),  # 4 heads, 2 K/V heads, MLP 128
+        (4, "does not divide the target's num_key_value_heads = 2"),
+    ],
+)
 def test_check_config_refuses_ranks_that_do_not_divide_the_target(tmp_path, capsys, ranks, says):
     path = build_target(tmp_path / "qwen3", "qwen3")
-    config = write_config(tmp_path / "run.toml", {"target": {"path": str(path), "tensor_parallel": ranks,
-                                                            "mask_token_id": 1}})
+    config = write_config(
+        tmp_path / "run.toml", {"target": {"path": str(path), "tensor_parallel": ranks, "mask_token_id": 1}}
+    )
     assert config.target.tensor_parallel == ranks
     capsys.readouterr()  # the model's save progress
     assert main(["check-config", "--config", str(tmp_path / "run.toml")]) == 2
@@ -99,9 +103,14 @@ def test_bench_target_tensor_parallel_runs_the_group_end_to_end(tmp_path):
     """`dflash-ring bench target --tiny --tensor-parallel 2`, the command the two-GPU run will be: a real gloo group
     loads, passes the probe, forwards and writes into a ring, and the JSON carries the ratios against one rank of the
     same run (speeds are not asserted: two ranks on two shared cores)."""
-    out = subprocess.run([sys.executable, "-m", "dflash_ring", "bench", "target", "--tiny", "--tensor-parallel", "2"],
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = subprocess.run(
+        [sys.executable, "-m", "dflash_ring", "bench", "target", "--tiny", "--tensor-parallel", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     assert report["benchmark"] == "target_tensor_parallel" and report["tensor_parallel"] == 2

@@ -33,15 +33,30 @@ def test_a_group_member_killed_mid_run_restarts_the_group_and_the_ledger_is_exac
     target = build_target(run.tmp / "target", "qwen3", layers=4)
     data = cyclic_rows(run.tmp / "chat.jsonl", 96)
     ledger = run.tmp / "ledger"
-    pipeline_config(run, target, data, {"run": {"ledger_dir": str(ledger)}, "data": {"epochs": 3},
-                                        "target": {"tensor_parallel": 2},
-                                        "train": {"checkpoint_every_steps": 4}}, consumers=1, slots=6)
+    pipeline_config(
+        run,
+        target,
+        data,
+        {
+            "run": {"ledger_dir": str(ledger)},
+            "data": {"epochs": 3},
+            "target": {"tensor_parallel": 2},
+            "train": {"checkpoint_every_steps": 4},
+        },
+        consumers=1,
+        slots=6,
+    )
     sup, leader, drafter = run.supervisor(), run.role("target", 0), run.role("drafter", 0)
     for killed in ("rank", "leader"):
-        published = lambda: sum(r["ev"] == "pub" and r["pid"] == leader.pid  # noqa: E731
-                                for r in read_ledger(ledger / "target-0.jsonl").records)
-        wait_for(lambda: (ledger / "target-0.jsonl").exists() and published() >= 3, timeout=300,
-                 what=f"the group publishing before its {killed} is killed")
+        published = lambda: sum(
+            r["ev"] == "pub" and r["pid"] == leader.pid  # noqa: E731
+            for r in read_ledger(ledger / "target-0.jsonl").records
+        )
+        wait_for(
+            lambda: (ledger / "target-0.jsonl").exists() and published() >= 3,
+            timeout=300,
+            what=f"the group publishing before its {killed} is killed",
+        )
         ranks = group_ranks(leader.pid)
         assert len(ranks) == 1, ranks  # the group's rank 1, started by its leader
         if killed == "rank":

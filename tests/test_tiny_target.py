@@ -72,8 +72,9 @@ def test_corpus_rows_are_chats_with_correct_answers():
 def test_corpus_words_each_phrase_three_ways_independently_of_the_prompt():
     """The target's entropy comes from here: each phrasing about a third of the time, whatever the prompt."""
     rows = generate_corpus(CorpusSpec(num_train=1400, num_heldout=0)).train
-    openers = [conversation_of(r)[1]["content"].split(":")[0] for r in rows
-               if prompt_of(r).startswith("Repeat these words")]
+    openers = [
+        conversation_of(r)[1]["content"].split(":")[0] for r in rows if prompt_of(r).startswith("Repeat these words")
+    ]
     counts = {o: openers.count(o) for o in set(openers)}
     assert sorted(counts) == ["Here are the words again", "Okay. Once more", "Sure, the words are"], counts
     assert all(abs(n / len(openers) - 1 / 3) < 0.1 for n in counts.values()), counts

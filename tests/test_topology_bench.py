@@ -31,9 +31,24 @@ def test_the_balanced_rate_and_the_replaced_pipeline():
 
 @pytest.mark.processes
 def test_tiny_topology_bench_runs_end_to_end():
-    out = subprocess.run([sys.executable, "-m", "dflash_ring", "bench", "topology", "--tiny", "--json",
-                          "--target-batches", "2", "--drafter-steps", "1"],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash_ring",
+            "bench",
+            "topology",
+            "--tiny",
+            "--json",
+            "--target-batches",
+            "2",
+            "--drafter-steps",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     top = report["topology"]
@@ -47,11 +62,19 @@ def test_tiny_topology_bench_runs_end_to_end():
 
 @pytest.mark.processes
 def test_an_fp8_drafter_half_that_cannot_run_is_refused_before_the_target_half():
-    out = subprocess.run([sys.executable, "-m", "dflash_ring", "bench", "topology", "--tiny", "--precision", "bf16,fp8"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "dflash_ring", "bench", "topology", "--tiny", "--precision", "bf16,fp8"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and out.stdout == ""
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and 'drafter.precision = "fp8" cannot run here' in lines[0], out.stderr
-    bad = subprocess.run([sys.executable, "-m", "dflash_ring", "bench", "topology", "--tiny", "--precision", "fp16"],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "dflash_ring", "bench", "topology", "--tiny", "--precision", "fp16"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "expected bf16, fp8 or both" in bad.stderr

@@ -19,8 +19,16 @@ from dflash_ring.common.config.schema import Config
 from dflash_ring.common.ring import fingerprint_digest
 from dflash_ring.consumer.tracking import RunRecord, Tracking, read_records
 from dflash_ring.consumer.wandb_offline import offline_runs
-from support import (STEP, build_target, cyclic_rows, merged, pipeline_settings, tensorboard_scalars, tensorboard_text,
-                     wait_exit)
+from support import (
+    STEP,
+    build_target,
+    cyclic_rows,
+    merged,
+    pipeline_settings,
+    tensorboard_scalars,
+    tensorboard_text,
+    wait_exit,
+)
 
 ALL = ["tensorboard", "wandb", "mlflow"]
 BY_SOURCE = re.compile(r"step (\d+) by source: (.*)")
@@ -44,11 +52,14 @@ def test_every_backend_holds_the_drafters_series_once_across_a_sigkill_and_the_r
     holds steps 1..N exactly once, with the values the drafter logged, in one tracker run."""
     target = build_target(run.tmp / "target", "qwen3", layers=4)
     code, chat = cyclic_rows(run.tmp / "code.jsonl", 48, seed=1), cyclic_rows(run.tmp / "chat.jsonl", 32, seed=2)
-    settings = merged(pipeline_settings(run.tmp, target, chat), {
-        "data": {"epochs": 2, "sources": [{"path": str(code)}, {"path": str(chat)}]},
-        "train": {"checkpoint_every_steps": 3, "async_checkpoints": False, "average_every_steps": 0},
-        "tracking": {"backends": ALL, "tags": ["smoke"]},
-    })
+    settings = merged(
+        pipeline_settings(run.tmp, target, chat),
+        {
+            "data": {"epochs": 2, "sources": [{"path": str(code)}, {"path": str(chat)}]},
+            "train": {"checkpoint_every_steps": 3, "async_checkpoints": False, "average_every_steps": 0},
+            "tracking": {"backends": ALL, "tags": ["smoke"]},
+        },
+    )
     del settings["data"]["path"]  # the two sources instead
     cfg = run.write_config(1, 1, 8, 4 << 20, **settings)
     procs = [run.supervisor(), run.role("target", 0)]
@@ -62,8 +73,12 @@ def test_every_backend_holds_the_drafters_series_once_across_a_sigkill_and_the_r
     logs = [p.stderr.read() for p in (first, again)]
     logged = {int(m.group(1)): float(m.group(2)) for text in logs for m in STEP.finditer(text)}
     # The per-source losses the drafter computed, as its log lines print them (the restarted drafter's win).
-    by_source = {(int(m.group(1)), name): float(loss) for text in logs for m in BY_SOURCE.finditer(text)
-                 for name, loss in re.findall(r"(\w+): loss ([\d.]+)", m.group(2))}
+    by_source = {
+        (int(m.group(1)), name): float(loss)
+        for text in logs
+        for m in BY_SOURCE.finditer(text)
+        for name, loss in re.findall(r"(\w+): loss ([\d.]+)", m.group(2))
+    }
 
     root = run.tmp / "tracking"  # beside train.checkpoint_dir (run.tmp / "ckpt")
     lines = read_records(root / "drafter-0.jsonl")
@@ -75,11 +90,14 @@ def test_every_backend_holds_the_drafters_series_once_across_a_sigkill_and_the_r
     assert all(round(loss[s], 4) == logged[s] for s in range(5, done + 1))  # the restarted drafter's own lines
     assert any(x["producers/tokens_per_s"] > 0 for x in records) and all(x["ring/depth"] >= 0 for x in records)
     # Two sources, each a series of its own in every step that trained one of its rows.
-    per_source = {name: {x["step"]: x[f"source/{name}/loss"] for x in records if f"source/{name}/loss" in x}
-                  for name in ("code", "chat")}
+    per_source = {
+        name: {x["step"]: x[f"source/{name}/loss"] for x in records if f"source/{name}/loss" in x}
+        for name in ("code", "chat")
+    }
     assert all(len(series) >= done // 2 for series in per_source.values()), per_source
-    assert all(round(v, 4) == by_source[(s, name)] for name, series in per_source.items()
-               for s, v in series.items() if s >= 5)
+    assert all(
+        round(v, 4) == by_source[(s, name)] for name, series in per_source.items() for s, v in series.items() if s >= 5
+    )
     assert header["fingerprint"] == fingerprint_digest(cfg.fingerprint_fields()).hex()
     assert load_config_text(header["config"]) == cfg
 
@@ -155,18 +173,30 @@ def test_a_tracker_failing_mid_run_is_warned_about_once_and_the_rest_go_on(tmp_p
 
 
 @pytest.mark.processes  # MLflow runs `uname`, wandb its core service
-@pytest.mark.parametrize("setting, says", [
-    ('tracking.dir="{tmp}/afile/x"', "tracking.dir: output directory {tmp}/afile/x: {tmp}/afile is not a directory"),
-    ('tracking.mlflow_tracking_uri="http://127.0.0.1:9"', "tracking.mlflow_tracking_uri = 'http://127.0.0.1:9': "
-                                                          "MLflow cannot start there"),
-    ('tracking.wandb_mode="online"', "tracking: W&B cannot start with wandb_mode = 'online': No API key configured"),
-])
+@pytest.mark.parametrize(
+    "setting, says",
+    [
+        (
+            'tracking.dir="{tmp}/afile/x"',
+            "tracking.dir: output directory {tmp}/afile/x: {tmp}/afile is not a directory",
+        ),
+        (
+            'tracking.mlflow_tracking_uri="http://127.0.0.1:9"',
+            "tracking.mlflow_tracking_uri = 'http://127.0.0.1:9': MLflow cannot start there",
+        ),
+        (
+            'tracking.wandb_mode="online"',
+            "tracking: W&B cannot start with wandb_mode = 'online': No API key configured",
+        ),
+    ],
+)
 def test_a_tracker_that_cannot_start_is_one_error_naming_its_setting(tmp_path, monkeypatch, setting, says):
     (tmp_path / "afile").write_text("x")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     backend = "wandb" if "wandb" in setting else "mlflow"
-    cfg = load_config(None, [f'tracking.dir="{tmp_path / "t"}"', f'tracking.backends=["{backend}"]',
-                             setting.format(tmp=tmp_path)])
+    cfg = load_config(
+        None, [f'tracking.dir="{tmp_path / "t"}"', f'tracking.backends=["{backend}"]', setting.format(tmp=tmp_path)]
+    )
     with pytest.raises(RuntimeError) as e:
         tracking_of(cfg, 0)
     assert str(e.value).startswith(says.format(tmp=tmp_path)) and "\n" not in str(e.value), str(e.value)
@@ -179,11 +209,24 @@ def test_no_record_key_is_the_start_of_another():
     from dflash_ring.consumer.step_record import WindowStats, eval_scalars, step_scalars
     from dflash_ring.consumer.trainer import StepMetrics
 
-    m = StepMetrics(step=1, loss=1.0, ce=1.0, kl=0.0, cap=0.0, accuracy_per_position=[0.5, 0.25, 0.125],
-                    accept_len=1.5, accept_len_prob=1.4, lr=1e-3, grad_norm=0.5, tokens=10, step_s=0.1)
+    m = StepMetrics(
+        step=1,
+        loss=1.0,
+        ce=1.0,
+        kl=0.0,
+        cap=0.0,
+        accuracy_per_position=[0.5, 0.25, 0.125],
+        accept_len=1.5,
+        accept_len_prob=1.4,
+        lr=1e-3,
+        grad_norm=0.5,
+        tokens=10,
+        step_s=0.1,
+    )
     sources = {"code": SourceStats(2, 9, 1.5, 1.0, 1, 2, 3.0, 2.5), "chat": SourceStats(0, 4)}
-    keys = step_scalars(m, WindowStats(seconds=1.0, tokens=10, wait_s=0.0, produced=2, produced_tokens=20, depth=1,
-                                       by_source=sources))
+    keys = step_scalars(
+        m, WindowStats(seconds=1.0, tokens=10, wait_s=0.0, produced=2, produced_tokens=20, depth=1, by_source=sources)
+    )
     assert "source/code/accept_len" in keys and "source/chat/tokens" in keys and "source/chat/loss" not in keys
     for record in (keys, eval_scalars(sources, 3)):
         assert not [(a, b) for a in record for b in record if b.startswith(a + "/")]
@@ -216,13 +259,23 @@ def test_the_report_draws_each_drafter_and_source_the_records_have(tmp_path):
     for j in (0, 1):
         with tracking_of(cfg, j) as tracking:
             for step in range(1, 4 + j):
-                tracking.emit(step, {"loss": 3.0 / step, "accept_len": 1 + step / 4, "accept_len_prob": 1 + step / 5,
-                                     "source/code/loss": 3.5 / step, "source/code/accept_len": 1 + step / 3,
-                                     "source/chat/loss": 2.5 / step, "source/chat/accept_len": 1 + step / 6})
+                tracking.emit(
+                    step,
+                    {
+                        "loss": 3.0 / step,
+                        "accept_len": 1 + step / 4,
+                        "accept_len_prob": 1 + step / 5,
+                        "source/code/loss": 3.5 / step,
+                        "source/code/accept_len": 1 + step / 3,
+                        "source/chat/loss": 2.5 / step,
+                        "source/chat/accept_len": 1 + step / 6,
+                    },
+                )
             tracking.emit(2, {"eval/loss": 2.0, "eval/accept_len": 1.4})
     out, what = write_report(tmp_path)
-    assert out == tmp_path / "report.png" and what == ("loss and accept length of 2 drafter(s) to step 3, 4, "
-                                                       "per source: chat, code")
+    assert out == tmp_path / "report.png" and what == (
+        "loss and accept length of 2 drafter(s) to step 3, 4, per source: chat, code"
+    )
     height, width, _ = matplotlib.image.imread(out).shape
     assert width > height  # two columns: per drafter, per source
 
@@ -237,11 +290,26 @@ def test_both_panels_draw_one_definition_of_a_windows_value_and_the_held_out_cur
     cfg = load_config(None, [f'tracking.dir="{tmp_path / "tracking"}"', "run.name=one"])
     with tracking_of(cfg, 0) as tracking:
         for step in range(1, 5):
-            tracking.emit(step, {"loss": 9.0 + step, "accept_len": 9.0, "window/loss": 3.0 / step,
-                                 "window/accept_len": 1 + step / 4, "source/code/loss": 3.0 / step,
-                                 "source/code/accept_len": 1 + step / 4})
-        tracking.emit(2, {"eval/loss": 2.0, "eval/accept_len": 1.4, "eval/source/code/loss": 2.0,
-                          "eval/source/code/accept_len": 1.4})
+            tracking.emit(
+                step,
+                {
+                    "loss": 9.0 + step,
+                    "accept_len": 9.0,
+                    "window/loss": 3.0 / step,
+                    "window/accept_len": 1 + step / 4,
+                    "source/code/loss": 3.0 / step,
+                    "source/code/accept_len": 1 + step / 4,
+                },
+            )
+        tracking.emit(
+            2,
+            {
+                "eval/loss": 2.0,
+                "eval/accept_len": 1.4,
+                "eval/source/code/loss": 2.0,
+                "eval/source/code/accept_len": 1.4,
+            },
+        )
     records = {0: checked_records(tmp_path / "tracking" / "drafter-0.jsonl")}
     plt = _pyplot()
     fig, sources = figure(plt, records, "one", tmp_path)

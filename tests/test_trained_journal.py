@@ -14,8 +14,7 @@ import sys
 
 import pytest
 
-from dflash_ring.common.trained_journal import (Journal, journal_dir, latest_step, lost_segments, owed_to, seal,
-                                                segments)
+from dflash_ring.common.trained_journal import Journal, journal_dir, latest_step, lost_segments, owed_to, seal, segments
 
 
 def _meta(p: int, e: int, q: int) -> dict[str, int]:

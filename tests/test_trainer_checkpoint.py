@@ -89,8 +89,10 @@ def test_truncated_checkpoint_is_refused_and_the_previous_one_used(tmp_path):
 def test_export_from_checkpoint_loads_back_with_identical_weights(tmp_path):
     trainer, target_config = make_trainer(tmp_path)
     trainer.train_step(batch(0), 20)
-    info = {"drafter": {"num_hidden_layers": 1, "block_size": 4, "num_anchors": 8, "mask_token_id": 95, "loss_gamma": 2.0},
-            "target_config": target_config}
+    info = {
+        "drafter": {"num_hidden_layers": 1, "block_size": 4, "num_anchors": 8, "mask_token_id": 95, "loss_gamma": 2.0},
+        "target_config": target_config,
+    }
     store = CheckpointStore(tmp_path / "ckpt")
     store.save(trainer.state(info), keep=1)
     out = export_checkpoint(tmp_path / "ckpt", tmp_path / "export")
@@ -113,8 +115,12 @@ def test_a_precompile_changes_nothing_the_following_steps_train_on(tmp_path):
             assert trainer.precompile(max_tokens=48, max_length=20, force=True) > 0
             assert reached and all(p.grad is None for p in trainer.model.parameters())
         assert trainer.precompile(max_tokens=48, max_length=20) == 0.0  # on the CPU nothing compiles: no-op
-        runs.append(([trainer.train_step(batch(s), 20).loss for s in range(3)],
-                     {k: v.clone() for k, v in trainer.model.state_dict().items()}))
+        runs.append(
+            (
+                [trainer.train_step(batch(s), 20).loss for s in range(3)],
+                {k: v.clone() for k, v in trainer.model.state_dict().items()},
+            )
+        )
     (cold_losses, cold_state), (warm_losses, warm_state) = runs
     assert cold_losses == warm_losses
     assert all(torch.equal(cold_state[k], warm_state[k]) for k in cold_state)
@@ -150,7 +156,11 @@ def test_bit_flipped_latest_checkpoint_is_refused_with_one_line_and_the_previous
     assert [r.levelname for r in caplog.records] == ["ERROR"]
     assert str(second / "model.safetensors") in caplog.records[0].getMessage()
     assert json.loads((second / "manifest.json").read_text())["sha256_chunks"].keys() == {
-        "model.safetensors", "optimizer.safetensors", "state.safetensors", "trainer.json"}
+        "model.safetensors",
+        "optimizer.safetensors",
+        "state.safetensors",
+        "trainer.json",
+    }
 
 
 def test_chunked_digests_catch_a_flip_in_any_chunk_and_whole_file_manifests_still_verify(tmp_path, monkeypatch):
@@ -220,9 +230,16 @@ def test_checkpoints_one_after_another_each_hold_their_own_step(tmp_path, backgr
     """In the background the snapshot buffer is reused: a checkpoint due while the previous one is written waits."""
     trainer, _ = make_trainer(tmp_path)
     store = CheckpointStore(tmp_path / "ckpt")
-    checkpoints = Checkpoints(store, every=1, keep=10, state=lambda: {"items": trainer.step}, trainer=trainer,
-                              journal=Journal(tmp_path / "journal", ring=0, after_step=0), ledger=None,
-                              background=background)
+    checkpoints = Checkpoints(
+        store,
+        every=1,
+        keep=10,
+        state=lambda: {"items": trainer.step},
+        trainer=trainer,
+        journal=Journal(tmp_path / "journal", ring=0, after_step=0),
+        ledger=None,
+        background=background,
+    )
     weights = {}
     for s in range(4):
         trainer.train_step(batch(s), 20)
@@ -242,8 +259,15 @@ def test_a_failed_background_write_is_raised_on_the_training_thread(tmp_path):
     trainer, _ = make_trainer(tmp_path)
     root = tmp_path / "ckpt"
     root.write_text("")  # a file where the checkpoint directory should be: the write fails
-    checkpoints = Checkpoints(CheckpointStore(root), every=1, keep=1, state=lambda: {"items": 1}, trainer=trainer,
-                              journal=Journal(tmp_path / "journal", ring=0, after_step=0), ledger=None)
+    checkpoints = Checkpoints(
+        CheckpointStore(root),
+        every=1,
+        keep=1,
+        state=lambda: {"items": 1},
+        trainer=trainer,
+        journal=Journal(tmp_path / "journal", ring=0, after_step=0),
+        ledger=None,
+    )
     trainer.train_step(batch(0), 20)
     checkpoints.after_step(1)  # the step only takes the snapshot; the write fails on the writer's thread
     with pytest.raises(CheckpointError, match=f"writing checkpoint step-00000001 under {root} failed"):
@@ -257,8 +281,17 @@ def test_a_drafter_killed_mid_background_write_resumes_from_the_checkpoint_befor
     target = build_target(run.tmp / "target", "qwen3", layers=4)
     data = cyclic_rows(run.tmp / "chat.jsonl", 96)
     ledger = run.tmp / "ledger"
-    pipeline_config(run, target, data, {"run": {"ledger_dir": str(ledger)}, "data": {"epochs": 2},
-                                        "train": {"checkpoint_every_steps": 3, "average_every_steps": 0}}, consumers=1)
+    pipeline_config(
+        run,
+        target,
+        data,
+        {
+            "run": {"ledger_dir": str(ledger)},
+            "data": {"epochs": 2},
+            "train": {"checkpoint_every_steps": 3, "average_every_steps": 0},
+        },
+        consumers=1,
+    )
     procs = [run.supervisor(), run.role("target", 0)]
     monkeypatch.setenv("DFLASH_RING_CRASH_AT", "checkpoint.written@2")
     drafter = run.role("drafter", 0)

@@ -39,8 +39,13 @@ def target_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("target")
     tokenizer = tiny_chat_tokenizer(path)
     # A sharper lm_head than the default init, so greedy argmaxes are not near-ties.
-    save_tiny_qwen3(path, init=lambda target: target.lm_head.weight.mul_(20), vocab_size=VOCAB,
-                    tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id)
+    save_tiny_qwen3(
+        path,
+        init=lambda target: target.lm_head.weight.mul_(20),
+        vocab_size=VOCAB,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     return path
 
 
@@ -106,8 +111,16 @@ def ranked(prompt: list[int], continuation: list[int], rank: int):
 
 
 def tree_generate(target, prompt, distributions, budget, eos=(), max_new=MAX_NEW):
-    return tree_speculative_generate(target, prompt, distributions, budget=budget, block_size=BLOCK,
-                                     target_layer_ids=LAYER_IDS, eos_token_ids=eos, max_new_tokens=max_new)
+    return tree_speculative_generate(
+        target,
+        prompt,
+        distributions,
+        budget=budget,
+        block_size=BLOCK,
+        target_layer_ids=LAYER_IDS,
+        eos_token_ids=eos,
+        max_new_tokens=max_new,
+    )
 
 
 # --- the tree -------------------------------------------------------------------------------------
@@ -191,15 +204,17 @@ def test_tree_forward_equals_a_plain_forward_of_each_path(target_dir, attn):
             input_ids=torch.tensor([[root] + tree.tokens]),
             position_ids=len(prefix) + torch.tensor([[0] + tree.depths]),
             attention_mask=tree_attention_mask(tree, len(prefix), torch.float32, "cpu"),
-            **{cache_argument(model): cache}, output_hidden_states=True,
+            **{cache_argument(model): cache},
+            output_hidden_states=True,
         )
         features = target_features(out.hidden_states, LAYER_IDS)[0]
         for node in range(tree.size + 1):
             ids = prefix + [root, *path_tokens(tree, node)]
             plain = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
             torch.testing.assert_close(out.logits[0, node], plain.logits[0, -1], atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(features[node], target_features(plain.hidden_states, LAYER_IDS)[0, -1],
-                                       atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(
+                features[node], target_features(plain.hidden_states, LAYER_IDS)[0, -1], atol=1e-4, rtol=1e-4
+            )
 
 
 # --- decoding -------------------------------------------------------------------------------------
@@ -245,8 +260,15 @@ def test_budget_one_is_a_chain_of_one_draft(target, drafter):
     draft = drafter_draft_fn(drafter, head_of(target))
     for prompt in PROMPTS:
         tree = tree_generate(target, prompt, drafter_distribution_fn(drafter, head_of(target)), budget=1)
-        chain = speculative_generate(target, prompt, lambda c, x: draft(c, x)[:1], block_size=2,
-                                     target_layer_ids=LAYER_IDS, eos_token_ids=(), max_new_tokens=MAX_NEW)
+        chain = speculative_generate(
+            target,
+            prompt,
+            lambda c, x: draft(c, x)[:1],
+            block_size=2,
+            target_layer_ids=LAYER_IDS,
+            eos_token_ids=(),
+            max_new_tokens=MAX_NEW,
+        )
         assert tree == chain
 
 
@@ -294,8 +316,17 @@ def test_eval_reports_trees_next_to_an_unchanged_chain(target_dir, drafter_dir, 
         assert sum(tree.accepted_histogram) == tree.rounds > 0 and 1 <= tree.tau <= BLOCK
         assert tree.same_tokens_as_chain == 2  # float32 on the CPU: the tree's greedy output is the chain's
 
-    args = ["eval", "--drafter", str(drafter_dir), "--target", str(target_dir), "--data", str(data),
-            "--max-new-tokens", "10"]
+    args = [
+        "eval",
+        "--drafter",
+        str(drafter_dir),
+        "--target",
+        str(target_dir),
+        "--data",
+        str(data),
+        "--max-new-tokens",
+        "10",
+    ]
     assert main([*args, "--tree-budget", "2,8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(asdict(report)))
     assert main([*args, "--tree-budget", "8"]) == 0

@@ -27,8 +27,9 @@ LENGTHS = [37, 8, 120, 3, 64]  # 3 is shorter than the convolution window
 @pytest.fixture(scope="module")
 def qwen3_5(tmp_path_factory) -> Path:
     # More value heads than key heads: the grouping must map value head h to key head h // 2.
-    return build_target(tmp_path_factory.mktemp("qwen3_5") / "t", "qwen3_5", layers=4,
-                        linear_num_key_heads=2, linear_num_value_heads=4)
+    return build_target(
+        tmp_path_factory.mktemp("qwen3_5") / "t", "qwen3_5", layers=4, linear_num_key_heads=2, linear_num_value_heads=4
+    )
 
 
 def reference_kernels(calls: list[str]) -> FlaKernels:
@@ -45,16 +46,25 @@ def reference_kernels(calls: list[str]) -> FlaKernels:
         for a, b in spans(cu_seqlens_cpu):
             seq = x[:, a:b].transpose(1, 2)
             y = F.conv1d(seq, weight.unsqueeze(1), bias, padding=weight.shape[-1] - 1, groups=seq.shape[1])
-            outs.append((y[..., :b - a] if activation is None else F.silu(y[..., :b - a])).transpose(1, 2))
+            outs.append((y[..., : b - a] if activation is None else F.silu(y[..., : b - a])).transpose(1, 2))
         return torch.cat(outs, dim=1), None
 
-    def chunk_gated_delta_rule(q, k, v, *, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                               cu_seqlens, cu_seqlens_cpu):
+    def chunk_gated_delta_rule(
+        q, k, v, *, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu
+    ):
         calls.append("rule")
         assert initial_state is None and not output_final_state and q.shape[2] == v.shape[2]
-        outs = [modeling_qwen3_5.torch_chunk_gated_delta_rule(
-            q[:, a:b], k[:, a:b], v[:, a:b], g=g[:, a:b], beta=beta[:, a:b],
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0] for a, b in spans(cu_seqlens_cpu)]
+        outs = [
+            modeling_qwen3_5.torch_chunk_gated_delta_rule(
+                q[:, a:b],
+                k[:, a:b],
+                v[:, a:b],
+                g=g[:, a:b],
+                beta=beta[:, a:b],
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            )[0]
+            for a, b in spans(cu_seqlens_cpu)
+        ]
         return torch.cat(outs, dim=1), None
 
     return FlaKernels(causal_conv1d, chunk_gated_delta_rule, None, device_type="cpu")
@@ -68,8 +78,9 @@ def features(target: TargetModel, lengths: list[int]) -> tuple[list[torch.Tensor
     batch = packed_batch(lengths)
     out = run_target(target, prepare(batch, packed=True, pad_id=0, pin=False)).features
     cu = batch.cu_seqlens
-    return [out[a:b] for a, b in zip(cu[:-1], cu[1:])], [torch.from_numpy(batch.input_ids[a:b])
-                                                        for a, b in zip(cu[:-1], cu[1:])]
+    return [out[a:b] for a, b in zip(cu[:-1], cu[1:])], [
+        torch.from_numpy(batch.input_ids[a:b]) for a, b in zip(cu[:-1], cu[1:])
+    ]
 
 
 def test_the_varlen_forward_equals_each_sequence_through_the_models_own(qwen3_5, monkeypatch):

@@ -53,17 +53,28 @@ def test_a_run_stopped_whole_and_started_again_trains_every_batch_exactly_once(r
     ledger = run.tmp / "ledger"
     # 20 batches an epoch: enough for four stops, each a few batches after its restart (2 to 4 each on a loaded box),
     # and a run to the end after them.
-    pipeline_config(run, target, data, {"run": {"ledger_dir": str(ledger)}, "data": {"epochs": 4},
-                                        "train": {"checkpoint_every_steps": 4}}, consumers=1, slots=6)
+    pipeline_config(
+        run,
+        target,
+        data,
+        {"run": {"ledger_dir": str(ledger)}, "data": {"epochs": 4}, "train": {"checkpoint_every_steps": 4}},
+        consumers=1,
+        slots=6,
+    )
     records = lambda name: read_ledger(ledger / f"{name}.jsonl").records  # noqa: E731
     sup_args: tuple[str, ...] = ()
     for mode in STOPS:
         procs = [run.supervisor(*sup_args), run.role("target", 0), run.role("drafter", 0)]
         drafter = procs[2]
-        trained = lambda: sum(r["ev"] == "train" and r["pid"] == drafter.pid  # noqa: E731
-                              for r in records("drafter-0"))
-        wait_for(lambda: (ledger / "drafter-0.jsonl").exists() and trained() >= 2, timeout=300,
-                 what=f"training under way before {mode}")
+        trained = lambda: sum(
+            r["ev"] == "train" and r["pid"] == drafter.pid  # noqa: E731
+            for r in records("drafter-0")
+        )
+        wait_for(
+            lambda: (ledger / "drafter-0.jsonl").exists() and trained() >= 2,
+            timeout=300,
+            what=f"training under way before {mode}",
+        )
         # The drafter paused (well inside supervisor.exit_timeout_s) while the stop lands: items are certainly
         # waiting in the ring then. Were it running, a loaded box could let it drain the ring between a look and the
         # stop.
@@ -93,8 +104,10 @@ def test_a_run_stopped_whole_and_started_again_trains_every_batch_exactly_once(r
         assert wait_exit(p, 600) == 0, p.stderr.read()[-3000:]
     # Each restart (after each stop) published replayed batches: the producer's ledger, start record by start record.
     starts = [r["pid"] for r in records("target-0") if r["ev"] == "start"]
-    replayed = {pid: sum(r["ev"] == "pub" and bool(r.get("replay")) and r["pid"] == pid for r in records("target-0"))
-                for pid in starts}
+    replayed = {
+        pid: sum(r["ev"] == "pub" and bool(r.get("replay")) and r["pid"] == pid for r in records("target-0"))
+        for pid in starts
+    }
     assert len(starts) == len(STOPS) + 1 and all(replayed[pid] >= 1 for pid in starts[1:]), (STOPS, replayed)
     ledgers, _ = read_ledgers(ledger)
     rec = reconcile(ledgers)
@@ -112,13 +125,26 @@ def test_a_drafter_stalled_through_stop_now_is_fenced_and_nothing_trains_twice(r
     target = build_target(run.tmp / "target", "qwen3", layers=4)
     data = cyclic_rows(run.tmp / "chat.jsonl", 96)
     ledger = run.tmp / "ledger"
-    pipeline_config(run, target, data, {"run": {"ledger_dir": str(ledger)}, "data": {"epochs": 3},
-                                        "supervisor": {"exit_timeout_s": 3},
-                                        "train": {"checkpoint_every_steps": 4}}, consumers=1, slots=6)
+    pipeline_config(
+        run,
+        target,
+        data,
+        {
+            "run": {"ledger_dir": str(ledger)},
+            "data": {"epochs": 3},
+            "supervisor": {"exit_timeout_s": 3},
+            "train": {"checkpoint_every_steps": 4},
+        },
+        consumers=1,
+        slots=6,
+    )
     sup, producer, drafter = run.supervisor(), run.role("target", 0), run.role("drafter", 0)
     trained = lambda: sum(r["ev"] == "train" for r in read_ledger(ledger / "drafter-0.jsonl").records)  # noqa: E731
-    wait_for(lambda: (ledger / "drafter-0.jsonl").exists() and trained() >= 2 and _ready(run.name) >= 1,
-             timeout=300, what="training under way with items waiting in the ring")
+    wait_for(
+        lambda: (ledger / "drafter-0.jsonl").exists() and trained() >= 2 and _ready(run.name) >= 1,
+        timeout=300,
+        what="training under way with items waiting in the ring",
+    )
     drafter.send_signal(signal.SIGSTOP)
     run.cli("stop", "--now", "--config", str(run.config), "--timeout", "120", check=False)
     assert wait_exit(sup, 180) == EXIT_FENCED  # it gave up on the drafter: a clean end after a fence (3)

@@ -7,8 +7,9 @@ drafters) with the ledger on (`run.ledger_dir`, common/ledger.py):
 2. the chaos run, sized to outlast the fault window. Once training is under way, `kills`
    signals go out at seeded random moments within `seconds`, to random targets, drafters and
    the supervisor (with target.tensor_parallel > 1, half of a target's SIGKILLs go to one of its group's other
-   ranks: its leader goes down with it, and is restarted as any dead target is): SIGKILL, or SIGTERM (a target or drafter then stops cleanly; the supervisor
-   drains the run, after which the whole run is started again, as an operator would).
+   ranks: its leader goes down with it, and is restarted as any dead target is): SIGKILL, or SIGTERM (a target or
+   drafter then stops cleanly; the supervisor drains the run, after which the whole run is started again, as an
+   operator would).
    A restarter (tools/restarter.py) brings back every process that was signalled or exited
    non-zero, after a random delay, with the command it was started with (Restart=on-failure).
    With `whole_run_stops`, the whole run is also stopped that many times at random moments, in one
@@ -61,8 +62,18 @@ from typing import Any
 from dflash_ring.common.config.load import load_config
 from dflash_ring.common.config.schema import Config, RunConfig
 from dflash_ring.common.ledger import read_ledger
-from dflash_ring.common.ledger_events import (DrafterStart, Exited, ProducerStart, Published, ShardDone, StartupDone,
-                                              SupervisorStart, Trained, is_one_of, kind)
+from dflash_ring.common.ledger_events import (
+    DrafterStart,
+    Exited,
+    ProducerStart,
+    Published,
+    ShardDone,
+    StartupDone,
+    SupervisorStart,
+    Trained,
+    is_one_of,
+    kind,
+)
 from dflash_ring.common.ring import Ring, RingNotFound
 from dflash_ring.common.ring.segment import leftover_files
 from dflash_ring.tools.fleet import cli_command
@@ -114,13 +125,17 @@ class ChaosOptions:
         opens when the first kill is due (Phase.execute: `kills` and training under way), and the whole-run stops
         are scheduled inside it, so stops without kills would never happen and the run would pass untested."""
         if self.kills < 0 or self.whole_run_stops < 0 or self.epochs < 0 or self.standbys < 0:
-            return (f"--kills {self.kills}, --whole-run-stops {self.whole_run_stops}, --epochs {self.epochs}, "
-                    f"--standbys {self.standbys}: none may be negative")
+            return (
+                f"--kills {self.kills}, --whole-run-stops {self.whole_run_stops}, --epochs {self.epochs}, "
+                f"--standbys {self.standbys}: none may be negative"
+            )
         if not self.seconds > 0 or self.seconds == float("inf"):
             return f"--seconds {self.seconds}: the fault window must be a finite number of seconds > 0"
         if self.whole_run_stops and not self.kills:
-            return (f"--whole-run-stops {self.whole_run_stops} with --kills 0: the stops are scheduled in the fault "
-                    "window, which the first kill opens, so none would happen; give --kills 1 or more")
+            return (
+                f"--whole-run-stops {self.whole_run_stops} with --kills 0: the stops are scheduled in the fault "
+                "window, which the first kill opens, so none would happen; give --kills 1 or more"
+            )
         return None
 
 
@@ -134,6 +149,7 @@ class Kill:
 
 
 # ---- configuration of one phase -------------------------------------------------------------------
+
 
 def phase_overrides(base: list[str], name: str, directory: Path, epochs: int) -> list[str]:
     d = directory.resolve()
@@ -153,6 +169,7 @@ def phase_overrides(base: list[str], name: str, directory: Path, epochs: int) ->
 
 # ---- the ledger, reconciled -------------------------------------------------------------------------
 
+
 def _percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -164,8 +181,9 @@ def _p50_max(values: list[float]) -> dict[str, float | None]:
     return {"p50": _percentile(values, 0.5), "max": _percentile(values, 1.0)}
 
 
-def recoveries(kills: list[Kill], spawns: list[tuple[float, str, int]],
-               ledgers: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, list[float]], int]:
+def recoveries(
+    kills: list[Kill], spawns: list[tuple[float, str, int]], ledgers: dict[str, list[dict[str, Any]]]
+) -> tuple[dict[str, list[float]], int]:
     """Seconds from each kill to its role's next incarnation doing work, by role; and kills never recovered.
 
     The next incarnation of a killed process is the process started again under its name, or whichever process
@@ -186,8 +204,9 @@ def recoveries(kills: list[Kill], spawns: list[tuple[float, str, int]],
         seats = {k.name} | {name for name, pids in workers.items() if k.pid in pids}  # a standby's: the one it took
         nxt = {pid for t, name, pid in spawns if name == k.name and t >= k.t}
         nxt |= {pid for name in seats for pid in workers.get(name, set())}
-        done = min((first_work[pid] for pid in nxt - {k.pid} if pid in first_work and first_work[pid] >= k.t),
-                   default=None)
+        done = min(
+            (first_work[pid] for pid in nxt - {k.pid} if pid in first_work and first_work[pid] >= k.t), default=None
+        )
         if done is None:
             unrecovered += 1
         else:
@@ -207,21 +226,27 @@ def startup_phases(ledgers: dict[str, list[dict[str, Any]]]) -> dict[str, dict[s
         for r in recs:
             for phase, s in r["phases"].items():
                 phases.setdefault(phase, []).append(s)
-        out[role] = {"starts": len(recs), "total_s": _p50_max([r["total"] for r in recs]),
-                     "phases_s": {phase: _p50_max(xs) for phase, xs in phases.items()}}
+        out[role] = {
+            "starts": len(recs),
+            "total_s": _p50_max([r["total"] for r in recs]),
+            "phases_s": {phase: _p50_max(xs) for phase, xs in phases.items()},
+        }
     return out
 
 
 # ---- one phase: start, (kill,) wait, check -------------------------------------------------------------
 
+
 class Phase:
-    def __init__(self, label: str, cfg_path: Path, sets: list[str], directory: Path, env: dict[str, str],
-                 opts: ChaosOptions):
+    def __init__(
+        self, label: str, cfg_path: Path, sets: list[str], directory: Path, env: dict[str, str], opts: ChaosOptions
+    ):
         self.label, self.cfg_path, self.sets, self.dir, self.opts = label, cfg_path, sets, directory, opts
         self.cfg: Config = load_config(cfg_path, sets)
         self.run = self.cfg.run.name
-        self.restarter = Restarter(cfg_path, sets, directory / "logs", env, random.Random(opts.seed + 1),
-                                   opts.restart_delay_s)
+        self.restarter = Restarter(
+            cfg_path, sets, directory / "logs", env, random.Random(opts.seed + 1), opts.restart_delay_s
+        )
         self.kills: list[Kill] = []
         self.window: tuple[float, float] | None = None
         self.full_restarts = 0
@@ -231,8 +256,12 @@ class Phase:
 
     def names(self) -> list[str]:
         t = self.cfg.topology
-        return (["supervisor"] + [f"target-{i}" for i in range(t.producers)] + [f"drafter-{j}" for j in range(t.consumers)]
-                + [f"standby-{k}" for k in range(self.opts.standbys)])
+        return (
+            ["supervisor"]
+            + [f"target-{i}" for i in range(t.producers)]
+            + [f"drafter-{j}" for j in range(t.consumers)]
+            + [f"standby-{k}" for k in range(self.opts.standbys)]
+        )
 
     def ledger_dir(self) -> Path:
         return Path(self.cfg.run.ledger_dir)
@@ -251,8 +280,11 @@ class Phase:
         """Pids that joined the run (their ledger's start record; the supervisor's after taking its row)."""
         pids = set()
         for path in self.ledger_dir().glob("*.jsonl"):
-            pids |= {r["pid"] for r in read_ledger(path).records
-                     if is_one_of(r, SupervisorStart, ProducerStart, DrafterStart)}
+            pids |= {
+                r["pid"]
+                for r in read_ledger(path).records
+                if is_one_of(r, SupervisorStart, ProducerStart, DrafterStart)
+            }
         return pids
 
     def _all_done(self) -> bool:
@@ -281,8 +313,11 @@ class Phase:
                 stalled = rng.choice(drafters)
                 r.signal(stalled, signal.SIGSTOP)
         if mode in ("stop-now", "stall-stop-now"):
-            subprocess.Popen(cli_command("stop", "--now", "--timeout", "300", config=self.cfg_path, sets=self.sets),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            subprocess.Popen(
+                cli_command("stop", "--now", "--timeout", "300", config=self.cfg_path, sets=self.sets),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         else:
             sig = signal.SIGTERM if mode == "sigterm-all" else signal.SIGKILL
             for name in r.alive():
@@ -372,8 +407,9 @@ class Phase:
                 r.stop_unjoined(self._joined())
                 if not r.wait_all_exit(self.opts.exit_timeout_s):
                     self.hung = r.alive()
-                    self.failures.append(f"still alive {self.opts.exit_timeout_s:.0f}s after the run ended: "
-                                         f"{', '.join(self.hung)}")
+                    self.failures.append(
+                        f"still alive {self.opts.exit_timeout_s:.0f}s after the run ended: {', '.join(self.hung)}"
+                    )
                 break
             if schedule and schedule[0][0] <= now and not drained_by_us:
                 flags = self._ring_flags()
@@ -404,7 +440,6 @@ class Phase:
         self.unsent = len(schedule)
         if self.window is not None and self.kills:  # postponed kills stretch the window
             self.window = (self.window[0], max(self.window[1], self.kills[-1].t))
-
 
     def _kill_rank(self, victim: str, rng: random.Random) -> int | None:
         """With tensor-parallel target groups (target.tensor_parallel > 1), half of a target's SIGKILLs go to one of
@@ -449,8 +484,7 @@ def _signal_for(role: str, rng: random.Random) -> str:
 
 
 def _clean(cfg_path: Path, sets: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(cli_command("clean", config=cfg_path, sets=sets), capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(cli_command("clean", config=cfg_path, sets=sets), capture_output=True, text=True, timeout=120)
 
 
 def leftovers(run: RunConfig) -> list[str]:
@@ -498,8 +532,11 @@ def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
     started = time.time()
     report: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "seed": opts.seed, "kills_requested": opts.kills, "seconds": opts.seconds,
-        "config": str(cfg_path), "overrides": base_sets,
+        "seed": opts.seed,
+        "kills_requested": opts.kills,
+        "seconds": opts.seconds,
+        "config": str(cfg_path),
+        "overrides": base_sets,
     }
     failures: list[str] = []
 
@@ -515,8 +552,14 @@ def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
         thr = throughput(ledgers, None)
         base_rate = thr["items_per_s"]
         per_epoch = rec["planned_batches"]
-        report["baseline"] = {"epochs": 1, "planned_batches": per_epoch, "trained": rec["trained_batches"],
-                              "missing": rec["missing"], **thr, "failures": phase.failures + rec["problems"]}
+        report["baseline"] = {
+            "epochs": 1,
+            "planned_batches": per_epoch,
+            "trained": rec["trained_batches"],
+            "missing": rec["missing"],
+            **thr,
+            "failures": phase.failures + rec["problems"],
+        }
         failures += [f"baseline: {f}" for f in phase.failures + rec["problems"]]
         if leftovers(phase.cfg.run):
             failures.append(f"baseline: left behind {leftovers(phase.cfg.run)}")
@@ -534,8 +577,9 @@ def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
     sets = phase_overrides(base_sets, f"chaos{opts.seed}", d, epochs)
     phase = Phase("chaos", cfg_path, sets, d, env, opts)
     t0 = time.monotonic()
-    phase.execute(opts.kills, opts.seconds,
-                  deadline_s=opts.seconds + max(600.0, 2 * opts.seconds) + 120 * opts.whole_run_stops)
+    phase.execute(
+        opts.kills, opts.seconds, deadline_s=opts.seconds + max(600.0, 2 * opts.seconds) + 120 * opts.whole_run_stops
+    )
     wall = time.monotonic() - t0
     ledgers, cut = read_ledgers(phase.ledger_dir())
     rec = reconcile(ledgers)
@@ -552,32 +596,47 @@ def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
     by_signal = Counter(f"{k.role}:{k.signal}" for k in phase.kills)
     chaos_rate = thr.get("items_per_s")
     report["chaos"] = {
-        "epochs": epochs, "wall_s": round(wall, 1), "cut_ledger_lines": cut,
-        "kills": {"sent": len(phase.kills), "unsent": phase.unsent,
-                  "by_role": {r: by_role.get(r, 0) for r in ("supervisor", "target", "drafter")},
-                  "by_role_and_signal": dict(sorted(by_signal.items()))},
-        "restarts": phase.restarter.restarts, "full_restarts_after_drain": phase.full_restarts,
+        "epochs": epochs,
+        "wall_s": round(wall, 1),
+        "cut_ledger_lines": cut,
+        "kills": {
+            "sent": len(phase.kills),
+            "unsent": phase.unsent,
+            "by_role": {r: by_role.get(r, 0) for r in ("supervisor", "target", "drafter")},
+            "by_role_and_signal": dict(sorted(by_signal.items())),
+        },
+        "restarts": phase.restarter.restarts,
+        "full_restarts_after_drain": phase.full_restarts,
         # Seats a warm standby (--standbys) took over from a dead drafter: its ledger start record names the dead pid.
         "standbys": opts.standbys,
-        "takeovers": sum(1 for name, recs in ledgers.items() if name.startswith("drafter-")
-                         for r in recs if kind(r) == DrafterStart.KIND and "took_over" in r),
+        "takeovers": sum(
+            1
+            for name, recs in ledgers.items()
+            if name.startswith("drafter-")
+            for r in recs
+            if kind(r) == DrafterStart.KIND and "took_over" in r
+        ),
         "whole_run_stops": phase.run_stops,
-        "recoveries": sum(map(len, rec_times.values())), "not_recovered_before_the_end": unrecovered,
+        "recoveries": sum(map(len, rec_times.values())),
+        "not_recovered_before_the_end": unrecovered,
         "recovery_s": _p50_max([t for times in rec_times.values() for t in times]),
         "recovery_s_by_role": {role: _p50_max(times) for role, times in sorted(rec_times.items())},
         "startup": startup_phases(ledgers),
-        "throughput": {**thr, "baseline_items_per_s": base_rate,
-                       "lost": round(1 - chaos_rate / base_rate, 3) if chaos_rate and base_rate else None},
+        "throughput": {
+            **thr,
+            "baseline_items_per_s": base_rate,
+            "lost": round(1 - chaos_rate / base_rate, 3) if chaos_rate and base_rate else None,
+        },
         "ledger": {k: v for k, v in rec.items() if k != "problems"},
         "exit_codes": exits,
         "failure_exits_restarted": sum(1 for codes in exits.values() for rc in codes[:-1] if rc > 0),
         "stopped_unjoined_after_a_run_ended": unjoined,
         "hung": phase.hung,
-        "clean": {"rc": clean.returncode, "output": (clean.stdout + clean.stderr).strip()[-500:],
-                  "leftovers": left},
+        "clean": {"rc": clean.returncode, "output": (clean.stdout + clean.stderr).strip()[-500:], "leftovers": left},
         "checkpoints": ckpts,
-        "kill_log": [{"t": round(k.t - started, 2), "process": k.name, "signal": k.signal, "pid": k.pid}
-                     for k in phase.kills],
+        "kill_log": [
+            {"t": round(k.t - started, 2), "process": k.name, "signal": k.signal, "pid": k.pid} for k in phase.kills
+        ],
         "logs": str(d / "logs"),
     }
     failures += phase.failures + rec["problems"]
@@ -586,9 +645,11 @@ def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
     if left:
         failures.append(f"left after clean: {left}")
     failures += [f"{name}: {v['error']}" for name, v in ckpts.items() if "error" in v]
-    bad_exits = {n: codes for n, codes in exits.items()
-                 if codes and not (codes[-1] == 0 or (phase.restarter.last_stopped_late(n)
-                                                      and codes[-1] == -signal.SIGTERM))}
+    bad_exits = {
+        n: codes
+        for n, codes in exits.items()
+        if codes and not (codes[-1] == 0 or (phase.restarter.last_stopped_late(n) and codes[-1] == -signal.SIGTERM))
+    }
     if bad_exits and not phase.hung:
         failures.append(f"last exit non-zero: {bad_exits}")
     report["failures"] = failures

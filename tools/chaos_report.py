@@ -10,12 +10,14 @@ def format_report(rep: dict[str, Any]) -> str:
     c = rep["chaos"]
     k, led, thr = c["kills"], c["ledger"], c["throughput"]
     lines = [
-        f"chaos run, seed {rep['seed']}: {'PASSED' if rep['passed'] else 'FAILED'} ({rep['seconds_total']:.0f}s in all)",
+        f"chaos run, seed {rep['seed']}: {'PASSED' if rep['passed'] else 'FAILED'} "
+        f"({rep['seconds_total']:.0f}s in all)",
         f"  kills: {k['sent']} sent ({', '.join(f'{r} {n}' for r, n in k['by_role'].items())}); "
         f"{', '.join(f'{r} {n}' for r, n in k['by_role_and_signal'].items())}",
         f"  restarts {c['restarts']}, full restarts after a drain {c['full_restarts_after_drain']}, "
         f"recoveries {c['recoveries']} (recovery p50 {c['recovery_s']['p50']}s, max {c['recovery_s']['max']}s; "
-        + ", ".join(f"{r} p50 {v['p50']}s" for r, v in c["recovery_s_by_role"].items()) + "), "
+        + ", ".join(f"{r} p50 {v['p50']}s" for r, v in c["recovery_s_by_role"].items())
+        + "), "
         f"not recovered before the end {c['not_recovered_before_the_end']}",
         f"  whole-run stops and restarts: {len(c['whole_run_stops'])} "
         f"({', '.join(s['mode'] for s in c['whole_run_stops']) or 'none'}); batches replayed {led['replayed_batches']}",
@@ -30,9 +32,11 @@ def format_report(rep: dict[str, Any]) -> str:
         f"{led['trained_then_replayed_after_crash']}, never {led['trained_then_lost_with_crash']}",
         f"  throughput in the fault window {thr.get('items_per_s')} items/s vs {thr.get('baseline_items_per_s')} "
         f"without faults: lost {thr.get('lost')}",
-        *(f"  start-up of {role} ({st['starts']} starts): p50 {st['total_s']['p50']}s, max {st['total_s']['max']}s; "
-          + ", ".join(f"{p} {v['p50']}/{v['max']}s" for p, v in st["phases_s"].items())
-          for role, st in c["startup"].items()),
+        *(
+            f"  start-up of {role} ({st['starts']} starts): p50 {st['total_s']['p50']}s, max {st['total_s']['max']}s; "
+            + ", ".join(f"{p} {v['p50']}/{v['max']}s" for p, v in st["phases_s"].items())
+            for role, st in c["startup"].items()
+        ),
         f"  hung: {c['hung'] or 'none'}; left after clean: {c['clean']['leftovers'] or 'nothing'}; "
         "checkpoints: " + ", ".join(f"{n} step {v.get('step')}" for n, v in c["checkpoints"].items()),
     ]

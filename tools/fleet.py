@@ -32,12 +32,19 @@ Sample = dict[str, float]
 
 def cli_command(*args: str, config: str | Path | None = None, sets: Sequence[str] = ()) -> list[str]:
     """`python -m dflash_ring ARGS [--config F] [--set S ...]`: any dflash-ring command as a child process."""
-    return [sys.executable, "-m", "dflash_ring", *args, *(["--config", str(config)] if config is not None else []),
-            *[a for s in sets for a in ("--set", s)]]
+    return [
+        sys.executable,
+        "-m",
+        "dflash_ring",
+        *args,
+        *(["--config", str(config)] if config is not None else []),
+        *[a for s in sets for a in ("--set", s)],
+    ]
 
 
-def role_command(name: str, config: str | Path, sets: Sequence[str] = (), *, device: str | None = None,
-                 reclaim_stale: bool = False) -> list[str]:
+def role_command(
+    name: str, config: str | Path, sets: Sequence[str] = (), *, device: str | None = None, reclaim_stale: bool = False
+) -> list[str]:
     """The command line of process `name`: "supervisor", "target-I", "drafter-J", or "standby-K" (a warm standby
     for every drafter, `drafter --standby`); the same every time it is started, as a unit's ExecStart is."""
     role, _, index = name.partition("-")
@@ -52,8 +59,9 @@ def role_command(name: str, config: str | Path, sets: Sequence[str] = (), *, dev
     return cli_command(*args, *(["--device", device] if device else []), config=config, sets=sets)
 
 
-def spawn(cmd: Sequence[str], log: Path | None = None, env: Mapping[str, str] | None = None,
-          name: str | None = None) -> subprocess.Popen:
+def spawn(
+    cmd: Sequence[str], log: Path | None = None, env: Mapping[str, str] | None = None, name: str | None = None
+) -> subprocess.Popen:
     """Start `cmd` with stdout and stderr appended to `log` (after a `==== HH:MM:SS start NAME` line when `name`
     is given: a log that several starts share says where each began), or piped as text lines when `log` is None."""
     env = dict(os.environ, **(env or {}))
@@ -86,8 +94,13 @@ def scrape(metrics: MetricsConfig, role: str, index: int = 0, timeout_s: float =
     return out
 
 
-def wait_for(predicate: Callable[[], object], timeout_s: float, what: str,
-             procs: Mapping[str, subprocess.Popen] = {}, poll_s: float = 1.0) -> None:
+def wait_for(
+    predicate: Callable[[], object],
+    timeout_s: float,
+    what: str,
+    procs: Mapping[str, subprocess.Popen] = {},
+    poll_s: float = 1.0,
+) -> None:
     """Until `predicate()` is true; a process of `procs` that exits meanwhile, or `timeout_s`, ends the wait with
     an error that names it."""
     deadline = time.monotonic() + timeout_s
@@ -101,9 +114,16 @@ def wait_for(predicate: Callable[[], object], timeout_s: float, what: str,
     raise TimeoutError(f"no {what} within {timeout_s:.0f}s")
 
 
-def wait_for_metrics(metrics: MetricsConfig, role: str, index: int, predicate: Callable[[Sample], object],
-                     timeout_s: float, what: str, procs: Mapping[str, subprocess.Popen] = {},
-                     poll_s: float = 1.0) -> Sample:
+def wait_for_metrics(
+    metrics: MetricsConfig,
+    role: str,
+    index: int,
+    predicate: Callable[[Sample], object],
+    timeout_s: float,
+    what: str,
+    procs: Mapping[str, subprocess.Popen] = {},
+    poll_s: float = 1.0,
+) -> Sample:
     """Until a scrape of the process satisfies `predicate`; that scrape."""
     seen: list[Sample] = []
 

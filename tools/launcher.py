@@ -57,14 +57,34 @@ def embedded_run_config(workdir: Path, target: Path, mask_token_id: int, data: P
         run=replace(d.run, name="tiny", run_dir=str(workdir / "locks")),
         ring=replace(d.ring, slots=8, slot_bytes=8 << 20, slot_header_bytes=64 << 10, wait_s=0.05),
         topology=replace(d.topology, producers=1, consumers=2),
-        data=replace(d.data, path=str(data), max_length=256, max_tokens_per_batch=2048, epochs=2,
-                     cache_dir=str(workdir / "data-cache")),
-        target=replace(d.target, path=str(target), layer_ids=[1, 2], mask_token_id=mask_token_id,
-                       state_dir=str(workdir / "state"), device="cpu"),
+        data=replace(
+            d.data,
+            path=str(data),
+            max_length=256,
+            max_tokens_per_batch=2048,
+            epochs=2,
+            cache_dir=str(workdir / "data-cache"),
+        ),
+        target=replace(
+            d.target,
+            path=str(target),
+            layer_ids=[1, 2],
+            mask_token_id=mask_token_id,
+            state_dir=str(workdir / "state"),
+            device="cpu",
+        ),
         drafter=DrafterConfig(num_hidden_layers=2, block_size=8, num_anchors=48),  # derives layer_types: no replace
-        train=replace(d.train, lr=3e-3, warmup_ratio=0.05, device="cpu", anchors_per_group=64,
-                      average_every_steps=10, checkpoint_dir=str(workdir / "checkpoints"),
-                      checkpoint_every_steps=100, log_every_steps=10),
+        train=replace(
+            d.train,
+            lr=3e-3,
+            warmup_ratio=0.05,
+            device="cpu",
+            anchors_per_group=64,
+            average_every_steps=10,
+            checkpoint_dir=str(workdir / "checkpoints"),
+            checkpoint_every_steps=100,
+            log_every_steps=10,
+        ),
         tracking=replace(d.tracking, backends=["tensorboard"]),  # curves for `tensorboard --logdir runs/tiny`
     )
     cfg.validate()
@@ -89,11 +109,18 @@ def embedded_config(workdir: Path, cache_dir: str = DEFAULT_CACHE) -> Path:
     cfg = embedded_run_config(workdir, target, read_marker(target)["mask_token_id"], replies)
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "run.toml"
-    path.write_text(dump_toml(cfg, header=EMBEDDED_HEADER, comments={
-        "data.path": "the tiny corpus's prompts with the tiny target's own replies (regenerate.toml makes them)",
-        "target": "the tiny target lives in the cache; `dflash-ring eval --target` takes this path",
-        "target.layer_ids": "the target layers the drafter is fed",
-    }))
+    path.write_text(
+        dump_toml(
+            cfg,
+            header=EMBEDDED_HEADER,
+            comments={
+                "data.path": "the tiny corpus's prompts with the tiny target's own replies "
+                "(regenerate.toml makes them)",
+                "target": "the tiny target lives in the cache; `dflash-ring eval --target` takes this path",
+                "target.layer_ids": "the target layers the drafter is fed",
+            },
+        )
+    )
     return path
 
 
@@ -103,10 +130,13 @@ def corpus_replies_config(run_cfg: Path, workdir: Path) -> Path:
 
     cfg = load_config(run_cfg)
     d = workdir / "corpus-replies"
-    cfg = replace(cfg, run=replace(cfg.run, name="tiny-corpus", run_dir=str(d / "locks")),
-                  data=replace(cfg.data, path=str(Path(cfg.target.path) / TRAIN_FILE)),
-                  target=replace(cfg.target, state_dir=str(d / "state")),
-                  train=replace(cfg.train, checkpoint_dir=str(d / "checkpoints")))
+    cfg = replace(
+        cfg,
+        run=replace(cfg.run, name="tiny-corpus", run_dir=str(d / "locks")),
+        data=replace(cfg.data, path=str(Path(cfg.target.path) / TRAIN_FILE)),
+        target=replace(cfg.target, state_dir=str(d / "state")),
+        train=replace(cfg.train, checkpoint_dir=str(d / "checkpoints")),
+    )
     path = workdir / "corpus-replies.toml"
     path.write_text(dump_toml(cfg, header="The embedded default on the tiny corpus's own replies, for comparison."))
     return path
@@ -186,8 +216,14 @@ class Progress:
         if self.ring_gone and not final:
             return None
         if not self.ring_seen:
-            return None if final else (f"waiting for the ring ({time.monotonic() - self.started:.0f}s: "
-                                       "supervisor starting, models loading)")
+            return (
+                None
+                if final
+                else (
+                    f"waiting for the ring ({time.monotonic() - self.started:.0f}s: "
+                    "supervisor starting, models loading)"
+                )
+            )
         parts = [f"items {self.consumed}/{self.planned or '?'}"]
         if self.planned:
             parts[0] += f" {100 * self.consumed / self.planned:.0f}%"
@@ -248,8 +284,7 @@ class Launch:
 
             check_precision(self.cfg.drafter.precision, self.cfg.train.device)
         if self.cfg.metrics.enabled:
-            ports = ", ".join(f"{name} {port}"
-                              for name, port in run_ports(self.cfg.metrics, self.cfg.topology).items())
+            ports = ", ".join(f"{name} {port}" for name, port in run_ports(self.cfg.metrics, self.cfg.topology).items())
             self.console.print(f"metrics at http://{self.cfg.metrics.bind}:PORT/metrics: {ports}")
         self._spawn("supervisor", reclaim_stale=True)
         for i in range(t.producers):
@@ -282,8 +317,12 @@ class Launch:
                 if self.procs["supervisor"].poll() is not None and not stopping:
                     drain()  # the supervisor died: stop the rest rather than train blind
                 elif not stopping and (why := self.cannot_finish()) is not None:
-                    print(f"  launcher | {why}: the run cannot finish, so it drains (what the ring holds goes to "
-                          "the replay lists) and ends with that exit code", file=sys.stderr, flush=True)
+                    print(
+                        f"  launcher | {why}: the run cannot finish, so it drains (what the ring holds goes to "
+                        "the replay lists) and ends with that exit code",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     drain()
                 time.sleep(0.2)
         finally:
@@ -300,9 +339,9 @@ class Launch:
         the units): a target that failed leaves its shard unfinished, and once every drafter has exited and one
         failed (a full disk under train.checkpoint_dir, a refused setting) nothing trains what the ring holds.
         The supervisor would wait for them for ever; a run that ends with the failure's exit code is seen."""
+
         def failed(role: str) -> dict[str, int]:
-            return {n: p.returncode for n, p in self.procs.items()
-                    if n.startswith(role) and p.poll() not in (None, 0)}
+            return {n: p.returncode for n, p in self.procs.items() if n.startswith(role) and p.poll() not in (None, 0)}
 
         if targets := failed("target-"):
             return ", ".join(f"{n} exited with {rc}" for n, rc in targets.items())
@@ -315,8 +354,10 @@ class Launch:
         """Steps and items from each drafter's last checkpoint (what its final line says); the rest as last seen."""
         done = {j: final_state(self.cfg.train.checkpoint_dir, j) for j in range(self.cfg.topology.consumers)}
         trained = sum(d["items"] for d in done.values() if d) if all(done.values()) else self.progress.consumed
-        table = Table(title=f"run {self.cfg.run.name}: {time.monotonic() - self.progress.started:.0f}s, "
-                            f"{trained} of {self.progress.planned or '?'} planned items trained")
+        table = Table(
+            title=f"run {self.cfg.run.name}: {time.monotonic() - self.progress.started:.0f}s, "
+            f"{trained} of {self.progress.planned or '?'} planned items trained"
+        )
         for col in ("process", "exit", "steps", "items", "loss (last seen)", "accept_len (last seen)", "tok/s"):
             table.add_column(col)
         for name, proc in self.procs.items():
@@ -326,9 +367,13 @@ class Launch:
                 v = self.progress.drafters.get(j, DrafterView())
                 done = final_state(self.cfg.train.checkpoint_dir, j)
                 tps = v.mean_tps()
-                cells = [str(done["step"]) if done else str(v.step), str(done["items"]) if done else str(v.items),
-                         f"{v.loss:.4f}" if v.loss is not None else "", f"{v.accept:.2f}" if v.accept is not None else "",
-                         f"{tps:.0f}" if tps is not None else ""]
+                cells = [
+                    str(done["step"]) if done else str(v.step),
+                    str(done["items"]) if done else str(v.items),
+                    f"{v.loss:.4f}" if v.loss is not None else "",
+                    f"{v.accept:.2f}" if v.accept is not None else "",
+                    f"{tps:.0f}" if tps is not None else "",
+                ]
             table.add_row(name, str(proc.returncode), *cells)
         return table
 
@@ -352,14 +397,22 @@ def run(config: str | None, overrides: list[str], workdir: str = "runs/tiny", ev
         other = train_and_export(corpus_replies_config(cfg_path, work), overrides, embedded, con)
         if isinstance(other, int):
             return other
-        _compare(cfg.drafter, cfg.target, Path(cfg.train.checkpoint_dir).parent / "drafter-untrained",
-                 {"trained on the target's regenerated replies": (exported, steps),
-                  "trained on the corpus's replies": other[1:]}, con)
+        _compare(
+            cfg.drafter,
+            cfg.target,
+            Path(cfg.train.checkpoint_dir).parent / "drafter-untrained",
+            {
+                "trained on the target's regenerated replies": (exported, steps),
+                "trained on the corpus's replies": other[1:],
+            },
+            con,
+        )
     return 0
 
 
-def train_and_export(cfg_path: Path, overrides: list[str], embedded: bool,
-                      con: Console) -> tuple[Config, Path, int] | int:
+def train_and_export(
+    cfg_path: Path, overrides: list[str], embedded: bool, con: Console
+) -> tuple[Config, Path, int] | int:
     """One whole run, then drafter 0's last checkpoint exported beside the checkpoints (drafter/); the exit
     code if a process failed."""
     # Several CPU processes on a few cores: one thread each, or they thrash (a 20-30x slowdown seen here).
@@ -368,8 +421,7 @@ def train_and_export(cfg_path: Path, overrides: list[str], embedded: bool,
     launch.start()
     rc = launch.wait()
     con.print(launch.summary())
-    _curves(Path(launch.cfg.train.checkpoint_dir).parent, launch.cfg.tracking_dir(), launch.cfg.tracking.backends,
-            con)
+    _curves(Path(launch.cfg.train.checkpoint_dir).parent, launch.cfg.tracking_dir(), launch.cfg.tracking.backends, con)
     if rc != 0:
         con.print(f"[red]a process exited with {rc}: see its lines above[/]")
         return rc
@@ -377,6 +429,7 @@ def train_and_export(cfg_path: Path, overrides: list[str], embedded: bool,
 
     if out_dir.exists():
         import shutil
+
         shutil.rmtree(out_dir)
     exported = export_checkpoint(Path(launch.cfg.train.checkpoint_dir) / "drafter-0", out_dir)
     con.print(f"exported drafter: {exported}")
@@ -399,8 +452,13 @@ def _curves(run_dir: Path, tracking_dir: Path, backends: list[str], con: Console
         con.print(f"curves: `tensorboard --logdir {tracking_dir / 'tensorboard'}` (one run per drafter)")
 
 
-def _compare(drafter: DrafterConfig, target: TargetConfig, untrained_dir: Path, trained: dict[str, tuple[Path, int]],
-             con: Console) -> None:
+def _compare(
+    drafter: DrafterConfig,
+    target: TargetConfig,
+    untrained_dir: Path,
+    trained: dict[str, tuple[Path, int]],
+    con: Console,
+) -> None:
     """Acceptance on held-out prompts: the trained drafters against an untrained one of the same shape (exported to
     `untrained_dir` once)."""
     import torch
@@ -418,8 +476,12 @@ def _compare(drafter: DrafterConfig, target: TargetConfig, untrained_dir: Path, 
     if not untrained_dir.exists():
         torch.manual_seed(0)
         drafter_cfg = resolve_drafter_config(drafter, target)
-        export_drafter(build_drafter(drafter_cfg, target_config_dict(target.path)), drafter_cfg,
-                       target_config_dict(target.path), untrained_dir)
+        export_drafter(
+            build_drafter(drafter_cfg, target_config_dict(target.path)),
+            drafter_cfg,
+            target_config_dict(target.path),
+            untrained_dir,
+        )
     table = Table(title="acceptance length on held-out prompts (greedy, lossless)")
     table.add_column("drafter")
     table.add_column("steps")
@@ -434,8 +496,10 @@ def _compare(drafter: DrafterConfig, target: TargetConfig, untrained_dir: Path, 
     (first, a), (second, b) = list(per_prompt.items())[-2:]
     if (diff := paired_difference(a, b)) is not None:
         mean, half, n = diff
-        con.print(f"{first} minus {second}: tau {mean:+.2f} ± {half:.2f} (95% interval over the {n} prompts, "
-                  f"paired: the same prompts decoded by both)")
+        con.print(
+            f"{first} minus {second}: tau {mean:+.2f} ± {half:.2f} (95% interval over the {n} prompts, "
+            f"paired: the same prompts decoded by both)"
+        )
 
 
 def paired_difference(a: list[float | None], b: list[float | None]) -> tuple[float, float, int] | None:

@@ -9,8 +9,19 @@ from pathlib import Path
 from typing import Any
 
 from dflash_ring.common.ledger import read_ledger
-from dflash_ring.common.ledger_events import (CheckpointDurable, Evaluated, Exited, Got, Intake, LedgerEvent,
-                                              ProducerStart, Published, Trained, is_one_of, kind)
+from dflash_ring.common.ledger_events import (
+    CheckpointDurable,
+    Evaluated,
+    Exited,
+    Got,
+    Intake,
+    LedgerEvent,
+    ProducerStart,
+    Published,
+    Trained,
+    is_one_of,
+    kind,
+)
 
 
 def read_ledgers(directory: Path) -> tuple[dict[str, list[dict[str, Any]]], int]:
@@ -89,21 +100,27 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
     # The newest checkpoint of each drafter process whose state was taken and then became durable: a `train` record
     # after it, by a process that was killed, is in no surviving state (its successor resumed from that checkpoint).
-    last_snapshot = {pid: max((r.get("snapshot_t", r["t"]) for r in recs if kind(r) == CheckpointDurable.KIND),
-                              default=float("-inf"))
-                     for pid, recs in drafter_pids.items()}
+    last_snapshot = {
+        pid: max(
+            (r.get("snapshot_t", r["t"]) for r in recs if kind(r) == CheckpointDurable.KIND), default=float("-inf")
+        )
+        for pid, recs in drafter_pids.items()
+    }
 
     def lost(t: dict[str, Any]) -> bool:
         # (An `empty` batch had nothing to supervise: it made no update to lose.)
-        return (kind(t) == Trained.KIND and not t.get("empty") and t["pid"] in killed
-                and t["t"] > last_snapshot[t["pid"]])
+        return (
+            kind(t) == Trained.KIND and not t.get("empty") and t["pid"] in killed and t["t"] > last_snapshot[t["pid"]]
+        )
 
     def undone(t: dict[str, Any], k: tuple[int, int, int]) -> bool:
         """The trained slot was never released and was delivered again later (its holder died; the reaper
         redelivered it), or the update was lost (a killed drafter, after its last durable checkpoint) and the
         batch was announced to be produced again after it (the ring's removal held it, or a sealed journal)."""
-        again = any(g["t"] > t["t"] and g["item"] == t.get("item") and g["deliveries"] > t.get("deliveries", 0)
-                    for g in got.get(k, []))
+        again = any(
+            g["t"] > t["t"] and g["item"] == t.get("item") and g["deliveries"] > t.get("deliveries", 0)
+            for g in got.get(k, [])
+        )
         return again or (lost(t) or kind(t) == Evaluated.KIND) and any(rt > t["t"] for rt in replays.get(k, []))
 
     committed: dict[tuple[int, int, int], list[dict[str, Any]]] = {}
@@ -122,42 +139,51 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     explained_dupes, unexplained = 0, []
     for k, rs in got.items():
         for first, later in zip(rs, rs[1:]):
-            if ((first["item"] == later["item"] and later["deliveries"] > first["deliveries"]
-                 and first["pid"] in killed)
-                    or any(first["t"] < rt < later["t"] for rt in replays.get(k, []))):
+            if (
+                first["item"] == later["item"] and later["deliveries"] > first["deliveries"] and first["pid"] in killed
+            ) or any(first["t"] < rt < later["t"] for rt in replays.get(k, [])):
                 explained_dupes += 1
             else:
                 unexplained.append({"batch": k, "records": [first, later]})
     twice_trained = [{"batch": k, "records": rs} for k, rs in committed.items() if len(rs) > 1]
     # Each batch done as its kind: a held-out batch evaluated and never trained, a training batch trained.
-    held_out_trained = sorted(k for k, rs in committed.items()
-                              if k in held_out and any(kind(r) == Trained.KIND for r in rs))
-    evaluated_not_held_out = sorted(k for k, rs in committed.items()
-                                    if k not in held_out and any(kind(r) == Evaluated.KIND for r in rs))
+    held_out_trained = sorted(
+        k for k, rs in committed.items() if k in held_out and any(kind(r) == Trained.KIND for r in rs)
+    )
+    evaluated_not_held_out = sorted(
+        k for k, rs in committed.items() if k not in held_out and any(kind(r) == Evaluated.KIND for r in rs)
+    )
 
     def once_as(event: type[LedgerEvent], k: tuple[int, int, int]) -> bool:
         return [kind(r) for r in committed.get(k, [])] == [event.KIND]
+
     republished = [{"batch": k, "items": sorted(items)} for k, items in published.items() if len(items) > 1]
 
     # Taken from the ring by a drafter and never trained by anyone for good: nothing may be lost in flight.
     lost_in_flight = sorted(k for k in got if k not in committed and k not in {b for b, _ in lost_not_replayed})
     if lost_in_flight:
-        problems.append(f"{len(lost_in_flight)} batch(es) taken by a drafter and never trained (or evaluated), e.g. "
-                        f"{lost_in_flight[:5]}")
+        problems.append(
+            f"{len(lost_in_flight)} batch(es) taken by a drafter and never trained (or evaluated), e.g. "
+            f"{lost_in_flight[:5]}"
+        )
 
     # Trained by a killed drafter after the state of its last durable checkpoint was taken, and never produced again:
     # the update went with it, and no surviving state holds the batch (its journal must have brought it back).
     if lost_not_replayed:
-        problems.append(f"{len(lost_not_replayed)} batch(es) trained by a killed drafter after its last checkpoint "
-                        f"and never produced again, e.g. {[k for k, _ in lost_not_replayed[:5]]}")
+        problems.append(
+            f"{len(lost_not_replayed)} batch(es) trained by a killed drafter after its last checkpoint "
+            f"and never produced again, e.g. {[k for k, _ in lost_not_replayed[:5]]}"
+        )
 
     missing = sorted(expected - set(committed) - set(lost_in_flight))
     unexpected = sorted(set(committed) - expected)
     seen_only = set(got) | set(published)
     never_published = sorted(k for k in missing if k not in seen_only)
     if missing:
-        problems.append(f"{len(missing)} planned batch(es) never trained (or evaluated), e.g. {missing[:5]} "
-                        f"({len(never_published)} of them never published)")
+        problems.append(
+            f"{len(missing)} planned batch(es) never trained (or evaluated), e.g. {missing[:5]} "
+            f"({len(never_published)} of them never published)"
+        )
     if unexpected:
         problems.append(f"{len(unexpected)} trained batch(es) outside the producers' plan, e.g. {unexpected[:5]}")
     if twice_trained:
@@ -165,11 +191,14 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     if held_out_trained:
         problems.append(f"{len(held_out_trained)} held-out batch(es) trained, e.g. {held_out_trained[:5]}")
     if evaluated_not_held_out:
-        problems.append(f"{len(evaluated_not_held_out)} training batch(es) evaluated instead of trained, e.g. "
-                        f"{evaluated_not_held_out[:5]}")
+        problems.append(
+            f"{len(evaluated_not_held_out)} training batch(es) evaluated instead of trained, e.g. "
+            f"{evaluated_not_held_out[:5]}"
+        )
     if unexplained:
-        problems.append(f"{len(unexplained)} batch(es) taken twice without a redelivery or replay, e.g. "
-                        f"{unexplained[:2]}")
+        problems.append(
+            f"{len(unexplained)} batch(es) taken twice without a redelivery or replay, e.g. {unexplained[:2]}"
+        )
     if republished:
         problems.append(f"{len(republished)} batch(es) published twice, e.g. {republished[:3]}")
     pub_records = sum(len(v) for v in published.values())
@@ -196,8 +225,8 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "seen_twice_unexplained": len(unexplained),
         "lost_in_flight": len(lost_in_flight),
         "trained_then_lost_with_crash": len(lost_not_replayed),
-        "trained_then_replayed_after_crash": sum(1 for rs in trained.values() for t in rs if lost(t)) - len(
-            lost_not_replayed),
+        "trained_then_replayed_after_crash": sum(1 for rs in trained.values() for t in rs if lost(t))
+        - len(lost_not_replayed),
         "killed_drafter_incarnations": len(killed),
         "problems": problems,
     }
@@ -205,14 +234,23 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 def throughput(ledgers: dict[str, list[dict[str, Any]]], window: tuple[float, float] | None) -> dict[str, Any]:
     """Items the drafters got through (trained, or evaluated if held out) per second."""
-    ts = sorted(r["t"] for name, recs in ledgers.items() if name.startswith("drafter-")
-                for r in recs if is_one_of(r, Trained, Evaluated))
+    ts = sorted(
+        r["t"]
+        for name, recs in ledgers.items()
+        if name.startswith("drafter-")
+        for r in recs
+        if is_one_of(r, Trained, Evaluated)
+    )
     if len(ts) < 2:
         return {"items_done": len(ts), "items_per_s": None}
     lo, hi = (ts[0], ts[-1]) if window is None else (window[0], min(window[1], ts[-1]))
     n = sum(1 for t in ts if lo <= t <= hi)
-    return {"items_done": len(ts), "measured_over_s": round(hi - lo, 1), "items_in_span": n,
-            "items_per_s": round(n / (hi - lo), 2) if hi > lo else None}
+    return {
+        "items_done": len(ts),
+        "measured_over_s": round(hi - lo, 1),
+        "items_in_span": n,
+        "items_per_s": round(n / (hi - lo), 2) if hi > lo else None,
+    }
 
 
 # ---- the command ------------------------------------------------------------------------------------

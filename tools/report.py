@@ -40,8 +40,10 @@ def record_files(run_dir: Path) -> dict[int, Path]:
         found = {int(m.group(1)): p for p in d.glob("drafter-*.jsonl") if (m := RECORD.search(p.name))}
         if found:
             return dict(sorted(found.items()))
-    raise ReportError(f"no drafter record files (drafter-<j>.jsonl) in {run_dir / 'tracking'} or {run_dir}: give "
-                      "the run's directory (the one holding train.checkpoint_dir) or its tracking.dir")
+    raise ReportError(
+        f"no drafter record files (drafter-<j>.jsonl) in {run_dir / 'tracking'} or {run_dir}: give "
+        "the run's directory (the one holding train.checkpoint_dir) or its tracking.dir"
+    )
 
 
 # The keys the report reads as numbers (besides "step"): the per-drafter curves, held-out points, per-source curves.
@@ -56,15 +58,18 @@ def checked_records(path: Path) -> list[dict[str, Any]]:
     for line, r in enumerate(records, 1):
         where = f"record file {path}, line {line}"
         if not isinstance(r, dict):
-            raise ReportError(f"{where}: expected a JSON object, got {type(r).__name__}: the file is not a drafter's "
-                              "record file, or was edited; move it out of the directory")
+            raise ReportError(
+                f"{where}: expected a JSON object, got {type(r).__name__}: the file is not a drafter's "
+                "record file, or was edited; move it out of the directory"
+            )
         logged = "step" in r or r.get("series") in (TRAIN, EVAL)
         if logged:
             if type(r.get("step")) is not int:  # noqa: E721 (a bool is no step)
-                raise ReportError(f"{where}: a logged step needs an integer \"step\", got {r.get('step')!r}")
+                raise ReportError(f'{where}: a logged step needs an integer "step", got {r.get("step")!r}')
             if not isinstance(r.get("series"), str):
-                raise ReportError(f"{where}: a logged step needs a string \"series\" ({TRAIN!r} or {EVAL!r}), got "
-                                  f"{r.get('series')!r}")
+                raise ReportError(
+                    f'{where}: a logged step needs a string "series" ({TRAIN!r} or {EVAL!r}), got {r.get("series")!r}'
+                )
         for key, value in r.items():
             if NUMBER_KEY.match(key) and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise ReportError(f"{where}: {key!r} = {value!r}: expected a number")
@@ -102,8 +107,10 @@ def write_report(run_dir: Path, out: Path | None = None) -> tuple[Path, str]:
     fig, sources = figure(plt, records, run_dir.name, files[next(iter(files))].parent)
     _save(plt, fig, out)
     last = {j: max((r["step"] for r in rs if r.get("series") == TRAIN), default=0) for j, rs in records.items()}
-    return out, (f"loss and accept length of {len(records)} drafter(s) to step "
-                 f"{', '.join(f'{s}' for s in last.values())}" + (f", per source: {', '.join(sources)}" if sources else ""))
+    return out, (
+        f"loss and accept length of {len(records)} drafter(s) to step "
+        f"{', '.join(f'{s}' for s in last.values())}" + (f", per source: {', '.join(sources)}" if sources else "")
+    )
 
 
 def figure(plt: Any, records: dict[int, list[dict[str, Any]]], name: str, where: Path) -> tuple[Any, list[str]]:
@@ -121,7 +128,7 @@ def figure(plt: Any, records: dict[int, list[dict[str, Any]]], name: str, where:
             if last_step:  # a record file from before window/ figures: the logged steps' own
                 steps, values = series(rs, key)
             drawn += bool(steps)
-            line, = ax.plot(steps, values, label=f"drafter-{j}" + (" (last step)" if last_step else ""))
+            (line,) = ax.plot(steps, values, label=f"drafter-{j}" + (" (last step)" if last_step else ""))
             prob_key = "accept_len_prob" if last_step else "window/accept_len_prob"
             if key == "accept_len" and (prob := series(rs, prob_key))[0]:
                 ax.plot(*prob, linestyle=":", color=line.get_color(), label=f"drafter-{j} (probabilistic)")
@@ -132,11 +139,17 @@ def figure(plt: Any, records: dict[int, list[dict[str, Any]]], name: str, where:
             for i, source in enumerate(sources):  # a colour per source, a line style per drafter
                 steps, values = series(rs, f"source/{source}/{key}")
                 if steps:
-                    axes[row][1].plot(steps, values, color=f"C{i % 10}", linestyle=STYLES[j % len(STYLES)],
-                                      label=f"{source} (drafter-{j})")
+                    axes[row][1].plot(
+                        steps,
+                        values,
+                        color=f"C{i % 10}",
+                        linestyle=STYLES[j % len(STYLES)],
+                        label=f"{source} (drafter-{j})",
+                    )
                 if (ev := series(rs, f"eval/source/{source}/{key}", EVAL))[0]:
-                    axes[row][1].plot(*ev, color=f"C{i % 10}", linestyle="--", marker="o",
-                                      label=f"{source} (drafter-{j}) held-out")
+                    axes[row][1].plot(
+                        *ev, color=f"C{i % 10}", linestyle="--", marker="o", label=f"{source} (drafter-{j}) held-out"
+                    )
     if not drawn:
         plt.close(fig)
         raise ReportError(f"the record files in {where} hold no logged step yet")
@@ -151,8 +164,11 @@ def figure(plt: Any, records: dict[int, list[dict[str, Any]]], name: str, where:
     for ax in axes[1]:
         ax.set_xlabel("optimizer step")
     run = header.get("run", name)
-    fig.suptitle(f"run {run}: {len(records)} drafter(s)" + (f", {len(sources)} source(s)" if sources else "")
-                 + (f", config fingerprint {header['fingerprint'][:12]}" if "fingerprint" in header else ""))
+    fig.suptitle(
+        f"run {run}: {len(records)} drafter(s)"
+        + (f", {len(sources)} source(s)" if sources else "")
+        + (f", config fingerprint {header['fingerprint'][:12]}" if "fingerprint" in header else "")
+    )
     fig.tight_layout()
     return fig, sources
 
@@ -181,11 +197,14 @@ def calibration_of(path: Path) -> dict[str, Any]:
     try:
         report = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ReportError(f"{path} is neither a run directory nor a readable JSON file ({type(e).__name__}: {e})"
-                          ) from None
+        raise ReportError(
+            f"{path} is neither a run directory nor a readable JSON file ({type(e).__name__}: {e})"
+        ) from None
     if not isinstance(report, dict) or "tau" not in report:
-        raise ReportError(f"{path} is not the JSON of `dflash-ring eval --json`: give a run's directory, or an eval's "
-                          "JSON to draw its confidence's reliability diagram")
+        raise ReportError(
+            f"{path} is not the JSON of `dflash-ring eval --json`: give a run's directory, or an eval's "
+            "JSON to draw its confidence's reliability diagram"
+        )
     calibration = report.get("calibration")
     if calibration is None:
         raise ReportError(f"{path} holds no calibration data: only a drafter with a confidence head (DSpark) has it")
@@ -211,15 +230,17 @@ def write_reliability(path: Path, out: Path | None = None) -> tuple[Path, str]:
     plt = _pyplot()
     calibration = report["calibration"]
     positions, pooled = calibration["positions"], calibration["pooled"]
-    fig, (ax, counts_ax, metrics_ax) = plt.subplots(
-        1, 3, figsize=(17, 5.5), gridspec_kw={"width_ratios": [1.25, 1, 1]})
+    fig, (ax, counts_ax, metrics_ax) = plt.subplots(1, 3, figsize=(17, 5.5), gridspec_kw={"width_ratios": [1.25, 1, 1]})
     ax.plot([0, 1], [0, 1], linestyle=":", color="grey", label="perfect calibration")
     for i, row in enumerate([*positions, pooled]):
         filled = [b for b in row["bins"] if b["count"]]
         is_pooled = row is pooled
-        label = (f"pooled (ECE {row['ece']:.3f})" if is_pooled else f"k = {row['position']} (ECE {row['ece']:.3f})")
-        style = dict(color="black", linewidth=2.5, marker="s", zorder=3) if is_pooled else dict(
-            color=f"C{i % 10}", linewidth=1, marker="o", alpha=0.8)
+        label = f"pooled (ECE {row['ece']:.3f})" if is_pooled else f"k = {row['position']} (ECE {row['ece']:.3f})"
+        style = (
+            dict(color="black", linewidth=2.5, marker="s", zorder=3)
+            if is_pooled
+            else dict(color=f"C{i % 10}", linewidth=1, marker="o", alpha=0.8)
+        )
         ax.plot([b["mean_predicted"] for b in filled], [b["observed"] for b in filled], label=label, **style)
     ax.set_xlim(-0.02, 1.02)
     ax.set_ylim(-0.02, 1.02)
@@ -230,11 +251,24 @@ def write_reliability(path: Path, out: Path | None = None) -> tuple[Path, str]:
     ax.legend(fontsize=7, loc="upper left")
     bins = pooled["bins"]
     width = bins[0]["hi"] - bins[0]["lo"]
-    counts_ax.bar([b["lo"] for b in bins], [b["count"] for b in bins], width=width, align="edge", color="lightgrey",
-                  edgecolor="black", label="pooled")
+    counts_ax.bar(
+        [b["lo"] for b in bins],
+        [b["count"] for b in bins],
+        width=width,
+        align="edge",
+        color="lightgrey",
+        edgecolor="black",
+        label="pooled",
+    )
     for i, row in enumerate(positions):
-        counts_ax.plot([b["lo"] + width / 2 for b in row["bins"]], [b["count"] for b in row["bins"]], marker=".",
-                       color=f"C{i % 10}", linewidth=1, label=f"k = {row['position']}")
+        counts_ax.plot(
+            [b["lo"] + width / 2 for b in row["bins"]],
+            [b["count"] for b in row["bins"]],
+            marker=".",
+            color=f"C{i % 10}",
+            linewidth=1,
+            label=f"k = {row['position']}",
+        )
     counts_ax.set_xlim(0, 1)
     counts_ax.set_xlabel("predicted (bin)")
     counts_ax.set_ylabel("predictions in the bin")
@@ -246,8 +280,13 @@ def write_reliability(path: Path, out: Path | None = None) -> tuple[Path, str]:
     aurocs = [(row["position"], row["auroc"]) for row in positions if row["auroc"] is not None]
     if aurocs:
         metrics_ax.plot(*zip(*aurocs), marker="o", label="AUROC")
-    metrics_ax.plot(ks, [row["observed"] for row in positions], linestyle="--", color="grey",
-                    label="observed acceptance of the first k")
+    metrics_ax.plot(
+        ks,
+        [row["observed"] for row in positions],
+        linestyle="--",
+        color="grey",
+        label="observed acceptance of the first k",
+    )
     metrics_ax.set_ylim(0, 1)
     metrics_ax.set_xticks(ks)
     metrics_ax.set_xlabel("position k")
@@ -258,9 +297,13 @@ def write_reliability(path: Path, out: Path | None = None) -> tuple[Path, str]:
     temperature = report.get("temperature", 0)
     decoding = "greedy" if not temperature else f"temperature {temperature:g}"
     rounds = pooled["count"] // max(len(positions), 1)
-    fig.suptitle(f"{path.name}: confidence of {len(positions)} drafts per round over {rounds} rounds, {decoding}, "
-                 f"tau {report['tau']:.3f}")
+    fig.suptitle(
+        f"{path.name}: confidence of {len(positions)} drafts per round over {rounds} rounds, {decoding}, "
+        f"tau {report['tau']:.3f}"
+    )
     fig.tight_layout()
     _save(plt, fig, out)
-    return out, (f"reliability diagram of the confidence at {len(positions)} positions over {rounds} rounds, "
-                 f"pooled ECE {pooled['ece']:.3f}")
+    return out, (
+        f"reliability diagram of the confidence at {len(positions)} positions over {rounds} rounds, "
+        f"pooled ECE {pooled['ece']:.3f}"
+    )

@@ -21,8 +21,15 @@ from dflash_ring.tools.fleet import role_command, spawn
 
 
 class Restarter:
-    def __init__(self, cfg_path: Path, sets: list[str], log_dir: Path, env: dict[str, str], rng: random.Random,
-                 delay_s: tuple[float, float]):
+    def __init__(
+        self,
+        cfg_path: Path,
+        sets: list[str],
+        log_dir: Path,
+        env: dict[str, str],
+        rng: random.Random,
+        delay_s: tuple[float, float],
+    ):
         self.cfg_path, self.sets, self.log_dir, self.env = cfg_path, sets, log_dir, env
         self.rng, self.delay_s = rng, delay_s
         self.procs: dict[str, subprocess.Popen] = {}

@@ -106,37 +106,52 @@ class DataConfig:
         if self.format not in FORMATS:
             raise DataError(f"DataConfig.format={self.format!r}: use one of {', '.join(FORMATS)}")
         if self.max_tokens_per_batch < self.max_length:
-            raise DataError(f"data.max_tokens_per_batch = {self.max_tokens_per_batch} is below data.max_length = "
-                            f"{self.max_length}: a full-length sample would fit no batch; raise the one or lower "
-                            "the other")
+            raise DataError(
+                f"data.max_tokens_per_batch = {self.max_tokens_per_batch} is below data.max_length = "
+                f"{self.max_length}: a full-length sample would fit no batch; raise the one or lower "
+                "the other"
+            )
         if self.sources:
             self._check_sources()
 
     def _check_sources(self) -> None:
         if self.path:
-            raise DataError(f"data.path = {self.path!r} and [[data.sources]] are both set: use one, data.path for "
-                            "a single data set or [[data.sources]] for a weighted mixture")
+            raise DataError(
+                f"data.path = {self.path!r} and [[data.sources]] are both set: use one, data.path for "
+                "a single data set or [[data.sources]] for a weighted mixture"
+            )
         if self.format != "auto" or self.split != "train":
-            raise DataError("data.format and data.split apply to data.path: with [[data.sources]] set them in "
-                            "each source's entry")
+            raise DataError(
+                "data.format and data.split apply to data.path: with [[data.sources]] set them in each source's entry"
+            )
         if len(self.sources) > MAX_SOURCES:
-            raise DataError(f"{len(self.sources)} [[data.sources]] entries: at most {MAX_SOURCES} (each labels its own "
-                            "metrics series); merge some sources into one file")
+            raise DataError(
+                f"{len(self.sources)} [[data.sources]] entries: at most {MAX_SOURCES} (each labels its own "
+                "metrics series); merge some sources into one file"
+            )
         if all(s.eval for s in self.sources):
-            raise DataError("every [[data.sources]] entry has eval = true: nothing is left to train on; give at "
-                            "least one source eval = false")
+            raise DataError(
+                "every [[data.sources]] entry has eval = true: nothing is left to train on; give at "
+                "least one source eval = false"
+            )
         seen: dict[str, int] = {}
         for i, s in enumerate(self.sources):
             if not _NAME.fullmatch(s.name) or len(s.name) > MAX_SOURCE_NAME:
-                raise DataError(f"data.sources[{i}] name = {s.name[:MAX_SOURCE_NAME]!r}: a source name labels metrics "
-                                f"and tracker series and travels with every item, so it is 1 to {MAX_SOURCE_NAME} "
-                                "letters, digits, '_', '.' or '-'; set another name")
+                raise DataError(
+                    f"data.sources[{i}] name = {s.name[:MAX_SOURCE_NAME]!r}: a source name labels metrics "
+                    f"and tracker series and travels with every item, so it is 1 to {MAX_SOURCE_NAME} "
+                    "letters, digits, '_', '.' or '-'; set another name"
+                )
             if s.eval and s.repeat:
-                raise DataError(f"data.sources[{i}] ({s.name}) has eval = true and repeat = true: a held-out source "
-                                "gives each of its rows once an epoch; drop repeat")
+                raise DataError(
+                    f"data.sources[{i}] ({s.name}) has eval = true and repeat = true: a held-out source "
+                    "gives each of its rows once an epoch; drop repeat"
+                )
             if s.name in seen:
-                raise DataError(f"data.sources[{seen[s.name]}] and data.sources[{i}] are both named {s.name!r}: "
-                                "give each [[data.sources]] entry its own name")
+                raise DataError(
+                    f"data.sources[{seen[s.name]}] and data.sources[{i}] are both named {s.name!r}: "
+                    "give each [[data.sources]] entry its own name"
+                )
             seen[s.name] = i
 
     def source_names(self) -> tuple[str, ...]:
@@ -153,8 +168,12 @@ class DataConfig:
         tokenized under this very config (so its cache is the one it always had)."""
         if not self.sources:
             if not self.path:
-                raise DataError("data.path is empty: set it to a data file or directory, or list the sources of "
-                                "a mixture in [[data.sources]]")
+                raise DataError(
+                    "data.path is empty: set it to a data file or directory, or list the sources of "
+                    "a mixture in [[data.sources]]"
+                )
             return [(DataSource(path=self.path, format=self.format, split=self.split), self)]
-        return [(s, dataclasses.replace(self, path=s.path, format=s.format, split=s.split, sources=[]))
-                for s in self.sources]
+        return [
+            (s, dataclasses.replace(self, path=s.path, format=s.format, split=s.split, sources=[]))
+            for s in self.sources
+        ]

@@ -32,14 +32,25 @@ FP8_RECIPES = ("rowwise", "rowwise_with_gw_hp", "tensorwise")
 NUMERIC_FORMAT_FIELDS = ("precision", "fp8_recipe")
 # Fields added with DSpark, at the values every config had before them: model_fields leaves them out there, so a
 # DFlash config's fingerprint (and a running DFlash run's checkpoints) stay what they were.
-PRE_DSPARK_VALUES: dict[str, Any] = {"arch": "dflash", "ce_weight": 1.0, "tv_weight": 0.0, "confidence_weight": 0.0,
-                                     "markov_rank": 0, "markov_head": None}
+PRE_DSPARK_VALUES: dict[str, Any] = {
+    "arch": "dflash",
+    "ce_weight": 1.0,
+    "tv_weight": 0.0,
+    "confidence_weight": 0.0,
+    "markov_rank": 0,
+    "markov_head": None,
+}
 # Keys that only a DSpark drafter has: set on an arch = "dflash" drafter, they are refused.
 DSPARK_ONLY_FIELDS = ("markov_rank", "markov_head", "confidence_weight")
 # Fields added with DFlash2, at the values every other config has (0: no convolution, no selector): left out of
 # model_fields there, so DFlash and DSpark fingerprints stay what they were; set on another arch, they are refused.
-PRE_DFLASH2_VALUES: dict[str, Any] = {"conv_kernel_size": 0, "conv_group_size": 0, "selector_rank": 0,
-                                      "selector_top_k": 0, "selector_weight": 0.0}
+PRE_DFLASH2_VALUES: dict[str, Any] = {
+    "conv_kernel_size": 0,
+    "conv_group_size": 0,
+    "selector_rank": 0,
+    "selector_top_k": 0,
+    "selector_weight": 0.0,
+}
 DFLASH2_ONLY_FIELDS = tuple(PRE_DFLASH2_VALUES)
 
 # Named recipes: one line (`drafter.recipe = "ddtree"`) for the settings below; a key set explicitly wins.
@@ -58,24 +69,71 @@ DFLASH2_ONLY_FIELDS = tuple(PRE_DFLASH2_VALUES)
 #         1.0 (SpecForge/speculators/NeMo AM alpha_sel), 512 anchors (speculators' max_anchors). The backbone's
 #         loss is the paper's position-decayed CE with its B8 gamma 4 (speculators' default is KL: set kl_weight).
 RECIPES: dict[str, dict[str, Any]] = {
-    "paper": {"num_hidden_layers": 5, "block_size": 16, "num_anchors": 512, "loss": "ce", "kl_weight": 0.0,
-              "cap_weight": 0.0},
-    "dpace": {"num_hidden_layers": 5, "block_size": 16, "num_anchors": 512, "loss": "dpace", "dpace_alpha": 0.5,
-              "kl_weight": 0.0, "cap_weight": 0.0},
-    "ddtree": {"num_hidden_layers": 5, "block_size": 32, "num_anchors": 1024, "loss": "ce", "loss_gamma": 10.0,
-               "kl_weight": 0.15, "cap_weight": 0.1, "sliding_window": 2048},
-    "dspark": {"arch": "dspark", "num_hidden_layers": 5, "block_size": 7, "num_anchors": 512, "loss": "ce",
-               "loss_gamma": 4.0, "ce_weight": 0.1, "tv_weight": 0.9, "confidence_weight": 1.0, "kl_weight": 0.0,
-               "cap_weight": 0.0, "markov_rank": 256, "markov_head": "vanilla"},
-    "dflash2": {"arch": "dflash2", "num_hidden_layers": 5, "block_size": 8, "num_anchors": 512, "loss": "ce",
-                "loss_gamma": 4.0, "kl_weight": 0.0, "cap_weight": 0.0, "sliding_window": 2048,
-                "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16,
-                "selector_weight": 1.0},
+    "paper": {
+        "num_hidden_layers": 5,
+        "block_size": 16,
+        "num_anchors": 512,
+        "loss": "ce",
+        "kl_weight": 0.0,
+        "cap_weight": 0.0,
+    },
+    "dpace": {
+        "num_hidden_layers": 5,
+        "block_size": 16,
+        "num_anchors": 512,
+        "loss": "dpace",
+        "dpace_alpha": 0.5,
+        "kl_weight": 0.0,
+        "cap_weight": 0.0,
+    },
+    "ddtree": {
+        "num_hidden_layers": 5,
+        "block_size": 32,
+        "num_anchors": 1024,
+        "loss": "ce",
+        "loss_gamma": 10.0,
+        "kl_weight": 0.15,
+        "cap_weight": 0.1,
+        "sliding_window": 2048,
+    },
+    "dspark": {
+        "arch": "dspark",
+        "num_hidden_layers": 5,
+        "block_size": 7,
+        "num_anchors": 512,
+        "loss": "ce",
+        "loss_gamma": 4.0,
+        "ce_weight": 0.1,
+        "tv_weight": 0.9,
+        "confidence_weight": 1.0,
+        "kl_weight": 0.0,
+        "cap_weight": 0.0,
+        "markov_rank": 256,
+        "markov_head": "vanilla",
+    },
+    "dflash2": {
+        "arch": "dflash2",
+        "num_hidden_layers": 5,
+        "block_size": 8,
+        "num_anchors": 512,
+        "loss": "ce",
+        "loss_gamma": 4.0,
+        "kl_weight": 0.0,
+        "cap_weight": 0.0,
+        "sliding_window": 2048,
+        "conv_kernel_size": 2,
+        "conv_group_size": 16,
+        "selector_rank": 256,
+        "selector_top_k": 16,
+        "selector_weight": 1.0,
+    },
 }
 # A recipe's layer pattern, for however many layers the drafter has (ddtree: all sliding but the last; dflash2: all
 # sliding, as the released checkpoint).
-RECIPE_LAYER_TYPES = {"ddtree": lambda n: ["sliding_attention"] * (n - 1) + ["full_attention"],
-                      "dflash2": lambda n: ["sliding_attention"] * n}
+RECIPE_LAYER_TYPES = {
+    "ddtree": lambda n: ["sliding_attention"] * (n - 1) + ["full_attention"],
+    "dflash2": lambda n: ["sliding_attention"] * n,
+}
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -172,14 +230,19 @@ class DrafterConfig:
         arch = self.arch or recipe.get("arch", "dflash")
         if arch not in ARCHS:
             raise ValueError(f"arch {arch!r} must be one of {', '.join(map(repr, ARCHS))}")
-        # A resolved DFlash config written back (a checkpoint's, the launcher's) holds their DFlash values: not a refusal.
-        for other, only, before in (("dspark", DSPARK_ONLY_FIELDS, PRE_DSPARK_VALUES),
-                                    ("dflash2", DFLASH2_ONLY_FIELDS, PRE_DFLASH2_VALUES)):
+        # A resolved DFlash config written back (a checkpoint's, the launcher's) holds their DFlash values: not a
+        # refusal.
+        for other, only, before in (
+            ("dspark", DSPARK_ONLY_FIELDS, PRE_DSPARK_VALUES),
+            ("dflash2", DFLASH2_ONLY_FIELDS, PRE_DFLASH2_VALUES),
+        ):
             if arch != other and (set_here := [k for k in only if getattr(self, k) not in (None, before[k])]):
                 name = {"dspark": "DSpark", "dflash2": "DFlash2"}[other]
-                raise ValueError(f"{', '.join(set_here)} {'is' if len(set_here) == 1 else 'are'} {name}-only; this "
-                                 f"drafter has arch = {arch!r} (set arch = {other!r} or recipe = {other!r}, or remove "
-                                 f"{'it' if len(set_here) == 1 else 'them'})")
+                raise ValueError(
+                    f"{', '.join(set_here)} {'is' if len(set_here) == 1 else 'are'} {name}-only; this "
+                    f"drafter has arch = {arch!r} (set arch = {other!r} or recipe = {other!r}, or remove "
+                    f"{'it' if len(set_here) == 1 else 'them'})"
+                )
         defaults = {"dspark": _DSPARK_DEFAULTS, "dflash2": _DFLASH2_DEFAULTS}.get(arch, _DEFAULTS)
         for name, value in {**defaults, **recipe}.items():
             if getattr(self, name) is None:
@@ -200,8 +263,9 @@ class DrafterConfig:
     def _validate(self) -> None:
         """The checks one field against another; each number's own range is its field's (common/config/ranges.py)."""
         if self.loss not in ("ce", "dpace") or self.label not in ("data", "target_argmax"):
-            raise ValueError(f"loss {self.loss!r} must be 'ce' or 'dpace', label {self.label!r} 'data' or "
-                             "'target_argmax'")
+            raise ValueError(
+                f"loss {self.loss!r} must be 'ce' or 'dpace', label {self.label!r} 'data' or 'target_argmax'"
+            )
         if self.precision not in ("bf16", "fp8"):
             raise ValueError(f"precision {self.precision!r} must be 'bf16' or 'fp8'")
         if self.fp8_recipe not in FP8_RECIPES:
@@ -213,36 +277,51 @@ class DrafterConfig:
         if "sliding_attention" in self.layer_types and (self.sliding_window or 0) < self.block_size:
             raise ValueError("sliding_attention layers need sliding_window >= block_size")
         if self.markov_head is not None and self.markov_head not in MARKOV_HEAD_TYPES:
-            raise ValueError(f"markov_head {self.markov_head!r} must be one of {', '.join(map(repr, MARKOV_HEAD_TYPES))}")
+            raise ValueError(
+                f"markov_head {self.markov_head!r} must be one of {', '.join(map(repr, MARKOV_HEAD_TYPES))}"
+            )
         if min(self.ce_weight, self.tv_weight, self.kl_weight, self.cap_weight, self.confidence_weight) < 0:
             raise ValueError("ce_weight, tv_weight, kl_weight, cap_weight and confidence_weight must be >= 0")
         if self.arch == "dspark" and "sliding_attention" in self.layer_types:
-            raise ValueError("arch 'dspark' takes full_attention layers only: the engines that serve DSpark (vLLM, "
-                             "SGLang, llama.cpp) read no sliding window from its layout; remove layer_types or the "
-                             "sliding layers")
+            raise ValueError(
+                "arch 'dspark' takes full_attention layers only: the engines that serve DSpark (vLLM, "
+                "SGLang, llama.cpp) read no sliding window from its layout; remove layer_types or the "
+                "sliding layers"
+            )
         if self.arch == "dspark" and self.markov_rank < 1:
             raise ValueError("arch 'dspark' needs markov_rank >= 1 (the Markov head and the confidence head read it)")
-        if self.arch == "dflash2" and min(self.conv_kernel_size, self.conv_group_size, self.selector_rank,
-                                          self.selector_top_k) < 1:
-            raise ValueError("arch 'dflash2' needs conv_kernel_size, conv_group_size, selector_rank and selector_top_k "
-                             ">= 1")
+        if (
+            self.arch == "dflash2"
+            and min(self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k) < 1
+        ):
+            raise ValueError(
+                "arch 'dflash2' needs conv_kernel_size, conv_group_size, selector_rank and selector_top_k >= 1"
+            )
         if self.arch == "dflash2" and self.conv_kernel_size > self.block_size:
-            raise ValueError(f"conv_kernel_size {self.conv_kernel_size} exceeds block_size {self.block_size}: its taps "
-                             "never cross a block, so the extra ones would read nothing")
+            raise ValueError(
+                f"conv_kernel_size {self.conv_kernel_size} exceeds block_size {self.block_size}: its taps "
+                "never cross a block, so the extra ones would read nothing"
+            )
         if self.selector_weight < 0:
             raise ValueError("selector_weight must be >= 0")
         if self.confidence_weight > 0 and self.loss != "ce":
-            raise ValueError("confidence_weight > 0 needs loss = 'ce': the confidence's BCE is weighted by the "
-                             "position decay, which D-PACE replaces")
+            raise ValueError(
+                "confidence_weight > 0 needs loss = 'ce': the confidence's BCE is weighted by the "
+                "position decay, which D-PACE replaces"
+            )
 
     def model_fields(self) -> dict[str, Any]:
         """Every field but the numeric format: what the ring's and the replica group's fingerprints compare. A
         format is not another model (bf16 and fp8 replicas may average their weights, a drafter may resume in
         the other format), and leaving it out keeps the fingerprint of every bf16 config as it was before the
         field existed."""
-        return {k: v for k, v in asdict(self).items() if k not in NUMERIC_FORMAT_FIELDS
-                and not (k in PRE_DSPARK_VALUES and v == PRE_DSPARK_VALUES[k])
-                and not (k in PRE_DFLASH2_VALUES and v == PRE_DFLASH2_VALUES[k])}
+        return {
+            k: v
+            for k, v in asdict(self).items()
+            if k not in NUMERIC_FORMAT_FIELDS
+            and not (k in PRE_DSPARK_VALUES and v == PRE_DSPARK_VALUES[k])
+            and not (k in PRE_DFLASH2_VALUES and v == PRE_DFLASH2_VALUES[k])
+        }
 
     @property
     def needs_target_logits(self) -> bool:
@@ -266,14 +345,30 @@ class DrafterConfig:
         return list(ids)
 
 
-_DEFAULTS: dict[str, Any] = {"num_hidden_layers": 1, "block_size": 16, "num_anchors": 512, "loss": "ce",
-                             "dpace_alpha": 0.5, "kl_weight": 0.0, "cap_weight": 0.0, "label": "data",
-                             "ce_weight": 1.0, "tv_weight": 0.0, "confidence_weight": 0.0, "markov_rank": 0,
-                             **PRE_DFLASH2_VALUES}
-_DSPARK_DEFAULTS: dict[str, Any] = {**_DEFAULTS, "confidence_weight": 1.0, "markov_rank": 256,
-                                    "markov_head": "vanilla"}
-_DFLASH2_DEFAULTS: dict[str, Any] = {**_DEFAULTS, "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256,
-                                     "selector_top_k": 16, "selector_weight": 1.0}
+_DEFAULTS: dict[str, Any] = {
+    "num_hidden_layers": 1,
+    "block_size": 16,
+    "num_anchors": 512,
+    "loss": "ce",
+    "dpace_alpha": 0.5,
+    "kl_weight": 0.0,
+    "cap_weight": 0.0,
+    "label": "data",
+    "ce_weight": 1.0,
+    "tv_weight": 0.0,
+    "confidence_weight": 0.0,
+    "markov_rank": 0,
+    **PRE_DFLASH2_VALUES,
+}
+_DSPARK_DEFAULTS: dict[str, Any] = {**_DEFAULTS, "confidence_weight": 1.0, "markov_rank": 256, "markov_head": "vanilla"}
+_DFLASH2_DEFAULTS: dict[str, Any] = {
+    **_DEFAULTS,
+    "conv_kernel_size": 2,
+    "conv_group_size": 16,
+    "selector_rank": 256,
+    "selector_top_k": 16,
+    "selector_weight": 1.0,
+}
 
 
 def target_text_config(target_config: Any) -> dict[str, Any]:

@@ -10,8 +10,9 @@ import typing
 from dflash_ring.common.config.schema import Config, ConfigError
 
 
-def dump_toml(cfg: Config, *, full: bool = False, header: str = "",
-              comments: typing.Mapping[str, str] | None = None) -> str:
+def dump_toml(
+    cfg: Config, *, full: bool = False, header: str = "", comments: typing.Mapping[str, str] | None = None
+) -> str:
     """`cfg` as TOML that `load_config` reads back equal: the one writer of run configs.
 
     By default only fields that differ from the defaults, and that the section does not derive from
@@ -43,8 +44,11 @@ def dump_toml(cfg: Config, *, full: bool = False, header: str = "",
         for name, entries in tables.items():  # after the section's own keys: TOML puts them in its table
             for i, entry in enumerate(entries):
                 fields = _kept_fields(entry, None, full)
-                out += ["", f"[[{section.name}.{name}]]",
-                        *(f"{k} = {_toml_value(v, f'{section.name}.{name}[{i}].{k}')}" for k, v in fields.items())]
+                out += [
+                    "",
+                    f"[[{section.name}.{name}]]",
+                    *(f"{k} = {_toml_value(v, f'{section.name}.{name}[{i}].{k}')}" for k, v in fields.items()),
+                ]
     return "\n".join(out) + "\n"
 
 
@@ -84,8 +88,11 @@ def _toml_value(v: typing.Any, name: str) -> str:
     if isinstance(v, float):
         return repr(v)  # shortest exact form; inf, -inf and nan are TOML's own spellings
     if isinstance(v, str):
-        return '"' + "".join(_TOML_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 0x20 or c == "\x7f" else c)
-                             for c in v) + '"'
+        return (
+            '"'
+            + "".join(_TOML_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 0x20 or c == "\x7f" else c) for c in v)
+            + '"'
+        )
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x, name) for x in v) + "]"
     raise ConfigError(f"{name} = {v!r}: a {type(v).__name__} cannot be written as TOML")

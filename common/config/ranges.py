@@ -41,8 +41,9 @@ class Range:
         if isinstance(value, float) and not math.isfinite(value):
             return not self.finite
         high = self._high(type(value))
-        return ((self.low is None or value > self.low or (value == self.low and not self.low_open))
-                and (high is None or value < high or (value == high and not self.high_open)))
+        return (self.low is None or value > self.low or (value == self.low and not self.low_open)) and (
+            high is None or value < high or (value == high and not self.high_open)
+        )
 
     def describe(self, kind: type) -> str:
         """What the refusal says is allowed: 'a finite number > 0', 'an integer >= 1 and <= 10_000'."""

@@ -148,9 +148,11 @@ class Config:
         if self.target.ship_final_hidden is None:
             self.target = dataclasses.replace(self.target, ship_final_hidden=needed)
         elif needed and not self.target.ship_final_hidden:
-            raise ConfigError(f"drafter.kl_weight = {self.drafter.kl_weight} and drafter.label = "
-                              f"{self.drafter.label!r} read the target's distribution, but target.ship_final_hidden "
-                              "= false: remove that key (it then follows the drafter) or set it to true")
+            raise ConfigError(
+                f"drafter.kl_weight = {self.drafter.kl_weight} and drafter.label = "
+                f"{self.drafter.label!r} read the target's distribution, but target.ship_final_hidden "
+                "= false: remove that key (it then follows the drafter) or set it to true"
+            )
 
     def validate(self) -> None:
         try:
@@ -167,23 +169,29 @@ class Config:
             )
         t = self.topology
         if t.producers + t.consumers > MAX_PROCESSES:
-            raise ConfigError(f"topology.producers = {t.producers} and topology.consumers = {t.consumers}: at most "
-                              f"{MAX_PROCESSES} processes in all (each has a row in the ring header)")
+            raise ConfigError(
+                f"topology.producers = {t.producers} and topology.consumers = {t.consumers}: at most "
+                f"{MAX_PROCESSES} processes in all (each has a row in the ring header)"
+            )
         m = self.metrics
         if m.enabled:
             if t.producers > 99:
-                raise ConfigError(f"topology.producers = {t.producers}: metrics ports of targets (port_base + 1 + i) "
-                                  "would run into the drafters' (port_base + 100 + j); set metrics.enabled = false")
+                raise ConfigError(
+                    f"topology.producers = {t.producers}: metrics ports of targets (port_base + 1 + i) "
+                    "would run into the drafters' (port_base + 100 + j); set metrics.enabled = false"
+                )
             if m.port_base > 65535 - 100 - t.consumers:
-                raise ConfigError(f"metrics.port_base = {m.port_base}: must leave room for port_base + 100 + "
-                                  f"{t.consumers - 1} below 65536 (topology.consumers = {t.consumers}); lower it "
-                                  "or set metrics.enabled = false")
+                raise ConfigError(
+                    f"metrics.port_base = {m.port_base}: must leave room for port_base + 100 + "
+                    f"{t.consumers - 1} below 65536 (topology.consumers = {t.consumers}); lower it "
+                    "or set metrics.enabled = false"
+                )
 
         g = self.group
         if g.rendezvous and not re.match(r"^tcp://([^\s/:\[\]]+|\[[0-9A-Fa-f:.]+\]):\d{1,5}$", g.rendezvous):
             raise ConfigError(f"group.rendezvous = {g.rendezvous!r}: expected tcp://host:port")
         if g.serve and not g.rendezvous:
-            raise ConfigError("group.serve = true needs group.rendezvous = \"tcp://host:port\" to listen on")
+            raise ConfigError('group.serve = true needs group.rendezvous = "tcp://host:port" to listen on')
         if g.rendezvous:
             try:
                 group_secret(g.secret_file)  # here, so a missing or exposed secret stops the run at start
@@ -225,7 +233,6 @@ class Config:
         return Path(self.train.checkpoint_dir).parent / "tracking"
 
 
-
 def drafter_target_settings(drafter: DrafterConfig, target: TargetConfig) -> tuple[int, list[int]]:
     """The drafter's mask token and feature layers, resolved against the target (its config.json's geometry),
     as every drafter process validates them before building anything: a refusal is a ConfigError (one line at
@@ -233,16 +240,22 @@ def drafter_target_settings(drafter: DrafterConfig, target: TargetConfig) -> tup
     geometry = target.geometry()  # a target it cannot read: its own TargetConfigError
     mask = drafter.mask_token_id if drafter.mask_token_id is not None else target.mask_token_id
     if mask is None:
-        raise ConfigError("target.mask_token_id is unset: a drafter needs the target's <|MASK|> embedding row; set "
-                          "it in [target] to the target's first unused row (151669 for Qwen3)")
+        raise ConfigError(
+            "target.mask_token_id is unset: a drafter needs the target's <|MASK|> embedding row; set "
+            "it in [target] to the target's first unused row (151669 for Qwen3)"
+        )
     if not 0 <= mask < geometry.vocab_size:
-        raise ConfigError(f"drafter.mask_token_id = {mask} is not a row of the {geometry.vocab_size}-row target "
-                          "embedding: set a row of it (or remove drafter.mask_token_id to use target.mask_token_id)")
+        raise ConfigError(
+            f"drafter.mask_token_id = {mask} is not a row of the {geometry.vocab_size}-row target "
+            "embedding: set a row of it (or remove drafter.mask_token_id to use target.mask_token_id)"
+        )
     # One source of truth for the features: the layers the producers capture.
     layer_ids = list(geometry.layer_ids)
     if drafter.target_layer_ids and list(drafter.target_layer_ids) != layer_ids:
-        raise ConfigError(f"drafter.target_layer_ids {drafter.target_layer_ids} differs from the layers the "
-                          f"producers capture {layer_ids}: set target.layer_ids instead")
+        raise ConfigError(
+            f"drafter.target_layer_ids {drafter.target_layer_ids} differs from the layers the "
+            f"producers capture {layer_ids}: set target.layer_ids instead"
+        )
     return mask, layer_ids
 
 

@@ -113,15 +113,18 @@ class TargetConfig:
         try:
             config = json.loads(file.read_text())
         except FileNotFoundError:
-            raise TargetConfigError(f"target.path: {file} does not exist (a local HF model directory is needed)") from None
+            raise TargetConfigError(
+                f"target.path: {file} does not exist (a local HF model directory is needed)"
+            ) from None
         except json.JSONDecodeError as e:
             raise TargetConfigError(f"target.path: {file} is not valid JSON: {e}") from None
         except (UnicodeDecodeError, RecursionError) as e:
             raise TargetConfigError(f"target.path: {file} is not a JSON text ({type(e).__name__})") from None
         if not isinstance(config, dict) or not isinstance(config.get("text_config") or {}, dict):
             what = "the file" if not isinstance(config, dict) else "its text_config"
-            raise TargetConfigError(f"target.path: {file}: {what} is not a JSON object; point target.path at a "
-                                    "Hugging Face model directory")
+            raise TargetConfigError(
+                f"target.path: {file}: {what} is not a JSON object; point target.path at a Hugging Face model directory"
+            )
         return target_text_config(config)
 
     def geometry(self) -> TargetGeometry:
@@ -134,8 +137,11 @@ class TargetConfig:
         return TargetGeometry(hidden, layers, vocab, ids, self.mask_token_id, bool(self.ship_final_hidden))
 
     def resolved_layer_ids(self, num_hidden_layers: int) -> list[int]:
-        ids = list(self.layer_ids) if self.layer_ids is not None else build_target_layer_ids(
-            num_hidden_layers, self.num_draft_layers)
+        ids = (
+            list(self.layer_ids)
+            if self.layer_ids is not None
+            else build_target_layer_ids(num_hidden_layers, self.num_draft_layers)
+        )
         # HF's hidden_states[L] is the final *normed* state, not layer L-1's output, so id L-1 would
         # mean two different things; the final state has its own switch (ship_final_hidden).
         if max(ids) > num_hidden_layers - 2:
@@ -163,13 +169,17 @@ def tensor_parallel_refusal(cfg: TargetConfig) -> str | None:
     for key in SHARDED_COUNTS:
         value = config.get(key)
         if type(value) is int and value % n:  # noqa: E721 (a bool is no count)
-            return (f"target.tensor_parallel = {n} does not divide the target's {key} = {value}: use a divisor "
-                    f"of it (the ranks shard it evenly)")
+            return (
+                f"target.tensor_parallel = {n} does not divide the target's {key} = {value}: use a divisor "
+                f"of it (the ranks shard it evenly)"
+            )
     text = load_target_hf_config(cfg.path).get_text_config()
     if not getattr(text, "base_model_tp_plan", None):
-        return (f"target.tensor_parallel = {n} refused: transformers has no tensor-parallel plan for "
-                f"{text.model_type!r} (set target.tensor_parallel = 1); families with one: "
-                f"{', '.join(tensor_parallel_families())}")
+        return (
+            f"target.tensor_parallel = {n} refused: transformers has no tensor-parallel plan for "
+            f"{text.model_type!r} (set target.tensor_parallel = 1); families with one: "
+            f"{', '.join(tensor_parallel_families())}"
+        )
     return None
 
 
@@ -177,8 +187,9 @@ def tensor_parallel_families() -> list[str]:
     """The model types whose installed transformers config carries a tensor-parallel plan (base_model_tp_plan)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    return sorted(name for name, config_class in CONFIG_MAPPING.items()
-                  if getattr(config_class, "base_model_tp_plan", None))
+    return sorted(
+        name for name, config_class in CONFIG_MAPPING.items() if getattr(config_class, "base_model_tp_plan", None)
+    )
 
 
 def plain_geometry(text_config: dict[str, Any]) -> tuple[int, int, int] | None:
@@ -209,8 +220,10 @@ def load_target_hf_config(path: str | Path) -> Any:
     except Exception as e:  # noqa: BLE001 (the reading phase's rule: whatever transformers raises reading the
         # file is the file's: strict-dataclass validation errors, a dtype it cannot name (AttributeError), ...)
         why = " ".join(str(e).split())[:500] or type(e).__name__
-        raise TargetConfigError(f"target config {file}: transformers refuses it ({why}); fix that field of the "
-                                "file or point target.path at another model") from None
+        raise TargetConfigError(
+            f"target config {file}: transformers refuses it ({why}); fix that field of the "
+            "file or point target.path at another model"
+        ) from None
 
 
 @contextmanager
@@ -229,9 +242,11 @@ def building_from(path: str | Path) -> Iterator[None]:
         raise
     except Exception as e:  # noqa: BLE001 (the phase's rule, see above)
         why = " ".join(str(e).split())[:500] or "no message"
-        raise TargetConfigError(f"target {Path(path).expanduser()}: transformers cannot build the model its "
-                                f"config.json describes ({type(e).__name__}: {why}); fix config.json (or the "
-                                "weights) or point target.path at another model") from None
+        raise TargetConfigError(
+            f"target {Path(path).expanduser()}: transformers cannot build the model its "
+            f"config.json describes ({type(e).__name__}: {why}); fix config.json (or the "
+            "weights) or point target.path at another model"
+        ) from None
 
 
 def check_target_builds(path: str | Path) -> None:
@@ -250,9 +265,11 @@ def check_target_builds(path: str | Path) -> None:
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     for name, shape in weight_shapes(Path(path).expanduser()).items():
         if name in expected and expected[name] != shape:
-            raise TargetConfigError(f"target {Path(path).expanduser()}: config.json makes {name} of shape "
-                                    f"{list(expected[name])}, its weights hold {list(shape)}: fix config.json or "
-                                    "point target.path at the model these weights belong to")
+            raise TargetConfigError(
+                f"target {Path(path).expanduser()}: config.json makes {name} of shape "
+                f"{list(expected[name])}, its weights hold {list(shape)}: fix config.json or "
+                "point target.path at the model these weights belong to"
+            )
 
 
 def _geometry_from_config_class(path: str) -> tuple[int, int, int]:
@@ -266,8 +283,10 @@ def _geometry_from_config_class(path: str) -> tuple[int, int, int]:
     file = Path(path).expanduser() / "config.json"
     for key, value in zip(keys, values):
         if type(value) is not int or value < 1:  # noqa: E721 (a bool is no count)
-            raise TargetConfigError(f"target config {file}: {key} = {value!r} as its config class "
-                                    f"{type(text).__name__} reads it: must be a positive integer")
+            raise TargetConfigError(
+                f"target config {file}: {key} = {value!r} as its config class "
+                f"{type(text).__name__} reads it: must be a positive integer"
+            )
     return values
 
 
@@ -294,5 +313,6 @@ def layer_count_key(text_config: Any) -> str:
         raise TargetConfigError(
             f"{type(text_config).__name__}: transformers {transformers.__version__} does not say whether num_layers "
             f"({other}) or num_hidden_layers ({layers}) counts the decoder layers whose outputs are the hidden states; "
-            "use a transformers whose output recorder names it (5.24 does)")
+            "use a transformers whose output recorder names it (5.24 does)"
+        )
     return "num_hidden_layers"

@@ -41,9 +41,24 @@ from dflash_ring.common.ring.segment import (
 from dflash_ring.common.ring.slots import SlotLostError, SlotReader, Slots, SlotWriter
 from dflash_ring.common.ring.table import ProcessTable
 
-__all__ = ["ConfigMismatchError", "ConsumerPort", "CorruptSlot", "HalfCreatedRingError", "ProducerPort", "Ring",
-           "RingNotFound", "RingSpec", "RingStatus", "SlotLostError", "SlotReader", "SlotWriter",
-           "fingerprint_digest", "impossible_word", "replica_segment_name", "segment_name"]
+__all__ = [
+    "ConfigMismatchError",
+    "ConsumerPort",
+    "CorruptSlot",
+    "HalfCreatedRingError",
+    "ProducerPort",
+    "Ring",
+    "RingNotFound",
+    "RingSpec",
+    "RingStatus",
+    "SlotLostError",
+    "SlotReader",
+    "SlotWriter",
+    "fingerprint_digest",
+    "impossible_word",
+    "replica_segment_name",
+    "segment_name",
+]
 
 
 class Ring:

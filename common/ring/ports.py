@@ -27,8 +27,7 @@ class ProducerPort:
     def acquire(self, timeout_s: float | None = None) -> SlotWriter | None:
         return self._slots.acquire(self.row, timeout_s)
 
-    def publish(self, w: SlotWriter, cursor: tuple[int, int] | None = None, replayed: int = 0,
-                tokens: int = 0) -> None:
+    def publish(self, w: SlotWriter, cursor: tuple[int, int] | None = None, replayed: int = 0, tokens: int = 0) -> None:
         self._slots.publish(w, self.row, cursor, replayed, tokens)
 
     def abort(self, w: SlotWriter) -> None:

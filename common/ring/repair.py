@@ -70,8 +70,11 @@ def impossible_word(word: int, roles: np.ndarray) -> str | None:
     want, role = _HOLDER[state], int(roles[owner])
     if role == want:
         return None
-    what = "a row no process has taken" if role == Role.NONE else (
-        f"the {Role(role).name.lower()} row" if role in Role._value2member_map_ else f"a row of role {role}")
+    what = (
+        "a row no process has taken"
+        if role == Role.NONE
+        else (f"the {Role(role).name.lower()} row" if role in Role._value2member_map_ else f"a row of role {role}")
+    )
     return f"is {state.name} by row {owner}, {what}: only a {want.name.lower()} row holds a slot {state.name}"
 
 
@@ -81,10 +84,12 @@ def _suspects(words: np.ndarray, roles: np.ndarray) -> np.ndarray:
     state, owner = words & 0xFF, (words >> 8) & 0xFFFF
     role = roles[np.minimum(owner, len(roles) - 1)].astype(np.int64)
     held = owner < len(roles)
-    fine = ((state == SlotState.FREE) & ((owner == NO_OWNER) | (words == 0))
-            | (state == SlotState.READY) & ((owner == NO_OWNER) | held & (role == Role.PRODUCER))
-            | (state == SlotState.WRITING) & held & (role == Role.PRODUCER)
-            | (state == SlotState.READING) & held & (role == Role.CONSUMER))
+    fine = (
+        (state == SlotState.FREE) & ((owner == NO_OWNER) | (words == 0))
+        | (state == SlotState.READY) & ((owner == NO_OWNER) | held & (role == Role.PRODUCER))
+        | (state == SlotState.WRITING) & held & (role == Role.PRODUCER)
+        | (state == SlotState.READING) & held & (role == Role.CONSUMER)
+    )
     return np.flatnonzero(~fine)
 
 
@@ -159,8 +164,15 @@ class Repair:
             word = int(words[slot])
             if impossible_word(word, roles) is None and self._slots.unconsumed(slot):
                 if self._slots.restore_unconsumed(slot, word):
-                    found.append(CorruptSlot(slot, int(seg.desc[slot]["item"]), word, "says FREE over a published "
-                                             "item no drafter claimed", "made READY again: redelivered"))
+                    found.append(
+                        CorruptSlot(
+                            slot,
+                            int(seg.desc[slot]["item"]),
+                            word,
+                            "says FREE over a published item no drafter claimed",
+                            "made READY again: redelivered",
+                        )
+                    )
         return found
 
     def _repair(self, slot: int, word: int, why: str) -> CorruptSlot | None:
@@ -168,8 +180,10 @@ class Repair:
         item = int(seg.desc[slot]["item"])
         gen = word >> 24
         if word & 0xFF == SlotState.FREE and self._slots.unconsumed(slot):
-            new, outcome = pack_state(gen + 1, NO_OWNER, SlotState.READY), ("made READY again: a published item "
-                                                                            "nobody consumed, redelivered")
+            new, outcome = (
+                pack_state(gen + 1, NO_OWNER, SlotState.READY),
+                ("made READY again: a published item nobody consumed, redelivered"),
+            )
         elif word & 0xFF == SlotState.FREE:
             new, outcome = pack_state(gen + 1, NO_OWNER, SlotState.FREE), "owner cleared (a free slot holds no item)"
         else:
@@ -232,16 +246,18 @@ class Repair:
         for i, r in enumerate(seg.rows.copy()):
             if r["role"] == Role.NONE:
                 continue
-            rows.append({
-                "row": i,
-                "role": Role(int(r["role"])).name.lower(),
-                "index": int(r["index"]),
-                "pid": int(r["pid"]),
-                "status": RowStatus(int(r["status"])).name.lower(),
-                "heartbeat_age_s": round((now - int(r["heartbeat_ns"])) / 1e9, 3),
-                "items": int(r["items"]),
-                "restarts": int(r["restarts"]),
-            })
+            rows.append(
+                {
+                    "row": i,
+                    "role": Role(int(r["role"])).name.lower(),
+                    "index": int(r["index"]),
+                    "pid": int(r["pid"]),
+                    "status": RowStatus(int(r["status"])).name.lower(),
+                    "heartbeat_age_s": round((now - int(r["heartbeat_ns"])) / 1e9, 3),
+                    "items": int(r["items"]),
+                    "restarts": int(r["restarts"]),
+                }
+            )
         return RingStatus(
             run=seg.identity.run_name,
             created_ns=seg.identity.created_ns,

@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 # ---- names ------------------------------------------------------------------------------------
 
+
 def segment_name(run: str) -> str:
     return f"{PREFIX}{check_run_name(run, 'the ring name')}"
 
@@ -74,8 +75,11 @@ def segment_files(run: str) -> list[Path]:
 def leftover_files(run: str) -> list[Path]:
     """Whatever /dev/shm holds under the run's names: its segments, its semaphores, anything else named after it."""
     base = segment_name(run)[1:]
-    return [SHM_DIR / n for n in sorted(os.listdir(SHM_DIR))
-            if n == base or n.startswith(f"{base}.") or n.startswith(f"sem.{base}.")]
+    return [
+        SHM_DIR / n
+        for n in sorted(os.listdir(SHM_DIR))
+        if n == base or n.startswith(f"{base}.") or n.startswith(f"sem.{base}.")
+    ]
 
 
 def fingerprint_digest(fields: Mapping[str, Any]) -> bytes:
@@ -85,6 +89,7 @@ def fingerprint_digest(fields: Mapping[str, Any]) -> bytes:
 
 
 # ---- errors -----------------------------------------------------------------------------------
+
 
 class RingNotFound(FileNotFoundError):
     pass
@@ -101,7 +106,8 @@ class HalfCreatedRingError(RingHeaderError):
         super().__init__(
             f"segment {segment_name(run)} has no ring header: a supervisor died while creating it (e.g. killed while "
             f"prefaulting a large ring), or is creating it right now. If no process of run {run!r} is alive, "
-            f"`dflash-ring supervisor --reclaim-stale` or `dflash-ring clean {run}` removes it")
+            f"`dflash-ring supervisor --reclaim-stale` or `dflash-ring clean {run}` removes it"
+        )
 
 
 class ConfigMismatchError(RuntimeError):
@@ -109,6 +115,7 @@ class ConfigMismatchError(RuntimeError):
 
 
 # ---- the spec ---------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class RingSpec:
@@ -130,22 +137,39 @@ class RingSpec:
         object.__setattr__(self, "fingerprint", fingerprint_digest(self.fields))
 
     @classmethod
-    def of(cls, run: str, *, producers: int, consumers: int, slots: int, slot_bytes: int, slot_header_bytes: int,
-           lock_dir: str | os.PathLike | None = None, agreed: Mapping[str, Any] | None = None,
-           **how: Any) -> RingSpec:
+    def of(
+        cls,
+        run: str,
+        *,
+        producers: int,
+        consumers: int,
+        slots: int,
+        slot_bytes: int,
+        slot_header_bytes: int,
+        lock_dir: str | os.PathLike | None = None,
+        agreed: Mapping[str, Any] | None = None,
+        **how: Any,
+    ) -> RingSpec:
         """A spec from the few numbers a ring has. `lock_dir`: where the run's processes hold their locks (none for
         a ring whose users hold none, as in the ring bench); `agreed`: further fields every process must agree on."""
-        own = {"run.name": run, "ring.slots": slots, "ring.slot_bytes": slot_bytes,
-               "ring.slot_header_bytes": slot_header_bytes, "topology.producers": producers,
-               "topology.consumers": consumers}
+        own = {
+            "run.name": run,
+            "ring.slots": slots,
+            "ring.slot_bytes": slot_bytes,
+            "ring.slot_header_bytes": slot_header_bytes,
+            "topology.producers": producers,
+            "topology.consumers": consumers,
+        }
         if lock_dir is not None:
             own["run.lock_dir"] = os.path.abspath(lock_dir)
-        geometry = Geometry(n_slots=slots, n_rows=1 + producers + consumers, slot_bytes=slot_bytes,
-                            slot_header_bytes=slot_header_bytes)
+        geometry = Geometry(
+            n_slots=slots, n_rows=1 + producers + consumers, slot_bytes=slot_bytes, slot_header_bytes=slot_header_bytes
+        )
         return cls(run, geometry, {**(agreed or {}), **own}, **how)
 
 
 # ---- the segment ------------------------------------------------------------------------------
+
 
 class Segment:
     """One process's mapping of a run's segment, with views of what the protocol reads and writes."""
@@ -181,7 +205,8 @@ class Segment:
             if mine.get(k) != theirs.get(k)
         ] or ["(fields equal but digest differs: the header is damaged)"]
         raise ConfigMismatchError(
-            f"config of this process does not match ring {self.name}: " + "; ".join(diffs)
+            f"config of this process does not match ring {self.name}: "
+            + "; ".join(diffs)
             + ". Start every process of a run with the same config file."
         )
 
@@ -224,8 +249,9 @@ class Segment:
 
     def header(self, slot: int) -> SlotHeader:
         geo = self.geometry
-        return decode_header(self.mv[geo.slot_offset(slot):][: geo.slot_header_bytes], geo.slot_bytes,
-                             geo.slot_header_bytes)
+        return decode_header(
+            self.mv[geo.slot_offset(slot) :][: geo.slot_header_bytes], geo.slot_bytes, geo.slot_header_bytes
+        )
 
     def clear_header(self, slot: int) -> None:
         """A claimed slot keeps no header until its publish writes one: the header left by the slot's previous
@@ -250,6 +276,7 @@ class Segment:
 
 
 # ---- create, open, remove ---------------------------------------------------------------------
+
 
 def create(spec: RingSpec) -> Segment:
     """Create the run's segment and semaphores exclusively (mode 0600). Supervisor only."""
@@ -298,16 +325,19 @@ def open_segment(run: str, timeout_s: float = 0.0) -> Segment:
                 + "): is the supervisor running? Start it with `dflash-ring supervisor --config ...`"
             )
         if not announced:
-            log.info("waiting up to %.0fs for the ring of run %r (%s): is its supervisor running?",
-                     timeout_s, run, name)
+            log.info(
+                "waiting up to %.0fs for the ring of run %r (%s): is its supervisor running?", timeout_s, run, name
+            )
             announced = True
         time.sleep(0.05)
 
 
 def _map(run: str, shm: posix_ipc.SharedMemory) -> Segment:
     name = segment_name(run)
-    fix = (f"If it is a stale run of yours, remove it as its owner with `dflash-ring clean {run}`; "
-           f"else choose another run.name")
+    fix = (
+        f"If it is a stale run of yours, remove it as its owner with `dflash-ring clean {run}`; "
+        f"else choose another run.name"
+    )
     try:
         check_private_fd(shm.fd, f"shared-memory segment {name}", fix)
     except ForeignObjectError:
@@ -359,12 +389,13 @@ def unlink(run: str) -> list[str]:
         if uid != os.geteuid():
             raise ForeignObjectError(
                 f"{path} belongs to uid {uid}, not to this user (uid {os.geteuid()}): not removing another "
-                f"user's objects; its owner (or root, by hand) must remove it, or choose another run.name")
+                f"user's objects; its owner (or root, by hand) must remove it, or choose another run.name"
+            )
     removed = []
-    for name, kind in [(segment_name(run), posix_ipc.unlink_shared_memory),
-                       (replica_segment_name(run), posix_ipc.unlink_shared_memory)] + [
-        (s, posix_ipc.unlink_semaphore) for s in semaphore_names(run)
-    ]:
+    for name, kind in [
+        (segment_name(run), posix_ipc.unlink_shared_memory),
+        (replica_segment_name(run), posix_ipc.unlink_shared_memory),
+    ] + [(s, posix_ipc.unlink_semaphore) for s in semaphore_names(run)]:
         try:
             kind(name)
             removed.append(name)

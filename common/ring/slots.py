@@ -90,10 +90,14 @@ class Slots:
                 continue
             if self.unconsumed(slot):  # a READY word rewritten to FREE: its item is not this producer's to drop
                 if self.restore_unconsumed(slot, word):
-                    log.error("slot %d (item %d) is corrupt: its state word %#x says FREE over a published item no "
-                              "drafter claimed (the protocol cannot produce that: another process wrote the "
-                              "segment); made READY again, redelivered, counted corrupt", slot,
-                              int(seg.desc[slot]["item"]), word)
+                    log.error(
+                        "slot %d (item %d) is corrupt: its state word %#x says FREE over a published item no "
+                        "drafter claimed (the protocol cannot produce that: another process wrote the "
+                        "segment); made READY again, redelivered, counted corrupt",
+                        slot,
+                        int(seg.desc[slot]["item"]),
+                        word,
+                    )
                 continue
             mine = pack_state(word >> 24, row, SlotState.WRITING)
             if seg.states[slot].cmpxchg_strong(expected=word, desired=mine):
@@ -103,17 +107,20 @@ class Slots:
                 d = seg.desc[slot]
                 d["item"], d["claimed_ns"], d["deliveries"] = item, time.time_ns(), 0
                 geo = seg.geometry
-                return SlotWriter(slot, item, mine, SlotLayout(geo.slot_bytes, geo.slot_header_bytes),
-                                  seg.slot_area(slot))
+                return SlotWriter(
+                    slot, item, mine, SlotLayout(geo.slot_bytes, geo.slot_header_bytes), seg.slot_area(slot)
+                )
         return None
 
     def acquire(self, row: int, timeout_s: float | None = None) -> SlotWriter | None:
         """Claim a slot, waiting while the ring is full. None on drain, shutdown or timeout."""
-        return self._wait(lambda: None if self._seg.draining else self.try_acquire(row), self._seg.sem_free, row,
-                          timeout_s)
+        return self._wait(
+            lambda: None if self._seg.draining else self.try_acquire(row), self._seg.sem_free, row, timeout_s
+        )
 
-    def publish(self, w: SlotWriter, row: int, cursor: tuple[int, int] | None = None, replayed: int = 0,
-                tokens: int = 0) -> None:
+    def publish(
+        self, w: SlotWriter, row: int, cursor: tuple[int, int] | None = None, replayed: int = 0, tokens: int = 0
+    ) -> None:
         """Make the slot READY. With a cursor, the producer's resume point moves to it in the same step.
 
         The resume point is (cursor, replayed): the next batch of the plan, and how many entries of the
@@ -137,8 +144,9 @@ class Slots:
         """Give a claimed slot back unpublished (e.g. on shutdown)."""
         seg = self._seg
         seg.clear_header(w.slot)  # a FREE slot with a header and no delivery is an unconsumed item (`unconsumed`)
-        if seg.states[w.slot].cmpxchg_strong(expected=w.word,
-                                             desired=pack_state((w.word >> 24) + 1, NO_OWNER, SlotState.FREE)):
+        if seg.states[w.slot].cmpxchg_strong(
+            expected=w.word, desired=pack_state((w.word >> 24) + 1, NO_OWNER, SlotState.FREE)
+        ):
             seg.hint(seg.sem_free)
 
     # ---- consumer side ------------------------------------------------------------------------
@@ -168,7 +176,8 @@ class Slots:
                 header = seg.header(slot)
             except SlotFormatError as e:
                 seg.states[slot].cmpxchg_strong(
-                    expected=mine, desired=pack_state((word >> 24) + 1, NO_OWNER, SlotState.FREE))
+                    expected=mine, desired=pack_state((word >> 24) + 1, NO_OWNER, SlotState.FREE)
+                )
                 seg.counters[Counter.CORRUPT].fetch_add(1)
                 seg.hint(seg.sem_free)
                 raise SlotFormatError(f"slot {slot} (item {item}) dropped: {e}") from None
@@ -183,8 +192,9 @@ class Slots:
         is set nothing more is claimed (a normal end has an empty ring; `stop --now` means stop),
         so what is READY then is exactly what goes untrained.
         """
-        return self._wait(lambda: None if self._seg.shutting_down else self.try_claim(row), self._seg.sem_ready,
-                          row, timeout_s)
+        return self._wait(
+            lambda: None if self._seg.shutting_down else self.try_claim(row), self._seg.sem_ready, row, timeout_s
+        )
 
     def release(self, r: SlotReader) -> None:
         """Hand a consumed slot back to the producers."""
@@ -197,8 +207,9 @@ class Slots:
     def requeue(self, r: SlotReader) -> None:
         """Give a claimed item back unconsumed, for another consumer to take."""
         seg = self._seg
-        if seg.states[r.slot].cmpxchg_strong(expected=r.word,
-                                             desired=pack_state((r.word >> 24) + 1, NO_OWNER, SlotState.READY)):
+        if seg.states[r.slot].cmpxchg_strong(
+            expected=r.word, desired=pack_state((r.word >> 24) + 1, NO_OWNER, SlotState.READY)
+        ):
             seg.hint(seg.sem_ready)
 
     # ---- counted transitions ------------------------------------------------------------------
@@ -258,8 +269,9 @@ class Slots:
         """CAS a FREE word over an unconsumed item back to READY, counted corrupt (a process that moved it
         meanwhile wins); the caller names it."""
         seg = self._seg
-        if not seg.states[slot].cmpxchg_strong(expected=word,
-                                               desired=pack_state((word >> 24) + 1, NO_OWNER, SlotState.READY)):
+        if not seg.states[slot].cmpxchg_strong(
+            expected=word, desired=pack_state((word >> 24) + 1, NO_OWNER, SlotState.READY)
+        ):
             return False
         seg.counters[Counter.CORRUPT].fetch_add(1)
         seg.hint(seg.sem_ready)
@@ -267,8 +279,9 @@ class Slots:
 
     # ---- waiting ------------------------------------------------------------------------------
 
-    def _wait(self, attempt: Callable[[], T | None], sem: posix_ipc.Semaphore, row: int,
-              timeout_s: float | None) -> T | None:
+    def _wait(
+        self, attempt: Callable[[], T | None], sem: posix_ipc.Semaphore, row: int, timeout_s: float | None
+    ) -> T | None:
         seg = self._seg
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         waited_from = None

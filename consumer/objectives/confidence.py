@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 
 
-def confidence_loss(logits: torch.Tensor, alpha: torch.Tensor, weights: torch.Tensor, normaliser: float) -> torch.Tensor:
+def confidence_loss(
+    logits: torch.Tensor, alpha: torch.Tensor, weights: torch.Tensor, normaliser: float
+) -> torch.Tensor:
     """sum w BCE(sigmoid(logits), alpha) / S over supervised rows (all [R], fp32)."""
     bce = F.binary_cross_entropy_with_logits(logits.float(), alpha.float(), reduction="none")
     return (weights * bce).sum() / normaliser

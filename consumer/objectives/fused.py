@@ -47,8 +47,14 @@ def _teacher_log_p(teacher: torch.Tensor, teacher_lse: torch.Tensor, row: torch.
     return teacher[row].float() - teacher_lse[row][:, None]
 
 
-def _logit_grad(logits: torch.Tensor, log_q: torch.Tensor, label: torch.Tensor, p: torch.Tensor | None,
-                c: Coefficients, spec: ChunkSpec):
+def _logit_grad(
+    logits: torch.Tensor,
+    log_q: torch.Tensor,
+    label: torch.Tensor,
+    p: torch.Tensor | None,
+    c: Coefficients,
+    spec: ChunkSpec,
+):
     """sum_t c_t d term_t / d logits per row, through the logit transform to the plain head product: (d in the
     logits' dtype, None), or (d in E5M2, its row scales) for the FP8 head."""
     q = log_q.exp()
@@ -64,8 +70,15 @@ def _logit_grad(logits: torch.Tensor, log_q: torch.Tensor, label: torch.Tensor, 
     return quantize_rows(d, E5M2) if spec.fp8 else (d.to(logits.dtype), None)
 
 
-def chunk_terms(logits: torch.Tensor, label: torch.Tensor, teacher: torch.Tensor | None,
-                teacher_lse: torch.Tensor | None, row: torch.Tensor | None, c: Coefficients | None, spec: ChunkSpec):
+def chunk_terms(
+    logits: torch.Tensor,
+    label: torch.Tensor,
+    teacher: torch.Tensor | None,
+    teacher_lse: torch.Tensor | None,
+    row: torch.Tensor | None,
+    c: Coefficients | None,
+    spec: ChunkSpec,
+):
     """Per-row CE, KL and L1 (zeros for a term the spec leaves out), the draft's top-1, the rows' log-normaliser
     and, when the coefficients are known already, d loss / d head product (fp32 inside; _logit_grad)."""
     lse_q = torch.logsumexp(logits.float(), dim=-1)
@@ -85,9 +98,16 @@ def chunk_terms(logits: torch.Tensor, label: torch.Tensor, teacher: torch.Tensor
     return ce, kl, tv, predictions, lse_q, d_logits
 
 
-def chunk_grad(logits: torch.Tensor, label: torch.Tensor, teacher: torch.Tensor | None,
-               teacher_lse: torch.Tensor | None, row: torch.Tensor | None, lse_q: torch.Tensor, c: Coefficients,
-               spec: ChunkSpec):
+def chunk_grad(
+    logits: torch.Tensor,
+    label: torch.Tensor,
+    teacher: torch.Tensor | None,
+    teacher_lse: torch.Tensor | None,
+    row: torch.Tensor | None,
+    lse_q: torch.Tensor,
+    c: Coefficients,
+    spec: ChunkSpec,
+):
     """d loss / d head product of one chunk once its coefficients are known (they depend on its CE: D-PACE, CAP):
     one elementwise pass, the softmax normalisers coming from the first."""
     p = _teacher_log_p(teacher, teacher_lse, row).exp() if spec.taught else None

@@ -7,8 +7,8 @@ features and markov_w2, are all that get one).
 
 Per chunk: the fused pass (fused.py) gives each row's CE, KL and L1; the weighting (position_decay.py, dpace.py) gives
 each row's weight w, before the CE when it can (then the gradient comes out of the same pass) or from the chunk's CE
-grid; CAP (cap.py) adds its coefficients from the CE's products. With plan.top_k (DFlash2), each chunk's top-K logits and
-ids are kept for the selector's objective (selector.py), which runs after the loop on [rows, K] only. The loop knows
+grid; CAP (cap.py) adds its coefficients from the CE's products. With plan.top_k (DFlash2), each chunk's top-K logits
+and ids are kept for the selector's objective (selector.py), which runs after the loop on [rows, K] only. The loop knows
 terms and coefficients, not recipes.
 """
 
@@ -88,7 +88,7 @@ class ChunkedHeadLoss(torch.autograd.Function):
         first, second = on(hidden.device, chunk_terms), on(hidden.device, chunk_grad)
         for c in range(len(plan.row_bounds) - 1):
             rows = slice(plan.row_bounds[c], plan.row_bounds[c + 1])
-            grid = valid[plan.block_bounds[c]:plan.block_bounds[c + 1]]
+            grid = valid[plan.block_bounds[c] : plan.block_bounds[c + 1]]
             draft = hidden[rows]
             plain = F.linear(draft.to(weight.dtype), weight) if plan.fp8 is None else plan.fp8.logits(draft)
             if markov is not None:  # DSpark: the Markov head's bias, formed per chunk like the head product
@@ -98,8 +98,9 @@ class ChunkedHeadLoss(torch.autograd.Function):
             coefficients = None
             if one_pass and needs_grad:
                 w = plan.weighting.fixed(rows) / s
-                coefficients = Coefficients(terms.ce * w, terms.kl * w if spec.kl else None,
-                                            terms.tv * w if spec.tv else None)
+                coefficients = Coefficients(
+                    terms.ce * w, terms.kl * w if spec.kl else None, terms.tv * w if spec.tv else None
+                )
             ce, kl, l1, predictions[rows], lse_q, d_logits = first(logits, labels[rows], *taught, coefficients, spec)
             if plan.top_k:
                 values, ids = torch.topk(logits, plan.top_k, dim=-1)
@@ -115,9 +116,14 @@ class ChunkedHeadLoss(torch.autograd.Function):
                 continue
             if d_logits[0] is None:
                 a = terms.ce * w / s + (cap.ce_coefficients(products, grid) if cap is not None else 0)
-                d_logits = second(logits, labels[rows], *taught, lse_q,
-                                  Coefficients(a, terms.kl * w / s if spec.kl else None,
-                                               terms.tv * w / s if spec.tv else None), spec)
+                d_logits = second(
+                    logits,
+                    labels[rows],
+                    *taught,
+                    lse_q,
+                    Coefficients(a, terms.kl * w / s if spec.kl else None, terms.tv * w / s if spec.tv else None),
+                    spec,
+                )
             d, d_scale = d_logits
             if markov is not None:  # the bias's gradient needs d itself, also when the head's product runs in FP8
                 if grad_markov is not None:

@@ -57,8 +57,7 @@ class CandidateLogits(torch.autograd.Function):
             coefficient = coefficient * ctx.multiplier
         if not candidates.shape[0]:
             return weight.new_zeros(0, weight.shape[1]).to(ctx.dtype), None, None, None, None, None
-        grad_hidden = F.embedding_bag(candidates, weight, per_sample_weights=coefficient.to(weight.dtype),
-                                      mode="sum")
+        grad_hidden = F.embedding_bag(candidates, weight, per_sample_weights=coefficient.to(weight.dtype), mode="sum")
         return grad_hidden.to(ctx.dtype), None, None, None, None, None
 
 
@@ -74,10 +73,19 @@ class SelectorTerms:
     normaliser: torch.Tensor  # sum of w over the rows in the CE
 
 
-def selector_terms(hidden: torch.Tensor, context: torch.Tensor, successor_codebook: torch.Tensor,
-                   values: torch.Tensor, candidates: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor,
-                   weights: torch.Tensor, head_weight: torch.Tensor, multiplier: float | None,
-                   cap: float | None) -> SelectorTerms:
+def selector_terms(
+    hidden: torch.Tensor,
+    context: torch.Tensor,
+    successor_codebook: torch.Tensor,
+    values: torch.Tensor,
+    candidates: torch.Tensor,
+    lse: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    head_weight: torch.Tensor,
+    multiplier: float | None,
+    cap: float | None,
+) -> SelectorTerms:
     """hidden [R, H] the supervised rows' draft states; context [R, r] their predecessor_codebook[prev] *
     hidden_projection(h); values/candidates [R, K] the chunk loop's top-K logits and ids; lse [R] the rows'
     log-normalisers; labels [R]; weights [R] the head loss's row weights (detached)."""

@@ -26,8 +26,15 @@ class TeacherLogits:
     row: torch.Tensor  # [R] int64: supervised row r reads position row[r]
 
 
-def teacher_logits(target_hidden: torch.Tensor, positions: torch.Tensor, weight: torch.Tensor,
-                   multiplier: float | None, cap: float | None, chunk_rows: int, keep_logits: bool) -> TeacherLogits:
+def teacher_logits(
+    target_hidden: torch.Tensor,
+    positions: torch.Tensor,
+    weight: torch.Tensor,
+    multiplier: float | None,
+    cap: float | None,
+    chunk_rows: int,
+    keep_logits: bool,
+) -> TeacherLogits:
     """Teacher logits of target_hidden[positions] [R, H], each distinct position's product computed once
     (in chunks of chunk_rows, so the softmax temporaries stay one chunk wide)."""
     distinct, row = torch.unique(positions, return_inverse=True)
