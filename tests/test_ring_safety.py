@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import signal
 import struct
 
@@ -130,12 +131,13 @@ def test_unknown_config_key_and_bad_override_are_named(tmp_path):
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_fuzzed_ring_header_gives_a_clear_error(data):
-    cfg = load_config(None, ["run.name=fuzzhdr", "ring.slots=2", "ring.slot_bytes=8192", "ring.slot_header_bytes=4096"])
-    Ring.unlink("fuzzhdr")
+    name = f"fuzzhdr{os.getpid()}"  # two suites on one box (or two xdist workers) never share it
+    cfg = load_config(None, [f"run.name={name}", "ring.slots=2", "ring.slot_bytes=8192", "ring.slot_header_bytes=4096"])
+    Ring.unlink(name)
     with Ring.create(ring_spec(cfg)) as ring:
         size = ring.geometry.total_bytes
         del ring
-    shm = posix_ipc.SharedMemory(segment_name("fuzzhdr"))
+    shm = posix_ipc.SharedMemory(segment_name(name))
     with mmap.mmap(shm.fd, shm.size) as mm:
         shm.close_fd()
         offset = data.draw(st.integers(0, 200), label="offset")
@@ -149,7 +151,7 @@ def test_fuzzed_ring_header_gives_a_clear_error(data):
     else:
         ring.close()  # the junk landed in a field we do not need, or rewrote it to its own value
     finally:
-        Ring.unlink("fuzzhdr")
+        Ring.unlink(name)
     assert len(original) == HEADER_BYTES and size > HEADER_BYTES
 
 
