@@ -192,7 +192,7 @@ def build(
             import_compiler()
         t_imports = time.perf_counter()
         head = reading.result()
-    log.info(
+    log.debug(
         "target head read in %.2fs%s",
         time.perf_counter() - t0,
         f" (beside it, the compiler imported in {t_imports - t0:.2f}s)" if compiles else "",
