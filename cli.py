@@ -255,7 +255,7 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--drafter", required=True, help="exported drafter directory")
     sp.add_argument("--target", required=True, help="target model directory (HF format, with tokenizer)")
     sp.add_argument("--data", required=True, help="jsonl of chats; each row's last assistant turn is regenerated")
-    sp.add_argument("--max-new-tokens", type=int, default=256)
+    sp.add_argument("--max-new-tokens", type=at_least_one, default=256)
     sp.add_argument("--limit", type=at_least_one, default=None, help="evaluate only the first K prompts (K >= 1)")
     sp.add_argument("--device", default="cpu")
     sp.add_argument(
@@ -655,21 +655,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from dflash_ring.consumer.evaluate import evaluate_drafter, format_report, report_json
 
     checked_device(args.device)  # before any model loads
-    try:
-        report = evaluate_drafter(
-            args.drafter,
-            args.target,
-            args.data,
-            max_new_tokens=args.max_new_tokens,
-            limit=args.limit,
-            device=args.device,
-            cpu_threads=args.threads or None,
-            tree_budgets=args.tree_budget,
-            temperature=args.temperature,
-            seed=args.seed,
-        )
-    except (OSError, ValueError) as e:  # missing files, a drafter of another target, a malformed data row
-        print(f"dflash-ring eval: error: {e}", file=sys.stderr)
-        return 2
+    # What it refuses of the inputs (EvalRefusal, ExportDirError, the target's refusals) and missing files are one
+    # line at main's boundary; any other error is a bug and keeps its traceback.
+    report = evaluate_drafter(
+        args.drafter,
+        args.target,
+        args.data,
+        max_new_tokens=args.max_new_tokens,
+        limit=args.limit,
+        device=args.device,
+        cpu_threads=args.threads or None,
+        tree_budgets=args.tree_budget,
+        temperature=args.temperature,
+        seed=args.seed,
+    )
     print(report_json(report) if args.json else format_report(report))
     return 0

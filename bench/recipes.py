@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -28,6 +27,7 @@ from typing import Any
 
 from dflash_ring.bench.progress import progress
 from dflash_ring.common.arguments import at_least_one, tree_budgets
+from dflash_ring.common.refusal import Refusal
 
 # variant -> its `--set` overrides on the embedded config.
 VARIANTS: dict[str, list[str]] = {
@@ -49,6 +49,10 @@ NO_TREE = {"dspark", "dflash2"}
 BASELINE = "paper"
 
 
+class UnknownVariant(Refusal, ValueError):
+    """A variant name the bench does not know: the user's, refused in one line (exit 2) before anything is built."""
+
+
 def run_recipes_bench(
     workdir: str | Path,
     variants: Sequence[str] = tuple(VARIANTS),
@@ -62,7 +66,7 @@ def run_recipes_bench(
     from dflash_ring.tools.launcher import console, embedded_config, train_and_export
 
     if unknown := [v for v in variants if v not in VARIANTS]:
-        raise ValueError(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+        raise UnknownVariant(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
     work = Path(workdir)
     cfg_path = embedded_config(work)  # builds (or finds cached) the tiny target and its regenerated replies
     results = work / "recipes.jsonl"
@@ -171,6 +175,14 @@ def summarize_runs(runs: Sequence[dict[str, Any]], budgets: Sequence[int]) -> li
     return table
 
 
+def seed_list(text: str) -> tuple[int, ...]:
+    """`--seeds`: refused as argparse's usage line and exit 2 before any run, as the other options are."""
+    try:
+        return tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes comma-separated integers, got {text!r}") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`dflash-ring bench recipes`'s own options (cli.py registers every bench by name, and hands it the rest)."""
     parser.add_argument("--workdir", default="runs/bench-recipes", help="where the runs and recipes.jsonl go")
@@ -179,32 +191,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="paper,dpace,ddtree,paper+target_argmax",
         help="comma-separated: paper, dpace, ddtree, paper+target_argmax, dspark",
     )
-    parser.add_argument("--seeds", default="0,1", help="comma-separated train/data seeds")
+    parser.add_argument("--seeds", type=seed_list, default=(0, 1), help="comma-separated train/data seeds")
     parser.add_argument("--tree-budget", type=tree_budgets, default=(16, 64, 256), metavar="N[,N...]")
     parser.add_argument("--prompts", type=at_least_one, default=100, help="held-out prompts evaluated")
     parser.add_argument("--max-new-tokens", type=at_least_one, default=64)
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        seeds = [int(s) for s in args.seeds.split(",")]
-    except ValueError:
-        print(
-            f"dflash-ring bench recipes: error: --seeds takes comma-separated integers, got {args.seeds!r}",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        report = run_recipes_bench(
-            args.workdir,
-            variants=args.variants.split(","),
-            seeds=seeds,
-            budgets=args.tree_budget,
-            prompts=args.prompts,
-            max_new_tokens=args.max_new_tokens,
-        )
-    except ValueError as e:
-        print(f"dflash-ring bench recipes: error: {e}", file=sys.stderr)
-        return 2
+    # An unknown variant (UnknownVariant) and what eval refuses are one line at cli.main's boundary; anything else
+    # is a bug and keeps its traceback.
+    report = run_recipes_bench(
+        args.workdir,
+        variants=args.variants.split(","),
+        seeds=args.seeds,
+        budgets=args.tree_budget,
+        prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+    )
     print(json.dumps(report, indent=2))
     return 0

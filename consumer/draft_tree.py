@@ -23,6 +23,13 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from dflash_ring.common.refusal import Refusal
+
+
+class TreeTargetError(Refusal, ValueError):
+    """A target that tree verification cannot verify exactly (check_tree_target): the user's choice of target
+    with --tree-budget, so one line at the CLI (exit 2)."""
+
 
 @dataclass(frozen=True)
 class DraftTree:
@@ -117,13 +124,13 @@ def check_tree_target(attn_implementation: str | None, cache: DynamicCache) -> N
     sliding-window layer keeps only its window (and a 4D mask bypasses the window) and a linear-attention
     layer folds every token into its state, so neither can drop the rejected branches."""
     if attn_implementation not in ("eager", "sdpa"):
-        raise ValueError(
+        raise TreeTargetError(
             f"tree verification runs on eager or sdpa attention, not {attn_implementation!r}: load the target "
             "with attn_implementation='sdpa'"
         )
     kinds = {type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer}
     if kinds:
-        raise ValueError(
+        raise TreeTargetError(
             f"tree verification needs a target whose layers are all full attention; this one has {sorted(kinds)} "
             "cache layers (sliding-window or linear attention): evaluate it without --tree-budget"
         )

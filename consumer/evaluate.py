@@ -48,14 +48,22 @@ from statistics import fmean
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from dflash_ring.common.chat_encoding import conversation_of, decode_json_row, eos_ids
+from dflash_ring.common.chat_encoding import BadRow, conversation_of, decode_json_row, eos_ids
 from dflash_ring.common.config.target import building_from, load_target_hf_config
+from dflash_ring.common.refusal import Refusal
 
 from .calibration import ConfidenceCalibration, confidence_calibration
 from .draft_tree import build_draft_tree, check_tree_target, follow_greedy, keep_path, tree_attention_mask
 from .export import load_drafter
 from .head_loader import load_target_head
 from .model import DFlash2DraftModel, DFlashDraftModel, DSparkDraftModel, FrozenTargetHead
+
+
+class EvalRefusal(Refusal, ValueError):
+    """An input evaluate_drafter refuses: a tree budget or temperature out of range, tree verification of a drafter
+    or at a temperature it does not apply to, a drafter of another target, a malformed row of the data file. The
+    user's, so one line at the CLI (exit 2); the decoders' checks of what a draft or distribution function returned
+    stay plain ValueErrors: those are bugs, shown with their traceback."""
 
 
 @dataclass(frozen=True)
@@ -488,13 +496,20 @@ def summarize(
 def chat_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: int | None = None) -> list[list[int]]:
     """Token ids of each jsonl row's conversation up to its last assistant turn, with the generation prompt
     (thinking off, as in the published evals)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except UnicodeDecodeError as e:
+        raise EvalRefusal(f"data {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     prompts = []
-    for line in Path(path).read_text().splitlines():
+    for number, line in enumerate(lines, 1):
         if limit is not None and len(prompts) >= limit:
             break
         if not line.strip():
             continue
-        messages = conversation_of(decode_json_row(line))
+        try:
+            messages = conversation_of(decode_json_row(line))
+        except BadRow as e:
+            raise EvalRefusal(f"data {path}, line {number}: {e}") from None
         last_reply = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
         text = tokenizer.apply_chat_template(
             messages[:last_reply], tokenize=False, add_generation_prompt=True, enable_thinking=False
@@ -508,21 +523,21 @@ def check_compatible(drafter: DFlashDraftModel, target: PreTrainedModel) -> None
     config = target.config.get_text_config()
     width = len(drafter.target_layer_ids) * config.hidden_size
     if drafter.fc.in_features != width or max(drafter.target_layer_ids) >= config.num_hidden_layers:
-        raise ValueError(
+        raise EvalRefusal(
             f"drafter reads target layers {drafter.target_layer_ids} ({drafter.fc.in_features} channels) but the "
             f"target has {config.num_hidden_layers} layers of width {config.hidden_size}"
         )
     if drafter.mask_token_id >= config.vocab_size:
-        raise ValueError(f"drafter mask_token_id {drafter.mask_token_id} is not a row of the target's embedding")
+        raise EvalRefusal(f"drafter mask_token_id {drafter.mask_token_id} is not a row of the target's embedding")
     selector = getattr(drafter, "candidate_selector", None)
     if selector is not None and selector.successor_codebook.shape[0] != config.vocab_size:
-        raise ValueError(
+        raise EvalRefusal(
             f"the DFlash2 drafter's selector covers {selector.successor_codebook.shape[0]} tokens but the "
             f"target's vocabulary has {config.vocab_size}"
         )
     markov = getattr(drafter, "markov_head", None)
     if markov is not None and markov.markov_w1.num_embeddings != config.vocab_size:
-        raise ValueError(
+        raise EvalRefusal(
             f"the DSpark drafter's Markov head covers {markov.markov_w1.num_embeddings} tokens but the "
             f"target's vocabulary has {config.vocab_size}"
         )
@@ -580,11 +595,11 @@ def _evaluate(
     seed: int,
 ) -> AcceptanceReport:
     if bad := [b for b in tree_budgets if b < 1]:
-        raise ValueError(f"tree budgets count draft nodes and must be at least 1, got {bad}")
+        raise EvalRefusal(f"tree budgets count draft nodes and must be at least 1, got {bad}")
     if not (math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature}")
+        raise EvalRefusal(f"temperature must be a finite number >= 0 (0: greedy), got {temperature}")
     if tree_budgets and temperature > 0:
-        raise ValueError("tree verification (tree budgets) is greedy only: evaluate trees at temperature 0")
+        raise EvalRefusal("tree verification (tree budgets) is greedy only: evaluate trees at temperature 0")
     load_target_hf_config(target_dir)  # a config.json transformers refuses: one line naming its field
     # From the checkpoint, not target.get_input_embeddings().weight: the head also carries the family's
     # embedding scale and logit softcap (Gemma3), which a bare weight would drop.
@@ -593,12 +608,12 @@ def _evaluate(
     drafter = load_drafter(drafter_dir, device=device, dtype=torch.float32, arch=None, target_head=head).eval()
     dspark = isinstance(drafter, DSparkDraftModel) or getattr(drafter, "sample_from_anchor", False)
     if dspark and tree_budgets:
-        raise ValueError(
+        raise EvalRefusal(
             "tree verification (tree budgets) takes a DFlash drafter: a DSpark drafter's slots depend "
             "on the drafted prefix (its Markov head), which a tree of independent slots would drop"
         )
     if isinstance(drafter, DFlash2DraftModel) and tree_budgets:
-        raise ValueError(
+        raise EvalRefusal(
             "tree verification (tree budgets) takes a DFlash drafter: a DFlash2 drafter's selector scores "
             "each slot with the token drafted before it, which a tree of independent slots would drop"
         )

@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from transformers import PretrainedConfig
 
 from dflash_ring.common.durable import fsync
+from dflash_ring.common.refusal import Refusal
 
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.consumer.drafter_hf_config import drafter_hf_config, qwen3_config
@@ -65,13 +66,19 @@ DFLASH2_HEAD_KEYS = {
 HEAD_TENSORS = ("embed_tokens.weight", "lm_head.weight")
 
 
+class ExportDirError(Refusal, ValueError):
+    """A drafter directory that load_drafter cannot take as asked: a config.json that is not JSON or names no
+    layout we write, an export of another layout than the caller serves, a config.json its weights or the model
+    it describes do not match, a DSpark export of another target. The user's directory, so one line (exit 2)."""
+
+
 def export_arch(config: Mapping[str, Any], source: str = "config.json") -> str:
     """ "dflash", "dspark" or "dflash2", by the config's architectures; anything else refused naming the layouts."""
     found = config.get("architectures")
     for arch, names in ARCHITECTURES.items():
         if found == names:
             return arch
-    raise ValueError(
+    raise ExportDirError(
         f"{source}: architectures is {found}, neither {ARCHITECTURES['dflash']} (DFlash), "
         f"{ARCHITECTURES['dflash2']} (DFlash2) nor {ARCHITECTURES['dspark']} (DSpark)"
     )
@@ -82,9 +89,15 @@ def _describe(arch: str) -> str:
 
 
 def _check_weights(
-    state: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], source: str, arch: str = "dflash"
+    state: Mapping[str, torch.Tensor],
+    expected: Mapping[str, torch.Tensor],
+    source: str,
+    arch: str = "dflash",
+    error: type[ValueError] = ValueError,
 ) -> None:
-    """Refuse, naming the offending tensors, when names or shapes differ from what the config implies."""
+    """Refuse, naming the offending tensors, when names or shapes differ from what the config implies. `error`:
+    ExportDirError where the state is a user's file (load_drafter); exporting, the state is the model we built, so
+    a mismatch stays a plain ValueError."""
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     wrong_shape = sorted(
         f"{k}: {tuple(state[k].shape)} != {tuple(expected[k].shape)}"
@@ -92,7 +105,7 @@ def _check_weights(
         if state[k].shape != expected[k].shape
     )
     if missing or unexpected or wrong_shape:
-        raise ValueError(
+        raise error(
             f"{source} does not match its {ARCH_NAMES[arch]} config: missing {missing}, unexpected {unexpected}, "
             f"wrong shapes {wrong_shape}"
         )
@@ -206,13 +219,23 @@ def load_drafter(
     exported for another target.
     """
     root = Path(path)
-    config = json.loads((root / CONFIG_NAME).read_text())
-    found = export_arch(config, str(root / CONFIG_NAME))
+    config_file = root / CONFIG_NAME
+    try:
+        config = json.loads(config_file.read_text())
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise ExportDirError(f"{config_file} is not a JSON config ({type(e).__name__}: {e})") from None
+    found = export_arch(config, str(config_file))
     if arch is not None and found != arch:
-        raise ValueError(f"{root} is {_describe(found)}, {_describe(arch)} is expected here")
+        raise ExportDirError(f"{root} is {_describe(found)}, {_describe(arch)} is expected here")
+    try:
+        expected = _expected_state(config, found)
+    except (KeyError, TypeError, ValueError) as e:  # a key missing or of the wrong type, as Qwen3Config or our model
+        raise ExportDirError(
+            f"{config_file}: the {ARCH_NAMES[found]} drafter it describes cannot be built ({type(e).__name__}: {e})"
+        ) from None
     weights = root / WEIGHTS_NAME
     state = load_file(weights)
-    _check_weights(state, _expected_state(config, found), str(weights), found)
+    _check_weights(state, expected, str(weights), found, ExportDirError)
     if found == "dspark":
         stored = [state.pop(name) for name in HEAD_TENSORS]
         if target_head is not None:
@@ -220,7 +243,7 @@ def load_drafter(
                 HEAD_TENSORS, stored, (target_head.embed_weight, target_head.lm_head_weight)
             ):
                 if not torch.equal(theirs.detach().to(device="cpu", dtype=tensor.dtype), tensor):
-                    raise ValueError(
+                    raise ExportDirError(
                         f"{weights}: {name} differs from the target's: this drafter was exported for another target"
                     )
     model = drafter_class(found)(qwen3_config(config))

@@ -33,6 +33,15 @@ def test_unknown_variant_is_refused_before_any_run(tmp_path, capsys):
     assert not (tmp_path / "w").exists()
 
 
+def test_seeds_that_are_not_integers_are_argparse_s_refusal(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "recipes", "--workdir", str(tmp_path / "w"), "--seeds", "0,x"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    says = "dflash-ring bench recipes: error: argument --seeds: takes comma-separated integers, got '0,x'"
+    assert e.value.code == 2 and last == says, last
+    assert not (tmp_path / "w").exists()
+
+
 def test_a_variant_without_tree_verification_has_chain_figures_only():
     runs = [run("paper", 0, 2.0, 3.0), {"variant": "dspark", "seed": 0, "chain_tau": 3.0, "tree_tau": {}}]
     _, dspark = summarize_runs(runs, [16])

@@ -768,10 +768,13 @@ ARGPARSE_CASES = [
     (["--limit", "0"], "argument --limit: must be at least 1, got 0"),
     (["--limit", "-1"], "argument --limit: must be at least 1, got -1"),
     (["--tree-budget", "16,1000000000"], "a tree budget is at most 4096 draft nodes, got [1000000000]"),
+    (["--max-new-tokens", "0"], "argument --max-new-tokens: must be at least 1, got 0"),
 ]
 
 
-@pytest.mark.parametrize("extra,says", ARGPARSE_CASES, ids=["limit-0", "limit-negative", "tree-budget-huge"])
+@pytest.mark.parametrize(
+    "extra,says", ARGPARSE_CASES, ids=["limit-0", "limit-negative", "tree-budget-huge", "max-new-tokens-0"]
+)
 def test_eval_argument_refused_exit_2(capsys, extra, says):
     from dflash_ring.cli import main
 

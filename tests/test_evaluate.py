@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict
 
 import pytest
@@ -11,6 +12,8 @@ from transformers import Qwen3ForCausalLM
 
 from dflash_ring.cli import main
 from dflash_ring.common.config.drafter import DrafterConfig
+from dflash_ring.common.refusal import Refusal
+from dflash_ring.consumer import evaluate
 from dflash_ring.consumer.evaluate import (
     AcceptanceReport,
     Generation,
@@ -22,7 +25,7 @@ from dflash_ring.consumer.evaluate import (
 from dflash_ring.consumer.export import export_drafter, load_drafter
 from dflash_ring.consumer.model import Anchors, FrozenTargetHead, build_drafter
 from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
-from support import save_tiny_qwen3
+from support import save_tiny_qwen3, tiny_qwen3_config
 
 BLOCK, MAX_NEW, LAYER_IDS = 4, 24, [1, 2]
 PROMPTS = ([5, 17, 42, 9, 33, 120, 7], [3, 3, 3], list(range(60, 90)))
@@ -182,3 +185,59 @@ def test_evaluate_drafter_on_a_chat_file_and_cli(target_dir, drafter_dir, tmp_pa
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(asdict(report)))
     assert main([*args, "--max-new-tokens", "4", "--limit", "1", "--threads", "2"]) == 0
     assert "tau" in capsys.readouterr().out
+
+
+TQDM_BAR = re.compile(r"\| \d+/\d+ \[[^]]*\]$")  # transformers' weight-loading bars: not messages
+CHATS = [
+    {"messages": [{"role": "user", "content": "Count from 3 to 7."}, {"role": "assistant", "content": "3 4"}]},
+    {"prompt": "Repeat: red cat.", "response": "red cat"},
+]
+
+
+def _narrower_drafter(tmp_path, drafter_dir) -> tuple[object, str]:
+    """A drafter exported for a target of width 32, evaluated against the width-64 target."""
+    cfg = DrafterConfig(
+        num_hidden_layers=1, block_size=BLOCK, loss_gamma=2.0, mask_token_id=447, target_layer_ids=LAYER_IDS
+    )
+    other = tiny_qwen3_config(hidden_size=32, head_dim=8, vocab_size=448)
+    exported = export_drafter(build_drafter(cfg, other), cfg, other, tmp_path / "narrow")
+    return exported, "".join(json.dumps(r) + "\n" for r in CHATS)
+
+
+def _a_row_not_json(tmp_path, drafter_dir) -> tuple[object, str]:
+    """The fixture's drafter, its data's second row not JSON."""
+    return drafter_dir, json.dumps(CHATS[0]) + "\n{not json\n"
+
+
+@pytest.mark.parametrize(
+    "setup, says",
+    [
+        (_narrower_drafter, "drafter reads target layers [1, 2] (64 channels) but the target has 4 layers of width 64"),
+        (_a_row_not_json, "chat.jsonl, line 2: invalid JSON"),
+    ],
+    ids=["drafter-of-another-width", "data-row-not-json"],
+)
+def test_an_input_eval_refuses_is_one_line_exit_2(target_dir, drafter_dir, tmp_path, capsys, setup, says):
+    """The input is the user's (common/refusal.py): cli.main's boundary prints it as the one error line, exit 2."""
+    drafter, rows = setup(tmp_path, drafter_dir)
+    (tmp_path / "chat.jsonl").write_text(rows)
+    args = ["eval", "--drafter", str(drafter), "--target", str(target_dir), "--data", str(tmp_path / "chat.jsonl")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    (line,) = [ln for ln in err.splitlines() if ln.strip() and not TQDM_BAR.search(ln)]
+    assert line.startswith("dflash-ring eval: error: ") and says in line, err
+
+
+def test_a_bug_inside_eval_keeps_its_traceback(target_dir, drafter_dir, tmp_path, monkeypatch):
+    """A plain ValueError inside evaluation is a bug, not a verdict on the input: cli.main lets it through (its
+    traceback), where a broad catch around the command would print it as a misleading one-line error, exit 2."""
+
+    def broken(*args, **kwargs):
+        raise ValueError("boom")
+
+    monkeypatch.setattr(evaluate, "check_compatible", broken)
+    (tmp_path / "chat.jsonl").write_text(json.dumps(CHATS[0]) + "\n")
+    args = ["eval", "--drafter", str(drafter_dir), "--target", str(target_dir), "--data", str(tmp_path / "chat.jsonl")]
+    with pytest.raises(ValueError, match="^boom$") as e:
+        main(args)
+    assert not isinstance(e.value, Refusal)
