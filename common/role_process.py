@@ -42,6 +42,10 @@ from dflash_ring.common.startup import Startup
 REPEAT_S = 0.5  # how often a stop in an interruptible phase is raised again until the phase has ended
 
 
+def _disarm() -> None:
+    signal.setitimer(signal.ITIMER_REAL, 0)
+
+
 class StopSignal(BaseException):
     """SIGTERM or SIGINT during an `interruptible()` phase: not an Exception, so no `except Exception` in the
     loading code swallows it."""
@@ -106,6 +110,9 @@ class RoleProcess:
             yield
         finally:
             self._interruptible -= 1
+            if not self._interruptible:
+                _disarm()  # here, not only in the alarm's handler: by the next alarm Python may be finalizing, and
+                # SIGALRM's default action (exit -14) would replace the exit code of a clean stop
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.stop.set()
@@ -120,7 +127,7 @@ class RoleProcess:
     def _on_alarm(self, signum: int, frame: object) -> None:
         if self._interruptible:
             raise StopSignal(self._stopped_by)
-        signal.setitimer(signal.ITIMER_REAL, 0)  # the phase ended: it unwound, and nothing more is raised
+        _disarm()  # the phase ended: it unwound, and nothing more is raised
 
     def join(self, ready: str, lock: LockFile | None = None) -> Membership:
         """Take this process's row and ledger and tell systemd it is ready (`ready` says what it loaded); `lock`:
@@ -142,6 +149,7 @@ class RoleProcess:
 def role_process(cfg: Config, role: Role, index: int | None, gpu_uuid: str, startup: Startup) -> Iterator[RoleProcess]:
     """index None: serve later (`RoleProcess.serve`), once the index is this process's (a drafter)."""
     with contextlib.ExitStack() as stack:
+        stack.callback(_disarm)  # whatever the way out: no stop's alarm outlives the process's lifecycle
         proc = RoleProcess(
             role,
             gpu_uuid,

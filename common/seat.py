@@ -59,7 +59,10 @@ def take_seat(
     name = OPERATOR_NAME[role]
     waited = False
     while True:
-        if standby and ring.shutting_down:  # a death now is the end of the run's business: the reaper's
+        # A standby's, or a drafter's waiting as one for a live holder (waited): a death now is the end of the
+        # run's business, the reaper's; and a holder that leaves at the run's end frees a seat in a finished run
+        # (taken, its metrics port would still be the leaver's: exit 2, seen in bench pipeline's kill test).
+        if (standby or waited) and ring.shutting_down:
             return None
         for index in indices:
             seat = _look(ring, lock_dir, role, index, standby)

@@ -13,6 +13,8 @@ import signal
 import time
 from pathlib import Path
 
+from dflash_ring.common.layout import Counter
+from dflash_ring.common.ring import Ring, RingNotFound
 from dflash_ring.tools.reconcile import read_ledgers, reconcile
 
 from support import Run, build_target, merged, pipeline_settings, wait_exit, wait_for, write_chat_rows
@@ -117,3 +119,42 @@ def test_a_drafter_whose_seat_a_live_process_holds_waits_as_its_standby_past_the
     assert [(r["pid"], r.get("took_over")) for r in starts] == [(holder.pid, None), (waiter.pid, holder.pid)], starts
     _exactly_once(run)
     assert run.leftovers() == []
+
+
+def test_a_drafter_waiting_as_a_standby_exits_0_when_its_holder_finishes_the_run(run):
+    """The holder runs the run to its end and leaves cleanly: its seat frees in a finished run, which the waiting
+    drafter must not take (it once did, and its serve then found the leaver's metrics port still bound: exit 2).
+    The waiter and the supervisor are paused so that the waiter looks exactly there: after the shutdown and the
+    holder's exit, before the supervisor's teardown (CI met it within one of the waiter's polls)."""
+    _config(run, epochs=1)
+    sup = run.supervisor()
+    holder = run.role("drafter", 0)
+    wait_for(lambda: _starts(run), timeout=300, what="drafter 0 to join")
+    waiter = run.role("drafter", 0)
+    wait_for(
+        lambda: "waiting as its standby" in _log(run, waiter) or waiter.poll() is not None,
+        timeout=300,
+        what="the second drafter 0 to wait",
+    )
+    waiter.send_signal(signal.SIGSTOP)
+    target = run.role("target", 0)
+    wait_for(lambda: _shut_down(run.name), timeout=300, what="the shutdown broadcast")
+    sup.send_signal(signal.SIGSTOP)  # its teardown waits: the seat frees while the lock directory is there
+    assert wait_exit(holder, 300) == 0, _log(run, holder)[-3000:]
+    waiter.send_signal(signal.SIGCONT)
+    assert wait_exit(waiter, 300) == 0, _log(run, waiter)[-3000:]
+    sup.send_signal(signal.SIGCONT)
+    for p in (sup, target):
+        assert wait_exit(p, 300) == 0, _log(run, p)[-3000:]
+    assert "drafter 0: the run ended before its seat freed" in _log(run, waiter)
+    assert [r["pid"] for r in _starts(run)] == [holder.pid]  # the waiter never joined
+    _exactly_once(run)
+    assert run.leftovers() == []
+
+
+def _shut_down(name: str) -> bool:
+    try:
+        with Ring.open(name) as ring:
+            return ring.counter(Counter.SHUTDOWN) != 0
+    except (RingNotFound, OSError):
+        return False
