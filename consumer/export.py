@@ -32,6 +32,7 @@ from transformers import PretrainedConfig
 
 from dflash_ring.common.durable import fsync
 from dflash_ring.common.refusal import Refusal
+from dflash_ring.common.safetensors_check import check_safetensors_file
 
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.consumer.drafter_hf_config import drafter_hf_config, qwen3_config
@@ -234,6 +235,7 @@ def load_drafter(
             f"{config_file}: the {ARCH_NAMES[found]} drafter it describes cannot be built ({type(e).__name__}: {e})"
         ) from None
     weights = root / WEIGHTS_NAME
+    check_safetensors_file(weights)  # a truncated or damaged file: one line naming it, not safetensors' traceback
     state = load_file(weights)
     _check_weights(state, expected, str(weights), found, ExportDirError)
     if found == "dspark":

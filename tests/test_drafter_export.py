@@ -12,6 +12,8 @@ from transformers import Qwen3Config
 
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.consumer.drafter_hf_config import drafter_hf_config
+from dflash_ring.common.refusal import Refusal
+from dflash_ring.common.safetensors_check import DamagedWeightsError
 from dflash_ring.consumer.export import export_drafter, load_drafter
 from dflash_ring.consumer.model import (
     Anchors,
@@ -201,6 +203,19 @@ def test_load_refuses_mismatched_weights(tmp_path, target, drafter, tamper, mess
     save_file(tensors, out / "model.safetensors")
     with pytest.raises(ValueError, match=message):
         load_drafter(out)
+
+
+def test_load_refuses_truncated_weights_in_one_line_naming_the_file(tmp_path, target, drafter):
+    """An export cut short (a copy interrupted, a full disk): one Refusal naming the file, before safetensors reads it
+    (whose own error is a traceback from deep inside the loader)."""
+    target_config, _ = target
+    cfg, model = drafter
+    out = export_drafter(model, cfg, target_config, tmp_path / "drafter")
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(DamagedWeightsError, match="model.safetensors") as e:
+        load_drafter(out)
+    assert isinstance(e.value, Refusal)
 
 
 def vllm_layer_causal(config: dict, layer: int) -> bool:
