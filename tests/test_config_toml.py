@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
 import typing
+from pathlib import Path
 
-from dflash_ring.common.config.dump import dump_toml
+import pytest
+
+from dflash_ring.common.config.dump import _toml_value, dump_toml
 from dflash_ring.common.config.load import load_config
-from dflash_ring.common.config.schema import Config
+from dflash_ring.common.config.schema import Config, ConfigError
 
 
 def _changed(value: typing.Any, hint: typing.Any) -> typing.Any:
@@ -107,3 +111,82 @@ def test_derived_fields_are_left_out(tmp_path):
             ],
         )
     )
+
+
+# --- what load_config refuses of the file itself and of every string setting, in one ConfigError ---------------
+
+
+def _string_settings() -> list[tuple[str, str, bool]]:
+    """(section, key, a list of strings?) of every string field (or list of strings) of every section, and of a
+    [[data.sources]] entry ("data.sources")."""
+    found = []
+    for section in dataclasses.fields(Config):
+        cls = typing.get_type_hints(Config)[section.name]
+        for f in dataclasses.fields(cls):
+            hint = typing.get_type_hints(cls)[f.name]
+            if str in (hint, *typing.get_args(hint)) or _is_string_list(hint):
+                found.append((section.name, f.name, _is_string_list(hint)))
+            if typing.get_origin(hint) is list and dataclasses.is_dataclass(item := typing.get_args(hint)[0]):
+                found += [
+                    (f"{section.name}.{f.name}", g.name, False) for g in dataclasses.fields(item) if g.type == "str"
+                ]
+    return found
+
+
+def _is_string_list(hint: typing.Any) -> bool:
+    return any(typing.get_origin(h) is list and typing.get_args(h) == (str,) for h in (hint, *typing.get_args(hint)))
+
+
+STRING_SETTINGS = _string_settings()
+
+
+@pytest.mark.parametrize("bad", ["a\x00b", "a\nb", "a\rb", "\x1b[31m", "a\x7f"], ids=["nul", "lf", "cr", "esc", "del"])
+@pytest.mark.parametrize("section,key,is_list", STRING_SETTINGS, ids=[f"{s}.{k}" for s, k, _ in STRING_SETTINGS])
+def test_a_control_character_in_any_string_setting_is_refused_by_name(tmp_path, section, key, is_list, bad):
+    """Every string setting is one line (a path, a name, a host, a URL): a NUL would be a ValueError from the OS
+    later, a line break a path no one meant; refused as the file is read, naming the key."""
+    value = _toml_value(bad, key)
+    if is_list:
+        value = f"[{value}]"
+    if section == "data.sources":
+        text = f'[[data.sources]]\npath = "a.jsonl"\n{key} = {value}\n' if key != "path" else f"[[data.sources]]\n"
+        text += f"path = {value}\n" if key == "path" else ""
+    else:
+        text = f"[{section}]\n{key} = {value}\n"
+    (tmp_path / "c.toml").write_text(text)
+    with pytest.raises(ConfigError, match=f"{key}.*control character"):
+        load_config(tmp_path / "c.toml")
+    if section != "data.sources":
+        with pytest.raises(ConfigError, match=f"{key}.*control character"):
+            load_config(None, [f"{section}.{key}={value}"])
+
+
+def test_string_settings_are_found():
+    found = {(section, key) for section, key, _ in STRING_SETTINGS}
+    assert {("run", "name"), ("data.sources", "path"), ("tracking", "dir"), ("regenerate", "base_urls")} <= found
+
+
+def _fifo(tmp_path):
+    os.mkfifo(tmp_path / "c.toml")
+    return tmp_path / "c.toml"
+
+
+def _directory(tmp_path):
+    (tmp_path / "c.toml").mkdir()
+    return tmp_path / "c.toml"
+
+
+@pytest.mark.parametrize(
+    "make,says",
+    [
+        (_fifo, "is a FIFO, not a regular file"),  # its read waited for a writer forever
+        (_directory, "is a directory, not a regular file"),  # was [Errno 21] without the key or the fix
+        (lambda tmp_path: Path("/dev/zero"), "is a device, not a regular file"),
+        (lambda tmp_path: (tmp_path / "c.toml").write_bytes(b"\xef\xbb\xbf[run]\n") and tmp_path / "c.toml", "BOM"),
+        (lambda tmp_path: "", "--config is empty"),
+    ],
+    ids=["fifo", "directory", "device", "bom", "empty-path"],
+)
+def test_a_config_path_that_is_no_toml_file_is_one_config_error(tmp_path, make, says):
+    with pytest.raises(ConfigError, match=says):
+        load_config(make(tmp_path))

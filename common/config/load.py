@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import tomllib
 import types
 import typing
@@ -23,8 +24,15 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
     """Read a TOML file (or start from defaults) and apply `section.key=value` overrides."""
     raw: dict[str, typing.Any] = {}
     if path is not None:
+        if not os.fspath(path):
+            raise ConfigError("--config is empty: give the path of a TOML config file (or leave --config out)")
         try:
-            raw = tomllib.loads(read_text(path, CONFIG_BYTES, ConfigError, "config file"))
+            text = read_text(path, CONFIG_BYTES, ConfigError, "config file")
+            if text.startswith("\ufeff"):  # TOML has no byte-order mark; tomllib's word for it is 'Invalid statement'
+                raise ConfigError(
+                    f"config file {path} starts with a byte-order mark (BOM): save it as UTF-8 without BOM"
+                )
+            raw = tomllib.loads(text)
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as e:
@@ -114,7 +122,17 @@ def _coerce(value: typing.Any, hint: typing.Any, name: str, bound: Range | None 
         raise ConfigError(f"{name} = {value!r}: expected {hint.__name__}, got {type(value).__name__}")
     if hint in (int, float) and (why := refusal(name, value, bound or DEFAULT)):
         raise ConfigError(why)
+    if hint is str and (bad := CONTROL.search(value)):
+        raise ConfigError(
+            f"{name} = {value!r}: holds the control character {bad.group()!r}; every string setting is one line "
+            "(a path, a name, a host, a URL) and a path cannot hold NUL: remove it"
+        )
     return value
+
+
+# Characters no string setting may hold: every one is a single line of text (a path, a name, a device, a host,
+# a URL, an environment variable's name), and NUL cannot even be passed to the OS (a ValueError, later).
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def _as_float(value: int) -> float:
