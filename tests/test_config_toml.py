@@ -190,3 +190,25 @@ def _directory(tmp_path):
 def test_a_config_path_that_is_no_toml_file_is_one_config_error(tmp_path, make, says):
     with pytest.raises(ConfigError, match=says):
         load_config(make(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "overrides,says",
+    [
+        (['data.path="a b.jsonl'], "is not a valid TOML value"),  # was the path '"a b.jsonl', quote and all
+        (["data.path='a.jsonl"], "is not a valid TOML value"),
+        (["target.layer_ids=[1, 2"], "is not a valid TOML value"),  # was the string '[1, 2'
+        (["data.sources={path = 'a'"], "is not a valid TOML value"),
+    ],
+    ids=["unclosed-double-quote", "unclosed-single-quote", "unclosed-array", "unclosed-table"],
+)
+def test_an_override_that_is_broken_toml_is_refused(overrides, says):
+    with pytest.raises(ConfigError, match=says):
+        load_config(None, overrides)
+
+
+def test_a_bare_word_override_is_the_word_without_surrounding_spaces():
+    cfg = load_config(None, [" run.name = x ", "data.path=/data/run #1.jsonl", "target.device = cpu"])
+    assert (cfg.run.name, cfg.data.path, cfg.target.device) == ("x", "/data/run #1.jsonl", "cpu")
+    # A key set twice: the last wins, as chaos and the benches rely on (they append their keys to the user's).
+    assert load_config(None, ["ring.slots=1", "ring.slots=2"]).ring.slots == 2

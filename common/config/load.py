@@ -37,7 +37,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
             raise ConfigError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-    for item in overrides:
+    for item in overrides:  # a key set twice: the last wins (chaos and the benches append theirs to the user's)
         section, key, value = _parse_override(item)
         raw.setdefault(section, {})[key] = value
     cfg = _build(Config, raw, "")
@@ -52,9 +52,20 @@ def _parse_override(item: str) -> tuple[str, str, typing.Any]:
         raise ConfigError(f"--set {item!r}: expected section.key=value")
     try:
         value = tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
+    except tomllib.TOMLDecodeError as e:
+        text = text.strip()
+        if text[:1] in QUOTES_AND_BRACKETS:
+            # It was meant as TOML (a quoted string, an array, a table): read as a bare word it would be a string
+            # holding the stray quote or bracket, a setting the user never wrote.
+            raise ConfigError(
+                f"--set {item!r}: {text!r} is not a valid TOML value ({e}); quote a string whole, as in "
+                f"{section}.{key}='\"text\"' in the shell, and write arrays as [1, 2]"
+            ) from None
         value = text  # a bare word is a string
     return section, key, value
+
+
+QUOTES_AND_BRACKETS = "\"'[{"  # how a TOML string, array or inline table starts
 
 
 def _build(cls: type, raw: typing.Any, where: str) -> typing.Any:
