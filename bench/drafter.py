@@ -32,7 +32,7 @@ import torch
 from dflash_ring.bench.drafter_memory import GiB, fit_samples
 from dflash_ring.bench.progress import progress
 from dflash_ring.bench.target_shapes import SHAPES, shape_config, tiny_config
-from dflash_ring.common.arguments import at_least_one, fp8_recipe_argument
+from dflash_ring.common.arguments import at_least_one, fp8_recipe_argument, recipe_argument
 from dflash_ring.common.compile_cache import use_compile_cache
 from dflash_ring.common.config.drafter import DrafterConfig, target_text_config
 from dflash_ring.consumer.fp8 import check_precision, convert_to_fp8
@@ -444,7 +444,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=sorted(set(SHAPES) - {"tiny"}),
         help="target shape (bench/target_shapes.py); --tiny for the CPU smoke run",
     )
-    parser.add_argument("--recipe", default="paper", help="drafter.recipe: paper, dpace, ddtree, dspark")
+    recipe_argument(parser, default="paper")
     parser.add_argument(
         "--seqs",
         type=at_least_one,

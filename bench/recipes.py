@@ -189,7 +189,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--variants",
         default="paper,dpace,ddtree,paper+target_argmax",
-        help="comma-separated: paper, dpace, ddtree, paper+target_argmax, dspark",
+        help=f"comma-separated, of: {', '.join(VARIANTS)}",  # from VARIANTS: a new variant is listed as it is added
     )
     parser.add_argument("--seeds", type=seed_list, default=(0, 1), help="comma-separated train/data seeds")
     parser.add_argument("--tree-budget", type=tree_budgets, default=(16, 64, 256), metavar="N[,N...]")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from dflash_ring.common.config.drafter import FP8_RECIPES
+from dflash_ring.common.config.drafter import FP8_RECIPES, RECIPES
 
 # The largest --tree-budget a tree eval verifies: a round holds its (N + 1) x (prefix + N + 1) float mask, the
 # target's N + 1 rows of logits ([N + 1, vocab], 2.4 GiB in float32 at 4096 nodes and Qwen3's 151,936 rows) and
@@ -42,4 +42,12 @@ def fp8_recipe_argument(parser: argparse.ArgumentParser) -> None:
         choices=FP8_RECIPES,
         default="rowwise",
         help="drafter.fp8_recipe: torchao's float8 recipe where a drafter trains in fp8",
+    )
+
+
+def recipe_argument(parser: argparse.ArgumentParser, default: str) -> None:
+    """--recipe of the benches that build a drafter: a name in RECIPES, checked by argparse (an unknown one was the
+    drafter config's ValueError, a traceback, once the bench had loaded torch), its help listing them all."""
+    parser.add_argument(
+        "--recipe", choices=tuple(RECIPES), default=default, help=f"drafter.recipe, of: {', '.join(RECIPES)}"
     )

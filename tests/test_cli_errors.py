@@ -782,3 +782,20 @@ def test_eval_argument_refused_exit_2(capsys, extra, says):
         main(["eval", "--drafter", "d", "--target", "t", "--data", "x.jsonl", *extra])
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert e.value.code == 2 and last.startswith("dflash-ring eval: error: ") and says in last, last
+
+
+@pytest.mark.parametrize("bench", ["drafter", "precision", "topology"])
+def test_a_bench_recipe_is_one_of_the_recipes_and_its_help_lists_them(capsys, bench):
+    """An unknown --recipe was the drafter config's ValueError (a traceback) after the bench had loaded torch; now
+    argparse refuses it, and the help lists RECIPES (it had left dflash2 out)."""
+    from dflash_ring.cli import main
+    from dflash_ring.common.config.drafter import RECIPES
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", bench, "--recipe", "bogus"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and last.startswith(f"dflash-ring bench {bench}: error: argument --recipe"), last
+    with pytest.raises(SystemExit):
+        main(["bench", bench, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(recipe in text for recipe in RECIPES), text
