@@ -15,7 +15,7 @@ from pathlib import Path
 # (~1.5 s on a small box). The ring (torch, numpy) and every role are imported by the command that runs.
 from dflash_ring.common.config.load import load_config
 from dflash_ring.common.config.schema import Config, ConfigError, default_runtime_root
-from dflash_ring.common.arguments import at_least_one, tree_budgets
+from dflash_ring.common.arguments import at_least_one, non_negative, seconds, seed, tree_budgets
 from dflash_ring.common.output_dir import OutputDirError, check_output_dir
 from dflash_ring.common.refusal import Refusal
 from dflash_ring.common.run_name import check_run_name
@@ -105,12 +105,12 @@ def _parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_run)
 
     sp = with_config(sub.add_parser("chaos", help="kill processes of a real run at random; check nothing was lost"))
-    sp.add_argument("--kills", type=int, default=12, help="signals to send (SIGKILL or SIGTERM)")
-    sp.add_argument("--seconds", type=float, default=60.0, help="the window they are spread over")
-    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--kills", type=non_negative, default=12, help="signals to send (SIGKILL or SIGTERM)")
+    sp.add_argument("--seconds", type=seconds, default=60.0, help="the window they are spread over")
+    sp.add_argument("--seed", type=seed, default=0)
     sp.add_argument(
         "--whole-run-stops",
-        type=int,
+        type=non_negative,
         default=0,
         help="also stop the whole run this many times in the window (stop --now, SIGTERM to every "
         "process, SIGKILL to every process then clean, or a drafter SIGSTOPped then stop --now: "
@@ -125,11 +125,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     sp.add_argument(
         "--standbys",
-        type=int,
+        type=non_negative,
         default=0,
         help="also run this many warm standbys (drafter --standby), killed and started again like drafters",
     )
-    sp.add_argument("--epochs", type=int, default=0, help="epochs of the chaos run (0: outlast the window)")
+    sp.add_argument("--epochs", type=non_negative, default=0, help="epochs of the chaos run (0: outlast the window)")
     sp.add_argument("--workdir", default="runs/chaos")
     sp.add_argument("--no-baseline", action="store_true", help="skip the run without faults")
     sp.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -149,7 +149,7 @@ def _parser() -> argparse.ArgumentParser:
     sp = with_config(sub.add_parser("stop", help="drain a run and stop it (or stop at once with --now)"))
     sp.add_argument("run", nargs="?")
     sp.add_argument("--now", action="store_true", help="do not drain: untrained ready items are dropped")
-    sp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the run to end")
+    sp.add_argument("--timeout", type=seconds, default=600.0, help="seconds to wait for the run to end")
     sp.set_defaults(func=cmd_stop)
 
     sp = with_config(sub.add_parser("clean", help="remove a dead run's segment, semaphores and lock files"))
@@ -157,7 +157,7 @@ def _parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_clean)
 
     sp = with_config(sub.add_parser("target", help="run target producer I: the frozen target's features into the ring"))
-    sp.add_argument("--index", type=int, required=True)
+    sp.add_argument("--index", type=non_negative, required=True)
     sp.add_argument("--device", help="e.g. cuda:0 or cpu (default: target.device)")
     sp.set_defaults(func=cmd_target)
 
@@ -195,7 +195,7 @@ def _parser() -> argparse.ArgumentParser:
 
     sp = with_config(sub.add_parser("drafter", help="run drafter trainer J: claim ring items and train"))
     who = sp.add_mutually_exclusive_group(required=True)
-    who.add_argument("--index", type=int)
+    who.add_argument("--index", type=non_negative)
     who.add_argument(
         "--standby",
         nargs="?",
@@ -217,7 +217,7 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--device", help="hf engine: e.g. cuda:0 or cpu (default: target.device)")
     sp.add_argument(
         "--threads",
-        type=int,
+        type=non_negative,
         default=1,
         help="CPU threads for torch (default 1: on a shared CPU more threads can be many times slower; "
         "0: torch's default)",
@@ -260,7 +260,7 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--device", default="cpu")
     sp.add_argument(
         "--threads",
-        type=int,
+        type=non_negative,
         default=1,
         help="CPU threads for torch (default 1, as inside `run`: small forwards; 0: torch's default)",
     )
@@ -280,7 +280,7 @@ def _parser() -> argparse.ArgumentParser:
         help="0 (the default): greedy; T > 0: drafts and target tokens sampled at T, verified losslessly "
         "(speculative sampling: the output is distributed as the target's own sampling at T)",
     )
-    sp.add_argument("--seed", type=int, default=0, help="the sampling's seed at --temperature > 0 (default 0)")
+    sp.add_argument("--seed", type=seed, default=0, help="the sampling's seed at --temperature > 0 (default 0)")
     sp.add_argument("--json", action="store_true", help="print the report as JSON")
     sp.set_defaults(func=cmd_eval)
 

@@ -437,7 +437,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`dflash-ring bench drafter`'s own options (cli.py registers every bench by name, and hands it the rest)."""
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="a small shape (CPU smoke run)")
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=at_least_one, default=5)
     parser.add_argument(
         "--shape",
         default="qwen3-8b",
@@ -461,10 +461,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "anything is built (default: the visible GPU's total; given without a GPU, the shape is "
         "checked as a GPU would run it, then the CPU smoke run follows)",
     )
-    parser.add_argument("--anchors", type=int, default=None, help="anchors per sample (default: the recipe's)")
-    parser.add_argument("--anchors-per-group", type=int, default=64, help="blocks per SDPA call (--attention sdpa)")
+    parser.add_argument("--anchors", type=at_least_one, default=None, help="anchors per sample (default: the recipe's)")
+    parser.add_argument(
+        "--anchors-per-group", type=at_least_one, default=64, help="blocks per SDPA call (--attention sdpa)"
+    )
     parser.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto")
-    parser.add_argument("--loss-chunk", type=int, default=1024, help="rows of [rows, vocab] logits at once")
+    parser.add_argument("--loss-chunk", type=at_least_one, default=1024, help="rows of [rows, vocab] logits at once")
     parser.add_argument("--no-check", action="store_true", help="skip the flex-vs-sdpa gradient comparison (GPU)")
     parser.add_argument("--profile", action="store_true", help="add the top GPU kernels of two steps")
     parser.add_argument("--no-compile", action="store_true", help="run the decoder layers eagerly")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -799,3 +800,68 @@ def test_a_bench_recipe_is_one_of_the_recipes_and_its_help_lists_them(capsys, be
         main(["bench", bench, "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert all(recipe in text for recipe in RECIPES), text
+
+
+def _parsers() -> list[tuple[str, argparse.ArgumentParser]]:
+    """Every command's parser (subcommands within subcommands) and every bench's own (its add_arguments)."""
+    import importlib
+
+    from dflash_ring.cli import BENCHES, _parser
+
+    found, todo = [], [("dflash-ring", _parser())]
+    while todo:
+        name, parser = todo.pop()
+        found.append((name, parser))
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                todo += [(f"{name} {sub}", p) for sub, p in action.choices.items() if not name.endswith("bench")]
+    for bench in BENCHES:
+        parser = argparse.ArgumentParser()
+        importlib.import_module(f"dflash_ring.bench.{bench}").add_arguments(parser)
+        found.append((f"dflash-ring bench {bench}", parser))
+    return found
+
+
+# Options whose range is checked where they are read, by a test of their own (eval's temperature: test_eval_*).
+CHECKED_ELSEWHERE = {("dflash-ring eval", "--temperature")}
+
+
+def test_every_numeric_option_declares_its_range():
+    """The rule of common/arguments.py: a bare int or float took -1, 0, nan or inf (a traceback later, a wait
+    without end: stop --timeout nan, or nothing done silently); each numeric option has a checked type instead."""
+    bare = [
+        f"{name} {action.option_strings[0]}"
+        for name, parser in _parsers()
+        for action in parser._actions
+        if action.type in (int, float) and (name, action.option_strings[0]) not in CHECKED_ELSEWHERE
+    ]
+    assert not bare, f"numeric options without a range (use a type of common/arguments.py): {bare}"
+
+
+EVAL = ["eval", "--drafter", "d", "--target", "t", "--data", "x.jsonl"]
+
+
+@pytest.mark.parametrize(
+    "argv,says",
+    [
+        (["stop", "--timeout", "nan", "r"], "argument --timeout: must be a finite number > 0, got nan"),
+        (["stop", "--timeout", "-1", "r"], "argument --timeout: must be a finite number > 0, got -1"),
+        (["chaos", "--seconds", "1e400"], "argument --seconds: must be a finite number > 0"),
+        (["chaos", "--kills", "x"], "argument --kills: expected an integer, got 'x'"),
+        (["drafter", "--index", "-1"], "argument --index: must be 0 or more, got -1"),
+        ([*EVAL, "--threads", "-1"], "argument --threads: must be 0 or more, got -1"),  # was torch's, after loading
+        ([*EVAL, "--seed", "-1"], "argument --seed: a seed is 0..4294967295, got -1"),
+        (["regenerate", "--threads", "-2"], "argument --threads: must be 0 or more, got -2"),
+        (["bench", "loader", "--samples", "-1"], "argument --samples: must be at least 1, got -1"),  # numpy's error
+        (["bench", "pipeline", "--port-base", "70000"], "argument --port-base: a TCP port is 1..65535, got 70000"),
+        (["bench", "pipeline", "--seconds", "nan"], "argument --seconds: must be a finite number > 0, got nan"),
+        (["bench", "target", "--peak-tflops", "0"], "argument --peak-tflops: must be a finite number > 0, got 0"),
+    ],
+)
+def test_a_numeric_option_out_of_its_range_is_argparse_s_refusal(capsys, argv, says):
+    from dflash_ring.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and says in last, last
