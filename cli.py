@@ -14,6 +14,7 @@ from pathlib import Path
 # Only light modules here: `--help` and argument errors must not wait for torch or transformers
 # (~1.5 s on a small box). The ring (torch, numpy) and every role are imported by the command that runs.
 from dflash_ring.common.config.load import load_config
+from dflash_ring.common.config.paths import output_directories
 from dflash_ring.common.config.schema import Config, ConfigError, default_runtime_root
 from dflash_ring.common.arguments import at_least_one, non_negative, seconds, seed, tree_budgets
 from dflash_ring.common.output_dir import OutputDirError, check_output_dir
@@ -498,11 +499,14 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         from dflash_ring.consumer.fp8 import check_precision  # torch: only for a config that needs a GPU's look
 
         check_precision(cfg.drafter.precision, cfg.train.device)
-    # The output directories a role refuses at its start (tracking.dir: every drafter's record file).
-    try:
-        check_output_dir(cfg.tracking_dir())
-    except (OutputDirError, OSError) as e:  # OSError: a path it cannot even stat
-        raise ConfigError(f"tracking.dir: {e}") from None
+    # The directories the run writes into (every OutputDirectory setting, common/config/paths.py, and tracking.dir
+    # as a drafter derives it when unset): a file in their place, unwritable or read-only is refused by key here,
+    # not at a role's start in the middle of a run.
+    for key, directory in [*output_directories(cfg), ("tracking.dir", str(cfg.tracking_dir()))]:
+        try:
+            check_output_dir(Path(directory).expanduser())  # a default of the schema may start with ~
+        except (OutputDirError, OSError) as e:  # OSError: a path it cannot even stat
+            raise ConfigError(f"{key}: {e}") from None
     if cfg.target.path and Path(cfg.target.path).expanduser().is_dir():
         # What every role reads of the target (config.json's geometry) and what a drafter checks against it (mask
         # token, layers); then the model as transformers builds it from config.json, on the meta device, against

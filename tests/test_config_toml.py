@@ -12,6 +12,7 @@ import pytest
 
 from dflash_ring.common.config.dump import _toml_value, dump_toml
 from dflash_ring.common.config.load import load_config
+from dflash_ring.common.config.paths import path_setting
 from dflash_ring.common.config.schema import Config, ConfigError
 
 
@@ -127,9 +128,8 @@ def _string_settings() -> list[tuple[str, str, bool]]:
             if str in (hint, *typing.get_args(hint)) or _is_string_list(hint):
                 found.append((section.name, f.name, _is_string_list(hint)))
             if typing.get_origin(hint) is list and dataclasses.is_dataclass(item := typing.get_args(hint)[0]):
-                found += [
-                    (f"{section.name}.{f.name}", g.name, False) for g in dataclasses.fields(item) if g.type == "str"
-                ]
+                item_hints = typing.get_type_hints(item)
+                found += [(f"{section.name}.{f.name}", g, False) for g, h in item_hints.items() if h is str]
     return found
 
 
@@ -212,3 +212,86 @@ def test_a_bare_word_override_is_the_word_without_surrounding_spaces():
     assert (cfg.run.name, cfg.data.path, cfg.target.device) == ("x", "/data/run #1.jsonl", "cpu")
     # A key set twice: the last wins, as chaos and the benches rely on (they append their keys to the user's).
     assert load_config(None, ["ring.slots=1", "ring.slots=2"]).ring.slots == 2
+
+
+def _path_settings() -> list[tuple[str, str, bool]]:
+    """(section, key, a directory the run writes?) of every path setting (PathSetting in its type); a
+    [[data.sources]] entry's as section "data.sources"."""
+    found = []
+
+    def walk(cls: type, section: str) -> None:
+        hints = typing.get_type_hints(cls, include_extras=True)
+        for f in dataclasses.fields(cls):
+            hint = hints[f.name]
+            if typing.get_origin(hint) is list and dataclasses.is_dataclass(item := typing.get_args(hint)[0]):
+                walk(item, f"{section}.{f.name}")
+            elif typing.get_origin(hint) is typing.Annotated:
+                if (setting := path_setting(tuple(typing.get_args(hint)[1:]))) is not None:
+                    found.append((section, f.name, setting.output))
+
+    for section in dataclasses.fields(Config):
+        walk(typing.get_type_hints(Config)[section.name], section.name)
+    return found
+
+
+PATH_SETTINGS = _path_settings()
+
+
+def _one_setting(tmp_path: Path, section: str, key: str, value: str) -> Path:
+    entry = f'[[data.sources]]\npath = "a.jsonl"\n' if section == "data.sources" else f"[{section}]\n"
+    if section == "data.sources" and key == "path":
+        entry = "[[data.sources]]\n"
+    (tmp_path / "c.toml").write_text(f"{entry}{key} = {_toml_value(value, key)}\n")
+    return tmp_path / "c.toml"
+
+
+def _value(cfg: Config, section: str, key: str) -> str:
+    if section == "data.sources":
+        return getattr(cfg.data.sources[0], key)
+    return getattr(getattr(cfg, section), key)
+
+
+def test_path_settings_are_found():
+    found = {(section, key) for section, key, _ in PATH_SETTINGS}
+    assert {("train", "checkpoint_dir"), ("data.sources", "path"), ("target", "path"), ("run", "run_dir")} <= found
+    assert {(s, k) for s, k, output in PATH_SETTINGS if output} >= {("tracking", "dir"), ("regenerate", "output")}
+
+
+@pytest.mark.parametrize("section,key,output", PATH_SETTINGS, ids=[f"{s}.{k}" for s, k, _ in PATH_SETTINGS])
+def test_every_path_setting_expands_home_once_as_it_is_read(tmp_path, section, key, output):
+    """`~/x` is $HOME/x for every reader: some modules expanded it and some did not (the drafters wrote their
+    journals under $HOME, the supervisor sealed them in ./~); `~nosuchuser` is refused by key."""
+    cfg = load_config(_one_setting(tmp_path, section, key, "~/x"))
+    assert _value(cfg, section, key) == os.path.expanduser("~/x") != "~/x"
+    with pytest.raises(ConfigError, match=f"{key} = '~nosuchuser9/x': ~nosuchuser9 names no user"):
+        load_config(_one_setting(tmp_path, section, key, "~nosuchuser9/x"))
+
+
+OUTPUT_DIRECTORIES = [(s, k) for s, k, output in PATH_SETTINGS if output]
+
+
+@pytest.mark.parametrize("section,key", OUTPUT_DIRECTORIES, ids=[f"{s}.{k}" for s, k in OUTPUT_DIRECTORIES])
+def test_check_config_refuses_a_file_where_a_run_writes_a_directory(tmp_path, capsys, section, key):
+    """check-config says 0 only when every role would accept the config: a file in place of any directory the run
+    writes into is refused by key there (only tracking.dir was; the others passed, and a role failed at its start
+    with an OSError naming neither the setting nor what to do)."""
+    from dflash_ring.cli import main
+
+    (tmp_path / "afile").write_text("x")
+    assert (
+        main(
+            [
+                "check-config",
+                "--config",
+                str(_one_setting(tmp_path, section, key, str(tmp_path / "afile"))),
+                "--set",
+                f"train.checkpoint_dir={tmp_path / 'ckpt'}",
+            ]
+            if key != "checkpoint_dir"
+            else ["check-config", "--config", str(_one_setting(tmp_path, section, key, str(tmp_path / "afile")))]
+        )
+        == 2
+    )
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"dflash-ring check-config: error: {section}.{key}: output directory "), line
+    assert "is not a directory; choose another path" in line, line

@@ -16,6 +16,7 @@ import types
 import typing
 
 from dflash_ring.common.bounded_read import CONFIG_BYTES, read_text
+from dflash_ring.common.config.paths import expanded, path_setting
 from dflash_ring.common.config.ranges import DEFAULT, Range, range_of, refusal
 from dflash_ring.common.config.schema import Config, ConfigError
 
@@ -101,7 +102,15 @@ def _coerce(value: typing.Any, hint: typing.Any, name: str, bound: Range | None 
     origin = typing.get_origin(hint)
     if origin is typing.Annotated:
         inner, *extras = typing.get_args(hint)
-        return _coerce(value, inner, name, range_of(tuple(extras)) or bound)
+        value = _coerce(value, inner, name, range_of(tuple(extras)) or bound)
+        if path_setting(tuple(extras)) is not None and (path := expanded(value)) != value:
+            if path is None:
+                raise ConfigError(
+                    f"{name} = {value!r}: {value.split('/')[0]} names no user of this host, so the path cannot "
+                    "be expanded: write it out in full"
+                )
+            value = path  # ~ expanded here, once, for every reader of the setting (common/config/paths.py)
+        return value
     if origin is typing.Literal:
         if value not in typing.get_args(hint):
             raise ConfigError(f"{name} = {value!r}: expected one of {', '.join(map(repr, typing.get_args(hint)))}")
