@@ -16,7 +16,7 @@ from pathlib import Path
 from dflash_ring.common.config.load import load_config
 from dflash_ring.common.config.paths import output_directories
 from dflash_ring.common.config.schema import Config, ConfigError, default_runtime_root
-from dflash_ring.common.arguments import at_least_one, non_negative, seconds, seed, tree_budgets
+from dflash_ring.common.arguments import at_least_one, non_negative, output_directory, seconds, seed, tree_budgets
 from dflash_ring.common.output_dir import OutputDirError, check_output_dir
 from dflash_ring.common.refusal import Refusal
 from dflash_ring.common.run_name import check_run_name
@@ -101,7 +101,9 @@ def _parser() -> argparse.ArgumentParser:
         return sp
 
     sp = with_config(sub.add_parser("run", help="the whole run on this host (no config: the embedded CPU default)"))
-    sp.add_argument("--workdir", default="runs/tiny", help="where the embedded default keeps its files")
+    sp.add_argument(
+        "--workdir", type=output_directory, default="runs/tiny", help="where the embedded default keeps its files"
+    )
     sp.add_argument("--no-eval", action="store_true", help="skip the held-out acceptance comparison")
     sp.set_defaults(func=cmd_run)
 
@@ -131,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
         help="also run this many warm standbys (drafter --standby), killed and started again like drafters",
     )
     sp.add_argument("--epochs", type=non_negative, default=0, help="epochs of the chaos run (0: outlast the window)")
-    sp.add_argument("--workdir", default="runs/chaos")
+    sp.add_argument("--workdir", type=output_directory, default="runs/chaos")
     sp.add_argument("--no-baseline", action="store_true", help="skip the run without faults")
     sp.add_argument("--json", action="store_true", help="print the report as JSON")
     sp.set_defaults(func=cmd_chaos)

@@ -12,6 +12,7 @@ import math
 
 from dflash_ring.common.config.drafter import FP8_RECIPES, RECIPES
 from dflash_ring.common.config.ranges import WEEK_S
+from dflash_ring.common.output_dir import OutputDirError, check_output_dir
 
 # The largest --tree-budget a tree eval verifies: a round holds its (N + 1) x (prefix + N + 1) float mask, the
 # target's N + 1 rows of logits ([N + 1, vocab], 2.4 GiB in float32 at 4096 nodes and Qwen3's 151,936 rows) and
@@ -67,6 +68,17 @@ def seed(text: str) -> int:
     if not 0 <= value < 2**32:
         raise argparse.ArgumentTypeError(f"a seed is 0..{2**32 - 1}, got {value}")
     return value
+
+
+def output_directory(text: str) -> str:
+    """A directory the command creates files in (--workdir, --dir): checked before anything runs, so a file in its
+    place, an unwritable or read-only one is argparse's error naming the option, not an [Errno 17] from a mkdir
+    deep inside (after the embedded target was built)."""
+    try:
+        check_output_dir(text)
+    except (OutputDirError, OSError) as e:  # OSError: a path it cannot even stat
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _integer(text: str) -> int:

@@ -865,3 +865,20 @@ def test_a_numeric_option_out_of_its_range_is_argparse_s_refusal(capsys, argv, s
         main(argv)
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert e.value.code == 2 and says in last, last
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["run", "--workdir"], ["chaos", "--workdir"], ["bench", "recipes", "--workdir"], ["bench", "checkpoint", "--dir"]],
+    ids=["run", "chaos", "bench-recipes", "bench-checkpoint"],
+)
+def test_a_work_directory_option_that_is_a_file_is_argparse_s_refusal(tmp_path, capsys, argv):
+    """run --workdir FILE printed the embedded default's banner, then `[Errno 17] File exists` naming no option."""
+    from dflash_ring.cli import main
+
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit) as e:
+        main([*argv, str(tmp_path / "afile" / "w")])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    says = f"argument {argv[-1]}: output directory {tmp_path}/afile/w: {tmp_path}/afile is not a directory"
+    assert e.value.code == 2 and says in last, last
