@@ -882,3 +882,17 @@ def test_a_work_directory_option_that_is_a_file_is_argparse_s_refusal(tmp_path, 
     last = capsys.readouterr().err.strip().splitlines()[-1]
     says = f"argument {argv[-1]}: output directory {tmp_path}/afile/w: {tmp_path}/afile is not a directory"
     assert e.value.code == 2 and says in last, last
+
+
+@pytest.mark.parametrize("command", ["run", "chaos"])
+def test_home_that_is_a_file_is_one_line_naming_home(tmp_path, capsys, monkeypatch, command):
+    """The embedded default's cache lives under $HOME: with HOME a file, run printed its banner and then '[Errno 20]
+    Not a directory' from deep inside the tiny target's build; now one line naming HOME and what to do."""
+    from dflash_ring.cli import main
+
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("HOME", str(tmp_path / "afile"))
+    assert main([command, "--workdir", str(tmp_path / "w")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"dflash-ring {command}: error: the embedded default's cache ~/.cache/dflash_ring"), line
+    assert line.endswith("set HOME to a directory you can write to"), line
