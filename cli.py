@@ -13,7 +13,7 @@ from pathlib import Path
 
 # Only light modules here: `--help` and argument errors must not wait for torch or transformers
 # (~1.5 s on a small box). The ring (torch, numpy) and every role are imported by the command that runs.
-from dflash_ring.common.config.load import load_config
+from dflash_ring.common.config.load import check_overrides, load_config
 from dflash_ring.common.config.paths import output_directories
 from dflash_ring.common.config.schema import Config, ConfigError, default_runtime_root
 from dflash_ring.common.arguments import at_least_one, non_negative, output_directory, seconds, seed, tree_budgets
@@ -310,9 +310,19 @@ def _run_and_lock_dir(args: argparse.Namespace) -> tuple[str, Path]:
     return cfg.run.name, cfg.run.lock_dir()
 
 
+def _check_before_building(args: argparse.Namespace) -> None:
+    """For the commands that build their config late (run's embedded default, chaos): the user's config and --set are
+    checked first, so a typo is the command's one line before anything is built or printed."""
+    if args.config is not None:
+        load_config(args.config, args.set)
+    else:
+        check_overrides(args.set)  # the embedded config they apply to is written later
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from dflash_ring.tools.launcher import run
 
+    _check_before_building(args)
     return run(args.config, args.set, args.workdir, evaluate=not args.no_eval)
 
 
@@ -320,6 +330,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     from dflash_ring.tools.chaos import RUN_STOP_MODES, ChaosOptions, run_chaos
     from dflash_ring.tools.chaos_report import format_report, report_json
 
+    _check_before_building(args)
     modes = tuple(args.stop_modes.split(",")) if args.stop_modes else RUN_STOP_MODES
     if unknown := sorted(set(modes) - set(RUN_STOP_MODES)):
         print(

@@ -896,3 +896,25 @@ def test_home_that_is_a_file_is_one_line_naming_home(tmp_path, capsys, monkeypat
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"dflash-ring {command}: error: the embedded default's cache ~/.cache/dflash_ring"), line
     assert line.endswith("set HOME to a directory you can write to"), line
+
+
+@pytest.mark.parametrize(
+    "argv,says",
+    [
+        (["run", "--set", "ring.slots=abc"], "ring.slots = 'abc': expected int, got str"),
+        (["run", "--set", "ring.nope=1"], "unknown config key 'nope' in [ring]"),
+        (["run", "--set", "rnig.slots=1"], "unknown config key 'rnig' in the top level"),
+        (["chaos", "--no-baseline", "--set", "train.lr=-1"], "train.lr = -1.0: must be a finite number > 0"),
+        (["chaos", "--set", 'data.path="a'], "is not a valid TOML value"),
+    ],
+    ids=["run-type", "run-key", "run-section", "chaos-range", "chaos-quote"],
+)
+def test_a_bad_override_of_the_embedded_default_is_refused_before_anything_is_built(tmp_path, capsys, argv, says):
+    """run and chaos write their config late (the embedded default, after building the tiny target): a bad --set was
+    refused only then, after the banner and the build's lines (8 stderr lines for run)."""
+    from dflash_ring.cli import main
+
+    assert main([*argv, "--workdir", str(tmp_path / "w")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"dflash-ring {argv[0]}: error: ") and says in line, line
+    assert not (tmp_path / "w").exists()

@@ -46,6 +46,26 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
     return cfg
 
 
+def check_overrides(overrides: typing.Sequence[str]) -> None:
+    """Each `--set` alone: its form, its key and its value's type and range, as load_config checks them, without the
+    file they will apply to or the checks of one field against another. For a command that builds its config
+    later (`run`'s embedded default, chaos): a typo is refused before anything is built or printed."""
+    sections = typing.get_type_hints(Config)
+    for item in overrides:
+        section, key, value = _parse_override(item)
+        if section not in sections:
+            raise _unknown(section, "", {f.name for f in dataclasses.fields(Config)})
+        fields = {f.name for f in dataclasses.fields(sections[section])}
+        if key not in fields:
+            raise _unknown(key, section, fields)
+        _coerce(value, typing.get_type_hints(sections[section], include_extras=True)[key], f"{section}.{key}")
+
+
+def _unknown(key: str, where: str, known: set[str]) -> ConfigError:
+    place = f"[{where}]" if where else "the top level"
+    return ConfigError(f"unknown config key {key!r} in {place}; known keys: {', '.join(sorted(known))}")
+
+
 def _parse_override(item: str) -> tuple[str, str, typing.Any]:
     name, sep, text = item.partition("=")
     section, dot, key = name.strip().partition(".")
@@ -76,8 +96,7 @@ def _build(cls: type, raw: typing.Any, where: str) -> typing.Any:
     known = {f.name for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in known:
-            place = f"[{where}]" if where else "the top level"
-            raise ConfigError(f"unknown config key {key!r} in {place}; known keys: {', '.join(sorted(known))}")
+            raise _unknown(key, where, known)
     values = {}
     for f in dataclasses.fields(cls):
         if f.name not in raw:
