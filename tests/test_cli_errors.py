@@ -918,3 +918,20 @@ def test_a_bad_override_of_the_embedded_default_is_refused_before_anything_is_bu
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"dflash-ring {argv[0]}: error: ") and says in line, line
     assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("command", ["status", "stop", "clean"])
+def test_a_directory_under_a_ring_s_name_in_dev_shm_is_one_line(capsys, command):
+    """posix_ipc answers a directory at /dev/shm/dflash-ring.RUN with a bare ValueError ('Invalid parameter(s)'): a
+    traceback from status, stop, clean and every role; now a ForeignObjectError naming it (not ours to remove)."""
+    from dflash_ring.cli import main
+
+    name = f"shmdir{os.getpid()}"
+    taken = Path("/dev/shm") / f"dflash-ring.{name}"
+    taken.mkdir()
+    try:
+        assert main([command, name]) == 2
+    finally:
+        taken.rmdir()
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"dflash-ring {command}: error: {taken} is a directory, not a shared-memory object"), line
