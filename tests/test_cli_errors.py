@@ -935,3 +935,14 @@ def test_a_directory_under_a_ring_s_name_in_dev_shm_is_one_line(capsys, command)
         taken.rmdir()
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"dflash-ring {command}: error: {taken} is a directory, not a shared-memory object"), line
+
+
+@pytest.mark.parametrize("columns,width", [("abc", 200), ("-5", 200), ("", 200), ("0", 200), ("120", 120)])
+def test_columns_that_is_no_width_is_ignored(monkeypatch, columns, width):
+    """COLUMNS is the terminal's hint for the launcher's console (run, regenerate, bench recipes): one that is not a
+    positive integer was int()'s ValueError, a traceback; now ignored, as shutil and rich ignore it."""
+    from dflash_ring.tools.launcher import console
+
+    monkeypatch.setenv("COLUMNS", columns)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    assert console().width == width

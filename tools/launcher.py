@@ -48,7 +48,14 @@ def console() -> Console:
     """stderr console; piped, rich would wrap every line at 80 columns, so it gets room and no wrapping."""
     if sys.stderr.isatty():
         return Console(stderr=True)
-    return Console(stderr=True, width=int(os.environ.get("COLUMNS") or 0) or 200, soft_wrap=True)
+    return Console(stderr=True, width=_columns() or 200, soft_wrap=True)
+
+
+def _columns() -> int:
+    """$COLUMNS when it is a positive integer, else 0: a terminal's hint, ignored when it is not one (as shutil and
+    rich do), never a ValueError traceback from `COLUMNS=abc dflash-ring run`."""
+    text = os.environ.get("COLUMNS", "").strip()
+    return int(text) if text.isdigit() else 0
 
 
 def embedded_run_config(workdir: Path, target: Path, mask_token_id: int, data: Path) -> Config:
