@@ -13,9 +13,10 @@ from pathlib import Path
 
 # Only light modules here: `--help` and argument errors must not wait for torch or transformers
 # (~1.5 s on a small box). The ring (torch, numpy) and every role are imported by the command that runs.
-from dflash_ring.common.config.load import load_config
+from dflash_ring.common.config.load import check_overrides, load_config
+from dflash_ring.common.config.paths import output_directories
 from dflash_ring.common.config.schema import Config, ConfigError, default_runtime_root
-from dflash_ring.common.arguments import at_least_one, tree_budgets
+from dflash_ring.common.arguments import at_least_one, non_negative, output_directory, seconds, seed, tree_budgets
 from dflash_ring.common.output_dir import OutputDirError, check_output_dir
 from dflash_ring.common.refusal import Refusal
 from dflash_ring.common.run_name import check_run_name
@@ -100,17 +101,19 @@ def _parser() -> argparse.ArgumentParser:
         return sp
 
     sp = with_config(sub.add_parser("run", help="the whole run on this host (no config: the embedded CPU default)"))
-    sp.add_argument("--workdir", default="runs/tiny", help="where the embedded default keeps its files")
+    sp.add_argument(
+        "--workdir", type=output_directory, default="runs/tiny", help="where the embedded default keeps its files"
+    )
     sp.add_argument("--no-eval", action="store_true", help="skip the held-out acceptance comparison")
     sp.set_defaults(func=cmd_run)
 
     sp = with_config(sub.add_parser("chaos", help="kill processes of a real run at random; check nothing was lost"))
-    sp.add_argument("--kills", type=int, default=12, help="signals to send (SIGKILL or SIGTERM)")
-    sp.add_argument("--seconds", type=float, default=60.0, help="the window they are spread over")
-    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--kills", type=non_negative, default=12, help="signals to send (SIGKILL or SIGTERM)")
+    sp.add_argument("--seconds", type=seconds, default=60.0, help="the window they are spread over")
+    sp.add_argument("--seed", type=seed, default=0)
     sp.add_argument(
         "--whole-run-stops",
-        type=int,
+        type=non_negative,
         default=0,
         help="also stop the whole run this many times in the window (stop --now, SIGTERM to every "
         "process, SIGKILL to every process then clean, or a drafter SIGSTOPped then stop --now: "
@@ -125,12 +128,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     sp.add_argument(
         "--standbys",
-        type=int,
+        type=non_negative,
         default=0,
         help="also run this many warm standbys (drafter --standby), killed and started again like drafters",
     )
-    sp.add_argument("--epochs", type=int, default=0, help="epochs of the chaos run (0: outlast the window)")
-    sp.add_argument("--workdir", default="runs/chaos")
+    sp.add_argument("--epochs", type=non_negative, default=0, help="epochs of the chaos run (0: outlast the window)")
+    sp.add_argument("--workdir", type=output_directory, default="runs/chaos")
     sp.add_argument("--no-baseline", action="store_true", help="skip the run without faults")
     sp.add_argument("--json", action="store_true", help="print the report as JSON")
     sp.set_defaults(func=cmd_chaos)
@@ -149,7 +152,7 @@ def _parser() -> argparse.ArgumentParser:
     sp = with_config(sub.add_parser("stop", help="drain a run and stop it (or stop at once with --now)"))
     sp.add_argument("run", nargs="?")
     sp.add_argument("--now", action="store_true", help="do not drain: untrained ready items are dropped")
-    sp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the run to end")
+    sp.add_argument("--timeout", type=seconds, default=600.0, help="seconds to wait for the run to end")
     sp.set_defaults(func=cmd_stop)
 
     sp = with_config(sub.add_parser("clean", help="remove a dead run's segment, semaphores and lock files"))
@@ -157,7 +160,7 @@ def _parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_clean)
 
     sp = with_config(sub.add_parser("target", help="run target producer I: the frozen target's features into the ring"))
-    sp.add_argument("--index", type=int, required=True)
+    sp.add_argument("--index", type=non_negative, required=True)
     sp.add_argument("--device", help="e.g. cuda:0 or cpu (default: target.device)")
     sp.set_defaults(func=cmd_target)
 
@@ -195,7 +198,7 @@ def _parser() -> argparse.ArgumentParser:
 
     sp = with_config(sub.add_parser("drafter", help="run drafter trainer J: claim ring items and train"))
     who = sp.add_mutually_exclusive_group(required=True)
-    who.add_argument("--index", type=int)
+    who.add_argument("--index", type=non_negative)
     who.add_argument(
         "--standby",
         nargs="?",
@@ -217,7 +220,7 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--device", help="hf engine: e.g. cuda:0 or cpu (default: target.device)")
     sp.add_argument(
         "--threads",
-        type=int,
+        type=non_negative,
         default=1,
         help="CPU threads for torch (default 1: on a shared CPU more threads can be many times slower; "
         "0: torch's default)",
@@ -260,7 +263,7 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--device", default="cpu")
     sp.add_argument(
         "--threads",
-        type=int,
+        type=non_negative,
         default=1,
         help="CPU threads for torch (default 1, as inside `run`: small forwards; 0: torch's default)",
     )
@@ -280,7 +283,7 @@ def _parser() -> argparse.ArgumentParser:
         help="0 (the default): greedy; T > 0: drafts and target tokens sampled at T, verified losslessly "
         "(speculative sampling: the output is distributed as the target's own sampling at T)",
     )
-    sp.add_argument("--seed", type=int, default=0, help="the sampling's seed at --temperature > 0 (default 0)")
+    sp.add_argument("--seed", type=seed, default=0, help="the sampling's seed at --temperature > 0 (default 0)")
     sp.add_argument("--json", action="store_true", help="print the report as JSON")
     sp.set_defaults(func=cmd_eval)
 
@@ -307,9 +310,19 @@ def _run_and_lock_dir(args: argparse.Namespace) -> tuple[str, Path]:
     return cfg.run.name, cfg.run.lock_dir()
 
 
+def _check_before_building(args: argparse.Namespace) -> None:
+    """For the commands that build their config late (run's embedded default, chaos): the user's config and --set are
+    checked first, so a typo is the command's one line before anything is built or printed."""
+    if args.config is not None:
+        load_config(args.config, args.set)
+    else:
+        check_overrides(args.set)  # the embedded config they apply to is written later
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from dflash_ring.tools.launcher import run
 
+    _check_before_building(args)
     return run(args.config, args.set, args.workdir, evaluate=not args.no_eval)
 
 
@@ -317,6 +330,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     from dflash_ring.tools.chaos import RUN_STOP_MODES, ChaosOptions, run_chaos
     from dflash_ring.tools.chaos_report import format_report, report_json
 
+    _check_before_building(args)
     modes = tuple(args.stop_modes.split(",")) if args.stop_modes else RUN_STOP_MODES
     if unknown := sorted(set(modes) - set(RUN_STOP_MODES)):
         print(
@@ -498,11 +512,14 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         from dflash_ring.consumer.fp8 import check_precision  # torch: only for a config that needs a GPU's look
 
         check_precision(cfg.drafter.precision, cfg.train.device)
-    # The output directories a role refuses at its start (tracking.dir: every drafter's record file).
-    try:
-        check_output_dir(cfg.tracking_dir())
-    except (OutputDirError, OSError) as e:  # OSError: a path it cannot even stat
-        raise ConfigError(f"tracking.dir: {e}") from None
+    # The directories the run writes into (every OutputDirectory setting, common/config/paths.py, and tracking.dir
+    # as a drafter derives it when unset): a file in their place, unwritable or read-only is refused by key here,
+    # not at a role's start in the middle of a run.
+    for key, directory in [*output_directories(cfg), ("tracking.dir", str(cfg.tracking_dir()))]:
+        try:
+            check_output_dir(Path(directory).expanduser())  # a default of the schema may start with ~
+        except (OutputDirError, OSError) as e:  # OSError: a path it cannot even stat
+            raise ConfigError(f"{key}: {e}") from None
     if cfg.target.path and Path(cfg.target.path).expanduser().is_dir():
         # What every role reads of the target (config.json's geometry) and what a drafter checks against it (mask
         # token, layers); then the model as transformers builds it from config.json, on the meta device, against

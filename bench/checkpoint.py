@@ -42,7 +42,7 @@ import torch
 
 from dflash_ring.bench.drafter import bench_target
 from dflash_ring.bench.progress import progress
-from dflash_ring.common.arguments import at_least_one
+from dflash_ring.common.arguments import at_least_one, output_directory
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.config.train import TrainConfig
 from dflash_ring.common.trained_journal import Journal
@@ -280,6 +280,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dir",
+        type=output_directory,
         default=None,
         help="where to write the checkpoints (a fresh directory in it, removed "
         "after; default: the system's temporary directory)",

@@ -32,7 +32,7 @@ import torch
 from dflash_ring.bench.drafter_memory import GiB, fit_samples
 from dflash_ring.bench.progress import progress
 from dflash_ring.bench.target_shapes import SHAPES, shape_config, tiny_config
-from dflash_ring.common.arguments import at_least_one, fp8_recipe_argument
+from dflash_ring.common.arguments import at_least_one, fp8_recipe_argument, recipe_argument
 from dflash_ring.common.compile_cache import use_compile_cache
 from dflash_ring.common.config.drafter import DrafterConfig, target_text_config
 from dflash_ring.consumer.fp8 import check_precision, convert_to_fp8
@@ -437,14 +437,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`dflash-ring bench drafter`'s own options (cli.py registers every bench by name, and hands it the rest)."""
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="a small shape (CPU smoke run)")
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=at_least_one, default=5)
     parser.add_argument(
         "--shape",
         default="qwen3-8b",
         choices=sorted(set(SHAPES) - {"tiny"}),
         help="target shape (bench/target_shapes.py); --tiny for the CPU smoke run",
     )
-    parser.add_argument("--recipe", default="paper", help="drafter.recipe: paper, dpace, ddtree, dspark")
+    recipe_argument(parser, default="paper")
     parser.add_argument(
         "--seqs",
         type=at_least_one,
@@ -461,10 +461,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "anything is built (default: the visible GPU's total; given without a GPU, the shape is "
         "checked as a GPU would run it, then the CPU smoke run follows)",
     )
-    parser.add_argument("--anchors", type=int, default=None, help="anchors per sample (default: the recipe's)")
-    parser.add_argument("--anchors-per-group", type=int, default=64, help="blocks per SDPA call (--attention sdpa)")
+    parser.add_argument("--anchors", type=at_least_one, default=None, help="anchors per sample (default: the recipe's)")
+    parser.add_argument(
+        "--anchors-per-group", type=at_least_one, default=64, help="blocks per SDPA call (--attention sdpa)"
+    )
     parser.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto")
-    parser.add_argument("--loss-chunk", type=int, default=1024, help="rows of [rows, vocab] logits at once")
+    parser.add_argument("--loss-chunk", type=at_least_one, default=1024, help="rows of [rows, vocab] logits at once")
     parser.add_argument("--no-check", action="store_true", help="skip the flex-vs-sdpa gradient comparison (GPU)")
     parser.add_argument("--profile", action="store_true", help="add the top GPU kernels of two steps")
     parser.add_argument("--no-compile", action="store_true", help="run the decoder layers eagerly")

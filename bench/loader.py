@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash_ring.common.arguments import at_least_one
 from dflash_ring.common.ring import Ring, RingSpec
 from dflash_ring.common.slot_contract import HOST_TENSORS, item_tensors
 from dflash_ring.producer.batching import ShardBatcher
@@ -88,7 +89,7 @@ def run_loader_bench(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`dflash-ring bench loader`'s own options (cli.py registers every bench by name, and hands it the rest)."""
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--samples", type=int, default=200_000)
+    parser.add_argument("--samples", type=at_least_one, default=200_000)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
+from dflash_ring.common.arguments import non_negative, output_directory, port, seconds
 from dflash_ring.bench.progress import progress
 from dflash_ring.bench.target_shapes import SHAPES
 from dflash_ring.bench.target_timing import time_forward
@@ -608,10 +609,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`dflash-ring bench pipeline`'s own options (cli.py registers every bench by name, and hands it the rest)."""
     parser.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke run)")
-    parser.add_argument("--seconds", type=float, default=90.0, help="steady-state window measured")
-    parser.add_argument("--warmup-steps", type=int, default=0, help="drafter steps before the window (0: 8, tiny 3)")
-    parser.add_argument("--workdir", help="where the target, data and logs go (default: a new temporary directory)")
-    parser.add_argument("--port-base", type=int, default=19460, help="metrics ports of the bench's processes")
+    parser.add_argument("--seconds", type=seconds, default=90.0, help="steady-state window measured")
+    parser.add_argument(
+        "--warmup-steps", type=non_negative, default=0, help="drafter steps before the window (0: 8, tiny 3)"
+    )
+    parser.add_argument(
+        "--workdir",
+        type=output_directory,
+        help="where the target, data and logs go (default: a new temporary directory)",
+    )
+    parser.add_argument("--port-base", type=port, default=19460, help="metrics ports of the bench's processes")
     parser.add_argument(
         "--kill-drafter",
         action="store_true",

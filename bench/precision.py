@@ -30,7 +30,7 @@ import torch
 from dflash_ring.bench.drafter import bench_target
 from dflash_ring.bench.progress import progress
 from dflash_ring.bench.target_shapes import SHAPES
-from dflash_ring.common.arguments import at_least_one, fp8_recipe_argument
+from dflash_ring.common.arguments import at_least_one, fp8_recipe_argument, recipe_argument, seed
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.config.train import TrainConfig
 from dflash_ring.consumer.fp8 import check_precision
@@ -213,10 +213,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tiny", action="store_true", help="a small member of the shape's family (a quick GPU smoke run)"
     )
-    parser.add_argument("--recipe", default="paper", help="drafter.recipe: paper, dpace, ddtree, dspark")
+    recipe_argument(parser, default="paper")
     parser.add_argument("--seqs", type=at_least_one, default=1, help="samples per step")
     parser.add_argument("--seq-len", type=at_least_one, default=2048, help="tokens per sample")
-    parser.add_argument("--seed", type=int, default=0, help="initial weights, items and anchors")
+    parser.add_argument("--seed", type=seed, default=0, help="initial weights, items and anchors")
     parser.add_argument("--every", type=at_least_one, default=10, help="steps per point of the curves")
     fp8_recipe_argument(parser)
 

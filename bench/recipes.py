@@ -26,7 +26,7 @@ from statistics import fmean
 from typing import Any
 
 from dflash_ring.bench.progress import progress
-from dflash_ring.common.arguments import at_least_one, tree_budgets
+from dflash_ring.common.arguments import at_least_one, output_directory, tree_budgets
 from dflash_ring.common.refusal import Refusal
 
 # variant -> its `--set` overrides on the embedded config.
@@ -185,11 +185,13 @@ def seed_list(text: str) -> tuple[int, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`dflash-ring bench recipes`'s own options (cli.py registers every bench by name, and hands it the rest)."""
-    parser.add_argument("--workdir", default="runs/bench-recipes", help="where the runs and recipes.jsonl go")
+    parser.add_argument(
+        "--workdir", type=output_directory, default="runs/bench-recipes", help="where the runs and recipes.jsonl go"
+    )
     parser.add_argument(
         "--variants",
         default="paper,dpace,ddtree,paper+target_argmax",
-        help="comma-separated: paper, dpace, ddtree, paper+target_argmax, dspark",
+        help=f"comma-separated, of: {', '.join(VARIANTS)}",  # from VARIANTS: a new variant is listed as it is added
     )
     parser.add_argument("--seeds", type=seed_list, default=(0, 1), help="comma-separated train/data seeds")
     parser.add_argument("--tree-budget", type=tree_budgets, default=(16, 64, 256), metavar="N[,N...]")

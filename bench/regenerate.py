@@ -31,6 +31,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from dflash_ring.common.arguments import at_least_one
 from dflash_ring.common.device import checked_device
 from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 from dflash_ring.producer.generation import GenerationSettings, Prompt
@@ -183,10 +184,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="random-weight target of this shape (tiny: a CPU smoke run)",
     )
     parser.add_argument("--device", help="default: cuda if available, else cpu")
-    parser.add_argument("--prompts", type=int, default=256)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--batch-tokens", type=int, default=65536)
+    parser.add_argument("--prompts", type=at_least_one, default=256)
+    parser.add_argument("--max-new-tokens", type=at_least_one, default=128)
+    parser.add_argument("--batch-size", type=at_least_one, default=64)
+    parser.add_argument("--batch-tokens", type=at_least_one, default=65536)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dflash_ring.common.arguments import non_negative
 from dflash_ring.bench.progress import progress
 from dflash_ring.common.layout import Counter, Role
 from dflash_ring.common.ring import Ring, RingSpec
@@ -314,7 +315,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`dflash-ring bench ring`'s own options (cli.py registers every bench by name, and hands it the rest)."""
     parser.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
     parser.add_argument("--sizes-mb", default="1,64,256", help="comma-separated item sizes in MB")
-    parser.add_argument("--items", type=int, default=0, help="items per case (0: scale with size)")
+    parser.add_argument("--items", type=non_negative, default=0, help="items per case (0: scale with size)")
 
 
 def main(args: argparse.Namespace) -> int:

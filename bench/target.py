@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_ring.common.arguments import at_least_one
+from dflash_ring.common.arguments import at_least_one, non_negative, positive_number
 from dflash_ring.common.config.drafter import build_target_layer_ids
 from dflash_ring.producer.batching import Batch
 from dflash_ring.producer.conformance import active_sliding_window, layer_kinds, probe
@@ -335,12 +335,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tiny", action="store_true", help="same as --shape tiny")
     parser.add_argument("--device", help="default: cuda if available, else cpu")
-    parser.add_argument("--batches", type=int, default=0, help="timed batches per phase (0: 10, or 3 with --tiny)")
-    parser.add_argument("--max-tokens", type=int, default=0, help="tokens per batch (0: 32768, or 2048 with --tiny)")
-    parser.add_argument("--draft-layers", type=int, default=5, help="target layers captured, by the DFlash rule")
+    parser.add_argument(
+        "--batches", type=non_negative, default=0, help="timed batches per phase (0: 10, or 3 with --tiny)"
+    )
+    parser.add_argument(
+        "--max-tokens", type=non_negative, default=0, help="tokens per batch (0: 32768, or 2048 with --tiny)"
+    )
+    parser.add_argument(
+        "--draft-layers", type=at_least_one, default=5, help="target layers captured, by the DFlash rule"
+    )
     parser.add_argument("--final-hidden", action="store_true", help="also ship the final hidden state")
     parser.add_argument("--padded", action="store_true", help="padded batches instead of packed ones")
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H200: 989)")
+    parser.add_argument(
+        "--peak-tflops", type=positive_number, default=989.0, help="dense bf16 peak for MFU (H200: 989)"
+    )
     parser.add_argument(
         "--no-compile",
         action="store_true",

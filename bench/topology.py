@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from dflash_ring.common.arguments import fp8_recipe_argument
+from dflash_ring.common.arguments import at_least_one, fp8_recipe_argument, recipe_argument
 from dflash_ring.consumer.fp8 import check_precision
 
 from .drafter import run_drafter_bench
@@ -153,13 +153,13 @@ def precisions(text: str) -> tuple[str, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`dflash-ring bench topology`'s own options (cli.py registers every bench by name, and hands it the rest)."""
     parser.add_argument("--shape", default="qwen3.6-27b", choices=sorted(SHAPES), help="target shape")
-    parser.add_argument("--recipe", default="ddtree", help="drafter.recipe: paper, dpace, ddtree, dspark")
+    recipe_argument(parser, default="ddtree")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke run)")
-    parser.add_argument("--target-batches", type=int, default=3, help="timed target batches of 32,768 tokens")
-    parser.add_argument("--seqs", type=int, default=1, help="drafter samples per step")
-    parser.add_argument("--seq-len", type=int, default=4096, help="drafter tokens per sample")
-    parser.add_argument("--drafter-steps", type=int, default=5, help="timed drafter steps")
-    parser.add_argument("--gpus", type=int, default=8, help="GPUs of the host to lay out")
+    parser.add_argument("--target-batches", type=at_least_one, default=3, help="timed target batches of 32,768 tokens")
+    parser.add_argument("--seqs", type=at_least_one, default=1, help="drafter samples per step")
+    parser.add_argument("--seq-len", type=at_least_one, default=4096, help="drafter tokens per sample")
+    parser.add_argument("--drafter-steps", type=at_least_one, default=5, help="timed drafter steps")
+    parser.add_argument("--gpus", type=at_least_one, default=8, help="GPUs of the host to lay out")
     parser.add_argument("--profile", action="store_true", help="add the top GPU kernels of both")
     parser.add_argument(
         "--precision",

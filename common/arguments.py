@@ -1,11 +1,18 @@
 """Argument types the CLI's commands and the benchmarks' own parsers (bench/NAME.py: add_arguments) share: a bad
-value is argparse's one usage line and exit 2, before anything is built."""
+value is argparse's one usage line and exit 2, before anything is built.
+
+The rule: every numeric option declares its range by its type here (at_least_one, non_negative, port, seed,
+seconds, positive_number), never a bare `type=int`/`type=float`: those took -1, 0, nan and inf, which ended later in a
+traceback, a wait without end or a silent nothing (tests/test_cli_errors.py checks every parser for it)."""
 
 from __future__ import annotations
 
 import argparse
+import math
 
-from dflash_ring.common.config.drafter import FP8_RECIPES
+from dflash_ring.common.config.drafter import FP8_RECIPES, RECIPES
+from dflash_ring.common.config.ranges import WEEK_S
+from dflash_ring.common.output_dir import OutputDirError, check_output_dir
 
 # The largest --tree-budget a tree eval verifies: a round holds its (N + 1) x (prefix + N + 1) float mask, the
 # target's N + 1 rows of logits ([N + 1, vocab], 2.4 GiB in float32 at 4096 nodes and Qwen3's 151,936 rows) and
@@ -15,10 +22,70 @@ MAX_TREE_BUDGET = 4096
 
 
 def at_least_one(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def non_negative(text: str) -> int:
+    """A count where 0 means a default (threads, batches): never negative."""
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def port(text: str) -> int:
+    value = _integer(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 1..65535, got {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A wait or a window: a finite number of seconds > 0, at most a week (as every duration of the config:
+    common/config/ranges.py). NaN made `now > deadline` never true, a wait without end."""
+    value = positive_number(text)
+    if value > WEEK_S:
+        raise argparse.ArgumentTypeError(f"must be at most {WEEK_S:.0f} s (a week), got {text}")
+    return value
+
+
+def positive_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def seed(text: str) -> int:
+    """A random seed: 0..2**32 - 1, what every generator takes (numpy refuses a negative one)."""
+    value = _integer(text)
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"a seed is 0..{2**32 - 1}, got {value}")
+    return value
+
+
+def output_directory(text: str) -> str:
+    """A directory the command creates files in (--workdir, --dir): checked before anything runs, so a file in its
+    place, an unwritable or read-only one is argparse's error naming the option, not an [Errno 17] from a mkdir
+    deep inside (after the embedded target was built)."""
+    try:
+        check_output_dir(text)
+    except (OutputDirError, OSError) as e:  # OSError: a path it cannot even stat
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
 
 
 def tree_budgets(text: str) -> tuple[int, ...]:
@@ -42,4 +109,12 @@ def fp8_recipe_argument(parser: argparse.ArgumentParser) -> None:
         choices=FP8_RECIPES,
         default="rowwise",
         help="drafter.fp8_recipe: torchao's float8 recipe where a drafter trains in fp8",
+    )
+
+
+def recipe_argument(parser: argparse.ArgumentParser, default: str) -> None:
+    """--recipe of the benches that build a drafter: a name in RECIPES, checked by argparse (an unknown one was the
+    drafter config's ValueError, a traceback, once the bench had loaded torch), its help listing them all."""
+    parser.add_argument(
+        "--recipe", choices=tuple(RECIPES), default=default, help=f"drafter.recipe, of: {', '.join(RECIPES)}"
     )

@@ -125,16 +125,18 @@ def group_secret(secret_file: str) -> bytes:
             "(same content on every host), e.g. `head -c 32 /dev/urandom > F && chmod 600 F`"
         )
     try:
-        fd = os.open(secret_file, os.O_RDONLY | os.O_NOFOLLOW)
+        # O_NONBLOCK: a FIFO in its place must not wait for a writer forever before the regular-file check below.
+        fd = os.open(secret_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         raise SecretFileError(
             f"group.secret_file = {secret_file!r}: cannot open it ({e.strerror}); "
             "create it with `head -c 32 /dev/urandom > F && chmod 600 F`"
         ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # on the fd, before fdopen (which refuses a directory itself)
+        os.close(fd)
+        raise SecretFileError(f"group.secret_file = {secret_file!r} is not a regular file")
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise SecretFileError(f"group.secret_file = {secret_file!r} is not a regular file")
         if st.st_uid != os.geteuid():
             raise SecretFileError(
                 f"group.secret_file = {secret_file!r} belongs to uid {st.st_uid}, not to "
@@ -146,6 +148,7 @@ def group_secret(secret_file: str) -> bytes:
                 f"{stat.S_IMODE(st.st_mode):04o}: others can read or write it; "
                 f"`chmod 600 {secret_file}`"
             )
+        os.set_blocking(fd, True)
         secret = f.read()
     if len(secret.strip()) < 16:
         raise SecretFileError(

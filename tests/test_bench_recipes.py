@@ -81,3 +81,11 @@ def test_the_embedded_default_trains_the_dflash2_variant(tmp_path):
     drafter = replace(d, mask_token_id=cfg.target.mask_token_id, target_layer_ids=cfg.target.layer_ids)
     assert isinstance(build_drafter(drafter, target), DFlash2DraftModel)
     assert "dflash2" in NO_TREE
+
+
+def test_help_lists_every_variant(capsys):
+    """--variants' help is derived from VARIANTS (it once listed neither dflash2 nor the bench's default list)."""
+    with pytest.raises(SystemExit):
+        main(["bench", "recipes", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(variant in text for variant in VARIANTS), text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -782,3 +783,166 @@ def test_eval_argument_refused_exit_2(capsys, extra, says):
         main(["eval", "--drafter", "d", "--target", "t", "--data", "x.jsonl", *extra])
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert e.value.code == 2 and last.startswith("dflash-ring eval: error: ") and says in last, last
+
+
+@pytest.mark.parametrize("bench", ["drafter", "precision", "topology"])
+def test_a_bench_recipe_is_one_of_the_recipes_and_its_help_lists_them(capsys, bench):
+    """An unknown --recipe was the drafter config's ValueError (a traceback) after the bench had loaded torch; now
+    argparse refuses it, and the help lists RECIPES (it had left dflash2 out)."""
+    from dflash_ring.cli import main
+    from dflash_ring.common.config.drafter import RECIPES
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", bench, "--recipe", "bogus"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and last.startswith(f"dflash-ring bench {bench}: error: argument --recipe"), last
+    with pytest.raises(SystemExit):
+        main(["bench", bench, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(recipe in text for recipe in RECIPES), text
+
+
+def _parsers() -> list[tuple[str, argparse.ArgumentParser]]:
+    """Every command's parser (subcommands within subcommands) and every bench's own (its add_arguments)."""
+    import importlib
+
+    from dflash_ring.cli import BENCHES, _parser
+
+    found, todo = [], [("dflash-ring", _parser())]
+    while todo:
+        name, parser = todo.pop()
+        found.append((name, parser))
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                todo += [(f"{name} {sub}", p) for sub, p in action.choices.items() if not name.endswith("bench")]
+    for bench in BENCHES:
+        parser = argparse.ArgumentParser()
+        importlib.import_module(f"dflash_ring.bench.{bench}").add_arguments(parser)
+        found.append((f"dflash-ring bench {bench}", parser))
+    return found
+
+
+# Options whose range is checked where they are read, by a test of their own (eval's temperature: test_eval_*).
+CHECKED_ELSEWHERE = {("dflash-ring eval", "--temperature")}
+
+
+def test_every_numeric_option_declares_its_range():
+    """The rule of common/arguments.py: a bare int or float took -1, 0, nan or inf (a traceback later, a wait
+    without end: stop --timeout nan, or nothing done silently); each numeric option has a checked type instead."""
+    bare = [
+        f"{name} {action.option_strings[0]}"
+        for name, parser in _parsers()
+        for action in parser._actions
+        if action.type in (int, float) and (name, action.option_strings[0]) not in CHECKED_ELSEWHERE
+    ]
+    assert not bare, f"numeric options without a range (use a type of common/arguments.py): {bare}"
+
+
+EVAL = ["eval", "--drafter", "d", "--target", "t", "--data", "x.jsonl"]
+
+
+@pytest.mark.parametrize(
+    "argv,says",
+    [
+        (["stop", "--timeout", "nan", "r"], "argument --timeout: must be a finite number > 0, got nan"),
+        (["stop", "--timeout", "-1", "r"], "argument --timeout: must be a finite number > 0, got -1"),
+        (["chaos", "--seconds", "1e400"], "argument --seconds: must be a finite number > 0"),
+        (["chaos", "--kills", "x"], "argument --kills: expected an integer, got 'x'"),
+        (["drafter", "--index", "-1"], "argument --index: must be 0 or more, got -1"),
+        ([*EVAL, "--threads", "-1"], "argument --threads: must be 0 or more, got -1"),  # was torch's, after loading
+        ([*EVAL, "--seed", "-1"], "argument --seed: a seed is 0..4294967295, got -1"),
+        (["regenerate", "--threads", "-2"], "argument --threads: must be 0 or more, got -2"),
+        (["bench", "loader", "--samples", "-1"], "argument --samples: must be at least 1, got -1"),  # numpy's error
+        (["bench", "pipeline", "--port-base", "70000"], "argument --port-base: a TCP port is 1..65535, got 70000"),
+        (["bench", "pipeline", "--seconds", "nan"], "argument --seconds: must be a finite number > 0, got nan"),
+        (["bench", "target", "--peak-tflops", "0"], "argument --peak-tflops: must be a finite number > 0, got 0"),
+    ],
+)
+def test_a_numeric_option_out_of_its_range_is_argparse_s_refusal(capsys, argv, says):
+    from dflash_ring.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and says in last, last
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["run", "--workdir"], ["chaos", "--workdir"], ["bench", "recipes", "--workdir"], ["bench", "checkpoint", "--dir"]],
+    ids=["run", "chaos", "bench-recipes", "bench-checkpoint"],
+)
+def test_a_work_directory_option_that_is_a_file_is_argparse_s_refusal(tmp_path, capsys, argv):
+    """run --workdir FILE printed the embedded default's banner, then `[Errno 17] File exists` naming no option."""
+    from dflash_ring.cli import main
+
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit) as e:
+        main([*argv, str(tmp_path / "afile" / "w")])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    says = f"argument {argv[-1]}: output directory {tmp_path}/afile/w: {tmp_path}/afile is not a directory"
+    assert e.value.code == 2 and says in last, last
+
+
+@pytest.mark.parametrize("command", ["run", "chaos"])
+def test_home_that_is_a_file_is_one_line_naming_home(tmp_path, capsys, monkeypatch, command):
+    """The embedded default's cache lives under $HOME: with HOME a file, run printed its banner and then '[Errno 20]
+    Not a directory' from deep inside the tiny target's build; now one line naming HOME and what to do."""
+    from dflash_ring.cli import main
+
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("HOME", str(tmp_path / "afile"))
+    assert main([command, "--workdir", str(tmp_path / "w")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"dflash-ring {command}: error: the embedded default's cache ~/.cache/dflash_ring"), line
+    assert line.endswith("set HOME to a directory you can write to"), line
+
+
+@pytest.mark.parametrize(
+    "argv,says",
+    [
+        (["run", "--set", "ring.slots=abc"], "ring.slots = 'abc': expected int, got str"),
+        (["run", "--set", "ring.nope=1"], "unknown config key 'nope' in [ring]"),
+        (["run", "--set", "rnig.slots=1"], "unknown config key 'rnig' in the top level"),
+        (["chaos", "--no-baseline", "--set", "train.lr=-1"], "train.lr = -1.0: must be a finite number > 0"),
+        (["chaos", "--set", 'data.path="a'], "is not a valid TOML value"),
+    ],
+    ids=["run-type", "run-key", "run-section", "chaos-range", "chaos-quote"],
+)
+def test_a_bad_override_of_the_embedded_default_is_refused_before_anything_is_built(tmp_path, capsys, argv, says):
+    """run and chaos write their config late (the embedded default, after building the tiny target): a bad --set was
+    refused only then, after the banner and the build's lines (8 stderr lines for run)."""
+    from dflash_ring.cli import main
+
+    assert main([*argv, "--workdir", str(tmp_path / "w")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"dflash-ring {argv[0]}: error: ") and says in line, line
+    assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("command", ["status", "stop", "clean"])
+def test_a_directory_under_a_ring_s_name_in_dev_shm_is_one_line(capsys, command):
+    """posix_ipc answers a directory at /dev/shm/dflash-ring.RUN with a bare ValueError ('Invalid parameter(s)'): a
+    traceback from status, stop, clean and every role; now a ForeignObjectError naming it (not ours to remove)."""
+    from dflash_ring.cli import main
+
+    name = f"shmdir{os.getpid()}"
+    taken = Path("/dev/shm") / f"dflash-ring.{name}"
+    taken.mkdir()
+    try:
+        assert main([command, name]) == 2
+    finally:
+        taken.rmdir()
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"dflash-ring {command}: error: {taken} is a directory, not a shared-memory object"), line
+
+
+@pytest.mark.parametrize("columns,width", [("abc", 200), ("-5", 200), ("", 200), ("0", 200), ("120", 120)])
+def test_columns_that_is_no_width_is_ignored(monkeypatch, columns, width):
+    """COLUMNS is the terminal's hint for the launcher's console (run, regenerate, bench recipes): one that is not a
+    positive integer was int()'s ValueError, a traceback; now ignored, as shutil and rich ignore it."""
+    from dflash_ring.tools.launcher import console
+
+    monkeypatch.setenv("COLUMNS", columns)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    assert console().width == width

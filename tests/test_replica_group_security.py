@@ -81,6 +81,9 @@ def test_the_group_secret_is_required_and_must_be_private(tmp_path):
     good = write_secret(tmp_path / "good")
     (tmp_path / "link").symlink_to(good)
     assert "cannot open" in check(secret_file=str(tmp_path / "link"))  # a link could be swapped under us
+    os.mkfifo(tmp_path / "fifo", 0o600)  # its open waited for a writer forever (check-config hung)
+    assert "is not a regular file" in check(secret_file=str(tmp_path / "fifo"))
+    assert "is not a regular file" in check(secret_file=str(tmp_path))
     cfg = Config()
     cfg.group.rendezvous, cfg.group.secret_file = "tcp://127.0.0.1:29999", str(good)
     cfg.validate()

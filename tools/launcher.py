@@ -32,6 +32,7 @@ from dflash_ring.common.config.schema import Config
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.config.target import TargetConfig
 from dflash_ring.common.layout import Role
+from dflash_ring.common.output_dir import OutputDirError, check_output_dir
 from dflash_ring.common.metrics import DRAFTER, check_ports_free, run_ports
 from dflash_ring.common.ring import Ring, RingNotFound
 from dflash_ring.tools.fleet import forward_lines, role_command, scrape, spawn
@@ -47,7 +48,14 @@ def console() -> Console:
     """stderr console; piped, rich would wrap every line at 80 columns, so it gets room and no wrapping."""
     if sys.stderr.isatty():
         return Console(stderr=True)
-    return Console(stderr=True, width=int(os.environ.get("COLUMNS") or 0) or 200, soft_wrap=True)
+    return Console(stderr=True, width=_columns() or 200, soft_wrap=True)
+
+
+def _columns() -> int:
+    """$COLUMNS when it is a positive integer, else 0: a terminal's hint, ignored when it is not one (as shutil and
+    rich do), never a ValueError traceback from `COLUMNS=abc dflash-ring run`."""
+    text = os.environ.get("COLUMNS", "").strip()
+    return int(text) if text.isdigit() else 0
 
 
 def embedded_run_config(workdir: Path, target: Path, mask_token_id: int, data: Path) -> Config:
@@ -97,13 +105,27 @@ Metrics: /metrics on metrics.bind (127.0.0.1): supervisor port_base (9460), targ
 drafter j port_base + 100 + j."""
 
 
+def checked_cache(cache_dir: str = DEFAULT_CACHE) -> Path:
+    """The embedded default's cache (under $HOME), checked writable before anything is built or printed: with HOME a
+    file or read-only the build failed deep inside with '[Errno 20] Not a directory' naming neither HOME nor a fix."""
+    cache = Path(cache_dir).expanduser()
+    try:
+        check_output_dir(cache)
+    except OutputDirError as e:
+        raise OutputDirError(
+            f"the embedded default's cache {cache_dir} (HOME={os.environ.get('HOME', '')!r}): {e}; set HOME to a "
+            "directory you can write to"
+        ) from None
+    return cache
+
+
 def embedded_config(workdir: Path, cache_dir: str = DEFAULT_CACHE) -> Path:
     """Write the embedded default's config (building the tiny target and its regenerated replies on first
     use); returns its path."""
     from dflash_ring.embedded.tiny_replies import ensure_tiny_replies
     from dflash_ring.embedded.tiny_target import TRAIN_FILE, ensure_tiny_target, read_marker
 
-    cache = Path(cache_dir).expanduser()
+    cache = checked_cache(cache_dir)
     target = ensure_tiny_target(cache / "tiny-target")
     replies = ensure_tiny_replies(target, target / TRAIN_FILE, cache, workdir)
     cfg = embedded_run_config(workdir, target, read_marker(target)["mask_token_id"], replies)
@@ -383,6 +405,7 @@ def run(config: str | None, overrides: list[str], workdir: str = "runs/tiny", ev
     work = Path(workdir)
     embedded = config is None
     if embedded:
+        checked_cache()  # before the banner: a refusal is the command's one line
         con.print("embedded default: tiny trained target (built and cached on first use), 1 target, 2 drafters, CPU")
         cfg_path = embedded_config(work)
         con.print(f"config: {cfg_path} (copy it to start your own); tiny target: {load_config(cfg_path).target.path}")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
+from dflash_ring.common.config.paths import OutputDirectory, home_path, ReadPath
 from dflash_ring.common.refusal import Refusal
 from dflash_ring.common.config.ranges import AtLeastOne, Positive, Range, Share
 
@@ -29,7 +30,7 @@ class DataSource:
     `weight` is the source's share of an epoch's rows (weights are relative: 3 and 1 give 75% and 25%).
     """
 
-    path: str = ""
+    path: ReadPath = ""
     weight: Positive = 1.0
     # Shown in logs, `dflash-ring data stats` and metrics; empty: the file or directory name without suffix.
     name: str = ""
@@ -74,7 +75,7 @@ class DataConfig:
     and is batched exactly as before mixtures existed.
     """
 
-    path: str = ""
+    path: ReadPath = ""
     # A weighted mixture instead of `path`: a list of DataSource tables ([[data.sources]] in TOML).
     sources: list[DataSource] = field(default_factory=list)
     # "auto" guesses from the file suffix; "disk" is a directory written by `save_to_disk`.
@@ -93,7 +94,7 @@ class DataConfig:
     epochs: Annotated[int, Range(1, 10_000)] = 1
     # Tokenizer worker processes (datasets' num_proc), one process each: 1024 is past any host's cores.
     num_proc: Annotated[int, Range(1, 1024)] = 1
-    cache_dir: str = "~/.cache/dflash_ring/data"
+    cache_dir: OutputDirectory = field(default_factory=lambda: home_path("~/.cache/dflash_ring/data"))
     # Samples sorted by length together; larger packs tighter, smaller keeps the order random.
     bucket_window: AtLeastOne = 1024
     # Share of every training source's rows held out for evaluation (0: none). Which rows is a pure function of

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
+from dflash_ring.common.config.paths import OutputDirectory
 from dflash_ring.common.refusal import Refusal
 from dflash_ring.common.config.ranges import AtLeastOne, PositiveSeconds, Range
 
@@ -23,7 +24,7 @@ class RegenerateConfigError(Refusal, ValueError):
 class RegenerateConfig:
     # Prompts come from [data] (path, format, split): the same sources `data.path` accepts.
     # Output: a directory of jsonl shards plus a progress record; `data.path` reads it directly.
-    output: str = ""
+    output: OutputDirectory = ""
     # "hf": the target (target.path) in this process, batched generation with a KV cache.
     # "openai": any OpenAI-compatible server (vLLM, SGLang, `transformers serve`).
     engine: EngineName = "hf"

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
+from dflash_ring.common.config.paths import OutputDirectory, home_path, ReadPath
 from dflash_ring.common.refusal import Refusal
 from dflash_ring.common.config.ranges import PositiveSeconds, Range, Seconds
 from dflash_ring.common.ownership import SecretFileError, group_secret
@@ -40,15 +41,15 @@ class RunConfig:
     name: str = "default"
     # Lock files live here; empty means /run/dflash-ring/<name> as root,
     # else $XDG_RUNTIME_DIR/dflash-ring/<name>, else /tmp/dflash-ring-<uid>/<name>.
-    run_dir: str = ""
+    run_dir: OutputDirectory = ""
     # How long a producer or drafter waits for the supervisor to create the ring.
     attach_timeout_s: Seconds = 60.0
     # Empty: off. Else every process appends what it committed, consumed and trained to
     # <ledger_dir>/<role>-<index>.jsonl (common/ledger.py), e.g. for `dflash-ring chaos`.
-    ledger_dir: str = ""
+    ledger_dir: OutputDirectory = ""
     # torch.compile caches (common/compile_cache.py), one directory per role and model config, so a restarted
     # process skips compiling; empty: torch's defaults under /tmp.
-    compile_cache_dir: str = "~/.cache/dflash_ring/compile"
+    compile_cache_dir: OutputDirectory = field(default_factory=lambda: home_path("~/.cache/dflash_ring/compile"))
 
     def lock_dir(self) -> Path:
         """run_dir, or the runtime root's directory named for the run: where its lock files live."""
@@ -121,7 +122,7 @@ class GroupConfig:
     # to the store is signed with it, so a client without it can neither join nor change the group.
     # Required with a rendezvous; make one with `head -c 32 /dev/urandom > F && chmod 600 F`. Read and checked by
     # common/ownership.py `group_secret`.
-    secret_file: str = ""
+    secret_file: ReadPath = ""
 
 
 @dataclass

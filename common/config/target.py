@@ -17,10 +17,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from dflash_ring.common.config.paths import OutputDirectory, home_path, ReadPath
 from dflash_ring.common.refusal import Refusal
 from dflash_ring.common.config.drafter import build_target_layer_ids, target_text_config
 from dflash_ring.common.config.ranges import Range
@@ -67,7 +68,7 @@ class TargetGeometry:
 @dataclass(frozen=True)
 class TargetConfig:
     # A local Hugging Face model directory (config.json + weights); nothing is downloaded.
-    path: str = ""
+    path: ReadPath = ""
     # Tokenizer directory; empty means the model directory.
     tokenizer: str = ""
     # Decoder layers whose outputs become features (0-based; HF hidden_states[l + 1]).
@@ -99,7 +100,7 @@ class TargetConfig:
     # around the matmuls; the first batches compile, later starts load from run.compile_cache_dir).
     compile: bool = True
     # Cursor files (<state_dir>/<run>/producer-<i>.json): where to resume when the ring is gone.
-    state_dir: str = "~/.cache/dflash_ring/state"
+    state_dir: OutputDirectory = field(default_factory=lambda: home_path("~/.cache/dflash_ring/state"))
 
     def __post_init__(self) -> None:
         if self.layer_ids is not None and (not self.layer_ids or len(set(self.layer_ids)) != len(self.layer_ids)):

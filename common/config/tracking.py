@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dflash_ring.common.config.paths import OutputDirectory
+
 Backend = Literal["tensorboard", "wandb", "mlflow"]
 
 
@@ -21,7 +23,7 @@ class TrackingConfig:
     # Record files, TensorBoard event files (<dir>/tensorboard/drafter-<j>/), W&B's offline runs (<dir>/wandb/)
     # and the default MLflow store (<dir>/mlruns). Empty: <the run's directory>/tracking, the run's directory
     # being the one that holds train.checkpoint_dir (runs/<name>/ beside runs/<name>/checkpoints).
-    dir: str = ""
+    dir: OutputDirectory = ""
     # W&B project and MLflow experiment.
     project: str = "dflash-ring"
     # The tracker run's name (W&B group and display names, MLflow run names); empty: run.name.

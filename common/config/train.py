@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
+from dflash_ring.common.config.paths import OutputDirectory
 from dflash_ring.common.config.ranges import AtLeastOne, Fraction, Positive, Range, Share
 
 
@@ -34,7 +35,7 @@ class TrainConfig:
     anchors_per_group: AtLeastOne = 64
     # Replicas on one host average parameters through shared memory every this many steps (0: never).
     average_every_steps: int = 50
-    checkpoint_dir: str = "runs/default/checkpoints"
+    checkpoint_dir: OutputDirectory = "runs/default/checkpoints"
     checkpoint_every_steps: AtLeastOne = 200
     keep_checkpoints: AtLeastOne = 3
     # Copy the state to host memory in the step and write the checkpoint on a thread (consumer/async_checkpoint.py);

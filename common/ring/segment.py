@@ -12,6 +12,7 @@ import hashlib
 import logging
 import mmap
 import os
+import stat
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -70,6 +71,23 @@ def semaphore_names(run: str) -> tuple[str, str]:
 def segment_files(run: str) -> list[Path]:
     """The run's segments as files (the ring's and its replicas'), for who maps them (common/ring_users.py)."""
     return [SHM_DIR / segment_name(run)[1:], SHM_DIR / replica_segment_name(run)[1:]]
+
+
+def check_kinds(run: str) -> None:
+    """Whatever /dev/shm holds under the run's segment and semaphore names is a regular file, else ForeignObjectError
+    naming it: posix_ipc's answer for a directory there was a bare ValueError ('Invalid parameter(s)'), a traceback
+    from status, stop, clean and every role. Not ours to remove: the user removes it or picks another run.name."""
+    for path in [*segment_files(run), *(semaphore_path(s) for s in semaphore_names(run))]:
+        try:
+            mode = path.lstat().st_mode
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "a symlink" if stat.S_ISLNK(mode) else "not a regular file"
+            raise ForeignObjectError(
+                f"{path} is {kind}, not a shared-memory object of a ring: something else holds the name of run "
+                f"{run!r}; remove it by hand if it is yours, or choose another run.name"
+            )
 
 
 def leftover_files(run: str) -> list[Path]:
@@ -281,6 +299,7 @@ class Segment:
 def create(spec: RingSpec) -> Segment:
     """Create the run's segment and semaphores exclusively (mode 0600). Supervisor only."""
     run, geo = spec.run, spec.geometry
+    check_kinds(run)
     _check_shm_space(geo.total_bytes, run)
     blob = msgpack.packb(dict(spec.fields), use_bin_type=True)
     for sem in semaphore_names(run):
@@ -305,6 +324,7 @@ def open_segment(run: str, timeout_s: float = 0.0) -> Segment:
     announced = False
     while True:
         half_created = False
+        check_kinds(run)  # in the loop: what appears while we wait is looked at too
         try:
             shm = posix_ipc.SharedMemory(name)
             if shm.size >= 8:
@@ -381,6 +401,7 @@ def unlink(run: str) -> list[str]:
     Another user's objects under the run's names are refused, not removed: as root this
     would delete someone else's run, and as anyone else it fails halfway.
     """
+    check_kinds(run)
     for path in [*segment_files(run), *(semaphore_path(s) for s in semaphore_names(run))]:
         try:
             uid = path.stat().st_uid
@@ -405,6 +426,7 @@ def unlink(run: str) -> list[str]:
 
 
 def exists(run: str) -> bool:
+    check_kinds(run)
     try:
         posix_ipc.SharedMemory(segment_name(run)).close_fd()
         return True
