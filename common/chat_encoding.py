@@ -103,10 +103,21 @@ def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[i
 
 
 def decode_json_row(text: str) -> Any:
+    """One JSON line as its value; whatever the JSON parser refuses is this row's BadRow, never the data set's
+    error: a syntax error, nesting deeper than the parser recurses, an integer past Python's digit limit."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise BadRow(f"invalid JSON ({e.msg} at column {e.colno})") from e
+    except (ValueError, RecursionError) as e:
+        raise BadRow(f"invalid JSON ({_why(e)})") from e
+
+
+def _why(e: BaseException) -> str:
+    """A parser's refusal in a few words: RecursionError's message names Python's stack, not the row's nesting."""
+    if isinstance(e, RecursionError):
+        return "nested deeper than the JSON parser recurses"
+    return " ".join(str(e).split())[:200] or type(e).__name__
 
 
 class ChatEncoder:
