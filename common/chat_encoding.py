@@ -128,13 +128,14 @@ class ChatEncoder:
             raise DataError("loss masks need character offsets: load the target tokenizer as a fast tokenizer")
         if not tokenizer.chat_template:
             raise DataError(
-                "the target tokenizer has no chat template: set target.tokenizer to a tokenizer "
-                "directory that has one (chat_template in tokenizer_config.json, or chat_template.jinja)"
+                f"the target tokenizer {tokenizer.name_or_path} has no chat template: set target.tokenizer to a "
+                "tokenizer directory that has one (chat_template in tokenizer_config.json, or chat_template.jinja)"
             )
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.enable_thinking = enable_thinking
-        self.uses_generation_markers = bool(_GENERATION_MARKER.search(tokenizer.chat_template))
+        # The template apply_chat_template renders: of a named set (a list in tokenizer_config.json), "default".
+        self.uses_generation_markers = bool(_GENERATION_MARKER.search(tokenizer.get_chat_template()))
         self.generation_prompt, self.closing = ("", "") if self.uses_generation_markers else self._probe()
 
     def encode(self, row: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -195,7 +196,10 @@ class ChatEncoder:
             prompted = self._apply(user, tokenize=False, add_generation_prompt=True)
             replies = [self._apply(user + [{"role": "assistant", "content": d}], tokenize=False) for d in _DUMMIES]
         except BadRow as e:
-            raise DataError(f"the chat template cannot render a minimal user/assistant chat: {e}") from e
+            raise DataError(
+                f"the chat template of {self.tokenizer.name_or_path} cannot render a minimal user/assistant chat "
+                f"({e}); fix the template or set target.tokenizer to a tokenizer directory whose template works"
+            ) from e
         generation_prompt = prompted[len(asked) :] if prompted.startswith(asked) else ""
         n = _common_suffix(*replies)
         return generation_prompt, replies[0][len(replies[0]) - n :]

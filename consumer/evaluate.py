@@ -46,10 +46,10 @@ from pathlib import Path
 from statistics import fmean
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash_ring.common.chat_encoding import BadRow, conversation_of, decode_json_row, eos_ids
-from dflash_ring.common.config.target import building_from, load_target_hf_config
+from dflash_ring.common.config.target import building_from, load_target_hf_config, load_target_tokenizer
 from dflash_ring.common.refusal import Refusal
 
 from .calibration import ConfidenceCalibration, confidence_calibration
@@ -617,7 +617,7 @@ def _evaluate(
             "tree verification (tree budgets) takes a DFlash drafter: a DFlash2 drafter's selector scores "
             "each slot with the token drafted before it, which a tree of independent slots would drop"
         )
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    tokenizer = load_target_tokenizer(target_dir)  # tokenizer files transformers cannot load: one line naming them
     with building_from(target_dir):  # a config.json the model code cannot build: one line naming the directory
         target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
     check_compatible(drafter, target)

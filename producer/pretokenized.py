@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from dflash_ring.common.durable import exclusive
 
 from dflash_ring.common.chat_encoding import BadRow, ChatEncoder, decode_json_row
 from dflash_ring.common.config.data import DataConfig, DataError
-from dflash_ring.common.config.target import TargetConfig
+from dflash_ring.common.config.target import TargetConfig, load_target_tokenizer
 from .data_source import DataFiles, batch_rows, check_row_size, locate, max_row_bytes, open_dataset
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ def target_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerBase:
             "target.path is empty: the data is tokenized with the target's tokenizer and chat template; "
             "set target.path (or target.tokenizer) to its local directory"
         )
-    return AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.path, local_files_only=True)
+    return load_target_tokenizer(cfg.tokenizer or cfg.path)  # tokenizer files it cannot load: one line
 
 
 @dataclass(frozen=True)

@@ -226,6 +226,43 @@ def load_target_hf_config(path: str | Path) -> Any:
         ) from None
 
 
+def load_target_tokenizer(path: str | Path) -> Any:
+    """The target's tokenizer (and chat template) from its local directory (target.tokenizer, else target.path):
+    the one place the project has transformers read a tokenizer, so every command refuses tokenizer files
+    transformers will not take (tokenizer.json or tokenizer_config.json not JSON, truncated, not UTF-8, of the
+    wrong shape; a special token or setting of the wrong type, caught by encoding a probe text; no tokenizer file
+    at all) in one line naming the directory,
+    as TargetConfigError, like load_target_hf_config does for config.json. The chat template's type is checked
+    here too: what renders it expects text."""
+    from transformers import AutoTokenizer
+
+    root = Path(path).expanduser()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+        tokenizer("a probe", add_special_tokens=False)  # settings that load yet break encoding (model_max_length)
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 (the reading phase's rule, as load_target_hf_config's)
+        why = " ".join(str(e).split())[:500] or "no message"
+        raise TargetConfigError(
+            f"target tokenizer {root}: transformers cannot load it ({type(e).__name__}: {why}); fix or replace its "
+            "tokenizer files (tokenizer.json, tokenizer_config.json, chat_template.jinja) or point "
+            "target.tokenizer at another"
+        ) from None
+    if tokenizer.chat_template:  # none at all: ChatEncoder says what to do
+        try:  # the template apply_chat_template renders: a named set's "default"
+            template = tokenizer.get_chat_template()
+        except ValueError as e:
+            template = e
+        if not isinstance(template, str):
+            what = template if isinstance(template, ValueError) else f"it is a {type(template).__name__}"
+            raise TargetConfigError(
+                f"target tokenizer {root}: its chat_template is not the text of a Jinja template ({what}); fix "
+                "chat_template in tokenizer_config.json (or write chat_template.jinja)"
+            )
+    return tokenizer
+
+
 @contextmanager
 def building_from(path: str | Path) -> Iterator[None]:
     """While transformers builds (or loads) a model from the target directory: whatever it raises there, but for
