@@ -46,10 +46,10 @@ from pathlib import Path
 from statistics import fmean
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash_ring.common.chat_encoding import BadRow, conversation_of, decode_json_row, eos_ids
-from dflash_ring.common.config.target import building_from, load_target_hf_config, load_target_tokenizer
+from dflash_ring.common.config.target import load_target_hf_config, load_target_lm, load_target_tokenizer
 from dflash_ring.common.refusal import Refusal
 
 from .calibration import ConfidenceCalibration, confidence_calibration
@@ -618,8 +618,8 @@ def _evaluate(
             "each slot with the token drafted before it, which a tree of independent slots would drop"
         )
     tokenizer = load_target_tokenizer(target_dir)  # tokenizer files transformers cannot load: one line naming them
-    with building_from(target_dir):  # a config.json the model code cannot build: one line naming the directory
-        target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
+    # A config.json the model code cannot build, weights that do not fit it or lack tensors: one line naming it.
+    target = load_target_lm(target_dir, dtype=torch.float32, local_files_only=True).to(device).eval()
     check_compatible(drafter, target)
     eos = eos_ids(target, tokenizer)
     prompts = chat_prompts(data, tokenizer, limit)

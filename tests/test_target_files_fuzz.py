@@ -150,3 +150,193 @@ def test_a_named_template_set_renders_its_default(tokenizer_dir, tmp_path):
     d = _copy(tokenizer_dir, tmp_path)
     damaged(d, "field", "tokenizer_config.json", ("chat_template", [{"name": "tool_use", "template": template}]))
     assert "multiple chat templates with no default" in loads_or_refuses(d)
+
+
+# --- the weights: model.safetensors, its index, generation_config.json ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> Path:
+    from support import build_target
+
+    return build_target(tmp_path_factory.mktemp("target") / "model", "qwen3", layers=4)
+
+
+def _header(f: Path) -> tuple[dict, bytes]:
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
+
+
+def _write_header(f: Path, header: dict, data: bytes) -> None:
+    text = json.dumps(header).encode()
+    f.write_bytes(len(text).to_bytes(8, "little") + text + data)
+
+
+def _shard(d: Path, keep: int | None = None, value=None) -> None:
+    """model.safetensors split in two shards with an index; `keep` tensors only in its weight_map, or every entry
+    of the map set to `value`."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(d / "model.safetensors")
+    (d / "model.safetensors").unlink()
+    names = sorted(state)
+    half = len(names) // 2
+    for i, part in enumerate((names[:half], names[half:])):
+        save_file({k: state[k] for k in part}, d / f"s{i}.safetensors", metadata={"format": "pt"})
+    weight_map = {k: f"s{int(i >= half)}.safetensors" for i, k in enumerate(names)}
+    if keep is not None:
+        weight_map = dict(list(weight_map.items())[:keep])
+    if value is not None:
+        weight_map = {k: value for k in weight_map}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def _retyped(dtype: str):
+    def change(d: Path) -> None:
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(d / "model.safetensors")
+        save_file({k: v.to(getattr(torch, dtype)) for k, v in state.items()}, d / "model.safetensors")
+
+    return change
+
+
+def _header_field(field: str, value) -> object:
+    def change(d: Path) -> None:
+        header, data = _header(d / "model.safetensors")
+        name = sorted(k for k in header if k != "__metadata__")[0]
+        if field == "__metadata__":
+            header[field] = value
+        elif field == "overlap":
+            header[sorted(k for k in header if k != "__metadata__")[1]]["data_offsets"] = header[name]["data_offsets"]
+        else:
+            header[name][field] = value
+        _write_header(d / "model.safetensors", header, data)
+
+    return change
+
+
+def _drop_a_tensor(d: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(d / "model.safetensors")
+    del state[next(k for k in sorted(state) if "layers.0.input_layernorm" in k)]
+    save_file(state, d / "model.safetensors", metadata={"format": "pt"})
+
+
+# (change to the target directory, what the one line says; check_config: whether check-config already sees it,
+# which reads headers only; the producer's load sees every one)
+WEIGHT_DAMAGE = {
+    "index-maps-to-numbers": (lambda d: _shard(d, value=1), "maps tensors to 1, not the file name of a shard", True),
+    "index-maps-outside": (
+        lambda d: _shard(d, value="../model.safetensors"),
+        "maps tensors to '../model.safetensors'",
+        True,
+    ),
+    "index-maps-nothing": (lambda d: _shard(d, keep=0), "maps no tensor to a shard", True),
+    "index-leaves-tensors-out": (lambda d: _shard(d, keep=3), "its weights lack", False),
+    "a-tensor-missing": (_drop_a_tensor, "lack 1 tensor(s) the model needs (model.layers.0.input_layernorm", False),
+    "int8-weights": (_retyped("int8"), "as I8, not a floating type", True),
+    "float8-weights": (_retyped("float8_e4m3fn"), "as F8_E4M3, not a floating type", True),
+    "header-unknown-dtype": (_header_field("dtype", "Q9"), "no valid data_offsets, shape and dtype", True),
+    "header-shape-lies": (_header_field("shape", [3, 3]), "does not take", True),
+    "header-metadata-a-list": (_header_field("__metadata__", [1]), "__metadata__ is not an object of strings", True),
+    "header-overlapping-tensors": (_header_field("overlap", None), "where the one before it ends", True),
+    "generation-config-not-json": (
+        lambda d: (d / "generation_config.json").write_text("{bad"),
+        "generation_config.json is not valid JSON",
+        True,
+    ),
+    "generation-config-a-list": (
+        lambda d: (d / "generation_config.json").write_text("[1]"),
+        "generation_config.json is not a JSON object",
+        True,
+    ),
+    "generation-config-eos-a-string": (
+        lambda d: (d / "generation_config.json").write_text('{"eos_token_id": "x"}'),
+        'eos_token_id = "x" is not a token id',
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(WEIGHT_DAMAGE))
+def test_damaged_target_weights_are_refused_in_one_line(target_dir, tmp_path, case):
+    """Every damage is refused by the producer's load (load_causal_lm, as `target`, `check-target`, `regenerate` and
+    `eval` load a target), naming the directory or file; check-config (headers only) refuses the ones it can see.
+    Before, some were tracebacks (an index mapping to a number), and int8/float8 weights or tensors left out of the
+    weights loaded in silence: cast integers, or tensors started at random."""
+    import torch
+
+    from dflash_ring.common.config.target import check_target_builds
+    from dflash_ring.producer.target import load_causal_lm
+
+    change, says, check_config = WEIGHT_DAMAGE[case]
+    d = _copy(target_dir, tmp_path)
+    change(d)
+    with pytest.raises(Refusal) as e:
+        load_causal_lm(TargetConfig(path=str(d), dtype="float32"), torch.device("cpu"))
+    assert says in str(e.value) and str(d) in str(e.value), str(e.value)
+    if check_config:
+        with pytest.raises(Refusal) as e:
+            check_target_builds(d)
+        assert says in str(e.value), str(e.value)
+
+
+def test_float16_weights_and_the_undamaged_target_load(target_dir, tmp_path):
+    import torch
+
+    from dflash_ring.common.config.target import check_target_builds
+    from dflash_ring.producer.target import load_causal_lm
+
+    d = _copy(target_dir, tmp_path)
+    _retyped("float16")(d)
+    for root in (target_dir, d):
+        check_target_builds(root)
+        load_causal_lm(TargetConfig(path=str(root), dtype="float32"), torch.device("cpu"))
+
+
+header_values = st.one_of(
+    json_values,
+    st.lists(st.integers(-2, 2**20), max_size=3),
+    st.sampled_from(["F32", "F16", "BF16", "I8", "BOOL", "F4", "Q9", ""]),
+)
+
+
+@settings(max_examples=150, **EXAMPLES)
+@given(
+    tensor=st.integers(0, 10),
+    field=st.sampled_from(["dtype", "shape", "data_offsets", None]),
+    value=header_values,
+    metadata=st.one_of(st.none(), json_values),
+)
+@example(tensor=0, field="data_offsets", value=[0, 0], metadata=None)
+@example(tensor=1, field="shape", value=[1], metadata=None)
+@example(tensor=0, field="dtype", value="I8", metadata=None)
+def test_a_header_the_check_passes_is_one_safetensors_reads(target_dir, tmp_path, tensor, field, value, metadata):
+    """The header check is the format's rule: whatever header passes it, safetensors itself opens the file and
+    reads every tensor; whatever it cannot read, the check refuses first (DamagedWeightsError, one line)."""
+    from safetensors import SafetensorError, safe_open
+
+    from dflash_ring.common.safetensors_check import DamagedWeightsError, check_safetensors_file
+
+    f = tmp_path / "model.safetensors"
+    header, data = _header(target_dir / "model.safetensors")
+    names = sorted(k for k in header if k != "__metadata__")
+    if field is not None:
+        header[names[tensor % len(names)]][field] = value
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    _write_header(f, header, data)
+    try:
+        check_safetensors_file(f)
+    except DamagedWeightsError:
+        return
+    try:
+        with safe_open(str(f), "pt") as st_file:
+            for name in st_file.keys():
+                st_file.get_tensor(name)
+    except SafetensorError as e:
+        pytest.fail(f"the check passed a header safetensors refuses: {e}")

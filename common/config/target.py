@@ -279,6 +279,11 @@ def building_from(path: str | Path) -> Iterator[None]:
         raise
     except Exception as e:  # noqa: BLE001 (the phase's rule, see above)
         why = " ".join(str(e).split())[:500] or "no message"
+        if type(e).__name__ == "SafetensorError":  # damage the header check cannot see: the weights', not config's
+            raise TargetConfigError(
+                f"target {Path(path).expanduser()}: its safetensors weights do not load ({why}); copy or download "
+                "them again"
+            ) from None
         raise TargetConfigError(
             f"target {Path(path).expanduser()}: transformers cannot build the model its "
             f"config.json describes ({type(e).__name__}: {why}); fix config.json (or the "
@@ -294,19 +299,101 @@ def check_target_builds(path: str | Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash_ring.common.safetensors_check import weight_shapes
+    from dflash_ring.common.safetensors_check import FLOAT_DTYPES, weight_dtypes, weight_shapes
 
     config = load_target_hf_config(path)
+    check_generation_config(path)
     with building_from(path), torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    for name, shape in weight_shapes(Path(path).expanduser()).items():
+    root = Path(path).expanduser()
+    for name, shape in weight_shapes(root).items():
         if name in expected and expected[name] != shape:
             raise TargetConfigError(
-                f"target {Path(path).expanduser()}: config.json makes {name} of shape "
+                f"target {root}: config.json makes {name} of shape "
                 f"{list(expected[name])}, its weights hold {list(shape)}: fix config.json or "
                 "point target.path at the model these weights belong to"
             )
+    if getattr(config, "quantization_config", None) is None:  # a quantized checkpoint's dtypes are its quantizer's
+        floats = {k for k, v in model.state_dict().items() if v.is_floating_point()}
+        for name, dtype in weight_dtypes(root).items():
+            if name in floats and dtype not in FLOAT_DTYPES:
+                raise TargetConfigError(
+                    f"target {root}: its weights hold {name} as {dtype}, not a floating type "
+                    f"({', '.join(FLOAT_DTYPES)}), and config.json has no quantization_config that says how to read "
+                    "it: transformers would cast it to floats as it is; use the model's own floating-point weights"
+                )
+
+
+_TOKEN_ID_KEYS = ("eos_token_id", "bos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def check_generation_config(path: str | Path) -> None:
+    """The target's generation_config.json, where it has one, as what reads it needs: a JSON object whose token ids
+    are ids (a non-negative integer or a list of them). transformers reads it beside the weights and takes a file
+    that is not JSON in silence, and a string eos_token_id would be an end of reply no token ever matches."""
+    from dflash_ring.common.bounded_read import CONFIG_BYTES, read_text
+
+    file = Path(path).expanduser() / "generation_config.json"
+    if not file.is_file():
+        return
+    try:
+        body = json.loads(read_text(file, CONFIG_BYTES, TargetConfigError, "generation config"))
+    except (ValueError, RecursionError) as e:
+        if isinstance(e, TargetConfigError):
+            raise
+        raise TargetConfigError(
+            f"target generation config {file} is not valid JSON ({type(e).__name__}: {e}); fix it or remove it"
+        ) from None
+    if not isinstance(body, dict):
+        raise TargetConfigError(f"target generation config {file} is not a JSON object; fix it or remove it")
+    for key in _TOKEN_ID_KEYS:
+        value = body.get(key)
+        ids = value if isinstance(value, list) else [value]
+        if value is not None and not all(type(i) is int and i >= 0 for i in ids):  # noqa: E721 (a bool is no id)
+            raise TargetConfigError(
+                f"target generation config {file}: {key} = {json.dumps(value)} is not a token id (a non-negative "
+                "integer or a list of them); fix it or remove the file"
+            )
+
+
+def load_target_lm(path: str | Path, **kwargs: Any) -> Any:
+    """The target's causal LM with its weights (AutoModelForCausalLM.from_pretrained(path, **kwargs)), refused in one
+    line naming the directory unless its weights fit what config.json builds: check_target_builds first (shapes,
+    dtypes), then every tensor the model needs must be in the weights. transformers would start a missing one at
+    random (an index whose weight_map leaves tensors out, a shard without them) and say so only in its load report,
+    so a producer would publish the features of a model nobody trained; that report is held back and becomes the
+    refusal, or is logged as before when nothing is missing (unexpected keys: harmless)."""
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    root = Path(path).expanduser()
+    check_target_builds(root)
+    reports: list[logging.LogRecord] = []
+    report_logger = logging.getLogger("transformers.modeling_utils")
+
+    def hold(record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" in str(record.msg):
+            reports.append(record)
+            return False
+        return True
+
+    report_logger.addFilter(hold)
+    try:
+        with building_from(root):
+            model, info = AutoModelForCausalLM.from_pretrained(str(root), output_loading_info=True, **kwargs)
+    finally:
+        report_logger.removeFilter(hold)
+    if missing := sorted(info.get("missing_keys") or ()):
+        raise TargetConfigError(
+            f"target {root}: its weights lack {len(missing)} tensor(s) the model needs ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}), which transformers would start at random: copy or download "
+            "the weights again (model.safetensors.index.json and every shard it names)"
+        )
+    for record in reports:
+        report_logger.handle(record)
+    return model
 
 
 def _geometry_from_config_class(path: str) -> tuple[int, int, int]:
