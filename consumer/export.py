@@ -223,8 +223,12 @@ def load_drafter(
     config_file = root / CONFIG_NAME
     try:
         config = json.loads(config_file.read_text())
-    except ValueError as e:  # not JSON, or not UTF-8
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested past the parser's recursion
         raise ExportDirError(f"{config_file} is not a JSON config ({type(e).__name__}: {e})") from None
+    if not isinstance(config, dict):
+        raise ExportDirError(
+            f"{config_file} is not a JSON object (got {type(config).__name__}): export the drafter again"
+        )
     found = export_arch(config, str(config_file))
     if arch is not None and found != arch:
         raise ExportDirError(f"{root} is {_describe(found)}, {_describe(arch)} is expected here")

@@ -213,6 +213,8 @@ def load_target_hf_config(path: str | Path) -> Any:
     from transformers import AutoConfig  # the installed config classes only, never modeling code
 
     file = Path(path).expanduser() / "config.json"
+    if not file.is_file():  # else transformers takes the path for a hub repo id and says so
+        raise TargetConfigError(f"target {Path(path).expanduser()}: no config.json there (a local HF model directory)")
     try:
         return AutoConfig.from_pretrained(Path(path).expanduser(), local_files_only=True)
     except MemoryError:
