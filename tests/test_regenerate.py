@@ -367,6 +367,49 @@ def test_an_output_directory_of_other_files_is_refused(tmp_path, target):
         regenerated(run_config(settings(tmp_path, target, data)))
 
 
+def _record_field(key: str, value) -> object:
+    def change(out: Path) -> None:
+        path = sorted((out / STATE_DIR).glob("shard-*.json"))[0]
+        body = json.loads(path.read_text())
+        body[key] = value
+        path.write_text(json.dumps(body))
+
+    return change
+
+
+def _write(relative: str, text: str) -> object:
+    return lambda out: (out / relative).write_text(text)
+
+
+# A finished job's own files, damaged (by hand, a tool, a disk): each was a traceback when read back (a field of
+# another type, a job record that is not an object, a JSON nested past the parser) or a stray *.jsonl that would be
+# read with the replies; now one RegenerateError naming the file and what to do.
+DAMAGED_JOB = {
+    "job-record-a-list": (_write(f"{STATE_DIR}/job.json", "[1]"), "job.json cannot be read (a JSON list"),
+    "job-record-too-deep": (_write(f"{STATE_DIR}/job.json", "[" * 100_000 + "]" * 100_000), "job.json cannot be"),
+    "shard-index-a-string": (_record_field("shard", "0"), 'cannot be read (shard = "0" is not int)'),
+    "rows-a-string": (_record_field("rows", "x"), 'cannot be read (rows = "x" is not int)'),
+    "written-a-string": (_record_field("written", "yes"), 'cannot be read (written = "yes" is not int)'),
+    "bad-rows-a-number": (_record_field("bad_rows", 5), "cannot be read (bad_rows = 5 is not"),
+    "shard-record-too-deep": (
+        _write(f"{STATE_DIR}/shard-00000.json", "[" * 100_000 + "]" * 100_000),
+        "shard-00000.json cannot be read",
+    ),
+    "a-stray-jsonl": (_write("shard-abc.jsonl", ""), "holds 'shard-abc.jsonl', which is not a shard of this job"),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGED_JOB))
+def test_a_damaged_job_directory_is_refused_naming_the_file(tmp_path, target, case):
+    change, says = DAMAGED_JOB[case]
+    cfg = run_config(settings(tmp_path, target, write_rows(tmp_path / "src.jsonl", chat_rows(3))))
+    regenerated(cfg)
+    change(tmp_path / "out")
+    with pytest.raises(RegenerateError) as e:
+        regenerated(cfg)
+    assert says in str(e.value), str(e.value)
+
+
 # --- real processes: crashes, restarts, the command line -------------------------------------------
 
 
