@@ -260,6 +260,57 @@ def test_a_fifo_is_refused_not_read(tokenizer, tmp_path):
         load_tokenized(DataConfig(path=str(tmp_path / "pipe.jsonl"), cache_dir=str(tmp_path / "c")), tokenizer)
 
 
+def _cut(name: str, keep: float):
+    def change(d: Path) -> None:
+        raw = (d / name).read_bytes()
+        (d / name).write_bytes(raw[: int(len(raw) * keep)])
+
+    return change
+
+
+def _array(name: str, value):
+    return lambda d: np.save(d / f"{name}.npy", value(np.load(d / f"{name}.npy")))
+
+
+def _meta(**fields):
+    return lambda d: (d / "meta.json").write_text(json.dumps({**json.loads((d / "meta.json").read_text()), **fields}))
+
+
+# A tokenized cache entry damaged on disk. Each was a traceback at the next start (not JSON, mmap past the end, a
+# pickled array, an index out of bounds in batching), a bare errno line (a file gone) or, for a row id of another
+# dtype, a silent approximate read; now the entry is kept aside and tokenized again (common/damaged_file.py's rule).
+DAMAGED_CACHE = {
+    "meta-not-json": lambda d: (d / "meta.json").write_text("{x"),
+    "meta-a-list": lambda d: (d / "meta.json").write_text("[]"),
+    "meta-bad-rows-a-number": _meta(bad_rows=5),
+    "meta-gone": lambda d: (d / "meta.json").unlink(),
+    "tokens-cut-short": _cut("tokens.npy", 0.5),
+    "tokens-header-cut": _cut("tokens.npy", 0.01),
+    "offsets-gone": lambda d: (d / "offsets.npy").unlink(),
+    "offsets-not-npy": lambda d: (d / "offsets.npy").write_bytes(b"garbage"),
+    "offsets-too-few": _array("offsets", lambda a: a[:2]),
+    "offsets-past-the-tokens": _array("offsets", lambda a: a * 100),
+    "row-ids-floats": _array("row_ids", lambda a: a.astype(np.float32)),
+    "loss-mask-short": _array("loss_mask", lambda a: a[:3]),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGED_CACHE))
+def test_a_damaged_tokenized_cache_is_kept_aside_and_rebuilt(tokenizer, tmp_path, caplog, case):
+    path = write_jsonl(tmp_path / "rows.jsonl", GOOD_ROWS + [{"messages": "bad"}])
+    cfg = DataConfig(path=str(path), cache_dir=str(tmp_path / "cache"))
+    first = load_tokenized(cfg, tokenizer)
+    want = [np.asarray(getattr(first, n)).tolist() for n in ("tokens", "loss_mask", "offsets", "row_ids")]
+    DAMAGED_CACHE[case](first.directory)
+    with caplog.at_level(logging.WARNING, logger="dflash_ring.common.damaged_file"):
+        again = load_tokenized(cfg, tokenizer)
+    assert not again.from_cache and again.bad_rows == first.bad_rows and again.num_rows == first.num_rows
+    assert [np.asarray(getattr(again, n)).tolist() for n in ("tokens", "loss_mask", "offsets", "row_ids")] == want
+    (aside,) = (tmp_path / "cache").glob("tokenized-*.damaged-*")
+    assert [r.getMessage() for r in caplog.records if str(aside) in r.getMessage()], caplog.text
+    assert load_tokenized(cfg, tokenizer).from_cache  # the rebuilt entry is whole
+
+
 def _write(kind: str, root: Path) -> tuple[Path, str]:
     # Arrow needs one schema: chat and plain rows share the columns, each leaving the other's empty.
     table = pa.Table.from_pylist(
