@@ -17,6 +17,7 @@ from __future__ import annotations
 import codecs
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -116,7 +117,12 @@ def reading(data: DataFiles, split: str) -> Iterator[None]:
     memory and the system's own errors (a real errno: a full disk, a permission) is the data set's fault (a
     truncated or foreign parquet/arrow file, a format that is not the files', a split they do not have), so it
     becomes one DataError naming the data set, the library's exception and its message. The rule for the reading
-    phase, at every place a data set is opened; rows are judged one by one after it (BadRow)."""
+    phase, at every place a data set is opened; rows are judged one by one after it (BadRow). The readers log each
+    such error before they raise it ("Failed to read schema ..."): those records are held back, as the refusal is
+    the one line that says it."""
+    held = [logging.getLogger(f"datasets.packaged_modules.{m}.{m}") for m in ("json", "text", "parquet", "arrow")]
+    for logger in held:
+        logger.addFilter(_not_an_error)
     try:
         yield
     except (Refusal, MemoryError):
@@ -127,6 +133,13 @@ def reading(data: DataFiles, split: str) -> Iterator[None]:
         raise _unreadable(data, split, e) from None
     except Exception as e:  # noqa: BLE001 (the phase's rule, see above)
         raise _unreadable(data, split, e) from None
+    finally:
+        for logger in held:
+            logger.removeFilter(_not_an_error)
+
+
+def _not_an_error(record: logging.LogRecord) -> bool:
+    return record.levelno < logging.ERROR
 
 
 def _unreadable(data: DataFiles, split: str, e: BaseException) -> DataError:

@@ -328,6 +328,56 @@ def _eval_target_with(field: str, raw: str) -> typing.Callable[[Path, str], list
     return setup
 
 
+def _target_file(change: typing.Callable[[Path], object]) -> typing.Callable[[Path, str], list[str]]:
+    """A tiny target (with a mask token) whose directory `change` damages: a weights file, the index, a tokenizer."""
+
+    def setup(tmp: Path, name: str) -> list[str]:
+        from support import build_target
+
+        model = build_target(tmp / "model", "qwen3", layers=4)
+        change(model)
+        return ["--set", f'target.path="{model}"', "--set", "target.mask_token_id=95"]
+
+    return setup
+
+
+def _int8_weights(model: Path) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(model / "model.safetensors")
+    save_file({k: v.to(torch.int8) for k, v in state.items()}, model / "model.safetensors")
+
+
+def _index_mapping_to_a_number(model: Path) -> None:
+    header = json.loads((model / "model.safetensors").read_bytes()[8:].split(b"}}", 1)[0] + b"}}")
+    weight_map = {k: 1 for k in header if k != "__metadata__"}
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def _truncated_parquet(tmp: Path, name: str) -> list[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
+
+    tiny_chat_tokenizer(tmp / "tok")
+    pq.write_table(pa.table({"prompt": ["q"] * 8, "response": ["a"] * 8}), tmp / "rows.parquet")
+    raw = (tmp / "rows.parquet").read_bytes()
+    (tmp / "rows.parquet").write_bytes(raw[: len(raw) // 2])
+    return _mix('path = "{tmp}/rows.parquet"\n[target]\ntokenizer = "{tmp}/tok"\n')(tmp, name)
+
+
+def _tokenizer_not_json(tmp: Path, name: str) -> list[str]:
+    from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
+    from support import write_chat_rows
+
+    tiny_chat_tokenizer(tmp / "tok")
+    (tmp / "tok" / "tokenizer.json").write_text("not json")
+    write_chat_rows(tmp / "chat.jsonl", 2)
+    return _mix('path = "{tmp}/chat.jsonl"\n[target]\ntokenizer = "{tmp}/tok"\n')(tmp, name)
+
+
 def _records(*lines: str) -> typing.Callable[[Path, str], list[str]]:
     """RUN_DIR/tracking/drafter-0.jsonl holding these lines (a header first)."""
 
@@ -658,6 +708,27 @@ CASES = [
         _records('{"step": 1, "series": "train", "loss": 1.0}'),
         ["report", "{tmp}", "--out", "{tmp}/x.jpgx"],
         "--out {tmp}/x.jpgx: the report is a PNG",
+    ),
+    # Issue 34 goal 4 for data and model directories: inputs that were tracebacks (a parquet file cut short, a
+    # tokenizer.json that is not JSON, an index mapping tensors to a number) or loaded in silence (int8 weights).
+    (
+        "data-stats-truncated-parquet",
+        _truncated_parquet,
+        DATA_STATS,
+        "data set {tmp}/rows.parquet cannot be read as format 'parquet'",
+    ),
+    ("data-stats-tokenizer-not-json", _tokenizer_not_json, DATA_STATS, "target tokenizer {tmp}/tok: transformers"),
+    (
+        "check-target-int8-weights",
+        _target_file(_int8_weights),
+        ["check-target"],
+        "its weights hold lm_head.weight as I8, not a floating type",
+    ),
+    (
+        "check-config-index-maps-a-number",
+        _target_file(_index_mapping_to_a_number),
+        ["check-config"],
+        "model.safetensors.index.json maps tensors to 1, not the file name of a shard",
     ),
     (
         "bench-regenerate-no-cuda",
