@@ -49,7 +49,12 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash_ring.common.chat_encoding import BadRow, conversation_of, decode_json_row, eos_ids
-from dflash_ring.common.config.target import load_target_hf_config, load_target_lm, load_target_tokenizer
+from dflash_ring.common.config.target import (
+    check_token_ids,
+    load_target_hf_config,
+    load_target_lm,
+    load_target_tokenizer,
+)
 from dflash_ring.common.refusal import Refusal
 
 from .calibration import ConfidenceCalibration, confidence_calibration
@@ -638,6 +643,8 @@ def _evaluate(
     check_compatible(drafter, target)
     eos = eos_ids(target, tokenizer)
     prompts = chat_prompts(data, tokenizer, limit)
+    vocab = target.config.get_text_config().vocab_size
+    check_token_ids(max(max(p) for p in prompts), vocab, target_dir, target_dir, f"data {data}, rendered,")
     num_drafts = drafter.block_size if dspark else drafter.block_size - 1
     decoding = dict(
         block_size=drafter.block_size,

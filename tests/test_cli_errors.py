@@ -378,6 +378,20 @@ def _tokenizer_not_json(tmp: Path, name: str) -> list[str]:
     return _mix('path = "{tmp}/chat.jsonl"\n[target]\ntokenizer = "{tmp}/tok"\n')(tmp, name)
 
 
+def _tokenizer_of_another_model(tmp: Path, name: str) -> list[str]:
+    """A ring, a tiny target and data tokenized with another model's tokenizer (ids past the target's rows)."""
+    from support import foreign_tokenizer
+
+    tokenizer, words = foreign_tokenizer(tmp / "other")
+    rows = [
+        {"messages": [{"role": "user", "content": " ".join(words[i : i + 20])}, {"role": "assistant", "content": "x"}]}
+        for i in range(0, 80, 20)
+    ]
+    (tmp / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sets = _ring_for_target(tmp, name, tmp / "chat.jsonl", tokenizer=tokenizer, slot_bytes=1 << 20)
+    return sets + ["--set", "data.max_length=256", "--set", "data.max_tokens_per_batch=2048"]
+
+
 def _records(*lines: str) -> typing.Callable[[Path, str], list[str]]:
     """RUN_DIR/tracking/drafter-0.jsonl holding these lines (a header first)."""
 
@@ -789,6 +803,12 @@ LATE_CASES = [
         _regenerate_every_prompt_fails,
         ["regenerate", *NO_METRICS],
         "the engine failed on every prompt it was given (3 rows of 1 shards; row 0: chat template failed",
+    ),
+    (
+        "target-tokenizer-of-another-model",
+        _tokenizer_of_another_model,
+        ["target", "--index", "0", *NO_METRICS],
+        "past the 410 embedding rows of the target",
     ),
     (
         "target-damaged-cursor-file",

@@ -263,6 +263,20 @@ def _data(text: str):
     return change
 
 
+def _foreign_tokenizer(tmp_path, target_dir, drafter_dir) -> dict:
+    """A copy of the target with another model's tokenizer files, and a row of words it has ids past 448 for."""
+    from support import foreign_tokenizer
+
+    tokenizer, words = foreign_tokenizer(tmp_path / "other")
+    copy = tmp_path / "target"
+    shutil.copytree(target_dir, copy)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tokenizer / f, copy / f)
+    row = {"messages": [{"role": "user", "content": " ".join(words[:40])}, {"role": "assistant", "content": "x"}]}
+    (tmp_path / "chat.jsonl").write_text(json.dumps(row) + "\n")
+    return {"--target": copy}
+
+
 def _a_fifo(tmp_path, target_dir, drafter_dir) -> dict:
     os.mkfifo(tmp_path / "pipe.jsonl")
     return {"--data": tmp_path / "pipe.jsonl"}
@@ -282,6 +296,7 @@ EVAL_INPUTS = {
     "drafter-config-an-array": (_drafter_config("[1]"), "config.json is not a JSON object (got list)"),
     "drafter-config-too-deep": (_drafter_config("[" * 100_000 + "]" * 100_000), "is not a JSON config"),
     "target-missing": (lambda tmp_path, t, d: {"--target": tmp_path / "nope"}, "nope: no config.json there"),
+    "tokenizer-of-another-model": (_foreign_tokenizer, "past the 448 embedding rows of the target"),
 }
 
 

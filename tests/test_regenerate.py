@@ -347,6 +347,18 @@ def test_a_job_whose_every_prompt_fails_records_nothing(tmp_path, target):
     assert records(tmp_path / "out") == [] and output_rows(tmp_path / "out") == []
 
 
+def test_a_tokenizer_of_another_model_fails_its_prompts_by_name(tmp_path, target):
+    """target.tokenizer of another model gives ids past the target's embedding: each such prompt is an error saying
+    so (was an IndexError out of generate, a traceback), and a job of only such prompts one refusal."""
+    from support import foreign_tokenizer
+
+    tokenizer, words = foreign_tokenizer(tmp_path / "other")
+    data = write_rows(tmp_path / "src.jsonl", [{"prompt": " ".join(words[i : i + 20])} for i in range(0, 60, 20)])
+    cfg = merged(settings(tmp_path, target, data), {"target": {"tokenizer": str(tokenizer)}})
+    with pytest.raises(RegenerateError, match=r"row 0: the prompt holds token id \d+, past the \d+ embedding rows"):
+        regenerated(run_config(cfg))
+
+
 def test_failed_prompts_before_the_first_answer_do_not_end_the_job(tmp_path, target):
     """A first shard whose every prompt fails, then shards that work: the job goes on, and the failed rows are
     recorded as that shard's errors (held back only until the job is seen to work)."""

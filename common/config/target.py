@@ -327,6 +327,17 @@ def check_target_builds(path: str | Path) -> None:
                 )
 
 
+def check_token_ids(max_id: int, vocab_size: int, tokenizer: str | Path, model: str | Path, where: str) -> None:
+    """Refuse token ids the target has no embedding row for: a tokenizer that is not the model's (target.tokenizer
+    set to another, tokenizer files copied from another model) gives ids past config.json's vocab_size, which the
+    model's embedding indexes out of range (a traceback on the CPU, a device-side assert on a GPU)."""
+    if max_id >= vocab_size:
+        raise TargetConfigError(
+            f"{where} holds token id {max_id}, past the {vocab_size} embedding rows of the target {model} "
+            f"(config.json vocab_size): the tokenizer {tokenizer} is not this model's; use the model's own"
+        )
+
+
 _TOKEN_ID_KEYS = ("eos_token_id", "bos_token_id", "pad_token_id", "decoder_start_token_id")
 
 
