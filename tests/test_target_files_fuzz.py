@@ -226,8 +226,8 @@ def _drop_a_tensor(d: Path) -> None:
     save_file(state, d / "model.safetensors", metadata={"format": "pt"})
 
 
-# (change to the target directory, what the one line says; check_config: whether check-config already sees it,
-# which reads headers only; the producer's load sees every one)
+# (change to the target directory, what the one line says, whether check-config sees it too: it reads headers only,
+# and sees a missing tensor where the checkpoint's names are the model's own; the producer's load sees every one)
 WEIGHT_DAMAGE = {
     "index-maps-to-numbers": (lambda d: _shard(d, value=1), "maps tensors to 1, not the file name of a shard", True),
     "index-maps-outside": (
@@ -236,8 +236,8 @@ WEIGHT_DAMAGE = {
         True,
     ),
     "index-maps-nothing": (lambda d: _shard(d, keep=0), "maps no tensor to a shard", True),
-    "index-leaves-tensors-out": (lambda d: _shard(d, keep=3), "its weights lack", False),
-    "a-tensor-missing": (_drop_a_tensor, "lack 1 tensor(s) the model needs (model.layers.0.input_layernorm", False),
+    "index-leaves-tensors-out": (lambda d: _shard(d, keep=3), "its weights lack", True),
+    "a-tensor-missing": (_drop_a_tensor, "lack 1 tensor(s) the model needs (model.layers.0.input_layernorm", True),
     "int8-weights": (_retyped("int8"), "as I8, not a floating type", True),
     "float8-weights": (_retyped("float8_e4m3fn"), "as F8_E4M3, not a floating type", True),
     "header-unknown-dtype": (_header_field("dtype", "Q9"), "no valid data_offsets, shape and dtype", True),
@@ -352,3 +352,16 @@ def test_the_drafter_s_head_refuses_weights_it_would_use_as_is(target_dir, tmp_p
     _retyped(dtype)(d)
     with pytest.raises(Refusal, match="not float16, bfloat16 or float32"):
         probe_target_head(d)
+
+
+def test_a_tied_target_stores_no_lm_head_and_passes(tmp_path):
+    """check-config's completeness rule counts a tied lm_head as stored with the embedding it shares."""
+    from safetensors import safe_open
+
+    from dflash_ring.common.config.target import check_target_builds
+    from support import save_tiny_qwen3
+
+    save_tiny_qwen3(tmp_path / "tied", tie_word_embeddings=True)
+    with safe_open(str(tmp_path / "tied" / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    check_target_builds(tmp_path / "tied")

@@ -309,12 +309,23 @@ def check_target_builds(path: str | Path) -> None:
         model = AutoModelForCausalLM.from_config(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     root = Path(path).expanduser()
-    for name, shape in weight_shapes(root).items():
+    for name, shape in weight_shapes(root).items():  # shapes first: a model of another width is named as such
         if name in expected and expected[name] != shape:
             raise TargetConfigError(
                 f"target {root}: config.json makes {name} of shape "
                 f"{list(expected[name])}, its weights hold {list(shape)}: fix config.json or "
                 "point target.path at the model these weights belong to"
+            )
+    stored = weight_shapes(root)
+    if stored and stored.keys() <= expected.keys():  # names as the model's own: none renamed or fused on loading
+        shared: dict[int, list[str]] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            shared.setdefault(id(param), []).append(name)
+        if missing := sorted(names[0] for names in shared.values() if not any(n in stored for n in names)):
+            raise TargetConfigError(
+                f"target {root}: its weights lack {len(missing)} tensor(s) the model needs ({', '.join(missing[:3])}"
+                f"{', ...' if len(missing) > 3 else ''}), which transformers would start at random: copy or "
+                "download the weights again (model.safetensors.index.json and every shard it names)"
             )
     if getattr(config, "quantization_config", None) is None:  # a quantized checkpoint's dtypes are its quantizer's
         floats = {k for k, v in model.state_dict().items() if v.is_floating_point()}
