@@ -242,6 +242,11 @@ def load_drafter(
     check_safetensors_file(weights)  # a truncated or damaged file: one line naming it, not safetensors' traceback
     state = load_file(weights)
     _check_weights(state, expected, str(weights), found, ExportDirError)
+    if odd := [k for k, v in state.items() if not v.is_floating_point() or v.element_size() < 2]:
+        raise ExportDirError(
+            f"{weights}: {odd[0]} is stored as {state[odd[0]].dtype}, not float16, bfloat16 or float32 (an export "
+            "writes the drafter's own floating-point weights; these would be cast as they are): export it again"
+        )
     if found == "dspark":
         stored = [state.pop(name) for name in HEAD_TENSORS]
         if target_head is not None:

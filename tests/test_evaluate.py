@@ -255,6 +255,19 @@ def _drafter_config(text: str):
     return change
 
 
+def _drafter_weights_as(dtype: str):
+    def change(tmp_path, target_dir, drafter_dir) -> dict:
+        from safetensors.torch import load_file, save_file
+
+        copy = tmp_path / "drafter"
+        shutil.copytree(drafter_dir, copy)
+        state = load_file(copy / "model.safetensors")
+        save_file({k: v.to(getattr(torch, dtype)) for k, v in state.items()}, copy / "model.safetensors")
+        return {"--drafter": copy}
+
+    return change
+
+
 def _data(text: str):
     def change(tmp_path, target_dir, drafter_dir) -> dict:
         (tmp_path / "chat.jsonl").write_text(text)
@@ -297,6 +310,8 @@ EVAL_INPUTS = {
     "drafter-config-too-deep": (_drafter_config("[" * 100_000 + "]" * 100_000), "is not a JSON config"),
     "target-missing": (lambda tmp_path, t, d: {"--target": tmp_path / "nope"}, "nope: no config.json there"),
     "tokenizer-of-another-model": (_foreign_tokenizer, "past the 448 embedding rows of the target"),
+    "drafter-weights-int8": (_drafter_weights_as("int8"), "is stored as torch.int8, not float16"),
+    "drafter-weights-float8": (_drafter_weights_as("float8_e4m3fn"), "is stored as torch.float8_e4m3fn"),
 }
 
 
