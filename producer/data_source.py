@@ -205,7 +205,12 @@ def _data_files(root: Path, fmt: str) -> list[Path]:
     if root.is_file():
         return [root]
     suffixes = (".json", ".jsonl") if fmt in ("json", "jsonl") else (f".{fmt}",)
-    files = sorted(p for p in root.iterdir() if p.is_file() and p.suffix in suffixes)
+    named = sorted(p for p in root.iterdir() if p.suffix in suffixes)
+    # A data file the directory names but that cannot be read as one (a dangling symlink, a FIFO) is not skipped
+    # in silence: the data set would be smaller than the directory says.
+    if odd := [p for p in named if not p.is_file() and not p.is_dir()]:
+        raise DataError(f"{odd[0]} is not a readable regular file (a dangling symlink, a FIFO?): fix or remove it")
+    files = [p for p in named if p.is_file()]
     if not files:
         raise DataError(f"no {'/'.join(suffixes)} files in directory {root}")
     return files

@@ -253,6 +253,14 @@ def test_an_unreadable_data_set_is_one_data_error(tokenizer, tmp_path, case):
     assert says in str(e.value) and (str(path) in str(e.value) or "no data" in str(e.value)), str(e.value)
 
 
+def test_a_dangling_data_file_in_a_directory_is_refused_not_skipped(tokenizer, tmp_path):
+    (tmp_path / "d").mkdir()
+    write_jsonl(tmp_path / "d" / "a.jsonl", GOOD_ROWS)
+    (tmp_path / "d" / "b.jsonl").symlink_to(tmp_path / "gone.jsonl")
+    with pytest.raises(DataError, match="b.jsonl is not a readable regular file"):
+        load_tokenized(DataConfig(path=str(tmp_path / "d"), cache_dir=str(tmp_path / "c")), tokenizer)
+
+
 def test_a_fifo_is_refused_not_read(tokenizer, tmp_path):
     """A FIFO as data.path would block the reader forever (or read as an empty file): refused by kind."""
     os.mkfifo(tmp_path / "pipe.jsonl")
