@@ -103,10 +103,21 @@ def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[i
 
 
 def decode_json_row(text: str) -> Any:
+    """One JSON line as its value; whatever the JSON parser refuses is this row's BadRow, never the data set's
+    error: a syntax error, nesting deeper than the parser recurses, an integer past Python's digit limit."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise BadRow(f"invalid JSON ({e.msg} at column {e.colno})") from e
+    except (ValueError, RecursionError) as e:
+        raise BadRow(f"invalid JSON ({_why(e)})") from e
+
+
+def _why(e: BaseException) -> str:
+    """A parser's refusal in a few words: RecursionError's message names Python's stack, not the row's nesting."""
+    if isinstance(e, RecursionError):
+        return "nested deeper than the JSON parser recurses"
+    return " ".join(str(e).split())[:200] or type(e).__name__
 
 
 class ChatEncoder:
@@ -117,13 +128,14 @@ class ChatEncoder:
             raise DataError("loss masks need character offsets: load the target tokenizer as a fast tokenizer")
         if not tokenizer.chat_template:
             raise DataError(
-                "the target tokenizer has no chat template: set target.tokenizer to a tokenizer "
-                "directory that has one (chat_template in tokenizer_config.json, or chat_template.jinja)"
+                f"the target tokenizer {tokenizer.name_or_path} has no chat template: set target.tokenizer to a "
+                "tokenizer directory that has one (chat_template in tokenizer_config.json, or chat_template.jinja)"
             )
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.enable_thinking = enable_thinking
-        self.uses_generation_markers = bool(_GENERATION_MARKER.search(tokenizer.chat_template))
+        # The template apply_chat_template renders: of a named set (a list in tokenizer_config.json), "default".
+        self.uses_generation_markers = bool(_GENERATION_MARKER.search(tokenizer.get_chat_template()))
         self.generation_prompt, self.closing = ("", "") if self.uses_generation_markers else self._probe()
 
     def encode(self, row: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -184,7 +196,10 @@ class ChatEncoder:
             prompted = self._apply(user, tokenize=False, add_generation_prompt=True)
             replies = [self._apply(user + [{"role": "assistant", "content": d}], tokenize=False) for d in _DUMMIES]
         except BadRow as e:
-            raise DataError(f"the chat template cannot render a minimal user/assistant chat: {e}") from e
+            raise DataError(
+                f"the chat template of {self.tokenizer.name_or_path} cannot render a minimal user/assistant chat "
+                f"({e}); fix the template or set target.tokenizer to a tokenizer directory whose template works"
+            ) from e
         generation_prompt = prompted[len(asked) :] if prompted.startswith(asked) else ""
         n = _common_suffix(*replies)
         return generation_prompt, replies[0][len(replies[0]) - n :]

@@ -46,10 +46,15 @@ from pathlib import Path
 from statistics import fmean
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash_ring.common.chat_encoding import BadRow, conversation_of, decode_json_row, eos_ids
-from dflash_ring.common.config.target import building_from, load_target_hf_config
+from dflash_ring.common.config.target import (
+    check_token_ids,
+    load_target_hf_config,
+    load_target_lm,
+    load_target_tokenizer,
+)
 from dflash_ring.common.refusal import Refusal
 
 from .calibration import ConfidenceCalibration, confidence_calibration
@@ -496,25 +501,40 @@ def summarize(
 def chat_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: int | None = None) -> list[list[int]]:
     """Token ids of each jsonl row's conversation up to its last assistant turn, with the generation prompt
     (thinking off, as in the published evals)."""
+    if Path(path).exists() and not Path(path).is_file():  # a directory, a FIFO (read forever), a device
+        raise EvalRefusal(f"data {path} is not a regular file: point --data at a JSONL file of chat rows")
     try:
         lines = Path(path).read_text().splitlines()
     except UnicodeDecodeError as e:
         raise EvalRefusal(f"data {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not tokenizer.chat_template:
+        raise EvalRefusal(
+            f"the target tokenizer {tokenizer.name_or_path} has no chat template to render the prompts of {path} with"
+        )
     prompts = []
     for number, line in enumerate(lines, 1):
         if limit is not None and len(prompts) >= limit:
             break
         if not line.strip():
             continue
+        # Each row is the user's input: whatever makes it no prompt is one line naming the file and the line.
         try:
             messages = conversation_of(decode_json_row(line))
+            last_reply = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            try:
+                text = tokenizer.apply_chat_template(
+                    messages[:last_reply], tokenize=False, add_generation_prompt=True, enable_thinking=False
+                )
+            except Exception as e:  # noqa: BLE001 (templates raise anything: jinja errors, raise_exception(...))
+                raise BadRow(f"the target's chat template failed ({type(e).__name__}: {e})") from None
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if not ids:
+                raise BadRow("the target's chat template renders its prompt as no tokens")
         except BadRow as e:
             raise EvalRefusal(f"data {path}, line {number}: {e}") from None
-        last_reply = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        text = tokenizer.apply_chat_template(
-            messages[:last_reply], tokenize=False, add_generation_prompt=True, enable_thinking=False
-        )
-        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        prompts.append(ids)
+    if not prompts:
+        raise EvalRefusal(f"data {path} has no rows: it needs JSONL chat rows, one per line")
     return prompts
 
 
@@ -617,12 +637,14 @@ def _evaluate(
             "tree verification (tree budgets) takes a DFlash drafter: a DFlash2 drafter's selector scores "
             "each slot with the token drafted before it, which a tree of independent slots would drop"
         )
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    with building_from(target_dir):  # a config.json the model code cannot build: one line naming the directory
-        target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
+    tokenizer = load_target_tokenizer(target_dir)  # tokenizer files transformers cannot load: one line naming them
+    # A config.json the model code cannot build, weights that do not fit it or lack tensors: one line naming it.
+    target = load_target_lm(target_dir, dtype=torch.float32, local_files_only=True).to(device).eval()
     check_compatible(drafter, target)
     eos = eos_ids(target, tokenizer)
     prompts = chat_prompts(data, tokenizer, limit)
+    vocab = target.config.get_text_config().vocab_size
+    check_token_ids(max(max(p) for p in prompts), vocab, target_dir, target_dir, f"data {data}, rendered,")
     num_drafts = drafter.block_size if dspark else drafter.block_size - 1
     decoding = dict(
         block_size=drafter.block_size,

@@ -223,8 +223,12 @@ def load_drafter(
     config_file = root / CONFIG_NAME
     try:
         config = json.loads(config_file.read_text())
-    except ValueError as e:  # not JSON, or not UTF-8
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested past the parser's recursion
         raise ExportDirError(f"{config_file} is not a JSON config ({type(e).__name__}: {e})") from None
+    if not isinstance(config, dict):
+        raise ExportDirError(
+            f"{config_file} is not a JSON object (got {type(config).__name__}): export the drafter again"
+        )
     found = export_arch(config, str(config_file))
     if arch is not None and found != arch:
         raise ExportDirError(f"{root} is {_describe(found)}, {_describe(arch)} is expected here")
@@ -238,6 +242,11 @@ def load_drafter(
     check_safetensors_file(weights)  # a truncated or damaged file: one line naming it, not safetensors' traceback
     state = load_file(weights)
     _check_weights(state, expected, str(weights), found, ExportDirError)
+    if odd := [k for k, v in state.items() if not v.is_floating_point() or v.element_size() < 2]:
+        raise ExportDirError(
+            f"{weights}: {odd[0]} is stored as {state[odd[0]].dtype}, not float16, bfloat16 or float32 (an export "
+            "writes the drafter's own floating-point weights; these would be cast as they are): export it again"
+        )
     if found == "dspark":
         stored = [state.pop(name) for name in HEAD_TENSORS]
         if target_head is not None:

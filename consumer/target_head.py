@@ -190,7 +190,13 @@ def read_head(
 
     def read(name: str) -> torch.Tensor:
         with safe_open(files[name], framework="pt", device=str(device)) as f:
-            return f.get_tensor(name)
+            tensor = f.get_tensor(name)
+        if not tensor.is_floating_point() or tensor.element_size() < 2:  # int8, bool, float8: not values to use as is
+            raise TargetConfigError(
+                f"{files[name]}: the target's {name} is stored as {tensor.dtype}, not float16, bfloat16 or float32: "
+                "the drafter would use it as is; point target.path at the model's floating-point weights"
+            )
+        return tensor
 
     embed = read(embed_key)
     if tied:

@@ -17,14 +17,17 @@ from __future__ import annotations
 import codecs
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflash_ring.common.chat_encoding import BadRow
 from dflash_ring.common.config.data import DataConfig, DataError
+from dflash_ring.common.refusal import Refusal
 
 if TYPE_CHECKING:  # imported where a data set is opened: a producer whose tokenized cache is there never needs it
     import datasets
@@ -56,6 +59,11 @@ def locate(cfg: DataConfig) -> DataFiles:
     root = Path(cfg.path).expanduser().resolve()
     if not root.exists():
         raise DataError(f"data path {root} does not exist")
+    if not (root.is_file() or root.is_dir()):  # a FIFO or a device: read to its end, it may never end
+        raise DataError(
+            f"data path {root} is neither a regular file nor a directory; point data.path at a data file or a "
+            "directory of them"
+        )
     fmt = _detect_format(root) if cfg.format == "auto" else cfg.format
     if fmt == "disk":
         if not root.is_dir():
@@ -99,19 +107,65 @@ def _text_size(value: Any, cap: int) -> int:
 
 def open_dataset(data: DataFiles, cfg: DataConfig) -> tuple[datasets.Dataset, bool]:
     """The rows, and whether they are JSON texts (a "text" column) still to be parsed one by one."""
+    with reading(data, cfg.split):
+        return _open_dataset(data, cfg)
+
+
+@contextmanager
+def reading(data: DataFiles, split: str) -> Iterator[None]:
+    """While `datasets` reads the user's data files: whatever it raises there but our own refusals, running out of
+    memory and the system's own errors (a real errno: a full disk, a permission) is the data set's fault (a
+    truncated or foreign parquet/arrow file, a format that is not the files', a split they do not have), so it
+    becomes one DataError naming the data set, the library's exception and its message. The rule for the reading
+    phase, at every place a data set is opened; rows are judged one by one after it (BadRow). The readers log each
+    such error before they raise it ("Failed to read schema ..."): those records are held back, as the refusal is
+    the one line that says it."""
+    held = [logging.getLogger(f"datasets.packaged_modules.{m}.{m}") for m in ("json", "text", "parquet", "arrow")]
+    for logger in held:
+        logger.addFilter(_not_an_error)
+    try:
+        yield
+    except (Refusal, MemoryError):
+        raise
+    except OSError as e:
+        if e.errno is not None:
+            raise
+        raise _unreadable(data, split, e) from None
+    except Exception as e:  # noqa: BLE001 (the phase's rule, see above)
+        raise _unreadable(data, split, e) from None
+    finally:
+        for logger in held:
+            logger.removeFilter(_not_an_error)
+
+
+def _not_an_error(record: logging.LogRecord) -> bool:
+    return record.levelno < logging.ERROR
+
+
+def _unreadable(data: DataFiles, split: str, e: BaseException) -> DataError:
+    while e.__cause__ is not None:  # datasets wraps the reader's error in a generic DatasetGenerationError
+        e = e.__cause__
+    why = " ".join(str(e).split())[:500] or "no message"
+    return DataError(
+        f"data set {data.root} cannot be read as format {data.format!r}, split {split!r} ({type(e).__name__}: "
+        f"{why}); check data.format and data.split against its files, or replace a damaged file"
+    )
+
+
+def _open_dataset(data: DataFiles, cfg: DataConfig) -> tuple[datasets.Dataset, bool]:
     import datasets
 
     hf_cache = Path(cfg.cache_dir).expanduser() / "hf"
     if data.format == "disk":
         return _load_disk(data.root, cfg.split), False
     if data.format in ("json", "jsonl"):
-        if not any(f.stat().st_size for f in data.files):
-            raise DataError(f"data set {data.root} has no rows")  # the text reader fails on empty input
         cap = max_row_bytes(cfg.max_length)
-        lines = [
-            str(_bounded_lines(_as_json_lines(f, hf_cache / "json-lines"), hf_cache / "json-lines", cap))
-            for f in data.files
+        paths = [
+            _bounded_lines(_as_json_lines(f, hf_cache / "json-lines"), hf_cache / "json-lines", cap) for f in data.files
         ]
+        if all(_no_text(p) for p in paths):  # the text reader fails on empty input (an empty JSON array: none)
+            raise DataError(f"data set {data.root} has no rows")
+        lines = [str(p) for p in paths]
         ds = datasets.load_dataset(
             "text",
             data_files=lines,
@@ -151,7 +205,12 @@ def _data_files(root: Path, fmt: str) -> list[Path]:
     if root.is_file():
         return [root]
     suffixes = (".json", ".jsonl") if fmt in ("json", "jsonl") else (f".{fmt}",)
-    files = sorted(p for p in root.iterdir() if p.is_file() and p.suffix in suffixes)
+    named = sorted(p for p in root.iterdir() if p.suffix in suffixes)
+    # A data file the directory names but that cannot be read as one (a dangling symlink, a FIFO) is not skipped
+    # in silence: the data set would be smaller than the directory says.
+    if odd := [p for p in named if not p.is_file() and not p.is_dir()]:
+        raise DataError(f"{odd[0]} is not a readable regular file (a dangling symlink, a FIFO?): fix or remove it")
+    files = [p for p in named if p.is_file()]
     if not files:
         raise DataError(f"no {'/'.join(suffixes)} files in directory {root}")
     return files
@@ -163,6 +222,15 @@ def _fingerprint(files: list[Path]) -> str:
         st = f.stat()
         digest.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return digest.hexdigest()
+
+
+def _no_text(path: Path) -> bool:
+    """No character in the file: empty, or a UTF-8 byte-order mark alone."""
+    size = path.stat().st_size
+    if size > len(codecs.BOM_UTF8):
+        return False
+    with open(path, "rb") as f:
+        return f.read() in (b"", codecs.BOM_UTF8)
 
 
 def _as_json_lines(path: Path, cache: Path) -> Path:
@@ -182,9 +250,10 @@ def _as_json_lines(path: Path, cache: Path) -> Path:
         )
     try:
         rows = json.loads(path.read_text(encoding="utf-8-sig"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, too deep, an integer past the digit limit
+        why = "nested deeper than the JSON parser recurses" if isinstance(e, RecursionError) else e
         raise DataError(
-            f"{path} is not a valid JSON array ({e}); fix it, or write one JSON object per line (.jsonl) "
+            f"{path} is not a valid JSON array ({why}); fix it, or write one JSON object per line (.jsonl) "
             "so that a broken row only skips that row"
         ) from e
     cache.mkdir(parents=True, exist_ok=True)

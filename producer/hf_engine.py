@@ -21,7 +21,7 @@ from transformers import (
 )
 
 from dflash_ring.common.chat_encoding import eos_ids
-from dflash_ring.common.config.target import TargetConfig, TargetConfigError
+from dflash_ring.common.config.target import TargetConfig, TargetConfigError, check_token_ids
 
 from .generation import GenerationSettings, Prompt, Reply, prompt_seed
 from .pretokenized import target_tokenizer
@@ -97,6 +97,8 @@ class HfEngine:
         for prompt in prompts:
             try:
                 encoded.append((prompt, self.encode(prompt, settings.enable_thinking)))
+            except TargetConfigError as e:  # ids past the model's embedding: this prompt's, named as they are
+                yield Reply(prompt.index, "", "error", 0, 0, str(e))
             except Exception as e:  # templates raise anything (jinja errors, raise_exception(...)): this prompt only
                 yield Reply(prompt.index, "", "error", 0, 0, f"chat template failed: {type(e).__name__}: {e}")
         for batch in length_batches(encoded, self.batch_tokens, self.batch_size):
@@ -106,7 +108,10 @@ class HfEngine:
         text = self.tokenizer.apply_chat_template(
             list(prompt.messages), tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
         )
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        vocab = self.model.config.get_text_config().vocab_size
+        check_token_ids(max(ids, default=0), vocab, self.tokenizer.name_or_path, self.model.name_or_path, "the prompt")
+        return ids
 
     @torch.inference_mode()
     def _generate(self, batch: list[tuple[Prompt, list[int]]], settings: GenerationSettings) -> Iterator[Reply]:

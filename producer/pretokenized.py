@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
+from dflash_ring.common.damaged_file import keep_aside
 from dflash_ring.common.durable import exclusive
 
 from dflash_ring.common.chat_encoding import BadRow, ChatEncoder, decode_json_row
 from dflash_ring.common.config.data import DataConfig, DataError
-from dflash_ring.common.config.target import TargetConfig
+from dflash_ring.common.config.target import TargetConfig, load_target_tokenizer
 from .data_source import DataFiles, batch_rows, check_row_size, locate, max_row_bytes, open_dataset
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ def target_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerBase:
             "target.path is empty: the data is tokenized with the target's tokenizer and chat template; "
             "set target.path (or target.tokenizer) to its local directory"
         )
-    return AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.path, local_files_only=True)
+    return load_target_tokenizer(cfg.tokenizer or cfg.path)  # tokenizer files it cannot load: one line
 
 
 @dataclass(frozen=True)
@@ -101,10 +102,16 @@ def load_tokenized(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Token
     final = root / f"tokenized-{key}"
     # Producers start together; one tokenizes while the others wait for its result.
     with exclusive(root / f"tokenized-{key}.lock"):
-        from_cache = (final / "meta.json").exists()
-        if not from_cache:
+        loaded = None
+        if final.exists():
+            try:
+                loaded = _open(final, True)
+            except DamagedCache as e:  # the one rule (common/damaged_file.py): kept aside, rebuilt from the data
+                keep_aside(final, f"{e}; tokenized again from {data.root}")
+        if loaded is None:
             _build(cfg, encoder, data, key, final)
-    loaded = _open(final, from_cache)
+            loaded = _open(final, False)
+    from_cache = loaded.from_cache
     if from_cache:
         logger.info(
             "reusing tokenized %s from %s: %d samples, %d bad rows skipped (listed in meta.json)",
@@ -245,9 +252,43 @@ def _report(bad_rows: list[tuple[int, str]], num_rows: int, source: Path) -> Non
         logger.warning("skipped %d of %d rows of %s", len(bad_rows), num_rows, source)
 
 
+class DamagedCache(Exception):
+    """A tokenized cache entry that does not hold what _build writes; the message says what is wrong."""
+
+
+_DTYPES = {"tokens": np.int32, "loss_mask": np.uint8, "offsets": np.int64, "row_ids": np.int64}
+
+
 def _open(directory: Path, from_cache: bool) -> TokenizedData:
-    meta = json.loads((directory / "meta.json").read_text())
-    arrays = {name: np.load(directory / f"{name}.npy", mmap_mode="r") for name in _ARRAYS}
+    """The cache entry, checked to be what _build writes (meta.json's fields, each array's dtype and length, the
+    offsets spanning the tokens): a damaged entry (a file cut short, edited or removed) is DamagedCache, never an
+    approximate read or a traceback from deep in the batching."""
+    try:
+        meta = json.loads((directory / "meta.json").read_text())
+        arrays = {name: np.load(directory / f"{name}.npy", mmap_mode="r") for name in _ARRAYS}
+    except (FileNotFoundError, ValueError, EOFError, RecursionError) as e:  # missing, not JSON/npy, cut short
+        raise DamagedCache(f"{type(e).__name__}: {e}") from None
+    if (
+        not isinstance(meta, dict)
+        or type(meta.get("num_rows")) is not int
+        or not isinstance(meta.get("bad_rows"), list)
+    ):
+        raise DamagedCache("meta.json is not the cache's record (num_rows, bad_rows)")
+    if not all(isinstance(b, list) and len(b) == 2 and type(b[0]) is int for b in meta["bad_rows"]):  # noqa: E721
+        raise DamagedCache("meta.json's bad_rows are not [row, reason] pairs")
+    for name, dtype in _DTYPES.items():
+        if arrays[name].dtype != dtype or arrays[name].ndim != 1:
+            raise DamagedCache(
+                f"{name}.npy holds {arrays[name].dtype} of {arrays[name].ndim} dimensions, not 1-D {dtype.__name__}"
+            )
+    offsets, row_ids, tokens = arrays["offsets"], arrays["row_ids"], arrays["tokens"]
+    samples = meta["num_rows"] - len(meta["bad_rows"])
+    if len(offsets) != samples + 1 or len(row_ids) != samples or len(arrays["loss_mask"]) != len(tokens):
+        raise DamagedCache(f"its arrays' lengths do not fit {samples} samples of {len(tokens)} tokens")
+    if offsets[0] != 0 or offsets[-1] != len(tokens) or (np.diff(offsets) <= 0).any():
+        raise DamagedCache("offsets.npy does not split the tokens into non-empty samples")
+    if samples and (row_ids[0] < 0 or row_ids[-1] >= meta["num_rows"] or (np.diff(row_ids) <= 0).any()):
+        raise DamagedCache("row_ids.npy does not name distinct rows of the data set in order")
     return TokenizedData(
         **arrays,
         num_rows=meta["num_rows"],

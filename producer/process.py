@@ -36,6 +36,7 @@ import torch
 from dflash_ring.common import sd_notify
 from dflash_ring.common.compile_cache import use_compile_cache
 from dflash_ring.common.config.schema import Config, RingConfig
+from dflash_ring.common.config.target import check_token_ids
 from dflash_ring.common.gpu_metrics import device_uuid
 from dflash_ring.common.layout import Role
 from dflash_ring.common.ledger_events import ProducerStart, ShardDone
@@ -418,6 +419,16 @@ def _produce(
             log.info("%s", line)
         startup.mark("data")  # tokenizer, tokenized data (cached after the first start), its statistics
         target = TargetModel.load(cfg.target, device, packed=False, group=group)
+        if len(tokenizer) > target.config.vocab_size:  # else every id the tokenizer gives has its embedding row
+            for s in sources:
+                if len(s.data.tokens):
+                    check_token_ids(
+                        int(s.data.tokens.max()),
+                        target.config.vocab_size,
+                        cfg.target.tokenizer or cfg.target.path,
+                        cfg.target.path,
+                        f"data source {s.name} ({s.path}), tokenized,",
+                    )
         startup.mark("model")
         # Before anything is published; a restart on the same model, code and device reads the saved result.
         probe = choose_packing(

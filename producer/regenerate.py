@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -74,6 +75,25 @@ class ShardRecord:
     unusable: list[list[Any]] = field(default_factory=list)  # [row, why]: replies the data loader would refuse
     errors: list[list[Any]] = field(default_factory=list)  # [row, why]: prompts the engine failed
     bad_rows: list[list[Any]] = field(default_factory=list)  # [row, why]: rows that hold no usable prompt
+
+    def __post_init__(self) -> None:
+        """Each field of the type it is declared as (a record read back from disk may hold anything): TypeError
+        naming the first that is not, which the reader refuses naming the file."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int":
+                ok = type(value) is int and value >= 0  # noqa: E721 (a bool is no count)
+            elif f.type == "str":
+                ok = isinstance(value, str)
+            elif f.type == "list[int]":
+                ok = isinstance(value, list) and all(type(v) is int for v in value)  # noqa: E721
+            else:  # [row, why] pairs
+                ok = isinstance(value, list) and all(
+                    isinstance(v, list) and len(v) == 2 and type(v[0]) is int
+                    for v in value  # noqa: E721
+                )
+            if not ok:
+                raise TypeError(f"{f.name} = {json.dumps(value)[:80]} is not {f.type}")
 
 
 @dataclass(frozen=True)
@@ -492,7 +512,9 @@ class OutputDir:
             return
         try:
             there = json.loads(read_text(job_file, RECORD_BYTES, RegenerateError, "job record"))
-        except (OSError, ValueError) as e:
+            if not isinstance(there, dict):
+                raise ValueError(f"a JSON {type(there).__name__}, not an object")
+        except (OSError, ValueError, RecursionError) as e:
             raise RegenerateError(f"{job_file} cannot be read ({e}): choose a new regenerate.output") from None
         if there != self.job:
             changed = [
@@ -510,7 +532,7 @@ class OutputDir:
         for path in sorted(self.state.glob("shard-*.json")):
             try:
                 record = ShardRecord(**json.loads(read_text(path, RECORD_BYTES, RegenerateError, "shard record")))
-            except (OSError, ValueError, TypeError) as e:
+            except (OSError, ValueError, TypeError, RecursionError) as e:
                 raise RegenerateError(
                     f"shard record {path} cannot be read ({e}): delete it and "
                     f"{self.root / (path.stem + '.jsonl')} to write that shard again"
@@ -526,6 +548,12 @@ class OutputDir:
                     "written: delete both to write that shard again"
                 )
             self.records[record.shard] = record
+        # Every *.jsonl file here is read as the output data set: one this job did not name is refused.
+        if foreign := [p.name for p in sorted(self.root.glob("*.jsonl")) if not _SHARD_FILE.fullmatch(p.name)]:
+            raise RegenerateError(
+                f"regenerate.output = {self.root} holds {foreign[0]!r}, which is not a shard of this job but would "
+                "be read with the replies as their data set: move it out"
+            )
         unrecorded = [
             p.name
             for p in sorted(self.root.glob("shard-*.jsonl"))
@@ -533,6 +561,9 @@ class OutputDir:
         ]
         if unrecorded:
             log.info("%s: %s written without a record before a crash; written again", self.root, ", ".join(unrecorded))
+
+
+_SHARD_FILE = re.compile(r"shard-\d{5,}\.jsonl")
 
 
 def shard_name(shard: int) -> str:

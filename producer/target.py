@@ -26,14 +26,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from .packing import PerSequence, packed_implementation, packed_spans, packing_refusal, recurrent_mixers
 from .varlen_gated_deltanet import FlaKernels, VarlenGatedDeltaNet, varlen_refusal
 from .tensor_group import TensorGroup, send_run
 from dflash_ring.common.device import checked_device
 from dflash_ring.common.safetensors_check import weight_files
-from dflash_ring.common.config.target import TargetConfig, TargetConfigError, building_from, load_target_hf_config
+from dflash_ring.common.config.target import (
+    TargetConfig,
+    TargetConfigError,
+    load_target_hf_config,
+    load_target_lm,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,19 +92,18 @@ def load_causal_lm(cfg: TargetConfig, device: torch.device) -> PreTrainedModel:
     attn = None if cfg.attn_implementation == "auto" else cfg.attn_implementation  # HF: sdpa, else eager
     from safetensors import SafetensorError
 
-    with building_from(root):  # a config.json the model code cannot build, weights of other shapes: one line
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                str(root),
-                dtype=resolve_dtype(cfg.dtype, device),
-                attn_implementation=attn,
-                local_files_only=True,
-                use_safetensors=True,
-            )
-        except SafetensorError as e:  # damage the header check cannot see (a tensor's bytes of the wrong kind)
-            raise TargetConfigError(
-                f"target.path = {cfg.path}: its safetensors weights do not load ({e}); copy or download them again"
-            ) from None
+    try:  # a config.json the model code cannot build, weights of other shapes, dtypes or missing tensors: one line
+        model = load_target_lm(
+            root,
+            dtype=resolve_dtype(cfg.dtype, device),
+            attn_implementation=attn,
+            local_files_only=True,
+            use_safetensors=True,
+        )
+    except SafetensorError as e:  # damage the header check cannot see (a tensor's bytes of the wrong kind)
+        raise TargetConfigError(
+            f"target.path = {cfg.path}: its safetensors weights do not load ({e}); copy or download them again"
+        ) from None
     return model.to(device).eval().requires_grad_(False)
 
 
@@ -114,8 +118,8 @@ def load_sharded(cfg: TargetConfig, device: torch.device):
         plan = {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=dist.get_world_size())}
     except (ImportError, TypeError):  # a transformers before DistributedConfig took the plan (5.17)
         plan = {"tp_plan": "auto"}
-    model = AutoModelForCausalLM.from_pretrained(
-        str(root),
+    model = load_target_lm(
+        root,
         dtype=resolve_dtype(cfg.dtype, device),
         attn_implementation=attn,
         local_files_only=True,

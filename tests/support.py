@@ -488,3 +488,12 @@ def tensorboard_text(logdir: Path, tag: str) -> str:
     acc = EventAccumulator(str(logdir), size_guidance={"tensors": 0})
     acc.Reload()
     return acc.Tensors(f"{tag}/text_summary")[0].tensor_proto.string_val[0].decode()  # add_text's tag
+
+
+def foreign_tokenizer(path: Path) -> tuple[Path, list[str]]:
+    """A chat tokenizer of ~600 ids (a tiny target has ~410 rows) trained on made-up words, and those words: a
+    tokenizer that is not the target's, whose ids for them lie past the target's embedding."""
+    rng = random.Random(7)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(6)) for _ in range(3000)]
+    tiny_chat_tokenizer(path, vocab_size=3000, corpus=[" ".join(words[i : i + 50]) for i in range(0, 3000, 50)])
+    return path, words[-100:]

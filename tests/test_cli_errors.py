@@ -329,6 +329,70 @@ def _eval_target_with(field: str, raw: str) -> typing.Callable[[Path, str], list
     return setup
 
 
+def _target_file(change: typing.Callable[[Path], object]) -> typing.Callable[[Path, str], list[str]]:
+    """A tiny target (with a mask token) whose directory `change` damages: a weights file, the index, a tokenizer."""
+
+    def setup(tmp: Path, name: str) -> list[str]:
+        from support import build_target
+
+        model = build_target(tmp / "model", "qwen3", layers=4)
+        change(model)
+        return ["--set", f'target.path="{model}"', "--set", "target.mask_token_id=95"]
+
+    return setup
+
+
+def _int8_weights(model: Path) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(model / "model.safetensors")
+    save_file({k: v.to(torch.int8) for k, v in state.items()}, model / "model.safetensors")
+
+
+def _index_mapping_to_a_number(model: Path) -> None:
+    header = json.loads((model / "model.safetensors").read_bytes()[8:].split(b"}}", 1)[0] + b"}}")
+    weight_map = {k: 1 for k in header if k != "__metadata__"}
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def _truncated_parquet(tmp: Path, name: str) -> list[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
+
+    tiny_chat_tokenizer(tmp / "tok")
+    pq.write_table(pa.table({"prompt": ["q"] * 8, "response": ["a"] * 8}), tmp / "rows.parquet")
+    raw = (tmp / "rows.parquet").read_bytes()
+    (tmp / "rows.parquet").write_bytes(raw[: len(raw) // 2])
+    return _mix('path = "{tmp}/rows.parquet"\n[target]\ntokenizer = "{tmp}/tok"\n')(tmp, name)
+
+
+def _tokenizer_not_json(tmp: Path, name: str) -> list[str]:
+    from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
+    from support import write_chat_rows
+
+    tiny_chat_tokenizer(tmp / "tok")
+    (tmp / "tok" / "tokenizer.json").write_text("not json")
+    write_chat_rows(tmp / "chat.jsonl", 2)
+    return _mix('path = "{tmp}/chat.jsonl"\n[target]\ntokenizer = "{tmp}/tok"\n')(tmp, name)
+
+
+def _tokenizer_of_another_model(tmp: Path, name: str) -> list[str]:
+    """A ring, a tiny target and data tokenized with another model's tokenizer (ids past the target's rows)."""
+    from support import foreign_tokenizer
+
+    tokenizer, words = foreign_tokenizer(tmp / "other")
+    rows = [
+        {"messages": [{"role": "user", "content": " ".join(words[i : i + 20])}, {"role": "assistant", "content": "x"}]}
+        for i in range(0, 80, 20)
+    ]
+    (tmp / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sets = _ring_for_target(tmp, name, tmp / "chat.jsonl", tokenizer=tokenizer, slot_bytes=1 << 20)
+    return sets + ["--set", "data.max_length=256", "--set", "data.max_tokens_per_batch=2048"]
+
+
 def _records(*lines: str) -> typing.Callable[[Path, str], list[str]]:
     """RUN_DIR/tracking/drafter-0.jsonl holding these lines (a header first)."""
 
@@ -660,6 +724,27 @@ CASES = [
         ["report", "{tmp}", "--out", "{tmp}/x.jpgx"],
         "--out {tmp}/x.jpgx: the report is a PNG",
     ),
+    # Issue 34 goal 4 for data and model directories: inputs that were tracebacks (a parquet file cut short, a
+    # tokenizer.json that is not JSON, an index mapping tensors to a number) or loaded in silence (int8 weights).
+    (
+        "data-stats-truncated-parquet",
+        _truncated_parquet,
+        DATA_STATS,
+        "data set {tmp}/rows.parquet cannot be read as format 'parquet'",
+    ),
+    ("data-stats-tokenizer-not-json", _tokenizer_not_json, DATA_STATS, "target tokenizer {tmp}/tok: transformers"),
+    (
+        "check-target-int8-weights",
+        _target_file(_int8_weights),
+        ["check-target"],
+        "its weights hold lm_head.weight as I8, not a floating type",
+    ),
+    (
+        "check-config-index-maps-a-number",
+        _target_file(_index_mapping_to_a_number),
+        ["check-config"],
+        "model.safetensors.index.json maps tensors to 1, not the file name of a shard",
+    ),
     (
         "bench-regenerate-no-cuda",
         None,
@@ -719,6 +804,12 @@ LATE_CASES = [
         _regenerate_every_prompt_fails,
         ["regenerate", *NO_METRICS],
         "the engine failed on every prompt it was given (3 rows of 1 shards; row 0: chat template failed",
+    ),
+    (
+        "target-tokenizer-of-another-model",
+        _tokenizer_of_another_model,
+        ["target", "--index", "0", *NO_METRICS],
+        "past the 410 embedding rows of the target",
     ),
     (
         "target-damaged-cursor-file",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 from dataclasses import asdict
 
 import pytest
@@ -223,6 +225,103 @@ def test_an_input_eval_refuses_is_one_line_exit_2(target_dir, drafter_dir, tmp_p
     (tmp_path / "chat.jsonl").write_text(rows)
     args = ["eval", "--drafter", str(drafter), "--target", str(target_dir), "--data", str(tmp_path / "chat.jsonl")]
     assert main(args) == 2
+    err = capsys.readouterr().err
+    (line,) = [ln for ln in err.splitlines() if ln.strip() and not TQDM_BAR.search(ln)]
+    assert line.startswith("dflash-ring eval: error: ") and says in line, err
+
+
+def _target_template(text: str | None):
+    """A copy of the target whose chat_template.jinja holds `text` (None: no template at all)."""
+
+    def change(tmp_path, target_dir, drafter_dir) -> dict:
+        copy = tmp_path / "target"
+        shutil.copytree(target_dir, copy)
+        if text is None:
+            (copy / "chat_template.jinja").unlink()
+        else:
+            (copy / "chat_template.jinja").write_text(text)
+        return {"--target": copy}
+
+    return change
+
+
+def _drafter_config(text: str):
+    def change(tmp_path, target_dir, drafter_dir) -> dict:
+        copy = tmp_path / "drafter"
+        shutil.copytree(drafter_dir, copy)
+        (copy / "config.json").write_text(text)
+        return {"--drafter": copy}
+
+    return change
+
+
+def _drafter_weights_as(dtype: str):
+    def change(tmp_path, target_dir, drafter_dir) -> dict:
+        from safetensors.torch import load_file, save_file
+
+        copy = tmp_path / "drafter"
+        shutil.copytree(drafter_dir, copy)
+        state = load_file(copy / "model.safetensors")
+        save_file({k: v.to(getattr(torch, dtype)) for k, v in state.items()}, copy / "model.safetensors")
+        return {"--drafter": copy}
+
+    return change
+
+
+def _data(text: str):
+    def change(tmp_path, target_dir, drafter_dir) -> dict:
+        (tmp_path / "chat.jsonl").write_text(text)
+        return {}
+
+    return change
+
+
+def _foreign_tokenizer(tmp_path, target_dir, drafter_dir) -> dict:
+    """A copy of the target with another model's tokenizer files, and a row of words it has ids past 448 for."""
+    from support import foreign_tokenizer
+
+    tokenizer, words = foreign_tokenizer(tmp_path / "other")
+    copy = tmp_path / "target"
+    shutil.copytree(target_dir, copy)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tokenizer / f, copy / f)
+    row = {"messages": [{"role": "user", "content": " ".join(words[:40])}, {"role": "assistant", "content": "x"}]}
+    (tmp_path / "chat.jsonl").write_text(json.dumps(row) + "\n")
+    return {"--target": copy}
+
+
+def _a_fifo(tmp_path, target_dir, drafter_dir) -> dict:
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    return {"--data": tmp_path / "pipe.jsonl"}
+
+
+# Inputs that were a traceback (a template that does not parse or is absent, a drafter config.json that is not an
+# object), a meaningless error (a prompt of no tokens reached the model; a missing target "must be a repo id"), a
+# hang (a FIFO read to its end) or a report over no prompt at all (an empty data file, exit 0).
+EVAL_INPUTS = {
+    "data-empty": (_data(""), "chat.jsonl has no rows"),
+    "data-blank-lines": (_data("\n\n  \n"), "chat.jsonl has no rows"),
+    "data-a-fifo": (_a_fifo, "pipe.jsonl is not a regular file"),
+    "template-does-not-parse": (_target_template("{% for %}"), "line 1: the target's chat template failed"),
+    "template-raises": (_target_template("{{ raise_exception('no') }}"), "chat template failed (TemplateError: no)"),
+    "template-absent": (_target_template(None), "has no chat template"),
+    "template-renders-nothing": (_target_template("{{ '' }}"), "line 1: the target's chat template renders its"),
+    "drafter-config-an-array": (_drafter_config("[1]"), "config.json is not a JSON object (got list)"),
+    "drafter-config-too-deep": (_drafter_config("[" * 100_000 + "]" * 100_000), "is not a JSON config"),
+    "target-missing": (lambda tmp_path, t, d: {"--target": tmp_path / "nope"}, "nope: no config.json there"),
+    "tokenizer-of-another-model": (_foreign_tokenizer, "past the 448 embedding rows of the target"),
+    "drafter-weights-int8": (_drafter_weights_as("int8"), "is stored as torch.int8, not float16"),
+    "drafter-weights-float8": (_drafter_weights_as("float8_e4m3fn"), "is stored as torch.float8_e4m3fn"),
+}
+
+
+@pytest.mark.parametrize("case", list(EVAL_INPUTS))
+def test_eval_inputs_are_refused_in_one_line(target_dir, drafter_dir, tmp_path, capsys, case):
+    change, says = EVAL_INPUTS[case]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in CHATS))
+    paths = {"--drafter": drafter_dir, "--target": target_dir, "--data": tmp_path / "chat.jsonl"}
+    paths.update(change(tmp_path, target_dir, drafter_dir))
+    assert main(["eval", *(str(x) for kv in paths.items() for x in kv), "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
     (line,) = [ln for ln in err.splitlines() if ln.strip() and not TQDM_BAR.search(ln)]
     assert line.startswith("dflash-ring eval: error: ") and says in line, err

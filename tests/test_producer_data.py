@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import datasets
@@ -148,18 +149,20 @@ def test_bad_rows_are_skipped_counted_and_reported_once(tokenizer, tmp_path, cap
         "",  # 13 blank line
         json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]}),  # 14
         json.dumps(GOOD_ROWS[2]),  # 15
+        "[" * 100_000 + "]" * 100_000,  # 16 nested past the parser's recursion
+        '{"prompt": "q", "response": "a", "n": ' + "1" * 5000 + "}",  # 17 an integer past the digit limit
     ]
     raw = ("\n".join(lines) + "\n").encode()
-    raw += b'{"prompt": "broken \xff\xfe bytes", "response": "a"}\n'  # 16 undecodable bytes
+    raw += b'{"prompt": "broken \xff\xfe bytes", "response": "a"}\n'  # 18 undecodable bytes
     path.write_bytes(raw)
     cfg = DataConfig(path=str(path), cache_dir=str(tmp_path / "cache"))
     with caplog.at_level(logging.WARNING, logger="dflash_ring.producer.pretokenized"):
         data = load_tokenized(cfg, tokenizer)
     bad = dict(data.bad_rows)
-    assert sorted(bad) == [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 16]
-    assert data.row_ids.tolist() == [0, 10, 15] and data.num_rows == 17
+    assert sorted(bad) == [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 16, 17, 18]
+    assert data.row_ids.tolist() == [0, 10, 15] and data.num_rows == 19
     assert "JSON" in bad[1] and "not a list" in bad[2] and "no assistant" in bad[4] and "Unicode" in bad[9]
-    assert "U+FFFD" in bad[16]
+    assert "nested deeper" in bad[16] and "digits" in bad[17] and "U+FFFD" in bad[18]
     for index in bad:
         assert sum(f"skipping row {index} " in r.getMessage() for r in caplog.records) == 1
     caplog.clear()
@@ -188,6 +191,132 @@ def test_parquet_without_row_columns_is_a_clear_error(tokenizer, tmp_path):
     pq.write_table(pa.Table.from_pylist([{"text": "a"}]), tmp_path / "x.parquet")
     with pytest.raises(DataError, match="none of the columns"):
         load_tokenized(DataConfig(path=str(tmp_path / "x.parquet"), cache_dir=str(tmp_path / "c")), tokenizer)
+
+
+def _parquet_cut(root: Path, keep: float) -> Path:
+    """A real parquet file of the good rows, cut to `keep` of its bytes (a copy stopped part way)."""
+    table = pa.Table.from_pylist(
+        [{"prompt": r.get("prompt", "q"), "response": r.get("response", "a")} for r in GOOD_ROWS]
+    )
+    pq.write_table(table, root / "whole.parquet")
+    raw = (root / "whole.parquet").read_bytes()
+    (root / "cut.parquet").write_bytes(raw[: int(len(raw) * keep)])
+    return root / "cut.parquet"
+
+
+def _file(root: Path, name: str, content: str | bytes, inside: str = "") -> Path:
+    """root/name holding `content`; with `inside`, a directory root/name holding that file."""
+    path = root / name
+    if inside:
+        path.mkdir()
+    (path / inside if inside else path).write_bytes(content.encode() if isinstance(content, str) else content)
+    return path
+
+
+# What the data set reader refuses of a data set as a whole: one DataError naming it and what to do, never the
+# library's traceback. (setup(tmp) -> (path, DataConfig overrides), what the message says)
+UNREADABLE = {
+    "parquet-not-parquet": (
+        lambda t: (_file(t, "x.parquet", b"PAR1garbage"), {}),
+        "format 'parquet'",
+    ),
+    "parquet-empty": (lambda t: (_file(t, "x.parquet", b""), {}), "0 bytes"),
+    "parquet-truncated-head": (lambda t: (_parquet_cut(t, 0.1), {}), "cut.parquet cannot be read"),
+    "parquet-truncated-half": (lambda t: (_parquet_cut(t, 0.5), {}), "cut.parquet cannot be read"),
+    "parquet-truncated-tail": (lambda t: (_parquet_cut(t, 0.99), {}), "cut.parquet cannot be read"),
+    "arrow-garbage": (lambda t: (_file(t, "x.arrow", b"garbage"), {}), "format 'arrow'"),
+    "jsonl-read-as-parquet": (lambda t: (write_jsonl(t / "x.jsonl", GOOD_ROWS), {"format": "parquet"}), "data.format"),
+    "unknown-split": (lambda t: (write_jsonl(t / "x.jsonl", GOOD_ROWS), {"split": "validation"}), "'validation'"),
+    "malformed-split": (lambda t: (write_jsonl(t / "x.jsonl", GOOD_ROWS), {"split": "train[abc]"}), "data.split"),
+    "empty-split": (lambda t: (write_jsonl(t / "x.jsonl", GOOD_ROWS), {"split": "train[:0]"}), "no data"),
+    "save-to-disk-damaged": (
+        lambda t: (_file(t, "d", "{", inside="state.json"), {}),
+        "format 'disk'",
+    ),
+    "byte-order-mark-only": (lambda t: (_file(t, "x.jsonl", b"\xef\xbb\xbf"), {}), "no rows"),
+    "empty-json-array": (lambda t: (_file(t, "x.json", "[ ]"), {}), "no rows"),
+    "json-array-too-deep": (
+        lambda t: (_file(t, "x.json", "[" * 100_000 + "]" * 100_000), {}),
+        "not a valid JSON array (nested deeper",
+    ),
+    "a-device": (lambda t: (Path("/dev/null"), {"format": "jsonl"}), "neither a regular file nor a directory"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNREADABLE))
+def test_an_unreadable_data_set_is_one_data_error(tokenizer, tmp_path, case):
+    setup, says = UNREADABLE[case]
+    path, settings = setup(tmp_path)
+    cfg = DataConfig(path=str(path), cache_dir=str(tmp_path / "cache"), **settings)
+    with pytest.raises(DataError) as e:
+        load_tokenized(cfg, tokenizer)
+    assert says in str(e.value) and (str(path) in str(e.value) or "no data" in str(e.value)), str(e.value)
+
+
+def test_a_dangling_data_file_in_a_directory_is_refused_not_skipped(tokenizer, tmp_path):
+    (tmp_path / "d").mkdir()
+    write_jsonl(tmp_path / "d" / "a.jsonl", GOOD_ROWS)
+    (tmp_path / "d" / "b.jsonl").symlink_to(tmp_path / "gone.jsonl")
+    with pytest.raises(DataError, match="b.jsonl is not a readable regular file"):
+        load_tokenized(DataConfig(path=str(tmp_path / "d"), cache_dir=str(tmp_path / "c")), tokenizer)
+
+
+def test_a_fifo_is_refused_not_read(tokenizer, tmp_path):
+    """A FIFO as data.path would block the reader forever (or read as an empty file): refused by kind."""
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    with pytest.raises(DataError, match="pipe.jsonl is neither a regular file nor a directory"):
+        load_tokenized(DataConfig(path=str(tmp_path / "pipe.jsonl"), cache_dir=str(tmp_path / "c")), tokenizer)
+
+
+def _cut(name: str, keep: float):
+    def change(d: Path) -> None:
+        raw = (d / name).read_bytes()
+        (d / name).write_bytes(raw[: int(len(raw) * keep)])
+
+    return change
+
+
+def _array(name: str, value):
+    return lambda d: np.save(d / f"{name}.npy", value(np.load(d / f"{name}.npy")))
+
+
+def _meta(**fields):
+    return lambda d: (d / "meta.json").write_text(json.dumps({**json.loads((d / "meta.json").read_text()), **fields}))
+
+
+# A tokenized cache entry damaged on disk. Each was a traceback at the next start (not JSON, mmap past the end, a
+# pickled array, an index out of bounds in batching), a bare errno line (a file gone) or, for a row id of another
+# dtype, a silent approximate read; now the entry is kept aside and tokenized again (common/damaged_file.py's rule).
+DAMAGED_CACHE = {
+    "meta-not-json": lambda d: (d / "meta.json").write_text("{x"),
+    "meta-a-list": lambda d: (d / "meta.json").write_text("[]"),
+    "meta-bad-rows-a-number": _meta(bad_rows=5),
+    "meta-gone": lambda d: (d / "meta.json").unlink(),
+    "tokens-cut-short": _cut("tokens.npy", 0.5),
+    "tokens-header-cut": _cut("tokens.npy", 0.01),
+    "offsets-gone": lambda d: (d / "offsets.npy").unlink(),
+    "offsets-not-npy": lambda d: (d / "offsets.npy").write_bytes(b"garbage"),
+    "offsets-too-few": _array("offsets", lambda a: a[:2]),
+    "offsets-past-the-tokens": _array("offsets", lambda a: a * 100),
+    "row-ids-floats": _array("row_ids", lambda a: a.astype(np.float32)),
+    "loss-mask-short": _array("loss_mask", lambda a: a[:3]),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGED_CACHE))
+def test_a_damaged_tokenized_cache_is_kept_aside_and_rebuilt(tokenizer, tmp_path, caplog, case):
+    path = write_jsonl(tmp_path / "rows.jsonl", GOOD_ROWS + [{"messages": "bad"}])
+    cfg = DataConfig(path=str(path), cache_dir=str(tmp_path / "cache"))
+    first = load_tokenized(cfg, tokenizer)
+    want = [np.asarray(getattr(first, n)).tolist() for n in ("tokens", "loss_mask", "offsets", "row_ids")]
+    DAMAGED_CACHE[case](first.directory)
+    with caplog.at_level(logging.WARNING, logger="dflash_ring.common.damaged_file"):
+        again = load_tokenized(cfg, tokenizer)
+    assert not again.from_cache and again.bad_rows == first.bad_rows and again.num_rows == first.num_rows
+    assert [np.asarray(getattr(again, n)).tolist() for n in ("tokens", "loss_mask", "offsets", "row_ids")] == want
+    (aside,) = (tmp_path / "cache").glob("tokenized-*.damaged-*")
+    assert [r.getMessage() for r in caplog.records if str(aside) in r.getMessage()], caplog.text
+    assert load_tokenized(cfg, tokenizer).from_cache  # the rebuilt entry is whole
 
 
 def _write(kind: str, root: Path) -> tuple[Path, str]:

@@ -347,6 +347,18 @@ def test_a_job_whose_every_prompt_fails_records_nothing(tmp_path, target):
     assert records(tmp_path / "out") == [] and output_rows(tmp_path / "out") == []
 
 
+def test_a_tokenizer_of_another_model_fails_its_prompts_by_name(tmp_path, target):
+    """target.tokenizer of another model gives ids past the target's embedding: each such prompt is an error saying
+    so (was an IndexError out of generate, a traceback), and a job of only such prompts one refusal."""
+    from support import foreign_tokenizer
+
+    tokenizer, words = foreign_tokenizer(tmp_path / "other")
+    data = write_rows(tmp_path / "src.jsonl", [{"prompt": " ".join(words[i : i + 20])} for i in range(0, 60, 20)])
+    cfg = merged(settings(tmp_path, target, data), {"target": {"tokenizer": str(tokenizer)}})
+    with pytest.raises(RegenerateError, match=r"row 0: the prompt holds token id \d+, past the \d+ embedding rows"):
+        regenerated(run_config(cfg))
+
+
 def test_failed_prompts_before_the_first_answer_do_not_end_the_job(tmp_path, target):
     """A first shard whose every prompt fails, then shards that work: the job goes on, and the failed rows are
     recorded as that shard's errors (held back only until the job is seen to work)."""
@@ -365,6 +377,49 @@ def test_an_output_directory_of_other_files_is_refused(tmp_path, target):
     (tmp_path / "out" / "mine.jsonl").write_text("{}\n")
     with pytest.raises(RegenerateError, match="already holds 'mine.jsonl'"):
         regenerated(run_config(settings(tmp_path, target, data)))
+
+
+def _record_field(key: str, value) -> object:
+    def change(out: Path) -> None:
+        path = sorted((out / STATE_DIR).glob("shard-*.json"))[0]
+        body = json.loads(path.read_text())
+        body[key] = value
+        path.write_text(json.dumps(body))
+
+    return change
+
+
+def _write(relative: str, text: str) -> object:
+    return lambda out: (out / relative).write_text(text)
+
+
+# A finished job's own files, damaged (by hand, a tool, a disk): each was a traceback when read back (a field of
+# another type, a job record that is not an object, a JSON nested past the parser) or a stray *.jsonl that would be
+# read with the replies; now one RegenerateError naming the file and what to do.
+DAMAGED_JOB = {
+    "job-record-a-list": (_write(f"{STATE_DIR}/job.json", "[1]"), "job.json cannot be read (a JSON list"),
+    "job-record-too-deep": (_write(f"{STATE_DIR}/job.json", "[" * 100_000 + "]" * 100_000), "job.json cannot be"),
+    "shard-index-a-string": (_record_field("shard", "0"), 'cannot be read (shard = "0" is not int)'),
+    "rows-a-string": (_record_field("rows", "x"), 'cannot be read (rows = "x" is not int)'),
+    "written-a-string": (_record_field("written", "yes"), 'cannot be read (written = "yes" is not int)'),
+    "bad-rows-a-number": (_record_field("bad_rows", 5), "cannot be read (bad_rows = 5 is not"),
+    "shard-record-too-deep": (
+        _write(f"{STATE_DIR}/shard-00000.json", "[" * 100_000 + "]" * 100_000),
+        "shard-00000.json cannot be read",
+    ),
+    "a-stray-jsonl": (_write("shard-abc.jsonl", ""), "holds 'shard-abc.jsonl', which is not a shard of this job"),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGED_JOB))
+def test_a_damaged_job_directory_is_refused_naming_the_file(tmp_path, target, case):
+    change, says = DAMAGED_JOB[case]
+    cfg = run_config(settings(tmp_path, target, write_rows(tmp_path / "src.jsonl", chat_rows(3))))
+    regenerated(cfg)
+    change(tmp_path / "out")
+    with pytest.raises(RegenerateError) as e:
+        regenerated(cfg)
+    assert says in str(e.value), str(e.value)
 
 
 # --- real processes: crashes, restarts, the command line -------------------------------------------

@@ -214,6 +214,8 @@ def load_target_hf_config(path: str | Path) -> Any:
     from transformers import AutoConfig  # the installed config classes only, never modeling code
 
     file = Path(path).expanduser() / "config.json"
+    if not file.is_file():  # else transformers takes the path for a hub repo id and says so
+        raise TargetConfigError(f"target {Path(path).expanduser()}: no config.json there (a local HF model directory)")
     try:
         return AutoConfig.from_pretrained(Path(path).expanduser(), local_files_only=True)
     except MemoryError:
@@ -225,6 +227,43 @@ def load_target_hf_config(path: str | Path) -> Any:
             f"target config {file}: transformers refuses it ({why}); fix that field of the "
             "file or point target.path at another model"
         ) from None
+
+
+def load_target_tokenizer(path: str | Path) -> Any:
+    """The target's tokenizer (and chat template) from its local directory (target.tokenizer, else target.path):
+    the one place the project has transformers read a tokenizer, so every command refuses tokenizer files
+    transformers will not take (tokenizer.json or tokenizer_config.json not JSON, truncated, not UTF-8, of the
+    wrong shape; a special token or setting of the wrong type, caught by encoding a probe text; no tokenizer file
+    at all) in one line naming the directory,
+    as TargetConfigError, like load_target_hf_config does for config.json. The chat template's type is checked
+    here too: what renders it expects text."""
+    from transformers import AutoTokenizer
+
+    root = Path(path).expanduser()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+        tokenizer("a probe", add_special_tokens=False)  # settings that load yet break encoding (model_max_length)
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 (the reading phase's rule, as load_target_hf_config's)
+        why = " ".join(str(e).split())[:500] or "no message"
+        raise TargetConfigError(
+            f"target tokenizer {root}: transformers cannot load it ({type(e).__name__}: {why}); fix or replace its "
+            "tokenizer files (tokenizer.json, tokenizer_config.json, chat_template.jinja) or point "
+            "target.tokenizer at another"
+        ) from None
+    if tokenizer.chat_template:  # none at all: ChatEncoder says what to do
+        try:  # the template apply_chat_template renders: a named set's "default"
+            template = tokenizer.get_chat_template()
+        except ValueError as e:
+            template = e
+        if not isinstance(template, str):
+            what = template if isinstance(template, ValueError) else f"it is a {type(template).__name__}"
+            raise TargetConfigError(
+                f"target tokenizer {root}: its chat_template is not the text of a Jinja template ({what}); fix "
+                "chat_template in tokenizer_config.json (or write chat_template.jinja)"
+            )
+    return tokenizer
 
 
 @contextmanager
@@ -243,6 +282,11 @@ def building_from(path: str | Path) -> Iterator[None]:
         raise
     except Exception as e:  # noqa: BLE001 (the phase's rule, see above)
         why = " ".join(str(e).split())[:500] or "no message"
+        if type(e).__name__ == "SafetensorError":  # damage the header check cannot see: the weights', not config's
+            raise TargetConfigError(
+                f"target {Path(path).expanduser()}: its safetensors weights do not load ({why}); copy or download "
+                "them again"
+            ) from None
         raise TargetConfigError(
             f"target {Path(path).expanduser()}: transformers cannot build the model its "
             f"config.json describes ({type(e).__name__}: {why}); fix config.json (or the "
@@ -258,19 +302,123 @@ def check_target_builds(path: str | Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash_ring.common.safetensors_check import weight_shapes
+    from dflash_ring.common.safetensors_check import FLOAT_DTYPES, weight_dtypes, weight_shapes
 
     config = load_target_hf_config(path)
+    check_generation_config(path)
     with building_from(path), torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    for name, shape in weight_shapes(Path(path).expanduser()).items():
+    root = Path(path).expanduser()
+    for name, shape in weight_shapes(root).items():  # shapes first: a model of another width is named as such
         if name in expected and expected[name] != shape:
             raise TargetConfigError(
-                f"target {Path(path).expanduser()}: config.json makes {name} of shape "
+                f"target {root}: config.json makes {name} of shape "
                 f"{list(expected[name])}, its weights hold {list(shape)}: fix config.json or "
                 "point target.path at the model these weights belong to"
             )
+    stored = weight_shapes(root)
+    if stored and stored.keys() <= expected.keys():  # names as the model's own: none renamed or fused on loading
+        shared: dict[int, list[str]] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            shared.setdefault(id(param), []).append(name)
+        if missing := sorted(names[0] for names in shared.values() if not any(n in stored for n in names)):
+            raise TargetConfigError(
+                f"target {root}: its weights lack {len(missing)} tensor(s) the model needs ({', '.join(missing[:3])}"
+                f"{', ...' if len(missing) > 3 else ''}), which transformers would start at random: copy or "
+                "download the weights again (model.safetensors.index.json and every shard it names)"
+            )
+    if getattr(config, "quantization_config", None) is None:  # a quantized checkpoint's dtypes are its quantizer's
+        floats = {k for k, v in model.state_dict().items() if v.is_floating_point()}
+        for name, dtype in weight_dtypes(root).items():
+            if name in floats and dtype not in FLOAT_DTYPES:
+                raise TargetConfigError(
+                    f"target {root}: its weights hold {name} as {dtype}, not a floating type "
+                    f"({', '.join(FLOAT_DTYPES)}), and config.json has no quantization_config that says how to read "
+                    "it: transformers would cast it to floats as it is; use the model's own floating-point weights"
+                )
+
+
+def check_token_ids(max_id: int, vocab_size: int, tokenizer: str | Path, model: str | Path, where: str) -> None:
+    """Refuse token ids the target has no embedding row for: a tokenizer that is not the model's (target.tokenizer
+    set to another, tokenizer files copied from another model) gives ids past config.json's vocab_size, which the
+    model's embedding indexes out of range (a traceback on the CPU, a device-side assert on a GPU)."""
+    if max_id >= vocab_size:
+        raise TargetConfigError(
+            f"{where} holds token id {max_id}, past the {vocab_size} embedding rows of the target {model} "
+            f"(config.json vocab_size): the tokenizer {tokenizer} is not this model's; use the model's own"
+        )
+
+
+_TOKEN_ID_KEYS = ("eos_token_id", "bos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def check_generation_config(path: str | Path) -> None:
+    """The target's generation_config.json, where it has one, as what reads it needs: a JSON object whose token ids
+    are ids (a non-negative integer or a list of them). transformers reads it beside the weights and takes a file
+    that is not JSON in silence, and a string eos_token_id would be an end of reply no token ever matches."""
+    from dflash_ring.common.bounded_read import CONFIG_BYTES, read_text
+
+    file = Path(path).expanduser() / "generation_config.json"
+    if not file.is_file():
+        return
+    try:
+        body = json.loads(read_text(file, CONFIG_BYTES, TargetConfigError, "generation config"))
+    except (ValueError, RecursionError) as e:
+        if isinstance(e, TargetConfigError):
+            raise
+        raise TargetConfigError(
+            f"target generation config {file} is not valid JSON ({type(e).__name__}: {e}); fix it or remove it"
+        ) from None
+    if not isinstance(body, dict):
+        raise TargetConfigError(f"target generation config {file} is not a JSON object; fix it or remove it")
+    for key in _TOKEN_ID_KEYS:
+        value = body.get(key)
+        ids = value if isinstance(value, list) else [value]
+        if value is not None and not all(type(i) is int and i >= 0 for i in ids):  # noqa: E721 (a bool is no id)
+            raise TargetConfigError(
+                f"target generation config {file}: {key} = {json.dumps(value)} is not a token id (a non-negative "
+                "integer or a list of them); fix it or remove the file"
+            )
+
+
+def load_target_lm(path: str | Path, **kwargs: Any) -> Any:
+    """The target's causal LM with its weights (AutoModelForCausalLM.from_pretrained(path, **kwargs)), refused in one
+    line naming the directory unless its weights fit what config.json builds: check_target_builds first (shapes,
+    dtypes), then every tensor the model needs must be in the weights. transformers would start a missing one at
+    random (an index whose weight_map leaves tensors out, a shard without them) and say so only in its load report,
+    so a producer would publish the features of a model nobody trained; that report is held back and becomes the
+    refusal, or is logged as before when nothing is missing (unexpected keys: harmless)."""
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    root = Path(path).expanduser()
+    check_target_builds(root)
+    reports: list[logging.LogRecord] = []
+    report_logger = logging.getLogger("transformers.modeling_utils")
+
+    def hold(record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" in str(record.msg):
+            reports.append(record)
+            return False
+        return True
+
+    report_logger.addFilter(hold)
+    try:
+        with building_from(root):
+            model, info = AutoModelForCausalLM.from_pretrained(str(root), output_loading_info=True, **kwargs)
+    finally:
+        report_logger.removeFilter(hold)
+    if missing := sorted(info.get("missing_keys") or ()):
+        raise TargetConfigError(
+            f"target {root}: its weights lack {len(missing)} tensor(s) the model needs ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}), which transformers would start at random: copy or download "
+            "the weights again (model.safetensors.index.json and every shard it names)"
+        )
+    for record in reports:
+        report_logger.handle(record)
+    return model
 
 
 def _geometry_from_config_class(path: str) -> tuple[int, int, int]:
