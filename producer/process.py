@@ -457,8 +457,10 @@ def _produce(
     me = proc.join("model loaded, ring attached")
     startup.mark("join")  # the batch plan, and the row (waits for a dead predecessor's lock)
     with proc.interruptible():
-        plan = [len(batcher.epoch_plan(e)) for e in range(cfg.data.epochs)]
-        eval_positions = [batcher.eval_positions(e) for e in range(cfg.data.epochs)]
+        plan, eval_positions = [], []
+        for e in range(cfg.data.epochs):  # one pass: eval_positions(e) reads the plan epoch_plan(e) just made
+            plan.append(len(batcher.epoch_plan(e)))
+            eval_positions.append(batcher.eval_positions(e))
     port = ring.producer(me.row)
     port.set_planned_items(sum(plan), sum(map(len, eval_positions)))
     loader = None
