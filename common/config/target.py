@@ -310,14 +310,14 @@ def check_target_builds(path: str | Path) -> None:
         model = AutoModelForCausalLM.from_config(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     root = Path(path).expanduser()
-    for name, shape in weight_shapes(root).items():  # shapes first: a model of another width is named as such
+    stored = weight_shapes(root)
+    for name, shape in stored.items():  # shapes first: a model of another width is named as such
         if name in expected and expected[name] != shape:
             raise TargetConfigError(
                 f"target {root}: config.json makes {name} of shape "
                 f"{list(expected[name])}, its weights hold {list(shape)}: fix config.json or "
                 "point target.path at the model these weights belong to"
             )
-    stored = weight_shapes(root)
     if stored and stored.keys() <= expected.keys():  # names as the model's own: none renamed or fused on loading
         shared: dict[int, list[str]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
