@@ -307,10 +307,13 @@ def export_checkpoint(
     from dflash_ring.consumer.target_head import HeadSpec
 
     path = Path(ckpt_path)
+    what_to_give = "give a drafter's checkpoint directory (train.checkpoint_dir/drafter-N) or one of its step-N dirs"
+    if not path.is_dir():  # a file or a FIFO was an errno line about its 'latest', naming no fix
+        raise CheckpointError(f"{path} {'is not a directory' if path.exists() else 'does not exist'}: {what_to_give}")
     store = CheckpointStore(path.parent if STEP_DIR.match(path.name) else path)
     ckpt = store.load(path) if STEP_DIR.match(path.name) else store.load_latest(fall_back=False)
     if ckpt is None:
-        raise CheckpointError(f"no complete checkpoint under {path}")
+        raise CheckpointError(f"no complete checkpoint under {path}: {what_to_give}")
     drafter = DrafterConfig(**ckpt.info["drafter"])
     model = build_drafter(drafter, ckpt.info["target_config"])
     model.load_state_dict(ckpt.model)

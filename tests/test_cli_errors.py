@@ -1032,3 +1032,21 @@ def test_columns_that_is_no_width_is_ignored(monkeypatch, columns, width):
     monkeypatch.setenv("COLUMNS", columns)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
     assert console().width == width
+
+
+def test_export_of_a_path_that_holds_no_checkpoint_says_what_to_give(tmp_path, capsys):
+    """A file or FIFO was `[Errno 20] Not a directory: .../latest`; a directory without a checkpoint named no fix."""
+    from dflash_ring.cli import main
+
+    (tmp_path / "afile").write_text("x")
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "empty").mkdir()
+    for bad, says in (
+        ("afile", "is not a directory"),
+        ("fifo", "is not a directory"),
+        ("missing", "does not exist"),
+        ("empty", "no complete checkpoint under"),
+    ):
+        assert main(["export", str(tmp_path / bad), str(tmp_path / "out")]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and says in lines[0] and "train.checkpoint_dir/drafter-N" in lines[0], lines
