@@ -298,6 +298,24 @@ def _config(args: argparse.Namespace) -> Config:
     return load_config(args.config, args.set)
 
 
+def _role_config(args: argparse.Namespace) -> Config:
+    """A role's config, its output directories checked as check-config checks them: a bad one is refused by key
+    before the role starts, not as an errno line naming only the path from wherever it first writes."""
+    cfg = _config(args)
+    _check_output_directories(cfg)
+    return cfg
+
+
+def _check_output_directories(cfg: Config) -> None:
+    """The directories the run writes into (every OutputDirectory setting, common/config/paths.py, and tracking.dir
+    as a drafter derives it when unset): a file in their place, unwritable or read-only is refused by key."""
+    for key, directory in [*output_directories(cfg), ("tracking.dir", str(cfg.tracking_dir()))]:
+        try:
+            check_output_dir(Path(directory).expanduser())  # a default of the schema may start with ~
+        except (OutputDirError, OSError) as e:  # OSError: a path it cannot even stat
+            raise ConfigError(f"{key}: {e}") from None
+
+
 def _run_and_lock_dir(args: argparse.Namespace) -> tuple[str, Path]:
     """The run an operator command is about, and its lock directory; a RUN argument is checked like run.name."""
     cfg = _config(args)
@@ -366,7 +384,7 @@ def cmd_supervisor(args: argparse.Namespace) -> int:
 
     startup = Startup("supervisor")
     startup.mark("imports")
-    cfg = _config(args)
+    cfg = _role_config(args)
     startup.mark("config")
     sup = Supervisor(cfg, startup, reclaim_stale=args.reclaim_stale)
     try:
@@ -459,7 +477,7 @@ def cmd_target(args: argparse.Namespace) -> int:
 
     startup = Startup(f"target {args.index}")
     startup.mark("imports")
-    cfg = _config(args)
+    cfg = _role_config(args)
     startup.mark("config")
     return run_producer(cfg, _checked_index(cfg, "producers", args.index), args.device, startup)
 
@@ -512,14 +530,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         from dflash_ring.consumer.fp8 import check_precision  # torch: only for a config that needs a GPU's look
 
         check_precision(cfg.drafter.precision, cfg.train.device)
-    # The directories the run writes into (every OutputDirectory setting, common/config/paths.py, and tracking.dir
-    # as a drafter derives it when unset): a file in their place, unwritable or read-only is refused by key here,
-    # not at a role's start in the middle of a run.
-    for key, directory in [*output_directories(cfg), ("tracking.dir", str(cfg.tracking_dir()))]:
-        try:
-            check_output_dir(Path(directory).expanduser())  # a default of the schema may start with ~
-        except (OutputDirError, OSError) as e:  # OSError: a path it cannot even stat
-            raise ConfigError(f"{key}: {e}") from None
+    _check_output_directories(cfg)  # refused by key here, as each role refuses them at its start
     if cfg.target.path and Path(cfg.target.path).expanduser().is_dir():
         # What every role reads of the target (config.json's geometry) and what a drafter checks against it (mask
         # token, layers); then the model as transformers builds it from config.json, on the meta device, against
@@ -558,7 +569,7 @@ def cmd_drafter(args: argparse.Namespace) -> int:
 
     startup = Startup("drafter standby" if args.standby else f"drafter {args.index}")
     startup.mark("imports")
-    cfg = _config(args)
+    cfg = _role_config(args)
     startup.mark("config")
     if args.standby is None:
         return run_drafter(cfg, [_checked_index(cfg, "consumers", args.index)], args.device, startup)

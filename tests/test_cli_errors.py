@@ -434,6 +434,12 @@ CASES = [
         ["drafter", "--index", "0", *NO_METRICS, "--set", 'tracking.dir="{tmp}/afile/x"'],
         "tracking.dir: output directory {tmp}/afile/x: {tmp}/afile is not a directory",
     ),
+    (  # every role checks the directories it may write into by key before it starts (as check-config does)
+        "target-state-dir-a-file",
+        _a_file,
+        ["target", "--index", "0", *NO_METRICS, "--set", 'target.state_dir="{tmp}/afile/x"'],
+        "target.state_dir: output directory {tmp}/afile/x: {tmp}/afile is not a directory",
+    ),
     ("report-no-records", None, ["report", "{tmp}"], "no drafter record files (drafter-<j>.jsonl) in {tmp}/tracking"),
     (
         "drafter-model-without-weights",
