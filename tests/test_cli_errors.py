@@ -424,7 +424,7 @@ CASES = [
         "config file {tmp}/huge.toml is larger than 4 MiB",
     ),
     ("export-unwritable", _a_file, ["export", "{tmp}/ckpt", "{tmp}/afile/out"], "is not a directory"),
-    ("export-no-checkpoint", None, ["export", "{tmp}/ckpt", "{tmp}/out"], "no complete checkpoint"),
+    ("export-no-checkpoint", None, ["export", "{tmp}/ckpt", "{tmp}/out"], "{tmp}/ckpt does not exist: give a"),
     ("target-index-out-of-range", None, ["target", "--index", "3", *NO_METRICS], "--index 3 is out of range"),
     ("drafter-index-out-of-range", None, ["drafter", "--index", "3", *NO_METRICS], "--index 3 is out of range"),
     ("drafter-no-target", None, ["drafter", "--index", "0", *NO_METRICS], "target.path is empty"),
