@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -87,46 +88,42 @@ def check_weights(cfg: TargetConfig) -> Path:
 def load_causal_lm(cfg: TargetConfig, device: torch.device) -> PreTrainedModel:
     """The whole causal LM (head included) from a local directory of safetensors weights, on `device` in
     eval mode: nothing is downloaded and nothing is unpickled, and a directory without weights is named."""
-    root = check_weights(cfg)
-    load_target_hf_config(root)  # a config.json transformers refuses: one line naming its field, before the weights
-    attn = None if cfg.attn_implementation == "auto" else cfg.attn_implementation  # HF: sdpa, else eager
-    from safetensors import SafetensorError
-
-    try:  # a config.json the model code cannot build, weights of other shapes, dtypes or missing tensors: one line
-        model = load_target_lm(
-            root,
-            dtype=resolve_dtype(cfg.dtype, device),
-            attn_implementation=attn,
-            local_files_only=True,
-            use_safetensors=True,
-        )
-    except SafetensorError as e:  # damage the header check cannot see (a tensor's bytes of the wrong kind)
-        raise TargetConfigError(
-            f"target.path = {cfg.path}: its safetensors weights do not load ({e}); copy or download them again"
-        ) from None
-    return model.to(device).eval().requires_grad_(False)
+    return _load(cfg, device).to(device).eval().requires_grad_(False)
 
 
 def load_sharded(cfg: TargetConfig, device: torch.device):
     """The causal LM sharded by its family's tensor-parallel plan, in the group this process has joined. The plan is
     named as the installed transformers takes it: DistributedConfig where it has one (5.2x), `tp_plan` otherwise."""
-    root = check_weights(cfg)
-    attn = None if cfg.attn_implementation == "auto" else cfg.attn_implementation
     try:
         from transformers.distributed.configuration_utils import DistributedConfig
 
         plan = {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=dist.get_world_size())}
     except (ImportError, TypeError):  # a transformers before DistributedConfig took the plan (5.17)
         plan = {"tp_plan": "auto"}
-    model = load_target_lm(
-        root,
-        dtype=resolve_dtype(cfg.dtype, device),
-        attn_implementation=attn,
-        local_files_only=True,
-        use_safetensors=True,
-        **plan,
-    )
-    return model.eval().requires_grad_(False)
+    return _load(cfg, device, **plan).eval().requires_grad_(False)
+
+
+def _load(cfg: TargetConfig, device: torch.device, **plan: Any) -> PreTrainedModel:
+    """The one load of both (`plan`: a tensor-parallel plan's arguments): the weights checked and named first, a
+    config.json transformers refuses named by its field, and what the weights' own bytes refuse as one line."""
+    root = check_weights(cfg)
+    load_target_hf_config(root)  # a config.json transformers refuses: one line naming its field, before the weights
+    attn = None if cfg.attn_implementation == "auto" else cfg.attn_implementation  # HF: sdpa, else eager
+    from safetensors import SafetensorError
+
+    try:  # a config.json the model code cannot build, weights of other shapes, dtypes or missing tensors: one line
+        return load_target_lm(
+            root,
+            dtype=resolve_dtype(cfg.dtype, device),
+            attn_implementation=attn,
+            local_files_only=True,
+            use_safetensors=True,
+            **plan,
+        )
+    except SafetensorError as e:  # damage the header check cannot see (a tensor's bytes of the wrong kind)
+        raise TargetConfigError(
+            f"target.path = {cfg.path}: its safetensors weights do not load ({e}); copy or download them again"
+        ) from None
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
