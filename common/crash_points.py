@@ -8,7 +8,9 @@ step on an item returned, its slot not yet released), "ring.prefaulted" (the sup
 prefaulted, its header not written: a segment with no magic); `regenerate`'s "regenerate.shard_written" (a shard's
 temporary file synced, not yet renamed) and "regenerate.shard_renamed" (the shard file in place, its record
 not yet written); "checkpoint.written" (a drafter checkpoint's files synced in its temporary directory, in the
-background writer's thread when checkpoints are asynchronous; no manifest yet, not renamed).
+background writer's thread when checkpoints are asynchronous; no manifest yet, not renamed), "checkpoint.renamed"
+(renamed into place, `latest` not moved) and "checkpoint.latest" (`latest` moved, the journal and the ledger not
+told).
 """
 
 from __future__ import annotations

@@ -17,9 +17,12 @@ wrote them; so a line is byte for byte what it was when each writer spelled its 
                                                       dead drafters' sealed journals taken into its replay
                                                       list: those batches are produced again from here on
                 done  {}                              shard finished
-    drafter     start {step[, took_over]}             after joining (step: the checkpoint resumed from);
+    drafter     start {step[, took_over][, snapshot_t]}
+                                                      after joining (step: the checkpoint resumed from);
                                                       took_over: the pid its row named, when this process took
-                                                      the index over (a standby, or after waiting on a live holder)
+                                                      the index over (a standby, or after waiting on a live holder);
+                                                      snapshot_t: when the state resumed from was taken (0: none,
+                                                      from the start; absent: a checkpoint that did not save it)
                 got   {item, deliveries, producer, epoch, pos}
                                                       the batch is copied out of its slot (still claimed)
                 train {step, item, deliveries, producer, epoch, pos[, empty]}
@@ -138,6 +141,7 @@ class DrafterStart(LedgerEvent):
     KIND: ClassVar[str] = "start"
     step: int
     took_over: int | None = None
+    snapshot_t: float | None = None
 
 
 @dataclass(frozen=True)

@@ -33,12 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash_ring.common.checkpoint_choice import resume_step
 from dflash_ring.common.damaged_file import keep_aside, write_atomic
 
 log = logging.getLogger(__name__)
 
 SEGMENT = re.compile(r"^(open|lost)-(\d{8})-(\d+)-(\d+)\.jsonl$")
-LATEST = re.compile(r"^step-(\d{8})$")
 
 
 @dataclass(frozen=True)
@@ -133,13 +133,10 @@ def _line(e: Entry) -> bytes:
     )
 
 
-def latest_step(checkpoint_dir: str | os.PathLike, index: int) -> int:
-    """The step of drafter `index`'s `latest` checkpoint (0 without one): what its successor resumes from."""
-    try:
-        name = (Path(checkpoint_dir) / f"drafter-{index}" / "latest").read_text().strip()
-    except FileNotFoundError:
-        return 0
-    return int(m.group(1)) if (m := LATEST.match(name)) else 0
+def successor_step(checkpoint_dir: str | os.PathLike, index: int) -> int:
+    """The step drafter `index`'s successor resumes from (0 without a checkpoint), by the store's own rule
+    (common/checkpoint_choice.py): the journal is sealed against exactly the state the model goes on from."""
+    return resume_step(Path(checkpoint_dir) / f"drafter-{index}")
 
 
 class Journal:
@@ -209,8 +206,10 @@ def seal(directory: Path, resumes_from: int, ring: int, in_ring: Iterable[int], 
 
 
 def seal_drafter(checkpoint_dir: str | os.PathLike, index: int, ring: int, in_ring: Iterable[int]) -> int:
-    """Seal dead drafter `index`'s journal against the checkpoint its successor resumes from (`latest`)."""
-    return seal(journal_dir(checkpoint_dir, index), latest_step(checkpoint_dir, index), ring, in_ring, mine=os.getpid())
+    """Seal dead drafter `index`'s journal against the checkpoint its successor resumes from."""
+    return seal(
+        journal_dir(checkpoint_dir, index), successor_step(checkpoint_dir, index), ring, in_ring, mine=os.getpid()
+    )
 
 
 def drop_covered(directory: Path, resumes_from: int, mine: int) -> None:

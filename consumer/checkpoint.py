@@ -41,13 +41,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from dflash_ring.common.checkpoint_choice import POINTER, STEP_DIR, complete_dirs, pointer_name, resume_order, step_of
 from dflash_ring.common.crash_points import crash_point
 from dflash_ring.common.damaged_file import keep_aside
 from dflash_ring.common.durable import fsync
 
 log = logging.getLogger(__name__)
 
-STEP_DIR = re.compile(r"^step-(\d{8})$")
 FILES = ("model.safetensors", "optimizer.safetensors", "state.safetensors", "trainer.json")
 MANIFEST = "manifest.json"
 CHUNK_BYTES = 64 << 20
@@ -120,11 +120,13 @@ class CheckpointStore:
             shutil.rmtree(final)
         tmp.rename(final)
         fsync(self.root)
+        crash_point("checkpoint.renamed")  # complete, `latest` not moved yet: the pointer still decides the resume
         pointer = self.root / ".latest.tmp"
         pointer.write_text(final.name + "\n")
         fsync(pointer)
-        pointer.rename(self.root / "latest")
+        pointer.rename(self.root / POINTER)
         fsync(self.root)
+        crash_point("checkpoint.latest")  # the one to resume from; the journal and the ledger not told yet
         if on_latest is not None:
             on_latest(final)
         self._prune(keep)
@@ -136,9 +138,8 @@ class CheckpointStore:
         fall_back=False (export): a refused latest checkpoint is an error, not silently an older one.
         device: where the weights and optimizer moments go (a resuming drafter: its GPU, without a host copy).
         """
-        candidates = self._complete_dirs()
-        if name := self._latest_name():
-            candidates.sort(key=lambda p: (p.name != name, -int(STEP_DIR.match(p.name).group(1))))
+        self._latest_name()  # a damaged pointer is kept aside first
+        candidates = resume_order(self.root)
         for path in candidates:
             try:
                 return self.load(path, device)
@@ -202,36 +203,25 @@ class CheckpointStore:
         return self._latest_name(), tuple(p.name for p in self._complete_dirs())
 
     def _latest_name(self) -> str:
-        """The checkpoint the `latest` pointer names ("" without one). It only orders the candidates (each is
-        verified, and the complete directories are what there is), so a damaged pointer (not ASCII, not a
-        checkpoint's name) is kept aside with a warning and the newest complete checkpoint comes first; the next
-        save writes it again."""
-        latest = self.root / "latest"
-        try:
-            name = latest.read_bytes().decode("ascii").strip()
-        except FileNotFoundError:
-            return ""
-        except UnicodeDecodeError:
-            name = ""
-        if not STEP_DIR.match(name):
-            keep_aside(latest, "it names no checkpoint directory (step-NNNNNNNN); the newest complete one is used")
-            return ""
-        return name
+        """The checkpoint the `latest` pointer names ("" without one). It only orders the candidates
+        (common/checkpoint_choice.py: each is verified, and the complete directories are what there is), so a
+        damaged pointer (not ASCII, not a checkpoint's name) is kept aside with a warning and the newest complete
+        checkpoint comes first; the next save writes it again."""
+        name = pointer_name(self.root)
+        if name == "":
+            keep_aside(
+                self.root / POINTER, "it names no checkpoint directory (step-NNNNNNNN); the newest complete one is used"
+            )
+        return name or ""
 
     def oldest_step(self, keep: int) -> int:
         """The step of the oldest of the `keep` newest checkpoints (0 without one): what the journal must still
         hold is after it (a resume may fall back to any of them)."""
         dirs = self._complete_dirs()[:keep]
-        return int(STEP_DIR.match(dirs[-1].name).group(1)) if dirs else 0
+        return step_of(dirs[-1]) if dirs else 0
 
     def _complete_dirs(self) -> list[Path]:
-        if not self.root.is_dir():
-            return []
-        return sorted(
-            (p for p in self.root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)),
-            key=lambda p: p.name,
-            reverse=True,
-        )
+        return complete_dirs(self.root)
 
     def _prune(self, keep: int) -> None:
         for old in self._complete_dirs()[keep:]:

@@ -58,8 +58,10 @@ class Checkpoints:
 
     def save(self) -> None:
         info = self.state()
-        taken_t = time.time()
-        ckpt = self.trainer.state(info)
+        taken_t = round(time.time(), 4)  # the ledger's precision: `snapshot_t` in its records
+        # Saved with it: a successor's `start` record names the state it resumed from (the ledger's `ckpt` record
+        # of the checkpoint may never be written: a kill once `latest` moved and before the record).
+        ckpt = self.trainer.state(dict(info, snapshot_t=taken_t))
         step, items = ckpt.step, info["items"]
         self.journal.rotate(step)  # what trains from here on is not in this state
         if self.writer is None:
@@ -84,7 +86,7 @@ class Checkpoints:
     def _durable(self, path: Path, step: int, items: int, taken_t: float) -> None:
         self.journal.covered(self.store.oldest_step(keep=self.keep))
         if self.ledger is not None:
-            self.ledger.write(CheckpointDurable(step, items, round(taken_t, 4)))
+            self.ledger.write(CheckpointDurable(step, items, taken_t))
         log.info("checkpoint %s", path)
 
     def after_step(self, step: int) -> None:

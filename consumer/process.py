@@ -219,6 +219,9 @@ class Resumed:
         self.trainer, self.drafter_cfg = trainer, drafter_cfg
         self.consumed = Consumed()
         self.loaded: tuple[str, tuple[str, ...]] | None = None  # the store's contents when last loaded
+        # When the state resumed from was taken (0.0: none, from the start; None: a checkpoint of a version that did
+        # not save it): the ledger's `start` record carries it, what `reconcile` knows survived a killed predecessor.
+        self.snapshot_t: float | None = 0.0
 
     def load(self, beside: Callable[[], None] | None = None) -> None:
         """The latest checkpoint into the trainer, unless the store is as it was at the last load. `beside` runs while
@@ -240,6 +243,7 @@ class Resumed:
             check_same_shape(ckpt, self.trainer.model, self.drafter_cfg.model_fields())  # either precision
             self.trainer.restore(ckpt)
             self.consumed = Consumed(ckpt.info.get("consumed", {}), int(ckpt.info.get("items", 0)))
+            self.snapshot_t = ckpt.info.get("snapshot_t")
             log.info("resumed from %s (step %d)", ckpt.path, ckpt.step)
 
 
@@ -348,7 +352,9 @@ def train(
         background=cfg.train.async_checkpoints,
     )
     if proc.ledger is not None:
-        proc.ledger.write(DrafterStart(trainer.step, seat.predecessor_pid if seat.takeover else None))
+        proc.ledger.write(
+            DrafterStart(trainer.step, seat.predecessor_pid if seat.takeover else None, resumed.snapshot_t)
+        )
     averaging = Averaging.join(
         cfg.train.average_every_steps,
         cfg.topology.consumers,

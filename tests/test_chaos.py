@@ -160,6 +160,40 @@ def test_updates_a_killed_drafter_loses_must_be_produced_again():
     assert healed["trained_then_replayed_after_crash"] == 6 and healed["trained_exactly_once"] == 8
 
 
+def test_what_survives_a_killed_drafter_is_the_state_its_successor_resumed_from():
+    """A killed drafter's `ckpt` records may be behind its checkpoints: killed once `latest` moved and before the
+    record, its successor resumes from a state the ledger never called durable. The successor's `start` record
+    says when that state was taken (`snapshot_t`), and that decides what was lost; its absence (an older version)
+    leaves the `ckpt` records to decide."""
+    producer = [_rec("start", 10, 0, plan=[4], resume=[0, 0])]
+    producer += [_rec("pub", 10, 1 + k, item=k, epoch=0, pos=k) for k in range(4)]
+    killed = [_rec("start", 20, 1, step=0, snapshot_t=0.0)]
+    for k in range(3):  # batches 0-2 trained; step 3's state taken at t = 12.5, `latest` moved, then the kill
+        killed += [
+            _rec("got", 20, 9.5 + k, item=k, deliveries=1, **_batch(0, 0, k)),
+            _rec("train", 20, 10 + k, step=k + 1, item=k, deliveries=1, **_batch(0, 0, k)),
+        ]
+    successor = [_rec("start", 30, 20, step=3, snapshot_t=12.5)]
+    successor += [
+        _rec("got", 30, 21, item=3, deliveries=1, **_batch(0, 0, 3)),
+        _rec("train", 30, 22, step=4, item=3, deliveries=1, **_batch(0, 0, 3)),
+        _rec("exit", 30, 23, step=4),
+    ]
+    ledgers = {"target-0": producer, "drafter-0": killed + successor}
+    rec = reconcile(ledgers)
+    assert rec["problems"] == [] and rec["trained_exactly_once"] == 4 and rec["trained_then_lost_with_crash"] == 0
+    # Without the successor's word, the `ckpt` records (none) decide: the three batches look lost.
+    unknown = [{k: v for k, v in successor[0].items() if k != "snapshot_t"}]
+    blind = reconcile({"target-0": producer, "drafter-0": killed + unknown + successor[1:]})
+    assert blind["trained_then_lost_with_crash"] == 3 and blind["problems"]
+    # The reverse: a `ckpt` record, but the successor started from an older state (that checkpoint refused at
+    # load): the batches after it are lost, whatever the record said.
+    durable = [_rec("ckpt", 20, 12.8, step=3, items=3, snapshot_t=12.5)]
+    fell_back = [dict(successor[0], step=1, snapshot_t=10.2)] + successor[1:]
+    older = reconcile({"target-0": producer, "drafter-0": killed + durable + fell_back})
+    assert older["trained_then_lost_with_crash"] == 2 and any("never produced again" in p for p in older["problems"])
+
+
 def test_ledger_reader_counts_a_line_cut_by_a_kill(tmp_path):
     path = tmp_path / "drafter-0.jsonl"
     path.write_text(json.dumps(_rec("start", 1, 0.0, step=0)) + "\n" + '{"ev":"train","pid":1,"t":1.0,"produ')

@@ -9,12 +9,25 @@ once per segment it has not taken.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
 
-from dflash_ring.common.trained_journal import Journal, journal_dir, latest_step, lost_segments, owed_to, seal, segments
+from dflash_ring.common.trained_journal import (
+    Journal,
+    journal_dir,
+    lost_segments,
+    owed_to,
+    read_entries,
+    seal,
+    seal_drafter,
+    segments,
+    successor_step,
+)
+from dflash_ring.consumer.checkpoint import Checkpoint, CheckpointStore
 
 
 def _meta(p: int, e: int, q: int) -> dict[str, int]:
@@ -76,8 +89,39 @@ def test_the_writer_retires_only_what_every_kept_checkpoint_covers(tmp_path):
     j.close()
 
 
-def test_latest_step_reads_the_checkpoint_pointer(tmp_path):
-    assert latest_step(tmp_path, 0) == 0
-    (tmp_path / "drafter-0").mkdir()
-    (tmp_path / "drafter-0" / "latest").write_text("step-00000012\n")
-    assert latest_step(tmp_path, 0) == 12
+def _checkpoint(store: CheckpointStore, step: int) -> None:
+    model = torch.nn.Linear(2, 2)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    store.save(Checkpoint(step, state, torch.optim.AdamW(model.parameters()).state_dict(), {}), keep=5)
+
+
+@pytest.mark.processes
+def test_a_dead_drafters_journal_is_sealed_against_the_checkpoint_its_successor_loads(tmp_path):
+    """The journal is sealed against the step the store resumes from, by the store's own rule, in every state a kill
+    inside `save` leaves. A drafter killed between renaming its first checkpoint (step 3) into place and writing
+    `latest` left no pointer: its successor loads step 3, so what the journal holds up to step 3 is in the model
+    and must not be produced again (sealed against the pointer, step 0, it was: trained twice)."""
+    root = tmp_path / "drafter-0"
+    store = CheckpointStore(root)
+
+    def agree() -> int:
+        ckpt = store.load_latest()
+        assert successor_step(tmp_path, 0) == (ckpt.step if ckpt else 0)
+        return successor_step(tmp_path, 0)
+
+    assert agree() == 0  # no checkpoint: from the start
+    _checkpoint(store, 3)
+    (root / "latest").unlink()  # killed at crash point "checkpoint.renamed" of the first checkpoint
+    assert agree() == 3
+    _dead_drafter_journal(tmp_path, ring=7)  # segments after steps 0 (batches 0-2) and 4 (batches 3-5)
+    assert seal_drafter(tmp_path, 0, ring=7, in_ring=()) == 3  # only what came after step 3
+    assert [e.position for e in read_entries(lost_segments(tmp_path)[0].path)] == [3, 4, 5]
+    _checkpoint(store, 6)
+    (root / "latest").write_text("step-00000003\n")  # killed at "checkpoint.renamed" of the second: the pointer's
+    assert agree() == 3
+    (root / "latest").write_bytes(b"step-0000\xff")  # a damaged pointer orders nothing: the newest complete one
+    assert agree() == 6
+    for p in root.glob("step-*"):
+        shutil.rmtree(p)
+    (root / "latest").write_text("step-00000012\n")  # a pointer to no checkpoint: from the start
+    assert agree() == 0

@@ -316,3 +316,49 @@ def test_a_drafter_killed_mid_background_write_resumes_from_the_checkpoint_befor
     # What it trained after step 3's state was in no checkpoint: its journal brought it back, trained once more.
     assert rec["trained_then_lost_with_crash"] == 0 and rec["trained_then_replayed_after_crash"] >= 3, rec
     assert "that dead drafters trained after their last checkpoint" in procs[1].stderr.read()
+
+
+def test_drafters_killed_as_a_checkpoint_becomes_the_one_to_resume_from_lose_nothing_and_train_nothing_twice(
+    run, monkeypatch
+):
+    """Real processes, two kills inside a background checkpoint's publication. The first drafter dies once its first
+    checkpoint (step 3) is renamed into place and before `latest` exists (crash point "checkpoint.renamed"): its
+    successor loads step 3, so its journal must be sealed against step 3, not against the missing pointer (what it
+    trained up to step 3 was produced again and trained twice). The second dies once `latest` names its step-6
+    checkpoint and before its journal and ledger are told ("checkpoint.latest"): the ledger has no `ckpt` record
+    of step 6, and only the third drafter's `start` record says what survived (CI once failed on this window)."""
+    target = build_target(run.tmp / "target", "qwen3", layers=4)
+    data = cyclic_rows(run.tmp / "chat.jsonl", 96)
+    ledger = run.tmp / "ledger"
+    pipeline_config(
+        run,
+        target,
+        data,
+        {
+            "run": {"ledger_dir": str(ledger)},
+            "data": {"epochs": 2},
+            "train": {"checkpoint_every_steps": 3, "average_every_steps": 0},
+        },
+        consumers=1,
+    )
+    root = run.tmp / "ckpt" / "drafter-0"
+    procs = [run.supervisor(), run.role("target", 0)]
+    killed = []
+    for point, step in (("checkpoint.renamed", 3), ("checkpoint.latest", 6)):
+        monkeypatch.setenv("DFLASH_RING_CRASH_AT", point)
+        drafter = run.role("drafter", 0)
+        monkeypatch.delenv("DFLASH_RING_CRASH_AT")
+        assert wait_exit(drafter, 300) == -signal.SIGKILL, drafter.stderr.read()[-3000:]
+        assert CheckpointStore(root).load_latest().step == step
+        killed.append(drafter)
+    assert not [r for r in read_ledgers(ledger)[0]["drafter-0"] if r["ev"] == "ckpt" and r["step"] == 6]
+
+    last = run.role("drafter", 0)
+    for p in (*procs, last):
+        assert wait_exit(p, 300) == 0, p.stderr.read()[-3000:]
+    assert f"resumed from {root / 'step-00000003'} (step 3)" in killed[1].stderr.read()
+    assert f"resumed from {root / 'step-00000006'} (step 6)" in last.stderr.read()
+    rec = reconcile(read_ledgers(ledger)[0])
+    assert rec["problems"] == [], rec["problems"]
+    assert rec["trained_exactly_once"] == rec["planned_batches"] > 0, rec
+    assert rec["trained_then_lost_with_crash"] == 0 and rec["killed_drafter_incarnations"] == 2, rec

@@ -11,6 +11,7 @@ from typing import Any
 from dflash_ring.common.ledger import read_ledger
 from dflash_ring.common.ledger_events import (
     CheckpointDurable,
+    DrafterStart,
     Evaluated,
     Exited,
     Got,
@@ -98,14 +99,26 @@ def reconcile(ledgers: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     for rs in (*got.values(), *trained.values()):
         rs.sort(key=lambda r: r["t"])  # gathered file by file: put each batch's records in time order
 
-    # The newest checkpoint of each drafter process whose state was taken and then became durable: a `train` record
-    # after it, by a process that was killed, is in no surviving state (its successor resumed from that checkpoint).
-    last_snapshot = {
-        pid: max(
+    # The state each drafter process's updates survive in, as the time it was taken: a `train` record after it, by a
+    # process that was killed, is in no surviving state. For a killed process that is the state its successor (the
+    # next process of its index: a restart, or a standby taking the seat over) resumed from, whose `start` record
+    # says when it was taken: the truth, whatever the killed one managed to record. Its own newest `ckpt` record
+    # says the same unless the kill fell after a checkpoint became the one to resume from and before the record;
+    # without a successor (or a start record of a version without `snapshot_t`) that record decides.
+    def survives_until(pid: int, recs: list[dict[str, Any]]) -> float:
+        own = max(
             (r.get("snapshot_t", r["t"]) for r in recs if kind(r) == CheckpointDurable.KIND), default=float("-inf")
         )
-        for pid, recs in drafter_pids.items()
-    }
+        if pid not in killed:
+            return own
+        end = max(r["t"] for r in recs)
+        later = [
+            r for r in ledgers[recs[0]["drafter"]] if kind(r) == DrafterStart.KIND and r["pid"] != pid and r["t"] > end
+        ]
+        successor = min(later, key=lambda r: r["t"], default=None)
+        return own if successor is None or successor.get("snapshot_t") is None else successor["snapshot_t"]
+
+    last_snapshot = {pid: survives_until(pid, recs) for pid, recs in drafter_pids.items()}
 
     def lost(t: dict[str, Any]) -> bool:
         # (An `empty` batch had nothing to supervise: it made no update to lose.)
