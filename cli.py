@@ -524,7 +524,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     drafter.precision = "fp8" also what a drafter checks first: this host's GPU (train.device) and torchao. Then
     tracking.dir as a drafter checks it at start. With a target.path that exists, also its config.json as every
     role reads it, the drafter's settings against it, and the model transformers builds from it (on the meta
-    device) against its weights' shapes."""
+    device) against its weights' shapes; without one (a config vetted away from its GPU host) it says so: the
+    target was not checked, and an "OK" does not claim it."""
     cfg = _config(args)
     if cfg.drafter.precision == "fp8":
         from dflash_ring.consumer.fp8 import check_precision  # torch: only for a config that needs a GPU's look
@@ -546,6 +547,10 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
             check_group(cfg.target, resolve_device(cfg.target.device))
     print(f"config OK: run {cfg.run.name!r}" + (f" from {args.config}" if args.config else " (defaults)"))
+    if not cfg.target.path:
+        print("not checked: the target: target.path is not set (every role needs it: a local HF model directory)")
+    elif not Path(cfg.target.path).expanduser().is_dir():
+        print(f"not checked: the target: target.path {cfg.target.path} is not a directory on this host")
     return 0
 
 

@@ -13,6 +13,8 @@ import pytest
 from dflash_ring.common.config.dump import _toml_value, dump_toml
 from dflash_ring.common.config.load import load_config
 from dflash_ring.common.config.paths import path_setting
+
+from support import build_target, load_tokenizer
 from dflash_ring.common.config.schema import Config, ConfigError
 
 
@@ -295,3 +297,22 @@ def test_check_config_refuses_a_file_where_a_run_writes_a_directory(tmp_path, ca
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"dflash-ring check-config: error: {section}.{key}: output directory "), line
     assert "is not a directory; choose another path" in line, line
+
+
+def test_check_config_says_the_target_was_not_checked_when_this_host_has_none(tmp_path, capsys):
+    """A config vetted away from its GPU host passes without its target: the OK says the target was not checked
+    (it claimed the whole config, which every role then refused for its target.path)."""
+    from dflash_ring.cli import main
+
+    assert main(["check-config"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == (
+        "not checked: the target: target.path is not set (every role needs it: a local HF model directory)"
+    )
+    assert main(["check-config", "--set", f'target.path="{tmp_path / "nowhere"}"']) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "config OK: run 'default' (defaults)"
+    assert out[1] == f"not checked: the target: target.path {tmp_path / 'nowhere'} is not a directory on this host"
+    target = build_target(tmp_path / "target", "qwen3", layers=4, hidden=32)
+    mask = f"target.mask_token_id={len(load_tokenizer(target))}"
+    assert main(["check-config", "--set", f'target.path="{target}"', "--set", mask]) == 0
+    assert capsys.readouterr().out.splitlines() == ["config OK: run 'default' (defaults)"]  # checked: nothing unsaid
