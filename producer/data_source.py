@@ -234,9 +234,15 @@ def _no_text(path: Path) -> bool:
 
 
 def _as_json_lines(path: Path, cache: Path) -> Path:
-    """A JSON-array file rewritten as one row per line, so every input is read the same way."""
+    """A JSON-array file rewritten as one row per line, so every input is read the same way. A pretty-printed
+    object is refused in one line (read line by line, every line of it was a bad row)."""
     with open(path, "rb") as f:
         head = f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
+    if head.split(b"\n", 1)[0].strip() == b"{":  # no JSON Lines row is a lone brace: rows spread over lines
+        raise DataError(
+            f"{path} holds pretty-printed JSON (a row over several lines), which is read one line per row: write "
+            f"one JSON object per line (e.g. jq -c . {path} > rows.jsonl), or a JSON array of rows"
+        )
     if not head.startswith(b"["):
         return path
     out = cache / f"{_fingerprint([path])}.jsonl"

@@ -240,6 +240,15 @@ UNREADABLE = {
         "not a valid JSON array (nested deeper",
     ),
     "a-device": (lambda t: (Path("/dev/null"), {"format": "jsonl"}), "neither a regular file nor a directory"),
+    # Read a line per row, each of its lines was a bad row ("no usable row", naming no cause).
+    "pretty-printed-object": (
+        lambda t: (_file(t, "x.json", json.dumps(GOOD_ROWS[0], indent=2)), {}),
+        "holds pretty-printed JSON (a row over several lines)",
+    ),
+    "pretty-printed-rows": (
+        lambda t: (_file(t, "x.jsonl", "\n".join(json.dumps(r, indent=1) for r in GOOD_ROWS)), {}),
+        "write one JSON object per line",
+    ),
 }
 
 
