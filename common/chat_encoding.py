@@ -23,6 +23,8 @@ ROLES = ("system", "user", "assistant")
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # Two one-character replies that differ, so one of them differs from any reply's first and last character.
 _DUMMIES = ("x", "y")
+# The chat every template must render (with generation markers: and mark the reply of) before any row is encoded.
+_MINIMAL_CHAT = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "x"}]
 
 
 class BadRow(ValueError):
@@ -136,6 +138,8 @@ class ChatEncoder:
         self.enable_thinking = enable_thinking
         # The template apply_chat_template renders: of a named set (a list in tokenizer_config.json), "default".
         self.uses_generation_markers = bool(_GENERATION_MARKER.search(tokenizer.get_chat_template()))
+        if self.uses_generation_markers:
+            self._check_markers()
         self.generation_prompt, self.closing = ("", "") if self.uses_generation_markers else self._probe()
 
     def encode(self, row: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -187,22 +191,35 @@ class ChatEncoder:
             spans.append((start, end))
         return spans
 
+    def _check_markers(self) -> None:
+        """A template with `{% generation %}` markers renders a minimal chat and marks its reply: one that does not
+        parse, or whose markers mark nothing, would skip every row of every data set, each as a bad row."""
+        try:
+            out = self._apply(_MINIMAL_CHAT, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        except BadRow as e:
+            raise self._unusable(str(e)) from e
+        if not any(out["assistant_masks"]):
+            raise self._unusable("its {% generation %} markers mark no token of the reply")
+
     def _probe(self) -> tuple[str, str]:
         """The generation prompt, and what the template writes right after a reply (ChatML:
         '<|im_end|>\\n'), read off a minimal chat."""
-        user = [{"role": "user", "content": "q"}]
+        user = _MINIMAL_CHAT[:1]
         try:
             asked = self._apply(user, tokenize=False)
             prompted = self._apply(user, tokenize=False, add_generation_prompt=True)
             replies = [self._apply(user + [{"role": "assistant", "content": d}], tokenize=False) for d in _DUMMIES]
         except BadRow as e:
-            raise DataError(
-                f"the chat template of {self.tokenizer.name_or_path} cannot render a minimal user/assistant chat "
-                f"({e}); fix the template or set target.tokenizer to a tokenizer directory whose template works"
-            ) from e
+            raise self._unusable(str(e)) from e
         generation_prompt = prompted[len(asked) :] if prompted.startswith(asked) else ""
         n = _common_suffix(*replies)
         return generation_prompt, replies[0][len(replies[0]) - n :]
+
+    def _unusable(self, why: str) -> DataError:
+        return DataError(
+            f"the chat template of {self.tokenizer.name_or_path} cannot render a minimal user/assistant chat "
+            f"({why}); fix the template or set target.tokenizer to a tokenizer directory whose template works"
+        )
 
 
 def _with_content(messages: list[dict[str, Any]], k: int, content: str) -> list[dict[str, Any]]:

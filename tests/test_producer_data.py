@@ -123,6 +123,27 @@ def test_generation_markers_agree_with_template_diffing(tmp_path):
         assert mask_a.any()
 
 
+@pytest.mark.parametrize(
+    "template,says",
+    [
+        (MARKED_TEMPLATE.replace("m.content + ", "m.content } + "), "TemplateSyntaxError"),
+        (  # markers around nothing: every reply unmarked
+            MARKED_TEMPLATE.replace(
+                "{%- generation %}{{- m.content + '<|im_end|>\\n' }}", "{{- m.content }}{%- generation %}"
+            ),
+            "its {% generation %} markers mark no token of the reply",
+        ),
+    ],
+    ids=["does-not-parse", "marks-nothing"],
+)
+def test_a_marked_template_that_cannot_mark_a_reply_is_refused_before_any_row(tmp_path, template, says):
+    """Each row of every data set was a bad row, reported as 'no usable row' with the rows' shape as the fix."""
+    broken = tiny_chat_tokenizer(tmp_path / "tok", chat_template=template)
+    with pytest.raises(DataError, match="cannot render a minimal user/assistant chat") as e:
+        ChatEncoder(broken, max_length=4096, enable_thinking=False)
+    assert says in str(e.value), str(e.value)
+
+
 def test_truncation_to_max_length(tokenizer):
     full_ids, full_mask = ChatEncoder(tokenizer, max_length=4096, enable_thinking=False).encode({"messages": CHAT})
     cut = int(np.flatnonzero(full_mask)[0]) + 3
