@@ -32,13 +32,20 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_ring.common.config.regenerate import RegenerateConfig, RegenerateConfigError
 from dflash_ring.embedded.tiny_corpus import CorpusSpec
 from dflash_ring.embedded.tiny_target import TinyTargetRecipe, ensure_tiny_target
 from dflash_ring.producer.generation import GenerationSettings, Prompt, Reply, prompt_seed
-from dflash_ring.producer.openai_engine import OpenAIEngine, ServerRefusedError, ServerUnavailableError, backoff_delay
+from dflash_ring.producer.openai_engine import (
+    OpenAIEngine,
+    OpenAIEngineError,
+    ServerRefusedError,
+    ServerUnavailableError,
+    backoff_delay,
+)
 from support import free_port_base
 
 # The embedded recipe, small: ~5 s on one core, and trained enough to end its replies with <|im_end|>
@@ -693,3 +700,100 @@ def test_a_bad_reply_is_that_rows_error_and_the_others_are_answered(misbehaving)
     assert "999 completion tokens, over the 8 asked for" in got[2].error, got[2].error
     assert "unreadable answer" in got[3].error and "not a string" in got[4].error, (got[3].error, got[4].error)
     assert got[1].text == got[5].text == "a fine reply"
+
+
+class _Scripted(http.server.BaseHTTPRequestHandler):
+    """Answers every request with the server's `script`: (status, body bytes)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: Any) -> None:  # quiet
+        pass
+
+    def _answer(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        status, data = self.server.script  # type: ignore[attr-defined]
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = _answer
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+# Where a reply's fields live: each example puts any JSON value at one of them (or replaces the whole body).
+REPLY_PATHS = [
+    (),
+    ("choices",),
+    ("choices", 0),
+    ("choices", 0, "message"),
+    ("choices", 0, "message", "content"),
+    ("choices", 0, "message", "reasoning_content"),
+    ("choices", 0, "finish_reason"),
+    ("usage",),
+    ("usage", "prompt_tokens"),
+    ("usage", "completion_tokens"),
+    ("data",),
+    ("data", 0),
+    ("data", 0, "id"),
+    ("error",),
+    ("error", "message"),
+]
+
+
+def _reply_with(path: tuple, value: Any) -> Any:
+    body = json.loads(_ok_reply())
+    body["data"] = [{"id": "m"}]  # also a /models listing
+    body["error"] = {"message": "m"}  # what an error status carries
+    if not path:
+        return value
+    node = body
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return body
+
+
+@pytest.fixture(scope="module")
+def scripted() -> Iterator[http.server.ThreadingHTTPServer]:
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Scripted)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield httpd
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    status=st.sampled_from([200, 200, 200, 400, 401, 404, 413, 429, 500]),
+    path=st.sampled_from(REPLY_PATHS),
+    value=JSON,
+    raw=st.none() | st.binary(max_size=40),
+    ask_model=st.booleans(),
+)
+def test_any_answer_is_a_reply_or_one_engine_error(scripted, status, path, value, raw, ask_model):
+    """Whatever a server answers (any status, any JSON at any field of a reply or a model listing, or bytes that are
+    no JSON): the row gets a reply (its text a string, finished by stop or length, else an error that says why),
+    or the job stops with one OpenAIEngineError line; never another exception (a traceback in `regenerate`)."""
+    scripted.script = (status, raw if raw is not None else json.dumps(_reply_with(path, value)).encode())
+    port = scripted.server_address[1]
+    eng = engine([f"http://127.0.0.1:{port}/v1"], model="" if ask_model else "m", retries=0, max_new_tokens=8)
+    try:
+        got = collect(eng, [Prompt(0, ({"role": "user", "content": "q"},))], replace(GREEDY, max_new_tokens=8))
+    except OpenAIEngineError as e:
+        assert str(e).startswith("openai engine") and "\n" not in str(e), str(e)
+        return
+    reply = got[0]
+    assert isinstance(reply.text, str) and reply.finish_reason in ("stop", "length", "error"), reply
+    if reply.finish_reason == "error":
+        assert isinstance(reply.error, str) and reply.error and reply.text == "", reply
+    else:
+        assert 0 <= reply.completion_tokens <= 8 and reply.prompt_tokens >= 0, reply
