@@ -6,10 +6,10 @@
       latest          -> "step-00000400" (a file, replaced by rename)
 
 A checkpoint is written into a temporary directory, every file fsync'ed, then
-renamed into place; only then does `latest` move. Resume takes the newest
-checkpoint that loads completely and refuses a partial one, falling back to
-the one before it (a crash mid-save, or a truncated file, costs one interval,
-never the run).
+renamed into place; only then does `latest` move. Resume tries the one `latest`
+names, then the others newest first (common/checkpoint_choice.py, the rule the
+journal is sealed by too), and refuses a partial one, falling back to the one
+before it (a crash mid-save, or a truncated file, costs one interval, never the run).
 
 manifest.json, written last inside the temporary directory (so the rename publishes it with the
 files), holds the sha256 of every 64 MiB chunk of every other file: load refuses a checkpoint whose bytes
