@@ -321,12 +321,15 @@ def test_a_drafter_killed_mid_background_write_resumes_from_the_checkpoint_befor
 def test_drafters_killed_as_a_checkpoint_becomes_the_one_to_resume_from_lose_nothing_and_train_nothing_twice(
     run, monkeypatch
 ):
-    """Real processes, two kills inside a background checkpoint's publication. The first drafter dies once its first
+    """Real processes, three kills inside a background checkpoint's publication. The first drafter dies once its first
     checkpoint (step 3) is renamed into place and before `latest` exists (crash point "checkpoint.renamed"): its
     successor loads step 3, so its journal must be sealed against step 3, not against the missing pointer (what it
     trained up to step 3 was produced again and trained twice). The second dies once `latest` names its step-6
     checkpoint and before its journal and ledger are told ("checkpoint.latest"): the ledger has no `ckpt` record
-    of step 6, and only the third drafter's `start` record says what survived (CI once failed on this window)."""
+    of step 6, and only the next drafter's `start` record says what survived (CI once failed on this window). The
+    third dies the same way at step 9, and a byte of that checkpoint is flipped: its successor refuses it and falls
+    back to step 6, and what the third trained after step 6 (sealed from its journal by that successor, against
+    the step it really resumed from) is produced again."""
     target = build_target(run.tmp / "target", "qwen3", layers=4)
     data = cyclic_rows(run.tmp / "chat.jsonl", 96)
     ledger = run.tmp / "ledger"
@@ -344,21 +347,29 @@ def test_drafters_killed_as_a_checkpoint_becomes_the_one_to_resume_from_lose_not
     root = run.tmp / "ckpt" / "drafter-0"
     procs = [run.supervisor(), run.role("target", 0)]
     killed = []
-    for point, step in (("checkpoint.renamed", 3), ("checkpoint.latest", 6)):
+    for point, step in (("checkpoint.renamed", 3), ("checkpoint.latest", 6), ("checkpoint.latest", 9)):
         monkeypatch.setenv("DFLASH_RING_CRASH_AT", point)
         drafter = run.role("drafter", 0)
         monkeypatch.delenv("DFLASH_RING_CRASH_AT")
         assert wait_exit(drafter, 300) == -signal.SIGKILL, drafter.stderr.read()[-3000:]
         assert CheckpointStore(root).load_latest().step == step
         killed.append(drafter)
-    assert not [r for r in read_ledgers(ledger)[0]["drafter-0"] if r["ev"] == "ckpt" and r["step"] == 6]
+    assert not [r for r in read_ledgers(ledger)[0]["drafter-0"] if r["ev"] == "ckpt" and r["step"] in (6, 9)]
+    weights = root / "step-00000009" / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 0xFF  # tensor data: loads as safetensors, caught by the manifest's digests
+    weights.write_bytes(bytes(raw))
 
     last = run.role("drafter", 0)
     for p in (*procs, last):
         assert wait_exit(p, 300) == 0, p.stderr.read()[-3000:]
     assert f"resumed from {root / 'step-00000003'} (step 3)" in killed[1].stderr.read()
-    assert f"resumed from {root / 'step-00000006'} (step 6)" in last.stderr.read()
+    assert f"resumed from {root / 'step-00000006'} (step 6)" in killed[2].stderr.read()
+    log = last.stderr.read()
+    assert f"refusing checkpoint {root / 'step-00000009'}" in log, log[-3000:]
+    assert f"resumed from {root / 'step-00000006'} (step 6)" in log, log[-3000:]
     rec = reconcile(read_ledgers(ledger)[0])
     assert rec["problems"] == [], rec["problems"]
     assert rec["trained_exactly_once"] == rec["planned_batches"] > 0, rec
-    assert rec["trained_then_lost_with_crash"] == 0 and rec["killed_drafter_incarnations"] == 2, rec
+    assert rec["trained_then_lost_with_crash"] == 0 and rec["killed_drafter_incarnations"] == 3, rec
+    assert rec["trained_then_replayed_after_crash"] >= 3, rec  # at least the third's steps 7-9
