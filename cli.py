@@ -379,7 +379,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
 
 def cmd_supervisor(args: argparse.Namespace) -> int:
-    from dflash_ring.common.startup import Startup
+    from dflash_ring.common.lifecycle.startup import Startup
     from dflash_ring.supervisor.supervisor import Supervisor
 
     startup = Startup("supervisor")
@@ -395,7 +395,7 @@ def cmd_supervisor(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from dflash_ring.common.liveness import live_lock_files
+    from dflash_ring.common.lifecycle.liveness import live_lock_files
     from dflash_ring.common.ring import Ring
 
     run, lock_dir = _run_and_lock_dir(args)
@@ -472,7 +472,7 @@ def _checked_index(cfg: Config, role: str, index: int, flag: str = "--index") ->
 
 
 def cmd_target(args: argparse.Namespace) -> int:
-    from dflash_ring.common.startup import Startup
+    from dflash_ring.common.lifecycle.startup import Startup
     from dflash_ring.producer.process import run_producer
 
     startup = Startup(f"target {args.index}")
@@ -569,7 +569,7 @@ def cmd_data_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_drafter(args: argparse.Namespace) -> int:
-    from dflash_ring.common.startup import Startup
+    from dflash_ring.common.lifecycle.startup import Startup
     from dflash_ring.consumer.process import run_drafter
 
     startup = Startup("drafter standby" if args.standby else f"drafter {args.index}")

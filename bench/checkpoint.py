@@ -45,7 +45,7 @@ from dflash_ring.bench.progress import progress
 from dflash_ring.common.arguments import at_least_one, output_directory
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.config.train import TrainConfig
-from dflash_ring.common.trained_journal import Journal
+from dflash_ring.common.lifecycle.trained_journal import Journal
 from dflash_ring.consumer.checkpoint import Checkpoint, CheckpointStore, optimizer_to_flat
 from dflash_ring.consumer.checkpoint_policy import Checkpoints
 from dflash_ring.consumer.model import FrozenTargetHead, build_drafter, cu_seqlens_from_lengths

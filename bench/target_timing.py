@@ -18,7 +18,7 @@ import transformers
 
 from dflash_ring.common.config.load import load_config
 from dflash_ring.common.layout import Role
-from dflash_ring.common.membership import Membership
+from dflash_ring.common.lifecycle.membership import Membership
 from dflash_ring.common.ring import Ring
 from dflash_ring.common.ring_spec import ring_spec
 from dflash_ring.common.slot_contract import item_tensors

@@ -7,7 +7,7 @@ what the file holds can be rebuilt from what is authoritative (its readable line
 reader rebuilds it and the damaged copy is kept beside it as `NAME.damaged-<UTC time>`, with one warning line
 saying what was kept and what was not; an operator can look at the copy, and nothing is lost that a person could
 still recover. Where nothing can rebuild it, the reader refuses it in one line naming the file and what to do
-(e.g. common/resume_state.py's CursorFileError).
+(e.g. common/lifecycle/resume_state.py's CursorFileError).
 """
 
 from __future__ import annotations

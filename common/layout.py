@@ -117,7 +117,7 @@ ROW_DTYPE = np.dtype(
         # cursor_plan: the data plan (producer/batching.py ShardBatcher.plan_key) the cursor counts batches of, so a
         # producer restarted with other data or batching never resumes from a position of another plan.
         # replayed: how many entries of the producer's replay list (batches a stopped run left untrained,
-        # common/resume_state.py) are published; it commits and rolls back with the cursor (prev_replayed).
+        # common/lifecycle/resume_state.py) are published; it commits and rolls back with the cursor (prev_replayed).
         # tokens: tokens a producer published (the drafters' view of the producers' tokens/s). Added after the
         # publish, so a producer killed in between leaves one item's tokens out: a rate, where items is the
         # exactly-once count.

@@ -140,7 +140,7 @@ def serve(m: MetricsConfig, run_name: str, role: str, index: int = 0, uuid: str 
 
 
 def startup_gauge(registry: CollectorRegistry) -> Gauge:
-    """Start-up phases of this process (common/startup.py names them per role)."""
+    """Start-up phases of this process (common/lifecycle/startup.py names them per role)."""
     return Gauge(
         "dflash_ring_startup_seconds",
         "Seconds each start-up phase of this process took, from its exec "
@@ -444,7 +444,7 @@ class RingCollector(Collector):
             self._ring = None
 
     def collect(self):
-        from dflash_ring.common.liveness import live_lock_files
+        from dflash_ring.common.lifecycle.liveness import live_lock_files
 
         with self._mutex:
             if self._ring is None:

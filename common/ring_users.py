@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dflash_ring.common.liveness import live_lock_files
+from dflash_ring.common.lifecycle.liveness import live_lock_files
 from dflash_ring.common.ring.segment import segment_files
 
 

@@ -4,11 +4,11 @@ Exactly once rests on one order, kept here and nowhere else: an item is settled 
 evaluation) that used it has returned, and it is recorded before its slot goes back to the producers. Until the
 release the slot stays READING, so what a drafter killed before it held is redelivered (and reconcile undoes its
 `train` record by the later delivery); from the release on, only the journal's line brings the batch back if the
-update dies with the drafter before a checkpoint holds it (common/trained_journal.py).
+update dies with the drafter before a checkpoint holds it (common/lifecycle/trained_journal.py).
 
     consumed    the item and its producer's newest (epoch, position), saved with every checkpoint
     journal     a trained batch that made an update (not an empty one, not a held-out one)
-    ledger      its `train` or `eval` record (common/ledger_events.py), when run.ledger_dir is set
+    ledger      its `train` or `eval` record (common/lifecycle/ledger_events.py), when run.ledger_dir is set
     crash point `trained` or `evaluated` (common/crash_points.py): the kill the chaos tests aim between the two
     release     the slot back to the producers
 """
@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_ring.common.crash_points import crash_point
-from dflash_ring.common.ledger import Ledger
-from dflash_ring.common.ledger_events import BatchIdentity, Evaluated, Settled, Trained
+from dflash_ring.common.lifecycle.ledger import Ledger
+from dflash_ring.common.lifecycle.ledger_events import BatchIdentity, Evaluated, Settled, Trained
 from dflash_ring.common.ring import SlotReader
-from dflash_ring.common.trained_journal import Journal
+from dflash_ring.common.lifecycle.trained_journal import Journal
 from dflash_ring.consumer.trainer import DeviceBatch
 
 

@@ -7,7 +7,7 @@
 
 A checkpoint is written into a temporary directory, every file fsync'ed, then
 renamed into place; only then does `latest` move. Resume tries the one `latest`
-names, then the others newest first (common/checkpoint_choice.py, the rule the
+names, then the others newest first (common/lifecycle/checkpoint_choice.py, the rule the
 journal is sealed by too), and refuses a partial one, falling back to the one
 before it (a crash mid-save, or a truncated file, costs one interval, never the run).
 
@@ -41,7 +41,14 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from dflash_ring.common.checkpoint_choice import POINTER, STEP_DIR, complete_dirs, pointer_name, resume_order, step_of
+from dflash_ring.common.lifecycle.checkpoint_choice import (
+    POINTER,
+    STEP_DIR,
+    complete_dirs,
+    pointer_name,
+    resume_order,
+    step_of,
+)
 from dflash_ring.common.crash_points import crash_point
 from dflash_ring.common.damaged_file import keep_aside
 from dflash_ring.common.durable import fsync
@@ -204,7 +211,7 @@ class CheckpointStore:
 
     def _latest_name(self) -> str:
         """The checkpoint the `latest` pointer names ("" without one). It only orders the candidates
-        (common/checkpoint_choice.py: each is verified, and the complete directories are what there is), so a
+        (common/lifecycle/checkpoint_choice.py: each is verified, and the complete directories are what there is), so a
         damaged pointer (not ASCII, not a checkpoint's name) is kept aside with a warning and the newest complete
         checkpoint comes first; the next save writes it again."""
         name = pointer_name(self.root)

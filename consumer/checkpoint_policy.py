@@ -11,9 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dflash_ring.common.ledger import Ledger
-from dflash_ring.common.ledger_events import CheckpointDurable
-from dflash_ring.common.trained_journal import Journal
+from dflash_ring.common.lifecycle.ledger import Ledger
+from dflash_ring.common.lifecycle.ledger_events import CheckpointDurable
+from dflash_ring.common.lifecycle.trained_journal import Journal
 from dflash_ring.consumer.async_checkpoint import BackgroundWriter, HostSnapshot
 from dflash_ring.consumer.checkpoint import CheckpointStore
 from dflash_ring.consumer.trainer import Trainer
@@ -29,8 +29,8 @@ class Checkpoints:
     ledger record and log line come once it is durable. The consumed items and high-water marks are taken
     in the same call as the weights, so a resumed drafter's state is one moment's.
 
-    Each checkpoint's state starts a new journal segment (common/trained_journal.py), and once it is durable the
-    segments every kept checkpoint covers go: what the journal holds is exactly what a crash would lose.
+    Each checkpoint's state starts a new journal segment (common/lifecycle/trained_journal.py), and once it is durable
+    the segments every kept checkpoint covers go: what the journal holds is exactly what a crash would lose.
 
     A checkpoint that comes due while the previous one is still being written waits for it rather than
     being skipped: a SIGKILL then loses at most two intervals of updates (since the last durable snapshot,

@@ -10,7 +10,7 @@ SIGTERM finishes the current step, trains the one item already prefetched,
 checkpoints, and exits 0.
 
 What does not depend on which replica it is (the frozen head, the drafter, the
-Trainer, the ring) is built first; then it takes its index's seat (common/seat.py),
+Trainer, the ring) is built first; then it takes its index's seat (common/lifecycle/seat.py),
 and only then does it become drafter K: metrics port, checkpoint, tracker series,
 row and journal. A warm standby (`--standby`) builds and attaches the same way,
 precompiles its first step, and waits there for a drafter to die, so a takeover costs
@@ -47,16 +47,16 @@ from dflash_ring.common.config.data import DataConfig
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.gpu_metrics import device_uuid
 from dflash_ring.common.layout import Role
-from dflash_ring.common.ledger_events import DrafterStart, Evaluated, Exited, Trained
-from dflash_ring.common.liveness import is_alive, lock_path
+from dflash_ring.common.lifecycle.ledger_events import DrafterStart, Evaluated, Exited, Trained
+from dflash_ring.common.lifecycle.liveness import is_alive, lock_path
 from dflash_ring.common.metrics import DRAFTER, DrafterMetrics, check_port_free
 from dflash_ring.common.ring import Ring, SlotReader, fingerprint_digest
-from dflash_ring.common.role_process import RoleProcess, role_process
-from dflash_ring.common.seat import Seat, take_seat
-from dflash_ring.common.startup import Startup
+from dflash_ring.common.lifecycle.role_process import RoleProcess, role_process
+from dflash_ring.common.lifecycle.seat import Seat, take_seat
+from dflash_ring.common.lifecycle.startup import Startup
 from dflash_ring.common.config.target import TargetConfig
 from dflash_ring.common.config.train import TrainConfig
-from dflash_ring.common.trained_journal import Journal, drop_covered, journal_dir, seal
+from dflash_ring.common.lifecycle.trained_journal import Journal, drop_covered, journal_dir, seal
 from dflash_ring.consumer.accounting import Consumed, ItemAccount
 from dflash_ring.consumer.checkpoint import CheckpointStore, check_same_shape
 from dflash_ring.consumer.checkpoint_policy import Checkpoints
@@ -251,7 +251,7 @@ def run_drafter(
     cfg: Config, indices: list[int], device_name: str | None, startup: Startup, standby: bool = False
 ) -> int:
     """Drafter `indices[0]`; with `standby`, a warm standby for every drafter of `indices`: built and attached, it
-    takes over the first whose holder dies (common/seat.py), and exits 0 at the run's end if none does."""
+    takes over the first whose holder dies (common/lifecycle/seat.py), and exits 0 at the run's end if none does."""
     device = pick_device(device_name or cfg.train.device, indices[0])
     check_precision(cfg.drafter.precision, device)  # one line, before anything is built or joined
     check_tracking_dir(cfg.tracking_dir())  # fails here, before the model is built

@@ -37,7 +37,7 @@ with its own `ProcessGroupGloo` (under the prefix `g<gen>/pg/`):
   naming the fields.
 
 Security (README "Security"): the store listens on the configured address only
-(`common/rendezvous.py` binds the socket itself), and every value this module or gloo
+(`common/lifecycle/rendezvous.py` binds the socket itself), and every value this module or gloo
 writes to it is signed with the group secret (`group.secret_file`): HMAC-SHA256
 over the full key (which holds the generation) and the value (`SignedStore`).
 Reads verify and ignore unsigned or wrongly signed values, so a client without the
@@ -79,9 +79,9 @@ from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.config.target import TargetConfig
 from dflash_ring.common.config.train import TrainConfig
 from dflash_ring.common.layout import Role
-from dflash_ring.common.liveness import is_alive, lock_path
+from dflash_ring.common.lifecycle.liveness import is_alive, lock_path
 from dflash_ring.common.ownership import group_secret
-from dflash_ring.common.rendezvous import parse_rendezvous
+from dflash_ring.common.lifecycle.rendezvous import parse_rendezvous
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from dflash_ring.common.config.schema import GroupConfig
 from dflash_ring.common.layout import Role
-from dflash_ring.common.liveness import is_alive, lock_path
+from dflash_ring.common.lifecycle.liveness import is_alive, lock_path
 from dflash_ring.common.ownership import ForeignObjectError, check_private_fd
 from dflash_ring.common.pinning import HostRegistration
 from dflash_ring.common.ring import replica_segment_name

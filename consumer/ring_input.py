@@ -15,11 +15,11 @@ import time
 
 import torch
 
-from dflash_ring.common import sd_notify
+from dflash_ring.common.lifecycle import sd_notify
 from dflash_ring.common.layout import Counter
-from dflash_ring.common.ledger import Ledger
-from dflash_ring.common.ledger_events import BatchIdentity, Got
-from dflash_ring.common.membership import Membership
+from dflash_ring.common.lifecycle.ledger import Ledger
+from dflash_ring.common.lifecycle.ledger_events import BatchIdentity, Got
+from dflash_ring.common.lifecycle.membership import Membership
 from dflash_ring.common.metrics import DrafterMetrics
 from dflash_ring.common.ring import Ring, SlotReader
 from dflash_ring.common.slot_contract import read_item

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import asdict
 
-from dflash_ring.common.ledger_events import BatchIdentity
+from dflash_ring.common.lifecycle.ledger_events import BatchIdentity
 from dflash_ring.common.metrics import DrafterMetrics
 from dflash_ring.consumer.source_metrics import SourceStats, add_sources, held_out_sources
 from dflash_ring.consumer.step_record import RingReading, Window, eval_scalars, log_line, source_line, step_scalars

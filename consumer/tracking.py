@@ -19,8 +19,8 @@ record's last step, which is sent again), W&B resumes the run id derived from th
 (offline, its run files say which steps it kept), MLflow finds its run by that id in a tag (and its last step).
 
 A tracker that cannot start stops the drafter at start with one line naming the setting (`tracking.dir` before
-the model is built; the trackers themselves once the drafter's seat is its own, common/seat.py); one that fails later
-is warned about once and dropped, and training goes on.
+the model is built; the trackers themselves once the drafter's seat is its own, common/lifecycle/seat.py); one that
+fails later is warned about once and dropped, and training goes on.
 """
 
 from __future__ import annotations

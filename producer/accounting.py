@@ -9,8 +9,8 @@ file and the replay list follow the ring's record (producer/live_replay.py).
 
 from __future__ import annotations
 
-from dflash_ring.common.ledger import Ledger
-from dflash_ring.common.ledger_events import Published
+from dflash_ring.common.lifecycle.ledger import Ledger
+from dflash_ring.common.lifecycle.ledger_events import Published
 from dflash_ring.common.ring import ProducerPort, SlotWriter
 
 from .batching import Batch

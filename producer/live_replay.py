@@ -1,7 +1,7 @@
 """A producer's replay list while it runs: the batches a dead drafter trained after its checkpoint come back here.
 
 The list starts as the cursor file's (what a removed ring held, and what earlier drafters lost); while the
-producer runs it grows by the sealed journal segments of dead drafters (common/trained_journal.py): each
+producer runs it grows by the sealed journal segments of dead drafters (common/lifecycle/trained_journal.py): each
 segment's entries for this producer are appended once, and the segment's name is recorded with them, in one
 durable write of the cursor file, before any of them is published. Publishing commits how many entries are
 done (`replayed`, in the ring row with the cursor), so a producer killed anywhere resumes with the same list
@@ -20,10 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dflash_ring.common.damaged_file import keep_aside
-from dflash_ring.common.ledger import Ledger
-from dflash_ring.common.ledger_events import Intake
-from dflash_ring.common.resume_state import CursorFile, ResumeState
-from dflash_ring.common.trained_journal import owed_to
+from dflash_ring.common.lifecycle.ledger import Ledger
+from dflash_ring.common.lifecycle.ledger_events import Intake
+from dflash_ring.common.lifecycle.resume_state import CursorFile, ResumeState
+from dflash_ring.common.lifecycle.trained_journal import owed_to
 
 log = logging.getLogger(__name__)
 

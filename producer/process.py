@@ -14,7 +14,7 @@ Resume. `publish` commits the batch's cursor in the ring's process table, so a r
 continues after its last published batch (a batch whose slot was reclaimed unpublished is redone).
 The same cursor goes to a file in target.state_dir after each publish, for when the ring itself
 is gone; the ring's record wins. Whoever removes a ring first writes the items still in it into
-that file's replay list (common/resume_state.py), and a producer publishes those first: a run
+that file's replay list (common/lifecycle/resume_state.py), and a producer publishes those first: a run
 stopped at any moment loses nothing. At the end of the shard the file holds the end (a drained run
 started again must not redo a finished shard); the supervisor removes it once the run is complete.
 """
@@ -33,19 +33,19 @@ import numpy as np
 import posix_ipc
 import torch
 
-from dflash_ring.common import sd_notify
+from dflash_ring.common.lifecycle import sd_notify
 from dflash_ring.common.compile_cache import use_compile_cache
 from dflash_ring.common.config.schema import Config, RingConfig
 from dflash_ring.common.config.target import check_token_ids
 from dflash_ring.common.gpu_metrics import device_uuid
 from dflash_ring.common.layout import Role
-from dflash_ring.common.ledger_events import ProducerStart, ShardDone
-from dflash_ring.common.resume_state import CursorFile, cursor_path
+from dflash_ring.common.lifecycle.ledger_events import ProducerStart, ShardDone
+from dflash_ring.common.lifecycle.resume_state import CursorFile, cursor_path
 from dflash_ring.common.metrics import DeviceSpan, ProducerMetrics
 from dflash_ring.common.ring import Ring, SlotWriter
-from dflash_ring.common.role_process import RoleProcess, StopSignal, role_process
+from dflash_ring.common.lifecycle.role_process import RoleProcess, StopSignal, role_process
 from dflash_ring.common.slot_contract import FEATURES, FINAL_HIDDEN, HOST_TENSORS, META_KEYS, check_fits, item_tensors
-from dflash_ring.common.startup import Startup
+from dflash_ring.common.lifecycle.startup import Startup
 
 from .accounting import PublishAccount
 from .batching import Batch, ShardBatcher

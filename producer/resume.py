@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import replace
 
-from dflash_ring.common.resume_state import CursorFile, ResumeState
+from dflash_ring.common.lifecycle.resume_state import CursorFile, ResumeState
 from dflash_ring.common.ring import ProducerPort
 
 from .batching import Batch, Cursor, ShardBatcher

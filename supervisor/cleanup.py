@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 
 from dflash_ring.common.layout import RingHeaderError
-from dflash_ring.common.liveness import LockFile
+from dflash_ring.common.lifecycle.liveness import LockFile
 from dflash_ring.common.ring import HalfCreatedRingError, Ring, RingNotFound
 from dflash_ring.common.ring_users import ring_users
 from dflash_ring.supervisor.unfinished import save_unfinished

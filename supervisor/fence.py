@@ -17,7 +17,7 @@ import signal
 import time
 from pathlib import Path
 
-from dflash_ring.common.liveness import is_alive
+from dflash_ring.common.lifecycle.liveness import is_alive
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """What the producers still owe before a run may end: batches dead drafters trained after their checkpoints.
 
 Every producer done and an empty ring is not yet the end: a drafter that died meanwhile lost the updates of the
-batches it trained after its last checkpoint, and its sealed journal (common/trained_journal.py) asks for them
+batches it trained after its last checkpoint, and its sealed journal (common/lifecycle/trained_journal.py) asks for them
 again. A finished producer stays to publish them (producer/process.py `serve_replays`); the supervisor waits
 while any is owed: in a sealed segment the producer has not taken yet, or taken into its replay list and not
 yet published.
@@ -10,9 +10,9 @@ yet published.
 from __future__ import annotations
 
 from dflash_ring.common.layout import Role
-from dflash_ring.common.resume_state import CursorFile, CursorFileError, cursor_path
+from dflash_ring.common.lifecycle.resume_state import CursorFile, CursorFileError, cursor_path
 from dflash_ring.common.ring import Ring
-from dflash_ring.common.trained_journal import owed_to
+from dflash_ring.common.lifecycle.trained_journal import owed_to
 
 
 def owed(state_dir: str, run_name: str, checkpoint_dir: str, ring: Ring) -> dict[int, int]:

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_ring.common.layout import Role, RowStatus
-from dflash_ring.common.liveness import LockFile, lock_path
+from dflash_ring.common.lifecycle.liveness import LockFile, lock_path
 from dflash_ring.common.ring import CorruptSlot, Ring
-from dflash_ring.common.trained_journal import seal_drafter
+from dflash_ring.common.lifecycle.trained_journal import seal_drafter
 
 log = logging.getLogger(__name__)
 

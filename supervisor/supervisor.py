@@ -15,18 +15,18 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from dflash_ring.common import sd_notify
+from dflash_ring.common.lifecycle import sd_notify
 from dflash_ring.common.config.schema import Config
 from dflash_ring.common.layout import STOP_DRAIN, STOP_NOW, Counter, RingHeaderError, Role, RowStatus
-from dflash_ring.common.ledger import Ledger
-from dflash_ring.common.ledger_events import SupervisorStart
-from dflash_ring.common.liveness import LockFile, ensure_lock_dir, live_lock_files, lock_path
+from dflash_ring.common.lifecycle.ledger import Ledger
+from dflash_ring.common.lifecycle.ledger_events import SupervisorStart
+from dflash_ring.common.lifecycle.liveness import LockFile, ensure_lock_dir, live_lock_files, lock_path
 from dflash_ring.common.metrics import SUPERVISOR, RingCollector, serve
 from dflash_ring.common.ring import ConfigMismatchError, HalfCreatedRingError, Ring
 from dflash_ring.common.ring_spec import ring_spec
-from dflash_ring.common.rendezvous import serve_rendezvous
-from dflash_ring.common.startup import Startup
-from dflash_ring.common.trained_journal import remove_all
+from dflash_ring.common.lifecycle.rendezvous import serve_rendezvous
+from dflash_ring.common.lifecycle.startup import Startup
+from dflash_ring.common.lifecycle.trained_journal import remove_all
 from dflash_ring.common.ring_users import ring_users
 from dflash_ring.supervisor.cleanup import remove_run, users_of
 from dflash_ring.supervisor.reaper import reap

@@ -3,7 +3,7 @@
 Items READY in the ring (published, never claimed) and READING (claimed by a drafter that had not
 finished training on them) exist nowhere else: a producer resumes after its last *published* batch.
 So whoever removes a ring (the supervisor at the end, `clean`, the reclaim of a stale run) first
-writes each producer's resume point with those items as its replay list (common/resume_state.py),
+writes each producer's resume point with those items as its replay list (common/lifecycle/resume_state.py),
 fsynced; the producer of the next run publishes them before going on. Only a host that loses
 /dev/shm without any of these running (a reboot) loses them.
 """
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_ring.common.layout import Role
-from dflash_ring.common.resume_state import CursorFile, CursorFileError, ResumeState, cursor_path
+from dflash_ring.common.lifecycle.resume_state import CursorFile, CursorFileError, ResumeState, cursor_path
 from dflash_ring.common.ring import Ring
-from dflash_ring.common.trained_journal import owed_to, seal_drafter
+from dflash_ring.common.lifecycle.trained_journal import owed_to, seal_drafter
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def seal_journals(ring: Ring, checkpoint_dir: str) -> int:
 
 def save_unfinished(ring: Ring, state_dir: str, checkpoint_dir: str) -> Unfinished:
     """Write every producer's resume point, with the ring's untrained items and the batches dead drafters trained
-    after their checkpoints (their sealed journals, common/trained_journal.py) added to its replay list.
+    after their checkpoints (their sealed journals, common/lifecycle/trained_journal.py) added to its replay list.
 
     Call only when no process of the run is alive (the ring is being removed)."""
     out = Unfinished()

@@ -16,7 +16,7 @@ import torch
 
 from dflash_ring.common.config.load import load_config
 from dflash_ring.common.layout import Role
-from dflash_ring.common.membership import Membership
+from dflash_ring.common.lifecycle.membership import Membership
 from dflash_ring.common.ring import Ring
 from dflash_ring.common.ring_spec import ring_spec
 

@@ -11,8 +11,8 @@ import pytest
 
 from support import build_target, load_tokenizer, wait_exit, wait_for
 
-from dflash_ring.common.ledger import read_ledger
-from dflash_ring.common.startup import DRAFTER_PHASES, SUPERVISOR_PHASES, TARGET_PHASES
+from dflash_ring.common.lifecycle.ledger import read_ledger
+from dflash_ring.common.lifecycle.startup import DRAFTER_PHASES, SUPERVISOR_PHASES, TARGET_PHASES
 from dflash_ring.tools.reconcile import reconcile
 
 

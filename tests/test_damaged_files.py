@@ -22,8 +22,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflash_ring.common.damaged_file import SUFFIX
-from dflash_ring.common.resume_state import CursorFile, CursorFileError, ResumeState
-from dflash_ring.common.trained_journal import Entry, Journal, journal_dir, owed_to, read_entries, seal, segments
+from dflash_ring.common.lifecycle.resume_state import CursorFile, CursorFileError, ResumeState
+from dflash_ring.common.lifecycle.trained_journal import (
+    Entry,
+    Journal,
+    journal_dir,
+    owed_to,
+    read_entries,
+    seal,
+    segments,
+)
 from dflash_ring.consumer.head_cache import _digest, cached_spec, store_spec
 from dflash_ring.consumer.target_head import HeadSpec
 from dflash_ring.consumer.tracking import RecordFile, checked_lines, read_records

@@ -15,7 +15,7 @@ from dflash_ring.common.config.load import load_config
 from dflash_ring.common.config.schema import ConfigError
 from dflash_ring.common.config.data import DataConfig, DataError
 from dflash_ring.common.layout import Role
-from dflash_ring.common.resume_state import CursorFile, ResumeState
+from dflash_ring.common.lifecycle.resume_state import CursorFile, ResumeState
 from dflash_ring.common.ring import Ring
 from dflash_ring.common.ring_spec import ring_spec
 from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer

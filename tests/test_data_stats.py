@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dflash_ring.common.config.load import load_config
 from dflash_ring.common.config.data import DataError
 from dflash_ring.common.layout import Counter, Role
-from dflash_ring.common.membership import Membership
+from dflash_ring.common.lifecycle.membership import Membership
 from dflash_ring.common.ring import Ring
 from dflash_ring.common.ring_spec import ring_spec
 from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from support import PIPELINE_RUN, Run, build_target, curves, cyclic_rows, pipeline_config, wait_exit, wait_for
 
 from dflash_ring.common.ring import Ring
-from dflash_ring.common.rendezvous import serve_rendezvous
+from dflash_ring.common.lifecycle.rendezvous import serve_rendezvous
 
 WORKER = Path(__file__).with_name("replica_group_worker.py")
 

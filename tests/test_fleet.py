@@ -70,7 +70,7 @@ def test_readiness_is_the_process_own_ready_notification():
     try:
         assert not readiness.ready()
         code = (
-            "import sys; from dflash_ring.common import sd_notify; sd_notify.notify('WATCHDOG=1'); "
+            "import sys; from dflash_ring.common.lifecycle import sd_notify; sd_notify.notify('WATCHDOG=1'); "
             "sys.exit(0 if sd_notify.ready('built, waiting') else 1)"
         )
         child = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **readiness.env()})

@@ -13,12 +13,12 @@ import torch
 
 from dflash_ring.common.config.load import load_config
 from dflash_ring.common.layout import Counter, Role
-from dflash_ring.common.ledger import Ledger, read_ledger
-from dflash_ring.common.ledger_events import Evaluated, Trained
+from dflash_ring.common.lifecycle.ledger import Ledger, read_ledger
+from dflash_ring.common.lifecycle.ledger_events import Evaluated, Trained
 from dflash_ring.common.ring import Ring
 from dflash_ring.common.ring_spec import ring_spec
 from dflash_ring.common.slot_contract import CU_SEQLENS, META_KEYS, item_tensors
-from dflash_ring.common.trained_journal import Journal, read_entries
+from dflash_ring.common.lifecycle.trained_journal import Journal, read_entries
 from dflash_ring.consumer.accounting import Consumed, ItemAccount
 from dflash_ring.consumer.ring_input import to_device
 

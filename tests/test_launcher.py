@@ -18,7 +18,7 @@ from dflash_ring.common.config.dump import dump_toml
 from dflash_ring.common.config.load import load_config
 from dflash_ring.common.config.schema import Config
 from dflash_ring.common.config.drafter import DrafterConfig
-from dflash_ring.common.resume_state import CursorFile, cursor_path
+from dflash_ring.common.lifecycle.resume_state import CursorFile, cursor_path
 from dflash_ring.tools.launcher import embedded_run_config
 
 DONE = re.compile(r"drafter-(\d) \| .*drafter \d done: (\d+) steps, (\d+) items")

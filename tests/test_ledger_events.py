@@ -8,8 +8,8 @@ import stat
 
 import pytest
 
-from dflash_ring.common.ledger import Ledger, read_ledger
-from dflash_ring.common.ledger_events import (
+from dflash_ring.common.lifecycle.ledger import Ledger, read_ledger
+from dflash_ring.common.lifecycle.ledger_events import (
     BatchIdentity,
     CheckpointDurable,
     DrafterStart,

@@ -352,7 +352,7 @@ def test_supervisor_tells_systemd_ready_watchdog_and_stopping(run, notify_socket
 
 
 def test_sd_notify_reaches_a_path_socket_and_is_a_no_op_outside_systemd(tmp_path, monkeypatch):
-    from dflash_ring.common import sd_notify
+    from dflash_ring.common.lifecycle import sd_notify
 
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     assert sd_notify.ready() is False and sd_notify.watchdog() is False

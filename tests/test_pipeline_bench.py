@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from dflash_ring.common.startup import DRAFTER_PHASES, TARGET_PHASES
+from dflash_ring.common.lifecycle.startup import DRAFTER_PHASES, TARGET_PHASES
 from support import free_port_base
 
 PROGRESS = re.compile(r"^(\w+) (\w+): (\{.*\})$")  # bench/progress.py's lines

@@ -12,7 +12,7 @@ import torch
 from dflash_ring.common.config.load import load_config
 from dflash_ring.common.config.schema import ConfigError
 from dflash_ring.producer.batching import Batch
-from dflash_ring.common.resume_state import CursorFile, ResumeState
+from dflash_ring.common.lifecycle.resume_state import CursorFile, ResumeState
 from dflash_ring.producer.process import prepare, run_target
 from dflash_ring.producer.target import TargetModel
 from dflash_ring.common.config.target import TargetConfig, TargetConfigError

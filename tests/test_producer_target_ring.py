@@ -16,7 +16,7 @@ import torch
 from dflash_ring.common.config.load import load_config
 from dflash_ring.common.config.schema import Config
 from dflash_ring.common.layout import Counter, Role, RowStatus
-from dflash_ring.common.membership import Membership
+from dflash_ring.common.lifecycle.membership import Membership
 from dflash_ring.common.ring import ConfigMismatchError, Ring
 from dflash_ring.common.ring_spec import ring_spec
 from dflash_ring.producer.batching import ShardBatcher

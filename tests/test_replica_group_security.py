@@ -22,7 +22,7 @@ from support import wait_exit, wait_for
 from test_drafter_replica_group import common_rounds, free_port, leader, max_abs_diff, store, write_secret  # noqa: F401
 
 from dflash_ring.common.config.schema import Config, ConfigError
-from dflash_ring.common.rendezvous import parse_rendezvous, serve_rendezvous
+from dflash_ring.common.lifecycle.rendezvous import parse_rendezvous, serve_rendezvous
 
 
 def refused(host: str, port: int) -> bool:

@@ -24,7 +24,7 @@ import torch
 from support import wait_exit, wait_for
 from dflash_ring.common.config.load import load_config
 from dflash_ring.common.layout import NO_OWNER, Counter as RingCounter, Role, SlotState, pack_state
-from dflash_ring.common.resume_state import CursorFile, cursor_path
+from dflash_ring.common.lifecycle.resume_state import CursorFile, cursor_path
 from dflash_ring.common.ring import Ring, impossible_word, segment_name
 from dflash_ring.common.ring.repair import _suspects
 from dflash_ring.common.ring_spec import ring_spec

@@ -1,4 +1,5 @@
-"""A stop during an interruptible phase (common/role_process.py) is not lost when its first raise is swallowed."""
+"""A stop during an interruptible phase (common/lifecycle/role_process.py) is not lost when its first raise is
+swallowed."""
 
 import contextlib
 import os
@@ -10,8 +11,8 @@ import pytest
 from dflash_ring.common.config.schema import Config
 from dflash_ring.common.layout import Role
 from dflash_ring.common.ring_spec import ring_spec
-from dflash_ring.common.role_process import RoleProcess, StopSignal
-from dflash_ring.common.startup import Startup
+from dflash_ring.common.lifecycle.role_process import RoleProcess, StopSignal
+from dflash_ring.common.lifecycle.startup import Startup
 
 
 @pytest.fixture

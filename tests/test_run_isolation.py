@@ -123,7 +123,7 @@ def test_a_segment_or_semaphore_others_could_touch_is_refused(run):
 
 def test_lock_directory_parents_are_made_private_and_foreign_ones_refused(run):
     """Missing parents are created 0700; a parent someone else owns or may write to is refused (/tmp fallback)."""
-    from dflash_ring.common.liveness import ensure_lock_dir
+    from dflash_ring.common.lifecycle.liveness import ensure_lock_dir
     from dflash_ring.common.ownership import ForeignObjectError
 
     deep = run.tmp / "a" / "b" / "locks"

@@ -1,4 +1,5 @@
-"""The warm standby (`dflash-ring drafter --standby`, common/seat.py) through real processes and real SIGKILLs.
+"""The warm standby (`dflash-ring drafter --standby`, common/lifecycle/seat.py) through real processes and real
+SIGKILLs.
 
 A standby builds its drafter and attaches, then waits; it takes over a drafter whose process died, never one that
 has not started or that stopped cleanly, and it exits 0 at the run's end when nothing died. Its takeover is a

@@ -1,4 +1,4 @@
-"""Start-up of role processes: the phase clock (common/startup.py) and what each role imports before its work.
+"""Start-up of role processes: the phase clock (common/lifecycle/startup.py) and what each role imports before its work.
 
 A role restarted after a kill works again only once its imports are done, so the modules a role never
 needs at start (torch in the supervisor, transformers' model code in the drafter, datasets in a target
@@ -15,8 +15,8 @@ import sys
 import pytest
 from prometheus_client import CollectorRegistry
 
-from dflash_ring.common.ledger import Ledger, read_ledger
-from dflash_ring.common.startup import Startup, process_age_s
+from dflash_ring.common.lifecycle.ledger import Ledger, read_ledger
+from dflash_ring.common.lifecycle.startup import Startup, process_age_s
 
 
 def test_phases_run_from_exec_each_once_and_finish_writes_one_record(tmp_path):

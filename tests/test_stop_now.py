@@ -6,7 +6,7 @@ import re
 
 from support import wait_exit, wait_for
 
-from dflash_ring.common.resume_state import CursorFile, cursor_path
+from dflash_ring.common.lifecycle.resume_state import CursorFile, cursor_path
 
 
 def test_stop_now_with_a_busy_drafter_reports_what_was_left_and_exits_zero(run):

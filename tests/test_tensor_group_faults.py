@@ -13,7 +13,7 @@ import pytest
 
 from support import build_target, cyclic_rows, pipeline_config, wait_exit, wait_for
 
-from dflash_ring.common.ledger import read_ledger
+from dflash_ring.common.lifecycle.ledger import read_ledger
 from dflash_ring.tools.chaos import group_ranks
 from dflash_ring.tools.reconcile import read_ledgers, reconcile
 

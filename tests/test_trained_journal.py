@@ -1,4 +1,4 @@
-"""The drafter's journal of what it trained since its checkpoint (common/trained_journal.py), on real files.
+"""The drafter's journal of what it trained since its checkpoint (common/lifecycle/trained_journal.py), on real files.
 
 What a crash must not lose and must not double: a dead drafter's segments after the checkpoint its successor
 resumes from are sealed, without the items the ring still holds (the ring redelivers those); a second seal
@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from dflash_ring.common.trained_journal import (
+from dflash_ring.common.lifecycle.trained_journal import (
     Journal,
     journal_dir,
     lost_segments,
@@ -38,7 +38,7 @@ def _dead_drafter_journal(root, ring: int) -> None:
     """A real other process writes a journal across two checkpoints' states (steps 0 and 4) and exits."""
     code = f"""
 from pathlib import Path
-from dflash_ring.common.trained_journal import Journal
+from dflash_ring.common.lifecycle.trained_journal import Journal
 j = Journal(Path({str(journal_dir(root, 0))!r}), ring={ring}, after_step=0)
 for q in range(3):
     j.append({{"producer": q % 2, "epoch": 0, "position": q}}, item=q)

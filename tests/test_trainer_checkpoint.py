@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dflash_ring.consumer.async_checkpoint import BackgroundWriter, HostSnapshot
-from dflash_ring.common.trained_journal import Journal
+from dflash_ring.common.lifecycle.trained_journal import Journal
 from dflash_ring.consumer.checkpoint import FILES, CheckpointError, CheckpointStore, export_checkpoint
 from dflash_ring.consumer.checkpoint_policy import Checkpoints
 from dflash_ring.common.config.drafter import DrafterConfig

@@ -16,8 +16,8 @@ import pytest
 from support import build_target, cyclic_rows, pipeline_config, wait_exit, wait_for
 
 from dflash_ring.common.layout import Counter
-from dflash_ring.common.ledger import read_ledger
-from dflash_ring.common.resume_state import CursorFile, cursor_path
+from dflash_ring.common.lifecycle.ledger import read_ledger
+from dflash_ring.common.lifecycle.resume_state import CursorFile, cursor_path
 from dflash_ring.common.ring import Ring, RingNotFound
 from dflash_ring.supervisor.supervisor import EXIT_FENCED
 from dflash_ring.tools.reconcile import read_ledgers, reconcile

@@ -1,7 +1,7 @@
 """`dflash-ring chaos`: kill processes of a real run at random and prove nothing was lost.
 
 One invocation runs two pipelines on this host, each as real processes (supervisor, targets,
-drafters) with the ledger on (`run.ledger_dir`, common/ledger.py):
+drafters) with the ledger on (`run.ledger_dir`, common/lifecycle/ledger.py):
 
 1. a baseline without faults (same config, one epoch), for the throughput it reaches;
 2. the chaos run, sized to outlast the fault window. Once training is under way, `kills`
@@ -40,7 +40,7 @@ Documented windows (what a kill may cost, by design, without a batch going missi
   drafter takes it (deliveries + 1). Its `got` and `train` records may then appear twice; the
   first `train` is undone (its update went with the killed process). Nothing is lost in flight.
 - un-checkpointed updates: batches a killed drafter trained after its last durable checkpoint
-  died with it, and are produced again from its sealed journal (common/trained_journal.py) and
+  died with it, and are produced again from its sealed journal (common/lifecycle/trained_journal.py) and
   trained by someone: `trained_then_replayed_after_crash`. One of them never produced again is
   `trained_then_lost_with_crash`, a failure.
 """
@@ -61,8 +61,8 @@ from typing import Any
 
 from dflash_ring.common.config.load import load_config
 from dflash_ring.common.config.schema import Config, RunConfig
-from dflash_ring.common.ledger import read_ledger
-from dflash_ring.common.ledger_events import (
+from dflash_ring.common.lifecycle.ledger import read_ledger
+from dflash_ring.common.lifecycle.ledger_events import (
     DrafterStart,
     Exited,
     ProducerStart,
@@ -216,7 +216,7 @@ def recoveries(
 
 def startup_phases(ledgers: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Per role: how many starts reached their first useful work, and p50/max of each start-up phase and the total
-    (the `startup` ledger records, common/startup.py)."""
+    (the `startup` ledger records, common/lifecycle/startup.py)."""
     by_role: dict[str, list[dict[str, Any]]] = {}
     for name, recs in ledgers.items():
         by_role.setdefault(name.split("-")[0], []).extend(r for r in recs if kind(r) == StartupDone.KIND)

@@ -140,8 +140,8 @@ def wait_for_metrics(
 
 class Readiness:
     """A process's own readiness, as systemd reads it from a Type=notify unit: the datagram socket its
-    NOTIFY_SOCKET names (common/sd_notify.py), which receives READY=1 when the process is ready (a drafter once
-    it joined; a warm standby once built, attached and waiting). For a process that serves no metrics yet."""
+    NOTIFY_SOCKET names (common/lifecycle/sd_notify.py), which receives READY=1 when the process is ready (a drafter
+    once it joined; a warm standby once built, attached and waiting). For a process that serves no metrics yet."""
 
     def __init__(self) -> None:
         # In a private directory (0700): no other user can send it a READY=1, and the path stays short (AF_UNIX

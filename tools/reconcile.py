@@ -1,6 +1,6 @@
 """Ledger reconciliation for `dflash-ring chaos`: what the producers planned against what the drafters
-took and trained, from the per-process ledgers (common/ledger.py; their records in common/ledger_events.py). The
-windows it allows per kill are documented in tools/chaos.py."""
+took and trained, from the per-process ledgers (common/lifecycle/ledger.py; their records in
+common/lifecycle/ledger_events.py). The windows it allows per kill are documented in tools/chaos.py."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from dflash_ring.common.ledger import read_ledger
-from dflash_ring.common.ledger_events import (
+from dflash_ring.common.lifecycle.ledger import read_ledger
+from dflash_ring.common.lifecycle.ledger_events import (
     CheckpointDurable,
     DrafterStart,
     Evaluated,

@@ -45,7 +45,7 @@ class RunConfig:
     # How long a producer or drafter waits for the supervisor to create the ring.
     attach_timeout_s: Seconds = 60.0
     # Empty: off. Else every process appends what it committed, consumed and trained to
-    # <ledger_dir>/<role>-<index>.jsonl (common/ledger.py), e.g. for `dflash-ring chaos`.
+    # <ledger_dir>/<role>-<index>.jsonl (common/lifecycle/ledger.py), e.g. for `dflash-ring chaos`.
     ledger_dir: OutputDirectory = ""
     # torch.compile caches (common/compile_cache.py), one directory per role and model config, so a restarted
     # process skips compiling; empty: torch's defaults under /tmp.

@@ -228,7 +228,7 @@ class Repair:
 
     def unfinished_item_numbers(self) -> set[int]:
         """The item numbers of every slot READY or READING: what the ring itself still delivers or replays (a dead
-        drafter's journal leaves them out, common/trained_journal.py)."""
+        drafter's journal leaves them out, common/lifecycle/trained_journal.py)."""
         desc = self._seg.desc.copy()
         held = np.isin(desc["state"] & 0xFF, (SlotState.READY, SlotState.READING))
         return {int(i) for i in desc["item"][held]}

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .bounded_read import RECORD_BYTES, read_text
+from dflash_ring.common.bounded_read import RECORD_BYTES, read_text
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ class ResumeState:
     # (epoch, position) of batches published into a ring that was removed before they were trained.
     replay: tuple[tuple[int, int], ...] = ()
     replayed: int = 0  # how many entries of `replay` are published again
-    # The sealed drafter journal segments (common/trained_journal.py) whose entries for this producer are in
+    # The sealed drafter journal segments (common/lifecycle/trained_journal.py) whose entries for this producer are in
     # `replay`: each is taken once, by name.
     taken: tuple[str, ...] = ()
 

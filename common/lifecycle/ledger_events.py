@@ -1,10 +1,10 @@
 """The ledger's records: one typed event per kind, the one writer of a line and the one parser of it.
 
-Every process that keeps a ledger (`run.ledger_dir`, common/ledger.py) writes these, and `tools/reconcile.py` and
-`tools/chaos.py` read them back: the exactly-once evidence. A line is one JSON object, its keys in this order:
-`ev` (the kind), `pid`, `t` (wall-clock seconds), then the event's fields in the order its class declares them. An
-optional field (a default of None or False) is left out of the line when it has that default, as the roles always
-wrote them; so a line is byte for byte what it was when each writer spelled its own (tests/test_ledger_events.py).
+Every process that keeps a ledger (`run.ledger_dir`, common/lifecycle/ledger.py) writes these, and `tools/reconcile.py`
+and `tools/chaos.py` read them back: the exactly-once evidence. A line is one JSON object, its keys in this order: `ev`
+(the kind), `pid`, `t` (wall-clock seconds), then the event's fields in the order its class declares them. An optional
+field (a default of None or False) is left out of the line when it has that default, as the roles always wrote them; so
+a line is byte for byte what it was when each writer spelled its own (tests/test_ledger_events.py).
 
     supervisor  start {ring_created_ns, adoptions}    after it created or adopted the ring
     producer    start {plan: [batches per epoch], resume: [epoch, position], replay: [[epoch, position]...]
@@ -36,7 +36,7 @@ wrote them; so a line is byte for byte what it was when each writer spelled its 
                                                       taken (written in the background, it lands later)
                 exit  {step}                          clean exit
     every role  startup {phases: {name: seconds}, total}
-                                                      its first useful work is done (common/startup.py)
+                                                      its first useful work is done (common/lifecycle/startup.py)
 
 A batch's identity is (producer, epoch, pos): pos is its index in that producer's list for the epoch, the same
 coordinates as its resume cursor. Three roles write `start`; which one a record is follows from its file's name

@@ -7,7 +7,7 @@ and a SIGKILL loses at most the record being written (a power loss can lose more
 fsync). Incarnations of one role append to the same file; every record carries its pid.
 Cost: one small write per item or checkpoint, never per token.
 
-The records, their writer and their parser are in common/ledger_events.py.
+The records, their writer and their parser are in common/lifecycle/ledger_events.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_ring.common.layout import OPERATOR_NAME, Role
-from dflash_ring.common.ledger_events import LedgerEvent, encode, parse
+from dflash_ring.common.lifecycle.ledger_events import LedgerEvent, encode, parse
 
 
 class Ledger:

@@ -1,8 +1,8 @@
 """One lifecycle for every target and drafter process, in the order that keeps failures cheap and stops clean.
 
 1. Metrics: a taken port fails here, before minutes of loading. Except a drafter's: its port is its index's, and
-   its index's seat may be held by a live process (its standby, common/seat.py) serving that port, so a drafter
-   serves once its seat is taken (`serve`).
+   its index's seat may be held by a live process (its standby, common/lifecycle/seat.py) serving that port, so a
+   drafter serves once its seat is taken (`serve`).
 2. `attach`: the ring (a mismatched config fails there). Only then do SIGTERM and SIGINT set `stop`:
    while it waits for the ring a process holds nothing, and the default handlers end it at once (a
    handler set earlier left it deaf to `systemctl stop` for all of run.attach_timeout_s). A target
@@ -26,17 +26,17 @@ from contextlib import contextmanager
 
 from prometheus_client import CollectorRegistry
 
-from dflash_ring.common import sd_notify
+from dflash_ring.common.lifecycle import sd_notify
 from dflash_ring.common.config.schema import Config, MetricsConfig, RunConfig
 from dflash_ring.common.gpu_metrics import GpuCollector
 from dflash_ring.common.layout import OPERATOR_NAME, Role
-from dflash_ring.common.ledger import Ledger
-from dflash_ring.common.liveness import LockFile
-from dflash_ring.common.membership import Membership
+from dflash_ring.common.lifecycle.ledger import Ledger
+from dflash_ring.common.lifecycle.liveness import LockFile
+from dflash_ring.common.lifecycle.membership import Membership
 from dflash_ring.common.metrics import serve
 from dflash_ring.common.ring import Ring, RingSpec
 from dflash_ring.common.ring_spec import ring_spec
-from dflash_ring.common.startup import Startup
+from dflash_ring.common.lifecycle.startup import Startup
 
 
 REPEAT_S = 0.5  # how often a stop in an interruptible phase is raised again until the phase has ended

@@ -6,9 +6,9 @@ import logging
 
 from dflash_ring.common.config.schema import RunConfig
 from dflash_ring.common.layout import Role, RowStatus
-from dflash_ring.common.liveness import LockFile, ensure_lock_dir, lock_path
+from dflash_ring.common.lifecycle.liveness import LockFile, ensure_lock_dir, lock_path
 from dflash_ring.common.ring import Ring
-from dflash_ring.common.trained_journal import seal_drafter
+from dflash_ring.common.lifecycle.trained_journal import seal_drafter
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class Membership:
         Whatever the predecessor held (a half-written or half-read slot) is
         undone before this process does anything, so a restart needs no help
         from the supervisor. `lock`: the index's lock, already taken (a drafter
-        takes its seat before loading its checkpoint, common/seat.py); the
+        takes its seat before loading its checkpoint, common/lifecycle/seat.py); the
         takeover that follows is the same as a restart's. `journal_dir`: where a drafter's trained journal lives
         (train.checkpoint_dir), sealed for a dead predecessor before its slots are undone.
         """

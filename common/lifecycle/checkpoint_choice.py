@@ -1,5 +1,6 @@
 """Which checkpoint of a drafter's directory a resume takes: one rule, for the store that loads it
-(consumer/checkpoint.py) and for whoever seals a dead drafter's journal against it (common/trained_journal.py).
+(consumer/checkpoint.py) and for whoever seals a dead drafter's journal against it
+(common/lifecycle/trained_journal.py).
 
     <train.checkpoint_dir>/drafter-<j>/
       step-NNNNNNNN/    complete checkpoints (each renamed into place whole)

@@ -15,12 +15,12 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from dflash_ring.common.ledger_events import StartupDone
+from dflash_ring.common.lifecycle.ledger_events import StartupDone
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry, Gauge
 
-    from dflash_ring.common.ledger import Ledger
+    from dflash_ring.common.lifecycle.ledger import Ledger
 
 log = logging.getLogger(__name__)
 

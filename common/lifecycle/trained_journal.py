@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_ring.common.checkpoint_choice import resume_step
+from dflash_ring.common.lifecycle.checkpoint_choice import resume_step
 from dflash_ring.common.damaged_file import keep_aside, write_atomic
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ def _line(e: Entry) -> bytes:
 
 def successor_step(checkpoint_dir: str | os.PathLike, index: int) -> int:
     """The step drafter `index`'s successor resumes from (0 without a checkpoint), by the store's own rule
-    (common/checkpoint_choice.py): the journal is sealed against exactly the state the model goes on from."""
+    (common/lifecycle/checkpoint_choice.py): the journal is sealed against exactly the state the model goes on from."""
     return resume_step(Path(checkpoint_dir) / f"drafter-{index}")
 
 

@@ -1,7 +1,7 @@
 """Waiting for a seat: one role index's lock file, while someone else may hold it.
 
-A drafter's seat is its index's lock (common/liveness.py): whoever holds it is drafter K, serves K's metrics port,
-writes K's checkpoints, journal and tracker series. Two kinds of process wait for one:
+A drafter's seat is its index's lock (common/lifecycle/liveness.py): whoever holds it is drafter K, serves K's metrics
+port, writes K's checkpoints, journal and tracker series. Two kinds of process wait for one:
 
 - A drafter started for its own index (`dflash-ring drafter --index K`) takes the lock as soon as it is free,
   whatever K's row says: a first start, a restart after a clean stop or after a death. If a live process holds
@@ -30,9 +30,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_ring.common import sd_notify
+from dflash_ring.common.lifecycle import sd_notify
 from dflash_ring.common.layout import OPERATOR_NAME, Role, RowStatus
-from dflash_ring.common.liveness import LockFile, ensure_lock_dir, lock_path
+from dflash_ring.common.lifecycle.liveness import LockFile, ensure_lock_dir, lock_path
 from dflash_ring.common.ring import Ring
 
 log = logging.getLogger(__name__)
