@@ -178,3 +178,17 @@ def test_the_ring_reaches_no_config():
             reached.add(name)
             todo.extend(graph[name])
     assert not {n for n in reached if n == "dflash_ring.common.config" or n.endswith("_config")}, reached
+
+
+def test_the_package_ships_every_subpackage():
+    """pyproject.toml lists the packages a wheel holds (the repository root is the package, so setuptools cannot
+    find them itself): a folder left out is missing from `pip install .` while the editable install of `make setup`
+    still finds it. common/ring and common/config were missing so, and every role failed to import from a wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = [d for d in ROOT.iterdir() if d.is_dir() and (d / "__init__.py").is_file() and d.name != "tests"]
+    found = {"dflash_ring"} | {
+        ".".join(("dflash_ring", *p.parent.relative_to(ROOT).parts)) for d in folders for p in d.rglob("__init__.py")
+    }
+    assert listed == found, (sorted(found - listed), sorted(listed - found))
