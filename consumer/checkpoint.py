@@ -140,16 +140,19 @@ class CheckpointStore:
         return final
 
     def load_latest(self, fall_back: bool = True, device: torch.device | str = "cpu") -> Checkpoint | None:
-        """The newest checkpoint that loads completely; None if there is none at all.
+        """The newest checkpoint that loads completely; None if there is none at all. With checkpoints and every one
+        refused, a CheckpointError: a drafter resumed from none would go on from its initial weights, every batch it
+        trained before in no model (and its journal holds only what came after its checkpoints).
 
         fall_back=False (export): a refused latest checkpoint is an error, not silently an older one.
         device: where the weights and optimizer moments go (a resuming drafter: its GPU, without a host copy).
         """
         self._latest_name()  # a damaged pointer is kept aside first
         candidates = resume_order(self.root)
+        refused: list[tuple[Path, CheckpointError]] = []
         for path in candidates:
             try:
-                return self.load(path, device)
+                ckpt = self.load(path, device)
             except CheckpointError as e:
                 if not fall_back:
                     raise CheckpointError(
@@ -158,7 +161,18 @@ class CheckpointStore:
                         if len(candidates) > 1
                         else f"checkpoint {path} refused: {e}"
                     ) from None
-                log.error("refusing checkpoint %s: %s; trying the one before it", path, e)
+                refused.append((path, e))
+                continue
+            for bad, why in refused:  # said once one loads: with none, the refusal below is the one line
+                log.error("refusing checkpoint %s: %s; %s is used", bad, why, path.name)
+            return ckpt
+        if refused:
+            raise CheckpointError(
+                f"every checkpoint under {self.root} is refused ({', '.join(p.name for p, _ in refused)}; "
+                f"{refused[0][0].name}: {refused[0][1]}): resumed from none, this drafter would go on from its "
+                "initial weights and what it trained so far would be in no model. Restore a checkpoint there, or "
+                f"move {self.root} aside to train this drafter again from the start"
+            )
         return None
 
     def load(self, path: Path, device: torch.device | str = "cpu") -> Checkpoint:

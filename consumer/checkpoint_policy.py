@@ -102,6 +102,6 @@ class Checkpoints:
 
     def final(self) -> None:
         self.wait()
-        if self.trainer.step != self.saved_at or self.store.load_latest() is None:
+        if self.trainer.step != self.saved_at or not self.store.contents()[1]:  # a step unsaved, or none at all
             self.save()
             self.wait()

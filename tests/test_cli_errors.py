@@ -93,6 +93,17 @@ def _corrupted_checkpoint(tmp: Path, name: str) -> list[str]:
     return []
 
 
+def _every_checkpoint_corrupted(tmp: Path, name: str) -> list[str]:
+    """Both checkpoints of drafter 0 damaged: resumed from none, its training so far would be in no model."""
+    from test_trainer_checkpoint import flip_a_tensor_byte
+
+    target, root = _checkpoints(tmp)
+    for step in ("step-00000001", "step-00000002"):
+        flip_a_tensor_byte(root / step / "model.safetensors")
+    sets = [f'target.path="{target}"', "target.mask_token_id=95", f'train.checkpoint_dir="{tmp / "ckpt"}"']
+    return [a for s in sets for a in ("--set", s)]
+
+
 def _checkpoint_of_one_layer(tmp: Path, name: str) -> list[str]:
     target, _ = _checkpoints(tmp)
     return [
@@ -458,6 +469,12 @@ CASES = [
         _corrupted_checkpoint,
         ["export", "{tmp}/ckpt/drafter-0/step-00000002", "{tmp}/out"],
         "step-00000002/model.safetensors does not match the sha256 in its manifest.json",
+    ),
+    (
+        "drafter-every-checkpoint-refused",
+        _every_checkpoint_corrupted,
+        ["drafter", "--index", "0", *NO_METRICS],
+        "every checkpoint under {tmp}/ckpt/drafter-0 is refused (step-00000002, step-00000001; step-00000002: ",
     ),
     (
         "drafter-resume-other-layer-count",
