@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -274,17 +275,14 @@ def test_a_failed_background_write_is_raised_on_the_training_thread(tmp_path):
         checkpoints.final()
 
 
-def test_a_drafter_killed_mid_background_write_resumes_from_the_checkpoint_before(run, monkeypatch):
-    """Real processes: the drafter SIGKILLs itself from its writer thread once the second checkpoint's files are
-    synced (crash point "checkpoint.written"), while its training thread goes on. The first checkpoint stays the
-    one to resume from; the restarted drafter goes on from it, and its final checkpoint is durable at exit 0."""
-    target = build_target(run.tmp / "target", "qwen3", layers=4)
-    data = cyclic_rows(run.tmp / "chat.jsonl", 96)
+def _one_drafter_run(run) -> Path:
+    """A supervisor's config for one target and one drafter checkpointing every 3 steps over 2 epochs of a cyclic
+    corpus, with a ledger: the killed-drafter tests' run. Returns the ledger directory."""
     ledger = run.tmp / "ledger"
     pipeline_config(
         run,
-        target,
-        data,
+        build_target(run.tmp / "target", "qwen3", layers=4),
+        cyclic_rows(run.tmp / "chat.jsonl", 96),
         {
             "run": {"ledger_dir": str(ledger)},
             "data": {"epochs": 2},
@@ -292,6 +290,14 @@ def test_a_drafter_killed_mid_background_write_resumes_from_the_checkpoint_befor
         },
         consumers=1,
     )
+    return ledger
+
+
+def test_a_drafter_killed_mid_background_write_resumes_from_the_checkpoint_before(run, monkeypatch):
+    """Real processes: the drafter SIGKILLs itself from its writer thread once the second checkpoint's files are
+    synced (crash point "checkpoint.written"), while its training thread goes on. The first checkpoint stays the
+    one to resume from; the restarted drafter goes on from it, and its final checkpoint is durable at exit 0."""
+    ledger = _one_drafter_run(run)
     procs = [run.supervisor(), run.role("target", 0)]
     monkeypatch.setenv("DFLASH_RING_CRASH_AT", "checkpoint.written@2")
     drafter = run.role("drafter", 0)
@@ -330,20 +336,7 @@ def test_drafters_killed_as_a_checkpoint_becomes_the_one_to_resume_from_lose_not
     third dies the same way at step 9, and a byte of that checkpoint is flipped: its successor refuses it and falls
     back to step 6, and what the third trained after step 6 (sealed from its journal by that successor, against
     the step it really resumed from) is produced again."""
-    target = build_target(run.tmp / "target", "qwen3", layers=4)
-    data = cyclic_rows(run.tmp / "chat.jsonl", 96)
-    ledger = run.tmp / "ledger"
-    pipeline_config(
-        run,
-        target,
-        data,
-        {
-            "run": {"ledger_dir": str(ledger)},
-            "data": {"epochs": 2},
-            "train": {"checkpoint_every_steps": 3, "average_every_steps": 0},
-        },
-        consumers=1,
-    )
+    ledger = _one_drafter_run(run)
     root = run.tmp / "ckpt" / "drafter-0"
     procs = [run.supervisor(), run.role("target", 0)]
     killed = []
