@@ -392,7 +392,7 @@ class DrafterMetrics:
 class RegenerateMetrics:
     """`dflash-ring regenerate`'s numbers, updated per reply (this start only; the job's totals are in its records)."""
 
-    OUTCOMES = ("complete", "truncated_kept", "truncated_dropped", "unusable", "error", "bad_row")
+    OUTCOMES = ("complete", "truncated_kept", "truncated_dropped", "unusable", "error", "bad_row", "too_long")
 
     def __init__(self, registry: CollectorRegistry | None = None):
         r = registry if registry is not None else CollectorRegistry()
@@ -400,7 +400,8 @@ class RegenerateMetrics:
             "dflash_ring_regenerate_prompts_total",
             "Source rows by outcome: complete and truncated_kept replies are written; "
             "truncated_dropped (hit max_new_tokens, keep_truncated off), unusable (a reply the data "
-            "loader would refuse), error (the engine failed the prompt) and bad_row are skipped",
+            "loader would refuse), error (the engine failed the prompt), bad_row and too_long (over "
+            "regenerate.max_prompt_tokens) are skipped",
             ["outcome"],
             registry=r,
         )

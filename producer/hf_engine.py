@@ -9,7 +9,7 @@ share its batch, so a resumed shard draws the same replies (up to the rounding p
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from transformers import (
@@ -57,7 +57,13 @@ class HfEngine:
     """Generation with an in-process Hugging Face model and its tokenizer's chat template."""
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, batch_tokens: int, batch_size: int
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        batch_tokens: int,
+        batch_size: int,
+        on_batch: Callable[[], None] | None = None,
     ):
         self.eos = sorted(eos_ids(model, tokenizer))
         if not self.eos:
@@ -73,15 +79,27 @@ class HfEngine:
         self.tokenizer = tokenizer
         self.batch_tokens = batch_tokens
         self.batch_size = batch_size
+        # Called once a batch's replies are all yielded (so the caller has counted them) and before the next batch
+        # starts: only this engine knows where its batches end, and a batch may run for minutes; `regenerate` logs
+        # its progress line here.
+        self.on_batch = on_batch
 
     @classmethod
-    def load(cls, cfg: TargetConfig, device: str, *, batch_tokens: int, batch_size: int) -> HfEngine:
+    def load(
+        cls,
+        cfg: TargetConfig,
+        device: str,
+        *,
+        batch_tokens: int,
+        batch_size: int,
+        on_batch: Callable[[], None] | None = None,
+    ) -> HfEngine:
         """The target with its LM head, and its tokenizer (first: it is refused without a chat template before
         the model is read), from local directories only."""
         check_weights(cfg)
         tokenizer = chat_tokenizer(cfg)
         model = load_causal_lm(cfg, resolve_device(device))
-        engine = cls(model, tokenizer, batch_tokens=batch_tokens, batch_size=batch_size)
+        engine = cls(model, tokenizer, batch_tokens=batch_tokens, batch_size=batch_size, on_batch=on_batch)
         log.info(
             "hf engine: %s (%s) on %s (%s), EOS ids %s",
             cfg.path,
@@ -103,12 +121,11 @@ class HfEngine:
                 yield Reply(prompt.index, "", "error", 0, 0, f"chat template failed: {type(e).__name__}: {e}")
         for batch in length_batches(encoded, self.batch_tokens, self.batch_size):
             yield from self._generate(batch, settings)
+            if self.on_batch:
+                self.on_batch()
 
     def encode(self, prompt: Prompt, enable_thinking: bool) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            list(prompt.messages), tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
-        )
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = rendered_ids(self.tokenizer, prompt, enable_thinking)
         vocab = self.model.config.get_text_config().vocab_size
         check_token_ids(max(ids, default=0), vocab, self.tokenizer.name_or_path, self.model.name_or_path, "the prompt")
         return ids
@@ -168,6 +185,15 @@ def chat_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerBase:
             "(chat_template in tokenizer_config.json, or chat_template.jinja)"
         )
     return tokenizer
+
+
+def rendered_ids(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, enable_thinking: bool) -> list[int]:
+    """The prompt's token ids as the target reads them: the chat template with the generation prompt. One function
+    for the engine and for `regenerate.max_prompt_tokens`, so the length a prompt is judged by is the one it runs at."""
+    text = tokenizer.apply_chat_template(
+        list(prompt.messages), tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def length_batches(

@@ -64,7 +64,7 @@ class ShardRecord:
 
     shard: int
     first_row: int
-    rows: int  # source rows of the shard: written + dropped + unusable + errors + bad rows
+    rows: int  # source rows of the shard: written + dropped + unusable + errors + bad rows + too long
     written: int
     complete: int  # replies that ended on their own (EOS)
     truncated_kept: int  # replies that hit max_new_tokens, written (keep_truncated)
@@ -75,6 +75,8 @@ class ShardRecord:
     unusable: list[list[Any]] = field(default_factory=list)  # [row, why]: replies the data loader would refuse
     errors: list[list[Any]] = field(default_factory=list)  # [row, why]: prompts the engine failed
     bad_rows: list[list[Any]] = field(default_factory=list)  # [row, why]: rows that hold no usable prompt
+    # [row, why]: prompts over regenerate.max_prompt_tokens (a record written before the setting has none)
+    too_long: list[list[Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         """Each field of the type it is declared as (a record read back from disk may hold anything): TypeError
@@ -110,6 +112,7 @@ class RegenerateSummary:
     unusable: int
     errors: int
     bad_rows: int
+    too_long: int  # prompts over regenerate.max_prompt_tokens
     prompt_tokens: int
     completion_tokens: int
     rows_this_start: int
@@ -134,7 +137,9 @@ def job_settings(
     r: RegenerateConfig, data_cfg: DataConfig, target: TargetConfig, data: DataFiles, rows: int
 ) -> dict[str, Any]:
     """What the output depends on: a resume must match all of it. Throughput settings (batch sizes,
-    concurrency, URLs, timeouts) are left out, so a resume may change them."""
+    concurrency, URLs, timeouts) are left out, so a resume may change them. `rows` is the source's, whatever
+    regenerate.max_rows answers of it; the limits (max_rows, max_prompt_tokens) are named only when set, so a job
+    started before they existed, which had none, resumes as it was."""
     job: dict[str, Any] = {
         "version": JOB_VERSION,
         "data.path": str(data.root),
@@ -147,6 +152,7 @@ def job_settings(
             f"regenerate.{k}": getattr(r, k)
             for k in ("engine", "max_new_tokens", "temperature", "top_p", "seed", "keep_truncated", "shard_rows")
         },
+        **{f"regenerate.{k}": getattr(r, k) for k in ("max_rows", "max_prompt_tokens") if getattr(r, k)},
     }
     if r.engine == "hf":
         job |= {
@@ -159,12 +165,21 @@ def job_settings(
     return job
 
 
-def open_engine(r: RegenerateConfig, target: TargetConfig, device: str | None) -> Engine:
-    """The configured engine, loaded (the hf engine loads the target here)."""
+def open_engine(
+    r: RegenerateConfig, target: TargetConfig, device: str | None, on_batch: Callable[[], None] | None = None
+) -> Engine:
+    """The configured engine, loaded (the hf engine loads the target here); `on_batch`: called by the hf engine
+    after each batch (the openai engine answers prompt by prompt and has none)."""
     if r.engine == "hf":
         from .hf_engine import HfEngine
 
-        return HfEngine.load(target, device or target.device, batch_tokens=r.batch_tokens, batch_size=r.batch_size)
+        return HfEngine.load(
+            target,
+            device or target.device,
+            batch_tokens=r.batch_tokens,
+            batch_size=r.batch_size,
+            on_batch=on_batch,
+        )
     from .openai_engine import OpenAIEngine
 
     return OpenAIEngine(r)
@@ -189,6 +204,12 @@ def check_settings(r: RegenerateConfig, data_cfg: DataConfig, target: TargetConf
         raise RegenerateConfigError(
             'regenerate.engine = "hf" runs the target in this process: set target.path to its local model directory'
         )
+    if r.max_prompt_tokens and not (target.path or target.tokenizer):
+        raise RegenerateConfigError(
+            f"regenerate.max_prompt_tokens = {r.max_prompt_tokens} counts each prompt's tokens with the target's "
+            "tokenizer and chat template: set target.tokenizer (or target.path) to its local directory, or set "
+            "regenerate.max_prompt_tokens = 0"
+        )
 
 
 def regenerate(
@@ -212,20 +233,25 @@ def regenerate(
             "replies to a directory of their own"
         )
     ds, json_rows = open_dataset(data, data_cfg)
-    rows = len(ds)
-    if rows == 0:
+    source_rows = len(ds)
+    if source_rows == 0:
         raise DataError(f"data set {data.root} has no rows")
+    rows = min(source_rows, r.max_rows) if r.max_rows else source_rows  # the job's rows: the first `rows` of the source
     shards = -(-rows // r.shard_rows)
     settings = generation_settings(r, data_cfg)
-    with OutputDir(out, job_settings(r, data_cfg, target, data, rows), shards) as output:
+    with OutputDir(out, job_settings(r, data_cfg, target, data, source_rows), shards) as output:
         resumed = len(output.records)
         done = before = sum(rec.rows for rec in output.records.values())
         metrics.rows_total.set(rows)
         metrics.rows_done.set(done)
         if progress:
             progress(done, rows)
+        if rows < source_rows:
+            log.info("answering the first %d of the %d rows of %s (regenerate.max_rows)", rows, source_rows, data.root)
         if resumed:
             log.info("resuming %s: %d of %d shards finished (%d of %d rows)", out, resumed, shards, done, rows)
+        meter = ProgressMeter(done, rows, per_batch=r.engine == "hf")
+        count_tokens: Callable[[Prompt], int] | None = None
         warned = sum(len(rec.bad_rows) for rec in output.records.values())
         # Bad rows are warned about once the source is known to hold a usable row: a source of nothing but
         # bad rows gets one error line with examples instead of a warning per row before it.
@@ -252,19 +278,28 @@ def regenerate(
                     warned += len(unwarned)
                     unwarned = []
                 replies: dict[int, Reply] = {}
+                too_long: list[list[Any]] = []
+                if prompts and engine is None:
+                    engine = _opened(r, target, device, len(output.records), meter.batch_done)
+                    meter.begin()
+                if prompts and r.max_prompt_tokens:
+                    count_tokens = count_tokens or _token_counter(engine, target, settings.enable_thinking)
+                    prompts, too_long = within_limit(prompts, count_tokens, r.max_prompt_tokens)
+                skipped = len(bad) + len(too_long)
+                meter.skipped(skipped)
                 if prompts:
-                    engine = engine or _opened(r, target, device, len(output.records))
-                    on_reply = (lambda n: progress(done + len(bad) + n, rows)) if progress else None
+                    on_reply = (lambda n: progress(done + skipped + n, rows)) if progress else None
                     replies = _answer(
                         engine,
                         prompts,
                         settings,
                         metrics,
+                        meter,
                         on_reply,
                         f"shard {k} (rows {first}-{last - 1})",
                         len(output.records),
                     )
-                record, lines = shard_output(k, first, last - first, prompts, replies, bad, r.keep_truncated)
+                record, lines = shard_output(k, first, last - first, prompts, replies, bad, r.keep_truncated, too_long)
                 if prompts and not answered and len(record.errors) == len(prompts):
                     held.append(record)
                     continue
@@ -283,7 +318,7 @@ def regenerate(
                 if usable:  # a source of only bad rows: one error line at the end, no progress lines before
                     log.info(
                         "shard %d/%d written: %d replies of %d rows (%d truncated dropped, %d unusable, "
-                        "%d errors, %d bad rows); %d/%d rows, %s",
+                        "%d errors, %d bad rows, %d too long); %d/%d rows, %s",
                         k + 1,
                         shards,
                         record.written,
@@ -292,6 +327,7 @@ def regenerate(
                         len(record.unusable),
                         len(record.errors),
                         len(record.bad_rows),
+                        len(record.too_long),
                         done,
                         rows,
                         _rate_text(done - before, time.monotonic() - started, rows - done),
@@ -342,10 +378,44 @@ def shard_prompts(
     return prompts, bad
 
 
-def _opened(r: RegenerateConfig, target: TargetConfig, device: str | None, finished: int) -> Engine:
+def within_limit(
+    prompts: Sequence[Prompt], count_tokens: Callable[[Prompt], int], limit: int
+) -> tuple[list[Prompt], list[list[Any]]]:
+    """The prompts of at most `limit` rendered tokens, and the others as [row, why] (regenerate.max_prompt_tokens):
+    skipped whole and recorded, never cut, since a cut prompt asks another question. A prompt that cannot be
+    rendered here stays: the engine fails it with its own reason, as it would without a limit."""
+    kept, too_long = [], []
+    for prompt in prompts:
+        try:
+            tokens = count_tokens(prompt)
+        except Exception:  # templates raise anything (jinja errors, raise_exception(...)): the engine's to report
+            log.debug("cannot count the tokens of row %d", prompt.index, exc_info=True)
+            kept.append(prompt)
+            continue
+        if tokens > limit:
+            too_long.append(
+                [prompt.index, f"the prompt is {tokens} tokens, over regenerate.max_prompt_tokens = {limit}"]
+            )
+        else:
+            kept.append(prompt)
+    return kept, too_long
+
+
+def _token_counter(engine: Engine | None, target: TargetConfig, enable_thinking: bool) -> Callable[[Prompt], int]:
+    """A prompt's rendered length by the target's tokenizer and chat template: the hf engine's own, already loaded;
+    for a server, the same files read here (check_settings made sure they are named)."""
+    from .hf_engine import HfEngine, chat_tokenizer, rendered_ids
+
+    tokenizer = engine.tokenizer if isinstance(engine, HfEngine) else chat_tokenizer(target)
+    return lambda prompt: len(rendered_ids(tokenizer, prompt, enable_thinking))
+
+
+def _opened(
+    r: RegenerateConfig, target: TargetConfig, device: str | None, finished: int, on_batch: Callable[[], None]
+) -> Engine:
     """The engine, or a one-line error: a failure to load it ends the job with finished shards kept."""
     try:
-        return open_engine(r, target, device)
+        return open_engine(r, target, device, on_batch)
     except (Refusal, OSError):  # already one clear line
         raise
     except Exception as e:
@@ -361,6 +431,7 @@ def _answer(
     prompts: list[Prompt],
     settings: GenerationSettings,
     metrics: RegenerateMetrics,
+    meter: ProgressMeter,
     on_reply: Callable[[int], None] | None,
     where: str,
     finished: int,
@@ -380,6 +451,7 @@ def _answer(
             metrics.generated_tokens.inc(reply.completion_tokens)
             if reply.finish_reason == "error":
                 metrics.errors.labels("reply").inc()
+            meter.reply(reply)
             if on_reply:
                 on_reply(len(replies))
     except RegenerateError:
@@ -406,8 +478,10 @@ def shard_output(
     replies: dict[int, Reply],
     bad: list[list[Any]],
     keep_truncated: bool,
+    too_long: list[list[Any]] | None = None,
 ) -> tuple[ShardRecord, list[str]]:
-    """The shard's jsonl lines, in source order, and its record."""
+    """The shard's jsonl lines, in source order, and its record; `prompts` are those the engine answered, `bad` and
+    `too_long` the rows skipped before it."""
     record = ShardRecord(
         shard=shard,
         first_row=first,
@@ -419,6 +493,7 @@ def shard_output(
         completion_tokens=0,
         sha256="",
         bad_rows=bad,
+        too_long=too_long or [],
     )
     lines = []
     for prompt in prompts:
@@ -602,8 +677,63 @@ def _count(metrics: RegenerateMetrics, record: ShardRecord) -> None:
         ("unusable", len(record.unusable)),
         ("error", len(record.errors)),
         ("bad_row", len(record.bad_rows)),
+        ("too_long", len(record.too_long)),
     ):
         metrics.prompts.labels(outcome).inc(n)
+
+
+class ProgressMeter:
+    """The job's progress line on this module's logger (INFO): rows done of the job's rows, new tokens/s and an ETA.
+
+    A batch of the hf engine runs for minutes before its first reply, and a shard holds several batches: without
+    this line a working job looked hung (a user killed one after 357 s of silence). The line comes after each
+    engine batch (the hf engine calls `batch_done`: only it knows where its batches end) or, for an engine that
+    answers prompt by prompt (openai), at most every `every_s` seconds as replies come. Rates are over this start
+    since its engine was ready: loading it, and rows finished by earlier starts, would skew them. The `Progress`
+    callback and the per-shard line are apart from this and unchanged."""
+
+    def __init__(self, done: int, total: int, *, per_batch: bool, every_s: float = 10.0):
+        self.done = done  # source rows answered or skipped, earlier starts included
+        self.total = total
+        self.per_batch = per_batch
+        self.every_s = every_s
+        self.rows = 0  # answered or skipped, this start
+        self.replies = 0  # this start
+        self.new_tokens = 0  # generated, this start
+        self.started: float | None = None
+        self.last_line = 0.0
+
+    def begin(self) -> None:
+        """The engine is ready: rates count from now."""
+        self.started = self.last_line = time.monotonic()
+
+    def skipped(self, rows: int) -> None:
+        self.done += rows
+        self.rows += rows
+
+    def reply(self, reply: Reply) -> None:
+        self.done += 1
+        self.rows += 1
+        self.replies += 1
+        self.new_tokens += reply.completion_tokens
+        if not self.per_batch and time.monotonic() - self.last_line >= self.every_s:
+            self.line()
+
+    def batch_done(self) -> None:
+        self.line()
+
+    def line(self) -> None:
+        now = time.monotonic()
+        self.last_line = now
+        seconds = now - self.started if self.started is not None else 0.0
+        log.info(
+            "%d/%d rows done (%d replies this start), %s new tokens/s, %s",
+            self.done,
+            self.total,
+            self.replies,
+            f"{self.new_tokens / seconds:.1f}" if seconds > 0 else "?",
+            _rate_text(self.rows, seconds, self.total - self.done),
+        )
 
 
 def _rate_text(rows: int, seconds: float, left: int) -> str:
@@ -630,6 +760,7 @@ def _summary(
         unusable=sum(len(r.unusable) for r in recs),
         errors=sum(len(r.errors) for r in recs),
         bad_rows=sum(len(r.bad_rows) for r in recs),
+        too_long=sum(len(r.too_long) for r in recs),
         prompt_tokens=sum(r.prompt_tokens for r in recs),
         completion_tokens=sum(r.completion_tokens for r in recs),
         rows_this_start=this_start,
@@ -642,7 +773,7 @@ def format_summary(s: RegenerateSummary) -> str:
         f"regenerated {s.source} into {s.output}: {s.written} replies written of {s.rows} rows "
         f"({s.shards} shards, {s.shards_resumed} finished by earlier starts)",
         f"  complete {s.complete}, truncated kept {s.truncated_kept}, truncated dropped {s.truncated_dropped}, "
-        f"unusable {s.unusable}, engine errors {s.errors}, bad rows {s.bad_rows}",
+        f"unusable {s.unusable}, engine errors {s.errors}, bad rows {s.bad_rows}, too long {s.too_long}",
         f"  tokens: prompt {s.prompt_tokens}, generated {s.completion_tokens}",
         f"  this start: {s.rows_this_start} rows in {s.seconds:.1f} s ({s.rows_per_s:.2f} rows/s)",
     ]

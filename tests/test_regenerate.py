@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import re
 import random
 import signal
 import subprocess
@@ -23,14 +25,20 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_ring.common.chat_encoding import BadRow, prompt_of
-from dflash_ring.common.config.schema import Config
+from dflash_ring.common.config.schema import Config, ConfigError
 from dflash_ring.common.metrics import RegenerateMetrics
 from dflash_ring.common.config.target import TargetConfig
 from dflash_ring.embedded.tiny_tokenizer import QWEN3_STYLE_CHAT_TEMPLATE, tiny_chat_tokenizer
-from dflash_ring.producer.generation import GenerationSettings, Prompt
+from dflash_ring.producer.generation import GenerationSettings, Prompt, Reply
 from dflash_ring.producer.hf_engine import HfEngine, length_batches
 from dflash_ring.producer.pretokenized import load_tokenized
-from dflash_ring.producer.regenerate import STATE_DIR, RegenerateError, RegenerateSummary, regenerate
+from dflash_ring.producer.regenerate import (
+    STATE_DIR,
+    ProgressMeter,
+    RegenerateError,
+    RegenerateSummary,
+    regenerate,
+)
 from support import WORDS, build_target, merged, run_config, wait_exit, write_config
 
 MAX_NEW = 12
@@ -324,6 +332,108 @@ def test_a_finished_job_is_left_alone_and_a_resume_with_other_settings_is_refuse
     other = write_rows(tmp_path / "other.jsonl", chat_rows(6, seed=1))
     with pytest.raises(RegenerateError, match=rf"data.path = '{data}' there, '{other}' here"):
         regenerated(run_config(settings(tmp_path, target, other)))
+
+
+def test_max_rows_answers_the_first_rows_and_a_resume_with_another_value_is_refused(tmp_path, target):
+    data = write_rows(tmp_path / "src.jsonl", chat_rows(10))
+    out = tmp_path / "out"
+    summary = regenerated(run_config(settings(tmp_path, target, data, max_rows=6)))
+    assert (summary.rows, summary.shards, summary.written, summary.bad_rows) == (6, 2, 6, 0)
+    assert [row_of(w) for w in output_rows(out)] == list(range(6))
+    assert sum(rec["rows"] for rec in records(out)) == 6
+    job = json.loads((out / STATE_DIR / "job.json").read_text())
+    assert (job["data.rows"], job["regenerate.max_rows"]) == (10, 6)  # the source's rows, and the limit
+    again = regenerated(run_config(settings(tmp_path, target, data, max_rows=6)))
+    assert (again.shards_resumed, again.rows_this_start) == (2, 0)
+
+    for other, shown in ((7, "7"), (0, "(unset)")):
+        with pytest.raises(RegenerateError) as e:
+            regenerated(run_config(settings(tmp_path, target, data, max_rows=other)))
+        assert f"regenerate.max_rows = 6 there, {shown} here" in str(e.value), str(e.value)
+        assert "\n" not in str(e.value)
+    assert [row_of(w) for w in output_rows(out)] == list(range(6))  # nothing written by the refused starts
+
+    more = regenerated(run_config(settings(tmp_path, target, data, max_rows=100, output=str(tmp_path / "all"))))
+    assert (more.rows, more.written) == (10, 10)  # more than the source has: all of it
+    with pytest.raises(ConfigError, match=r"regenerate.max_rows = -1: must be an integer >= 0"):
+        run_config(settings(tmp_path, target, data, max_rows=-1))
+
+
+def test_max_prompt_tokens_skips_and_records_only_the_longer_prompts(tmp_path, target):
+    rng = random.Random(5)
+    rows = chat_rows(8)
+    for i in (2, 5):
+        rows[i] = {"prompt": f"row {i}: " + " ".join(rng.choice(WORDS) for _ in range(120)), "response": "x"}
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    lengths = [
+        len(
+            tokenizer.apply_chat_template(
+                prompt_of(row), add_generation_prompt=True, enable_thinking=False, return_dict=True
+            )["input_ids"]
+        )
+        for row in rows
+    ]
+    limit = max(n for i, n in enumerate(lengths) if i not in (2, 5))  # the longest short prompt is at the limit: kept
+    assert min(lengths[2], lengths[5]) > limit
+    data = write_rows(tmp_path / "src.jsonl", rows)
+    summary = regenerated(run_config(settings(tmp_path, target, data, max_prompt_tokens=limit)))
+    assert (summary.too_long, summary.written, summary.bad_rows, summary.errors) == (2, 6, 0, 0)
+    skipped = [pair for rec in records(tmp_path / "out") for pair in rec["too_long"]]
+    assert [i for i, _ in skipped] == [2, 5]
+    for i, why in skipped:
+        assert why == f"the prompt is {lengths[i]} tokens, over regenerate.max_prompt_tokens = {limit}", why
+    written = output_rows(tmp_path / "out")
+    assert [row_of(w) for w in written] == [0, 1, 3, 4, 6, 7]
+    for w in written:  # the prompts answered are whole
+        assert w["messages"][:-1] == prompt_of(rows[row_of(w)])
+    with pytest.raises(RegenerateError, match=rf"regenerate.max_prompt_tokens = {limit} there, \(unset\) here"):
+        regenerated(run_config(settings(tmp_path, target, data)))
+
+
+def test_a_progress_line_is_logged_after_each_engine_batch(tmp_path, target, caplog):
+    """Two batches in shard 0 (4 prompts, 2 a batch) and one in shard 1: three lines, each after its batch, with the
+    rows done of the job's, the new tokens/s and an ETA; the Progress callback goes on as before."""
+    data = write_rows(tmp_path / "src.jsonl", chat_rows(6))
+    calls: list[tuple[int, int]] = []
+    caplog.set_level(logging.INFO, logger="dflash_ring.producer.regenerate")
+    summary = regenerated(
+        run_config(settings(tmp_path, target, data, batch_size=2)), progress=lambda d, t: calls.append((d, t))
+    )
+    line = re.compile(
+        r"(\d+)/6 rows done \((\d+) replies this start\), ([\d.]+) new tokens/s, [\d.]+ rows/s, ETA \d+ s"
+    )
+    found = [m for rec in caplog.records if rec.levelno == logging.INFO and (m := line.fullmatch(rec.getMessage()))]
+    assert [(int(m[1]), int(m[2])) for m in found] == [(2, 2), (4, 4), (6, 6)], caplog.text
+    assert all(float(m[3]) > 0 for m in found)
+    assert summary.completion_tokens > 0
+    assert calls[0] == (0, 6) and calls[-1] == (6, 6) and [d for d, _ in calls] == sorted(d for d, _ in calls)
+
+
+def test_an_engine_without_batches_gets_a_progress_line_as_replies_come(caplog):
+    """The openai engine answers prompt by prompt: a line at most every `every_s` as replies come (here 0: each);
+    an engine with batches only at their ends."""
+    caplog.set_level(logging.INFO, logger="dflash_ring.producer.regenerate")
+    reply = Reply(0, "text", "stop", 5, 7)
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "rows done" in r.getMessage()]
+
+    streamed = ProgressMeter(2, 10, per_batch=False, every_s=0.0)
+    streamed.begin()
+    streamed.skipped(1)
+    streamed.reply(reply)
+    streamed.reply(reply)
+    assert [m.split(",")[0] for m in lines()] == [
+        "4/10 rows done (1 replies this start)",
+        "5/10 rows done (2 replies this start)",
+    ]
+    caplog.clear()
+    batched = ProgressMeter(0, 10, per_batch=True, every_s=0.0)
+    batched.begin()
+    batched.reply(reply)
+    assert lines() == []
+    batched.batch_done()
+    assert len(lines()) == 1 and lines()[0].startswith("1/10 rows done (1 replies this start), ")
 
 
 FAILING_TEMPLATE = (

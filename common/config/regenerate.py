@@ -37,6 +37,13 @@ class RegenerateConfig:
     keep_truncated: bool = True
     # Rows per output shard; a shard is written whole (temp file, fsync, rename) and then recorded as done.
     shard_rows: AtLeastOne = 256
+    # 0: every source row. N: only the first N rows are answered (a trial run on a slice of the source); part of the
+    # job's settings, so a resume with another value is refused rather than leave a data set of mixed limits.
+    max_rows: Annotated[int, Range(low=0)] = 0
+    # 0: no limit. N: a prompt whose rendered chat (template and generation prompt, as the target reads it) is over
+    # N tokens is skipped and recorded with its length, never cut: a cut prompt would get a reply to another
+    # question. Needs the target's tokenizer (target.path or target.tokenizer) with either engine.
+    max_prompt_tokens: Annotated[int, Range(low=0)] = 0
     # hf engine: padded prompt tokens per generation batch (prompts are bucketed by length). Room for a full
     # batch_size of prompts is what makes bucketing pay (docs/benchmarks.md: x1.40 at 65536 vs x1.01 at 16384).
     batch_tokens: AtLeastOne = 65536
