@@ -125,7 +125,17 @@ def _why(e: BaseException) -> str:
 class ChatEncoder:
     """Holds the tokenizer and settings; picklable so `datasets.map` can ship it to workers."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, max_length: int, enable_thinking: bool):
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        max_length: int,
+        enable_thinking: bool,
+        reserved_token: int | None = None,
+    ):
+        """`reserved_token`: the drafter's mask token when it is a row of the tokenizer's vocabulary (a reserved
+        special token, for a target with no unused embedding row): a row that contains it is a bad row, since the
+        drafter could not tell that token from its mask."""
         if not tokenizer.is_fast:
             raise DataError("loss masks need character offsets: load the target tokenizer as a fast tokenizer")
         if not tokenizer.chat_template:
@@ -136,6 +146,7 @@ class ChatEncoder:
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.enable_thinking = enable_thinking
+        self.reserved_token = reserved_token
         # The template apply_chat_template renders: of a named set (a list in tokenizer_config.json), "default".
         self.uses_generation_markers = bool(_GENERATION_MARKER.search(tokenizer.get_chat_template()))
         if self.uses_generation_markers:
@@ -159,6 +170,11 @@ class ChatEncoder:
         ids, mask = ids[: self.max_length], mask[: self.max_length]
         if not mask.any():
             raise BadRow(f"no assistant token within max_length={self.max_length}")
+        if self.reserved_token is not None and (ids == self.reserved_token).any():
+            raise BadRow(
+                f"contains token {self.reserved_token} "
+                f"({self.tokenizer.convert_ids_to_tokens(self.reserved_token)!r}), the drafter's mask token"
+            )
         return ids, mask
 
     def _apply(self, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
@@ -251,3 +267,57 @@ def _common_prefix(a: str, b: str) -> int:
 
 def _common_suffix(a: str, b: str) -> int:
     return _common_prefix(a[::-1], b[::-1])
+
+
+def template_token_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """The ids a minimal chat renders to (with its generation prompt): the template's own tokens, which every row
+    contains, so none of them can be a mask token."""
+    ids: set[int] = set()
+    for add in (False, True):
+        try:
+            rendered = tokenizer.apply_chat_template(
+                _MINIMAL_CHAT if not add else _MINIMAL_CHAT[:1],
+                tokenize=True,
+                add_generation_prompt=add,
+                return_dict=True,
+            )
+        except Exception:  # a template that cannot render fails the data set with its own line (ChatEncoder)
+            continue
+        ids.update(int(i) for i in rendered["input_ids"])
+    return ids
+
+
+def mask_token_candidates(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> list[tuple[int, str]]:
+    """Rows a drafter's mask token may take, best first: the first embedding row no token uses (Qwen3's 151669),
+    else the tokenizer's special tokens that are neither BOS, EOS, PAD nor UNK nor rendered by the chat template
+    (SmolLM2's `<empty_output>`, 16): tokens ordinary text never holds, and a row that does hold one is skipped."""
+    if len(tokenizer) < vocab_size:
+        return [(len(tokenizer), "<unused row>")]
+    taken = template_token_ids(tokenizer)
+    taken.update(
+        i
+        for i in (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id)
+        if i is not None
+    )
+    special = sorted(
+        {int(i) for i, t in tokenizer.added_tokens_decoder.items() if t.special and int(i) < vocab_size} - taken
+    )
+    return [(i, tokenizer.convert_ids_to_tokens(i)) for i in reversed(special)]
+
+
+def mask_token_refusal(tokenizer: PreTrainedTokenizerBase, mask_token_id: int, vocab_size: int) -> str | None:
+    """Why `mask_token_id` cannot be the drafter's mask for this tokenizer, or None. An unused row, or a special
+    token that is not BOS/EOS/PAD/UNK and not the template's, may be; an ordinary token may not: rows holding it
+    would all be skipped, and a template token is in every row."""
+    if mask_token_id >= len(tokenizer) or any(
+        mask_token_id == i for i, _ in mask_token_candidates(tokenizer, vocab_size)
+    ):
+        return None
+    candidates = mask_token_candidates(tokenizer, vocab_size)
+    named = ", ".join(f"{i} ({t})" for i, t in candidates[:4]) or "none: give the target an unused embedding row"
+    token = tokenizer.convert_ids_to_tokens(mask_token_id)
+    return (
+        f"mask token {mask_token_id} ({token!r}) is a token the data or the chat template uses, so the drafter could "
+        f"not tell it from its mask: set target.mask_token_id to an unused embedding row or a reserved special token "
+        f"the data never contains (candidates: {named})"
+    )

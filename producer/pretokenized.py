@@ -81,22 +81,32 @@ class SourceData:
     eval: bool = False  # a held-out source: every row evaluated, none trained
 
 
-def load_sources(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> list[SourceData]:
-    """Every source of `cfg` (one for `data.path`), each tokenized and cached on its own as `load_tokenized` does."""
+def load_sources(
+    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, reserved_token: int | None = None
+) -> list[SourceData]:
+    """Every source of `cfg` (one for `data.path`), each tokenized and cached on its own as `load_tokenized` does;
+    `reserved_token`: the drafter's mask token where it is a token of the tokenizer (rows holding it are bad rows)."""
     mixture = cfg.mixture()
     for _, sub in mixture:
         locate(sub)  # a missing or unreadable source fails now, not after tokenizing the ones before it
     return [
-        SourceData(s.name, s.path, s.weight, s.repeat, load_tokenized(sub, tokenizer), s.eval) for s, sub in mixture
+        SourceData(s.name, s.path, s.weight, s.repeat, load_tokenized(sub, tokenizer, reserved_token), s.eval)
+        for s, sub in mixture
     ]
 
 
-def load_tokenized(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TokenizedData:
+def load_tokenized(
+    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, reserved_token: int | None = None
+) -> TokenizedData:
     """Tokenized samples for `cfg`, built on first use and reused while nothing that matters changes."""
+    if reserved_token is not None and reserved_token >= len(tokenizer):
+        reserved_token = None  # an unused embedding row: no text tokenizes to it
     # Built even on a cache hit: it checks the tokenizer can do the job before anything is trusted.
-    encoder = ChatEncoder(tokenizer, max_length=cfg.max_length, enable_thinking=cfg.enable_thinking)
+    encoder = ChatEncoder(
+        tokenizer, max_length=cfg.max_length, enable_thinking=cfg.enable_thinking, reserved_token=reserved_token
+    )
     data = locate(cfg)
-    key = cache_key(cfg, tokenizer, data)
+    key = cache_key(cfg, tokenizer, data, reserved_token)
     root = Path(cfg.cache_dir).expanduser()
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"tokenized-{key}"
@@ -123,7 +133,9 @@ def load_tokenized(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Token
     return loaded
 
 
-def cache_key(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, data: DataFiles) -> str:
+def cache_key(
+    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, data: DataFiles, reserved_token: int | None = None
+) -> str:
     settings = {
         "version": CACHE_VERSION,
         "tokenizer": tokenizer_fingerprint(tokenizer),
@@ -132,6 +144,7 @@ def cache_key(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, data: DataFil
         "split": cfg.split,
         "format": data.format,
         "data": data.fingerprint,
+        **({"reserved_token": reserved_token} if reserved_token is not None else {}),  # old keys stay valid
     }
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:24]
 

@@ -36,7 +36,8 @@ import torch
 from dflash_ring.common.lifecycle import sd_notify
 from dflash_ring.common.compile_cache import use_compile_cache
 from dflash_ring.common.config.schema import Config, RingConfig
-from dflash_ring.common.config.target import check_token_ids
+from dflash_ring.common.chat_encoding import mask_token_refusal
+from dflash_ring.common.config.target import TargetConfigError, check_token_ids
 from dflash_ring.common.gpu_metrics import device_uuid
 from dflash_ring.common.layout import Role
 from dflash_ring.common.lifecycle.ledger_events import ProducerStart, ShardDone
@@ -411,7 +412,10 @@ def _produce(
     producers = cfg.topology.producers
     with proc.interruptible():
         tokenizer = target_tokenizer(cfg.target)
-        sources = load_sources(cfg.data, tokenizer)
+        mask = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None else cfg.target.mask_token_id
+        if mask is not None and (why := mask_token_refusal(tokenizer, mask, cfg.target.geometry().vocab_size)):
+            raise TargetConfigError(why)
+        sources = load_sources(cfg.data, tokenizer, reserved_token=mask)
         metrics.bad_rows.inc(sum(len(s.data.bad_rows) for s in sources))
         # Before anything is published: what this run trains on.
         composition = data_stats(sources, cfg.data.eval_fraction, cfg.data.seed)

@@ -21,8 +21,9 @@ ALLOWED = {
     "consumer": {"common"},
     "supervisor": {"common"},
     "embedded": {"common"},
-    "tools": {"common", *ROLES, "embedded"},
-    "bench": {"common", *ROLES, "embedded", "tools"},
+    "real": {"common"},
+    "tools": {"common", *ROLES, "embedded", "real"},
+    "bench": {"common", *ROLES, "embedded", "real", "tools"},
 }
 TOP = {"cli", "__main__"}
 
@@ -58,7 +59,7 @@ def sources(root: Path = ROOT) -> dict[str, Path]:
     return {
         module_name(path, root): path
         for path in sorted(root.rglob("*.py"))
-        if not any(part in ("tests", "build") or part.startswith(".") for part in path.relative_to(root).parts)
+        if not any(part in ("tests", "build", "runs") or part.startswith(".") for part in path.relative_to(root).parts)
     }
 
 

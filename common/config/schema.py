@@ -243,7 +243,9 @@ def drafter_target_settings(drafter: DrafterConfig, target: TargetConfig) -> tup
     if mask is None:
         raise ConfigError(
             "target.mask_token_id is unset: a drafter needs the target's <|MASK|> embedding row; set "
-            "it in [target] to the target's first unused row (151669 for Qwen3)"
+            "it in [target] to the target's first unused row (151669 for Qwen3), or, where every row is a token, "
+            "to a reserved special token the data never contains (16 for SmolLM2); `dflash-ring check-target` "
+            "names the candidates"
         )
     if not 0 <= mask < geometry.vocab_size:
         raise ConfigError(
