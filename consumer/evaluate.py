@@ -33,22 +33,31 @@ drafter's likeliest paths instead of one chain (draft_tree.py) and accepts the l
 greedy decode follows; the eval reports its tau per budget next to the chain's, on the same prompts
 (greedy, DFlash drafters: a DSpark or DFlash2 drafter's slots depend on the drafted prefix, which a tree of
 independent slots would drop).
+
+Baselines put the drafter's tau in context, decoded on the same prompts by the same target and the same lossless
+verification (so only the drafts differ): `untrained`, the export's own architecture and config with freshly
+initialised weights (what training bought), and `prompt-lookup`, n-gram drafting from the sequence itself
+(prompt_lookup.py: what a drafter must beat to be worth serving). A prompt-lookup draft is a point mass, so at T > 0
+speculative sampling accepts it with probability p(x) and resamples from p without x at a rejection: `verify_sampled`
+with one-hot q.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import logging
 import math
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from statistics import fmean
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from dflash_ring.common.chat_encoding import BadRow, conversation_of, decode_json_row, eos_ids
+from dflash_ring.common.chat_encoding import BadRow, decode_json_row, eos_ids, prompt_of
 from dflash_ring.common.config.target import (
     check_token_ids,
     load_target_hf_config,
@@ -62,11 +71,23 @@ from .draft_tree import build_draft_tree, check_tree_target, follow_greedy, keep
 from .export import load_drafter
 from .head_loader import load_target_head
 from .model import DFlash2DraftModel, DFlashDraftModel, DSparkDraftModel, FrozenTargetHead
+from .prompt_lookup import DEFAULT_LOOKUP_NGRAM, DEFAULT_LOOKUP_TOKENS, prompt_lookup
+
+log = logging.getLogger(__name__)
+
+BASELINES = ("untrained", "prompt-lookup")  # what `--baseline` decodes beside the drafter (cli.py lists them too)
+# The seed an untrained baseline's weights are drawn with: `make run`'s untrained row draws them after
+# torch.manual_seed(0) (tools/launcher.py `_compare`), so the two rows are the same drafter.
+UNTRAINED_SEED = 0
+# The most drafts a prompt-lookup round may propose: each round verifies them in one target forward (at T > 0 with a
+# [K, vocab] one-hot q); the PLD default is 10 and drafters' blocks are 16, so this only stops a typo.
+MAX_LOOKUP_TOKENS = 256
 
 
 class EvalRefusal(Refusal, ValueError):
     """An input evaluate_drafter refuses: a tree budget or temperature out of range, tree verification of a drafter
-    or at a temperature it does not apply to, a drafter of another target, a malformed row of the data file. The
+    or at a temperature it does not apply to, a drafter of another target, a malformed row of the data file, an
+    unknown baseline or no drafter where one is needed. The
     user's, so one line at the CLI (exit 2); the decoders' checks of what a draft or distribution function returned
     stay plain ValueErrors: those are bugs, shown with their traceback."""
 
@@ -114,6 +135,25 @@ class TreeAcceptance:
 
 
 @dataclass(frozen=True)
+class BaselineAcceptance:
+    """A baseline's chain verification beside the report's drafter: the same prompts, target, temperature, per-prompt
+    seeds and verification, so what differs in tau is the drafts alone."""
+
+    name: str  # one of BASELINES: "untrained" or "prompt-lookup"
+    drafts_per_round: int  # prompt lookup: at most this many (fewer where the continuation ends, none without a match)
+    tau: float  # as the chain's: per prompt mean(accepted + 1) over rounds, averaged over prompts
+    tau_per_prompt: list[float | None]
+    accepted_histogram: list[int]  # [drafts_per_round + 1]: rounds that accepted k drafts
+    rounds: int
+    tokens_generated: int
+    # Greedy: prompts whose tokens equal the drafter's chain (all of them, but for low-precision near-ties: both are
+    # the target's greedy decode). None when sampled: other drafts draw other random numbers.
+    same_tokens_as_chain: int | None
+    init_seed: int | None = None  # untrained: the seed its weights were drawn with
+    lookup_ngram: int | None = None  # prompt lookup: the longest suffix n-gram it matches
+
+
+@dataclass(frozen=True)
 class AcceptanceReport:
     block_size: int
     drafts_per_round: int  # n: B - 1 for a DFlash drafter, B for a DSpark drafter (its anchor slot drafts too)
@@ -129,6 +169,35 @@ class AcceptanceReport:
     # A DSpark drafter's confidence, per position k: prod_{j<=k} sigmoid(c_j) against "the first k drafts were
     # all accepted", over every chain round (consumer/calibration.py). None for a DFlash drafter.
     calibration: ConfidenceCalibration | None = None
+    # What drafted the chain above: "drafter" (the exported one), or "prompt-lookup" when it ran without a drafter
+    # (then block_size is its drafts per round + 1, and lookup_ngram its longest n-gram).
+    drafted_by: str = "drafter"
+    lookup_ngram: int | None = None
+    baselines: list[BaselineAcceptance] = field(default_factory=list)  # one per --baseline, in the order asked
+
+
+@dataclass(frozen=True)
+class EvalProgress:
+    """Where an evaluation stands after a decoder finished a prompt: what `evaluate_drafter` hands its `progress`."""
+
+    decoder: str  # "chain", "tree N", or a baseline's name
+    done: int  # prompts this decoder has decoded
+    total: int  # prompts it decodes
+    tau: float  # its tau over those prompts
+    tokens: int  # tokens the target committed for them
+    seconds: float  # its decoding time so far
+    decodes_done: int  # (prompt, decoder) decodes finished, every decoder counted
+    decodes_total: int
+    elapsed_s: float  # the whole decoding's time so far
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def eta_s(self) -> float:
+        """The decodes left at the mean time of those done (decoders differ in speed: a rough figure)."""
+        return self.elapsed_s / self.decodes_done * (self.decodes_total - self.decodes_done) if self.decodes_done else 0
 
 
 def target_features(hidden_states: Sequence[torch.Tensor], target_layer_ids: Sequence[int]) -> torch.Tensor:
@@ -248,6 +317,38 @@ def dflash2_draft(
     return Draft(tokens=path[0], probs=probs)
 
 
+def prompt_lookup_draft_fn(
+    *, max_ngram: int, max_tokens: int, temperature: float = 0.0, vocab_size: int | None = None
+) -> DraftFn:
+    """Drafts by prompt lookup (prompt_lookup.py) from the committed ids; reads no target features. Up to
+    `max_tokens` a round, none where no suffix n-gram occurred before: speculative_generate with `fewer_drafts`.
+
+    At temperature > 0 the drafts are a point mass: q = one-hot rows over the target's `vocab_size` logits, with
+    which `verify_sampled` accepts x with probability min(1, p(x) / 1) = p(x) and at a rejection resamples from
+    norm(max(p - onehot(x), 0)), p without x: the output stays distributed as the target's own sampling."""
+    if temperature > 0 and vocab_size is None:
+        raise ValueError("sampled prompt-lookup drafts need the target's vocab_size for their one-hot q")
+
+    def draft(committed: torch.Tensor, context: torch.Tensor) -> Draft | torch.Tensor:
+        ids = prompt_lookup(committed.cpu().numpy(), max_ngram=max_ngram, max_tokens=max_tokens)
+        tokens = torch.tensor(ids, dtype=committed.dtype, device=committed.device)
+        if temperature == 0:
+            return tokens
+        return Draft(tokens, probs=torch.nn.functional.one_hot(tokens, vocab_size).float())
+
+    return draft
+
+
+def untrained_drafter(drafter: DFlashDraftModel, seed: int = UNTRAINED_SEED) -> DFlashDraftModel:
+    """A drafter of `drafter`'s class and config with freshly initialised weights, drawn after torch.manual_seed(seed):
+    with the default seed the untrained row of `make run` (tools/launcher.py builds it from the same config after
+    torch.manual_seed(0)). The global generator is left as it was, so the rest of the eval does not depend on it."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        fresh = type(drafter)(drafter.config)
+    return fresh.to(device=drafter.fc.weight.device, dtype=drafter.fc.weight.dtype).eval()
+
+
 def drafter_distribution_fn(drafter: DFlashDraftModel, head: FrozenTargetHead) -> DistributionFn:
     """The same drafter pass as `drafter_draft_fn`, as log-probabilities for a draft tree."""
 
@@ -274,10 +375,20 @@ def _prefill(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The prompt through the target into the empty `cache`: (its features [S, n*H], the committed ids [S + 1]
     ending with the target's first token, its argmax or a sample at `temperature`). From here on the cache and the
-    features cover committed[:-1]."""
+    features cover committed[:-1]. No layers, no features ([S, 0]): a draft that reads none (prompt lookup) spares
+    the target every layer's hidden states."""
     prompt = torch.tensor([list(prompt_ids)], device=target.device)
-    out = target(input_ids=prompt, **{cache_argument(target): cache}, output_hidden_states=True, logits_to_keep=1)
-    context = target_features(out.hidden_states, target_layer_ids)[0]
+    out = target(
+        input_ids=prompt,
+        **{cache_argument(target): cache},
+        output_hidden_states=bool(target_layer_ids),
+        logits_to_keep=1,
+    )
+    context = (
+        target_features(out.hidden_states, target_layer_ids)[0]
+        if target_layer_ids
+        else out.logits.new_empty((prompt.shape[1], 0))
+    )
     first, _ = sample_tokens(out.logits[0, -1:], temperature, generator)
     return context, torch.cat([prompt[0], first])
 
@@ -340,10 +451,14 @@ def speculative_generate(
     num_drafts: int | None = None,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    fewer_drafts: bool = False,
 ) -> Generation:
     """Decoding of `prompt_ids` by draft-then-verify rounds, stopping at EOS or max_new_tokens: greedy at temperature
     0, else sampling at `temperature` (from `generator`) with speculative-sampling verification (`verify_sampled`).
-    Each round `draft` proposes `num_drafts` tokens (default B - 1, DFlash's; a DSpark block drafts B)."""
+    Each round `draft` proposes `num_drafts` tokens (default B - 1, DFlash's; a DSpark block drafts B), or with
+    `fewer_drafts` up to that many, none included (prompt lookup: its match's continuation can be short, or absent).
+    A drafter that returned fewer than its block would lower tau unseen, so only a caller that means it allows it.
+    Empty `target_layer_ids`: `draft` is handed no features ([S, 0])."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
     if not (math.isfinite(temperature) and temperature >= 0):
@@ -361,15 +476,20 @@ def speculative_generate(
         proposal = draft(committed, context)
         if isinstance(proposal, torch.Tensor):
             proposal = Draft(tokens=proposal)
-        if proposal.tokens.shape != (num_drafts,):
-            raise ValueError(f"draft returned shape {tuple(proposal.tokens.shape)}, expected ({num_drafts},)")
+        shape = tuple(proposal.tokens.shape)
+        if len(shape) != 1 or shape[0] > num_drafts or (shape[0] < num_drafts and not fewer_drafts):
+            at_most = "at most " if fewer_drafts else ""
+            raise ValueError(f"draft returned shape {shape}, expected {at_most}({num_drafts},)")
         if temperature > 0 and proposal.probs is None:
             raise ValueError(
                 "sampled verification (temperature > 0) needs the distributions the drafts were "
                 "sampled from (Draft.probs)"
             )
         block = torch.cat([committed[-1:], proposal.tokens.to(device)])
-        out = target(input_ids=block[None], **{cache_argument(target): cache}, output_hidden_states=True)
+        drafted = block.shape[0] - 1
+        out = target(
+            input_ids=block[None], **{cache_argument(target): cache}, output_hidden_states=bool(target_layer_ids)
+        )
         logits = out.logits[0]  # [n + 1, V]: logits[k] is the target's next-token distribution after block[: k + 1]
         if temperature == 0:
             n, bonus = verify_greedy(block[1:], logits)
@@ -377,8 +497,10 @@ def speculative_generate(
             target_probs = torch.softmax(logits.float() / temperature, dim=-1)
             n, bonus = verify_sampled(block[1:], proposal.probs.to(device).float(), target_probs, generator)
         # Keep the anchor and the n accepted drafts; the target's own token is the next round's anchor.
-        cache.crop(-(num_drafts - n))
-        context = torch.cat([context, target_features(out.hidden_states, target_layer_ids)[0, : n + 1]])
+        if drafted > n:
+            cache.crop(-(drafted - n))
+        if target_layer_ids:
+            context = torch.cat([context, target_features(out.hidden_states, target_layer_ids)[0, : n + 1]])
         new = torch.cat([block[1 : n + 1], torch.tensor([bonus], device=device)])
         committed = torch.cat([committed, new])
         generated += new.tolist()
@@ -447,6 +569,12 @@ def tree_speculative_generate(
     return _finish(generated, accepted, eos, max_new_tokens)
 
 
+def _tau(generations: Sequence[Generation]) -> float:
+    """Per prompt mean(accepted + 1) over its rounds, averaged over the prompts that had a round (0 without one)."""
+    scored = [fmean(n + 1 for n in g.accepted) for g in generations if g.accepted]
+    return fmean(scored) if scored else 0.0
+
+
 def _acceptance(generations: Sequence[Generation], outcomes: int) -> dict:
     histogram = [0] * outcomes  # accepted = 0 .. outcomes - 1
     for generation in generations:
@@ -499,8 +627,11 @@ def summarize(
 
 
 def chat_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: int | None = None) -> list[list[int]]:
-    """Token ids of each jsonl row's conversation up to its last assistant turn, with the generation prompt
-    (thinking off, as in the published evals)."""
+    """Token ids of each jsonl row's prompt, with the generation prompt (thinking off, as in the published evals).
+
+    The prompt is `prompt_of`'s, the rule `regenerate` answers rows by, so a file one takes the other does: a chat
+    up to its final assistant reply, a chat ending in a user turn whole, a `prompt` with or without a `response`.
+    A row with no user turn to answer is refused, naming its line."""
     if Path(path).exists() and not Path(path).is_file():  # a directory, a FIFO (read forever), a device
         raise EvalRefusal(f"data {path} is not a regular file: point --data at a JSONL file of chat rows")
     try:
@@ -519,11 +650,10 @@ def chat_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: in
             continue
         # Each row is the user's input: whatever makes it no prompt is one line naming the file and the line.
         try:
-            messages = conversation_of(decode_json_row(line))
-            last_reply = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            messages = prompt_of(decode_json_row(line))
             try:
                 text = tokenizer.apply_chat_template(
-                    messages[:last_reply], tokenize=False, add_generation_prompt=True, enable_thinking=False
+                    messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
                 )
             except Exception as e:  # noqa: BLE001 (templates raise anything: jinja errors, raise_exception(...))
                 raise BadRow(f"the target's chat template failed ({type(e).__name__}: {e})") from None
@@ -564,7 +694,7 @@ def check_compatible(drafter: DFlashDraftModel, target: PreTrainedModel) -> None
 
 
 def evaluate_drafter(
-    drafter_dir: str | Path,
+    drafter_dir: str | Path | None,
     target_dir: str | Path,
     data: str | Path,
     *,
@@ -575,6 +705,10 @@ def evaluate_drafter(
     tree_budgets: Sequence[int] = (),
     temperature: float = 0.0,
     seed: int = 0,
+    baselines: Sequence[str] = (),
+    lookup_ngram: int = DEFAULT_LOOKUP_NGRAM,
+    lookup_tokens: int | None = None,
+    progress: Callable[[EvalProgress], None] | None = None,
 ) -> AcceptanceReport:
     """tau and the acceptance histogram of an exported drafter (DFlash, DSpark or DFlash2: through its selector) on
     the prompts of a chat jsonl file: by chain verification, and by tree verification at each of `tree_budgets` (draft
@@ -583,6 +717,15 @@ def evaluate_drafter(
     Greedy at temperature 0; at temperature > 0 drafts and target tokens are sampled (losslessly verified), each
     prompt from its own generator seeded from `seed`, so a prompt's tokens do not depend on `limit`.
 
+    `baselines` (of BASELINES) are decoded on the same prompts the same way and reported beside the drafter:
+    "untrained" (`untrained_drafter`), "prompt-lookup" (suffix n-grams of up to `lookup_ngram` tokens, up to
+    `lookup_tokens` drafts a round: by default the drafter's own drafts per round, so the two verify as many tokens).
+    Without a drafter (`drafter_dir` None) only prompt lookup can run, and its figures are the report's own, at
+    `lookup_tokens` (default DEFAULT_LOOKUP_TOKENS) drafts a round.
+
+    `progress` is called after every decoded prompt (each decoder's), with where the evaluation stands: a real
+    target takes minutes a call, and nothing else shows it is moving.
+
     On the CPU, torch runs `cpu_threads` threads (None: torch's default). One, as inside `dflash-ring run`:
     decoding is many small forwards, where more threads only add overhead (2.4x slower with 2 on 2 cores).
     """
@@ -590,7 +733,21 @@ def evaluate_drafter(
     if device == "cpu" and cpu_threads is not None:
         torch.set_num_threads(cpu_threads)
     try:
-        return _evaluate(drafter_dir, target_dir, data, max_new_tokens, limit, device, tree_budgets, temperature, seed)
+        return _evaluate(
+            drafter_dir,
+            target_dir,
+            data,
+            max_new_tokens=max_new_tokens,
+            limit=limit,
+            device=device,
+            tree_budgets=tree_budgets,
+            temperature=temperature,
+            seed=seed,
+            baselines=baselines,
+            lookup_ngram=lookup_ngram,
+            lookup_tokens=lookup_tokens,
+            progress=progress,
+        )
     finally:
         torch.set_num_threads(previous)
 
@@ -603,29 +760,172 @@ def prompt_generators(seed: int, count: int, device: str | torch.device) -> list
     return [torch.Generator(device=device).manual_seed(s) for s in seeds]
 
 
-def _evaluate(
-    drafter_dir: str | Path,
-    target_dir: str | Path,
-    data: str | Path,
-    max_new_tokens: int,
-    limit: int | None,
-    device: str,
+def _check_settings(
+    drafter_dir: str | Path | None,
     tree_budgets: Sequence[int],
     temperature: float,
-    seed: int,
-) -> AcceptanceReport:
+    baselines: Sequence[str],
+    lookup_ngram: int,
+    lookup_tokens: int | None,
+) -> None:
+    """Everything refused before a file is read: one line each."""
     if bad := [b for b in tree_budgets if b < 1]:
         raise EvalRefusal(f"tree budgets count draft nodes and must be at least 1, got {bad}")
     if not (math.isfinite(temperature) and temperature >= 0):
         raise EvalRefusal(f"temperature must be a finite number >= 0 (0: greedy), got {temperature}")
     if tree_budgets and temperature > 0:
         raise EvalRefusal("tree verification (tree budgets) is greedy only: evaluate trees at temperature 0")
+    if unknown := [b for b in baselines if b not in BASELINES]:
+        raise EvalRefusal(f"unknown baseline {unknown[0]!r}: choose among {', '.join(BASELINES)}")
+    if lookup_ngram < 1:
+        raise EvalRefusal(f"the prompt-lookup n-gram is at least 1 token, got {lookup_ngram}")
+    if lookup_tokens is not None and not 1 <= lookup_tokens <= MAX_LOOKUP_TOKENS:
+        raise EvalRefusal(f"prompt lookup drafts 1..{MAX_LOOKUP_TOKENS} tokens a round, got {lookup_tokens}")
+    if drafter_dir is None:
+        if list(dict.fromkeys(baselines)) != ["prompt-lookup"]:
+            asked = f"baselines {', '.join(dict.fromkeys(baselines))}" if baselines else "no baseline"
+            raise EvalRefusal(
+                f"no drafter given ({asked}): give --drafter, or ask for --baseline prompt-lookup alone, "
+                "the one decoder that needs none"
+            )
+        if tree_budgets:
+            raise EvalRefusal("tree verification (tree budgets) drafts from a drafter's distributions: give --drafter")
+
+
+def _evaluate(
+    drafter_dir: str | Path | None,
+    target_dir: str | Path,
+    data: str | Path,
+    *,
+    max_new_tokens: int,
+    limit: int | None,
+    device: str,
+    tree_budgets: Sequence[int],
+    temperature: float,
+    seed: int,
+    baselines: Sequence[str],
+    lookup_ngram: int,
+    lookup_tokens: int | None,
+    progress: Callable[[EvalProgress], None] | None,
+) -> AcceptanceReport:
+    _check_settings(drafter_dir, tree_budgets, temperature, baselines, lookup_ngram, lookup_tokens)
+    baselines = list(dict.fromkeys(baselines))
     load_target_hf_config(target_dir)  # a config.json transformers refuses: one line naming its field
-    # From the checkpoint, not target.get_input_embeddings().weight: the head also carries the family's
-    # embedding scale and logit softcap (Gemma3), which a bare weight would drop.
-    head = load_target_head(target_dir, dtype=torch.float32, device=device)
-    # Either layout; a DSpark export's embed_tokens and lm_head must be this target's (load_drafter checks them).
-    drafter = load_drafter(drafter_dir, device=device, dtype=torch.float32, arch=None, target_head=head).eval()
+    drafter = head = None
+    if drafter_dir is not None:
+        # From the checkpoint, not target.get_input_embeddings().weight: the head also carries the family's
+        # embedding scale and logit softcap (Gemma3), which a bare weight would drop.
+        head = load_target_head(target_dir, dtype=torch.float32, device=device)
+        # Either layout; a DSpark export's embed_tokens and lm_head must be this target's (load_drafter checks them).
+        drafter = load_drafter(drafter_dir, device=device, dtype=torch.float32, arch=None, target_head=head).eval()
+        _check_tree_drafter(drafter, tree_budgets)
+    tokenizer = load_target_tokenizer(target_dir)  # tokenizer files transformers cannot load: one line naming them
+    # A config.json the model code cannot build, weights that do not fit it or lack tensors: one line naming it.
+    target = load_target_lm(target_dir, dtype=torch.float32, local_files_only=True).to(device).eval()
+    if drafter is not None:
+        check_compatible(drafter, target)
+    eos = eos_ids(target, tokenizer)
+    prompts = chat_prompts(data, tokenizer, limit)
+    vocab = target.config.get_text_config().vocab_size
+    check_token_ids(max(max(p) for p in prompts), vocab, target_dir, target_dir, f"data {data}, rendered,")
+
+    def generators() -> list[torch.Generator | None]:
+        """Each decoder's own, the same seeds: prompt i's random numbers start alike whatever drafts them."""
+        return prompt_generators(seed, len(prompts), device) if temperature > 0 else [None] * len(prompts)
+
+    common = dict(eos_token_ids=eos, max_new_tokens=max_new_tokens, temperature=temperature)
+
+    def chain(model: DFlashDraftModel) -> Callable[[list[int], torch.Generator | None], Generation]:
+        dspark = getattr(model, "sample_from_anchor", False)
+        return lambda prompt, g: speculative_generate(
+            target,
+            prompt,
+            drafter_draft_fn(model, head, temperature=temperature, generator=g),
+            block_size=model.block_size,
+            target_layer_ids=model.target_layer_ids,
+            num_drafts=model.block_size if dspark else model.block_size - 1,
+            generator=g,
+            **common,
+        )
+
+    num_drafts = None if drafter is None else drafter.block_size - (0 if drafter.sample_from_anchor else 1)
+    lookup = lookup_tokens or num_drafts or DEFAULT_LOOKUP_TOKENS
+    logits_rows = target.get_output_embeddings().weight.shape[0]  # the width of the target's logits: q's one-hot
+
+    def prompt_lookup_chain(prompt: list[int], g: torch.Generator | None) -> Generation:
+        draft = prompt_lookup_draft_fn(
+            max_ngram=lookup_ngram, max_tokens=lookup, temperature=temperature, vocab_size=logits_rows
+        )
+        return speculative_generate(
+            target,
+            prompt,
+            draft,
+            block_size=lookup + 1,
+            target_layer_ids=[],
+            num_drafts=lookup,
+            generator=g,
+            fewer_drafts=True,
+            **common,
+        )
+
+    # Every decoder over every prompt, in report order: the drafter's chain (or prompt lookup's, without a drafter),
+    # its trees, then the baselines.
+    decoders: dict[str, Callable[[list[int], torch.Generator | None], Generation]] = {}
+    if drafter is not None:
+        decoders["chain"] = chain(drafter)
+        distributions = drafter_distribution_fn(drafter, head)
+        for budget in dict.fromkeys(tree_budgets):
+            decoders[f"tree {budget}"] = lambda prompt, g, budget=budget: tree_speculative_generate(
+                target,
+                prompt,
+                distributions,
+                budget=budget,
+                block_size=drafter.block_size,
+                target_layer_ids=drafter.target_layer_ids,
+                eos_token_ids=eos,
+                max_new_tokens=max_new_tokens,
+            )
+        if "untrained" in baselines:
+            decoders["untrained"] = chain(untrained_drafter(drafter))
+    if "prompt-lookup" in baselines:
+        decoders["prompt-lookup"] = prompt_lookup_chain
+    results = _decode_all(decoders, prompts, generators, progress)
+
+    chain_name = "chain" if drafter is not None else "prompt-lookup"
+    block_size = drafter.block_size if drafter is not None else lookup + 1
+    report = summarize(
+        results[chain_name],
+        block_size,
+        {budget: results[f"tree {budget}"] for budget in dict.fromkeys(tree_budgets)},
+        drafts_per_round=num_drafts if drafter is not None else lookup,
+        temperature=temperature,
+        seed=seed if temperature > 0 else None,
+    )
+    rows = [
+        BaselineAcceptance(
+            name=name,
+            drafts_per_round=lookup if name == "prompt-lookup" else num_drafts,
+            **_acceptance(results[name], (lookup if name == "prompt-lookup" else num_drafts) + 1),
+            same_tokens_as_chain=(
+                sum(b.tokens == c.tokens for b, c in zip(results[name], results[chain_name]))
+                if temperature == 0
+                else None
+            ),
+            init_seed=UNTRAINED_SEED if name == "untrained" else None,
+            lookup_ngram=lookup_ngram if name == "prompt-lookup" else None,
+        )
+        for name in baselines
+        if name != chain_name
+    ]
+    return replace(
+        report,
+        drafted_by="drafter" if drafter is not None else "prompt-lookup",
+        lookup_ngram=lookup_ngram if drafter is None else None,
+        baselines=rows,
+    )
+
+
+def _check_tree_drafter(drafter: DFlashDraftModel, tree_budgets: Sequence[int]) -> None:
     dspark = isinstance(drafter, DSparkDraftModel) or getattr(drafter, "sample_from_anchor", False)
     if dspark and tree_budgets:
         raise EvalRefusal(
@@ -637,49 +937,72 @@ def _evaluate(
             "tree verification (tree budgets) takes a DFlash drafter: a DFlash2 drafter's selector scores "
             "each slot with the token drafted before it, which a tree of independent slots would drop"
         )
-    tokenizer = load_target_tokenizer(target_dir)  # tokenizer files transformers cannot load: one line naming them
-    # A config.json the model code cannot build, weights that do not fit it or lack tensors: one line naming it.
-    target = load_target_lm(target_dir, dtype=torch.float32, local_files_only=True).to(device).eval()
-    check_compatible(drafter, target)
-    eos = eos_ids(target, tokenizer)
-    prompts = chat_prompts(data, tokenizer, limit)
-    vocab = target.config.get_text_config().vocab_size
-    check_token_ids(max(max(p) for p in prompts), vocab, target_dir, target_dir, f"data {data}, rendered,")
-    num_drafts = drafter.block_size if dspark else drafter.block_size - 1
-    decoding = dict(
-        block_size=drafter.block_size,
-        target_layer_ids=drafter.target_layer_ids,
-        eos_token_ids=eos,
-        max_new_tokens=max_new_tokens,
+
+
+def _decode_all(
+    decoders: Mapping[str, Callable[[list[int], torch.Generator | None], Generation]],
+    prompts: Sequence[list[int]],
+    generators: Callable[[], list[torch.Generator | None]],
+    progress: Callable[[EvalProgress], None] | None,
+) -> dict[str, list[Generation]]:
+    """Each decoder's generations of every prompt, reporting to `progress` after each one."""
+    total = len(decoders) * len(prompts)
+    started = time.monotonic()
+    results: dict[str, list[Generation]] = {}
+    for name, decode in decoders.items():
+        begun = time.monotonic()
+        done: list[Generation] = []
+        for prompt, generator in zip(prompts, generators()):
+            done.append(decode(prompt, generator))
+            if progress is not None:
+                now = time.monotonic()
+                progress(
+                    EvalProgress(
+                        decoder=name,
+                        done=len(done),
+                        total=len(prompts),
+                        tau=_tau(done),
+                        tokens=sum(len(g.tokens) for g in done),
+                        seconds=now - begun,
+                        decodes_done=len(results) * len(prompts) + len(done),
+                        decodes_total=total,
+                        elapsed_s=now - started,
+                    )
+                )
+        results[name] = done
+    return results
+
+
+def format_progress(p: EvalProgress) -> str:
+    """One progress line: `chain: 3/100 prompts, tau 2.412, 153.2 target tokens/s, ETA 4m10s`."""
+    return (
+        f"{p.decoder}: {p.done}/{p.total} prompts, tau {p.tau:.3f}, {p.tokens_per_s:.1f} target tokens/s, "
+        f"ETA {_duration(p.eta_s)}"
     )
-    generators = prompt_generators(seed, len(prompts), device) if temperature > 0 else [None] * len(prompts)
-    generations = [
-        speculative_generate(
-            target,
-            prompt,
-            drafter_draft_fn(drafter, head, temperature=temperature, generator=g),
-            num_drafts=num_drafts,
-            temperature=temperature,
-            generator=g,
-            **decoding,
-        )
-        for prompt, g in zip(prompts, generators)
-    ]
-    distributions = drafter_distribution_fn(drafter, head)
-    trees = {
-        budget: [
-            tree_speculative_generate(target, prompt, distributions, budget=budget, **decoding) for prompt in prompts
-        ]
-        for budget in dict.fromkeys(tree_budgets)
-    }
-    return summarize(
-        generations,
-        drafter.block_size,
-        trees,
-        drafts_per_round=num_drafts,
-        temperature=temperature,
-        seed=seed if temperature > 0 else None,
-    )
+
+
+def _duration(seconds: float) -> str:
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def progress_logger(interval_s: float = 5.0) -> Callable[[EvalProgress], None]:
+    """A `progress` for evaluate_drafter that logs (stderr, under the CLI) each decoder's first and last prompt and
+    one line at most every `interval_s` between: a line per prompt would flood a fast eval's log, none at all left a
+    218-760 s call silent."""
+    last = [-math.inf]
+
+    def report(p: EvalProgress) -> None:
+        now = time.monotonic()
+        if p.done in (1, p.total) or now - last[0] >= interval_s:
+            last[0] = now
+            log.info("%s", format_progress(p))
+
+    return report
 
 
 def _optional(value: float | None) -> str:
@@ -703,10 +1026,16 @@ def format_calibration(calibration: ConfidenceCalibration) -> list[str]:
 
 def format_report(report: AcceptanceReport) -> str:
     decoding = "greedy" if report.temperature == 0 else f"temperature {report.temperature:g}, seed {report.seed}"
+    if report.drafted_by == "prompt-lookup":
+        drafted = (
+            f"prompt lookup: suffix n-grams of {report.lookup_ngram} down to 1 tokens, up to "
+            f"{report.drafts_per_round} drafts per round"
+        )
+    else:
+        drafted = f"block size {report.block_size}, {report.drafts_per_round} drafts per round"
     lines = [
-        f"tau {report.tau:.3f} (block size {report.block_size}, {report.drafts_per_round} drafts per round, "
-        f"{decoding}) over {report.num_prompts} prompts: {report.rounds} rounds, {report.tokens_generated} tokens "
-        "generated",
+        f"tau {report.tau:.3f} ({drafted}, {decoding}) over {report.num_prompts} prompts: {report.rounds} rounds, "
+        f"{report.tokens_generated} tokens generated",
         "accepted drafts per round: "
         + ", ".join(f"{k}: {count}" for k, count in enumerate(report.accepted_histogram) if count),
     ]
@@ -720,7 +1049,31 @@ def format_report(report: AcceptanceReport) -> str:
             "  accepted drafts per round: "
             + ", ".join(f"{k}: {count}" for k, count in enumerate(tree.accepted_histogram) if count),
         ]
+    if report.baselines:
+        lines += format_baselines(report)
     return "\n".join(lines)
+
+
+def format_baselines(report: AcceptanceReport) -> list[str]:
+    """The drafter's chain and each baseline's, one row each: the same prompts, target and verification."""
+    same = "greedy: prompts token-identical to the drafter's" if report.temperature == 0 else "sampled"
+    rows = [("drafter", str(report.drafts_per_round), report.tau, report.rounds, report.tokens_generated, "-")]
+    for b in report.baselines:
+        if b.name == "untrained":
+            name, drafts = f"untrained (init seed {b.init_seed})", str(b.drafts_per_round)
+        else:
+            name, drafts = f"prompt lookup ({b.lookup_ngram}-gram)", f"<={b.drafts_per_round}"
+        identical = "-" if b.same_tokens_as_chain is None else f"{b.same_tokens_as_chain}/{report.num_prompts}"
+        rows.append((name, drafts, b.tau, b.rounds, b.tokens_generated, identical))
+    lines = [
+        f"baselines on the same prompts, target and verification ({same}):",
+        f"  {'drafts by':<28} {'drafts/round':>12} {'tau':>7} {'x drafter':>9} {'rounds':>7} {'tokens':>7} "
+        f"{'same tokens':>11}",
+    ]
+    for name, drafts, tau, rounds, tokens, identical in rows:
+        ratio = f"{tau / report.tau:.2f}x" if report.tau else "-"
+        lines.append(f"  {name:<28} {drafts:>12} {tau:7.3f} {ratio:>9} {rounds:>7} {tokens:>7} {identical:>11}")
+    return lines
 
 
 def report_json(report: AcceptanceReport) -> str:
