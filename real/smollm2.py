@@ -78,12 +78,22 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def ensure_smollm2(cache_dir: str | Path, gguf: Path | None = None) -> Path:
-    """The converted model directory (config.json, model.safetensors, tokenizer files), built on first use."""
+def checked_gguf(gguf: Path | None = None) -> Path:
+    """The GGUF file to convert (`gguf`, else the package's), refused in one line unless it is a regular file that
+    starts as GGUF files do (a FIFO would block the read, a directory or another file is no model)."""
     source = gguf or gguf_path()
+    if not source.is_file():
+        what = "does not exist" if not source.exists() else "is not a regular file"
+        raise RealModelError(f"{source} {what}: give SmolLM2-135M-Instruct's GGUF file, or install {PACKAGE_PIN}")
     with source.open("rb") as f:
         if f.read(4) != b"GGUF":
             raise RealModelError(f"{source} is not a GGUF file (no GGUF magic): reinstall {PACKAGE_PIN}")
+    return source
+
+
+def ensure_smollm2(cache_dir: str | Path, gguf: Path | None = None) -> Path:
+    """The converted model directory (config.json, model.safetensors, tokenizer files), built on first use."""
+    source = checked_gguf(gguf)
     digest = file_digest(source)
     root = Path(cache_dir).expanduser()
     root.mkdir(parents=True, exist_ok=True)

@@ -295,3 +295,28 @@ def test_a_missing_package_names_the_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(RealModelError, match="make setup-real"):
         gguf_path()
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("kind", ["damaged", "directory", "fifo", "missing"])
+def test_the_command_refuses_a_bad_gguf_in_one_line(tmp_path, kind):
+    import subprocess
+    import sys
+
+    path = tmp_path / "model.gguf"
+    if kind == "damaged":
+        path.write_bytes(b"GGML" + bytes(60))
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    out = subprocess.run(
+        [sys.executable, "-m", "dflash_ring", "real", "--gguf", str(path), "--workdir", str(tmp_path / "w")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HOME": str(tmp_path)},
+    )
+    assert out.returncode == 2, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and str(path) in lines[0] and lines[0].startswith("dflash-ring real: error:"), lines

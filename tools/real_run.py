@@ -31,7 +31,7 @@ from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.config.dump import dump_toml
 from dflash_ring.common.config.schema import Config
 from dflash_ring.real.datasets import EVAL_SETS, SHAREGPT_HELDOUT, SHAREGPT_TRAIN, ensure_real_data
-from dflash_ring.real.smollm2 import ensure_smollm2, read_marker
+from dflash_ring.real.smollm2 import checked_gguf, ensure_smollm2, read_marker
 from dflash_ring.tools.launcher import checked_cache, console, train_and_export
 
 
@@ -54,6 +54,7 @@ class Scale:
     lr: float
     eval_prompts: int  # per evaluation set
     eval_new_tokens: int
+    eval_every_steps: int  # held-out acceptance into the curves this often (train.eval_every_steps)
 
 
 SCALES = {
@@ -62,7 +63,7 @@ SCALES = {
         name="demo",
         device="cpu",
         train_prompts=48,
-        heldout_prompts=8,
+        heldout_prompts=16,
         max_prompt_tokens=160,
         max_new_tokens=96,
         regenerate_batch=16,
@@ -74,6 +75,7 @@ SCALES = {
         lr=1e-3,
         eval_prompts=6,
         eval_new_tokens=48,
+        eval_every_steps=5,
     ),
     # One GPU: enough replies and steps for the acceptance to mean something.
     "full": Scale(
@@ -92,6 +94,7 @@ SCALES = {
         lr=6e-4,
         eval_prompts=16,
         eval_new_tokens=128,
+        eval_every_steps=20,
     ),
 }
 
@@ -161,6 +164,7 @@ def run_config(
             checkpoint_dir=str(workdir / "checkpoints"),
             checkpoint_every_steps=200,
             log_every_steps=5,
+            eval_every_steps=scale.eval_every_steps,
         ),
         tracking=replace(d.tracking, backends=["tensorboard"]),
     )
@@ -214,6 +218,7 @@ def run(
     scale = SCALES[scale_name]
     work = Path(workdir)
     checked_cache()  # before the banner: a refusal is the command's one line
+    checked_gguf(gguf)
     con.print(
         f"real target: SmolLM2-135M-Instruct on ShareGPT, scale {scale.name} ({scale.device})"
         + ("; a demonstration: its figures need a GPU (--scale full)" if scale.name == "demo" else "")
