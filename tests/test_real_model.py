@@ -320,3 +320,24 @@ def test_the_command_refuses_a_bad_gguf_in_one_line(tmp_path, kind):
     assert out.returncode == 2, out.stderr
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and str(path) in lines[0] and lines[0].startswith("dflash-ring real: error:"), lines
+
+
+def test_a_dspark_export_for_the_real_target_loads_in_speculators(model_dir, tmp_path):
+    """The tied head travels in DeepSeek's flat layout (embed_tokens and lm_head both the embedding) and vLLM
+    speculators' DSparkDraftModel, built on SmolLM2 as its verifier, takes every drafter weight by name."""
+    from test_peer_conformance import build_speculators_dspark, oracle
+
+    module = oracle("speculators.models.dspark.core", "speculators")
+    config = json.loads((model_dir / "config.json").read_text())
+    cfg = DrafterConfig(
+        recipe="dspark", num_hidden_layers=1, block_size=4, markov_rank=8, mask_token_id=16, target_layer_ids=[2, 8, 14]
+    )
+    torch.manual_seed(2)
+    model = build_drafter(cfg, config).eval()
+    head = load_target_head(model_dir)
+    out = export_drafter(model, cfg, config, tmp_path / "dspark", dtype=torch.float32, head=head)
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert torch.equal(f.get_tensor("lm_head.weight"), f.get_tensor("embed_tokens.weight"))
+    theirs = build_speculators_dspark(module, out, model_dir)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(theirs.state_dict()[name], tensor), name
