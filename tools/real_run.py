@@ -117,6 +117,13 @@ def regenerate_config(scale: Scale, model: Path, prompts: Path, out: Path, rows:
     )
 
 
+def slot_bytes(scale: Scale, model: Path) -> int:
+    """Room for a full batch's features in fp32 (the CPU's dtype; bf16 on a GPU takes half): its layers and the
+    final hidden state a KL or TV objective reads, plus the ids, masks and header (a few MiB)."""
+    hidden = json.loads((model / "config.json").read_text())["hidden_size"]
+    return scale.max_tokens_per_batch * (len(scale.layer_ids) + 1) * hidden * 4 + (8 << 20)
+
+
 def run_config(
     scale: Scale,
     model: Path,
@@ -132,7 +139,7 @@ def run_config(
     d = Config()
     cfg = Config(
         run=replace(d.run, name=f"smollm2-{scale.name}", run_dir=str(workdir / "locks")),
-        ring=replace(d.ring, slots=8, slot_bytes=max(64 << 20, scale.max_tokens_per_batch * 4096 * 6)),
+        ring=replace(d.ring, slots=8, slot_bytes=slot_bytes(scale, model)),
         topology=replace(d.topology, producers=1, consumers=1),
         data=replace(
             d.data,
