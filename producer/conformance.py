@@ -192,6 +192,8 @@ def probe(target: TargetModel, lengths: list[int] | None = None, seed: int = 0) 
             target._run(input_ids=device_ids[a:b][None])
             for i in range(depth):
                 alone = captured[i][0]
+                if not bool(torch.isfinite(alone).all()):
+                    raise TargetConfigError(non_finite(report, i, layer_kinds(config, depth)[i]))
                 errors[i] = max(errors[i], relative_error(packed[i][a:b], alone))
                 floor[i] = max(floor[i], relative_error(padded[i][r, : b - a], alone))
         kinds = layer_kinds(config, depth)
@@ -210,9 +212,21 @@ def probe(target: TargetModel, lengths: list[int] | None = None, seed: int = 0) 
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """||got - want|| / ||want|| over a whole sequence's hidden states (relative RMS error)."""
+    """||got - want|| / ||want|| over a whole sequence's hidden states (relative RMS error); infinite where the packed
+    states are not finite (a NaN compared by max() or <= would read as no error at all)."""
     got, want = got.double(), want.double()
+    if not bool(torch.isfinite(got).all()):
+        return float("inf")
     return float((got - want).norm() / want.norm().clamp_min(1e-12))
+
+
+def non_finite(report: ProbeReport, layer: int, kind: str) -> str:
+    """The refusal of a target whose own forward gives NaN or inf: every batch would train on them."""
+    return (
+        f"target {report.model_type} ({report.architecture}, {report.dtype}): its own forward gives non-finite hidden "
+        f"states (NaN or inf) at layer {layer} ({kind}) on the probe's random tokens: its weights or config.json "
+        "(rope_theta, rms_norm_eps, a scale) are damaged; check the model directory"
+    )
 
 
 def choose_packing(

@@ -246,3 +246,19 @@ def test_a_config_json_writing_both_layer_counts_is_read_through_its_class(tmp_p
     raw = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**raw, "num_hidden_layers": 10}))
     assert TargetConfig(path=str(tmp_path), num_draft_layers=2).geometry().num_hidden_layers == 5
+
+
+def test_a_target_whose_own_forward_is_not_finite_is_refused_by_the_probe_not_reported_as_exact(tmp_path):
+    """Python's max() and `<=` read a NaN error as none: the probe said "max error 0.00e+00" of a target with NaN
+    weights and the run trained NaN to exit 0 (issue 46). Its own forward's states are checked first."""
+    from dflash_ring.producer.conformance import choose_packing
+    from support import save_tiny_qwen3
+
+    def poison(model):
+        model.model.layers[1].self_attn.q_proj.weight[0, 0] = float("nan")
+
+    save_tiny_qwen3(tmp_path, init=poison, num_hidden_layers=4)
+    target = TargetModel.load(TargetConfig(path=str(tmp_path), layer_ids=[1, 2]), torch.device("cpu"), packed=False)
+    for mode in ("auto", "packed"):
+        with pytest.raises(TargetConfigError, match=r"non-finite hidden states \(NaN or inf\) at layer 1 "):
+            choose_packing(target, mode)
