@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -118,7 +119,9 @@ class RoleProcess:
         self.stop.set()
         if self._interruptible:
             # Raised wherever the main thread is. Where that is a weakref callback or a __del__, Python prints
-            # "Exception ignored" and goes on: so SIGALRM raises it again every REPEAT_S until the phase has ended.
+            # "Exception ignored" and goes on: so SIGALRM raises it again every REPEAT_S until the phase has ended,
+            # and the swallowed one is no traceback on stderr (_quiet_stop).
+            sys.unraisablehook = _quiet_stop
             self._stopped_by = signal.Signals(signum).name
             signal.signal(signal.SIGALRM, self._on_alarm)
             signal.setitimer(signal.ITIMER_REAL, REPEAT_S, REPEAT_S)
@@ -163,3 +166,12 @@ def role_process(cfg: Config, role: Role, index: int | None, gpu_uuid: str, star
         if index is not None:
             proc.serve(index)
         yield proc
+
+
+def _quiet_stop(unraisable: sys.UnraisableHookArgs) -> None:
+    """A StopSignal that Python swallowed (raised inside a weakref callback or a __del__) is raised again by the
+    alarm: it is not an error, and its "Exception ignored ... Traceback" lines on stderr would read as one. Anything
+    else unraisable is reported as Python reports it."""
+    if isinstance(unraisable.exc_value, StopSignal):
+        return
+    sys.__unraisablehook__(unraisable)
