@@ -99,10 +99,6 @@ def pack_state(gen: int, owner: int, state: SlotState) -> int:
     return ((gen & 0xFF_FFFF_FFFF) << 24) | ((owner & 0xFFFF) << 8) | int(state)
 
 
-def unpack_state(word: int) -> tuple[int, int, SlotState]:
-    return word >> 24, (word >> 8) & 0xFFFF, SlotState(word & 0xFF)
-
-
 ROW_DTYPE = np.dtype(
     {
         # planned_items: batches a producer will publish over the whole run (the trainers' LR schedule);

@@ -148,7 +148,6 @@ class Supervisor:
                     raise
                 ring = None
         if ring is not None and live:
-            ring.wait_s = self.cfg.ring.wait_s
             ring.increment(Counter.SUPERVISOR_ADOPTIONS)
             log.warning("adopted live ring %s (live: %s)", ring.name, ", ".join(live))
             return ring
