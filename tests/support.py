@@ -392,6 +392,20 @@ def save_tiny_qwen3(
     return model
 
 
+def save_eval_target(path: Path, vocab_size: int) -> Path:
+    """The eval tests' target: a tiny random Qwen3 with the tiny chat tokenizer and a sharper lm_head than the default
+    init, so greedy argmaxes are not near-ties (a decode compared token by token would otherwise flip on rounding)."""
+    tokenizer = tiny_chat_tokenizer(path)
+    save_tiny_qwen3(
+        path,
+        init=lambda target: target.lm_head.weight.mul_(20),
+        vocab_size=vocab_size,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return path
+
+
 # --- data ------------------------------------------------------------------------------------------
 
 

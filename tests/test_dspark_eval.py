@@ -33,7 +33,7 @@ from dflash_ring.consumer.export import export_drafter
 from dflash_ring.consumer.model import Anchors, DSparkDraftModel, FrozenTargetHead, build_drafter, load_target_head
 from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 from dflash_ring.tools.report import ReportError, write_report
-from support import save_tiny_qwen3, tiny_qwen3_config
+from support import save_eval_target, save_tiny_qwen3, tiny_qwen3_config
 
 BLOCK, MAX_NEW, LAYER_IDS, VOCAB = 4, 16, [1, 2], 448
 PROMPTS = ([5, 17, 42, 9, 33, 120, 7], list(range(60, 90)))
@@ -51,17 +51,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("target")
-    tokenizer = tiny_chat_tokenizer(path)
-    # A sharper lm_head than the default init, so greedy argmaxes are not near-ties.
-    save_tiny_qwen3(
-        path,
-        init=lambda target: target.lm_head.weight.mul_(20),
-        vocab_size=VOCAB,
-        tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    return path
+    return save_eval_target(tmp_path_factory.mktemp("target"), VOCAB)
 
 
 @pytest.fixture(scope="module")

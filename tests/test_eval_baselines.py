@@ -36,8 +36,7 @@ from dflash_ring.consumer.evaluate import (
 from dflash_ring.consumer.export import export_drafter, load_drafter
 from dflash_ring.consumer.model import build_drafter
 from dflash_ring.consumer.prompt_lookup import prompt_lookup
-from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
-from support import load_tokenizer, save_tiny_qwen3, tiny_qwen3_config
+from support import load_tokenizer, save_eval_target, tiny_qwen3_config
 from test_dspark_eval import chi2_bound, exact_joint, pearson
 
 BLOCK, MAX_NEW, LAYER_IDS, VOCAB = 4, 24, [1, 2], 448
@@ -51,17 +50,7 @@ ROWS = [
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("target")
-    tokenizer = tiny_chat_tokenizer(path)
-    # A sharper lm_head than the default init, so greedy argmaxes are not near-ties.
-    save_tiny_qwen3(
-        path,
-        init=lambda target: target.lm_head.weight.mul_(20),
-        vocab_size=VOCAB,
-        tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    return path
+    return save_eval_target(tmp_path_factory.mktemp("target"), VOCAB)
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,7 @@ from dflash_ring.consumer.evaluate import (
 )
 from dflash_ring.consumer.export import export_drafter, load_drafter
 from dflash_ring.consumer.model import Anchors, FrozenTargetHead, build_drafter
-from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
-from support import save_tiny_qwen3, tiny_qwen3_config
+from support import save_eval_target, tiny_qwen3_config
 
 BLOCK, MAX_NEW, LAYER_IDS = 4, 24, [1, 2]
 PROMPTS = ([5, 17, 42, 9, 33, 120, 7], [3, 3, 3], list(range(60, 90)))
@@ -35,17 +34,7 @@ PROMPTS = ([5, 17, 42, 9, 33, 120, 7], [3, 3, 3], list(range(60, 90)))
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("target")
-    tokenizer = tiny_chat_tokenizer(path)
-    # A sharper lm_head than the default init, so greedy argmaxes are not near-ties.
-    save_tiny_qwen3(
-        path,
-        init=lambda target: target.lm_head.weight.mul_(20),
-        vocab_size=448,
-        tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    return path
+    return save_eval_target(tmp_path_factory.mktemp("target"), 448)
 
 
 @pytest.fixture(scope="module")
