@@ -13,8 +13,6 @@ import hashlib
 import json
 import logging
 import math
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -25,7 +23,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
-from dflash_ring.common.durable import exclusive, fsync
+from dflash_ring.common.durable import cache_entry
 
 from dflash_ring.common.chat_encoding import ChatEncoder
 from .tiny_corpus import CorpusSpec, Row, corpus_texts, generate_corpus, write_jsonl
@@ -78,28 +76,9 @@ class TargetQuality:
 
 def ensure_tiny_target(cache_dir: str | Path, recipe: TinyTargetRecipe = TinyTargetRecipe()) -> Path:
     """Path of the trained tiny target (HF dir with tokenizer, TRAIN_FILE, HELDOUT_FILE), built on first use."""
-    root = Path(cache_dir).expanduser()
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"tiny-target-v{recipe.version}-{recipe.key()}"
+    final = Path(cache_dir).expanduser() / f"tiny-target-v{recipe.version}-{recipe.key()}"
     # Producers may start together: one builds, the others wait and then reuse its result.
-    with exclusive(root / f".{final.name}.lock"):
-        if _is_intact(final, recipe):
-            return final
-        for leftover in root.glob(f".{final.name}.*.tmp"):  # a crashed build's; nobody else builds this entry now
-            shutil.rmtree(leftover, ignore_errors=True)
-        if final.exists():
-            logger.warning("%s is incomplete or corrupt; rebuilding it", final)
-            shutil.rmtree(final)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=root))
-        try:
-            _build(recipe, tmp)
-            _fsync_tree(tmp)
-            tmp.rename(final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        fsync(root)
-    return final
+    return cache_entry(final, lambda d: _is_intact(d, recipe), lambda tmp: _build(recipe, tmp))
 
 
 def read_marker(target_dir: str | Path) -> dict[str, Any]:
@@ -282,10 +261,3 @@ def _is_intact(directory: Path, recipe: TinyTargetRecipe) -> bool:
         return marker["recipe"] == asdict(recipe) and marker["files"] == _checksums(directory)
     except (OSError, ValueError, KeyError, TypeError):
         return False
-
-
-def _fsync_tree(directory: Path) -> None:
-    for path in directory.iterdir():
-        if path.is_file():
-            fsync(path)
-    fsync(directory)

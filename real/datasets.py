@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import importlib.util
 import json
 import os
 from collections.abc import Iterator
@@ -24,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_ring.common.refusal import Refusal
+
+from .packages import package_path
 
 DATA_VERSION = 1  # bump when a file's rows change for the same packages
 HELDOUT_PERCENT = 2
@@ -47,11 +48,10 @@ class RealDataError(Refusal, RuntimeError):
 def package_file(name: str) -> Path:
     """The packaged file of data set `name`, found without importing its package."""
     module, relative, pin = _PACKAGES[name]
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
+    path, found = package_path(module, relative)
+    if path is None:
         raise RealDataError(f"the {name} data set's package {pin} is not installed: `make setup-real`")
-    path = Path(next(iter(spec.submodule_search_locations))) / relative
-    if not path.is_file():
+    if not found:
         raise RealDataError(f"{path} is missing from the installed {pin}: reinstall it")
     return path
 

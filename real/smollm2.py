@@ -23,17 +23,16 @@ recorded there (as the tiny target's is).
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from dflash_ring.common.durable import exclusive, fsync
+from dflash_ring.common.durable import cache_entry
 from dflash_ring.common.refusal import Refusal
+
+from .packages import package_path
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +60,10 @@ class RealModelError(Refusal, RuntimeError):
 
 def gguf_path() -> Path:
     """The installed GGUF file, found without importing the package (its __init__ imports `llm`, not installed)."""
-    spec = importlib.util.find_spec(PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
+    path, found = package_path(PACKAGE, GGUF_NAME)
+    if path is None:
         raise RealModelError(f"the real target's package {PACKAGE_PIN} is not installed: {INSTALL_HINT}")
-    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
-    if not path.is_file():
+    if not found:
         raise RealModelError(f"{path} is missing from the installed {PACKAGE}: reinstall it ({INSTALL_HINT})")
     return path
 
@@ -95,29 +93,9 @@ def ensure_smollm2(cache_dir: str | Path, gguf: Path | None = None) -> Path:
     """The converted model directory (config.json, model.safetensors, tokenizer files), built on first use."""
     source = checked_gguf(gguf)
     digest = file_digest(source)
-    root = Path(cache_dir).expanduser()
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"smollm2-135m-instruct-v{CONVERSION_VERSION}-{digest[:16]}"
-    with exclusive(root / f".{final.name}.lock"):  # roles may start together: one converts, the others wait
-        if _is_intact(final, digest):
-            return final
-        for leftover in root.glob(f".{final.name}.*.tmp"):
-            shutil.rmtree(leftover, ignore_errors=True)
-        if final.exists():
-            logger.warning("%s is incomplete or corrupt; converting it again", final)
-            shutil.rmtree(final)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=root))
-        try:
-            _convert(source, digest, tmp)
-            for path in tmp.iterdir():
-                fsync(path)
-            fsync(tmp)
-            tmp.rename(final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        fsync(root)
-    return final
+    final = Path(cache_dir).expanduser() / f"smollm2-135m-instruct-v{CONVERSION_VERSION}-{digest[:16]}"
+    # Roles may start together: one converts, the others wait and reuse it.
+    return cache_entry(final, lambda d: _is_intact(d, digest), lambda tmp: _convert(source, digest, tmp))
 
 
 def read_marker(model_dir: str | Path) -> dict[str, Any]:

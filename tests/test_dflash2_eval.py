@@ -24,8 +24,7 @@ from dflash_ring.consumer.evaluate import (
 )
 from dflash_ring.consumer.export import export_drafter, load_drafter
 from dflash_ring.consumer.model import DFlash2DraftModel, FrozenTargetHead, build_drafter, load_target_head
-from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
-from support import save_tiny_qwen3, tiny_qwen3_config
+from support import save_eval_target, tiny_qwen3_config
 from test_dspark_eval import chi2_bound, exact_joint, pearson, plain_greedy
 
 # The CPU runs flex_attention eagerly (the reference check of the GPU path): its torch.compile advice is expected.
@@ -45,16 +44,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("target")
-    tokenizer = tiny_chat_tokenizer(path)
-    save_tiny_qwen3(
-        path,
-        init=lambda target: target.lm_head.weight.mul_(20),
-        vocab_size=VOCAB,
-        tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    return path
+    return save_eval_target(tmp_path_factory.mktemp("target"), VOCAB)
 
 
 @pytest.fixture(scope="module")
