@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import tempfile
 import time
 import urllib.error
@@ -173,10 +174,16 @@ class Readiness:
         self._dir.rmdir()
 
 
+_STDERR = threading.Lock()
+
+
 def forward_lines(name: str, stream: IO[str]) -> None:
     """A piped child's lines on stderr, each prefixed with its name; a progress bar's `\\r` fragments: its last
-    state only."""
+    state only. One write per line under one lock: print() writes the text and its newline apart, and the threads
+    of a run's children interleaved them (three lines on one, a clean-clone run's test_launcher failure)."""
     for line in stream:
         line = line.rstrip("\n").rsplit("\r", 1)[-1].rstrip()
         if line:
-            print(f"{name:>10} | {line}", file=sys.stderr, flush=True)
+            with _STDERR:
+                sys.stderr.write(f"{name:>10} | {line}\n")
+                sys.stderr.flush()
