@@ -153,7 +153,8 @@ def run_checkpoint_bench(tiny: bool = False, every: int = 100, steps: int = 10, 
         background.wait()
         # Until `latest` moved (its mtime; the loop above sees the end only at a step boundary).
         write_s = (root / "background" / "latest").stat().st_mtime - started
-        assert _bytes(root / "background") == nbytes
+        # The same state either way; only the metadata's `snapshot_t` (a float whose printed digits vary) may differ.
+        assert abs(_bytes(root / "background") - nbytes) < 64, (_bytes(root / "background"), nbytes)
         progress(
             "checkpoint",
             "background",
