@@ -624,11 +624,12 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     if cfg.target.path and Path(cfg.target.path).expanduser().is_dir():
         # What every role reads of the target (config.json's geometry) and what a drafter checks against it (mask
         # token, layers); then the model as transformers builds it from config.json, on the meta device, against
-        # the weights' shapes (common/config/target.check_target_builds): config classes and headers, no weights.
+        # the weights' shapes (common/target_loading.check_target_builds): config classes and headers, no weights.
         from dflash_ring.common.config.schema import drafter_target_settings
-        from dflash_ring.common.config.target import check_target_builds
+        from dflash_ring.common.target_geometry import target_geometry
+        from dflash_ring.common.target_loading import check_target_builds
 
-        drafter_target_settings(cfg.drafter, cfg.target)
+        drafter_target_settings(cfg.drafter, target_geometry(cfg.target))  # a target it cannot read: its own refusal
         check_target_builds(cfg.target.path)
         if cfg.target.tensor_parallel > 1:  # the target's counts and family, this host's devices
             from dflash_ring.producer.target import resolve_device

@@ -134,13 +134,13 @@ def time_into_ring(
             consumer.start()
             ready.wait(60)
             me = Membership.join(ring, cfg.run, Role.PRODUCER, 0, journal_dir=cfg.train.checkpoint_dir)
-            producer = Producer(ring, me.row, 0, target, stop=threading.Event())
+            producer = Producer(ring.producer(me.row), 0, target, stop=threading.Event())
             producer.run(batch_loader(warm, target, target.device))
-            waited = ring.wait_seconds
+            waited = producer.port.wait_seconds
             t0 = time.perf_counter()
             producer.run(batch_loader(timed, target, target.device))
             elapsed = time.perf_counter() - t0
-            waited = ring.wait_seconds - waited
+            waited = producer.port.wait_seconds - waited
             me.leave()
     finally:
         stop.set()

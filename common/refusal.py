@@ -4,9 +4,9 @@ A `Refusal` is our own verdict on an input (a config file or setting, a model di
 the message says what is wrong and what to do, so cli.main prints it as the command's one error line, exit 2,
 whatever layer raised it. The classes that refuse inputs subclass it beside the builtin they always were (a
 ValueError: callers that catch that still do). Errors a library raises while reading or building from a user's
-file become one where that phase is (common/config/target.py: load_target_hf_config, load_target_tokenizer,
-building_from and load_target_lm; producer/data_source.py: reading), naming the file; a ValueError or TypeError
-from anywhere else is a bug and keeps its traceback.
+file become one where that phase is (common/target_loading.py: load_target_hf_config, building_from and
+load_target_lm; common/tokenizer_loading.py: load_target_tokenizer; producer/data_source.py: reading), naming the
+file; a ValueError or TypeError from anywhere else is a bug and keeps its traceback.
 
 Besides these, cli.main treats as one line what the operating system and the ring refuse (OSError, TimeoutError,
 MemoryError, and the RuntimeErrors of the ring, the roles and the devices: their messages are written as lines).

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dflash_ring.common.config.drafter import DrafterConfig, target_text_config
-from dflash_ring.common.config.target import layer_count_key, plain_geometry
+from dflash_ring.common.target_geometry import layer_count_key, plain_geometry
 
 if TYPE_CHECKING:  # transformers only where a config class is needed: its import costs a drafter's start seconds
     from transformers import PretrainedConfig, Qwen3Config
@@ -133,7 +133,7 @@ def num_target_layers(target_config: Mapping[str, Any] | PretrainedConfig) -> in
 
         config = AutoConfig.for_model(raw.pop("model_type"), **raw)
     text = config.get_text_config()
-    key = layer_count_key(text)  # the producers' count too (common/config/target.py): the same layer ids
+    key = layer_count_key(text)  # the producers' count too (common/target_geometry.py): the same layer ids
     layers = getattr(text, key, None)
     if not layers:
         raise ValueError(f"target config class {type(config).__name__} gives no {key}")

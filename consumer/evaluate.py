@@ -58,12 +58,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash_ring.common.chat_encoding import BadRow, decode_json_row, eos_ids, prompt_of
-from dflash_ring.common.config.target import (
-    check_token_ids,
-    load_target_hf_config,
-    load_target_lm,
-    load_target_tokenizer,
-)
+from dflash_ring.common.target_loading import load_target_hf_config, load_target_lm
+from dflash_ring.common.tokenizer_loading import check_token_ids, load_target_tokenizer
 from dflash_ring.common.refusal import Refusal
 
 from .calibration import ConfidenceCalibration, confidence_calibration

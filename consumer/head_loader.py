@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_ring.common.config.target import load_target_hf_config
+from dflash_ring.common.target_loading import load_target_hf_config
 
 from .head_cache import cached_spec, doubt, fingerprint, store_spec
 from .head_probe import probe_head

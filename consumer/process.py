@@ -50,11 +50,13 @@ from dflash_ring.common.layout import Role
 from dflash_ring.common.lifecycle.ledger_events import DrafterStart, Evaluated, Exited, Trained
 from dflash_ring.common.lifecycle.liveness import is_alive, lock_path
 from dflash_ring.common.metrics import DRAFTER, DrafterMetrics, check_port_free
-from dflash_ring.common.ring import Ring, SlotReader, fingerprint_digest
+from dflash_ring.common.ring import ConsumerPort, SlotReader, fingerprint_digest
+from dflash_ring.common.ring_spec import run_fingerprint_fields
 from dflash_ring.common.lifecycle.role_process import RoleProcess, role_process
 from dflash_ring.common.lifecycle.seat import Seat, take_seat
 from dflash_ring.common.lifecycle.startup import Startup
 from dflash_ring.common.config.target import TargetConfig
+from dflash_ring.common.target_geometry import target_geometry
 from dflash_ring.common.config.train import TrainConfig
 from dflash_ring.common.lifecycle.trained_journal import Journal, drop_covered, journal_dir, seal
 from dflash_ring.consumer.accounting import Consumed, ItemAccount
@@ -87,7 +89,8 @@ def target_config_dict(target_path: str) -> dict[str, Any]:
 
 def resolve_drafter_config(drafter: DrafterConfig, target: TargetConfig) -> DrafterConfig:
     """The drafter's settings with the target's choices filled in (mask token, captured layers)."""
-    mask, layer_ids = drafter_target_settings(drafter, target)  # refusals are ConfigErrors: one line at the boundary
+    geometry = target_geometry(target)  # a target it cannot read: its own TargetConfigError
+    mask, layer_ids = drafter_target_settings(drafter, geometry)  # refusals are ConfigErrors: one line at the boundary
     return replace(drafter, mask_token_id=mask, target_layer_ids=layer_ids)
 
 
@@ -305,7 +308,7 @@ def run_drafter(
         proc.serve(seat.index)  # the index's port: free now that its seat is ours
         resumed.load()  # the latest the seat's last holder made durable (nothing new: nothing loaded again)
         startup.mark("takeover")
-        run = RunRecord(cfg.run.name, dump_toml(cfg, full=True), fingerprint_digest(cfg.fingerprint_fields()).hex())
+        run = RunRecord(cfg.run.name, dump_toml(cfg, full=True), fingerprint_digest(run_fingerprint_fields(cfg)).hex())
         with Tracking(cfg.tracking, cfg.tracking_dir(), seat.index, run) as tracking:
             train(cfg, seat, proc, built, resumed, tracking, startup)
     return 0
@@ -327,11 +330,12 @@ def train(
     cfg: Config, seat: Seat, proc: RoleProcess, built: Built, resumed: Resumed, tracking: Tracking, startup: Startup
 ) -> None:
     """Drafter `seat.index` from joining to its exit: the row, the journal, the loop, the final checkpoint."""
-    index, trainer, ring = seat.index, built.trainer, proc.ring
+    index, trainer = seat.index, built.trainer
     metrics = DrafterMetrics(proc.registry)
     drafter_cfg, consumed = built.drafter_cfg, resumed.consumed
     me = proc.join("model loaded, ring attached", seat.lock)  # seals a dead predecessor's journal first
-    journal = resume_journal(cfg.train.checkpoint_dir, index, ring, trainer.step)
+    port = proc.ring.consumer(me.row)
+    journal = resume_journal(cfg.train.checkpoint_dir, index, port, trainer.step)
     checkpoints = Checkpoints(
         resumed.store,
         cfg.train.checkpoint_every_steps,
@@ -371,18 +375,18 @@ def train(
         index,
         trainer.device,
         sum(p.numel() for p in trainer.model.parameters()),
-        ring.name,
+        proc.ring.name,
     )
-    prefetch = Prefetcher(ring, me.row, trainer.device, metrics, proc.ledger)
+    prefetch = Prefetcher(port, trainer.device, metrics, proc.ledger)
     report = StepReport(
-        metrics, tracking, partial(ring_reading, ring), cfg.train.log_every_steps, cfg.train.eval_every_steps
+        metrics, tracking, partial(ring_reading, port), cfg.train.log_every_steps, cfg.train.eval_every_steps
     )
     schedule = StepSchedule(
-        trainer, cfg.train.total_steps, ring, cfg.topology.producers, cfg.topology.consumers, prefetch.pending
+        trainer, cfg.train.total_steps, port, cfg.topology.producers, cfg.topology.consumers, prefetch.pending
     )
     loop = DrafterLoop(
         trainer,
-        ItemAccount(consumed, journal, proc.ledger, prefetch.port.release),
+        ItemAccount(consumed, journal, proc.ledger, port.release),
         report,
         averaging,
         checkpoints,
@@ -415,11 +419,11 @@ def train(
         proc.ledger.write(Exited(trainer.step))
 
 
-def resume_journal(checkpoint_dir: str, index: int, ring: Ring, step: int) -> Journal:
+def resume_journal(checkpoint_dir: str, index: int, port: ConsumerPort, step: int) -> Journal:
     """This process's journal, resuming from checkpoint `step`. Joining sealed what a dead predecessor trained after
     the `latest` checkpoint; a resume that fell back to an older checkpoint (a damaged `latest`) seals what it
     trained after this one as well. Older segments are covered by the state resumed from."""
     directory = journal_dir(checkpoint_dir, index)
-    seal(directory, step, ring.identity.created_ns, ring.unfinished_item_numbers(), mine=os.getpid())
+    seal(directory, step, port.identity.created_ns, port.unfinished_item_numbers(), mine=os.getpid())
     drop_covered(directory, step, os.getpid())
-    return Journal(directory, ring.identity.created_ns, step)
+    return Journal(directory, port.identity.created_ns, step)

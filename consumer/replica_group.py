@@ -77,6 +77,7 @@ from torch.distributed import AllreduceOptions, ProcessGroupGloo, ReduceOp, Stor
 from dflash_ring.common.config.schema import ConfigError, GroupConfig
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.config.target import TargetConfig
+from dflash_ring.common.target_geometry import target_geometry
 from dflash_ring.common.config.train import TrainConfig
 from dflash_ring.common.layout import Role
 from dflash_ring.common.lifecycle.liveness import is_alive, lock_path
@@ -188,7 +189,7 @@ def fingerprint_fields(
     """What every host of a group must agree on, by config field name."""
     fields: dict[str, Any] = {f"drafter.{k}": v for k, v in drafter.model_fields().items()}  # not precision
     if target.path:
-        fields |= target.geometry().fingerprint_fields()
+        fields |= target_geometry(target).fingerprint_fields()
     for k in (
         "average_every_steps",
         "lr",

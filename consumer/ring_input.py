@@ -21,7 +21,7 @@ from dflash_ring.common.lifecycle.ledger import Ledger
 from dflash_ring.common.lifecycle.ledger_events import BatchIdentity, Got
 from dflash_ring.common.lifecycle.membership import Membership
 from dflash_ring.common.metrics import DrafterMetrics
-from dflash_ring.common.ring import Ring, SlotReader
+from dflash_ring.common.ring import ConsumerPort, SlotReader
 from dflash_ring.common.slot_contract import read_item
 from dflash_ring.common.slot_format import SlotFormatError
 from dflash_ring.consumer.step_record import RingReading
@@ -80,14 +80,13 @@ class Prefetcher(threading.Thread):
 
     def __init__(
         self,
-        ring: Ring,
-        row: int,
+        port: ConsumerPort,
         device: torch.device,
         metrics: DrafterMetrics | None = None,
         ledger: Ledger | None = None,
     ):
         super().__init__(name="prefetch", daemon=True)
-        self.ring, self.port, self.device = ring, ring.consumer(row), device
+        self.port, self.device = port, device
         self.metrics = metrics or DrafterMetrics()
         self.ledger = ledger  # run.ledger_dir: one record per batch taken from the ring
         self.items: queue.Queue[tuple[DeviceBatch, SlotReader] | None] = queue.Queue()
@@ -99,16 +98,16 @@ class Prefetcher(threading.Thread):
         while not self.stopping.is_set():
             if not self.room.acquire(timeout=0.5):
                 continue
-            waited = self.ring.wait_seconds
+            waited = self.port.wait_seconds
             try:
                 r = self.port.claim(timeout_s=0.5)
             except SlotFormatError as e:
                 log.error("%s", e)
                 r = None
-            self.metrics.wait.inc(self.ring.wait_seconds - waited)
+            self.metrics.wait.inc(self.port.wait_seconds - waited)
             if r is None:
                 self.room.release()
-                if self.ring.shutting_down:
+                if self.port.shutting_down:
                     break
                 continue
             t0 = time.perf_counter()
@@ -154,8 +153,8 @@ class Prefetcher(threading.Thread):
         return sum(b is not None and not b[0].is_eval for b in list(self.items.queue))
 
 
-def ring_reading(ring: Ring) -> RingReading:
+def ring_reading(port: ConsumerPort) -> RingReading:
     """What the step's record shows of the ring (consumer/step_record.py: Window)."""
     return RingReading(
-        ring.wait_seconds, ring.counter(Counter.PRODUCED), ring.produced_tokens(), ring.slot_counts()["ready"]
+        port.wait_seconds, port.counter(Counter.PRODUCED), port.produced_tokens(), port.slot_counts()["ready"]
     )

@@ -22,7 +22,8 @@ from torch import nn
 
 from dflash_ring.common.bounded_read import CONFIG_BYTES, read_text
 from dflash_ring.common.safetensors_check import DamagedWeightsError, weight_files
-from dflash_ring.common.config.target import TargetConfigError, load_target_hf_config
+from dflash_ring.common.config.target import TargetConfigError
+from dflash_ring.common.target_loading import load_target_hf_config
 from dflash_ring.consumer.fp8_head import Fp8Head
 
 # Checkpoint names, in order: text models, transformers-5 multimodal wrappers (Qwen3.5, Gemma3 as

@@ -28,7 +28,7 @@ from dflash_ring.consumer.source_metrics import SourceLabels, SourceStats, add_s
 from dflash_ring.common.config.train import TrainConfig
 
 if TYPE_CHECKING:
-    from dflash_ring.common.ring import Ring
+    from dflash_ring.common.ring import ConsumerPort
 
 log = logging.getLogger(__name__)
 
@@ -170,9 +170,15 @@ class StepSchedule:
     """
 
     def __init__(
-        self, trainer: Trainer, total_steps: int, ring: Ring, producers: int, consumers: int, pending: Callable[[], int]
+        self,
+        trainer: Trainer,
+        total_steps: int,
+        port: ConsumerPort,
+        producers: int,
+        consumers: int,
+        pending: Callable[[], int],
     ):
-        self.trainer, self.total_steps, self.ring, self.pending = trainer, total_steps, ring, pending
+        self.trainer, self.total_steps, self.port, self.pending = trainer, total_steps, port, pending
         self.producers, self.consumers = producers, consumers
 
     def total(self) -> int:
@@ -180,8 +186,8 @@ class StepSchedule:
         return self.total_steps or self._estimated()
 
     def _estimated(self) -> int:
-        ring, trainer = self.ring, self.trainer
-        rows = ring.rows()
+        port, trainer = self.port, self.trainer
+        rows = port.rows()
         producers = rows["role"] == Role.PRODUCER
         plans = rows["planned_items"][producers]
         announced = int((plans > 0).sum())
@@ -191,7 +197,7 @@ class StepSchedule:
         training_share = 1.0 - int(rows["planned_eval_items"][producers].sum()) / int(plans.sum())
         # Released (trained) items are counted; claimed ones (READING: this batch, the prefetched ones, and what
         # other drafters are training) will be trained by their holders, so they are not shared out again.
-        left = max(0, planned - ring.counter(Counter.CONSUMED) - ring.slot_counts()["reading"])
+        left = max(0, planned - port.counter(Counter.CONSUMED) - port.slot_counts()["reading"])
         # Rounded down: the last few items race, the other drafters take them.
         share = int(left * training_share) // self.consumers
         micro = trainer.accumulated + 1 + self.pending() + share  # micro-batches still to train

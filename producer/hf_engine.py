@@ -21,7 +21,8 @@ from transformers import (
 )
 
 from dflash_ring.common.chat_encoding import eos_ids
-from dflash_ring.common.config.target import TargetConfig, TargetConfigError, check_token_ids
+from dflash_ring.common.config.target import TargetConfig, TargetConfigError
+from dflash_ring.common.tokenizer_loading import check_token_ids
 
 from .generation import GenerationSettings, Prompt, Reply, prompt_seed
 from .pretokenized import target_tokenizer

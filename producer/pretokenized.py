@@ -24,7 +24,8 @@ from dflash_ring.common.durable import exclusive
 
 from dflash_ring.common.chat_encoding import BadRow, ChatEncoder, decode_json_row
 from dflash_ring.common.config.data import DataConfig, DataError
-from dflash_ring.common.config.target import TargetConfig, load_target_tokenizer
+from dflash_ring.common.config.target import TargetConfig
+from dflash_ring.common.tokenizer_loading import load_target_tokenizer
 from .data_source import DataFiles, batch_rows, check_row_size, locate, max_row_bytes, open_dataset
 
 if TYPE_CHECKING:

@@ -17,6 +17,10 @@ is gone; the ring's record wins. Whoever removes a ring first writes the items s
 that file's replay list (common/lifecycle/resume_state.py), and a producer publishes those first: a run
 stopped at any moment loses nothing. At the end of the shard the file holds the end (a drained run
 started again must not redo a finished shard); the supervisor removes it once the run is complete.
+
+The process, after it attaches, as the drafter's is (consumer/process.py): `build` (the data, the target in its
+batch layout, the shard's batcher: interruptible, before the row is taken), `resume` (the plan in the row, the
+resume point, the replay list) and `publish_shard` (the publish loop, which checks the stop flag itself).
 """
 
 from __future__ import annotations
@@ -28,22 +32,27 @@ import time
 from pathlib import Path
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import posix_ipc
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from dflash_ring.common.lifecycle import sd_notify
 from dflash_ring.common.compile_cache import use_compile_cache
 from dflash_ring.common.config.schema import Config, RingConfig
 from dflash_ring.common.chat_encoding import mask_token_refusal
-from dflash_ring.common.config.target import TargetConfigError, check_token_ids
+from dflash_ring.common.config.target import TargetConfig, TargetConfigError
+from dflash_ring.common.target_geometry import target_geometry
+from dflash_ring.common.tokenizer_loading import check_token_ids
 from dflash_ring.common.gpu_metrics import device_uuid
 from dflash_ring.common.layout import Role
 from dflash_ring.common.lifecycle.ledger_events import ProducerStart, ShardDone
-from dflash_ring.common.lifecycle.resume_state import CursorFile, cursor_path
+from dflash_ring.common.lifecycle.ledger import Ledger
+from dflash_ring.common.lifecycle.resume_state import CursorFile, ResumeState, cursor_path
 from dflash_ring.common.metrics import DeviceSpan, ProducerMetrics
-from dflash_ring.common.ring import Ring, SlotWriter
+from dflash_ring.common.ring import ProducerPort, SlotWriter
 from dflash_ring.common.lifecycle.role_process import RoleProcess, StopSignal, role_process
 from dflash_ring.common.slot_contract import FEATURES, FINAL_HIDDEN, HOST_TENSORS, META_KEYS, check_fits, item_tensors
 from dflash_ring.common.lifecycle.startup import Startup
@@ -53,8 +62,8 @@ from .batching import Batch, ShardBatcher
 from .live_replay import LiveReplay
 from .conformance import choose_packing
 from .probe_cache import cached_probe
-from .data_stats import data_stats, log_lines
-from .pretokenized import load_sources, target_tokenizer
+from .data_stats import DataStats, data_stats, log_lines
+from .pretokenized import SourceData, load_sources, target_tokenizer
 from .resume import replays_after_the_end, resume_point, resumed_batches
 from .target import TargetModel, TargetOutput, resolve_device, resolve_dtype
 from .tensor_group import TensorGroup, check_group
@@ -239,8 +248,7 @@ class Producer:
 
     def __init__(
         self,
-        ring: Ring,
-        row: int,
+        port: ProducerPort,
         index: int,
         target: TargetModel,
         *,
@@ -250,7 +258,7 @@ class Producer:
         source_names: tuple[str, ...] = ("data",),
         startup: Startup | None = None,
     ):
-        self.ring, self.port, self.target = ring, ring.producer(row), target
+        self.port, self.target = port, target
         self.source_names = source_names  # Batch.source_ids index these
         self.stop = stop
         self.account = account or PublishAccount(self.port)
@@ -297,14 +305,14 @@ class Producer:
         """A slot, waiting while the ring is full; None on drain, shutdown or our own stop signal."""
         while not self.stop.is_set():
             sd_notify.watchdog()
-            waited = self.ring.wait_seconds
+            waited = self.port.wait_seconds
             try:
                 w = self.port.acquire(timeout_s=1.0)
             except posix_ipc.SignalError:  # our SIGTERM handler ran inside the semaphore wait
                 continue
             finally:
-                self.metrics.blocked.inc(self.ring.wait_seconds - waited)
-            if w is not None or self.ring.draining or self.ring.shutting_down:
+                self.metrics.blocked.inc(self.port.wait_seconds - waited)
+            if w is not None or self.port.draining or self.port.shutting_down:
                 return w
         return None
 
@@ -343,7 +351,7 @@ class Producer:
             s.batches,
             s.tokens,
             s.tokens / elapsed,
-            self.ring.wait_seconds,
+            self.port.wait_seconds,
             100 * s.padding_fraction,
         )
 
@@ -362,12 +370,12 @@ def serve_replays(
     """After the shard: publish each replay that joins the list, until shutdown, drain or a stop signal. The
     supervisor ends the run only once nothing is owed (supervisor/owed.py), so a drafter that dies near the end
     still has its lost batches produced again. Returns the last loader (for the caller to close)."""
-    ring, loader = producer.ring, None
-    while not (stop.is_set() or ring.shutting_down or ring.draining):
-        producer.port.heartbeat()
+    port, loader = producer.port, None
+    while not (stop.is_set() or port.shutting_down or port.draining):
+        port.heartbeat()
         sd_notify.watchdog()
         replay.poll()
-        done = producer.port.committed_replayed()
+        done = port.committed_replayed()
         if replay.pending:
             loader = load(replays_after_the_end(batcher, replay, done, epochs))
             producer.run(loader)
@@ -386,11 +394,11 @@ def run_producer(cfg: Config, index: int, device_name: str | None, startup: Star
     check_group(cfg.target, device)  # target.tensor_parallel against the target and this host, before any wait
     with role_process(cfg, Role.PRODUCER, index, device_uuid(device), startup) as proc:
         metrics = ProducerMetrics(proc.registry)
-        ring = proc.attach(pin=device.type == "cuda")  # a mismatched config fails before any loading
+        proc.attach(pin=device.type == "cuda")  # a mismatched config fails before any loading
         startup.mark("attach")  # metrics port, and the wait for the supervisor's ring
         try:
             with TensorGroup.held(cfg.target, device, proc.interruptible) as group:
-                return _produce(cfg, index, device, startup, proc, metrics, ring, group)
+                return _produce(cfg, index, device, group, proc, metrics, startup)
         except StopSignal as e:  # in a phase that never looks at the stop flag: it unwound instead
             log.info("stopped by %s while starting (before the first publish)", e)
             return 0
@@ -400,123 +408,214 @@ def _produce(
     cfg: Config,
     index: int,
     device: torch.device,
-    startup: Startup,
+    group: TensorGroup | None,
     proc: RoleProcess,
     metrics: ProducerMetrics,
-    ring: Ring,
-    group: TensorGroup | None = None,
+    startup: Startup,
 ) -> int:
     """The producer after `attach`: loading and planning are interruptible (`RoleProcess.interruptible`); the
     publish loop checks the stop flag itself. With a tensor-parallel group, this process is its leader: the only
     rank that touches the ring."""
-    producers = cfg.topology.producers
     with proc.interruptible():
-        tokenizer = target_tokenizer(cfg.target)
-        mask = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None else cfg.target.mask_token_id
-        if mask is not None and (why := mask_token_refusal(tokenizer, mask, cfg.target.geometry().vocab_size)):
-            raise TargetConfigError(why)
-        sources = load_sources(cfg.data, tokenizer, reserved_token=mask)
-        metrics.bad_rows.inc(sum(len(s.data.bad_rows) for s in sources))
-        # Before anything is published: what this run trains on.
-        composition = data_stats(sources, cfg.data.eval_fraction, cfg.data.seed)
-        for line in log_lines(composition):
-            log.info("%s", line)
-        startup.mark("data")  # tokenizer, tokenized data (cached after the first start), its statistics
-        target = TargetModel.load(cfg.target, device, packed=False, group=group)
-        if len(tokenizer) > target.config.vocab_size:  # else every id the tokenizer gives has its embedding row
-            for s in sources:
-                if len(s.data.tokens):
-                    check_token_ids(
-                        int(s.data.tokens.max()),
-                        target.config.vocab_size,
-                        cfg.target.tokenizer or cfg.target.path,
-                        cfg.target.path,
-                        f"data source {s.name} ({s.path}), tokenized,",
-                    )
-        startup.mark("model")
-        # Before anything is published; a restart on the same model, code and device reads the saved result.
-        probe = choose_packing(
-            target, cfg.target.packing, cached_probe(Path(cfg.target.state_dir).expanduser() / "probe", cfg.target.path)
-        )
-        startup.mark("probe")
-        metrics.packing.labels("packed" if target.packed else "padded", target.config.model_type).set(1)
-        metrics.conformance_error.set(float("nan") if probe is None or probe.max_error is None else probe.max_error)
-        check_slot_fits(cfg.ring, cfg.data.max_tokens_per_batch, target)
-        if cfg.target.compile and device.type == "cuda" and target.packed:
-            use_compile_cache(
-                cfg.run.compile_cache_dir,
-                "target",
-                {
-                    "model": target.config.to_dict(),
-                    "layers": target.layer_ids,
-                    "dtype": str(target.dtype),
-                    "final_hidden": target.final_hidden,
-                },
-            )
-            log.info("compiled decoder layers %s (first batches compile)", target.compile_layers())
-        batcher = ShardBatcher.from_config(sources, cfg.data, rank=index, world_size=producers, packing=target.packed)
-        path = cursor_path(cfg.target.state_dir, cfg.run.name, index)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        cursor_file = CursorFile(path, batcher.plan_key(), batcher.plan_description())
+        built = build(cfg, index, device, group, metrics, startup)
     me = proc.join("model loaded, ring attached")
     startup.mark("join")  # the batch plan, and the row (waits for a dead predecessor's lock)
     with proc.interruptible():
-        plan, eval_positions = [], []
-        for e in range(cfg.data.epochs):  # one pass: eval_positions(e) reads the plan epoch_plan(e) just made
-            plan.append(len(batcher.epoch_plan(e)))
-            eval_positions.append(batcher.eval_positions(e))
-    port = ring.producer(me.row)
-    port.set_planned_items(sum(plan), sum(map(len, eval_positions)))
-    loader = None
-    try:
-        start, source = resume_point(port, cursor_file)
-        log.info(
-            "producer %d of %d: %d samples an epoch, %d epochs, %s features; resuming at epoch %d "
-            "position %d (from the %s)%s",
-            index,
-            producers,
-            composition.total.epoch_rows,
-            cfg.data.epochs,
-            resolve_dtype(cfg.target.dtype, device),
-            start.epoch,
-            start.position,
-            source,
-            f", after {len(start.pending_replay)} batch(es) a stopped run left untrained"
-            if start.pending_replay
-            else "",
-        )
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        plan = ShardPlan.of(built.batcher, cfg.data.epochs)
+    resumed = resume(cfg, index, device, proc.ring.producer(me.row), built, plan, proc.ledger)
+    publish_shard(cfg.data.epochs, index, proc, built, resumed, metrics, startup)
+    return 0
 
-        def load(batches: Iterator[Batch]) -> Loader:
-            return Loader(batches, lambda b: prepare(b, packed=target.packed, pad_id=pad_id, pin=device.type == "cuda"))
 
-        replay = LiveReplay(
-            index,
-            start,
-            cursor_file,
-            cfg.train.checkpoint_dir,
-            lambda e, q: 0 <= e < len(plan) and 0 <= q < plan[e],
-            proc.ledger,
-        )
-        loader = load(resumed_batches(batcher, start, replay))
-        if proc.ledger is not None:
-            proc.ledger.write(
-                ProducerStart(
-                    plan,
-                    [start.epoch, start.position],
-                    [list(x) for x in start.pending_replay],
-                    eval_positions if any(eval_positions) else None,
-                )
+@dataclass
+class Built:
+    """What a producer loads before it takes its row (an interruptible phase: nothing here writes the ring)."""
+
+    target: TargetModel
+    source_names: tuple[str, ...]  # Batch.source_ids index these
+    composition: DataStats
+    batcher: ShardBatcher
+    cursor_file: CursorFile
+    prepare_batch: Callable[[Batch], Prepared]  # what the loader thread runs on each batch
+
+
+def build(
+    cfg: Config,
+    index: int,
+    device: torch.device,
+    group: TensorGroup | None,
+    metrics: ProducerMetrics,
+    startup: Startup,
+) -> Built:
+    """The data, the target (with a tensor-parallel group, sharded over its ranks) in its batch layout, and this
+    shard's batcher and cursor file."""
+    tokenizer, sources, composition = load_data(cfg, metrics)
+    startup.mark("data")  # tokenizer, tokenized data (cached after the first start), its statistics
+    target = TargetModel.load(cfg.target, device, packed=False, group=group)
+    if len(tokenizer) > target.config.vocab_size:  # else every id the tokenizer gives has its embedding row
+        check_data_token_ids(cfg.target, target.config.vocab_size, sources)
+    startup.mark("model")
+    choose_layout(cfg, device, target, metrics, startup)
+    batcher = ShardBatcher.from_config(
+        sources, cfg.data, rank=index, world_size=cfg.topology.producers, packing=target.packed
+    )
+    path = cursor_path(cfg.target.state_dir, cfg.run.name, index)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return Built(
+        target,
+        tuple(s.name for s in sources),
+        composition,
+        batcher,
+        CursorFile(path, batcher.plan_key(), batcher.plan_description()),
+        partial(prepare, packed=target.packed, pad_id=pad_id, pin=device.type == "cuda"),
+    )
+
+
+def load_data(cfg: Config, metrics: ProducerMetrics) -> tuple[PreTrainedTokenizerBase, list[SourceData], DataStats]:
+    """The target's tokenizer, the data tokenized with it, and the data's statistics."""
+    tokenizer = target_tokenizer(cfg.target)
+    mask = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None else cfg.target.mask_token_id
+    if mask is not None and (why := mask_token_refusal(tokenizer, mask, target_geometry(cfg.target).vocab_size)):
+        raise TargetConfigError(why)
+    sources = load_sources(cfg.data, tokenizer, reserved_token=mask)
+    metrics.bad_rows.inc(sum(len(s.data.bad_rows) for s in sources))
+    # Before anything is published: what this run trains on.
+    composition = data_stats(sources, cfg.data.eval_fraction, cfg.data.seed)
+    for line in log_lines(composition):
+        log.info("%s", line)
+    return tokenizer, sources, composition
+
+
+def check_data_token_ids(target: TargetConfig, vocab_size: int, sources: list[SourceData]) -> None:
+    """Every source's token ids against the target's embedding rows (a tokenizer larger than its vocabulary)."""
+    for s in sources:
+        if len(s.data.tokens):
+            check_token_ids(
+                int(s.data.tokens.max()),
+                vocab_size,
+                target.tokenizer or target.path,
+                target.path,
+                f"data source {s.name} ({s.path}), tokenized,",
             )
+
+
+def choose_layout(
+    cfg: Config, device: torch.device, target: TargetModel, metrics: ProducerMetrics, startup: Startup
+) -> None:
+    """Packed or padded batches (target.packing, the conformance probe deciding), and what the layout decides: the
+    slot must hold the largest batch, and a packed target on a GPU compiles its decoder layers."""
+    # Before anything is published; a restart on the same model, code and device reads the saved result.
+    probe = choose_packing(
+        target, cfg.target.packing, cached_probe(Path(cfg.target.state_dir).expanduser() / "probe", cfg.target.path)
+    )
+    startup.mark("probe")
+    metrics.packing.labels("packed" if target.packed else "padded", target.config.model_type).set(1)
+    metrics.conformance_error.set(float("nan") if probe is None or probe.max_error is None else probe.max_error)
+    check_slot_fits(cfg.ring, cfg.data.max_tokens_per_batch, target)
+    if cfg.target.compile and device.type == "cuda" and target.packed:
+        use_compile_cache(
+            cfg.run.compile_cache_dir,
+            "target",
+            {
+                "model": target.config.to_dict(),
+                "layers": target.layer_ids,
+                "dtype": str(target.dtype),
+                "final_hidden": target.final_hidden,
+            },
+        )
+        log.info("compiled decoder layers %s (first batches compile)", target.compile_layers())
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """This shard's batches in each epoch, and the held-out positions among them."""
+
+    batches: list[int]
+    eval_positions: list[list[int]]
+
+    @classmethod
+    def of(cls, batcher: ShardBatcher, epochs: int) -> ShardPlan:
+        plan = cls([], [])
+        for e in range(epochs):  # one pass: eval_positions(e) reads the plan epoch_plan(e) just made
+            plan.batches.append(len(batcher.epoch_plan(e)))
+            plan.eval_positions.append(batcher.eval_positions(e))
+        return plan
+
+    def has(self, epoch: int, position: int) -> bool:
+        return 0 <= epoch < len(self.batches) and 0 <= position < self.batches[epoch]
+
+
+@dataclass
+class Resumed:
+    """Where this producer's shard starts again, the replay list it publishes first, and its row's port."""
+
+    port: ProducerPort
+    start: ResumeState
+    replay: LiveReplay
+
+
+def resume(
+    cfg: Config,
+    index: int,
+    device: torch.device,
+    port: ProducerPort,
+    built: Built,
+    plan: ShardPlan,
+    ledger: Ledger | None,
+) -> Resumed:
+    """The plan into the row (the drafters' LR schedules count it), the resume point (producer/resume.py), the live
+    replay list, and the ledger's start record."""
+    port.set_planned_items(sum(plan.batches), sum(map(len, plan.eval_positions)))
+    start, source = resume_point(port, built.cursor_file)
+    log.info(
+        "producer %d of %d: %d samples an epoch, %d epochs, %s features; resuming at epoch %d "
+        "position %d (from the %s)%s",
+        index,
+        cfg.topology.producers,
+        built.composition.total.epoch_rows,
+        cfg.data.epochs,
+        resolve_dtype(cfg.target.dtype, device),
+        start.epoch,
+        start.position,
+        source,
+        f", after {len(start.pending_replay)} batch(es) a stopped run left untrained" if start.pending_replay else "",
+    )
+    replay = LiveReplay(index, start, built.cursor_file, cfg.train.checkpoint_dir, plan.has, ledger)
+    if ledger is not None:
+        ledger.write(
+            ProducerStart(
+                plan.batches,
+                [start.epoch, start.position],
+                [list(x) for x in start.pending_replay],
+                plan.eval_positions if any(plan.eval_positions) else None,
+            )
+        )
+    return Resumed(port, start, replay)
+
+
+def publish_shard(
+    epochs: int,
+    index: int,
+    proc: RoleProcess,
+    built: Built,
+    resumed: Resumed,
+    metrics: ProducerMetrics,
+    startup: Startup,
+) -> None:
+    """The publish loop: the shard from its resume point, then what dead drafters lose, until the run ends."""
+    load = partial(Loader, prepare_fn=built.prepare_batch)
+    port, replay, loader = resumed.port, resumed.replay, None
+    try:
+        loader = load(resumed_batches(built.batcher, resumed.start, replay))
         producer = Producer(
-            ring,
-            me.row,
+            port,
             index,
-            target,
+            built.target,
             stop=proc.stop,
             account=PublishAccount(port, proc.ledger, replay),
             metrics=metrics,
-            source_names=tuple(s.name for s in sources),
+            source_names=built.source_names,
             startup=startup,
         )
         if producer.run(loader):
@@ -525,13 +624,12 @@ def _produce(
                 proc.ledger.write(ShardDone())
             # Keep the end, not nothing: a run drained now and started again must not redo this shard.
             # The supervisor removes the file once every shard is done (the run is complete).
-            replay.finish(cfg.data.epochs)
+            replay.finish(epochs)
             log.info("shard done; producing again what dead drafters lose, until the run ends")
             loader.close()
-            loader = serve_replays(producer, replay, batcher, cfg.data.epochs, load, proc.stop)
+            loader = serve_replays(producer, replay, built.batcher, epochs, load, proc.stop)
         else:
             log.info("stopped before the end of the shard (signal, drain or shutdown)")
     finally:
         if loader is not None:
             loader.close()
-    return 0

@@ -34,12 +34,9 @@ from .varlen_gated_deltanet import FlaKernels, VarlenGatedDeltaNet, varlen_refus
 from .tensor_group import TensorGroup, send_run
 from dflash_ring.common.device import checked_device
 from dflash_ring.common.safetensors_check import weight_files
-from dflash_ring.common.config.target import (
-    TargetConfig,
-    TargetConfigError,
-    load_target_hf_config,
-    load_target_lm,
-)
+from dflash_ring.common.config.target import TargetConfig, TargetConfigError
+from dflash_ring.common.target_geometry import read_model_config, target_geometry
+from dflash_ring.common.target_loading import load_target_hf_config, load_target_lm
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +72,7 @@ def check_weights(cfg: TargetConfig) -> Path:
     """The model directory, refused by name unless it has a config.json and safetensors weights whose headers parse
     (a cheap check: a missing, truncated or damaged file is one line naming it, before anything slow is loaded)."""
     root = Path(cfg.path).expanduser()
-    cfg.model_config()  # a missing path or config.json: its own clear error
+    read_model_config(cfg)  # a missing path or config.json: its own clear error
     if not any((root / name).is_file() for name in WEIGHT_FILES):
         raise TargetConfigError(
             f"target.path = {cfg.path}: no model.safetensors or model.safetensors.index.json "
@@ -186,7 +183,7 @@ class TargetModel:
     ) -> TargetModel:
         """From a local directory only; the LM head is dropped with the wrapper (no logits, less memory). With a
         group (target.tensor_parallel > 1, this process its leader), sharded by the family's plan over its ranks."""
-        geometry = cfg.geometry()
+        geometry = target_geometry(cfg)
         model = load_causal_lm(cfg, device) if group is None else load_sharded(cfg, device)
         args = (model, list(geometry.layer_ids))
         target = (

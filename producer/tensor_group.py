@@ -40,7 +40,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dflash_ring.common.config.target import TargetConfig, TargetConfigError, tensor_parallel_refusal
+from dflash_ring.common.config.target import TargetConfig, TargetConfigError
+from dflash_ring.common.target_geometry import read_model_config
+from dflash_ring.common.target_loading import load_target_hf_config
 
 from .packing import packed_spans
 
@@ -61,6 +63,46 @@ def backend_for(device: torch.device) -> str:
 def rank_device(device: torch.device, rank: int) -> torch.device:
     """A group's ranks take consecutive GPUs from the leader's (a systemd group unit sees just its N)."""
     return torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
+
+
+# What a tensor-parallel plan splits N ways: attention heads (column-wise q, k, v) and the MLP's inner width
+# (column-wise gate/up, row-wise down). A count N does not divide would split inside a head or leave ranks
+# unequal shards, so it is refused before any rank starts.
+SHARDED_COUNTS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size")
+
+
+def tensor_parallel_refusal(cfg: TargetConfig) -> str | None:
+    """Why target.tensor_parallel cannot shard this target (None: it can): a count the ranks do not divide (from
+    config.json), or a family whose transformers config has no tensor-parallel plan (its config class:
+    the one place this needs transformers). One line, naming the families that have a plan."""
+    n = cfg.tensor_parallel
+    if n == 1:
+        return None
+    config = read_model_config(cfg)
+    for key in SHARDED_COUNTS:
+        value = config.get(key)
+        if type(value) is int and value % n:  # noqa: E721 (a bool is no count)
+            return (
+                f"target.tensor_parallel = {n} does not divide the target's {key} = {value}: use a divisor "
+                f"of it (the ranks shard it evenly)"
+            )
+    text = load_target_hf_config(cfg.path).get_text_config()
+    if not getattr(text, "base_model_tp_plan", None):
+        return (
+            f"target.tensor_parallel = {n} refused: transformers has no tensor-parallel plan for "
+            f"{text.model_type!r} (set target.tensor_parallel = 1); families with one: "
+            f"{', '.join(tensor_parallel_families())}"
+        )
+    return None
+
+
+def tensor_parallel_families() -> list[str]:
+    """The model types whose installed transformers config carries a tensor-parallel plan (base_model_tp_plan)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return sorted(
+        name for name, config_class in CONFIG_MAPPING.items() if getattr(config_class, "base_model_tp_plan", None)
+    )
 
 
 def check_group(cfg: TargetConfig, device: torch.device) -> None:

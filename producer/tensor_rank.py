@@ -15,6 +15,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from dflash_ring.common.target_geometry import target_geometry
+
 from .target import TargetModel, load_sharded
 from .tensor_group import JOIN_TIMEOUT, backend_for, die_with_leader, rank_target_config, serve_rank
 
@@ -47,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         backend_for(device), store=store, rank=args.rank, world_size=cfg.tensor_parallel, timeout=JOIN_TIMEOUT
     )
     model = load_sharded(cfg, device)
-    target = TargetModel(model, list(cfg.geometry().layer_ids), final_hidden=bool(cfg.ship_final_hidden), packed=False)
+    target = TargetModel(
+        model, list(target_geometry(cfg).layer_ids), final_hidden=bool(cfg.ship_final_hidden), packed=False
+    )
     del model
     serve_rank(target, device)
     dist.destroy_process_group()

@@ -9,6 +9,8 @@ name (`from support import ...`) instead of reaching into conftest or another te
   `pipeline_settings` is the pipeline tests' recipe (a tiny target and a one-layer drafter on the CPU).
 - Targets: `build_target` (any family, with the tiny tokenizer), `save_tiny_qwen3` / `tiny_qwen3_config`
   (the small Qwen3 the drafter tests use), reference features and `assert_same_features`.
+- Eval: the eval tests' shared module fixtures (`one_thread`, `target_dir`, `target`, `data`, `micro_target`),
+  the one place fixtures live outside conftest.py, and `plain_greedy`, `exact_joint`, `pearson`, `chi2_bound`.
 - Data: `write_chat_rows`, `cyclic_rows` (learnable replies), `packed_batch`, `anchors_from_local`,
   `synthetic` / `mixture` (tokenized sources whose tokens say where they came from);
   `curves` reads a drafter's loss and accuracy from its log.
@@ -16,7 +18,9 @@ name (`from support import ...`) instead of reaching into conftest or another te
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import random
 import re
@@ -24,11 +28,13 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
@@ -36,7 +42,7 @@ from dflash_ring.bench.target_shapes import FAMILIES, model_class, tiny_config
 from dflash_ring.common.config.dump import dump_toml
 from dflash_ring.common.config.load import load_config
 from dflash_ring.common.config.schema import Config
-from dflash_ring.consumer.model import Anchors, cu_seqlens_from_lengths
+from dflash_ring.consumer.model import Anchors, FrozenTargetHead, cu_seqlens_from_lengths
 from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 from dflash_ring.producer.batching import Batch, Cursor
 from dflash_ring.producer.conformance import relative_error
@@ -404,6 +410,107 @@ def save_eval_target(path: Path, vocab_size: int) -> Path:
         eos_token_id=tokenizer.eos_token_id,
     )
     return path
+
+
+# --- the eval tests --------------------------------------------------------------------------------
+# The module fixtures that test_dspark_eval, test_dflash2_eval and test_eval_baselines share, imported by name (in
+# conftest.py they would be every module's), and the statistics of their lossless-sampling checks.
+
+EVAL_VOCAB = 448  # the eval target's vocabulary
+MICRO_VOCAB = 3  # micro_target's
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Decoding is many small forwards: one thread, as the eval runs them (more only contend on a shared host)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return save_eval_target(tmp_path_factory.mktemp("target"), EVAL_VOCAB)
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Held-out rows in both layouts: a chat with its reply, and a prompt with its response."""
+    path = tmp_path_factory.mktemp("data") / "heldout.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": "Count from 3 to 7."}, {"role": "assistant", "content": "3 4"}]},
+        {"prompt": "Repeat: red cat.", "response": "red cat"},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def micro_target():
+    """A target of three tokens: the first four generated tokens have 81 outcomes, each likely enough to count."""
+    config = tiny_qwen3_config(
+        vocab_size=MICRO_VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4)
+    return model
+
+
+def head_of(target: Qwen3ForCausalLM) -> FrozenTargetHead:
+    return FrozenTargetHead(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+
+
+@torch.no_grad()
+def plain_greedy(target, prompt: list[int], n: int) -> list[int]:
+    """Reference decoding: the whole sequence re-run for every token, no cache, no drafts."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(target(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+@torch.no_grad()
+def exact_joint(target, prompt, n):
+    """The target's exact probability of every n-token continuation of prompt (temperature 1)."""
+    prefixes = list(itertools.product(range(target.config.vocab_size), repeat=n - 1))
+    log_p = torch.log_softmax(target(input_ids=torch.tensor([prompt + list(t) for t in prefixes])).logits.double(), -1)
+    log_p = log_p[:, len(prompt) - 1 :]
+    return {
+        (*t, last): float(sum(log_p[i, k, (*t, last)[k]] for k in range(n)).exp())
+        for i, t in enumerate(prefixes)
+        for last in range(target.config.vocab_size)
+    }
+
+
+def chi2_bound(df: int, z: float = 3.09) -> float:
+    """The chi-square distribution's upper quantile at the normal z (3.09: p = 0.001), by Wilson-Hilferty."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def pearson(counts: Counter, exact: dict, n: int) -> tuple[float, int]:
+    """Pearson's chi-square of counts over n draws against exact probabilities, cells expecting < 5 pooled."""
+    big = [k for k, p in exact.items() if n * p >= 5]
+    rest = [k for k in exact if n * exact[k] < 5]
+    observed = [counts[k] for k in big] + [sum(counts[k] for k in rest)]
+    expected = [n * exact[k] for k in big] + [n * sum(exact[k] for k in rest)]
+    observed, expected = (observed, expected) if rest else (observed[:-1], expected[:-1])
+    assert sum(observed) == n
+    return sum((o - e) ** 2 / e for o, e in zip(observed, expected)), len(observed) - 1
 
 
 # --- data ------------------------------------------------------------------------------------------

@@ -642,7 +642,7 @@ CASES = [
         "--seqs 4 --seq-len 3072 does not fit",
     ),
     # Issue 34: inputs that ended in a traceback. A target config.json field transformers' strict config classes
-    # refuse is one TargetConfigError at the one loading point (common/config/target.load_target_hf_config).
+    # refuse is one TargetConfigError at the one loading point (common/target_loading.load_target_hf_config).
     (
         "check-target-hidden-size-a-list",
         _target_with("hidden_size", "[64]"),

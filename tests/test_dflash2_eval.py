@@ -11,7 +11,6 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import Qwen3ForCausalLM
 
 from dflash_ring.cli import main
 from dflash_ring.common.config.drafter import DrafterConfig
@@ -23,37 +22,26 @@ from dflash_ring.consumer.evaluate import (
     speculative_generate,
 )
 from dflash_ring.consumer.export import export_drafter, load_drafter
-from dflash_ring.consumer.model import DFlash2DraftModel, FrozenTargetHead, build_drafter, load_target_head
-from support import save_eval_target, tiny_qwen3_config
-from test_dspark_eval import chi2_bound, exact_joint, pearson, plain_greedy
+from dflash_ring.consumer.model import DFlash2DraftModel, build_drafter, load_target_head
+from support import (  # noqa: F401 (fixtures, asked for by name; one_thread is autouse)
+    EVAL_VOCAB,
+    chi2_bound,
+    data,
+    exact_joint,
+    head_of,
+    micro_target,
+    one_thread,
+    pearson,
+    plain_greedy,
+    target,
+    target_dir,
+)
 
 # The CPU runs flex_attention eagerly (the reference check of the GPU path): its torch.compile advice is expected.
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
 
-BLOCK, MAX_NEW, LAYER_IDS, VOCAB, TOP_K = 4, 16, [1, 2], 448, 4
+BLOCK, MAX_NEW, LAYER_IDS, VOCAB, TOP_K = 4, 16, [1, 2], EVAL_VOCAB, 4
 PROMPTS = ([5, 17, 42, 9, 33, 120, 7], list(range(60, 90)))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return save_eval_target(tmp_path_factory.mktemp("target"), VOCAB)
-
-
-@pytest.fixture(scope="module")
-def target(target_dir):
-    return Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-
-
-def head_of(target: Qwen3ForCausalLM) -> FrozenTargetHead:
-    return FrozenTargetHead(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
 
 
 def dflash2_config(vocab: int = VOCAB, block: int = BLOCK, layer_ids=LAYER_IDS, top_k: int = TOP_K) -> DrafterConfig:
@@ -253,28 +241,8 @@ def test_greedy_eval_rounds_are_zlabs_dflash_generate(zlab, target, exported, mo
 
 # --- lossless sampling ----------------------------------------------------------------------------
 
-MICRO_VOCAB, MICRO_LAYERS, MICRO_NEW, MICRO_RUNS = 3, [0, 1], 4, 400
+MICRO_LAYERS, MICRO_NEW, MICRO_RUNS = [0, 1], 4, 400
 MICRO_PROMPT = [0, 1, 2, 1]
-
-
-@pytest.fixture(scope="module")
-def micro_target():
-    """A target of three tokens: the first four generated tokens have 81 outcomes, each likely enough to count."""
-    config = tiny_qwen3_config(
-        vocab_size=MICRO_VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        intermediate_size=64,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4)
-    return model
 
 
 def test_sampling_at_temperature_one_is_lossless(micro_target):
@@ -309,17 +277,6 @@ def test_sampling_at_temperature_one_is_lossless(micro_target):
 
 
 # --- the eval and the CLI -------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "heldout.jsonl"
-    rows = [
-        {"messages": [{"role": "user", "content": "Count from 3 to 7."}, {"role": "assistant", "content": "3 4"}]},
-        {"prompt": "Repeat: red cat.", "response": "red cat"},
-    ]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def test_eval_of_a_dflash2_export_greedy_and_sampled(target_dir, data, exported, capsys):

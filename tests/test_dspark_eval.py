@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import re
 from collections import Counter
 from dataclasses import asdict
 
 import pytest
 import torch
-from transformers import Qwen3ForCausalLM
 
 import dflash_ring.consumer.evaluate as evaluate
 from dflash_ring.cli import main
@@ -30,37 +28,28 @@ from dflash_ring.consumer.evaluate import (
     verify_sampled,
 )
 from dflash_ring.consumer.export import export_drafter
-from dflash_ring.consumer.model import Anchors, DSparkDraftModel, FrozenTargetHead, build_drafter, load_target_head
+from dflash_ring.consumer.model import Anchors, DSparkDraftModel, build_drafter, load_target_head
 from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 from dflash_ring.tools.report import ReportError, write_report
-from support import save_eval_target, save_tiny_qwen3, tiny_qwen3_config
+from support import (  # noqa: F401 (fixtures, asked for by name; one_thread is autouse)
+    EVAL_VOCAB,
+    MICRO_VOCAB,
+    chi2_bound,
+    data,
+    exact_joint,
+    head_of,
+    micro_target,
+    one_thread,
+    pearson,
+    plain_greedy,
+    save_tiny_qwen3,
+    target,
+    target_dir,
+)
 
-BLOCK, MAX_NEW, LAYER_IDS, VOCAB = 4, 16, [1, 2], 448
+BLOCK, MAX_NEW, LAYER_IDS, VOCAB = 4, 16, [1, 2], EVAL_VOCAB
 PROMPTS = ([5, 17, 42, 9, 33, 120, 7], list(range(60, 90)))
 KINDS = ("vanilla", "gated", "rnn")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Decoding is many small forwards: one thread, as the eval runs them (more only contend on a shared host)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return save_eval_target(tmp_path_factory.mktemp("target"), VOCAB)
-
-
-@pytest.fixture(scope="module")
-def target(target_dir):
-    return Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-
-
-def head_of(target: Qwen3ForCausalLM) -> FrozenTargetHead:
-    return FrozenTargetHead(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
 
 
 def dspark_config(target_config, kind: str = "vanilla", block: int = BLOCK, layer_ids=LAYER_IDS) -> DrafterConfig:
@@ -93,14 +82,6 @@ def dspark_drafter(
         torch.nn.init.normal_(drafter.markov_head.markov_w2.weight, std=markov_std)
         drafter.confidence_head.proj.weight.mul_(30)  # confidences spread over (0, 1), not all ~0.5
     return drafter
-
-
-@torch.no_grad()
-def plain_greedy(target: Qwen3ForCausalLM, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(target(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 def generate(target, prompt, draft, num_drafts=BLOCK, max_new=MAX_NEW, **kw):
@@ -218,22 +199,6 @@ def test_sampled_verification_uses_both_distributions_at_the_temperature(target,
 # --- lossless sampling ----------------------------------------------------------------------------
 
 
-def chi2_bound(df: int, z: float = 3.09) -> float:
-    """The chi-square distribution's upper quantile at the normal z (3.09: p = 0.001), by Wilson-Hilferty."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def pearson(counts: Counter, exact: dict, n: int) -> tuple[float, int]:
-    """Pearson's chi-square of counts over n draws against exact probabilities, cells expecting < 5 pooled."""
-    big = [k for k, p in exact.items() if n * p >= 5]
-    rest = [k for k in exact if n * exact[k] < 5]
-    observed = [counts[k] for k in big] + [sum(counts[k] for k in rest)]
-    expected = [n * exact[k] for k in big] + [n * sum(exact[k] for k in rest)]
-    observed, expected = (observed, expected) if rest else (observed[:-1], expected[:-1])
-    assert sum(observed) == n
-    return sum((o - e) ** 2 / e for o, e in zip(observed, expected)), len(observed) - 1
-
-
 def verification_outputs(rule, trials: int, seed: int = 0) -> tuple[Counter, dict]:
     """Two drafts from a prefix-dependent q (as DSpark's), verified by `rule` against a prefix-dependent p, the rest
     of three tokens sampled from p: the counts of the three tokens, and p's exact joint distribution of them."""
@@ -292,41 +257,8 @@ def test_speculative_sampling_rule_is_lossless_and_wrong_rules_are_caught():
         assert stat > 2 * chi2_bound(df), (wrong.__name__, stat, df)
 
 
-MICRO_VOCAB, MICRO_LAYERS, MICRO_NEW, MICRO_RUNS = 3, [0, 1], 4, 400
+MICRO_LAYERS, MICRO_NEW, MICRO_RUNS = [0, 1], 4, 400
 MICRO_PROMPT = [0, 1, 2, 1]
-
-
-@pytest.fixture(scope="module")
-def micro_target():
-    """A target of three tokens: the first four generated tokens have 81 outcomes, each likely enough to count."""
-    config = tiny_qwen3_config(
-        vocab_size=MICRO_VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        intermediate_size=64,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4)
-    return model
-
-
-@torch.no_grad()
-def exact_joint(target, prompt, n):
-    """The target's exact probability of every n-token continuation of prompt (temperature 1)."""
-    prefixes = list(itertools.product(range(target.config.vocab_size), repeat=n - 1))
-    log_p = torch.log_softmax(target(input_ids=torch.tensor([prompt + list(t) for t in prefixes])).logits.double(), -1)
-    log_p = log_p[:, len(prompt) - 1 :]
-    return {
-        (*t, last): float(sum(log_p[i, k, (*t, last)[k]] for k in range(n)).exp())
-        for i, t in enumerate(prefixes)
-        for last in range(target.config.vocab_size)
-    }
 
 
 @pytest.mark.parametrize("arch", ["dspark", "dflash"])
@@ -380,17 +312,6 @@ def test_prompt_generators_do_not_depend_on_the_prompt_count():
 
 
 # --- the eval, the CLI and the report -------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "heldout.jsonl"
-    rows = [
-        {"messages": [{"role": "user", "content": "Count from 3 to 7."}, {"role": "assistant", "content": "3 4"}]},
-        {"prompt": "Repeat: red cat.", "response": "red cat"},
-    ]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from transformers import Qwen3ForCausalLM
 
 from dflash_ring.cli import _parser, main
 from dflash_ring.common.config.drafter import DrafterConfig
@@ -36,26 +35,26 @@ from dflash_ring.consumer.evaluate import (
 from dflash_ring.consumer.export import export_drafter, load_drafter
 from dflash_ring.consumer.model import build_drafter
 from dflash_ring.consumer.prompt_lookup import prompt_lookup
-from support import load_tokenizer, save_eval_target, tiny_qwen3_config
-from test_dspark_eval import chi2_bound, exact_joint, pearson
+from support import (  # noqa: F401 (fixtures, asked for by name)
+    EVAL_VOCAB,
+    MICRO_VOCAB,
+    chi2_bound,
+    exact_joint,
+    load_tokenizer,
+    micro_target,
+    pearson,
+    plain_greedy,
+    target,
+    target_dir,
+)
 
-BLOCK, MAX_NEW, LAYER_IDS, VOCAB = 4, 24, [1, 2], 448
+BLOCK, MAX_NEW, LAYER_IDS, VOCAB = 4, 24, [1, 2], EVAL_VOCAB
 # Prompts that repeat themselves, so n-grams match from the first round on.
 PROMPTS = ([5, 17, 42, 9, 5, 17, 42, 9, 5, 17], [3, 3, 3], [60, 61, 62, 70, 60, 61, 80, 60, 61])
 ROWS = [
     {"messages": [{"role": "user", "content": "Count from 3 to 7."}, {"role": "assistant", "content": "3 4"}]},
     {"prompt": "Repeat: red cat, red cat.", "response": "red cat"},
 ]
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return save_eval_target(tmp_path_factory.mktemp("target"), VOCAB)
-
-
-@pytest.fixture(scope="module")
-def target(target_dir):
-    return Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
 
 
 def drafter_config() -> DrafterConfig:
@@ -78,15 +77,6 @@ def data(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "heldout.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     return path
-
-
-@torch.no_grad()
-def plain_greedy(target, prompt: list[int], n: int) -> list[int]:
-    """Reference decoding: the whole sequence re-run for every token, no cache, no drafts."""
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(target(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 # --- prompt lookup ---------------------------------------------------------------------------------
@@ -174,28 +164,8 @@ def test_a_drafter_that_drafts_fewer_is_refused_unless_allowed(target):
         )
 
 
-MICRO_VOCAB, MICRO_NEW, MICRO_RUNS = 3, 4, 400
+MICRO_NEW, MICRO_RUNS = 4, 400
 MICRO_PROMPT = [0, 1, 2, 1, 0, 1]
-
-
-@pytest.fixture(scope="module")
-def micro_target():
-    """A target of three tokens: the first four generated tokens have 81 outcomes, each likely enough to count."""
-    config = tiny_qwen3_config(
-        vocab_size=MICRO_VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        intermediate_size=64,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4)
-    return model
 
 
 def micro_counts(target, draft_for) -> tuple[Counter, list[int]]:

@@ -20,6 +20,7 @@ from torch import nn
 from dflash_ring.common.config.load import load_config
 from dflash_ring.common.config.schema import ConfigError
 from dflash_ring.common.ring import fingerprint_digest
+from dflash_ring.common.ring_spec import run_fingerprint_fields
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.consumer.drafter_hf_config import drafter_hf_config
 from dflash_ring.consumer.fp8 import Fp8Unavailable, convert_to_fp8, fp8_refusal
@@ -53,9 +54,9 @@ def test_precision_is_a_format_not_a_model_for_the_fingerprints():
     """A bf16 config's ring fingerprint is what it was before the field existed (no drafter.precision in it), and a
     fp8 run has the same: bf16 and fp8 replicas are the same model."""
     bf16, fp8 = load_config(None, []), load_config(None, [FP8, 'drafter.fp8_recipe="tensorwise"'])
-    assert "drafter.precision" not in bf16.fingerprint_fields()
-    assert "drafter.fp8_recipe" not in bf16.fingerprint_fields()
-    assert fingerprint_digest(bf16.fingerprint_fields()) == fingerprint_digest(fp8.fingerprint_fields())
+    assert "drafter.precision" not in run_fingerprint_fields(bf16)
+    assert "drafter.fp8_recipe" not in run_fingerprint_fields(bf16)
+    assert fingerprint_digest(run_fingerprint_fields(bf16)) == fingerprint_digest(run_fingerprint_fields(fp8))
     model = nn.Linear(16, 16)
     assert fingerprint_fields(bf16.drafter, bf16.target, bf16.train, bf16.group, model) == fingerprint_fields(
         fp8.drafter, fp8.target, fp8.train, fp8.group, model

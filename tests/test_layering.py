@@ -173,12 +173,61 @@ def test_the_ring_reaches_no_config():
     graph = import_graph(modules)
     ring = {n for n in modules if n == "dflash_ring.common.ring" or n.startswith("dflash_ring.common.ring.")}
     assert len(ring) >= 5, ring
-    reached, todo = set(), list(ring)
+    reached = reached_from(graph, ring)
+    assert not {n for n in reached if n == "dflash_ring.common.config" or n.endswith("_config")}, reached
+
+
+def reached_from(graph: dict[str, set[str]], start: set[str]) -> set[str]:
+    """`start` and every module of `graph` it imports at any depth, with the packages holding each (importing a
+    module runs its packages' __init__ first)."""
+    reached, todo = set(), list(start)
     while todo:
-        if (name := todo.pop()) not in reached:
+        if (name := todo.pop()) not in reached and name in graph:
             reached.add(name)
             todo.extend(graph[name])
-    assert not {n for n in reached if n == "dflash_ring.common.config" or n.endswith("_config")}, reached
+            todo.extend(name.rsplit(".", k)[0] for k in range(1, name.count(".") + 1))
+    return reached
+
+
+# What configuration as data never imports: the libraries that load models and tokenizers.
+HEAVY = {"transformers", "torch"}
+
+
+def third_party_imports(path: Path) -> set[str]:
+    """The top-level packages outside dflash_ring a module imports (every import statement, at any depth)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found - {"dflash_ring"}
+
+
+def config_heavy_imports(root: Path = ROOT) -> dict[str, list[str]]:
+    """Each module that common/config/ reaches (itself included) and imports transformers or torch: which."""
+    modules = sources(root)
+    config = {n for n in modules if n == "dflash_ring.common.config" or n.startswith("dflash_ring.common.config.")}
+    reached = reached_from(import_graph(modules, root), config)
+    heavy = {name: sorted(third_party_imports(modules[name]) & HEAVY) for name in sorted(reached)}
+    return {name: found for name, found in heavy.items() if found}
+
+
+def test_config_is_data_and_reaches_no_transformers_or_torch():
+    """common/config/ is the run's settings as data (dataclasses, their checks, defaults, TOML in and out), read by
+    every process at its start: reading a target's config.json, its config class, model or tokenizer is loading,
+    in common/target_geometry.py, common/target_loading.py and common/tokenizer_loading.py. Neither config nor any
+    module it imports, at any depth and in any function, imports transformers or torch."""
+    assert len([n for n in sources() if n.startswith("dflash_ring.common.config.")]) >= 10
+    assert config_heavy_imports() == {}
+
+
+def test_the_check_sees_a_lazy_transformers_import_a_module_away(tmp_path):
+    (tmp_path / "common" / "config").mkdir(parents=True)
+    (tmp_path / "common" / "config" / "a.py").write_text("def f():\n    from dflash_ring.common import b\n")
+    (tmp_path / "common" / "b.py").write_text("import json\n\n\ndef g():\n    import transformers.models.auto\n")
+    (tmp_path / "common" / "c.py").write_text("import torch\n")  # not reached from config
+    assert config_heavy_imports(tmp_path) == {"dflash_ring.common.b": ["transformers"]}
 
 
 def test_the_package_ships_every_subpackage():

@@ -16,6 +16,8 @@ from dflash_ring.common.lifecycle.resume_state import CursorFile, ResumeState
 from dflash_ring.producer.process import prepare, run_target
 from dflash_ring.producer.target import TargetModel
 from dflash_ring.common.config.target import TargetConfig, TargetConfigError
+from dflash_ring.common.ring_spec import run_fingerprint_fields
+from dflash_ring.common.target_geometry import target_geometry
 from support import assert_same_features, build_target, packed_batch, reference_features, reference_final_hidden
 
 LENGTHS = [37, 8, 120, 64, 9, 200, 12]  # real samples are never shorter: the chat template alone is longer
@@ -149,14 +151,14 @@ def test_shipping_the_final_hidden_runs_every_layer_and_matches_last_hidden_stat
 
 def test_layer_ids_follow_the_dflash_rule_and_are_range_checked(targets, tmp_path):
     path = str(targets["qwen3"])
-    assert TargetConfig(path=path).geometry().layer_ids == (3,)  # one draft layer: L // 2
-    assert TargetConfig(path=path, num_draft_layers=2).geometry().layer_ids == (1, 3)
+    assert target_geometry(TargetConfig(path=path)).layer_ids == (3,)  # one draft layer: L // 2
+    assert target_geometry(TargetConfig(path=path, num_draft_layers=2)).layer_ids == (1, 3)
     assert TargetConfig().resolved_layer_ids(36) == [18]
     assert TargetConfig(num_draft_layers=5).resolved_layer_ids(36) == [1, 9, 17, 25, 33]
     with pytest.raises(TargetConfigError, match="0..4"):
-        TargetConfig(path=path, layer_ids=[5]).geometry()  # layer L-1: HF's hidden_states[L] is normed
+        target_geometry(TargetConfig(path=path, layer_ids=[5]))  # layer L-1: HF's hidden_states[L] is normed
     with pytest.raises(TargetConfigError, match="mask_token_id"):
-        TargetConfig(path=path, mask_token_id=10**6).geometry()
+        target_geometry(TargetConfig(path=path, mask_token_id=10**6))
     with pytest.raises(TargetConfigError, match="distinct"):
         TargetConfig(layer_ids=[1, 1])
 
@@ -171,7 +173,7 @@ def test_target_geometry_joins_the_config_fingerprint(targets, tmp_path):
             "target.ship_final_hidden=true",
         ],
     )
-    fields = cfg.fingerprint_fields()
+    fields = run_fingerprint_fields(cfg)
     assert {k: v for k, v in fields.items() if k.startswith("target.")} == {
         "target.hidden_size": 64,
         "target.num_hidden_layers": 6,
@@ -180,9 +182,9 @@ def test_target_geometry_joins_the_config_fingerprint(targets, tmp_path):
         "target.mask_token_id": 405,
         "target.ship_final_hidden": True,
     }
-    assert "target.hidden_size" not in load_config(None, []).fingerprint_fields()
+    assert "target.hidden_size" not in run_fingerprint_fields(load_config(None, []))
     with pytest.raises(ConfigError, match="config.json"):
-        load_config(None, [f'target.path="{tmp_path}"']).fingerprint_fields()
+        run_fingerprint_fields(load_config(None, [f'target.path="{tmp_path}"']))
     with pytest.raises(ConfigError, match="float32"):
         load_config(None, ['target.dtype="float16"'])
 
@@ -203,7 +205,7 @@ def test_geometry_of_a_config_that_names_its_layers_otherwise_is_read_through_it
 
     AutoConfig.for_model(family, **keys).save_pretrained(tmp_path)
     assert "num_hidden_layers" not in json.loads((tmp_path / "config.json").read_text())
-    geometry = TargetConfig(path=str(tmp_path), num_draft_layers=2).geometry()
+    geometry = target_geometry(TargetConfig(path=str(tmp_path), num_draft_layers=2))
     assert (geometry.hidden_size, geometry.num_hidden_layers, geometry.vocab_size) == (64, layers, 300)
     assert list(geometry.layer_ids) == TargetConfig(num_draft_layers=2).resolved_layer_ids(layers)
 
@@ -235,7 +237,7 @@ def test_a_transformers_that_does_not_name_longcats_layer_count_is_refused_in_on
     recorders["hidden_states"] = recorder  # what 5.17 offers: no key, or the default one
     monkeypatch.setattr(LongcatFlashForCausalLM, "_can_record_outputs", recorders)
     with pytest.raises(TargetConfigError, match=r"whether num_layers \(5\) or num_hidden_layers \(10\) counts"):
-        TargetConfig(path=str(tmp_path), num_draft_layers=2).geometry()
+        target_geometry(TargetConfig(path=str(tmp_path), num_draft_layers=2))
 
 
 def test_a_config_json_writing_both_layer_counts_is_read_through_its_class(tmp_path):
@@ -245,7 +247,7 @@ def test_a_config_json_writing_both_layer_counts_is_read_through_its_class(tmp_p
     AutoConfig.for_model("longcat_flash", hidden_size=64, vocab_size=300, num_layers=5).save_pretrained(tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**raw, "num_hidden_layers": 10}))
-    assert TargetConfig(path=str(tmp_path), num_draft_layers=2).geometry().num_hidden_layers == 5
+    assert target_geometry(TargetConfig(path=str(tmp_path), num_draft_layers=2)).num_hidden_layers == 5
 
 
 def test_a_target_whose_own_forward_is_not_finite_is_refused_by_the_probe_not_reported_as_exact(tmp_path):

@@ -15,6 +15,7 @@ from dflash_ring.common.config.dump import dump_toml
 from dflash_ring.common.config.load import load_config
 from dflash_ring.common.config.schema import ConfigError, Config
 from dflash_ring.common.config.drafter import DrafterConfig
+from dflash_ring.common.ring_spec import run_fingerprint_fields
 from dflash_ring.consumer.checkpoint import CheckpointStore, export_checkpoint
 from dflash_ring.consumer.export import load_drafter
 from dflash_ring.consumer.model import build_drafter, load_target_head
@@ -46,7 +47,7 @@ def test_explicit_keys_override_the_recipe_and_the_resolved_values_are_fingerpri
     cfg = load_config(None, ['drafter.recipe="ddtree"', "drafter.cap_weight=0.3", "drafter.num_hidden_layers=3"])
     assert cfg.drafter.cap_weight == 0.3 and cfg.drafter.kl_weight == 0.15
     assert cfg.drafter.layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
-    fields = cfg.fingerprint_fields()
+    fields = run_fingerprint_fields(cfg)
     assert fields["drafter.cap_weight"] == 0.3 and fields["drafter.block_size"] == 32
     assert fields["drafter.recipe"] == "ddtree"
     # The written config says what was chosen, and reads back equal.

@@ -11,7 +11,7 @@ from dflash_ring.common.layout import Role
 from dflash_ring.common.ownership import semaphore_path
 from dflash_ring.common.ring import ConfigMismatchError, Ring, RingSpec, fingerprint_digest
 from dflash_ring.common.ring.segment import SHM_DIR, leftover_files, segment_files, semaphore_names
-from dflash_ring.common.ring_spec import ring_spec
+from dflash_ring.common.ring_spec import ring_spec, run_fingerprint_fields
 
 
 def test_a_runs_leftovers_are_its_segment_and_semaphores_and_none_of_a_longer_names():
@@ -49,8 +49,8 @@ def test_a_spec_from_a_config_agrees_with_the_configs_fingerprint_and_a_bare_spe
         ],
     )
     spec = ring_spec(cfg)
-    assert dict(spec.fields) == cfg.fingerprint_fields()
-    assert spec.fingerprint == fingerprint_digest(cfg.fingerprint_fields())  # what the tracker header names too
+    assert dict(spec.fields) == run_fingerprint_fields(cfg)
+    assert spec.fingerprint == fingerprint_digest(run_fingerprint_fields(cfg))  # what the tracker header names too
     assert (spec.geometry.n_slots, spec.geometry.n_rows) == (2, 6)
     bare = RingSpec.of(cfg.run.name, producers=2, consumers=3, slots=2, slot_bytes=8192, slot_header_bytes=4096)
     Ring.unlink(cfg.run.name)

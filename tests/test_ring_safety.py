@@ -144,7 +144,7 @@ def test_fuzzed_ring_header_gives_a_clear_error(data):
     cfg = load_config(None, [f"run.name={name}", "ring.slots=2", "ring.slot_bytes=8192", "ring.slot_header_bytes=4096"])
     Ring.unlink(name)
     with Ring.create(ring_spec(cfg)) as ring:
-        size = ring.geometry.total_bytes
+        size = ring.segment.geometry.total_bytes
         del ring
     shm = posix_ipc.SharedMemory(segment_name(name))
     with mmap.mmap(shm.fd, shm.size) as mm:
@@ -213,7 +213,7 @@ def test_corrupted_slot_is_dropped_with_a_clear_error_and_the_reader_goes_on(run
         w2.tensor("x", torch.float32, (4,)).fill_(2.0)
         producer.publish(w2)
         # Damage the first slot's header so its tensor points past the slot.
-        off = ring.geometry.slot_offset(w.slot)
+        off = ring.segment.geometry.slot_offset(w.slot)
         bad = encode_header(SlotHeader([], {}), 4096)
         body = msgpack.packb({"tensors": [["x", "float32", [1 << 30], 4096]], "meta": {}})
         bad = b"DFS1" + struct.pack("<I", len(body)) + body

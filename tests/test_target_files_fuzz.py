@@ -270,7 +270,7 @@ def test_damaged_target_weights_are_refused_in_one_line(target_dir, tmp_path, ca
     weights loaded in silence: cast integers, or tensors started at random."""
     import torch
 
-    from dflash_ring.common.config.target import check_target_builds
+    from dflash_ring.common.target_loading import check_target_builds
     from dflash_ring.producer.target import load_causal_lm
 
     change, says, check_config = WEIGHT_DAMAGE[case]
@@ -288,7 +288,7 @@ def test_damaged_target_weights_are_refused_in_one_line(target_dir, tmp_path, ca
 def test_float16_weights_and_the_undamaged_target_load(target_dir, tmp_path):
     import torch
 
-    from dflash_ring.common.config.target import check_target_builds
+    from dflash_ring.common.target_loading import check_target_builds
     from dflash_ring.producer.target import load_causal_lm
 
     d = _copy(target_dir, tmp_path)
@@ -358,7 +358,7 @@ def test_a_tied_target_stores_no_lm_head_and_passes(tmp_path):
     """check-config's completeness rule counts a tied lm_head as stored with the embedding it shares."""
     from safetensors import safe_open
 
-    from dflash_ring.common.config.target import check_target_builds
+    from dflash_ring.common.target_loading import check_target_builds
     from support import save_tiny_qwen3
 
     save_tiny_qwen3(tmp_path / "tied", tie_word_embeddings=True)

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from dflash_ring.cli import main
-from dflash_ring.common.config.target import TargetConfig, TargetConfigError, tensor_parallel_refusal
+from dflash_ring.common.config.target import TargetConfig, TargetConfigError
 from dflash_ring.producer.conformance import choose_packing
 from dflash_ring.producer.process import prepare, run_target
 from dflash_ring.producer.target import ShardedTarget, TargetModel
-from dflash_ring.producer.tensor_group import TensorGroup, check_group
+from dflash_ring.producer.tensor_group import TensorGroup, check_group, tensor_parallel_refusal
 from support import assert_same_features, build_target, packed_batch, reference_features, write_config
 
 LENGTHS = [37, 8, 120, 64, 9, 200, 12]

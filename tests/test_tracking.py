@@ -17,6 +17,7 @@ from dflash_ring.common.config.dump import dump_toml
 from dflash_ring.common.config.load import load_config
 from dflash_ring.common.config.schema import Config
 from dflash_ring.common.ring import fingerprint_digest
+from dflash_ring.common.ring_spec import run_fingerprint_fields
 from dflash_ring.consumer.tracking import RunRecord, Tracking, read_records
 from dflash_ring.consumer.wandb_offline import offline_runs
 from support import (
@@ -36,7 +37,7 @@ BY_SOURCE = re.compile(r"step (\d+) by source: (.*)")
 
 def tracking_of(cfg: Config, index: int) -> Tracking:
     """Drafter `index`'s Tracking as its process opens it (consumer/process.py run_drafter)."""
-    run = RunRecord(cfg.run.name, dump_toml(cfg, full=True), fingerprint_digest(cfg.fingerprint_fields()).hex())
+    run = RunRecord(cfg.run.name, dump_toml(cfg, full=True), fingerprint_digest(run_fingerprint_fields(cfg)).hex())
     return Tracking(cfg.tracking, cfg.tracking_dir(), index, run)
 
 
@@ -98,7 +99,7 @@ def test_every_backend_holds_the_drafters_series_once_across_a_sigkill_and_the_r
     assert all(
         round(v, 4) == by_source[(s, name)] for name, series in per_source.items() for s, v in series.items() if s >= 5
     )
-    assert header["fingerprint"] == fingerprint_digest(cfg.fingerprint_fields()).hex()
+    assert header["fingerprint"] == fingerprint_digest(run_fingerprint_fields(cfg)).hex()
     assert load_config_text(header["config"]) == cfg
 
     tb = tensorboard_scalars(root / "tensorboard" / "drafter-0", "loss")
@@ -246,7 +247,8 @@ def test_the_ring_counts_the_tokens_producers_publish(run):
             w = ring.producer(row).try_acquire()
             w.tensor("x", torch.float32, (4,))
             ring.producer(row).publish(w, tokens=tokens)
-        assert (ring.produced_tokens(), ring.counter(Counter.PRODUCED)) == (137, 3)
+        drafter = ring.consumer(3)  # what a drafter's step record reads (consumer/ring_input.py: ring_reading)
+        assert (drafter.produced_tokens(), ring.counter(Counter.PRODUCED)) == (137, 3)
 
 
 def test_the_report_draws_each_drafter_and_source_the_records_have(tmp_path):

@@ -24,7 +24,7 @@ from dflash_ring.common.run_name import RunNameError, check_run_name
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.config.train import TrainConfig
 from dflash_ring.common.config.data import DataConfig
-from dflash_ring.common.config.target import TargetConfig
+from dflash_ring.common.config.target import TargetConfig, TargetGeometry
 from dflash_ring.common.config.regenerate import RegenerateConfig
 from dflash_ring.common.config.tracking import TrackingConfig
 
@@ -199,11 +199,12 @@ class Config:
             except SecretFileError as e:
                 raise ConfigError(f"group.rendezvous = {g.rendezvous!r} needs the group's secret: {e}") from None
 
-    def fingerprint_fields(self) -> dict[str, typing.Any]:
+    def fingerprint_fields(self, target: TargetGeometry | None) -> dict[str, typing.Any]:
         """What every process of a run must agree on; stored in the ring header.
 
-        With a target set, its geometry (read from its config.json) joins in, so a drafter
-        built for other features is refused by name when it attaches.
+        `target`: the geometry of the target that target.path names (read from its config.json by
+        common/ring_spec.run_fingerprint_fields), None without one; it joins in, so a drafter built for other
+        features is refused by name when it attaches.
         """
         fields = {
             "run.name": self.run.name,
@@ -219,11 +220,8 @@ class Config:
         # Drafter replicas average their weights: replicas of another shape or objective must not join (their
         # numeric format, drafter.precision, may differ: DrafterConfig.model_fields).
         fields |= {f"drafter.{k}": v for k, v in self.drafter.model_fields().items()}
-        if self.target.path:
-            try:
-                fields |= self.target.geometry().fingerprint_fields()
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
+        if target is not None:
+            fields |= target.fingerprint_fields()
         return fields
 
     def tracking_dir(self) -> Path:
@@ -234,12 +232,12 @@ class Config:
         return Path(self.train.checkpoint_dir).parent / "tracking"
 
 
-def drafter_target_settings(drafter: DrafterConfig, target: TargetConfig) -> tuple[int, list[int]]:
-    """The drafter's mask token and feature layers, resolved against the target (its config.json's geometry),
-    as every drafter process validates them before building anything: a refusal is a ConfigError (one line at
-    the command's boundary), never a bare ValueError from deeper down."""
-    geometry = target.geometry()  # a target it cannot read: its own TargetConfigError
-    mask = drafter.mask_token_id if drafter.mask_token_id is not None else target.mask_token_id
+def drafter_target_settings(drafter: DrafterConfig, geometry: TargetGeometry) -> tuple[int, list[int]]:
+    """The drafter's mask token and feature layers, resolved against the target's geometry (as
+    common/target_geometry.target_geometry reads it), as every drafter process validates them before building
+    anything: a refusal is a ConfigError (one line at the command's boundary), never a bare ValueError from deeper
+    down."""
+    mask = drafter.mask_token_id if drafter.mask_token_id is not None else geometry.mask_token_id
     if mask is None:
         raise ConfigError(
             "target.mask_token_id is unset: a drafter needs the target's <|MASK|> embedding row; set "

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash_ring.common.layout import Counter, Geometry, Identity, Role, RowStatus
+from dflash_ring.common.layout import Counter, Identity, Role, RowStatus
 from dflash_ring.common.ring import segment
 from dflash_ring.common.ring.ports import ConsumerPort, ProducerPort
 from dflash_ring.common.ring.repair import CorruptSlot, Repair, RingStatus, impossible_word
@@ -131,10 +131,6 @@ class Ring:
         return self.segment.identity
 
     @property
-    def geometry(self) -> Geometry:
-        return self.segment.geometry
-
-    @property
     def fingerprint_fields(self) -> dict[str, Any]:
         return self.segment.fields
 
@@ -144,18 +140,13 @@ class Ring:
         d = self.segment.fields.get("run.lock_dir")
         return Path(d) if isinstance(d, str) and d.startswith("/") else None
 
-    @property
-    def wait_seconds(self) -> float:
-        """Time this process spent blocked on an empty or full ring."""
-        return self.slots.wait_seconds
-
     # ---- the roles' ports ---------------------------------------------------------------------
 
     def producer(self, row: int) -> ProducerPort:
         return ProducerPort(self.segment, self.table, self.slots, row)
 
     def consumer(self, row: int) -> ConsumerPort:
-        return ConsumerPort(self.table, self.slots, row)
+        return ConsumerPort(self.segment, self.table, self.slots, self.repair, row)
 
     # ---- every row: the supervisor, membership, operator commands -----------------------------
 
@@ -191,9 +182,6 @@ class Ring:
 
     def planned_items(self) -> int:
         return self.table.planned_items()
-
-    def produced_tokens(self) -> int:
-        return self.table.produced_tokens()
 
     def counter(self, c: Counter) -> int:
         return self.table.counter(c)
