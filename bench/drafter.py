@@ -32,7 +32,12 @@ import torch
 from dflash_ring.bench.drafter_memory import GiB, fit_samples
 from dflash_ring.bench.progress import progress
 from dflash_ring.bench.target_shapes import SHAPES, shape_config, tiny_config
-from dflash_ring.common.arguments import at_least_one, fp8_recipe_argument, recipe_argument
+from dflash_ring.common.arguments import (
+    at_least_one,
+    attention_geometry_argument,
+    fp8_recipe_argument,
+    recipe_argument,
+)
 from dflash_ring.common.compile_cache import use_compile_cache
 from dflash_ring.common.config.drafter import DrafterConfig, target_text_config
 from dflash_ring.consumer.fp8 import check_precision, convert_to_fp8
@@ -152,9 +157,24 @@ def _top_kernels(prof, n: int = 15) -> list[list]:
     ]  # ms, calls per step
 
 
-def _drafter_config(target: dict[str, Any], recipe: str, anchors: int | None, loss_chunk: int) -> DrafterConfig:
+def _drafter_config(
+    target: dict[str, Any],
+    recipe: str,
+    anchors: int | None,
+    loss_chunk: int,
+    attention: tuple[int, int, int] | None = None,
+) -> DrafterConfig:
+    """The recipe's drafter for the shape; attention: its own (heads, key/value heads, head width), else the
+    target's."""
+    heads, kv_heads, head_dim = attention or (None, None, None)
     return DrafterConfig(
-        recipe=recipe, num_anchors=anchors, mask_token_id=target["vocab_size"] - 1, loss_chunk_tokens=loss_chunk
+        recipe=recipe,
+        num_anchors=anchors,
+        mask_token_id=target["vocab_size"] - 1,
+        loss_chunk_tokens=loss_chunk,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
     )
 
 
@@ -170,13 +190,14 @@ def _fit_to_gpu(
     *,
     compiled: bool,
     check: bool,
+    drafter_attention: tuple[int, int, int] | None = None,
 ) -> tuple[int, int]:
     """The samples the GPU step runs (the given ones, or defaults that fit); DoesNotFit, before anything is built,
     if they do not fit. The estimate is of the shape as a GPU runs it, also when asked for on a CPU."""
     target = bench_target(shape, tiny)
     seqs, seq_len, memory = fit_samples(
         target,
-        _drafter_config(target, recipe, anchors, loss_chunk),
+        _drafter_config(target, recipe, anchors, loss_chunk, drafter_attention),
         seqs,
         seq_len,
         gpu_bytes,
@@ -218,6 +239,7 @@ def run_drafter_bench(
     gpu_memory_gib: float | None = None,
     precision: str = "bf16",
     fp8_recipe: str = "rowwise",
+    drafter_attention: tuple[int, int, int] | None = None,
 ) -> dict:
     """seqs, seq_len: None to fit the GPU. gpu_memory_gib: what the step must fit in (default: the visible GPU's
     total; given without a GPU, the check runs for the GPU shape and the bench then runs its CPU smoke size).
@@ -244,12 +266,17 @@ def run_drafter_bench(
             gpu_bytes,
             compiled=compile and attention in ("auto", "flex"),
             check=check,
+            drafter_attention=drafter_attention,
         )
     attention = attention if attention != "auto" else ("flex" if cuda else "sdpa")
     target = bench_target(shape, tiny or not cuda)
     if not cuda:
         seqs, seq_len, anchors, steps = 2, 256, 32, 2
-    drafter = replace(_drafter_config(target, recipe, anchors, loss_chunk), precision=precision, fp8_recipe=fp8_recipe)
+    drafter = replace(
+        _drafter_config(target, recipe, anchors, loss_chunk, drafter_attention),
+        precision=precision,
+        fp8_recipe=fp8_recipe,
+    )
     anchors = drafter.num_anchors
     backbone_only = replace(drafter, confidence_weight=0.0)  # DSpark's step without its heads (heads_overhead)
     model = build_drafter(drafter, target).to(dev)
@@ -392,6 +419,10 @@ def run_drafter_bench(
             "seq_len": seq_len,
             "blocks_per_step": blocks,
             "vocab": vocab,
+            # The drafter's attention (its own where --drafter-attention set it, else the target's).
+            "heads": model.layers[0].self_attn.num_heads,
+            "kv_heads": model.layers[0].self_attn.num_heads // model.layers[0].self_attn.num_kv_groups,
+            "head_dim": model.layers[0].self_attn.head_dim,
         },
         "attention": attention,
         # the trainable linears' GEMMs; the frozen head's products as consumer/loss.py does them
@@ -445,6 +476,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="target shape (bench/target_shapes.py); --tiny for the CPU smoke run",
     )
     recipe_argument(parser, default="paper")
+    attention_geometry_argument(parser)
     parser.add_argument(
         "--seqs",
         type=at_least_one,
@@ -505,6 +537,7 @@ def main(args: argparse.Namespace) -> int:
                 gpu_memory_gib=args.gpu_memory_gib,
                 precision=args.precision,
                 fp8_recipe=args.fp8_recipe,
+                drafter_attention=args.drafter_attention,
             ),
             indent=2,
         )

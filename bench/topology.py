@@ -25,7 +25,12 @@ from typing import Any
 
 import torch
 
-from dflash_ring.common.arguments import at_least_one, fp8_recipe_argument, recipe_argument
+from dflash_ring.common.arguments import (
+    at_least_one,
+    attention_geometry_argument,
+    fp8_recipe_argument,
+    recipe_argument,
+)
 from dflash_ring.consumer.fp8 import check_precision
 
 from .drafter import run_drafter_bench
@@ -89,6 +94,7 @@ def run_topology_bench(
     profile: bool = False,
     precisions: tuple[str, ...] = ("bf16",),
     fp8_recipe: str = "rowwise",
+    drafter_attention: tuple[int, int, int] | None = None,
 ) -> dict[str, Any]:
     """precisions: drafter.precision values whose drafter half runs against the one target half (the first one's
     figures are the report's "drafter" and "topology", the others' under "other_precisions")."""
@@ -119,6 +125,7 @@ def run_topology_bench(
             profile=profile,
             precision=precision,
             fp8_recipe=fp8_recipe,
+            drafter_attention=drafter_attention,
         )
         part = "drafter" if precision == precisions[0] else f"drafter-{precision}"
         progress("topology", part, {"tokens_per_s": drafter["tokens_per_s"], "mfu": drafter["mfu"]})
@@ -154,6 +161,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`dflash-ring bench topology`'s own options (cli.py registers every bench by name, and hands it the rest)."""
     parser.add_argument("--shape", default="qwen3.6-27b", choices=sorted(SHAPES), help="target shape")
     recipe_argument(parser, default="ddtree")
+    attention_geometry_argument(parser)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke run)")
     parser.add_argument("--target-batches", type=at_least_one, default=3, help="timed target batches of 32,768 tokens")
     parser.add_argument("--seqs", type=at_least_one, default=1, help="drafter samples per step")
@@ -185,6 +193,7 @@ def main(args: argparse.Namespace) -> int:
         profile=args.profile,
         precisions=args.precision,
         fp8_recipe=args.fp8_recipe,
+        drafter_attention=args.drafter_attention,
     )
     print(json.dumps(report, indent=2))
     return 0

@@ -118,3 +118,30 @@ def recipe_argument(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument(
         "--recipe", choices=tuple(RECIPES), default=default, help=f"drafter.recipe, of: {', '.join(RECIPES)}"
     )
+
+
+def attention_geometry(text: str) -> tuple[int, int, int]:
+    """HEADS,KV_HEADS,HEAD_DIM (e.g. 32,8,128): the drafter's own attention geometry, checked as its config checks
+    it (argparse prints the reason in one line, exit 2)."""
+    try:
+        heads, kv_heads, head_dim = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HEADS,KV_HEADS,HEAD_DIM (three integers, e.g. 32,8,128)")
+    if min(heads, kv_heads, head_dim) < 1 or heads % kv_heads or head_dim % 2 or max(heads, kv_heads, head_dim) > 1024:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: heads a multiple of the key/value heads, an even head width, each from 1 to 1024"
+        )
+    return heads, kv_heads, head_dim
+
+
+def attention_geometry_argument(parser: argparse.ArgumentParser) -> None:
+    """--drafter-attention of the benches that build a drafter: drafter.num_attention_heads, num_key_value_heads and
+    head_dim (default: the target's), to time a released drafter's geometry beside a target of another."""
+    parser.add_argument(
+        "--drafter-attention",
+        type=attention_geometry,
+        default=None,
+        metavar="HEADS,KV_HEADS,HEAD_DIM",
+        help="the drafter's own attention geometry, e.g. 32,8,128 (the released 27B-class drafters'); "
+        "default: the target's",
+    )

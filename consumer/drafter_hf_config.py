@@ -213,17 +213,33 @@ DSPARK_TRAINING_KEYS = ("ce_weight", "tv_weight", "confidence_weight")
 DFLASH2_TRAINING_KEYS = ("selector_weight",)
 
 
-def drafter_geometry(cfg: DrafterConfig, target: Mapping[str, Any]) -> dict[str, Any]:
-    """Width, heads, MLP and RoPE of the drafter, from the target's text config (see drafter_mlp_width/_rope)."""
-    hidden, heads = int(_require(target, "hidden_size")), int(_require(target, "num_attention_heads"))
-    kv_heads = int(target.get("num_key_value_heads") or heads)  # absent in old Llama configs: no GQA
+def drafter_attention(cfg: DrafterConfig, target: Mapping[str, Any]) -> dict[str, int]:
+    """The drafter's heads, key/value heads and head width: the drafter config's where it sets them, else the
+    target's (its key/value heads, absent in old Llama configs: as many as its heads)."""
+    heads = cfg.num_attention_heads or int(_require(target, "num_attention_heads"))
+    kv_heads = cfg.num_key_value_heads or int(target.get("num_key_value_heads") or target["num_attention_heads"])
     if heads % kv_heads:
-        raise ValueError(f"target has {heads} attention heads for {kv_heads} key/value heads: not a multiple")
+        origin = ", ".join(
+            f"{key} {value} ({'drafter' if getattr(cfg, key) else 'target'})"
+            for key, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads))
+        )
+        raise ValueError(
+            f"the drafter's {origin}: not a multiple; set drafter.num_attention_heads and "
+            "drafter.num_key_value_heads together"
+        )
     return {
-        "hidden_size": hidden,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
-        "head_dim": drafter_head_dim(target),
+        "head_dim": cfg.head_dim or drafter_head_dim(target),
+    }
+
+
+def drafter_geometry(cfg: DrafterConfig, target: Mapping[str, Any]) -> dict[str, Any]:
+    """Width, heads, MLP and RoPE of the drafter, from the target's text config (see drafter_mlp_width/_rope) and
+    the drafter's own attention geometry where its config sets one (drafter_attention)."""
+    return {
+        "hidden_size": int(_require(target, "hidden_size")),
+        **drafter_attention(cfg, target),
         "intermediate_size": cfg.intermediate_size or drafter_mlp_width(target),
         # A Qwen3 MLP is SwiGLU: vLLM's Qwen3 accepts only silu, and the drafter's MLP is trained from
         # scratch, so the target's activation (Gemma's gelu, gpt-oss's clamped swiglu) is not copied.
@@ -354,9 +370,13 @@ def _dflash2_keys(cfg: DrafterConfig, layers: int) -> dict[str, Any]:
 
 def qwen3_config(hf_config: Mapping[str, Any]) -> Qwen3Config:
     """Qwen3Config carrying the DFlash extras (block_size, dflash_config) as attributes, like z-lab's model."""
+    import copy
+
     from transformers import Qwen3Config
 
-    return Qwen3Config(**{k: v for k, v in hf_config.items() if k != "model_type"})
+    # A deep copy: transformers 5's Qwen3Config writes rope_theta into the rope_scaling dict it is given, which was
+    # the caller's (an export then wrote rope_scaling.rope_theta into config.json).
+    return Qwen3Config(**{k: copy.deepcopy(v) for k, v in hf_config.items() if k != "model_type"})
 
 
 # What the drafter's modules read from their config that drafter_hf_config may leave out, with Qwen3Config's defaults.

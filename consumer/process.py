@@ -74,6 +74,7 @@ from dflash_ring.consumer.step_report import StepReport
 from dflash_ring.consumer.target_head import FrozenTargetHead
 from dflash_ring.consumer.tracking import RunRecord, Tracking, check_tracking_dir
 from dflash_ring.consumer.trainer import DeviceBatch, StepSchedule, Trainer
+from dflash_ring.consumer.warm_start import warm_start
 
 log = logging.getLogger(__name__)
 
@@ -216,10 +217,12 @@ class Resumed:
     after the seat is taken, or the journal would not cover what lies between.
     """
 
-    def __init__(self, checkpoint_dir: str, index: int, trainer: Trainer, drafter_cfg: DrafterConfig):
+    def __init__(self, checkpoint_dir: str, index: int, built: Built):
         """`checkpoint_dir`: train.checkpoint_dir, which holds drafter-<index>/."""
         self.store = CheckpointStore(Path(checkpoint_dir) / f"drafter-{index}")
-        self.trainer, self.drafter_cfg = trainer, drafter_cfg
+        self.trainer, self.drafter_cfg, self.target_config = built.trainer, built.drafter_cfg, built.target_config
+        # Where the first weights came from (drafter.init_from, consumer/warm_start.py): saved with every checkpoint.
+        self.warm_start: dict[str, str] | None = None
         self.consumed = Consumed()
         self.loaded: tuple[str, tuple[str, ...]] | None = None  # the store's contents when last loaded
         # When the state resumed from was taken (0.0: none, from the start; None: a checkpoint of a version that did
@@ -247,7 +250,12 @@ class Resumed:
             self.trainer.restore(ckpt)
             self.consumed = Consumed(ckpt.info.get("consumed", {}), int(ckpt.info.get("items", 0)))
             self.snapshot_t = ckpt.info.get("snapshot_t")
+            self.warm_start = ckpt.info.get("warm_start")
             log.info("resumed from %s (step %d)", ckpt.path, ckpt.step)
+        elif self.drafter_cfg.init_from is not None and self.warm_start is None:  # the first start: once
+            started = warm_start(self.trainer.model, self.drafter_cfg, self.target_config, self.drafter_cfg.init_from)
+            self.warm_start = started.record()
+            log.info("warm start from %s (%s, weights sha256 %s)", started.path, started.arch, started.weights_sha256)
 
 
 def run_drafter(
@@ -276,7 +284,7 @@ def run_drafter(
         startup.mark("model")  # the target's frozen head, the drafter built on its device
         resumed = None
         if not standby:
-            resumed = Resumed(cfg.train.checkpoint_dir, indices[0], built.trainer, built.drafter_cfg)
+            resumed = Resumed(cfg.train.checkpoint_dir, indices[0], built)
             resumed.load(beside=lambda: _precompile(cfg.data, built.trainer))
         startup.mark("checkpoint")  # read and verified; beside it, the first step precompiled
         ring = proc.attach(pin=True)  # after loading: a wrong model fails at once, not after a ring appears
@@ -304,7 +312,7 @@ def run_drafter(
                 seat.index,
                 seat.predecessor_pid,
             )
-            resumed = Resumed(cfg.train.checkpoint_dir, seat.index, built.trainer, built.drafter_cfg)
+            resumed = Resumed(cfg.train.checkpoint_dir, seat.index, built)
         proc.serve(seat.index)  # the index's port: free now that its seat is ours
         resumed.load()  # the latest the seat's last holder made durable (nothing new: nothing loaded again)
         startup.mark("takeover")
@@ -348,6 +356,7 @@ def train(
                 "target_head": built.head.spec.to_json(),
                 # where a DSpark export reads the target's embed_tokens/lm_head from
                 "target_path": str(Path(cfg.target.path).expanduser().resolve()),
+                "warm_start": resumed.warm_start,  # None: a fresh initialisation
             },
         ),
         trainer,

@@ -66,6 +66,11 @@ CASES = {
     "full": (DEFAULT_ROPE, {"num_hidden_layers": 2}),
     "sliding": (DEFAULT_ROPE, {"num_hidden_layers": 3, "layer_types": SLIDING, "sliding_window": WINDOW}),
     "yarn": (YARN_ROPE, {"num_hidden_layers": 2}),
+    # The drafter's own attention geometry, not the target's 4 heads (2 K/V) of 16: 6 of 12 with 2 K/V.
+    "own_heads": (
+        DEFAULT_ROPE,
+        {"num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 12},
+    ),
 }
 
 

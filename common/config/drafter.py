@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Annotated, Any, Literal
 
+from dflash_ring.common.config.families import FAMILIES, DFlash2Keys, DSparkKeys
 from dflash_ring.common.config.ranges import AtLeastOne, Fraction, Positive, Range
 
 # Paper A.1: gamma for the exp(-(k-1)/gamma) position decay, per block size.
@@ -16,10 +17,7 @@ PAPER_LOSS_GAMMA: dict[int, float] = {16: 7.0, 10: 5.0, 8: 4.0}
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
-Arch = Literal["dflash", "dspark", "dflash2"]
-ARCHS = ("dflash", "dspark", "dflash2")
-MarkovHeadType = Literal["vanilla", "gated", "rnn"]
-MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+Arch = Literal["dflash", "dspark", "dflash2"]  # a name in common/config/families FAMILIES
 Objective = Literal["ce", "dpace"]
 LabelSource = Literal["data", "target_argmax"]
 Precision = Literal["bf16", "fp8"]
@@ -30,44 +28,21 @@ Fp8Recipe = Literal["rowwise", "rowwise_with_gw_hp", "tensorwise"]
 FP8_RECIPES = ("rowwise", "rowwise_with_gw_hp", "tensorwise")
 # Fields that choose how the drafter's arithmetic is done, not which model it is (model_fields leaves them out).
 NUMERIC_FORMAT_FIELDS = ("precision", "fp8_recipe")
-# Fields added with DSpark, at the values every config had before them: model_fields leaves them out there, so a
-# DFlash config's fingerprint (and a running DFlash run's checkpoints) stay what they were.
-PRE_DSPARK_VALUES: dict[str, Any] = {
-    "arch": "dflash",
-    "ce_weight": 1.0,
-    "tv_weight": 0.0,
-    "confidence_weight": 0.0,
-    "markov_rank": 0,
-    "markov_head": None,
-}
-# Keys that only a DSpark drafter has: set on an arch = "dflash" drafter, they are refused.
-DSPARK_ONLY_FIELDS = ("markov_rank", "markov_head", "confidence_weight")
-# Fields added with DFlash2, at the values every other config has (0: no convolution, no selector): left out of
-# model_fields there, so DFlash and DSpark fingerprints stay what they were; set on another arch, they are refused.
-PRE_DFLASH2_VALUES: dict[str, Any] = {
-    "conv_kernel_size": 0,
-    "conv_group_size": 0,
-    "selector_rank": 0,
-    "selector_top_k": 0,
-    "selector_weight": 0.0,
-}
-DFLASH2_ONLY_FIELDS = tuple(PRE_DFLASH2_VALUES)
+# Shared fields added with DSpark, at the values every config had before them: model_fields leaves them out there,
+# as it leaves out each family's own keys at their absent value (FamilyConfig.own_keys), so a DFlash config's
+# fingerprint (and a running DFlash run's checkpoints) stay what they were.
+ADDED_WITH_DSPARK: dict[str, Any] = {"arch": "dflash", "ce_weight": 1.0, "tv_weight": 0.0}
+# The drafter's own attention geometry, added later at None (the target's heads, as before): model_fields leaves
+# them out while None, so every config that sets none keeps its fingerprint.
+GEOMETRY_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim")
 
-# Named recipes: one line (`drafter.recipe = "ddtree"`) for the settings below; a key set explicitly wins.
+# Named recipes: one line (`drafter.recipe = "ddtree"`) for the settings below; a key set explicitly wins. The shared
+# ones here; each family adds its own (FamilyConfig.recipes: dspark, dflash2).
 # paper:  the DFlash paper's Qwen3-8B drafter: 5 full-attention layers, B16, 512 anchors, position-decayed CE.
 # dpace:  the paper's drafter with D-PACE position weights (arXiv 2605.18810; the default objective of
 #         NVIDIA Model-Optimizer and vLLM speculators).
 # ddtree: the recipe of the pipeline this project replaces (`ddtree-g10-bs32-a1024-swa-kl15-cap01`): B32,
 #         1024 anchors, gamma 10, 4 sliding-window layers (2048) + 1 full, soft KL 0.15, CAP 0.1.
-# dspark: DeepSeek's DSpark (arXiv 2607.05147; DeepSpec config/dspark/dspark_qwen3_8b.py): the DFlash backbone
-#         with the anchor as the first prediction (block 7 = 7 drafts), a vanilla Markov head of rank 256 and a
-#         confidence head; loss 0.1 CE + 0.9 L1 (= 2 TV) + 1.0 BCE of the confidence, weights exp(-k/4).
-# dflash2: z-lab's DFlash2 ("Keep Drafting Parallel"). From the released checkpoint's config.json
-#         (incoai/Qwen3.8-27B-DFlash2, shared/reference/dspark-dflash2.md 2.1): 5 layers, all sliding_attention
-#         with window 2048, block 8, dflash_config conv_kernel_size 2, conv_group_size 16, selector_rank 256,
-#         selector_top_k 16. z-lab published no objective; from the peers' trainers (2.2): selector loss weight
-#         1.0 (SpecForge/speculators/NeMo AM alpha_sel), 512 anchors (speculators' max_anchors). The backbone's
-#         loss is the paper's position-decayed CE with its B8 gamma 4 (speculators' default is KL: set kl_weight).
 RECIPES: dict[str, dict[str, Any]] = {
     "paper": {
         "num_hidden_layers": 5,
@@ -96,44 +71,12 @@ RECIPES: dict[str, dict[str, Any]] = {
         "cap_weight": 0.1,
         "sliding_window": 2048,
     },
-    "dspark": {
-        "arch": "dspark",
-        "num_hidden_layers": 5,
-        "block_size": 7,
-        "num_anchors": 512,
-        "loss": "ce",
-        "loss_gamma": 4.0,
-        "ce_weight": 0.1,
-        "tv_weight": 0.9,
-        "confidence_weight": 1.0,
-        "kl_weight": 0.0,
-        "cap_weight": 0.0,
-        "markov_rank": 256,
-        "markov_head": "vanilla",
-    },
-    "dflash2": {
-        "arch": "dflash2",
-        "num_hidden_layers": 5,
-        "block_size": 8,
-        "num_anchors": 512,
-        "loss": "ce",
-        "loss_gamma": 4.0,
-        "kl_weight": 0.0,
-        "cap_weight": 0.0,
-        "sliding_window": 2048,
-        "conv_kernel_size": 2,
-        "conv_group_size": 16,
-        "selector_rank": 256,
-        "selector_top_k": 16,
-        "selector_weight": 1.0,
-    },
 }
-# A recipe's layer pattern, for however many layers the drafter has (ddtree: all sliding but the last; dflash2: all
-# sliding, as the released checkpoint).
-RECIPE_LAYER_TYPES = {
-    "ddtree": lambda n: ["sliding_attention"] * (n - 1) + ["full_attention"],
-    "dflash2": lambda n: ["sliding_attention"] * n,
-}
+# A recipe's layer pattern, for however many layers the drafter has (ddtree: all sliding but the last).
+RECIPE_LAYER_TYPES = {"ddtree": lambda n: ["sliding_attention"] * (n - 1) + ["full_attention"]}
+for _family in FAMILIES.values():
+    RECIPES.update({name: dict(values) for name, values in _family.recipes.items()})
+    RECIPE_LAYER_TYPES.update(_family.layer_types)
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -153,18 +96,18 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
 
 
 @dataclass
-class DrafterConfig:
+class DrafterConfig(DFlash2Keys, DSparkKeys):
     """What the trainer chooses; everything else is copied from the target's config.
 
     A field left None takes the recipe's value, else its default; the constructor resolves them all, so
     the fingerprint, checkpoints and the export record the values trained with, never just a recipe name.
+    The keys below are every family's; a family's own keys are its dataclass's (common/config/families/), all in
+    the one flat [drafter] table that configs and checkpoints have always written.
     """
 
     # None, or a name in RECIPES whose settings fill the fields not set explicitly.
     recipe: str | None = None
-    # "dflash": the block is [anchor, MASK x (B-1)] and slots 1..B-1 draft (B - 1 drafts). "dspark": the same
-    # backbone, but every slot drafts (slot k predicts anchor + k + 1: B drafts), with a low-rank Markov head over
-    # the previous token's logits and a confidence head (consumer/dspark_heads.py).
+    # The family (common/config/families/: "dflash", "dspark", "dflash2"); a recipe of a family selects it.
     arch: Arch | None = None  # default "dflash"
     # At most 256: the drafter builds every layer (and a layer_types entry each) at start; DFlash drafters have 1 to
     # 8 and the largest targets fewer than 200, so more is a typo, not a model.
@@ -186,20 +129,6 @@ class DrafterConfig:
     ce_weight: float | None = None  # default 1
     # The L1 distance between the draft's and the target's distributions (= 2 TV), position-weighted like CE.
     tv_weight: float | None = None  # default 0 (DSpark: 0.9)
-    # DSpark: BCE of the confidence head against the detached analytic acceptance 1 - TV, position-weighted.
-    confidence_weight: float | None = None  # DSpark only; default 1
-    # DSpark: the rank of the Markov head's factorisation (markov_w1 [V, r], markov_w2 [V, r]), and its kind.
-    markov_rank: Annotated[int, Range(0, 4096)] | None = None  # DSpark only (>= 1 there; 0: none); default 256
-    markov_head: MarkovHeadType | None = None  # DSpark only; default "vanilla"
-    # DFlash2 (consumer/dflash2_blocks.py): the grouped dynamic causal convolution around every attention and MLP
-    # sublayer (taps per channel, kernel_size of them, the dynamic part shared by conv_group_size channels), and the
-    # candidate selector (codebooks of rank selector_rank rescoring the unary top selector_top_k), whose K-way CE
-    # against the true predecessor's candidates weighs selector_weight (consumer/objectives/selector.py).
-    conv_kernel_size: Annotated[int, Range(0, 64)] | None = None  # DFlash2 only; default 2
-    conv_group_size: Annotated[int, Range(0, 1 << 16)] | None = None  # DFlash2 only; default 16
-    selector_rank: Annotated[int, Range(0, 4096)] | None = None  # DFlash2 only; default 256
-    selector_top_k: Annotated[int, Range(0, 4096)] | None = None  # DFlash2 only; default 16
-    selector_weight: float | None = None  # DFlash2 only; default 1
     # What each position is trained to predict: the data's token, or the target's own greedy next token.
     label: LabelSource | None = None  # default "data"
     mask_token_id: int | None = None
@@ -212,6 +141,19 @@ class DrafterConfig:
     loss_chunk_tokens: AtLeastOne = 1024
     # None -> derived from the target (drafter_mlp_width); set it to choose the drafter's MLP width.
     intermediate_size: AtLeastOne | None = None
+    # The drafter's attention geometry; None -> the target's (num_key_value_heads: the target's, head_dim: the
+    # target's head width). The drafter's K/V of the context come from its own projections of the target's
+    # features, so its heads need not be the target's: the released 27B-class drafters use 32 heads of 128 with 8
+    # KV heads beside targets of 24 x 256 and 4. Bounded as the largest published models' attention is.
+    num_attention_heads: Annotated[int, Range(1, 1024)] | None = None
+    num_key_value_heads: Annotated[int, Range(1, 1024)] | None = None
+    head_dim: Annotated[int, Range(2, 1024)] | None = None
+    # A released or exported drafter directory (ours, z-lab's DFlash/DFlash2, DeepSeek's flat DSpark, or speculators'
+    # save_pretrained) whose weights initialise this drafter instead of a fresh initialisation (fine-tuning a
+    # released drafter for a fine-tuned target). Read once, at the first start of a run: a drafter that resumes
+    # from its checkpoint takes the checkpoint's weights. Its family, width, vocabulary, layers and geometry must be
+    # this drafter's (refused in one line otherwise); the checkpoints record it.
+    init_from: str | None = None
     # None -> the target's RoPE (drafter_rope); set it for a plain RoPE of this base instead, e.g. for
     # targets whose RoPE a fixed Qwen3 rotary cannot express (dynamic NTK, longrope).
     rope_theta: Positive | None = None
@@ -228,23 +170,21 @@ class DrafterConfig:
             raise ValueError(f"recipe {self.recipe!r} is not one of {', '.join(map(repr, RECIPES))}")
         recipe = RECIPES.get(self.recipe, {})
         arch = self.arch or recipe.get("arch", "dflash")
-        if arch not in ARCHS:
-            raise ValueError(f"arch {arch!r} must be one of {', '.join(map(repr, ARCHS))}")
-        # A resolved DFlash config written back (a checkpoint's, the launcher's) holds their DFlash values: not a
-        # refusal.
-        for other, only, before in (
-            ("dspark", DSPARK_ONLY_FIELDS, PRE_DSPARK_VALUES),
-            ("dflash2", DFLASH2_ONLY_FIELDS, PRE_DFLASH2_VALUES),
-        ):
-            if arch != other and (set_here := [k for k in only if getattr(self, k) not in (None, before[k])]):
-                name = {"dspark": "DSpark", "dflash2": "DFlash2"}[other]
+        if arch not in FAMILIES:
+            raise ValueError(f"arch {arch!r} must be one of {', '.join(map(repr, FAMILIES))}")
+        # A resolved config written back (a checkpoint's, the launcher's) holds the other families' keys at their
+        # absent values: not a refusal.
+        for other in FAMILIES.values():
+            if other.name != arch and (
+                set_here := [k for k, absent in other.own_keys.items() if getattr(self, k) not in (None, absent)]
+            ):
                 raise ValueError(
-                    f"{', '.join(set_here)} {'is' if len(set_here) == 1 else 'are'} {name}-only; this "
-                    f"drafter has arch = {arch!r} (set arch = {other!r} or recipe = {other!r}, or remove "
+                    f"{', '.join(set_here)} {'is' if len(set_here) == 1 else 'are'} {other.display}-only; this "
+                    f"drafter has arch = {arch!r} (set arch = {other.name!r} or recipe = {other.name!r}, or remove "
                     f"{'it' if len(set_here) == 1 else 'them'})"
                 )
-        defaults = {"dspark": _DSPARK_DEFAULTS, "dflash2": _DFLASH2_DEFAULTS}.get(arch, _DEFAULTS)
-        for name, value in {**defaults, **recipe}.items():
+        family = FAMILIES[arch]
+        for name, value in {**_DEFAULTS, **family.defaults, **recipe}.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
         self.arch = arch
@@ -276,51 +216,32 @@ class DrafterConfig:
             raise ValueError(f"unknown layer_types {sorted(unknown)}; expected {ATTENTION_TYPES}")
         if "sliding_attention" in self.layer_types and (self.sliding_window or 0) < self.block_size:
             raise ValueError("sliding_attention layers need sliding_window >= block_size")
-        if self.markov_head is not None and self.markov_head not in MARKOV_HEAD_TYPES:
+        if min(self.ce_weight, self.tv_weight, self.kl_weight, self.cap_weight) < 0:
+            raise ValueError("ce_weight, tv_weight, kl_weight and cap_weight must be >= 0")
+        FAMILIES[self.arch].check(self)
+        heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
+        if heads is not None and kv_heads is not None and heads % kv_heads:
             raise ValueError(
-                f"markov_head {self.markov_head!r} must be one of {', '.join(map(repr, MARKOV_HEAD_TYPES))}"
+                f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}: each key/value "
+                "head serves a whole group of query heads"
             )
-        if min(self.ce_weight, self.tv_weight, self.kl_weight, self.cap_weight, self.confidence_weight) < 0:
-            raise ValueError("ce_weight, tv_weight, kl_weight, cap_weight and confidence_weight must be >= 0")
-        if self.arch == "dspark" and "sliding_attention" in self.layer_types:
-            raise ValueError(
-                "arch 'dspark' takes full_attention layers only: the engines that serve DSpark (vLLM, "
-                "SGLang, llama.cpp) read no sliding window from its layout; remove layer_types or the "
-                "sliding layers"
-            )
-        if self.arch == "dspark" and self.markov_rank < 1:
-            raise ValueError("arch 'dspark' needs markov_rank >= 1 (the Markov head and the confidence head read it)")
-        if (
-            self.arch == "dflash2"
-            and min(self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k) < 1
-        ):
-            raise ValueError(
-                "arch 'dflash2' needs conv_kernel_size, conv_group_size, selector_rank and selector_top_k >= 1"
-            )
-        if self.arch == "dflash2" and self.conv_kernel_size > self.block_size:
-            raise ValueError(
-                f"conv_kernel_size {self.conv_kernel_size} exceeds block_size {self.block_size}: its taps "
-                "never cross a block, so the extra ones would read nothing"
-            )
-        if self.selector_weight < 0:
-            raise ValueError("selector_weight must be >= 0")
-        if self.confidence_weight > 0 and self.loss != "ce":
-            raise ValueError(
-                "confidence_weight > 0 needs loss = 'ce': the confidence's BCE is weighted by the "
-                "position decay, which D-PACE replaces"
-            )
+        if self.head_dim is not None and self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} is odd: RoPE rotates a head in pairs of channels")
+        if self.init_from is not None and not self.init_from.strip():
+            raise ValueError("init_from is empty: name a drafter directory, or remove the key")
 
     def model_fields(self) -> dict[str, Any]:
-        """Every field but the numeric format: what the ring's and the replica group's fingerprints compare. A
-        format is not another model (bf16 and fp8 replicas may average their weights, a drafter may resume in
-        the other format), and leaving it out keeps the fingerprint of every bf16 config as it was before the
-        field existed."""
+        """Every field but the numeric format and the warm start's source: what the ring's and the replica group's
+        fingerprints compare. A format is not another model (bf16 and fp8 replicas may average their weights, a
+        drafter may resume in the other format), and leaving it out keeps the fingerprint of every bf16 config as it
+        was before the field existed; where the first weights came from does not change the model either."""
         return {
             k: v
             for k, v in asdict(self).items()
             if k not in NUMERIC_FORMAT_FIELDS
-            and not (k in PRE_DSPARK_VALUES and v == PRE_DSPARK_VALUES[k])
-            and not (k in PRE_DFLASH2_VALUES and v == PRE_DFLASH2_VALUES[k])
+            and k != "init_from"  # where the first weights came from, not which model trains
+            and not (k in GEOMETRY_FIELDS and v is None)
+            and not (k in _ABSENT and v == _ABSENT[k])
         }
 
     @property
@@ -332,7 +253,7 @@ class DrafterConfig:
     @property
     def sample_from_anchor(self) -> bool:
         """Whether the anchor's slot drafts too (DSpark): the block then drafts B tokens, not B - 1."""
-        return self.arch == "dspark"
+        return FAMILIES[self.arch].drafts_from_anchor
 
     @property
     def drafts_per_block(self) -> int:
@@ -345,6 +266,8 @@ class DrafterConfig:
         return list(ids)
 
 
+# The shared defaults; a family's own keys default to their absent value (FamilyConfig.own_keys) unless the family's
+# defaults say otherwise.
 _DEFAULTS: dict[str, Any] = {
     "num_hidden_layers": 1,
     "block_size": 16,
@@ -356,19 +279,10 @@ _DEFAULTS: dict[str, Any] = {
     "label": "data",
     "ce_weight": 1.0,
     "tv_weight": 0.0,
-    "confidence_weight": 0.0,
-    "markov_rank": 0,
-    **PRE_DFLASH2_VALUES,
+    **{k: v for family in FAMILIES.values() for k, v in family.own_keys.items()},
 }
-_DSPARK_DEFAULTS: dict[str, Any] = {**_DEFAULTS, "confidence_weight": 1.0, "markov_rank": 256, "markov_head": "vanilla"}
-_DFLASH2_DEFAULTS: dict[str, Any] = {
-    **_DEFAULTS,
-    "conv_kernel_size": 2,
-    "conv_group_size": 16,
-    "selector_rank": 256,
-    "selector_top_k": 16,
-    "selector_weight": 1.0,
-}
+# What model_fields leaves out: fields at the value every config had before they were added.
+_ABSENT: dict[str, Any] = {**ADDED_WITH_DSPARK, **{k: v for f in FAMILIES.values() for k, v in f.own_keys.items()}}
 
 
 def target_text_config(target_config: Any) -> dict[str, Any]:
