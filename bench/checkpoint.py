@@ -48,7 +48,8 @@ from dflash_ring.common.config.train import TrainConfig
 from dflash_ring.common.lifecycle.trained_journal import Journal
 from dflash_ring.consumer.checkpoint import Checkpoint, CheckpointStore, optimizer_to_flat
 from dflash_ring.consumer.checkpoint_policy import Checkpoints
-from dflash_ring.consumer.model import FrozenTargetHead, build_drafter, cu_seqlens_from_lengths
+from dflash_ring.consumer.model import FrozenTargetHead, cu_seqlens_from_lengths
+from dflash_ring.consumer.families.build import build_drafter
 from dflash_ring.consumer.trainer import DeviceBatch, Trainer
 
 

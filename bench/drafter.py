@@ -42,7 +42,8 @@ from dflash_ring.common.compile_cache import use_compile_cache
 from dflash_ring.common.config.drafter import DrafterConfig, target_text_config
 from dflash_ring.consumer.fp8 import check_precision, convert_to_fp8
 from dflash_ring.consumer.loss import drafter_loss
-from dflash_ring.consumer.model import Anchors, FrozenTargetHead, build_drafter, cu_seqlens_from_lengths, sample_anchors
+from dflash_ring.consumer.model import Anchors, FrozenTargetHead, cu_seqlens_from_lengths, sample_anchors
+from dflash_ring.consumer.families.build import build_drafter
 
 H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s (spec sheet)
 DEFAULT_SAMPLES = (4, 3072)  # samples per step, tokens per sample: the paper's Qwen3-8B drafter

@@ -34,7 +34,8 @@ from dflash_ring.common.arguments import at_least_one, fp8_recipe_argument, reci
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.config.train import TrainConfig
 from dflash_ring.consumer.fp8 import check_precision
-from dflash_ring.consumer.model import FrozenTargetHead, build_drafter, cu_seqlens_from_lengths
+from dflash_ring.consumer.model import FrozenTargetHead, cu_seqlens_from_lengths
+from dflash_ring.consumer.families.build import build_drafter
 from dflash_ring.consumer.trainer import DeviceBatch, Trainer
 
 PRECISIONS = ("bf16", "fp8")

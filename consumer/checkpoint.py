@@ -314,7 +314,8 @@ def export_checkpoint(
     head of the trained shapes, the export is refused in one line."""
     from dflash_ring.common.config.drafter import DrafterConfig
     from dflash_ring.consumer.export import export_drafter
-    from dflash_ring.consumer.model import build_drafter
+    from dflash_ring.consumer.families import family
+    from dflash_ring.consumer.families.build import build_drafter
     from dflash_ring.consumer.target_head import HeadSpec
 
     path = Path(ckpt_path)
@@ -331,7 +332,7 @@ def export_checkpoint(
     head = ckpt.info.get("target_head")  # what the head probe derived (checkpoints before it: none recorded)
     spec = None if head is None else HeadSpec.from_json(head)
     frozen = None
-    if drafter.arch == "dspark":
+    if family(drafter.arch).head_tensors:
         frozen = _checkpoint_target_head(ckpt, target, spec)
     return export_drafter(model, drafter, ckpt.info["target_config"], out_dir, head_spec=spec, head=frozen)
 

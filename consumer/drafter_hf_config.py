@@ -16,6 +16,8 @@ import torch
 
 from dflash_ring.common.config.drafter import DrafterConfig, target_text_config
 from dflash_ring.common.target_geometry import layer_count_key, plain_geometry
+from dflash_ring.consumer.families import FAMILIES
+from dflash_ring.consumer.qwen3_blocks import rope_parameters
 
 if TYPE_CHECKING:  # transformers only where a config class is needed: its import costs a drafter's start seconds
     from transformers import PretrainedConfig, Qwen3Config
@@ -209,8 +211,6 @@ def drafter_rope(target: Mapping[str, Any], rope_theta: float | None = None) -> 
 
 
 TRAINING_KEYS = ("recipe", "loss", "loss_gamma", "dpace_alpha", "kl_weight", "cap_weight", "label", "num_anchors")
-DSPARK_TRAINING_KEYS = ("ce_weight", "tv_weight", "confidence_weight")
-DFLASH2_TRAINING_KEYS = ("selector_weight",)
 
 
 def drafter_attention(cfg: DrafterConfig, target: Mapping[str, Any]) -> dict[str, int]:
@@ -266,23 +266,8 @@ def drafter_hf_config(
     if not 0 <= cfg.mask_token_id < _require(target, "vocab_size"):
         raise ValueError(f"mask_token_id {cfg.mask_token_id} is not a row of the target embedding")
     layers = num_target_layers(target_config)
-    if cfg.arch == "dspark":
-        config = _dspark_keys(cfg, layers)
-    elif cfg.arch == "dflash2":
-        config = _dflash2_keys(cfg, layers)
-    else:
-        config = {
-            "architectures": ["DFlashDraftModel"],
-            # transformers' AutoModel with trust_remote_code reads this; vLLM and SGLang ignore it.
-            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
-            "model_type": "qwen3",
-            "block_size": cfg.block_size,
-            "num_target_layers": layers,
-            "dflash_config": {
-                "mask_token_id": cfg.mask_token_id,
-                "target_layer_ids": cfg.resolved_target_layer_ids(layers),
-            },
-        }
+    family = FAMILIES[cfg.arch]
+    config = family.layout(cfg, layers)
     config |= {
         "num_hidden_layers": cfg.num_hidden_layers,
         **drafter_geometry(cfg, target),
@@ -295,77 +280,13 @@ def drafter_hf_config(
         "dtype": str(dtype).removeprefix("torch."),
         # How it was trained (the resolved recipe): serving stacks ignore it, a reader of the export need not
         # find the run's config to know the objective.
-        "dflash_training": {
-            key: getattr(cfg, key)
-            for key in TRAINING_KEYS
-            + {"dspark": DSPARK_TRAINING_KEYS, "dflash2": DFLASH2_TRAINING_KEYS}.get(cfg.arch, ())
-        },
+        "dflash_training": {key: getattr(cfg, key) for key in TRAINING_KEYS + family.training_keys},
     }
-    if cfg.arch == "dspark":
-        config["rope_parameters"] = rope_parameters(config["rope_theta"], config["rope_scaling"])
+    family.finish_config(config)
     for key in ("bos_token_id", "eos_token_id"):
         if target.get(key) is not None:
             config[key] = target[key]
     return config
-
-
-def rope_parameters(theta: float, scaling: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The rotary as transformers 5 writes it (`rope_parameters`: rope_type and rope_theta inside), from the legacy
-    rope_theta/rope_scaling pair: the same RoPE in the spelling transformers-5 readers and the third-party DSpark
-    loaders' schema (rope_parameters.rope_type) read."""
-    rest = {k: v for k, v in (scaling or {}).items() if k not in ("rope_type", "type")}
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    return {"rope_type": rope_type, "rope_theta": theta, **rest}
-
-
-def _dspark_keys(cfg: DrafterConfig, layers: int) -> dict[str, Any]:
-    """DeepSeek's flat Qwen3DSparkModel layout (DeepSpec's save_pretrained; what vLLM's "dspark" method, SGLang's
-    DSPARK, TRT-LLM and llama.cpp load): every DFlash key top-level, head_dim explicit (drafter_geometry writes it;
-    SGLang refuses a derived one), sample_from_anchor top-level (vLLM's DFlash base refuses it inside dflash_config)
-    and dspark_bonus_anchor false (the key vLLM's DSpark speculator and older speculators mappings read for the 1+N
-    layout: written so no build can take this anchor-first checkpoint for the other), the confidence head fed with
-    the Markov embedding (the only form SGLang loads). The RoPE is written in both spellings (drafter_hf_config):
-    rope_theta/rope_scaling for transformers-4 readers and engines that read rope_theta, rope_parameters as
-    transformers 5 writes it (and a third-party loader's schema requires); transformers 5 reads either, equal."""
-    return {
-        "architectures": ["Qwen3DSparkModel"],
-        "auto_map": {"AutoModel": "dspark.Qwen3DSparkModel"},
-        "model_type": "qwen3",
-        "block_size": cfg.block_size,
-        "num_target_layers": layers,
-        "target_layer_ids": cfg.resolved_target_layer_ids(layers),
-        "mask_token_id": cfg.mask_token_id,
-        "num_anchors": cfg.num_anchors,
-        "sample_from_anchor": True,
-        "dspark_bonus_anchor": False,
-        "markov_rank": cfg.markov_rank,
-        "markov_head_type": cfg.markov_head,
-        "enable_confidence_head": True,
-        "confidence_head_with_markov": True,
-    }
-
-
-def _dflash2_keys(cfg: DrafterConfig, layers: int) -> dict[str, Any]:
-    """z-lab's DFlash2DraftModel layout (the released checkpoint's; vLLM and SGLang serve it under "dflash"): the
-    drafter's keys nested in dflash_config, and top-level is_causal false, because DFlash2 trains its sliding layers
-    bidirectional inside the block (vLLM's _dflash_layer_causal and z-lab read top-level is_causal first; without
-    it a sliding layer would serve causal)."""
-    return {
-        "architectures": ["DFlash2DraftModel"],
-        "auto_map": {"AutoModel": "dflash2.DFlash2DraftModel"},
-        "model_type": "qwen3",
-        "num_target_layers": layers,
-        "is_causal": False,
-        "dflash_config": {
-            "block_size": cfg.block_size,
-            "conv_kernel_size": cfg.conv_kernel_size,
-            "conv_group_size": cfg.conv_group_size,
-            "selector_rank": cfg.selector_rank,
-            "selector_top_k": cfg.selector_top_k,
-            "mask_token_id": cfg.mask_token_id,
-            "target_layer_ids": cfg.resolved_target_layer_ids(layers),
-        },
-    }
 
 
 def qwen3_config(hf_config: Mapping[str, Any]) -> Qwen3Config:
@@ -400,9 +321,3 @@ def model_config(hf_config: Mapping[str, Any]) -> SimpleNamespace | Qwen3Config:
             | {"rope_parameters": dict(params)}
         )
     )
-
-
-def block_size_of(config: Qwen3Config) -> int:
-    """Newer checkpoints move block_size into dflash_config; SGLang reads both, so do we (DSpark: top-level only)."""
-    nested = getattr(config, "dflash_config", None) or {}
-    return int(nested.get("block_size", getattr(config, "block_size", 0)))

@@ -15,7 +15,7 @@ same `architectures` as z-lab's, so that key alone would take it for ours). Layo
   codebooks as z-lab's save_pretrained names them (`.weight`, its nn.Embedding) take our names.
 The returned config is shaped as consumer/drafter_hf_config.drafter_hf_config writes it for the arch, less what a
 speculators config does not record (num_target_layers, and how it was trained: dflash_training, DSpark's
-num_anchors); `consumer.export._expected_state`, `qwen3_config` and `drafter_class(arch)` build the model from it,
+num_anchors); `consumer.export._expected_state`, `qwen3_config` and `family(arch).model` build the model from it,
 and the state loads into that model with strict=True. The target's tensors are never returned: the run's own
 target head serves them.
 
@@ -40,18 +40,17 @@ from safetensors.torch import load_file
 
 from dflash_ring.common.refusal import Refusal
 from dflash_ring.common.safetensors_check import check_safetensors_file
-from dflash_ring.consumer.drafter_hf_config import drafter_rope, rope_parameters
+from dflash_ring.consumer.drafter_hf_config import drafter_rope
 from dflash_ring.consumer.export import (
-    ARCH_NAMES,
-    ARCHITECTURES,
     CONFIG_NAME,
-    MODEL_CODE,
     WEIGHTS_NAME,
     ExportDirError,
     _check_weights,
     _expected_state,
     export_arch,
 )
+from dflash_ring.consumer.families import family
+from dflash_ring.consumer.qwen3_blocks import rope_parameters
 
 # The target's tensors a released drafter may carry (speculators' names; DSpark's embed_tokens/lm_head are ours too):
 # the run's target head serves them, so they are dropped, their shapes checked.
@@ -68,7 +67,7 @@ class ReleasedDrafterError(Refusal, ValueError):
 
 def released_drafter(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(config in our export layout, state in our tensor names) of the drafter saved at `path`, in any layout the
-    module docstring names; the target's own tensors dropped (the state loads strict into drafter_class(arch)(
+    module docstring names; the target's own tensors dropped (the state loads strict into family(arch).model(
     qwen3_config(config)), arch = export_arch(config))."""
     root = Path(path)
     config_file = root / CONFIG_NAME
@@ -103,7 +102,7 @@ def released_drafter(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.
         expected = _expected_state(config, arch)
     except (KeyError, TypeError, ValueError) as e:  # a key missing or of the wrong type, as Qwen3Config or our model
         raise ReleasedDrafterError(
-            f"{config_file}: the {ARCH_NAMES[arch]} drafter it describes cannot be built ({type(e).__name__}: {e})"
+            f"{config_file}: the {family(arch).display} drafter it describes cannot be built ({type(e).__name__}: {e})"
         ) from None
     weights = _weights_file(root)
     check_safetensors_file(weights)  # a truncated or damaged file: one line naming it, not safetensors' traceback
@@ -175,23 +174,22 @@ def _from_speculators(source: Mapping[str, Any], where: str) -> dict[str, Any]:
     """Our export config of a vLLM speculators save_pretrained config.json, refusing what has no exact equivalent."""
     from transformers import AutoConfig, Qwen3Config
 
-    family = source["speculators_model_type"]
-    if family not in SPECULATORS_ARCHS:
+    arch = source["speculators_model_type"]
+    if arch not in SPECULATORS_ARCHS:
         raise ReleasedDrafterError(
-            f"{where}: speculators_model_type {family!r} is not a drafter we train (speculators' "
+            f"{where}: speculators_model_type {arch!r} is not a drafter we train (speculators' "
             f"{', '.join(SPECULATORS_ARCHS)} are read)"
         )
-    arch = family
 
     def refuse(what: str) -> ReleasedDrafterError:
         return ReleasedDrafterError(
-            f"{where}: a speculators {ARCH_NAMES[arch]} drafter with {what}; ours has no equivalent, so it cannot "
+            f"{where}: a speculators {family(arch).display} drafter with {what}; ours has no equivalent, so it cannot "
             "start this run exactly: start from a drafter without it, or train from scratch"
         )
 
     def key(name: str) -> Any:
         if source.get(name) is None:
-            raise ReleasedDrafterError(f"{where}: no {name}, which a speculators {ARCH_NAMES[arch]} config sets")
+            raise ReleasedDrafterError(f"{where}: no {name}, which a speculators {family(arch).display} config sets")
         return source[name]
 
     layer_dict = key("transformer_layer_config")
@@ -236,10 +234,10 @@ def _from_speculators(source: Mapping[str, Any], where: str) -> dict[str, Any]:
     except (KeyError, ValueError) as e:
         raise refuse(f"its RoPE {params} ({e})") from None
     mask_token_id, block_size, target_layer_ids = key("mask_token_id"), key("block_size"), [i - 1 for i in aux]
-    code = MODEL_CODE[arch][0].removesuffix(".py")
+    code, architectures = family(arch).code[0][0].removesuffix(".py"), list(family(arch).architectures)
     config: dict[str, Any] = {
-        "architectures": list(ARCHITECTURES[arch]),
-        "auto_map": {"AutoModel": f"{code}.{ARCHITECTURES[arch][0]}"},
+        "architectures": architectures,
+        "auto_map": {"AutoModel": f"{code}.{architectures[0]}"},
         "model_type": "qwen3",
     }
     if arch == "dflash":

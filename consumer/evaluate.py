@@ -66,7 +66,9 @@ from .calibration import ConfidenceCalibration, confidence_calibration
 from .draft_tree import build_draft_tree, check_tree_target, follow_greedy, keep_path, tree_attention_mask
 from .export import load_drafter
 from .head_loader import load_target_head
-from .model import DFlash2DraftModel, DFlashDraftModel, DSparkDraftModel, FrozenTargetHead
+from .draft import Draft, DraftFn, sample_tokens
+from .families import family_of
+from .model import DFlashDraftModel, FrozenTargetHead
 from .prompt_lookup import DEFAULT_LOOKUP_NGRAM, DEFAULT_LOOKUP_TOKENS, prompt_lookup
 
 log = logging.getLogger(__name__)
@@ -87,22 +89,6 @@ class EvalRefusal(Refusal, ValueError):
     user's, so one line at the CLI (exit 2); the decoders' checks of what a draft or distribution function returned
     stay plain ValueErrors: those are bugs, shown with their traceback."""
 
-
-@dataclass(frozen=True)
-class Draft:
-    """One round's drafts, in block order."""
-
-    tokens: torch.Tensor  # [n] ids: n = B - 1 for a DFlash block, B for a DSpark block
-    # [n, V] q_k: the distribution tokens[k] was sampled from, given the drafts before it; what sampled
-    # verification (temperature > 0) needs. None for greedy drafts.
-    probs: torch.Tensor | None = None
-    # [n] confidence logits c_k (DSpark): sigmoid(c_k) estimates P(draft k accepted | every earlier one accepted)
-    confidence: torch.Tensor | None = None
-
-
-DraftFn = Callable[[torch.Tensor, torch.Tensor], "Draft | torch.Tensor"]
-"""(committed ids [S + 1] ending with the anchor, target features [S, n*H]) -> the round's Draft, or just its
-token ids [n] (greedy)."""
 
 DistributionFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """As DraftFn, but -> [B - 1, V] log-probabilities of block positions 1..B-1 (what a draft tree is built from)."""
@@ -210,18 +196,6 @@ def cache_argument(model: PreTrainedModel) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def sample_tokens(
-    logits: torch.Tensor, temperature: float, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Ids [...] from logits [..., V]: the argmax at temperature 0 (distribution None), else a sample of
-    softmax(logits / temperature) (fp32), returned with it."""
-    if temperature == 0:
-        return logits.argmax(dim=-1), None
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator)
-    return flat.reshape(probs.shape[:-1]), probs
-
-
 def drafter_draft_fn(
     drafter: DFlashDraftModel,
     head: FrozenTargetHead,
@@ -229,88 +203,14 @@ def drafter_draft_fn(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
 ) -> DraftFn:
-    """Drafts from an exported drafter, argmaxes at temperature 0, else samples at `temperature` from `generator`.
-
-    DFlash (slots 1..B-1 draft): the block's hidden states through the target's lm_head, each slot independently
-    (ids alone when greedy, as before). DSpark (`sample_from_anchor`: every slot drafts): `dspark_draft`. DFlash2
-    (slots 1..B-1, through its candidate selector): `dflash2_draft`."""
-    if isinstance(drafter, DFlash2DraftModel):
-
-        def draft_dflash2(committed: torch.Tensor, context: torch.Tensor) -> Draft:
-            return dflash2_draft(drafter, head, committed, context, temperature=temperature, generator=generator)
-
-        return draft_dflash2
-    if getattr(drafter, "sample_from_anchor", False):
-
-        def draft_dspark(committed: torch.Tensor, context: torch.Tensor) -> Draft:
-            return dspark_draft(drafter, head, committed, context, temperature=temperature, generator=generator)
-
-        return draft_dspark
+    """Drafts from an exported drafter by its family's draft function (consumer/families/<name>/), argmaxes at
+    temperature 0, else samples at `temperature` from `generator`."""
+    draft_block = family_of(drafter).draft
 
     def draft(committed: torch.Tensor, context: torch.Tensor) -> Draft | torch.Tensor:
-        tokens, probs = sample_tokens(_draft_logits(drafter, head, committed, context), temperature, generator)
-        return tokens if probs is None else Draft(tokens, probs)
+        return draft_block(drafter, head, committed, context, temperature, generator)
 
     return draft
-
-
-def dspark_draft(
-    drafter: DSparkDraftModel,
-    head: FrozenTargetHead,
-    committed: torch.Tensor,
-    context: torch.Tensor,
-    *,
-    temperature: float = 0.0,
-    generator: torch.Generator | None = None,
-) -> Draft:
-    """A DSpark block's B drafts: one backbone forward (slot k's hidden state h_k drafts token anchor + k + 1), then
-    B Markov steps left to right. Step k forms the Markov features and the confidence of slot k from the drafted
-    prefix, prev = [anchor, x_0 .. x_{k-1}], with the training forward's own `heads` (exact for the recurrent head
-    too: it re-reads the prefix), adds the bias to lm_head(h_k) and picks x_k: the argmax, or a sample of
-    q_k = softmax(logits_k / temperature), which the Draft carries for verification."""
-    hidden = drafter.draft_block(context.to(drafter.fc.weight.dtype), committed, head)  # [B, H]
-    base = head.logits(hidden).float()  # [B, V]
-    prev = committed[-1:]
-    tokens, probs, confidence = [], [], []
-    for k in range(drafter.block_size):
-        features, conf = drafter.heads(hidden[None, : k + 1], prev[None])
-        token, q = sample_tokens(base[k] + drafter.markov_head.bias(features[0, -1]).float(), temperature, generator)
-        tokens.append(token)
-        probs.append(q)
-        confidence.append(conf[0, -1])
-        prev = torch.cat([prev, token.view(1).to(prev.device)])
-    return Draft(
-        tokens=torch.stack(tokens),
-        probs=None if temperature == 0 else torch.stack(probs),
-        confidence=torch.stack(confidence).float(),
-    )
-
-
-def dflash2_draft(
-    drafter: DFlash2DraftModel,
-    head: FrozenTargetHead,
-    committed: torch.Tensor,
-    context: torch.Tensor,
-    *,
-    temperature: float = 0.0,
-    generator: torch.Generator | None = None,
-) -> Draft:
-    """A DFlash2 block's B - 1 drafts, walked through the candidate selector from the anchor (z-lab's `propose`).
-
-    One backbone forward; slot k's candidates are the top-K of lm_head(h_k), scored with the token before it (the
-    anchor, then the path's), `CandidateSelector.walk`. Greedy: the path of argmaxes, ids only. At temperature T > 0
-    the path is sampled from q_k = softmax(scores_k / T) over the candidates, and the Draft carries q_k as a [V] row,
-    zero outside the candidates: the distribution the draft was sampled from, for `verify_sampled`."""
-    hidden = drafter.draft_block(context.to(drafter.fc.weight.dtype), committed, head)[1:]  # [B - 1, H]
-    logits = head.logits(hidden)
-    path, candidates, scores = drafter.candidate_selector.walk(
-        hidden[None], logits[None], committed[-1:], temperature, generator
-    )
-    if temperature == 0:
-        return Draft(tokens=path[0])
-    q = torch.softmax(scores[0].float() / temperature, dim=-1)  # [B - 1, K], as walk sampled from
-    probs = torch.zeros(logits.shape, dtype=q.dtype, device=q.device).scatter_(-1, candidates[0], q)
-    return Draft(tokens=path[0], probs=probs)
 
 
 def prompt_lookup_draft_fn(
@@ -922,17 +822,8 @@ def _evaluate(
 
 
 def _check_tree_drafter(drafter: DFlashDraftModel, tree_budgets: Sequence[int]) -> None:
-    dspark = isinstance(drafter, DSparkDraftModel) or getattr(drafter, "sample_from_anchor", False)
-    if dspark and tree_budgets:
-        raise EvalRefusal(
-            "tree verification (tree budgets) takes a DFlash drafter: a DSpark drafter's slots depend "
-            "on the drafted prefix (its Markov head), which a tree of independent slots would drop"
-        )
-    if isinstance(drafter, DFlash2DraftModel) and tree_budgets:
-        raise EvalRefusal(
-            "tree verification (tree budgets) takes a DFlash drafter: a DFlash2 drafter's selector scores "
-            "each slot with the token drafted before it, which a tree of independent slots would drop"
-        )
+    if tree_budgets and (why := family_of(drafter).no_draft_tree) is not None:
+        raise EvalRefusal(f"tree verification (tree budgets) takes a DFlash drafter: {why}")
 
 
 def _decode_all(

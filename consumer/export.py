@@ -1,16 +1,9 @@
 """Write and read drafters in the public layouts: config.json + model.safetensors + the model's code.
 
-Two layouts, told apart by config.json's `architectures`:
-- DFlash (["DFlashDraftModel"], z-lab / SpecForge): settings nested in dflash_config, the drafter's own tensors
-  only (the target's embed/lm_head are shared at serve time); dflash.py is consumer/hf_dflash.py copied verbatim.
-- DSpark (["Qwen3DSparkModel"], DeepSeek's flat layout: vLLM's "dspark" method, SGLang's DSPARK): settings
-  top-level, the tensors with no prefix plus the target's embed_tokens.weight and lm_head.weight (SGLang refuses
-  a checkpoint without them; a tied target's lm_head is its embedding); dspark.py is consumer/hf_dspark.py.
-- DFlash2 (["DFlash2DraftModel"], z-lab's): settings nested in dflash_config, top-level is_causal false (its sliding
-  layers train bidirectional in the block), the codebooks stored without .weight; dflash2.py is consumer/hf_dflash2.py,
-  shipped with the dflash2_blocks.py it imports.
-config.json's auto_map points transformers' AutoModel (trust_remote_code) at the code file, so that path gives the
-real drafter, not a bare Qwen3Model.
+Each family's layout (consumer/families/<name>/: its config.json keys, the code shipped beside the weights, the
+target tensors its file carries) is told apart by config.json's `architectures`: z-lab's DFlash and DFlash2,
+DeepSeek's flat DSpark. config.json's auto_map points transformers' AutoModel (trust_remote_code) at the code file,
+so that path gives the real drafter, not a bare Qwen3Model.
 
 Export is atomic (temp dir in the same parent, fsync, rename) so a crash never
 leaves a half-written drafter where a server or a resume would pick it up.
@@ -24,11 +17,10 @@ import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import PretrainedConfig
 
 from dflash_ring.common.durable import fsync
 from dflash_ring.common.refusal import Refusal
@@ -36,35 +28,18 @@ from dflash_ring.common.safetensors_check import check_safetensors_file
 
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.consumer.drafter_hf_config import drafter_hf_config, qwen3_config
-from .dspark_heads import check_dspark_head
-from .model import DFlashDraftModel, drafter_class
+from dflash_ring.consumer.families import FAMILIES, family, family_of, family_of_layout
+from dflash_ring.consumer.families.family import DrafterFamily
+
+from .model import DFlashDraftModel
 from .target_head import FrozenTargetHead, HeadSpec
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-MODEL_CODE_NAME = "dflash.py"  # what config.json's auto_map names ("dflash.DFlashDraftModel")
-MODEL_CODE_SOURCE = Path(__file__).with_name("hf_dflash.py")
-DSPARK_CODE_NAME = "dspark.py"  # "dspark.Qwen3DSparkModel"
-DSPARK_CODE_SOURCE = Path(__file__).with_name("hf_dspark.py")
-TARGET_HEAD_KEY = "dflash_target_head"
+if TYPE_CHECKING:  # a drafter imports this module at start (warm start): transformers only where it is needed
+    from transformers import PretrainedConfig
 
-ARCHITECTURES = {"dflash": ["DFlashDraftModel"], "dspark": ["Qwen3DSparkModel"], "dflash2": ["DFlash2DraftModel"]}
-ARCH_NAMES = {"dflash": "DFlash", "dspark": "DSpark", "dflash2": "DFlash2"}
-MODEL_CODE = {
-    "dflash": (MODEL_CODE_NAME, MODEL_CODE_SOURCE),
-    "dspark": (DSPARK_CODE_NAME, DSPARK_CODE_SOURCE),
-    "dflash2": ("dflash2.py", Path(__file__).with_name("hf_dflash2.py")),
-}
-# Files the model code imports (relative imports, which transformers' trust_remote_code copies along).
-MODEL_CODE_IMPORTS = {"dflash2": (("dflash2_blocks.py", Path(__file__).with_name("dflash2_blocks.py")),)}
-# DFlash2's dflash_config keys for a target head's transforms (z-lab's dflash_generate and compute_logits read them).
-DFLASH2_HEAD_KEYS = {
-    "embed_scale": "input_embedding_scale",
-    "logit_multiplier": "output_multiplier",
-    "logit_softcap": "final_logit_softcapping",
-}
-# The target's head in a DSpark export: in the file, not parameters of our DSparkDraftModel (its FrozenTargetHead).
-HEAD_TENSORS = ("embed_tokens.weight", "lm_head.weight")
+TARGET_HEAD_KEY = "dflash_target_head"
 
 
 class ExportDirError(Refusal, ValueError):
@@ -74,19 +49,14 @@ class ExportDirError(Refusal, ValueError):
 
 
 def export_arch(config: Mapping[str, Any], source: str = "config.json") -> str:
-    """ "dflash", "dspark" or "dflash2", by the config's architectures; anything else refused naming the layouts."""
-    found = config.get("architectures")
-    for arch, names in ARCHITECTURES.items():
-        if found == names:
-            return arch
-    raise ExportDirError(
-        f"{source}: architectures is {found}, neither {ARCHITECTURES['dflash']} (DFlash), "
-        f"{ARCHITECTURES['dflash2']} (DFlash2) nor {ARCHITECTURES['dspark']} (DSpark)"
-    )
-
-
-def _describe(arch: str) -> str:
-    return f"a {ARCH_NAMES[arch]} drafter (architectures {ARCHITECTURES[arch]})"
+    """The family name of the layout config.json's architectures names; anything else refused naming the layouts."""
+    found = family_of_layout(config)
+    if found is None:
+        *others, last = (f"{list(f.architectures)} ({f.display})" for f in FAMILIES.values())
+        raise ExportDirError(
+            f"{source}: architectures is {config.get('architectures')}, neither {', '.join(others)} nor {last}"
+        )
+    return found.name
 
 
 def _check_weights(
@@ -107,25 +77,18 @@ def _check_weights(
     )
     if missing or unexpected or wrong_shape:
         raise error(
-            f"{source} does not match its {ARCH_NAMES[arch]} config: missing {missing}, unexpected {unexpected}, "
+            f"{source} does not match its {family(arch).display} config: missing {missing}, unexpected {unexpected}, "
             f"wrong shapes {wrong_shape}"
         )
 
 
 def _expected_state(config: Mapping[str, Any], arch: str = "dflash") -> dict[str, torch.Tensor]:
-    """Names and shapes the config implies, without allocating real weights (DSpark: with the target's head)."""
+    """Names and shapes the config implies, without allocating real weights (with the target tensors the family's
+    file carries)."""
     with torch.device("meta"):
-        state = drafter_class(arch)(qwen3_config(config)).state_dict()
-        if arch == "dspark":
-            state |= {name: torch.empty(config["vocab_size"], config["hidden_size"]) for name in HEAD_TENSORS}
+        state = family(arch).model(qwen3_config(config)).state_dict()
+        state |= {name: torch.empty(config["vocab_size"], config["hidden_size"]) for name in family(arch).head_tensors}
     return state
-
-
-def _settings(config: Mapping[str, Any], arch: str) -> tuple[int, int, list[int]]:
-    """(block_size, mask_token_id, target_layer_ids) where the layout keeps them."""
-    where = config if arch == "dspark" else config["dflash_config"]
-    block_size = config["dflash_config"]["block_size"] if arch == "dflash2" else config["block_size"]
-    return block_size, where["mask_token_id"], where["target_layer_ids"]
 
 
 def export_drafter(
@@ -138,53 +101,49 @@ def export_drafter(
     head_spec: HeadSpec | None = None,
     head: FrozenTargetHead | None = None,
 ) -> Path:
-    """Write the drafter: its weights and model code, in the layout of drafter_config.arch.
+    """Write the drafter: its weights and model code, in the layout of drafter_config.arch's family.
 
-    head: the target's frozen head the drafter trained with. A DSpark export needs it (its embed_tokens and lm_head
-    ship in the file); a DFlash export reads only its spec. head_spec (default: head's), the target head the drafter
-    trained with (the head probe's result), is recorded as `dflash_target_head`: a server must apply the same
-    embedding scale, logit multiplier and softcap when it embeds the drafter's block and scores its drafts with the
+    head: the target's frozen head the drafter trained with. A family whose file carries the target's tensors (DSpark:
+    embed_tokens and lm_head) needs it; the others read only its spec. head_spec (default: head's), the target head
+    the drafter trained with (the head probe's result), is recorded as `dflash_target_head`: a server must apply the
+    same embedding scale, logit multiplier and softcap when it embeds the drafter's block and scores its drafts with the
     target's head (serving stacks ignore the key; a DSpark drafter's target head is always plain).
     """
     out = Path(out_dir)
     if out.exists():
         raise FileExistsError(f"{out} exists; export never overwrites a drafter in place")
     arch = drafter_config.arch
-    if model.sample_from_anchor != (arch == "dspark"):
-        model_arch = "dspark" if model.sample_from_anchor else "dflash"
+    fam = family(arch)
+    if (model_family := family_of(model)) is not fam:
         raise ValueError(
-            f"the model is {_describe(model_arch)}, its drafter config says arch = {arch!r} "
-            f"({_describe(arch)}): export it with the config it was trained with"
+            f"the model is {model_family.describe()}, its drafter config says arch = {arch!r} "
+            f"({fam.describe()}): export it with the config it was trained with"
         )
     if head_spec is None and head is not None:
         head_spec = head.spec
     config = drafter_hf_config(drafter_config, target_config, dtype=dtype)
     if head_spec is not None:
         config[TARGET_HEAD_KEY] = head_spec.to_json()
-        if arch == "dflash2":  # where z-lab's DFlash2 reads them
-            config["dflash_config"] |= {
-                key: getattr(head_spec, ours)
-                for ours, key in DFLASH2_HEAD_KEYS.items()
-                if getattr(head_spec, ours) is not None
-            }
-    exported = _settings(config, arch)
+        fam.write_head_spec(config, head_spec)
+    exported = fam.settings(config)
     if exported != (model.block_size, model.mask_token_id, model.target_layer_ids):
         raise ValueError(f"config (block_size, mask_token_id, target_layer_ids) {exported} differs from the model's")
     state = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in model.state_dict().items()}
-    if arch == "dspark":
+    if fam.head_tensors:
         if head is None:
             raise ValueError(
-                "a DSpark export ships the target's embed_tokens and lm_head (SGLang refuses a checkpoint "
-                "without them): pass the target's head (head=FrozenTargetHead)"
+                f"a {fam.display} export ships the target's "
+                f"{' and '.join(name.removesuffix('.weight') for name in fam.head_tensors)} (SGLang refuses a "
+                "checkpoint without them): pass the target's head (head=FrozenTargetHead)"
             )
-        check_dspark_head(head.spec)
+        fam.check_head(head.spec)
         # Clones: a tied target's lm_head is its embedding, and safetensors refuses tensors that share memory.
         state |= {
             name: weight.detach().to(device="cpu", dtype=dtype).clone()
-            for name, weight in zip(HEAD_TENSORS, (head.embed_weight, head.lm_head_weight))
+            for name, weight in zip(fam.head_tensors, (head.embed_weight, head.lm_head_weight))
         }
     _check_weights(state, _expected_state(config, arch), "model", arch)
-    code = (MODEL_CODE[arch], *MODEL_CODE_IMPORTS.get(arch, ()))
+    code = fam.code
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
@@ -210,14 +169,13 @@ def load_drafter(
     arch: str | None = "dflash",
     target_head: FrozenTargetHead | None = None,
 ) -> DFlashDraftModel:
-    """Load an exported drafter (DFlashDraftModel, DSparkDraftModel or DFlash2DraftModel); dtype None keeps the
-    stored dtype.
+    """Load an exported drafter as its family's training model; dtype None keeps the stored dtype.
 
-    arch: the layout the caller serves, "dflash" (the default: what every caller before DSpark decodes), "dspark",
-    "dflash2", or None for any; an export of another is refused in one line naming both. A DSpark export's embed_tokens
-    and lm_head are checked by shape and not loaded into the model (the target's head serves them); with
-    target_head they must equal its embedding and lm_head (as the export's dtype rounds them), or the drafter was
-    exported for another target.
+    arch: the family the caller serves, "dflash" (the default: what every caller before DSpark decodes), another name
+    of consumer/families, or None for any; an export of another is refused in one line naming both. The target
+    tensors a family's file carries (DSpark's embed_tokens and lm_head) are checked by shape and not loaded into the
+    model (the target's head serves them); with target_head they must equal its embedding and lm_head (as the
+    export's dtype rounds them), or the drafter was exported for another target.
     """
     root = Path(path)
     config_file = root / CONFIG_NAME
@@ -231,12 +189,12 @@ def load_drafter(
         )
     found = export_arch(config, str(config_file))
     if arch is not None and found != arch:
-        raise ExportDirError(f"{root} is {_describe(found)}, {_describe(arch)} is expected here")
+        raise ExportDirError(f"{root} is {family(found).describe()}, {family(arch).describe()} is expected here")
     try:
         expected = _expected_state(config, found)
     except (KeyError, TypeError, ValueError) as e:  # a key missing or of the wrong type, as Qwen3Config or our model
         raise ExportDirError(
-            f"{config_file}: the {ARCH_NAMES[found]} drafter it describes cannot be built ({type(e).__name__}: {e})"
+            f"{config_file}: the {family(found).display} drafter it describes cannot be built ({type(e).__name__}: {e})"
         ) from None
     weights = root / WEIGHTS_NAME
     check_safetensors_file(weights)  # a truncated or damaged file: one line naming it, not safetensors' traceback
@@ -247,16 +205,16 @@ def load_drafter(
             f"{weights}: {odd[0]} is stored as {state[odd[0]].dtype}, not float16, bfloat16 or float32 (an export "
             "writes the drafter's own floating-point weights; these would be cast as they are): export it again"
         )
-    if found == "dspark":
-        stored = [state.pop(name) for name in HEAD_TENSORS]
+    if head_tensors := family(found).head_tensors:
+        stored = [state.pop(name) for name in head_tensors]
         if target_head is not None:
             for name, tensor, theirs in zip(
-                HEAD_TENSORS, stored, (target_head.embed_weight, target_head.lm_head_weight)
+                head_tensors, stored, (target_head.embed_weight, target_head.lm_head_weight)
             ):
                 if not torch.equal(theirs.detach().to(device="cpu", dtype=tensor.dtype), tensor):
                     raise ExportDirError(
                         f"{weights}: {name} differs from the target's: this drafter was exported for another target"
                     )
-    model = drafter_class(found)(qwen3_config(config))
+    model = family(found).model(qwen3_config(config))
     model.load_state_dict(state, strict=True)
     return model.to(device=device, dtype=dtype or state["fc.weight"].dtype)

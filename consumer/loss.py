@@ -29,7 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from dflash_ring.common.config.drafter import DrafterConfig
-from .model import Anchors, DFlash2DraftModel, DFlashDraftModel, DSparkDraftModel, FrozenTargetHead
+from .model import Anchors, DFlashDraftModel, FrozenTargetHead
+from dflash_ring.consumer.families.dflash2.model import DFlash2DraftModel
+from dflash_ring.consumer.families.dspark.model import DSparkDraftModel
 from .objectives.cap import Cap, accept_products
 from .objectives.confidence import Calibration, calibration, confidence_loss
 from .objectives.dpace import DPace

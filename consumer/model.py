@@ -19,10 +19,6 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from dflash_ring.common.config.drafter import DrafterConfig
-from dflash_ring.consumer.drafter_hf_config import block_size_of, drafter_hf_config, model_config
-from dflash_ring.consumer.dflash2_blocks import CandidateSelector, GroupedDynamicCausalConv
-from dflash_ring.consumer.dspark_heads import ConfidenceHead, MarkovHead
 from dflash_ring.consumer.qwen3_blocks import Qwen3MLP, Qwen3RMSNorm, rope_frequencies, rotate_half
 
 # The frozen head lives in target_head.py; re-exported for callers that import it from here.
@@ -30,7 +26,7 @@ from .head_loader import load_target_head  # noqa: F401
 from .target_head import EMBED_KEYS, LM_HEAD_KEYS, FrozenTargetHead  # noqa: F401
 
 if TYPE_CHECKING:  # built from consumer/drafter_hf_config.model_config: no transformers import at a drafter's start
-    from transformers import PretrainedConfig, Qwen3Config
+    from transformers import Qwen3Config
 
 
 def cu_seqlens_from_lengths(lengths: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -390,6 +386,12 @@ class DFlashDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def block_size_of(config: Qwen3Config) -> int:
+    """Newer checkpoints move block_size into dflash_config; SGLang reads both, so do we (DSpark: top-level only)."""
+    nested = getattr(config, "dflash_config", None) or {}
+    return int(nested.get("block_size", getattr(config, "block_size", 0)))
+
+
 def _drafter_key(config: Qwen3Config, key: str) -> Any:
     """A DFlash setting where the layout keeps it: nested in dflash_config (z-lab), or top-level (DeepSeek's DSpark)."""
     nested = getattr(config, "dflash_config", None) or {}
@@ -508,106 +510,3 @@ class DFlashDraftModel(nn.Module):
             cu_seqlens=torch.tensor([0, length], device=device),
         )
         return self(padded, committed_ids, anchors, head)[0]
-
-
-class DSparkDraftModel(DFlashDraftModel):
-    """DSpark (consumer/dspark_heads.py): the DFlash backbone, every slot drafting (slot k predicts anchor + k + 1),
-    plus the Markov and confidence heads. Parameter names are DeepSeek's flat Qwen3DSparkModel names."""
-
-    sample_from_anchor = True
-
-    def __init__(self, config: Qwen3Config) -> None:
-        super().__init__(config)
-        rank, hidden = int(config.markov_rank), config.hidden_size
-        self.markov_head = MarkovHead(config.vocab_size, rank, hidden, config.markov_head_type)
-        self.confidence_head = ConfidenceHead(hidden, rank)
-        for module in (self.markov_head, self.confidence_head):
-            for sub in module.modules():
-                if isinstance(sub, nn.Linear):
-                    nn.init.normal_(sub.weight, std=config.initializer_range)
-                    if sub.bias is not None:
-                        nn.init.zeros_(sub.bias)
-        nn.init.normal_(self.markov_head.markov_w1.weight, std=0.01)
-
-    def prev_ids(self, input_ids: torch.Tensor, anchors: Anchors) -> torch.Tensor:
-        return dspark_prev_ids(input_ids, anchors, self.block_size)
-
-    def heads(self, hidden: torch.Tensor, prev_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(Markov features e [N, B, r], confidence logits [N, B] fp32) of backbone output hidden [N, B, H]."""
-        prev_emb = self.markov_head.prev_embedding(prev_ids)
-        return self.markov_head.features(hidden, prev_emb), self.confidence_head(hidden, prev_emb)
-
-
-class DFlash2DecoderLayer(DFlashDecoderLayer):
-    """A DFlash layer with DFlash2's grouped dynamic causal convolution around its attention and its MLP
-    (consumer/dflash2_blocks.py): taps along each block of B rows, never across."""
-
-    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
-        super().__init__(config, layer_idx)
-        dflash = config.dflash_config
-        self.block_size = block_size_of(config)
-        kernel, group = int(dflash["conv_kernel_size"]), int(dflash["conv_group_size"])
-        self.attention_conv = GroupedDynamicCausalConv(config.hidden_size, kernel, group)
-        self.mlp_conv = GroupedDynamicCausalConv(config.hidden_size, kernel, group)
-
-    def forward(self, x, context, block_rope, context_rope, groups):
-        blocks = x.view(-1, self.block_size, x.shape[-1])  # [N, B, H]: rows are whole blocks
-        h, delta = self.attention_conv.prepare(self.input_layernorm(blocks))
-        attended = self.self_attn(h.flatten(0, 1), context, block_rope, context_rope, groups)
-        blocks = blocks + self.attention_conv.finish(attended.view_as(blocks), delta)
-        h, delta = self.mlp_conv.prepare(self.post_attention_layernorm(blocks))
-        return (blocks + self.mlp_conv.finish(self.mlp(h), delta)).view_as(x)
-
-
-class DFlash2DraftModel(DFlashDraftModel):
-    """DFlash2 (z-lab's DFlash2DraftModel): the DFlash layout (slot 0 the anchor) with each layer's convolutions,
-    sliding layers bidirectional inside the block, and the candidate selector after the target's head."""
-
-    sliding_causal = False
-
-    def __init__(self, config: Qwen3Config) -> None:
-        super().__init__(config)  # the convolutions start as the identity: _make_layer builds them after the init
-        dflash = config.dflash_config
-        self.candidate_selector = CandidateSelector(
-            config.vocab_size,
-            config.hidden_size,
-            int(dflash["selector_rank"]),
-            int(dflash["selector_top_k"]),
-            config.initializer_range,
-        )
-        for layer in self.layers:  # the Linear init above drew kernel_projection: back to the identity
-            layer.attention_conv.reset_parameters()
-            layer.mlp_conv.reset_parameters()
-
-    def _make_layer(self, config: Qwen3Config, layer_idx: int) -> nn.Module:
-        return DFlash2DecoderLayer(config, layer_idx)
-
-    def prev_ids(self, input_ids: torch.Tensor, anchors: Anchors) -> torch.Tensor:
-        """[N, B] teacher-forced predecessors: slot k's is input_ids[anchor + k - 1] (slot 0 never drafts: the anchor;
-        past the sequence's end, the anchor, never supervised)."""
-        return _predecessors(input_ids, anchors, self.block_size)
-
-
-def _predecessors(input_ids: torch.Tensor, anchors: Anchors, block_size: int) -> torch.Tensor:
-    """[N, B]: input_ids[anchor + k - 1] for k >= 1 (inside the sequence, else the anchor), the anchor at k = 0."""
-    offsets = (torch.arange(block_size, device=input_ids.device) - 1).clamp_min(0)
-    positions = anchors.positions[:, None] + offsets
-    inside = positions < anchors.seq_bounds()[1][:, None]
-    return input_ids[torch.where(inside, positions, anchors.positions[:, None])]
-
-
-def dspark_prev_ids(input_ids: torch.Tensor, anchors: Anchors, block_size: int) -> torch.Tensor:
-    """[N, B] teacher-forced previous tokens of DSpark's slots: prev_k = input_ids[anchor + k] (prev_0 is the anchor).
-    A slot past its sequence's end reads the anchor: its label lies outside the sequence, so it is never supervised."""
-    positions = anchors.positions[:, None] + torch.arange(block_size, device=input_ids.device)
-    inside = positions < anchors.seq_bounds()[1][:, None]
-    return input_ids[torch.where(inside, positions, anchors.positions[:, None])]
-
-
-def build_drafter(cfg: DrafterConfig, target_config: Mapping[str, Any] | PretrainedConfig) -> DFlashDraftModel:
-    """A freshly initialised drafter as wide as the target, of the configured architecture."""
-    return drafter_class(cfg.arch)(model_config(drafter_hf_config(cfg, target_config)))
-
-
-def drafter_class(arch: str) -> type[DFlashDraftModel]:
-    return {"dflash": DFlashDraftModel, "dspark": DSparkDraftModel, "dflash2": DFlash2DraftModel}[arch]

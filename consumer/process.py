@@ -65,7 +65,7 @@ from dflash_ring.consumer.checkpoint_policy import Checkpoints
 from dflash_ring.consumer.fp8 import check_precision
 from dflash_ring.consumer.head_cache import CACHE_NAME as HEAD_CACHE_NAME
 from dflash_ring.consumer.head_loader import load_target_head
-from dflash_ring.consumer.model import build_drafter
+from dflash_ring.consumer.families.build import build_drafter
 from dflash_ring.consumer.replica_group import fingerprint_fields
 from dflash_ring.consumer.replicas import Averaging
 from dflash_ring.consumer.ring_input import Prefetcher, ring_reading

@@ -10,7 +10,8 @@ means.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -63,3 +64,12 @@ def rope_frequencies(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
         return ROPE_INIT_FUNCTIONS[params["rope_type"]](config)
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+
+
+def rope_parameters(theta: float, scaling: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The rotary as transformers 5 writes it (`rope_parameters`: rope_type and rope_theta inside), from the legacy
+    rope_theta/rope_scaling pair: the same RoPE in the spelling transformers-5 readers and the third-party DSpark
+    loaders' schema (rope_parameters.rope_type) read."""
+    rest = {k: v for k, v in (scaling or {}).items() if k not in ("rope_type", "type")}
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    return {"rope_type": rope_type, "rope_theta": theta, **rest}

@@ -20,7 +20,7 @@ from dflash_ring.consumer.checkpoint import Checkpoint
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.layout import Counter, Role
 from dflash_ring.common.slot_contract import item_sources
-from dflash_ring.consumer.dspark_heads import check_dspark_head
+from dflash_ring.consumer.families import family
 from dflash_ring.consumer.fp8 import check_precision, convert_to_fp8
 from dflash_ring.consumer.loss import DFlashLoss, drafter_loss
 from dflash_ring.consumer.model import Anchors, DFlashDraftModel, FrozenTargetHead, sample_anchors
@@ -214,8 +214,7 @@ class Trainer:
         device: torch.device,
         sources: SourceLabels | None = None,
     ):
-        if drafter.arch == "dspark":
-            check_dspark_head(head.spec)
+        family(drafter.arch).check_head(head.spec)  # a target head its layout cannot describe: refused before a step
         self.model = model.to(device)  # fp32 master weights; bf16 only inside autocast on GPU
         fp8 = drafter.precision == "fp8"
         if fp8:  # before compiling (the casts are traced into the layers) and before the optimizer takes the weights

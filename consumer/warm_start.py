@@ -25,9 +25,11 @@ import torch
 
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.refusal import Refusal
-from dflash_ring.consumer.drafter_hf_config import drafter_hf_config, rope_parameters
+from dflash_ring.consumer.drafter_hf_config import drafter_hf_config
+from dflash_ring.consumer.qwen3_blocks import rope_parameters
 from dflash_ring.consumer.drafter_import import ReleasedDrafterError, released_drafter
-from dflash_ring.consumer.export import ARCH_NAMES, _settings, export_arch
+from dflash_ring.consumer.export import export_arch
+from dflash_ring.consumer.families import family
 
 # What a released drafter's config.json must share with this drafter's, and the setting that chooses each here.
 MODEL_KEYS = {
@@ -43,16 +45,6 @@ MODEL_KEYS = {
     "layer_types": "drafter.layer_types",
     "mask_token_id": "drafter.mask_token_id",
     "target_layer_ids": "target.layer_ids",
-}
-# The family's own heads (DSpark's Markov head; DFlash2's convolutions and selector), where its layout keeps them.
-FAMILY_KEYS = {
-    "dspark": {"markov_rank": "drafter.markov_rank", "markov_head_type": "drafter.markov_head"},
-    "dflash2": {
-        "conv_kernel_size": "drafter.conv_kernel_size",
-        "conv_group_size": "drafter.conv_group_size",
-        "selector_rank": "drafter.selector_rank",
-        "selector_top_k": "drafter.selector_top_k",
-    },
 }
 
 
@@ -74,17 +66,17 @@ class WarmStart:
 
 
 def description(config: Mapping[str, Any], arch: str) -> dict[str, Any]:
-    """The values of MODEL_KEYS and the family's FAMILY_KEYS in a config.json of our export layout, wherever the
-    layout keeps them (dflash_config nested, DSpark flat)."""
-    _, mask_token_id, layer_ids = _settings(config, arch)
+    """The values of MODEL_KEYS and the family's own model keys (DrafterFamily.model_keys) in a config.json of our
+    export layout, wherever the layout keeps them (top-level or nested in dflash_config)."""
+    _, mask_token_id, layer_ids = family(arch).settings(config)
     found = {k: config.get(k) for k in MODEL_KEYS} | {"mask_token_id": mask_token_id, "target_layer_ids": layer_ids}
     # One spelling of the RoPE: transformers 5's save_pretrained writes rope_parameters only, our export both.
     found["rope_parameters"] = config.get("rope_parameters") or rope_parameters(
         config["rope_theta"], config.get("rope_scaling")
     )
     found["sliding_window"] = config.get("sliding_window") if "sliding_attention" in (config["layer_types"]) else None
-    nested = config if arch == "dspark" else config.get("dflash_config", {})
-    return found | {k: nested.get(k) for k in FAMILY_KEYS.get(arch, {})}
+    nested = config.get("dflash_config") or {}
+    return found | {k: config.get(k, nested.get(k)) for k in family(arch).model_keys}
 
 
 def warm_start(
@@ -100,11 +92,11 @@ def warm_start(
     arch = export_arch(config, str(root / "config.json"))
     if arch != drafter.arch:
         raise WarmStartError(
-            f"drafter.init_from {root} is a {ARCH_NAMES[arch]} drafter, this run trains arch = {drafter.arch!r}: "
-            f"set drafter.arch = {arch!r} (or its recipe), or name a {ARCH_NAMES[drafter.arch]} drafter"
+            f"drafter.init_from {root} is a {family(arch).display} drafter, this run trains arch = {drafter.arch!r}: "
+            f"set drafter.arch = {arch!r} (or its recipe), or name a {family(drafter.arch).display} drafter"
         )
     theirs, mine = description(config, arch), description(drafter_hf_config(drafter, target_config), arch)
-    choosers = MODEL_KEYS | {"sliding_window": "drafter.sliding_window"} | FAMILY_KEYS.get(arch, {})
+    choosers = MODEL_KEYS | {"sliding_window": "drafter.sliding_window"} | dict(family(arch).model_keys)
     if differences := [
         f"{k} {theirs[k]!r} there, {mine[k]!r} here ({choosers[k]})" for k in mine if theirs[k] != mine[k]
     ]:

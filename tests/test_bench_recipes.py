@@ -56,7 +56,8 @@ def test_the_embedded_default_trains_the_dflash2_variant(tmp_path):
 
     from dflash_ring.common.config.dump import dump_toml
     from dflash_ring.common.config.load import load_config
-    from dflash_ring.consumer.model import DFlash2DraftModel, build_drafter
+    from dflash_ring.consumer.families.dflash2.model import DFlash2DraftModel
+    from dflash_ring.consumer.families.build import build_drafter
     from dflash_ring.embedded.tiny_target import TinyTargetRecipe
     from dflash_ring.tools.launcher import embedded_run_config
     from support import tiny_qwen3_config

@@ -11,14 +11,10 @@ import pytest
 import torch
 
 from dflash_ring.common.config.drafter import DrafterConfig
-from dflash_ring.consumer.dflash2_blocks import GroupedDynamicCausalConv, grouped_dynamic_causal_conv
-from dflash_ring.consumer.model import (
-    DFlash2DraftModel,
-    DFlashDraftModel,
-    block_attention_mask,
-    build_drafter,
-    load_target_head,
-)
+from dflash_ring.consumer.families.dflash2.dflash2_blocks import GroupedDynamicCausalConv, grouped_dynamic_causal_conv
+from dflash_ring.consumer.model import DFlashDraftModel, block_attention_mask, load_target_head
+from dflash_ring.consumer.families.dflash2.model import DFlash2DraftModel
+from dflash_ring.consumer.families.build import build_drafter
 from support import anchors_from_local, save_tiny_qwen3, tiny_qwen3_config
 
 # The CPU runs flex_attention eagerly (the reference check of the GPU path): its torch.compile advice is expected.
@@ -196,7 +192,7 @@ def test_dflash2_sliding_layers_are_bidirectional_inside_the_block_in_both_atten
 
 
 def selector_case(seed=2, vocab=30, hidden_size=8, rank=4, block=5, top_k=4, spec=None):
-    from dflash_ring.consumer.dflash2_blocks import CandidateSelector
+    from dflash_ring.consumer.families.dflash2.dflash2_blocks import CandidateSelector
     from dflash_ring.consumer.model import FrozenTargetHead, cu_seqlens_from_lengths, sample_anchors
 
     torch.manual_seed(seed)
@@ -241,7 +237,7 @@ def selector_reference(hidden, chooser, anchors, input_ids, loss_mask, head, cfg
 @pytest.mark.parametrize("spec", [None, "transformed"])
 def test_the_selector_loss_and_gradients_equal_the_full_logits_reference(spec):
     from dflash_ring.consumer.loss import SelectorInputs, dflash_loss
-    from dflash_ring.consumer.model import _predecessors
+    from dflash_ring.consumer.families.dflash2.model import _predecessors
     from dflash_ring.consumer.target_head import HeadSpec
 
     head_spec = HeadSpec(tied=False, logit_multiplier=0.7, logit_softcap=3.0) if spec else None
@@ -280,7 +276,7 @@ def test_the_selector_loss_and_gradients_equal_the_full_logits_reference(spec):
 
 def test_a_gold_outside_the_top_k_is_left_out_of_the_selector_and_counted_in_the_recall():
     from dflash_ring.consumer.loss import SelectorInputs, dflash_loss
-    from dflash_ring.consumer.model import _predecessors
+    from dflash_ring.consumer.families.dflash2.model import _predecessors
 
     head, input_ids, loss_mask, anchors, hidden, chooser = selector_case(top_k=2)
     cfg = DrafterConfig(
@@ -336,7 +332,7 @@ def test_a_gold_outside_the_top_k_is_left_out_of_the_selector_and_counted_in_the
 
 def test_the_selector_figures_are_their_definitions():
     from dflash_ring.consumer.loss import SelectorInputs, dflash_loss
-    from dflash_ring.consumer.model import _predecessors
+    from dflash_ring.consumer.families.dflash2.model import _predecessors
     from dflash_ring.consumer.loss import block_labels
     from dflash_ring.consumer.trainer import DFlash2Figures
 

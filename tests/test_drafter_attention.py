@@ -20,7 +20,8 @@ from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.config.load import load_config
 from dflash_ring.consumer.drafter_hf_config import drafter_hf_config
 from dflash_ring.consumer.export import export_drafter, load_drafter
-from dflash_ring.consumer.model import build_drafter, load_target_head
+from dflash_ring.consumer.model import load_target_head
+from dflash_ring.consumer.families.build import build_drafter
 
 from support import save_tiny_qwen3
 

@@ -14,7 +14,7 @@ import torch
 from dflash_ring.bench.drafter import DEFAULT_SAMPLES, SAMPLE_TOKENS, bench_target
 from dflash_ring.bench.drafter_memory import GiB, DoesNotFit, fit_samples, step_memory, trainable_parameters
 from dflash_ring.common.config.drafter import DrafterConfig
-from dflash_ring.consumer.model import build_drafter
+from dflash_ring.consumer.families.build import build_drafter
 
 H200_BYTES = 143771 * 2**20  # what nvidia-smi shows for one H200 (.library/device/KINDS.md)
 PROGRESS = re.compile(r"^(\w+) (\w+): (\{.*\})$")
@@ -44,7 +44,7 @@ def test_dflash2_flops_and_memory_count_the_convolutions_and_the_selector():
 
     from dflash_ring.bench.drafter import dflash2_conv_flops, selector_flops, step_flops
     from dflash_ring.bench.drafter_memory import dflash2_activation_bytes, dflash2_parameters
-    from dflash_ring.consumer.dflash2_blocks import CandidateSelector, GroupedDynamicCausalConv
+    from dflash_ring.consumer.families.dflash2.dflash2_blocks import CandidateSelector, GroupedDynamicCausalConv
     from dflash_ring.consumer.drafter_hf_config import drafter_geometry
     from dflash_ring.consumer.model import sample_anchors
 

@@ -21,16 +21,13 @@ from transformers import AutoModel, AutoModelForCausalLM
 from dflash_ring.bench.target_shapes import shape_config
 from dflash_ring.common.config.drafter import DrafterConfig, build_target_layer_ids
 from dflash_ring.consumer.drafter_hf_config import drafter_hf_config, drafter_rope
-from dflash_ring.consumer.export import (
-    DSPARK_CODE_SOURCE,
-    MODEL_CODE_SOURCE,
-    TARGET_HEAD_KEY,
-    export_drafter,
-    load_drafter,
-)
+from dflash_ring.consumer.export import TARGET_HEAD_KEY, export_drafter, load_drafter
+from dflash_ring.consumer.families.dspark import CODE_SOURCE as DSPARK_CODE_SOURCE
+from dflash_ring.consumer.families.dflash import CODE_SOURCE as MODEL_CODE_SOURCE
 from dflash_ring.consumer.head_probe import HeadProbeError, TargetHeadProbe, check, derive
 from dflash_ring.consumer.loss import dflash_loss
-from dflash_ring.consumer.model import Anchors, build_drafter, load_target_head
+from dflash_ring.consumer.model import Anchors, load_target_head
+from dflash_ring.consumer.families.build import build_drafter
 from dflash_ring.common.config.train import TrainConfig
 from dflash_ring.consumer.trainer import DeviceBatch, Trainer
 

@@ -34,7 +34,9 @@ from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.consumer.drafter_hf_config import drafter_hf_config, qwen3_config
 from dflash_ring.consumer.drafter_import import ReleasedDrafterError, released_drafter
 from dflash_ring.consumer.export import TARGET_HEAD_KEY, WEIGHTS_NAME, export_arch, export_drafter
-from dflash_ring.consumer.model import build_drafter, drafter_class, load_target_head
+from dflash_ring.consumer.model import load_target_head
+from dflash_ring.consumer.families.build import build_drafter
+from dflash_ring.consumer.families import family
 from support import anchors_from_local, save_tiny_qwen3
 from test_peer_conformance import (  # noqa: F401 (single_thread: the autouse fixture, for this module too)
     LENGTHS,
@@ -134,7 +136,7 @@ def saved(model, path):
 def ours_from(path):
     """Our model built from released_drafter's config, loaded strict with its state; and the config."""
     config, state = released_drafter(path)
-    model = drafter_class(export_arch(config))(qwen3_config(copy.deepcopy(config)))  # Qwen3Config edits rope_scaling
+    model = family(export_arch(config)).model(qwen3_config(config))
     model.load_state_dict(state, strict=True)
     return model.eval(), config
 
@@ -318,7 +320,7 @@ def test_speculators_sliding_layers_draft_otherwise_and_are_refused(
     full = build_theirs(speculators, "dflash2", target)
     theirs.load_state_dict(full.state_dict(), strict=True)
     model, config = ours_from(saved(full, tmp_path / "full"))
-    ours = drafter_class("dflash2")(qwen3_config({**config, **sliding, "use_sliding_window": True})).eval()
+    ours = family("dflash2").model(qwen3_config({**config, **sliding, "use_sliding_window": True})).eval()
     ours.load_state_dict(model.state_dict(), strict=True)
     seqs = sequences()
     features = [dspark_features(hf_target, ids, model.target_layer_ids) for ids in seqs]

@@ -16,13 +16,8 @@ from dflash_ring.consumer.objectives.cap import accept_products
 from dflash_ring.consumer.objectives.dpace import dpace_weights
 from dflash_ring.consumer.objectives.position_decay import position_weights
 from dflash_ring.consumer.objectives.teacher import teacher_logits
-from dflash_ring.consumer.model import (
-    FrozenTargetHead,
-    build_drafter,
-    cu_seqlens_from_lengths,
-    load_target_head,
-    sample_anchors,
-)
+from dflash_ring.consumer.model import FrozenTargetHead, cu_seqlens_from_lengths, load_target_head, sample_anchors
+from dflash_ring.consumer.families.build import build_drafter
 from support import anchors_from_local, save_tiny_qwen3
 
 

@@ -20,12 +20,12 @@ from dflash_ring.consumer.model import (
     FLEX_TILE,
     FrozenTargetHead,
     block_attention_mask,
-    build_drafter,
     cu_seqlens_from_lengths,
     flex_layout,
     load_target_head,
     sample_anchors,
 )
+from dflash_ring.consumer.families.build import build_drafter
 from support import anchors_from_local, save_tiny_qwen3, tiny_qwen3_config
 
 VOCAB, HIDDEN, MASK_ID = 256, 64, 255  # vocabulary and width of tiny_qwen3_config
@@ -123,7 +123,7 @@ def test_the_drafter_is_built_without_transformers_config_class_as_with_it(arch,
     the H200's transformers 5.17), the export from Qwen3Config: every attribute the modules read is the same, and
     the same seed gives the same weights and the same RoPE."""
     from dflash_ring.consumer.drafter_hf_config import drafter_hf_config, model_config, qwen3_config
-    from dflash_ring.consumer.model import drafter_class
+    from dflash_ring.consumer.families import family
 
     layer_types = ["sliding_attention", "full_attention"] if arch == "dflash2" else ["full_attention"] * 2
     cfg = DrafterConfig(
@@ -143,7 +143,7 @@ def test_the_drafter_is_built_without_transformers_config_class_as_with_it(arch,
     models = []
     for config in (light, full):
         torch.manual_seed(0)
-        models.append(drafter_class(arch)(config))
+        models.append(family(arch).model(config))
     ours, theirs = (m.state_dict() for m in models)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     assert torch.equal(qwen3_blocks.rope_frequencies(light)[0], qwen3_blocks.rope_frequencies(full)[0])

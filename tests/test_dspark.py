@@ -8,17 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from dflash_ring.common.config.drafter import DrafterConfig
-from dflash_ring.consumer.dspark_heads import ConfidenceHead, MarkovHead
+from dflash_ring.consumer.families.dspark.dspark_heads import ConfidenceHead, MarkovHead
 from dflash_ring.consumer.loss import DSparkHeads, block_labels, dflash_loss
-from dflash_ring.consumer.model import (
-    DSparkDraftModel,
-    FrozenTargetHead,
-    build_drafter,
-    cu_seqlens_from_lengths,
-    dspark_prev_ids,
-    load_target_head,
-    sample_anchors,
-)
+from dflash_ring.consumer.model import FrozenTargetHead, cu_seqlens_from_lengths, load_target_head, sample_anchors
+from dflash_ring.consumer.families.dspark.model import DSparkDraftModel
+from dflash_ring.consumer.families.build import build_drafter
+from dflash_ring.consumer.families.dspark.model import dspark_prev_ids
 from dflash_ring.consumer.objectives.confidence import calibration
 from dflash_ring.consumer.objectives.total_variation import analytic_acceptance, l1_grad, l1_of
 

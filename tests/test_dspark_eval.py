@@ -18,17 +18,19 @@ import dflash_ring.consumer.evaluate as evaluate
 from dflash_ring.cli import main
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.consumer.evaluate import (
-    Draft,
     drafter_draft_fn,
-    dspark_draft,
     evaluate_drafter,
     prompt_generators,
     speculative_generate,
     summarize,
     verify_sampled,
 )
+from dflash_ring.consumer.draft import Draft
+from dflash_ring.consumer.families.dspark import draft as dspark_draft
 from dflash_ring.consumer.export import export_drafter
-from dflash_ring.consumer.model import Anchors, DSparkDraftModel, build_drafter, load_target_head
+from dflash_ring.consumer.model import Anchors, load_target_head
+from dflash_ring.consumer.families.dspark.model import DSparkDraftModel
+from dflash_ring.consumer.families.build import build_drafter
 from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 from dflash_ring.tools.report import ReportError, write_report
 from support import (  # noqa: F401 (fixtures, asked for by name; one_thread is autouse)

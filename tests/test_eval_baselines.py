@@ -33,7 +33,7 @@ from dflash_ring.consumer.evaluate import (
     untrained_drafter,
 )
 from dflash_ring.consumer.export import export_drafter, load_drafter
-from dflash_ring.consumer.model import build_drafter
+from dflash_ring.consumer.families.build import build_drafter
 from dflash_ring.consumer.prompt_lookup import prompt_lookup
 from support import (  # noqa: F401 (fixtures, asked for by name)
     EVAL_VOCAB,

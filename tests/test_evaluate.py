@@ -25,7 +25,8 @@ from dflash_ring.consumer.evaluate import (
     summarize,
 )
 from dflash_ring.consumer.export import export_drafter, load_drafter
-from dflash_ring.consumer.model import Anchors, FrozenTargetHead, build_drafter
+from dflash_ring.consumer.model import Anchors, FrozenTargetHead
+from dflash_ring.consumer.families.build import build_drafter
 from support import save_eval_target, tiny_qwen3_config
 
 BLOCK, MAX_NEW, LAYER_IDS = 4, 24, [1, 2]

@@ -13,7 +13,8 @@ import torch
 from dflash_ring.common.config.load import load_config
 from dflash_ring.common.config.schema import ConfigError
 from dflash_ring.consumer.loss import dflash_loss
-from dflash_ring.consumer.model import Anchors, build_drafter, load_target_head, sample_anchors
+from dflash_ring.consumer.model import Anchors, load_target_head, sample_anchors
+from dflash_ring.consumer.families.build import build_drafter
 from dflash_ring.consumer.source_metrics import OTHER, SourceLabels, by_source
 from dflash_ring.consumer.trainer import DeviceBatch, Trainer
 from dflash_ring.common.config.drafter import DrafterConfig

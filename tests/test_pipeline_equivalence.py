@@ -16,7 +16,8 @@ from transformers import AutoTokenizer
 from support import LEARNS, build_target, curves, cyclic_rows, pipeline_config, wait_exit
 
 from dflash_ring.common.config.load import load_config
-from dflash_ring.consumer.model import build_drafter, load_target_head
+from dflash_ring.consumer.model import load_target_head
+from dflash_ring.consumer.families.build import build_drafter
 from dflash_ring.consumer.process import resolve_drafter_config, target_config_dict
 from dflash_ring.consumer.trainer import DeviceBatch, Trainer
 from dflash_ring.producer.batching import ShardBatcher

@@ -22,7 +22,8 @@ from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.config.target import TargetConfig
 from dflash_ring.consumer.export import export_drafter
 from dflash_ring.consumer.head_loader import probe_target_head
-from dflash_ring.consumer.model import build_drafter, load_target_head
+from dflash_ring.consumer.model import load_target_head
+from dflash_ring.consumer.families.build import build_drafter
 from dflash_ring.producer.conformance import choose_packing
 from dflash_ring.producer.generation import GenerationSettings, Prompt
 from dflash_ring.producer.hf_engine import HfEngine

@@ -17,7 +17,8 @@ from dflash_ring.consumer.checkpoint import FILES, CheckpointError, CheckpointSt
 from dflash_ring.consumer.checkpoint_policy import Checkpoints
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.consumer.export import load_drafter
-from dflash_ring.consumer.model import build_drafter, load_target_head
+from dflash_ring.consumer.model import load_target_head
+from dflash_ring.consumer.families.build import build_drafter
 from dflash_ring.common.config.train import TrainConfig
 from dflash_ring.consumer.trainer import DeviceBatch, Trainer, lr_at
 from dflash_ring.tools.reconcile import read_ledgers, reconcile

@@ -25,7 +25,8 @@ from dflash_ring.consumer.evaluate import (
     tree_speculative_generate,
 )
 from dflash_ring.consumer.export import export_drafter, load_drafter
-from dflash_ring.consumer.model import FrozenTargetHead, build_drafter
+from dflash_ring.consumer.model import FrozenTargetHead
+from dflash_ring.consumer.families.build import build_drafter
 from support import build_target, save_eval_target
 
 BLOCK, MAX_NEW, LAYER_IDS, VOCAB = 4, 23, [1, 2], 448

@@ -12,6 +12,8 @@ refused in one line naming the difference.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,7 +25,8 @@ from dflash_ring.common.config.train import TrainConfig
 from dflash_ring.consumer.checkpoint import CheckpointStore
 from dflash_ring.consumer.drafter_hf_config import drafter_hf_config
 from dflash_ring.consumer.export import export_drafter
-from dflash_ring.consumer.model import build_drafter, load_target_head
+from dflash_ring.consumer.model import load_target_head
+from dflash_ring.consumer.families.build import build_drafter
 from dflash_ring.consumer.process import Resumed, build
 from dflash_ring.consumer.warm_start import WarmStartError
 
@@ -210,3 +213,12 @@ def test_a_drafter_of_another_vocabulary_is_refused(target, tmp_path):
 def test_no_drafter_there_is_refused_naming_the_path(target, tmp_path):
     with pytest.raises(WarmStartError, match="drafter.init_from: .*config.json does not exist"):
         start(drafter_cfg(init_from=str(tmp_path / "nothing")), target[0], tmp_path)
+
+
+@pytest.mark.processes
+def test_a_drafter_process_still_imports_no_transformers_at_start():
+    """Warm start is read at a drafter's start, but its readers import transformers only where a config class is
+    built: a restarted drafter's imports stay what they were (a drafter's start is measured in seconds)."""
+    probe = "import sys, dflash_ring.consumer.process; print('transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "False"

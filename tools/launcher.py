@@ -488,7 +488,7 @@ def _compare(
 
     from dflash_ring.consumer.evaluate import evaluate_drafter
     from dflash_ring.consumer.export import export_drafter
-    from dflash_ring.consumer.model import build_drafter
+    from dflash_ring.consumer.families.build import build_drafter
     from dflash_ring.consumer.process import resolve_drafter_config, target_config_dict
     from dflash_ring.embedded.tiny_target import HELDOUT_FILE
     from transformers.utils import logging as hf_logging
