@@ -101,7 +101,7 @@ def step_flops(
     trainable_fwd += drafter.num_hidden_layers * block_tokens * dflash2_conv_flops(cfg, drafter)
     head = 2 * h * cfg["vocab_size"]  # per row of a [rows, H] x [H, vocab] product
     # DSpark: the Markov bias [rows, r] x [r, vocab], and its gradients to the features and to markov_w2
-    markov = 3 * 2 * drafter.markov_rank * cfg["vocab_size"] if drafter.arch == "dspark" else 0
+    markov = 3 * 2 * drafter.markov_rank * cfg["vocab_size"]  # markov_rank 0: no Markov head (every other family)
     # the draft's logits and their gradient per supervised row; the teacher's once per distinct position
     return (
         3 * trainable_fwd
@@ -112,9 +112,10 @@ def step_flops(
 
 
 def dflash2_conv_flops(cfg: dict[str, Any], drafter: DrafterConfig) -> int:
-    """Forward FLOPs of one DFlash2 layer's convolutions per block token (0 for another arch): for each of its two
-    sublayers the kernel projection (2 h x 2 k G, G = h / group) and two convolutions of k taps (2 k h each)."""
-    if drafter.arch != "dflash2":
+    """Forward FLOPs of one DFlash2 layer's convolutions per block token (0 without convolutions: conv_kernel_size 0,
+    every other family): for each of its two sublayers the kernel projection (2 h x 2 k G, G = h / group) and two
+    convolutions of k taps (2 k h each)."""
+    if not drafter.conv_kernel_size:
         return 0
     h, k = cfg["hidden_size"], drafter.conv_kernel_size
     groups = h // drafter.conv_group_size
@@ -122,11 +123,12 @@ def dflash2_conv_flops(cfg: dict[str, Any], drafter: DrafterConfig) -> int:
 
 
 def selector_flops(cfg: dict[str, Any], drafter: DrafterConfig) -> int:
-    """FLOPs of DFlash2's selector objective per supervised row, forward and backward (0 for another arch): the
+    """FLOPs of DFlash2's selector objective per supervised row, forward and backward: the
     hidden projection [h] x [h, r], the predecessor product (r), the K-way bilinear scores (2 K r), each x 3, and the
     candidates' logits' gradient to the hidden state through the head's K rows (2 K h; their forward is the head's
-    logits, counted). The unary top-K is a selection over the vocabulary, no arithmetic: not counted."""
-    if drafter.arch != "dflash2":
+    logits, counted). The unary top-K is a selection over the vocabulary, no arithmetic: not counted. 0 without a
+    selector (selector_rank 0: every other family)."""
+    if not drafter.selector_rank:
         return 0
     h, r, top_k = cfg["hidden_size"], drafter.selector_rank, drafter.selector_top_k
     return 3 * (2 * h * r + r + 2 * top_k * r) + 2 * top_k * h
@@ -360,7 +362,7 @@ def run_drafter_bench(
         progress("drafter", "step", {"step": i + 1, **{k: round(v[-1], 4) for k, v in phases.items()}})
     a = step.anchors
     heads_overhead = None
-    if drafter.arch == "dspark":  # the same steps with the Markov bias and the confidence left out
+    if drafter.markov_rank:  # DSpark's heads: the same steps with the Markov bias and the confidence left out
         backbone = [step(heads=False)[-1] for _ in range(2 + steps)][2:]
         heads_overhead = round(fmean(phases["step_s"]) / fmean(backbone) - 1, 4)
         progress(

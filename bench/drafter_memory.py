@@ -103,8 +103,9 @@ def trainable_parameters(target: Mapping[str, Any], drafter: DrafterConfig) -> i
 
 def dflash2_parameters(g: Mapping[str, Any], drafter: DrafterConfig) -> int:
     """DFlash2's additions: per layer two convolutions (base_kernel [2, k, h], kernel_projection [2 k G, h], G = h /
-    group), and the selector (two [V, r] codebooks, hidden_projection [r, h])."""
-    if drafter.arch != "dflash2":
+    group), and the selector (two [V, r] codebooks, hidden_projection [r, h]); 0 without them (conv_kernel_size 0:
+    every other family)."""
+    if not drafter.conv_kernel_size:
         return 0
     h, k, vocab, r = g["hidden_size"], drafter.conv_kernel_size, g["vocab_size"], drafter.selector_rank
     conv = 2 * k * h + 2 * k * (h // drafter.conv_group_size) * h
@@ -120,16 +121,17 @@ def dflash2_activation_bytes(g: Mapping[str, Any], drafter: DrafterConfig, compi
     h = 24 k h eager; compiled, the taps are recomputed from each convolution's input: 2 x (4 + 2) h = 12 h.
     Selector, per supervised row (at most one per block token): the candidates' successor codes gathered as fp32
     and kept as bf16 (6 K r), the top-K's fp32 values and int64 ids (12 K), the projection and its predecessor
-    product (8 r)."""
-    if drafter.arch != "dflash2":
+    product (8 r). 0 without them (conv_kernel_size 0: every other family)."""
+    if not drafter.conv_kernel_size:
         return 0.0, 0.0
     h, k, r, top_k = g["hidden_size"], drafter.conv_kernel_size, drafter.selector_rank, drafter.selector_top_k
     return (12 * h if compiled else 24 * k * h), 6 * top_k * r + 12 * top_k + 8 * r
 
 
 def dspark_head_parameters(g: Mapping[str, Any], drafter: DrafterConfig) -> int:
-    """DSpark's Markov head (markov_w1, markov_w2: [V, r] each, and the gated/rnn projections) and confidence head."""
-    if drafter.arch != "dspark":
+    """DSpark's Markov head (markov_w1, markov_w2: [V, r] each, and the gated/rnn projections) and confidence head; 0
+    without them (markov_rank 0: every other family)."""
+    if not drafter.markov_rank:
         return 0
     h, r, vocab = g["hidden_size"], drafter.markov_rank, g["vocab_size"]
     extra = {"vanilla": 0, "gated": (h + r + 1) * r, "rnn": (2 * r + h + 1) * 3 * r}[drafter.markov_head]

@@ -4,7 +4,7 @@ export layout and its tensors in our names, whichever of the public layouts it w
 Why a reader of its own: load_drafter reads only the layouts we write, and a drafter someone else released may come
 from vLLM's `speculators` trainer, whose save_pretrained writes another config.json (and, for DFlash and DFlash2, the
 same `architectures` as z-lab's, so that key alone would take it for ours). Layouts, told apart in this order:
-- speculators (a `speculators_model_type` of "dflash", "dflash2" or "dspark"): the drafter's Qwen3 settings nested
+- speculators (a `speculators_model_type` naming one of our families): the drafter's Qwen3 settings nested
   in `transformer_layer_config`, the block settings top-level, `aux_hidden_state_layer_ids` counting the target's
   HF hidden_states (0 is the embedding: their id i is our target layer i - 1, as speculators' own z-lab converter
   maps them). The tensors carry our names already (layers.*, fc, hidden_norm, norm; DFlash2's convolutions and
@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.refusal import Refusal
 from dflash_ring.common.safetensors_check import check_safetensors_file
 from dflash_ring.consumer.drafter_hf_config import drafter_rope
@@ -49,14 +50,11 @@ from dflash_ring.consumer.export import (
     _expected_state,
     export_arch,
 )
-from dflash_ring.consumer.families import family
-from dflash_ring.consumer.qwen3_blocks import rope_parameters
+from dflash_ring.consumer.families import FAMILIES, family
 
 # The target's tensors a released drafter may carry (speculators' names; DSpark's embed_tokens/lm_head are ours too):
 # the run's target head serves them, so they are dropped, their shapes checked.
 TARGET_TENSORS = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight")
-SPECULATORS_ARCHS = ("dflash", "dflash2", "dspark")
-CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 
@@ -108,8 +106,7 @@ def released_drafter(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.
     check_safetensors_file(weights)  # a truncated or damaged file: one line naming it, not safetensors' traceback
     state = load_file(weights)
     _drop_target_tensors(state, config, weights)
-    if arch == "dflash2":
-        _codebooks_without_weight(state, weights)
+    _our_names(state, family(arch).released_names, weights)
     _check_weights(
         state, {k: v for k, v in expected.items() if k not in TARGET_TENSORS}, str(weights), arch, ReleasedDrafterError
     )
@@ -158,16 +155,13 @@ def _drop_target_tensors(state: dict[str, torch.Tensor], config: Mapping[str, An
         )
 
 
-def _codebooks_without_weight(state: dict[str, torch.Tensor], weights: Path) -> None:
-    """DFlash2's selector codebooks in our names: z-lab's model holds them as nn.Embedding, so its save_pretrained
-    writes `.weight` names, while the released files (and ours, and speculators') store them without it."""
-    for name in CODEBOOKS:
-        if f"{name}.weight" in state:
-            if name in state:
-                raise ReleasedDrafterError(
-                    f"{weights} holds both {name} and {name}.weight: which one is the drafter's?"
-                )
-            state[name] = state.pop(f"{name}.weight")
+def _our_names(state: dict[str, torch.Tensor], names: Mapping[str, str], weights: Path) -> None:
+    """The family's tensors under our names where a release spells them otherwise (DrafterFamily.released_names)."""
+    for theirs, ours in names.items():
+        if theirs in state:
+            if ours in state:
+                raise ReleasedDrafterError(f"{weights} holds both {ours} and {theirs}: which one is the drafter's?")
+            state[ours] = state.pop(theirs)
 
 
 def _from_speculators(source: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -175,10 +169,10 @@ def _from_speculators(source: Mapping[str, Any], where: str) -> dict[str, Any]:
     from transformers import AutoConfig, Qwen3Config
 
     arch = source["speculators_model_type"]
-    if arch not in SPECULATORS_ARCHS:
+    if arch not in FAMILIES:
         raise ReleasedDrafterError(
             f"{where}: speculators_model_type {arch!r} is not a drafter we train (speculators' "
-            f"{', '.join(SPECULATORS_ARCHS)} are read)"
+            f"{', '.join(FAMILIES)} are read)"
         )
 
     def refuse(what: str) -> ReleasedDrafterError:
@@ -210,7 +204,7 @@ def _from_speculators(source: Mapping[str, Any], where: str) -> dict[str, Any]:
     vocab = layer.vocab_size
     if key("draft_vocab_size") != vocab:
         raise refuse(f"a reduced draft vocabulary ({source['draft_vocab_size']} of the target's {vocab}, d2t/t2d maps)")
-    if bool(source.get("sample_from_anchor")) != (arch == "dspark"):
+    if bool(source.get("sample_from_anchor")) != family(arch).config.drafts_from_anchor:
         raise refuse(f"sample_from_anchor {bool(source.get('sample_from_anchor'))}")
     layer_types = list(getattr(layer, "layer_types", None) or ["full_attention"] * layer.num_hidden_layers)
     if any(t != "full_attention" for t in layer_types):
@@ -234,43 +228,25 @@ def _from_speculators(source: Mapping[str, Any], where: str) -> dict[str, Any]:
     except (KeyError, ValueError) as e:
         raise refuse(f"its RoPE {params} ({e})") from None
     mask_token_id, block_size, target_layer_ids = key("mask_token_id"), key("block_size"), [i - 1 for i in aux]
-    code, architectures = family(arch).code[0][0].removesuffix(".py"), list(family(arch).architectures)
-    config: dict[str, Any] = {
-        "architectures": architectures,
-        "auto_map": {"AutoModel": f"{code}.{architectures[0]}"},
-        "model_type": "qwen3",
-    }
-    if arch == "dflash":
-        config |= {
-            "block_size": block_size,
-            "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": target_layer_ids},
-        }
-    elif arch == "dflash2":
-        config |= {
-            "is_causal": False,
-            "dflash_config": {
-                "block_size": block_size,
-                **{k: key(k) for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")},
-                "mask_token_id": mask_token_id,
-                "target_layer_ids": target_layer_ids,
-            },
-        }
-    else:
-        if not key("markov_rank") > 0:
-            raise refuse("markov_rank 0 (no Markov head)")
-        if not source.get("enable_confidence_head") or not source.get("confidence_head_with_markov"):
-            raise refuse("no confidence head, or one without the Markov embedding (confidence_head_with_markov)")
-        config |= {
-            "block_size": block_size,
-            "target_layer_ids": target_layer_ids,
-            "mask_token_id": mask_token_id,
-            "sample_from_anchor": True,
-            "dspark_bonus_anchor": False,
-            "markov_rank": source["markov_rank"],
-            "markov_head_type": key("markov_head_type"),
-            "enable_confidence_head": True,
-            "confidence_head_with_markov": True,
-        }
+    fam = family(arch)
+    own = fam.speculators_keys(source, key, refuse)
+    try:  # the family's own layout of these settings (loss_gamma: a training value the layout does not record)
+        settings = DrafterConfig(
+            arch=arch,
+            block_size=block_size,
+            mask_token_id=mask_token_id,
+            target_layer_ids=target_layer_ids,
+            num_hidden_layers=layer.num_hidden_layers,
+            loss_gamma=1.0,
+            **own,
+        )
+    except ValueError as e:
+        raise ReleasedDrafterError(f"{where}: its settings are not a drafter of ours ({e})") from None
+    # Written for as many target layers as its ids need; what speculators does not record is left out: the
+    # target's layer count, and the training's anchors (DSpark's layout writes them).
+    config: dict[str, Any] = fam.layout(settings, max(target_layer_ids) + 1)
+    config.pop("num_target_layers")
+    config.pop("num_anchors", None)
     config |= {
         "num_hidden_layers": layer.num_hidden_layers,
         "hidden_size": hidden,
@@ -290,8 +266,7 @@ def _from_speculators(source: Mapping[str, Any], where: str) -> dict[str, Any]:
         "attention_dropout": 0.0,
         "tie_word_embeddings": False,
     }
-    if arch == "dspark":
-        config["rope_parameters"] = rope_parameters(config["rope_theta"], config["rope_scaling"])
+    fam.finish_config(config)
     for name in ("bos_token_id", "eos_token_id"):
         if getattr(layer, name, None) is not None:
             config[name] = getattr(layer, name)

@@ -30,8 +30,6 @@ import torch.nn.functional as F
 
 from dflash_ring.common.config.drafter import DrafterConfig
 from .model import Anchors, DFlashDraftModel, FrozenTargetHead
-from dflash_ring.consumer.families.dflash2.model import DFlash2DraftModel
-from dflash_ring.consumer.families.dspark.model import DSparkDraftModel
 from .objectives.cap import Cap, accept_products
 from .objectives.confidence import Calibration, calibration, confidence_loss
 from .objectives.dpace import DPace
@@ -150,18 +148,11 @@ def drafter_loss(
     target_hidden: torch.Tensor | None = None,
     heads: bool = True,
 ) -> DFlashLoss:
-    """dflash_loss of a drafter's output, with its DSpark heads' outputs when it has them (heads=False leaves them
-    out: the backbone alone, for timing): the one call the trainer and the benches make."""
-    dspark = selector = None
-    if heads and isinstance(model, DSparkDraftModel):
-        markov, confidence = model.heads(hidden, model.prev_ids(input_ids, anchors))
-        dspark = DSparkHeads(markov, model.markov_head.markov_w2.weight, confidence)
-    if heads and isinstance(model, DFlash2DraftModel):
-        chooser = model.candidate_selector
-        selector = SelectorInputs(
-            chooser.context(hidden, model.prev_ids(input_ids, anchors)), chooser.successor_codebook, chooser.top_k
-        )
-    return dflash_loss(hidden, anchors, input_ids, loss_mask, head, cfg, target_hidden, dspark, selector)
+    """dflash_loss of a drafter's output, with what its family's own modules give the objective
+    (`objective_inputs`: DSpark's heads, DFlash2's selector; heads=False leaves them out: the backbone alone, for
+    timing): the one call the trainer and the benches make."""
+    extra = model.objective_inputs(hidden, input_ids, anchors) if heads else {}
+    return dflash_loss(hidden, anchors, input_ids, loss_mask, head, cfg, target_hidden, **extra)
 
 
 def _weighting(cfg: DrafterConfig, valid: torch.Tensor) -> PositionDecay | DPace:
@@ -186,22 +177,24 @@ def dflash_loss(
     target_hidden: optional [T, H] final-normed target hidden states, needed iff the objective reads the
     target (cfg.needs_target_logits: KL, L1, the confidence, or target-argmax labels); head.logits(target_hidden[p])
     is the target's distribution for token p+1, so the teacher for the draft of token p sits at p-1.
-    dspark: the DSpark heads' outputs (arch "dspark" only; None there: the backbone's logits alone, which only a
+    dspark: the DSpark heads' outputs (DSpark only; None there: the backbone's logits alone, which only a
     config without the confidence term may ask for, as bench drafter does to time the heads).
-    selector: DFlash2's selector inputs (arch "dflash2" only, and there whenever selector_weight > 0).
+    selector: DFlash2's selector inputs (DFlash2 only, and there whenever selector_weight > 0).
     """
     if cfg.needs_target_logits != (target_hidden is not None):
         raise ValueError(
             "target_hidden must be given exactly when kl_weight, tv_weight or confidence_weight > 0 "
             "or label = 'target_argmax'"
         )
-    if dspark is not None and cfg.arch != "dspark" or dspark is None and cfg.confidence_weight > 0:
+    if dspark is not None and not cfg.markov_rank or dspark is None and cfg.confidence_weight > 0:
         raise ValueError(
-            "the DSpark heads' outputs are given with arch = 'dspark' only, and there whenever confidence_weight > 0"
+            "the DSpark heads' outputs are given with a Markov head (markov_rank >= 1: DSpark) only, and there "
+            "whenever confidence_weight > 0"
         )
-    if selector is not None and cfg.arch != "dflash2" or selector is None and cfg.selector_weight > 0:
+    if selector is not None and not cfg.selector_rank or selector is None and cfg.selector_weight > 0:
         raise ValueError(
-            "the selector's inputs are given with arch = 'dflash2' only, and there whenever selector_weight > 0"
+            "the selector's inputs are given with a candidate selector (selector_rank >= 1: DFlash2) only, and there "
+            "whenever selector_weight > 0"
         )
     block_size = hidden.shape[1]
     if block_size != cfg.block_size:

@@ -510,3 +510,8 @@ class DFlashDraftModel(nn.Module):
             cu_seqlens=torch.tensor([0, length], device=device),
         )
         return self(padded, committed_ids, anchors, head)[0]
+
+    def objective_inputs(self, hidden: torch.Tensor, input_ids: torch.Tensor, anchors: Anchors) -> dict[str, Any]:
+        """What the family's own modules give the objective beside the backbone's output (consumer/loss.py
+        dflash_loss's keyword arguments): none for DFlash."""
+        return {}

@@ -4,8 +4,7 @@ architecture a drafter is.
 A family is consumer/families/<name>/ (model, layout, draft function, the code an export ships) and its config half
 common/config/families/<name>.py; the registries are the two packages' __init__.py.
 Code elsewhere asks the family (`family(arch).head_tensors`, `family_of(model).draft`), never compares an arch name or
-tests a family's model class. The places that still do are listed below with what keeps them there: the list may
-only shrink (a new place fails the test, a place that no longer branches fails it too, until removed from the list).
+tests a family's model class (a family's own keys, at 0 for every other family, say whether a module exists).
 """
 
 from __future__ import annotations
@@ -24,17 +23,6 @@ from support import tiny_qwen3_config
 ROOT = Path(__file__).resolve().parents[1]
 FAMILY_DIRS = (ROOT / "consumer" / "families", ROOT / "common" / "config" / "families")
 MODEL_CLASSES = {f.model.__name__ for f in FAMILIES.values() if f.name != "dflash"}
-# Places outside the families that still branch on one, each for a reason this round left in place.
-STILL_BRANCHING = {
-    # The loss's family terms (DSpark's heads, DFlash2's selector) and their figures: the objective's half of a
-    # family, next to move (issue 43, goal 1: terms with named figures).
-    "consumer/loss.py",
-    # speculators' save_pretrained layouts, one converter per family's keys.
-    "consumer/drafter_import.py",
-    # Memory and FLOP estimates of the family heads.
-    "bench/drafter.py",
-    "bench/drafter_memory.py",
-}
 
 
 def branches_on_a_family(path: Path) -> list[str]:
@@ -91,14 +79,11 @@ def test_each_family_builds_its_own_model_writes_its_layout_and_is_found_from_bo
         assert FAMILIES[name].settings(config) == (8, 250, cfg.resolved_target_layer_ids(4))
 
 
-def test_nothing_outside_the_families_branches_on_one_but_the_listed_places():
-    found: dict[str, list[str]] = {}
-    for path in package_sources():
-        if places := branches_on_a_family(path):
-            found[str(path.relative_to(ROOT))] = places
-    assert set(found) == STILL_BRANCHING, {k: v for k, v in found.items() if k not in STILL_BRANCHING} or sorted(
-        STILL_BRANCHING - set(found)
-    )
+def test_nothing_outside_the_families_branches_on_one():
+    found = {
+        str(path.relative_to(ROOT)): places for path in package_sources() if (places := branches_on_a_family(path))
+    }
+    assert found == {}
 
 
 def test_the_scan_sees_a_comparison_and_an_isinstance(tmp_path):

@@ -64,6 +64,14 @@ class DrafterFamily:
     # Refuses a target head the layout cannot describe (DSpark: a plain head only), before anything trains.
     check_head: Callable[[HeadSpec], None] = _nothing
 
+    # The family's DrafterConfig keys from a vLLM speculators save_pretrained config.json: (its config, a reader of
+    # a key it must set, a refusal for what the family's model has no equivalent of) -> keyword arguments
+    # (consumer/drafter_import.py).
+    speculators_keys: Callable[
+        [Mapping[str, Any], Callable[[str], Any], Callable[[str], Exception]], dict[str, Any]
+    ] = lambda source, key, refuse: {}
+    # Tensor names a released file may give the family's tensors -> ours (z-lab DFlash2's save_pretrained).
+    released_names: Mapping[str, str] = field(default_factory=dict)
     # Why a draft tree (independent slots, consumer/draft_tree.py) cannot serve the family's drafter; None: it can.
     no_draft_tree: str | None = None
 

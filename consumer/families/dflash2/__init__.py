@@ -89,6 +89,12 @@ def draft(
     return Draft(tokens=path[0], probs=probs)
 
 
+# z-lab's model holds the selector's codebooks as nn.Embedding, so its save_pretrained writes `.weight` names; the
+# released files (and ours, and speculators') store them without it.
+CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+OWN_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
 DFLASH2 = DrafterFamily(
     config=CONFIG,
     model=DFlash2DraftModel,
@@ -101,9 +107,9 @@ DFLASH2 = DrafterFamily(
         "a DFlash2 drafter's selector scores each slot with the token drafted before it, which a tree of "
         "independent slots would drop"
     ),
-    model_keys={
-        key: f"drafter.{key}" for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-    },
+    model_keys={key: f"drafter.{key}" for key in OWN_KEYS},
+    speculators_keys=lambda source, key, refuse: {name: key(name) for name in OWN_KEYS},
+    released_names={f"{name}.weight": name for name in CODEBOOKS},
     training_keys=("selector_weight",),
     write_head_spec=write_head_spec,
 )

@@ -3,12 +3,13 @@ MLP, and the candidate selector after the target's head (dflash2_blocks.py)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from dflash_ring.consumer.families.dflash2.dflash2_blocks import CandidateSelector, GroupedDynamicCausalConv
+from dflash_ring.consumer.loss import SelectorInputs
 from dflash_ring.consumer.model import Anchors, DFlashDecoderLayer, DFlashDraftModel, block_size_of
 
 if TYPE_CHECKING:
@@ -58,6 +59,12 @@ class DFlash2DraftModel(DFlashDraftModel):
 
     def _make_layer(self, config: Qwen3Config, layer_idx: int) -> nn.Module:
         return DFlash2DecoderLayer(config, layer_idx)
+
+    def objective_inputs(self, hidden: torch.Tensor, input_ids: torch.Tensor, anchors: Anchors) -> dict[str, Any]:
+        """The selector's inputs on the step's blocks, for its K-way CE against the true predecessor's candidates."""
+        chooser = self.candidate_selector
+        context = chooser.context(hidden, self.prev_ids(input_ids, anchors))
+        return {"selector": SelectorInputs(context, chooser.successor_codebook, chooser.top_k)}
 
     def prev_ids(self, input_ids: torch.Tensor, anchors: Anchors) -> torch.Tensor:
         """[N, B] teacher-forced predecessors: slot k's is input_ids[anchor + k - 1] (slot 0 never drafts: the anchor;

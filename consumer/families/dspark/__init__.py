@@ -7,7 +7,7 @@ dspark.py is hf_dspark.py."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +91,18 @@ def draft(
     )
 
 
+def speculators_keys(
+    source: Mapping[str, Any], key: Callable[[str], Any], refuse: Callable[[str], Exception]
+) -> dict[str, Any]:
+    """A speculators DSpark drafter's heads: ours always has the Markov head and the confidence head fed with the
+    Markov embedding (the only form SGLang loads)."""
+    if not key("markov_rank") > 0:
+        raise refuse("markov_rank 0 (no Markov head)")
+    if not source.get("enable_confidence_head") or not source.get("confidence_head_with_markov"):
+        raise refuse("no confidence head, or one without the Markov embedding (confidence_head_with_markov)")
+    return {"markov_rank": source["markov_rank"], "markov_head": key("markov_head_type")}
+
+
 DSPARK = DrafterFamily(
     config=CONFIG,
     model=DSparkDraftModel,
@@ -106,6 +118,7 @@ DSPARK = DrafterFamily(
     model_keys={"markov_rank": "drafter.markov_rank", "markov_head_type": "drafter.markov_head"},
     training_keys=("ce_weight", "tv_weight", "confidence_weight"),
     finish_config=finish_config,
+    speculators_keys=speculators_keys,
     head_tensors=("embed_tokens.weight", "lm_head.weight"),
     check_head=check_dspark_head,
 )

@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from dflash_ring.consumer.families.dspark.dspark_heads import ConfidenceHead, MarkovHead
+from dflash_ring.consumer.loss import DSparkHeads
 from dflash_ring.consumer.model import Anchors, DFlashDraftModel
 
 if TYPE_CHECKING:
@@ -36,6 +37,11 @@ class DSparkDraftModel(DFlashDraftModel):
 
     def prev_ids(self, input_ids: torch.Tensor, anchors: Anchors) -> torch.Tensor:
         return dspark_prev_ids(input_ids, anchors, self.block_size)
+
+    def objective_inputs(self, hidden: torch.Tensor, input_ids: torch.Tensor, anchors: Anchors) -> dict[str, Any]:
+        """The heads' outputs on the step's blocks, for the TV, Markov-biased CE and confidence terms."""
+        markov, confidence = self.heads(hidden, self.prev_ids(input_ids, anchors))
+        return {"dspark": DSparkHeads(markov, self.markov_head.markov_w2.weight, confidence)}
 
     def heads(self, hidden: torch.Tensor, prev_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(Markov features e [N, B, r], confidence logits [N, B] fp32) of backbone output hidden [N, B, H]."""
