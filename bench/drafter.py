@@ -43,7 +43,9 @@ from dflash_ring.common.config.drafter import DrafterConfig, target_text_config
 from dflash_ring.consumer.fp8 import check_precision, convert_to_fp8
 from dflash_ring.consumer.loss import drafter_loss
 from dflash_ring.consumer.model import Anchors, FrozenTargetHead, cu_seqlens_from_lengths, sample_anchors
+from dflash_ring.consumer.families import family
 from dflash_ring.consumer.families.build import build_drafter
+from dflash_ring.consumer.objective import ObjectiveInputs, block_objective
 
 H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s (spec sheet)
 DEFAULT_SAMPLES = (4, 3072)  # samples per step, tokens per sample: the paper's Qwen3-8B drafter
@@ -338,11 +340,13 @@ def run_drafter_bench(
         teacher = None if final_host is None else final_host.to(dev, non_blocking=True)
         t1 = sync()
         a = sample_anchors(mask, cu, anchors, gen)
+        inputs = ObjectiveInputs(ctx, ids, mask, cu, teacher, a, attention, anchors_per_group)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
-            hidden = model(ctx, ids, a, head, attention=attention, anchors_per_group=anchors_per_group)
-            out = drafter_loss(
-                model, hidden, a, ids, mask, head, drafter if heads else backbone_only, teacher, heads=heads
-            )
+            if heads:  # the family's objective, as the trainer runs it
+                objective = family(drafter.arch).objective(model, inputs, head, drafter)
+            else:  # a block family's backbone alone
+                objective = block_objective(model, inputs, head, backbone_only, heads=False)
+            out = objective.out
         t2 = sync()
         out.loss.backward()
         t3 = sync()
@@ -350,7 +354,8 @@ def run_drafter_bench(
         opt.step()
         opt.zero_grad(set_to_none=True)
         t4 = sync()
-        step.anchors, step.supervised, step.teacher_positions = a, int(out.num_valid_tokens), out.teacher_positions
+        step.anchors, step.supervised = objective.blocks, int(out.num_valid_tokens)
+        step.teacher_positions = out.teacher_positions
         return t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0
 
     compile_s = sum(step()[-1] for _ in range(4))  # warm-up; the first steps compile (flex, layers, loss)

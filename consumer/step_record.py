@@ -91,8 +91,7 @@ def step_scalars(m: StepMetrics, w: WindowStats) -> dict[str, float]:
         "ring/wait_s": w.wait_s,
         "producers/items_per_s": w.produced / w.seconds,
         "producers/tokens_per_s": w.produced_tokens / w.seconds,
-        **dspark_scalars(m),
-        **dflash2_scalars(m),
+        **m.figures,  # the family's own (DrafterFamily.figures)
         **source_scalars(w.by_source),  # over the window: a source missing from one batch still has a figure
         **window_scalars(w.by_source),
     }
@@ -112,44 +111,6 @@ def window_scalars(by_source: dict[str, SourceStats]) -> dict[str, float]:
         "window/accept_len": total.accept_len,
         "window/accept_len_prob": total.accept_len_prob,
         "window/blocks": float(total.blocks),
-    }
-
-
-def dspark_scalars(m: StepMetrics) -> dict[str, float]:
-    """With L1 to the target (DSpark): `tv`, `tau_probabilistic`, `accept_rate/pos_<k>` (k = 1: the first draft);
-    with a confidence head `confidence_loss` and `confidence/{abs_error,bias,cumprod_bias}`. None for DFlash."""
-    d = m.dspark
-    if d is None:
-        return {}
-    out = {
-        "tv": d.tv,
-        "tau_probabilistic": d.tau_probabilistic,
-        **{f"accept_rate/pos_{k}": a for k, a in enumerate(d.accept_rate_per_position, 1)},
-    }
-    if d.confidence_loss is not None:
-        out |= {
-            "confidence_loss": d.confidence_loss,
-            "confidence/abs_error": d.confidence_abs_error,
-            "confidence/bias": d.confidence_bias,
-            "confidence/cumprod_bias": d.confidence_cumprod_bias,
-        }
-    return out
-
-
-def dflash2_scalars(m: StepMetrics) -> dict[str, float]:
-    """With DFlash2's candidate selector: `selector_loss` and `selector/{unary_top1,top_k_recall,top_k_mass,accuracy,
-    accept_len,oracle_accept_len}` (DFlash2Figures). None for other archs."""
-    d = m.dflash2
-    if d is None:
-        return {}
-    return {
-        "selector_loss": d.selector_loss,
-        "selector/unary_top1": d.unary_top1,
-        "selector/top_k_recall": d.top_k_recall,
-        "selector/top_k_mass": d.top_k_mass,
-        "selector/accuracy": d.selector_accuracy,
-        "selector/accept_len": d.selector_accept_len,
-        "selector/oracle_accept_len": d.oracle_accept_len,
     }
 
 

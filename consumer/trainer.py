@@ -22,8 +22,8 @@ from dflash_ring.common.layout import Counter, Role
 from dflash_ring.common.slot_contract import item_sources
 from dflash_ring.consumer.families import family
 from dflash_ring.consumer.fp8 import check_precision, convert_to_fp8
-from dflash_ring.consumer.loss import DFlashLoss, drafter_loss
 from dflash_ring.consumer.model import Anchors, DFlashDraftModel, FrozenTargetHead, sample_anchors
+from dflash_ring.consumer.objective import ObjectiveInputs, StepObjective
 from dflash_ring.consumer.source_metrics import SourceLabels, SourceStats, add_sources, by_source
 from dflash_ring.common.config.train import TrainConfig
 
@@ -71,77 +71,9 @@ class StepMetrics:
     step_s: float
     # Per data source, summed over the step's micro-batches (empty when items carry no sources).
     by_source: dict[str, SourceStats] = field(default_factory=dict)
-    # With L1 to the target (DSpark): its weighted term, accept_rate@k (mean analytic acceptance per draft position)
-    # and tau_probabilistic; with a confidence head, its weighted BCE and the mean absolute error, bias and
-    # cumulative-product bias of its probabilities against alpha* over supervised drafts. None where not trained.
-    dspark: DSparkFigures | None = None
-    # With DFlash2's candidate selector: its term and figures (DFlash2Figures). None for other archs.
-    dflash2: DFlash2Figures | None = None
-
-
-@dataclass(frozen=True)
-class DFlash2Figures:
-    """The selector's figures on a step (consumer/objectives/selector.py), over its supervised drafts: its weighted
-    K-way CE (before selector_weight), the backbone's unary top-1 accuracy, the top-K recall and the draft's own mass
-    on its top-K, the selector's teacher-forced accuracy (a gold outside the top-K is a miss), and mean accepted
-    lengths over blocks of the greedy serving walk through the selector and of the top-K oracle."""
-
-    selector_loss: float
-    unary_top1: float
-    top_k_recall: float
-    top_k_mass: float
-    selector_accuracy: float
-    selector_accept_len: float
-    oracle_accept_len: float
-
-    @classmethod
-    def of(cls, out: DFlashLoss) -> DFlash2Figures | None:
-        s = out.selector
-        if s is None:
-            return None
-        rows, blocks = max(int(s.rows), 1), max(out.num_blocks, 1)
-        return cls(
-            selector_loss=float(s.loss),
-            unary_top1=float(out.correct_per_position.sum()) / rows,
-            top_k_recall=float(s.in_top_k) / rows,
-            top_k_mass=float(s.top_k_mass) / rows,
-            selector_accuracy=float(s.correct) / rows,
-            selector_accept_len=float(s.block_accept.sum()) / blocks,
-            oracle_accept_len=float(s.block_oracle.sum()) / blocks,
-        )
-
-
-@dataclass(frozen=True)
-class DSparkFigures:
-    tv: float
-    accept_rate_per_position: list[float]
-    tau_probabilistic: float
-    confidence_loss: float | None = None
-    confidence_abs_error: float | None = None
-    confidence_bias: float | None = None
-    confidence_cumprod_bias: float | None = None
-
-    @classmethod
-    def of(cls, out: DFlashLoss) -> DSparkFigures | None:
-        if out.alpha_per_position is None:
-            return None
-        rate = (out.alpha_per_position / out.valid_per_position.clamp_min(1)).tolist()
-        calib = {}
-        if out.calibration is not None:
-            drafts = max(int(out.num_valid_tokens), 1)
-            c = out.calibration
-            calib = {
-                "confidence_loss": float(out.confidence),
-                "confidence_abs_error": float(c.abs_error.sum()) / drafts,
-                "confidence_bias": float(c.bias.sum()) / drafts,
-                "confidence_cumprod_bias": float(c.cumprod_bias.sum()) / drafts,
-            }
-        return cls(
-            tv=float(out.tv),
-            accept_rate_per_position=[round(r, 4) for r in rate],
-            tau_probabilistic=float(out.tau_probabilistic),
-            **calib,
-        )
+    # The family's own named figures (its DrafterFamily.figures: DSpark's tv, tau_probabilistic, accept_rate/pos_k and
+    # confidence; DFlash2's selector), under the step record's keys.
+    figures: dict[str, float] = field(default_factory=dict)
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -214,7 +146,8 @@ class Trainer:
         device: torch.device,
         sources: SourceLabels | None = None,
     ):
-        family(drafter.arch).check_head(head.spec)  # a target head its layout cannot describe: refused before a step
+        self.family = family(drafter.arch)
+        self.family.check_head(head.spec)  # a target head its layout cannot describe: refused before a step
         self.model = model.to(device)  # fp32 master weights; bf16 only inside autocast on GPU
         fp8 = drafter.precision == "fp8"
         if fp8:  # before compiling (the casts are traced into the layers) and before the optimizer takes the weights
@@ -265,9 +198,10 @@ class Trainer:
         anchors = sample_anchors(batch.loss_mask, batch.cu_seqlens, self.drafter.num_anchors, self.anchor_rng)
         if anchors.num_blocks == 0:
             return None  # nothing supervisable in this batch (e.g. all prompt)
-        out = self._forward(batch, anchors)
+        step = self._forward(batch, anchors)
+        out = step.out
         (out.loss / self.cfg.grad_accum).backward()
-        add_sources(self._step_sources, self._by_source(batch, anchors, out))
+        add_sources(self._step_sources, self._by_source(batch, step))
         self._micro += 1
         if self._micro % self.cfg.grad_accum:
             return None
@@ -287,8 +221,7 @@ class Trainer:
             tokens=batch.num_tokens,
             step_s=time.perf_counter() - t0,
             by_source=step_sources,
-            dspark=DSparkFigures.of(out),
-            dflash2=DFlash2Figures.of(out),
+            figures=self.family.figures(out),
         )
 
     def _update(self, total_steps: int) -> tuple[float, torch.Tensor]:
@@ -336,37 +269,30 @@ class Trainer:
         if anchors.num_blocks == 0:
             return {}
         with torch.no_grad():  # the drafter has no dropout: train mode is kept (no recompile of compiled layers)
-            out = self._forward(batch, anchors)
-        return self._by_source(batch, anchors, out)
+            step = self._forward(batch, anchors)
+        return self._by_source(batch, step)
 
-    def _forward(self, batch: DeviceBatch, anchors: Anchors) -> DFlashLoss:
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
-        with autocast:
-            hidden = self.model(
-                batch.features,
-                batch.input_ids,
-                anchors,
-                self.head,
-                attention=self.cfg.attention_for(self.device.type),
-                anchors_per_group=self.cfg.anchors_per_group,
-            )
-            return drafter_loss(
-                self.model,
-                hidden,
-                anchors,
-                batch.input_ids,
-                batch.loss_mask,
-                self.head,
-                self.drafter,
-                batch.final_hidden if self.drafter.needs_target_logits else None,
-            )
+    def _forward(self, batch: DeviceBatch, anchors: Anchors) -> StepObjective:
+        """The family's objective on the batch (consumer/objective.py)."""
+        inputs = ObjectiveInputs(
+            features=batch.features,
+            input_ids=batch.input_ids,
+            loss_mask=batch.loss_mask,
+            cu_seqlens=batch.cu_seqlens,
+            final_hidden=batch.final_hidden if self.drafter.needs_target_logits else None,
+            anchors=anchors,
+            attention=self.cfg.attention_for(self.device.type),
+            anchors_per_group=self.cfg.anchors_per_group,
+        )
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            return self.family.objective(self.model, inputs, self.head, self.drafter)
 
-    def _by_source(self, batch: DeviceBatch, anchors: Anchors, out: DFlashLoss) -> dict[str, SourceStats]:
+    def _by_source(self, batch: DeviceBatch, step: StepObjective) -> dict[str, SourceStats]:
         if batch.source_ids is None:
             return {}
         names = item_sources(batch.meta)
         labels = self.sources.of(names) if self.sources is not None else names
-        return by_source(out, anchors, batch.source_ids, batch.loss_mask, labels)
+        return by_source(step.out, step.blocks, batch.source_ids, batch.loss_mask, labels)
 
     @property
     def compiled(self) -> bool:
@@ -416,7 +342,7 @@ class Trainer:
             )
             anchors = sample_anchors(batch.loss_mask, batch.cu_seqlens, self.drafter.num_anchors, rng)
             if anchors.num_blocks:
-                self._forward(batch, anchors).loss.backward()
+                self._forward(batch, anchors).out.loss.backward()
         for p in self.model.parameters():
             p.grad = None
         torch.set_rng_state(cpu_rng)

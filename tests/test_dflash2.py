@@ -334,7 +334,7 @@ def test_the_selector_figures_are_their_definitions():
     from dflash_ring.consumer.loss import SelectorInputs, dflash_loss
     from dflash_ring.consumer.families.dflash2.model import _predecessors
     from dflash_ring.consumer.loss import block_labels
-    from dflash_ring.consumer.trainer import DFlash2Figures
+    from dflash_ring.consumer.families import family
 
     head, input_ids, loss_mask, anchors, hidden, chooser = selector_case(top_k=3)
     cfg = DrafterConfig(
@@ -357,15 +357,15 @@ def test_the_selector_figures_are_their_definitions():
     logits = head.logits(hidden[:, 1:].detach()).float()
     q = logits.softmax(-1)
     rows = int(valid.sum())
-    figures = DFlash2Figures.of(out)
+    figures = family("dflash2").figures(out)
     hit = torch.zeros_like(valid).masked_scatter(valid, (scores.argmax(-1) == target) & inside)
     in_top = torch.zeros_like(valid).masked_scatter(valid, inside)
-    assert figures.top_k_recall == pytest.approx(float(inside.float().mean()))
-    assert figures.top_k_mass == pytest.approx(float(q.topk(3, -1).values.sum(-1)[valid].mean()), rel=1e-5)
-    assert figures.unary_top1 == pytest.approx(float((logits.argmax(-1) == labels.tokens[:, 1:])[valid].sum()) / rows)
-    assert figures.selector_accuracy == pytest.approx(float(hit.sum()) / rows)
-    assert figures.selector_accept_len == pytest.approx(float((hit.long().cumprod(1).sum(1) + 1).float().mean()))
-    assert figures.oracle_accept_len == pytest.approx(float((in_top.long().cumprod(1).sum(1) + 1).float().mean()))
+    assert figures["selector/top_k_recall"] == pytest.approx(float(inside.float().mean()))
+    assert figures["selector/top_k_mass"] == pytest.approx(float(q.topk(3, -1).values.sum(-1)[valid].mean()), rel=1e-5)
+    assert figures["selector/unary_top1"] == pytest.approx(float((logits.argmax(-1) == labels.tokens[:, 1:])[valid].sum()) / rows)
+    assert figures["selector/accuracy"] == pytest.approx(float(hit.sum()) / rows)
+    assert figures["selector/accept_len"] == pytest.approx(float((hit.long().cumprod(1).sum(1) + 1).float().mean()))
+    assert figures["selector/oracle_accept_len"] == pytest.approx(float((in_top.long().cumprod(1).sum(1) + 1).float().mean()))
 
 
 def test_the_serving_walk_is_greedy_over_the_scores_from_the_anchor():
@@ -425,9 +425,10 @@ def test_a_dflash2_drafter_trains_on_a_tiny_target(tmp_path):
         last = m
     assert last.loss < first.loss
     # the random start has no gold in its top-K (no selector term yet); training brings them in and the selector learns
-    assert last.dflash2.top_k_recall > first.dflash2.top_k_recall and last.dflash2.selector_loss > 0
-    assert last.dflash2.selector_accuracy > first.dflash2.selector_accuracy
-    assert last.dflash2.selector_accept_len > first.dflash2.selector_accept_len
+    f0, f1 = first.figures, last.figures
+    assert f1["selector/top_k_recall"] > f0["selector/top_k_recall"] and f1["selector_loss"] > 0
+    assert f1["selector/accuracy"] > f0["selector/accuracy"]
+    assert f1["selector/accept_len"] > f0["selector/accept_len"]
     # the convolutions and the selector train: none is left at its initial value
     assert model.layers[0].attention_conv.kernel_projection.weight.abs().max() > 0
     from dflash_ring.consumer.step_record import WindowStats, step_scalars

@@ -254,8 +254,8 @@ def test_a_dspark_drafter_trains_on_a_tiny_target(tmp_path):
         m = trainer.train_step(batch, total_steps=25)
         first = first or m
         last = m
-    assert last.dspark is not None and len(last.dspark.accept_rate_per_position) == 7
-    assert last.dspark.confidence_abs_error is not None
+    assert len([k for k in last.figures if k.startswith("accept_rate/pos_")]) == 7
+    assert "confidence/abs_error" in last.figures
     assert last.loss < first.loss
 
 
@@ -265,7 +265,8 @@ def test_dspark_figures_reach_the_record_per_source_and_prometheus():
     from dflash_ring.common.metrics import DrafterMetrics
     from dflash_ring.consumer.source_metrics import by_source
     from dflash_ring.consumer.step_record import WindowStats, step_scalars
-    from dflash_ring.consumer.trainer import DSparkFigures, StepMetrics
+    from dflash_ring.consumer.families import family
+    from dflash_ring.consumer.trainer import StepMetrics
 
     torch.manual_seed(3)
     vocab, hidden_size, rank, block = 20, 6, 3, 4
@@ -289,9 +290,9 @@ def test_dspark_figures_reach_the_record_per_source_and_prometheus():
     total_tau = sum(s.tau_prob_sum for s in stats.values()) / anchors.num_blocks
     torch.testing.assert_close(total_tau, float(out.tau_probabilistic), rtol=1e-6, atol=1e-6)
     drafts = sum(s.confidence_drafts for s in stats.values())
-    figures = DSparkFigures.of(out)
+    figures = family("dspark").figures(out)
     torch.testing.assert_close(
-        sum(s.confidence_sums[0] for s in stats.values()) / drafts, figures.confidence_abs_error, rtol=1e-6, atol=1e-6
+        sum(s.confidence_sums[0] for s in stats.values()) / drafts, figures["confidence/abs_error"], rtol=1e-6, atol=1e-6
     )
     m = StepMetrics(
         step=1,
@@ -307,11 +308,12 @@ def test_dspark_figures_reach_the_record_per_source_and_prometheus():
         tokens=22,
         step_s=0.1,
         by_source=stats,
-        dspark=figures,
+        figures=figures,
     )
     record = step_scalars(m, WindowStats(1.0, 22, 0.0, 1, 22, 0, stats))
-    assert record["tau_probabilistic"] == figures.tau_probabilistic
-    assert [record[f"accept_rate/pos_{k}"] for k in range(1, 5)] == figures.accept_rate_per_position
+    assert record["tau_probabilistic"] == figures["tau_probabilistic"]
+    rate = (out.alpha_per_position / out.valid_per_position.clamp_min(1)).tolist()
+    assert [record[f"accept_rate/pos_{k}"] for k in range(1, 5)] == [round(r, 4) for r in rate]
     assert {
         "confidence_loss",
         "confidence/abs_error",
@@ -322,8 +324,8 @@ def test_dspark_figures_reach_the_record_per_source_and_prometheus():
     } <= set(record)
     registry = CollectorRegistry()
     DrafterMetrics(registry).publish(1, 0.1, record)
-    assert registry.get_sample_value("dflash_ring_drafter_tau_probabilistic") == figures.tau_probabilistic
+    assert registry.get_sample_value("dflash_ring_drafter_tau_probabilistic") == figures["tau_probabilistic"]
     assert (
         registry.get_sample_value("dflash_ring_drafter_position_accept_rate", {"position": "1"})
-        == figures.accept_rate_per_position[0]
+        == figures["accept_rate/pos_1"]
     )

@@ -16,12 +16,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflash_ring.common.config.families import FamilyConfig
+from dflash_ring.consumer.objective import block_objective
 
 if TYPE_CHECKING:
     import torch
 
     from dflash_ring.common.config.drafter import DrafterConfig
     from dflash_ring.consumer.draft import Draft
+    from dflash_ring.consumer.loss import DFlashLoss
+    from dflash_ring.consumer.objective import ObjectiveInputs, StepObjective
     from dflash_ring.consumer.model import DFlashDraftModel
     from dflash_ring.consumer.target_head import FrozenTargetHead, HeadSpec
 
@@ -74,6 +77,14 @@ class DrafterFamily:
     released_names: Mapping[str, str] = field(default_factory=dict)
     # Why a draft tree (independent slots, consumer/draft_tree.py) cannot serve the family's drafter; None: it can.
     no_draft_tree: str | None = None
+    # The training objective on one packed batch: (model, inputs, head, drafter config) -> StepObjective
+    # (consumer/objective.py). The trainer, the held-out evaluation and the benches call this and nothing else.
+    objective: Callable[[torch.nn.Module, ObjectiveInputs, FrozenTargetHead, DrafterConfig], StepObjective] = (
+        block_objective
+    )
+    # The family's own named figures of a step from its objective's output, under the step record's keys
+    # (consumer/step_record.py passes them on as they are to the log, the gauges, the trackers and the record file).
+    figures: Callable[[DFlashLoss], dict[str, float]] = lambda out: {}
 
     @property
     def name(self) -> str:

@@ -17,6 +17,7 @@ from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.config.families.dflash2 import DFLASH2 as CONFIG
 from dflash_ring.consumer.draft import Draft
 from dflash_ring.consumer.families.dflash2.model import DFlash2DraftModel
+from dflash_ring.consumer.families.dflash2.figures import dflash2_figures
 from dflash_ring.consumer.families.family import DrafterFamily
 from dflash_ring.consumer.target_head import FrozenTargetHead, HeadSpec
 
@@ -112,4 +113,5 @@ DFLASH2 = DrafterFamily(
     released_names={f"{name}.weight": name for name in CODEBOOKS},
     training_keys=("selector_weight",),
     write_head_spec=write_head_spec,
+    figures=dflash2_figures,
 )

@@ -18,6 +18,7 @@ from dflash_ring.common.config.families.dspark import DSPARK as CONFIG
 from dflash_ring.consumer.draft import Draft, sample_tokens
 from dflash_ring.consumer.families.dspark.dspark_heads import check_dspark_head
 from dflash_ring.consumer.families.dspark.model import DSparkDraftModel
+from dflash_ring.consumer.families.dspark.figures import dspark_figures
 from dflash_ring.consumer.families.family import DrafterFamily
 from dflash_ring.consumer.qwen3_blocks import rope_parameters
 from dflash_ring.consumer.target_head import FrozenTargetHead
@@ -121,4 +122,5 @@ DSPARK = DrafterFamily(
     speculators_keys=speculators_keys,
     head_tensors=("embed_tokens.weight", "lm_head.weight"),
     check_head=check_dspark_head,
+    figures=dspark_figures,
 )
