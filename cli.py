@@ -637,6 +637,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
             check_group(cfg.target, resolve_device(cfg.target.device))
     print(f"config OK: run {cfg.run.name!r}" + (f" from {args.config}" if args.config else " (defaults)"))
+    if note := cfg.drafter.recipe_note():
+        print(f"note: {note}")
     if not cfg.target.path:
         print("not checked: the target: target.path is not set (every role needs it: a local HF model directory)")
     elif not Path(cfg.target.path).expanduser().is_dir():

@@ -58,6 +58,23 @@ def test_explicit_keys_override_the_recipe_and_the_resolved_values_are_fingerpri
     assert load_config(tmp_path / "c.toml") == cfg
 
 
+def test_a_recipe_that_loses_keys_to_the_config_says_so(tmp_path, capsys):
+    """The embedded default sets block_size 8 and 48 anchors; `--set drafter.recipe=dspark` keeps them (a set key
+    wins) and check-config names both values and why; a key equal to the recipe's, or none, is no note."""
+    from dflash_ring.cli import main
+
+    assert DrafterConfig(recipe="dspark").recipe_note() is None
+    assert DrafterConfig(recipe="dspark", block_size=7).recipe_note() is None
+    note = DrafterConfig(recipe="dspark", block_size=8, num_anchors=48).recipe_note()
+    assert note == (
+        "drafter.recipe 'dspark' sets block_size = 7, num_anchors = 512; this config sets block_size = 8, "
+        "num_anchors = 48, which win (remove them from [drafter] to train the recipe's)"
+    )
+    (tmp_path / "c.toml").write_text("[drafter]\nblock_size = 8\nnum_anchors = 48\n")
+    assert main(["check-config", "--config", str(tmp_path / "c.toml"), "--set", 'drafter.recipe="dspark"']) == 0
+    assert f"note: {note}" in capsys.readouterr().out
+
+
 def test_the_final_hidden_state_ships_exactly_when_the_objective_reads_it():
     assert load_config(None, ['drafter.recipe="ddtree"']).target.ship_final_hidden is True
     assert load_config(None, ['drafter.label="target_argmax"']).target.ship_final_hidden is True

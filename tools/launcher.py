@@ -440,6 +440,8 @@ def train_and_export(
     code if a process failed."""
     # Several CPU processes on a few cores: one thread each, or they thrash (a 20-30x slowdown seen here).
     launch = Launch(cfg_path, overrides, env={"OMP_NUM_THREADS": "1"} if embedded else None)
+    if note := launch.cfg.drafter.recipe_note():
+        con.print(f"[yellow]note: {note}[/]")
     out_dir = Path(launch.cfg.train.checkpoint_dir).parent / "drafter"
     launch.start()
     rc = launch.wait()

@@ -184,6 +184,12 @@ class DrafterConfig(DFlash2Keys, DSparkKeys):
                     f"{'it' if len(set_here) == 1 else 'them'})"
                 )
         family = FAMILIES[arch]
+        # A key set here wins over the recipe's (recipe_note says which did, so a recipe never loses in silence).
+        self._recipe_overrides = {
+            name: (getattr(self, name), value)
+            for name, value in recipe.items()
+            if name != "arch" and getattr(self, name) is not None and getattr(self, name) != value
+        }
         for name, value in {**_DEFAULTS, **family.defaults, **recipe}.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
@@ -199,6 +205,19 @@ class DrafterConfig(DFlash2Keys, DSparkKeys):
             pattern = RECIPE_LAYER_TYPES.get(self.recipe, lambda n: ["full_attention"] * n)
             self.layer_types = pattern(self.num_hidden_layers)
         self._validate()
+
+    def recipe_note(self) -> str | None:
+        """One line naming the recipe's values that keys set beside it replaced (`dflash-ring run --set
+        drafter.recipe=dspark` over the embedded default's block_size 8: DSpark's 7 loses), or None. Said by the
+        launcher and check-config: both values are legitimate, so it is a note, not a refusal."""
+        if not self._recipe_overrides:
+            return None
+        mine = ", ".join(f"{k} = {v!r}" for k, (v, _) in self._recipe_overrides.items())
+        theirs = ", ".join(f"{k} = {r!r}" for k, (_, r) in self._recipe_overrides.items())
+        return (
+            f"drafter.recipe {self.recipe!r} sets {theirs}; this config sets {mine}, which win (remove them from "
+            "[drafter] to train the recipe's)"
+        )
 
     def _validate(self) -> None:
         """The checks one field against another; each number's own range is its field's (common/config/ranges.py)."""
