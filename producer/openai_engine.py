@@ -4,7 +4,12 @@ vLLM, SGLang and `transformers serve` all answer POST `{base_url}/chat/completio
 sends one non-streaming request per prompt (`n` = 1) from a bounded thread pool, so at most
 `regenerate.concurrency` requests are in flight, spread round-robin over `regenerate.base_urls`.
 Standard library only (http.client, concurrent.futures, json): one blocking request per worker thread
-is all a batch job needs, and the CLI stays free of an HTTP client dependency.
+is all a batch job needs, and the CLI stays free of an HTTP client dependency. The `openai` client was tried
+in its place (2026-12-05) and kept out: it has retries and backoff, but no whole-request deadline (its timeout
+is per read, so a server trickling bytes holds a worker for ever) and no cap on a reply body, it has no failover
+across several base URLs (what spreads a job over servers here), and it reads OPENAI_API_KEY / OPENAI_BASE_URL
+from the environment (a key meant for another endpoint would be sent to ours); wrapped to add those, the engine
+grew from 437 to 468 lines.
 
 Each request carries the model, the chat, `max_tokens`, `temperature`, `top_p`, a per-prompt
 `seed` (`prompt_seed`, so a resumed run samples the same) and `chat_template_kwargs:
