@@ -13,8 +13,12 @@ publisher notifies after each send, as ring consumers block on a semaphore.
 from __future__ import annotations
 
 import ctypes
+import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -30,16 +34,25 @@ WAIT = iox2.Duration.from_millis(50)
 
 @dataclass(frozen=True)
 class PairSpec:
-    """What a worker process needs to open its pair's services."""
+    """What a worker process needs to open its pair's services: their names, and the prefix and root of the
+    iceoryx2 instance they live in (the parent's `Services`)."""
 
     name: str
     nbytes: int
     buffer: int
+    prefix: str
+    root: str
 
 
-def _node() -> iox2.Node:
+def _node(prefix: str, root: str) -> iox2.Node:
+    """A node of the bench's own iceoryx2 instance: its /dev/shm objects named `prefix...` (iceoryx2's default,
+    `iox2_`, leaves a world-writable `iox2_*_global_mgmt` object behind for every user of the host) and its node and
+    service files under `root`, both removed by `Services.close`."""
     iox2.set_log_level(iox2.LogLevel.Error)
-    return iox2.NodeBuilder.new().create(iox2.ServiceType.Ipc)
+    config = iox2.config.default()
+    config.global_cfg.prefix = iox2.FileName.new(prefix)
+    config.global_cfg.root_path = iox2.Path.new(root.rstrip("/") + "/")
+    return iox2.NodeBuilder.new().config(config).create(iox2.ServiceType.Ipc)
 
 
 def _pubsub(node: iox2.Node, spec: PairSpec):
@@ -63,21 +76,32 @@ class Services:
     """Created by the parent before the workers start, so that workers only open them."""
 
     def __init__(self, prefix: str, pairs: int, nbytes: int):
-        self._node = _node()
-        self._specs = [PairSpec(f"{prefix}/{i}", nbytes, max(1, DEPTH // pairs)) for i in range(pairs)]
+        # An iceoryx2 instance of this bench alone: nothing of it is shared with another user of iceoryx2 on the
+        # host, so all of it can go at close.
+        self.prefix = f"iox2_dflash_{os.getpid()}_{time.monotonic_ns()}_"
+        self.root = tempfile.mkdtemp(prefix="dflash-ring-iox2-")
+        self._node = _node(self.prefix, self.root)
+        self._specs = [
+            PairSpec(f"{prefix}/{i}", nbytes, max(1, DEPTH // pairs), self.prefix, self.root) for i in range(pairs)
+        ]
         self._held = [(_pubsub(self._node, s).create(), _event(self._node, s).create()) for s in self._specs]
 
     def spec(self, index: int) -> PairSpec:
         return self._specs[index]
 
     def close(self) -> None:
+        """Drop the services, then remove what the instance left: its /dev/shm objects (the global management
+        object iceoryx2 keeps past every process) and its root directory. Call once the workers have exited."""
         self._held.clear()
         del self._node
+        for leftover in Path("/dev/shm").glob(f"{self.prefix}*"):
+            leftover.unlink(missing_ok=True)
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 def producer(spec: PairSpec, items: int, ready, start, cpu, finish) -> None:
     src = np.full(spec.nbytes, 1, dtype=np.uint8)
-    node = _node()
+    node = _node(spec.prefix, spec.root)
     publisher = (
         _pubsub(node, spec)
         .open()
@@ -103,7 +127,7 @@ def producer(spec: PairSpec, items: int, ready, start, cpu, finish) -> None:
 
 def consumer(spec: PairSpec, items: int, ready, start, done, cpu) -> None:
     dst = np.empty(spec.nbytes, dtype=np.uint8)
-    node = _node()
+    node = _node(spec.prefix, spec.root)
     subscriber = _pubsub(node, spec).open().subscriber_builder().create()
     listener = _event(node, spec).open().listener_builder().create()
     # Connect to the publisher (started first) before it sends: a publisher whose subscriber has not

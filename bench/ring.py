@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import platform
@@ -27,6 +28,7 @@ import torch
 
 from dflash_ring.common.arguments import non_negative
 from dflash_ring.bench.progress import progress
+from dflash_ring.common.host_bounds import available_memory
 from dflash_ring.common.layout import Counter, Role
 from dflash_ring.common.ring import Ring, RingSpec
 
@@ -311,13 +313,37 @@ def run_ring_bench(sizes_mb: list[float], items: int = 0) -> dict[str, Any]:
     }
 
 
+# Copies of one item alive at once in the largest case (2 -> 2; one transport at a time): each producer's source
+# and each consumer's destination, and the 4 items in flight (the ring's slots, or a queue's items) with the copy
+# each side of a queue holds as it pickles or unpickles one.
+COPIES_IN_MEMORY = 2 * 2 + 4 + 2 * 2
+
+
+def item_sizes(text: str) -> list[float]:
+    """--sizes-mb: comma-separated finite sizes > 0 whose largest case fits this host's free memory, checked before
+    anything is created (-1 and nan were a traceback with the ring's semaphores left in /dev/shm)."""
+    try:
+        sizes = [float(s) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers of MB, got {text!r}") from None
+    if bad := [s for s in sizes if not (math.isfinite(s) and s > 0)]:
+        raise argparse.ArgumentTypeError(f"each size must be a finite number of MB > 0, got {bad[0]:g}")
+    need = max(sizes) * MB * COPIES_IN_MEMORY
+    if (have := available_memory("cpu")) is not None and need > have:
+        raise argparse.ArgumentTypeError(
+            f"{max(sizes):g} MB items need about {need / 2**30:.3g} GiB at once ({COPIES_IN_MEMORY} copies), "
+            f"this host has {have / 2**30:.3g} GiB available"
+        )
+    return sizes
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`dflash-ring bench ring`'s own options (cli.py registers every bench by name, and hands it the rest)."""
     parser.add_argument("--json", action="store_true", help="print the JSON report (the default output)")
-    parser.add_argument("--sizes-mb", default="1,64,256", help="comma-separated item sizes in MB")
+    parser.add_argument("--sizes-mb", type=item_sizes, default="1,64,256", help="comma-separated item sizes in MB")
     parser.add_argument("--items", type=non_negative, default=0, help="items per case (0: scale with size)")
 
 
 def main(args: argparse.Namespace) -> int:
-    print(json.dumps(run_ring_bench([float(s) for s in args.sizes_mb.split(",")], args.items), indent=2))
+    print(json.dumps(run_ring_bench(args.sizes_mb, args.items), indent=2))
     return 0

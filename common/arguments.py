@@ -36,6 +36,17 @@ def non_negative(text: str) -> int:
     return value
 
 
+def cpu_threads(text: str) -> int:
+    """torch's CPU threads (0: torch's default): at most this host's cores (common/host_bounds.py), since more only
+    share them, and 100000 was a segfault inside torch after the models had loaded."""
+    from dflash_ring.common.host_bounds import cores
+
+    value = non_negative(text)
+    if value > (n := cores()):
+        raise argparse.ArgumentTypeError(f"this host has {n} CPU core{'s' if n != 1 else ''}: at most {n}, got {value}")
+    return value
+
+
 def port(text: str) -> int:
     value = _integer(text)
     if not 1 <= value <= 65535:

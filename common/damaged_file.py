@@ -12,9 +12,11 @@ still recover. Where nothing can rebuild it, the reader refuses it in one line n
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,12 +52,17 @@ def keep_aside(path: Path, why: str, *, copy: bool = False) -> Path:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Replace `path` by `data` (mode 0600) through a temporary file, fsynced with its directory."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Replace `path` by `data` (mode 0600) through a temporary file of its own (mkstemp: created, never opened
+    where something else already is, so a FIFO in its place cannot block the writer), fsynced with its directory."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
     fsync(path.parent)

@@ -15,6 +15,7 @@ import os
 import stat
 from pathlib import Path
 
+from dflash_ring.common.bounded_read import SECRET_BYTES
 from dflash_ring.common.refusal import Refusal
 
 SHM_DIR = Path("/dev/shm")
@@ -149,7 +150,12 @@ def group_secret(secret_file: str) -> bytes:
                 f"`chmod 600 {secret_file}`"
             )
         os.set_blocking(fd, True)
-        secret = f.read()
+        secret = f.read(SECRET_BYTES + 1)  # a size cap (common/bounded_read.py): a 4 GB file is not read whole
+    if len(secret) > SECRET_BYTES:
+        raise SecretFileError(
+            f"group.secret_file = {secret_file!r} is larger than {SECRET_BYTES >> 20} MiB: not a secret file; "
+            "create one with `head -c 32 /dev/urandom > F && chmod 600 F`"
+        )
     if len(secret.strip()) < 16:
         raise SecretFileError(
             f"group.secret_file = {secret_file!r} holds {len(secret.strip())} bytes: "

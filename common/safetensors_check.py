@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
-from .bounded_read import INDEX_BYTES, read_text
+from .bounded_read import INDEX_BYTES, open_regular, read_text
 from .refusal import Refusal
 
 _HEADER_BYTES = 100 << 20  # the format's own limit on the JSON header
@@ -50,9 +51,11 @@ class DamagedWeightsError(Refusal, ValueError):
 
 def check_safetensors_file(path: Path) -> dict:
     """Raise DamagedWeightsError unless `path` has a readable header whose tensors all lie within the file; return
-    the header."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+    the header. Opened by the one rule for a file's kind (common/bounded_read.py): a FIFO, a directory or a device
+    (/dev/zero) in its place is refused naming it, before a loader would block on it or map it."""
+    fd = open_regular(path, DamagedWeightsError, "safetensors file")
+    size = os.fstat(fd).st_size
+    with open(fd, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
             raise _damaged(path, f"{size} bytes, shorter than the 8-byte header length")
@@ -102,7 +105,7 @@ def check_safetensors_file(path: Path) -> dict:
 
 def weight_shapes(root: Path) -> dict[str, tuple[int, ...]]:
     """Every tensor's shape as the model directory's safetensors headers give it (none without weights)."""
-    if not any((root / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+    if not any(_there(root / name) for name in ("model.safetensors", "model.safetensors.index.json")):
         return {}
     shapes = {}
     for f in weight_files(root):
@@ -117,7 +120,7 @@ def weight_shapes(root: Path) -> dict[str, tuple[int, ...]]:
 
 def weight_dtypes(root: Path) -> dict[str, str]:
     """Every tensor's safetensors dtype (F32, BF16, I8, F8_E4M3, ...) as the model directory's headers give it."""
-    if not any((root / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+    if not any(_there(root / name) for name in ("model.safetensors", "model.safetensors.index.json")):
         return {}
     return {
         name: str(info.get("dtype")) if isinstance(info, dict) else "?"
@@ -127,10 +130,17 @@ def weight_dtypes(root: Path) -> dict[str, str]:
     }
 
 
+def _there(path: Path) -> bool:
+    """Whether a name is there, of any kind: a FIFO or a directory in a weights file's place is refused by the kind
+    rule when it is read (check_safetensors_file), never passed over as absent (check-config then said OK to a target
+    whose loading blocked on the FIFO)."""
+    return os.path.lexists(path)
+
+
 def weight_files(root: Path) -> list[Path]:
     """The safetensors files of a model directory (each shard its index names, or model.safetensors), checked."""
     index = root / "model.safetensors.index.json"
-    if index.is_file():
+    if _there(index):
         try:
             weight_map = json.loads(read_text(index, INDEX_BYTES, DamagedWeightsError, "safetensors index"))[
                 "weight_map"
@@ -150,7 +160,7 @@ def weight_files(root: Path) -> list[Path]:
                 "model's own"
             )
         files = [root / name for name in names]
-        if missing := [f.name for f in files if not f.is_file()]:
+        if missing := [f.name for f in files if not _there(f)]:
             raise DamagedWeightsError(
                 f"{index} names {missing[0]}, which is not in {root}"
                 f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}"

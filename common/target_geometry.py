@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dflash_ring.common.bounded_read import CONFIG_BYTES, read_text
 from dflash_ring.common.config.drafter import target_text_config
 from dflash_ring.common.config.target import TargetConfig, TargetConfigError, TargetGeometry
 from dflash_ring.common.target_loading import load_target_hf_config
@@ -32,9 +33,11 @@ def read_model_config(cfg: TargetConfig) -> dict[str, Any]:
         raise TargetConfigError("target.path is empty: set it to a local Hugging Face model directory")
     file = Path(cfg.path).expanduser() / "config.json"
     try:
-        config = json.loads(file.read_text())
+        config = json.loads(read_text(file, CONFIG_BYTES, TargetConfigError, "target config"))
     except FileNotFoundError:
         raise TargetConfigError(f"target.path: {file} does not exist (a local HF model directory is needed)") from None
+    except TargetConfigError:
+        raise  # not a regular file, past its cap, not UTF-8: named by read_text
     except json.JSONDecodeError as e:
         raise TargetConfigError(f"target.path: {file} is not valid JSON: {e}") from None
     except (UnicodeDecodeError, RecursionError) as e:

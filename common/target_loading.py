@@ -25,9 +25,15 @@ def load_target_hf_config(path: str | Path) -> Any:
     model_type; a file that is not JSON) in one line naming the file and the field, as TargetConfigError."""
     from transformers import AutoConfig  # the installed config classes only, never modeling code
 
+    from dflash_ring.common.bounded_read import CONFIG_BYTES, regular_size
+
     file = Path(path).expanduser() / "config.json"
-    if not file.is_file():  # else transformers takes the path for a hub repo id and says so
-        raise TargetConfigError(f"target {Path(path).expanduser()}: no config.json there (a local HF model directory)")
+    try:  # the kind and size rule before transformers opens it (a FIFO would block it, /dev/zero never end)
+        regular_size(file, TargetConfigError, "target config", CONFIG_BYTES)
+    except (FileNotFoundError, NotADirectoryError):  # else transformers takes the path for a hub repo id
+        raise TargetConfigError(
+            f"target {Path(path).expanduser()}: no config.json there (a local HF model directory)"
+        ) from None
     try:
         return AutoConfig.from_pretrained(Path(path).expanduser(), local_files_only=True)
     except MemoryError:

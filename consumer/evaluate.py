@@ -58,6 +58,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash_ring.common.chat_encoding import BadRow, decode_json_row, eos_ids, prompt_of
+from dflash_ring.common.host_bounds import check_memory
 from dflash_ring.common.target_loading import load_target_hf_config, load_target_lm
 from dflash_ring.common.tokenizer_loading import check_token_ids, load_target_tokenizer
 from dflash_ring.common.refusal import Refusal
@@ -648,6 +649,21 @@ def evaluate_drafter(
         torch.set_num_threads(previous)
 
 
+def check_round_memory(drafter: DFlashDraftModel, head: FrozenTargetHead, device: str) -> None:
+    """A round drafts block_size positions and scores them: [block, vocab] float32 logits in the drafter's head and
+    again in the target's verification, with the drafter's [block, hidden] activations of each layer beside them.
+    An export's block_size and vocab_size are checked against the device's free memory before the first round
+    (common/host_bounds.py): block_size 1e9 allocated past 3 GB before it failed."""
+    vocab = max(int(drafter.config.vocab_size), int(head.embed_weight.shape[0]))
+    hidden, layers = int(drafter.config.hidden_size), int(drafter.config.num_hidden_layers)
+    check_memory(
+        drafter.block_size * (2 * vocab + 4 * hidden * (layers + 1)) * 4,
+        f"a round of the drafter's block (block_size = {drafter.block_size}, vocab_size = {vocab})",
+        device,
+        "the export's config.json is not the drafter's (export it again) or the device is too small",
+    )
+
+
 def prompt_generators(seed: int, count: int, device: str | torch.device) -> list[torch.Generator]:
     """One generator per prompt, each seeded by a draw of a generator seeded with `seed`, one draw at a time: the
     first k prompts get the same generators whatever the count."""
@@ -714,6 +730,7 @@ def _evaluate(
         head = load_target_head(target_dir, dtype=torch.float32, device=device)
         # Either layout; a DSpark export's embed_tokens and lm_head must be this target's (load_drafter checks them).
         drafter = load_drafter(drafter_dir, device=device, dtype=torch.float32, arch=None, target_head=head).eval()
+        check_round_memory(drafter, head, device)
         _check_tree_drafter(drafter, tree_budgets)
     tokenizer = load_target_tokenizer(target_dir)  # tokenizer files transformers cannot load: one line naming them
     # A config.json the model code cannot build, weights that do not fit it or lack tensors: one line naming it.

@@ -36,7 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from dflash_ring.common.bounded_read import REPORT_BYTES, read_bytes, read_own
 from dflash_ring.common.config.tracking import TrackingConfig
+from dflash_ring.common.config.train import MAX_STEPS
 from dflash_ring.common.damaged_file import keep_aside, write_atomic
 from dflash_ring.common.output_dir import OutputDirError, check_output_dir
 
@@ -71,7 +73,7 @@ def read_records(path: Path) -> list[Any]:
     """The JSON values of a record file's whole lines (a torn last line, from a kill mid-write, left out), as they
     are: the report checks their shape itself. A line that is not JSON is RecordFileError."""
     out = []
-    for n, line in enumerate(path.read_bytes().split(b"\n")[:-1], 1):
+    for n, line in enumerate(read_bytes(path, REPORT_BYTES, RecordFileError, "record file").split(b"\n")[:-1], 1):
         try:
             out.append(json.loads(line.decode("utf-8")))
         except (ValueError, RecursionError) as e:
@@ -83,11 +85,18 @@ def read_records(path: Path) -> list[Any]:
     return out
 
 
+def step_out_of_range(step: int) -> str | None:
+    """Why a logged step read back is none a drafter writes (past train.total_steps' bound, MAX_STEPS), or None. A
+    successor logs only steps past the record's last one (a step of 1e12 silenced it for good) and TensorBoard purges
+    from there (10**30 overflowed it at every start, a crash loop)."""
+    return None if 0 <= step <= MAX_STEPS else f"step {step} is out of range (0 to {MAX_STEPS:_})"
+
+
 def _record(line: bytes) -> dict[str, Any] | None:
     """A line's record, or None when it is none: a JSON object that is either the header (series "config"), a
     held-out item's sums (series HELD_OUT, a string item and a sources object: their values are checked where they
-    are read, held_out_sources) or a logged step (an integer step >= 0, series train or eval, and a number for every
-    other key but "series")."""
+    are read, held_out_sources) or a logged step (an integer step in range, series train or eval, and a number for
+    every other key but "series", an integer one within int64 as every tracker takes it)."""
     try:
         r = json.loads(line.decode("utf-8"))
     except (ValueError, RecursionError):  # not UTF-8, not JSON
@@ -98,11 +107,27 @@ def _record(line: bytes) -> dict[str, Any] | None:
         if r.get("series") == HELD_OUT:
             return r if isinstance(r.get("item"), str) and isinstance(r.get("sources"), dict) else None
         return r if r.get("series") == "config" else None
-    if type(r["step"]) is not int or r["step"] < 0 or r.get("series") not in (TRAIN, EVAL):  # noqa: E721
+    if type(r["step"]) is not int or step_out_of_range(r["step"]) or r.get("series") not in (TRAIN, EVAL):  # noqa: E721
         return None
     if any(k != "series" and (isinstance(v, bool) or not isinstance(v, (int, float))) for k, v in r.items()):
         return None
+    if any(isinstance(v, int) and not -(2**63) <= v < 2**63 for v in r.values()):
+        return None
     return r
+
+
+def _out_of_range(line: bytes) -> str | None:
+    """What is out of range in a line `_record` refused, where that is why (not unreadable, not of another shape)."""
+    try:
+        r = json.loads(line.decode("utf-8"))
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(r, dict) or type(r.get("step")) is not int:  # noqa: E721
+        return None
+    if why := step_out_of_range(r["step"]):
+        return why
+    big = next((k for k, v in r.items() if type(v) is int and not -(2**63) <= v < 2**63), None)  # noqa: E721
+    return None if big is None else f"{big} = {r[big]} is out of range (an int64)"
 
 
 def checked_lines(data: bytes) -> tuple[list[dict[str, Any]], list[int], int]:
@@ -126,12 +151,16 @@ class RecordFile:
 
     def __init__(self, path: Path, header: dict[str, Any]):
         self.last: dict[str, int] = {}
-        lines, bad, whole = checked_lines(path.read_bytes()) if path.exists() else ([], [], 0)
+        data = read_own(path, REPORT_BYTES, "record file")  # not a regular file: kept aside, written anew
+        lines, bad, whole = checked_lines(data) if data is not None else ([], [], 0)
         if bad:  # rebuilt from its good lines before this drafter appends: the damaged copy is kept aside
+            pieces = data.split(b"\n")
+            ranges = [f"line {n}: {why}" for n in bad if (why := _out_of_range(pieces[n - 1]))]
             keep_aside(
                 path,
                 f"{len(bad)} record line(s) unreadable (line {', '.join(map(str, bad[:5]))}"
-                f"{', ...' if len(bad) > 5 else ''}), {len(lines)} kept; the curves lack those steps",
+                f"{', ...' if len(bad) > 5 else ''}), {len(lines)} kept; the curves lack those steps"
+                + "".join(f"; {r}" for r in ranges[:3]),
             )
             if lines and lines[0].get("series") != "config":  # the header was the damaged line: this config's
                 lines.insert(0, header)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from dflash_ring.common.bounded_read import open_regular
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.refusal import Refusal
 from dflash_ring.consumer.drafter_hf_config import drafter_hf_config
@@ -121,7 +122,7 @@ def _weights_digest(root: Path) -> str:
     """sha256 over the directory's safetensors files in name order: which weights, not just which path."""
     h = hashlib.sha256()
     for file in sorted(root.glob("*.safetensors")):
-        with open(file, "rb") as f:
+        with open(open_regular(file, WarmStartError, "drafter.init_from weights"), "rb") as f:  # never a FIFO's wait
             while chunk := f.read(1 << 24):
                 h.update(chunk)
     return h.hexdigest()

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from dflash_ring.common.bounded_read import CONFIG_BYTES, RECORD_BYTES, read_bytes, read_own
+from dflash_ring.common.config.target import TargetConfigError
 from dflash_ring.common.durable import fsync
 from dflash_ring.common.ownership import ensure_private_dir
 
@@ -62,7 +64,9 @@ def probe_key(target: TargetModel, model_dir: str | os.PathLike) -> str:
     identity = {
         "model": str(root),
         "files": files,
-        "config": hashlib.sha256((root / "config.json").read_bytes()).hexdigest(),
+        "config": hashlib.sha256(
+            read_bytes(root / "config.json", CONFIG_BYTES, TargetConfigError, "target config")
+        ).hexdigest(),
         "code": code,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -79,7 +83,9 @@ def cached_report(directory: Path, key: str) -> ProbeReport | None:
     """The saved report for `key`, or None (none saved; a damaged one is moved aside with a warning)."""
     path = directory / f"{key}.json"
     try:
-        raw = json.loads(path.read_bytes())
+        if (data := read_own(path, RECORD_BYTES, "probe cache")) is None:  # not a file: kept aside (read_own)
+            return None
+        raw = json.loads(data)
         names = {f.name for f in fields(ProbeReport)}
         report = ProbeReport(
             **{k: raw[k] for k in names if k != "layers"}, layers=[LayerCheck(**c) for c in raw["layers"]]

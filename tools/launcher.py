@@ -272,10 +272,13 @@ class Progress:
 
 def final_state(checkpoint_dir: str | Path, index: int) -> dict[str, int] | None:
     """A drafter's last checkpoint: the steps and items its own final line reports (its metrics are gone)."""
+    from dflash_ring.common.bounded_read import CONFIG_BYTES, read_text
+    from dflash_ring.common.lifecycle.checkpoint_choice import resume_order
+
     root = Path(checkpoint_dir) / f"drafter-{index}"
-    try:
-        info = json.loads((root / (root / "latest").read_text().strip() / "trainer.json").read_text())
-    except (OSError, ValueError):
+    try:  # the checkpoint a resume takes first, by the store's rule; its record read by the kind and size rule
+        info = json.loads(read_text(resume_order(root)[0] / "trainer.json", CONFIG_BYTES, ValueError, "trainer.json"))
+    except (OSError, ValueError, IndexError):
         return None
     return {"step": int(info["step"]), "items": int(info.get("items", 0))}
 

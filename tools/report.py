@@ -23,7 +23,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from dflash_ring.consumer.tracking import EVAL, TRAIN, read_records
+from dflash_ring.common.bounded_read import RECORD_BYTES, check_output, read_text
+from dflash_ring.consumer.tracking import EVAL, TRAIN, read_records, step_out_of_range
 
 RECORD = re.compile(r"drafter-(\d+)\.jsonl$")
 SOURCE_KEY = re.compile(r"^source/(.+)/(loss|accept_len)$")
@@ -66,6 +67,11 @@ def checked_records(path: Path) -> list[dict[str, Any]]:
         if logged:
             if type(r.get("step")) is not int:  # noqa: E721 (a bool is no step)
                 raise ReportError(f'{where}: a logged step needs an integer "step", got {r.get("step")!r}')
+            if why := step_out_of_range(r["step"]):
+                raise ReportError(
+                    f"{where}: {why}: no drafter logs it (an edit, or damage); the drafter rebuilds the file at its "
+                    "next start without it, keeping the damaged copy, or move the file out of the directory"
+                )
             if not isinstance(r.get("series"), str):
                 raise ReportError(
                     f'{where}: a logged step needs a string "series" ({TRAIN!r} or {EVAL!r}), got {r.get("series")!r}'
@@ -175,12 +181,18 @@ def figure(plt: Any, records: dict[int, list[dict[str, Any]]], name: str, where:
 
 def checked_out(out: Path) -> Path:
     """The file the picture goes to: `--out X` is X.png (what savefig writes for a name without a suffix, and what
-    the line printed then names); a suffix other than .png is refused before anything is read or drawn."""
+    the line printed then names); a suffix other than .png is refused before anything is read or drawn, and so is
+    a path that is there and not a regular file (a FIFO would block the write, /dev/full refuse it, and either
+    given without a suffix would have had NAME.png written beside it)."""
+    check_output(out, ReportError, "--out")
     if not out.suffix:
-        return out.with_suffix(".png")
-    if out.suffix.lower() != ".png":
+        png = out.with_suffix(".png")
+    elif out.suffix.lower() != ".png":
         raise ReportError(f"--out {out}: the report is a PNG; give a path ending in .png (or none, and .png is added)")
-    return out
+    else:
+        png = out
+    check_output(png, ReportError, "--out")
+    return png
 
 
 def _save(plt: Any, fig: Any, out: Path) -> None:
@@ -195,7 +207,9 @@ def _save(plt: Any, fig: Any, out: Path) -> None:
 def calibration_of(path: Path) -> dict[str, Any]:
     """The `calibration` object of an eval JSON file, checked enough to draw: ReportError naming what is wrong."""
     try:
-        report = json.loads(path.read_text())
+        report = json.loads(read_text(path, RECORD_BYTES, ReportError, "eval JSON"))
+    except ReportError:
+        raise  # not a regular file (a FIFO is never waited on), past its cap, not UTF-8: named by read_text
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise ReportError(
             f"{path} is neither a run directory nor a readable JSON file ({type(e).__name__}: {e})"
@@ -212,15 +226,42 @@ def calibration_of(path: Path) -> dict[str, Any]:
         rows = [*calibration["positions"], calibration["pooled"]]
         for row in rows:
             for b in row["bins"]:
-                for key in ("count", "lo", "hi"):
-                    if isinstance(b[key], bool) or not isinstance(b[key], (int, float)):
-                        raise TypeError(f"bin {key} = {b[key]!r}")
-            for key in ("position", "count", "ece", "brier"):
-                if isinstance(row[key], bool) or not isinstance(row[key], (int, float)):
-                    raise TypeError(f"{key} = {row[key]!r}")
-    except (KeyError, TypeError) as e:
+                _in_range(b, BIN_RANGES, "bin ")
+            _in_range(row, ROW_RANGES, "")
+    except (KeyError, TypeError, ValueError) as e:
         raise ReportError(f"{path}: its calibration data is malformed ({type(e).__name__}: {e})") from None
     return report
+
+
+# What consumer/calibration.py writes, field by field: (integer?, may be None?); every number a probability but the
+# counts (>= 0) and the position (>= 0). JSON takes NaN and -1e308, which were drawn in silence.
+ROW_RANGES = {
+    "position": (True, False),
+    "count": (True, False),
+    "ece": (False, False),
+    "brier": (False, False),
+    "observed": (False, False),
+    "mean_predicted": (False, False),
+    "auroc": (False, True),
+}
+BIN_RANGES = {
+    "count": (True, False),
+    "lo": (False, False),
+    "hi": (False, False),
+    "mean_predicted": (False, True),
+    "observed": (False, True),
+}
+
+
+def _in_range(fields: dict[str, Any], ranges: dict[str, tuple[bool, bool]], what: str) -> None:
+    for key, (integer, optional) in ranges.items():
+        value = fields[key]
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+            raise TypeError(f"{what}{key} = {value!r}")
+        if not (value >= 0 if integer else 0.0 <= value <= 1.0):  # NaN fails both
+            raise ValueError(f"{what}{key} = {value!r}: {'a count >= 0' if integer else 'a probability in [0, 1]'}")
 
 
 def write_reliability(path: Path, out: Path | None = None) -> tuple[Path, str]:

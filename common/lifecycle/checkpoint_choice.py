@@ -18,8 +18,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from dflash_ring.common.bounded_read import read_own
+
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 POINTER = "latest"
+POINTER_BYTES = 4096  # "step-NNNNNNNN\n"
 
 
 def step_of(path: Path) -> int:
@@ -35,11 +38,13 @@ def complete_dirs(root: Path) -> list[Path]:
 
 def pointer_name(root: Path) -> str | None:
     """The checkpoint `latest` names; None without a pointer, "" for one that names no checkpoint directory (not
-    ASCII, not `step-NNNNNNNN`): the newest complete checkpoint comes first then."""
-    try:
-        name = (root / POINTER).read_bytes().decode("ascii").strip()
-    except FileNotFoundError:
+    ASCII, not `step-NNNNNNNN`): the newest complete checkpoint comes first then. A pointer that is not a regular
+    file (a FIFO, a directory, a symlink loop) is kept aside (common/bounded_read.py's read_own), so the reaper and
+    `clean` never block on it and the drafter can write it again: as without a pointer."""
+    if (data := read_own(root / POINTER, POINTER_BYTES, "checkpoint pointer")) is None:
         return None
+    try:
+        name = data.decode("ascii").strip()
     except UnicodeDecodeError:
         return ""
     return name if STEP_DIR.match(name) else ""

@@ -13,9 +13,11 @@ import contextlib
 import errno
 import fcntl
 import os
+import stat
 import time
 from pathlib import Path
 
+from dflash_ring.common.damaged_file import keep_aside
 from dflash_ring.common.layout import ROLE_NAME, Role
 from dflash_ring.common.ownership import ensure_private_dir
 
@@ -38,12 +40,23 @@ class LockFile:
 
     @classmethod
     def try_acquire(cls, path: Path, create: bool = True) -> LockFile | None:
-        """Take the lock if nobody holds it; None if someone does (or, without create, no file)."""
-        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+        """Take the lock if nobody holds it; None if someone does (or, without create, no file). A lock path that
+        is not a regular file (a directory, a FIFO, a symlink loop: nothing a process of the run made) is kept aside
+        by the damaged-file rule first, so that neither a role's start, the reaper nor `clean` fails on it."""
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK | (os.O_CREAT if create else 0)
         try:
             fd = os.open(path, flags, 0o600)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise IsADirectoryError(errno.EISDIR, "not a regular file")  # handled as one below
         except FileNotFoundError:
             return None
+        except OSError as e:
+            if e.errno not in (errno.EISDIR, errno.ELOOP, errno.ENXIO):
+                raise
+            with contextlib.suppress(FileNotFoundError):
+                keep_aside(path, "a lock file's name is taken by something not a regular file")
+            return cls.try_acquire(path, create)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
