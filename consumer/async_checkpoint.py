@@ -34,6 +34,7 @@ from dflash_ring.consumer.checkpoint import (
     Checkpoint,
     CheckpointError,
     CheckpointStore,
+    NonFiniteCheckpoint,
     optimizer_from_flat,
     optimizer_to_flat,
 )
@@ -172,6 +173,8 @@ class BackgroundWriter:
         if self._error is None:
             return
         e, self._error = self._error, None
+        if isinstance(e, NonFiniteCheckpoint):  # not the disk's doing: its own line, and the drafter ends as diverged
+            raise e
         raise CheckpointError(
             f"writing checkpoint step-{self.step:08d} under {self.store.root} failed "
             f"({type(e).__name__}: {e}): fix the cause (free space, permissions) and restart the "

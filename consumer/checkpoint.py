@@ -52,6 +52,8 @@ from dflash_ring.common.lifecycle.checkpoint_choice import (
 from dflash_ring.common.crash_points import crash_point
 from dflash_ring.common.damaged_file import keep_aside
 from dflash_ring.common.durable import fsync
+from dflash_ring.common.lifecycle.diverged import Diverged
+from dflash_ring.consumer.nonfinite import first_non_finite
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,11 @@ CHUNK_BYTES = 64 << 20
 
 class CheckpointError(RuntimeError):
     """A checkpoint directory that cannot be loaded completely."""
+
+
+class NonFiniteCheckpoint(Diverged, CheckpointError):
+    """A state to save whose weights or optimizer moments hold NaN or inf: written, it would be `latest`, and every
+    resume and export would carry them. Refused before anything is written; the drafter ends as diverged."""
 
 
 @dataclass
@@ -101,13 +108,22 @@ class CheckpointStore:
 
     def save(self, ckpt: Checkpoint, keep: int, on_latest: Callable[[Path], None] | None = None) -> Path:
         """Write `ckpt` and make it `latest`; `on_latest` runs right after `latest` moved, before older checkpoints
-        are pruned (what depends on which checkpoint is latest, the journal and the ledger, follows at once)."""
+        are pruned (what depends on which checkpoint is latest, the journal and the ledger, follows at once). A state
+        that is not finite is refused (NonFiniteCheckpoint) before anything is written."""
+        opt_tensors, opt_rest = optimizer_to_flat(ckpt.optimizer)
+        if bad := first_non_finite(ckpt.model) or first_non_finite(opt_tensors):
+            name, what = bad
+            where = "" if name in ckpt.model else "optimizer moment "
+            raise NonFiniteCheckpoint(
+                f"refusing to write checkpoint step-{ckpt.step:08d} under {self.root}: {where}{name} holds {what}: "
+                "the drafter's training has diverged, and the latest checkpoint stays the one to resume and export "
+                "from. Lower train.lr or train.weight_decay, or check the data and the target, then restart it"
+            )
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"step-{ckpt.step:08d}"
         tmp = self.root / f".tmp-step-{ckpt.step:08d}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        opt_tensors, opt_rest = optimizer_to_flat(ckpt.optimizer)
         save_file({k: v.detach().cpu().contiguous() for k, v in ckpt.model.items()}, tmp / "model.safetensors")
         save_file({k: v.cpu().contiguous() for k, v in opt_tensors.items()}, tmp / "optimizer.safetensors")
         save_file({k: v.cpu().contiguous() for k, v in ckpt.tensors.items()}, tmp / "state.safetensors")

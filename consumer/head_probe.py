@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -212,12 +213,79 @@ def probe_head(config, embed: torch.Tensor, lm_head: torch.Tensor | None, where:
     """Derive the head of the target `config` (a transformers config) with its checkpoint's embedding and
     lm_head (None: tied), and verify it; HeadProbeError when the target's own code cannot be run this way or
     the derived head does not reproduce it."""
+    spec, errors, _ = probe_head_recorded(config, embed, lm_head, where)
+    return spec, errors
+
+
+def probe_head_recorded(
+    config, embed: torch.Tensor, lm_head: torch.Tensor | None, where: str
+) -> tuple[HeadSpec, HeadErrors, dict[str, Any]]:
+    """probe_head, and the target's own outputs it recorded (`record_outputs`) for the checks of later starts."""
     try:
         probe = TargetHeadProbe(config, embed, lm_head)
         spec = derive(probe, tied=lm_head is None)
+        errors = check(probe, spec, where)
+        return spec, errors, record_outputs(probe, spec)
     except HeadProbeError:
         raise
     except Exception as e:  # the target's own code failed on the skeleton: say so in one line
         first = str(e).splitlines()[0] if str(e) else ""
         raise HeadProbeError(f"{where}: the head probe could not run {type(e).__name__}: {first}") from e
-    return spec, check(probe, spec, where)
+
+
+# What a restart checks a cached head against (head_cache.py keeps it beside the values): the target's own outputs,
+# recorded by the probe, for a few ids (the first dims of what its first layer receives) and for hidden states made
+# from their embedding rows at each scale `measure` checks (a few vocabulary columns of its logits). The head built
+# from the cached values on the checkpoint's tensors must reproduce them, with no modeling code: a digest proves a
+# cache is what was written, this that what was written is what the target computes (a value changed and the digest
+# recomputed, embed_scale 2.0, a softcap of 1e-30, a multiplier of -1, is off by 1e-1 and more).
+_RECORDED_ROWS, _RECORDED_DIMS = 8, 16
+# float32 products of other shapes (8 columns here, the whole vocabulary in the probe) round differently by ~1e-7.
+RECORDED_TOLERANCE = 1e-4
+
+
+def _unit_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Hidden states made from embedding rows, unit RMS each: no generator, so any start rebuilds them exactly."""
+    rows = rows.double()
+    return (rows / rows.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-30)).float()
+
+
+def record_outputs(probe: TargetHeadProbe, spec: HeadSpec) -> dict[str, Any]:
+    """The target's own outputs for `outputs_error` to check a cached head against (JSON, a few KB)."""
+    ids = probe.sample(seed=2)[0][:_RECORDED_ROWS]
+    embed, weight = probe.model.get_input_embeddings().weight, probe.model.get_output_embeddings().weight
+    hidden = _unit_rows(embed[ids])
+    peak = float(F.linear(hidden, weight).abs().max())
+    multiplier = abs(spec.logit_multiplier or 1.0)
+    peaks = [1e-6, 1e6 / multiplier, *([3 * spec.logit_softcap / multiplier] if spec.logit_softcap else [])]
+    scales = [1.0, *(p / max(peak, 1e-30) for p in peaks)]
+    return {
+        "ids": ids.tolist(),
+        "embedding": probe.first_layer_input(ids)[:, :_RECORDED_DIMS].tolist(),
+        "scales": scales,
+        "logits": [probe.logits(hidden * scale)[:, ids].tolist() for scale in scales],
+    }
+
+
+def outputs_error(recorded: dict[str, Any], embed: torch.Tensor, lm_head: torch.Tensor | None, spec: HeadSpec) -> float:
+    """The largest relative error of the head `spec` describes, on the checkpoint's `embed` and `lm_head` (None:
+    tied), against the target's outputs `record_outputs` recorded; inf where the record does not read as one. Only
+    the recorded ids' rows are read (on whatever device the tensors are), and the products run in float32 on the
+    CPU, as the probe's did."""
+    try:
+        ids = torch.tensor(recorded["ids"], dtype=torch.long)
+        rows = embed[ids.to(embed.device)].float().cpu()
+        columns = rows if lm_head is None else lm_head[ids.to(lm_head.device)].float().cpu()
+        head = FrozenTargetHead(rows, columns, spec=spec)  # the head on those rows and vocabulary columns only
+        hidden = _unit_rows(rows)
+        wanted = [torch.tensor(recorded["embedding"], dtype=torch.float32)]
+        got = [head.embed(torch.arange(len(ids)))[:, :_RECORDED_DIMS]]
+        if len(recorded["scales"]) != len(recorded["logits"]) or not recorded["scales"]:
+            return math.inf
+        for scale, logits in zip(recorded["scales"], recorded["logits"]):
+            wanted.append(torch.tensor(logits, dtype=torch.float32))
+            got.append(head.logits(hidden * float(scale)))
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError):  # not a record of this target's outputs
+        return math.inf
+    errors = [relative_error(g, w) for g, w in zip(got, wanted)]
+    return max(errors) if all(map(math.isfinite, errors)) else math.inf  # max() would drop a NaN

@@ -236,7 +236,11 @@ class Trainer:
         if self._hold is not None:  # a checkpoint snapshot still copying these weights and moments out
             torch.cuda.current_stream(self.device).wait_event(self._hold)
             self._hold = None
-        self.optimizer.step()
+        # A gradient that is not finite updates nothing: AdamW would write it into both moments and every weight
+        # (consumer/nonfinite.py counts such steps and ends a drafter that keeps taking them). The norm's one host
+        # sync is the step's figures' own, taken a little earlier.
+        if math.isfinite(float(grad_norm)):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return lr, grad_norm

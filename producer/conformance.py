@@ -17,8 +17,9 @@ by 1e-1 and more. The tolerance depends on the dtype only (see TOLERANCE).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 import logging
+import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -51,6 +52,13 @@ class LayerCheck:
     noise_floor: float  # the model's own padded forward against each sequence alone
     allowed: float  # max(dtype tolerance, NOISE_FACTOR x noise floor)
 
+    @property
+    def passed(self) -> bool:
+        """Every figure finite and the error within the allowance: a NaN compares as no error with `<=`, and an
+        infinite allowance (a floor that was not finite) passes anything; a cached report is read through this too."""
+        finite = all(map(math.isfinite, (self.max_error, self.noise_floor, self.allowed)))
+        return finite and self.max_error <= self.allowed
+
 
 @dataclass
 class ProbeReport:
@@ -66,15 +74,17 @@ class ProbeReport:
 
     @property
     def passed(self) -> bool:
-        return self.error is None and all(c.max_error <= c.allowed for c in self.layers)
+        return self.error is None and all(c.passed for c in self.layers)
 
     @property
     def max_error(self) -> float | None:
-        return max((c.max_error for c in self.layers), default=None)
+        """The largest error; NaN if any is NaN (Python's max() keeps a NaN only where it comes first)."""
+        errors = [c.max_error for c in self.layers]
+        return math.nan if any(map(math.isnan, errors)) else max(errors, default=None)
 
     @property
     def first_bad(self) -> LayerCheck | None:
-        return next((c for c in self.layers if not c.max_error <= c.allowed), None)
+        return next((c for c in self.layers if not c.passed), None)
 
     def summary(self) -> str:
         head = f"{self.model_type} ({self.architecture}, {self.attn_implementation} attention, {self.dtype})"
@@ -83,6 +93,11 @@ class ProbeReport:
         if self.passed:
             return f"{head}: packed features equal each sequence's own forward (max error {self.max_error:.2e})"
         bad = self.first_bad
+        if not all(map(math.isfinite, (bad.max_error, bad.noise_floor, bad.allowed))):
+            return (
+                f"{head}: the probe's figures at layer {bad.layer} ({bad.kind}) are not finite: error "
+                f"{bad.max_error:.2e}, the model's own padded forward {bad.noise_floor:.2e}, allowed {bad.allowed:.2e}"
+            )
         return (
             f"{head}: packed features differ from each sequence's own forward from layer {bad.layer} "
             f"({bad.kind}) on: error {bad.max_error:.2e} > allowed {bad.allowed:.2e} (the model's own padded "
@@ -100,7 +115,7 @@ class ProbeReport:
     def table(self) -> str:
         rows = [
             f"{c.layer:>5}  {c.kind:<20} {c.max_error:.2e}   {c.noise_floor:.2e}   {c.allowed:.2e}"
-            f"{'  <- differs' if not c.max_error <= c.allowed else ''}"
+            f"{'  <- differs' if not c.passed else ''}"
             for c in self.layers
         ]
         return "\n".join([f"{'layer':>5}  {'type':<20} {'error':<10} {'padded':<10} allowed", *rows])
@@ -194,6 +209,10 @@ def probe(target: TargetModel, lengths: list[int] | None = None, seed: int = 0) 
                 alone = captured[i][0]
                 if not bool(torch.isfinite(alone).all()):
                     raise TargetConfigError(non_finite(report, i, layer_kinds(config, depth)[i]))
+                # The padded batches are what "auto" falls back to, and their floor the allowance: not finite on a
+                # sequence's own tokens, they would train NaN, and an infinite allowance pass any packed error.
+                if not bool(torch.isfinite(padded[i][r, : b - a]).all()):
+                    raise TargetConfigError(non_finite(report, i, layer_kinds(config, depth)[i], "padded forward"))
                 errors[i] = max(errors[i], relative_error(packed[i][a:b], alone))
                 floor[i] = max(floor[i], relative_error(padded[i][r, : b - a], alone))
         kinds = layer_kinds(config, depth)
@@ -220,12 +239,13 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm().clamp_min(1e-12))
 
 
-def non_finite(report: ProbeReport, layer: int, kind: str) -> str:
-    """The refusal of a target whose own forward gives NaN or inf: every batch would train on them."""
+def non_finite(report: ProbeReport, layer: int, kind: str, forward: str = "forward") -> str:
+    """The refusal of a target whose own forward (or its own padded forward, `forward`) gives NaN or inf on a
+    sequence's tokens: every batch would train on them."""
     return (
-        f"target {report.model_type} ({report.architecture}, {report.dtype}): its own forward gives non-finite hidden "
-        f"states (NaN or inf) at layer {layer} ({kind}) on the probe's random tokens: its weights or config.json "
-        "(rope_theta, rms_norm_eps, a scale) are damaged; check the model directory"
+        f"target {report.model_type} ({report.architecture}, {report.dtype}): its own {forward} gives non-finite "
+        f"hidden states (NaN or inf) at layer {layer} ({kind}) on the probe's random tokens: its weights or "
+        "config.json (rope_theta, rms_norm_eps, a scale) are damaged; check the model directory"
     )
 
 

@@ -262,7 +262,7 @@ def test_a_sealed_segment_naming_a_batch_outside_the_plan_is_refused_before_the_
         '{"p":0,"e":0,"q":2,"i":1}\n{"p":0,"e":0,"q":999,"i":2}\n{"p":0,"e":7,"q":0,"i":3}\n'
     )
     cursor = CursorFile(tmp_path / "producer-0.json", "plan")
-    live = LiveReplay(0, ResumeState(), cursor, tmp_path, _in_plan)
+    live = LiveReplay(0, ResumeState(0, 4), cursor, tmp_path, _in_plan)  # (0, 2) was published: at the end of the plan
     with caplog.at_level(logging.ERROR):
         assert live.poll(force=True) == 1
     assert "names 2 batch(es) that are not in producer 0's plan" in caplog.text
@@ -307,7 +307,8 @@ def test_a_damaged_cursor_file_is_read_or_refused_in_one_line(data):
 def test_a_real_target_head_read_through_a_doubted_cache_is_the_probes(tmp_path, head, redigest):
     """Through the real loader on a real (untied) checkpoint: the issue's edits give the head the probe derives
     and a rewritten cache. A value the probe could derive with the digest made to match (a tiny softcap, so
-    re-digested) is no damage but a forgery, as a rewritten checkpoint would be: only the digest catches it."""
+    re-digested) is a forgery the digest cannot catch: the target's own outputs the probe recorded beside the values
+    do (consumer/head_cache.py), and the probe runs again."""
     from support import build_target
 
     from dflash_ring.consumer.head_loader import load_target_head

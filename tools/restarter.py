@@ -4,7 +4,8 @@ Each process of a run (supervisor, target-i, drafter-j, standby-k) is started wi
 time (tools/fleet.py: `dflash-ring <role> --config F --set ...`) and its output appended to logs/<name>.log.
 A process that exits after being signalled, or with a non-zero code, is started again after a
 random delay, until the run is over; as in the units, the supervisor's exit 3 (a clean end after it fenced a
-straggler, SuccessExitStatus=3) is a success.
+straggler, SuccessExitStatus=3) is a success, and a drafter's or standby's EXIT_DIVERGED (its training went bad,
+RestartPreventExitStatus=4) is final: started again it would resume into the same divergence.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from dflash_ring.common.lifecycle.diverged import EXIT_DIVERGED
 from dflash_ring.supervisor.supervisor import EXIT_FENCED
 from dflash_ring.tools.fleet import role_command, spawn
 
@@ -59,7 +61,8 @@ class Restarter:
             exited[name] = rc
             self.exits[name].append(rc)
             failed = rc != 0 and not (name == "supervisor" and rc == EXIT_FENCED)
-            if restart and (name in self.signalled or failed):
+            final = rc == EXIT_DIVERGED and name.startswith(("drafter-", "standby-"))  # RestartPreventExitStatus=
+            if restart and (name in self.signalled or failed) and not final:
                 self.pending[name] = now + self.rng.uniform(*self.delay_s)
             self.signalled.discard(name)
         for name, at in list(self.pending.items()):

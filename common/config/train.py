@@ -8,6 +8,10 @@ from typing import Annotated, Literal
 from dflash_ring.common.config.paths import OutputDirectory
 from dflash_ring.common.config.ranges import AtLeastOne, Fraction, Positive, Range, Share
 
+# The most optimizer steps a drafter takes (train.total_steps' bound, see there); a step read back from a file
+# (the record file, consumer/tracking.py) past it was not written by a drafter.
+MAX_STEPS = 1_000_000_000
+
 
 @dataclass
 class TrainConfig:
@@ -20,9 +24,13 @@ class TrainConfig:
     # 0: estimate from the batches the producers plan, divided among the drafters. The LR schedule's length: real
     # runs take 1e4 to 1e6 steps; 1e9 is far past any run (days at a step a millisecond) and keeps the schedule's
     # step / total_steps arithmetic exact in a float.
-    total_steps: Annotated[int, Range(0, 1_000_000_000)] = 0
+    total_steps: Annotated[int, Range(0, MAX_STEPS)] = 0
     # 0: no clipping.
     grad_clip: float = 1.0
+    # A loss or gradient norm that is not finite for this many optimizer steps in a row ends the drafter with
+    # EXIT_DIVERGED (common/lifecycle/diverged.py); such a step's update is skipped. One bad batch is survived; a run
+    # whose lr or weight decay blew it up, or a target whose features are NaN, stops within a few steps.
+    max_nonfinite_steps: Annotated[int, Range(1, 1_000_000)] = 3
     grad_accum: AtLeastOne = 1
     seed: int = 0
     # "auto": cuda:<index of this drafter among visible GPUs> when CUDA is present, else cpu.

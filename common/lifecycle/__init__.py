@@ -12,4 +12,5 @@ ledger_events.py     its typed records, with their one writer and parser
 resume_state.py      a producer's resume point and replay list on disk
 trained_journal.py   what a drafter trained since its checkpoint, produced again if it dies
 checkpoint_choice.py which checkpoint a resume takes: the store's rule, and the journal's
+diverged.py          a drafter's training gone bad: its one line and exit code, which nothing restarts
 """
