@@ -55,12 +55,22 @@ class ItemAccount:
     ):
         self.consumed, self.journal, self.ledger, self.release = consumed, journal, ledger, release
 
-    def settle(self, kind: type[Settled], batch: DeviceBatch, slot: SlotReader, step: int, empty: bool = False) -> None:
+    def settle(
+        self,
+        kind: type[Settled],
+        batch: DeviceBatch,
+        slot: SlotReader,
+        step: int,
+        empty: bool = False,
+        held_by: int | None = None,
+    ) -> None:
         """Batch `batch` from `slot`, trained (`Trained`; `empty`: it had nothing to supervise, so no update to lose)
-        or evaluated (`Evaluated`) at optimizer step `step`: accounted for, then released."""
+        or evaluated (`Evaluated`) at optimizer step `step`: accounted for, then released. `held_by`: the optimizer
+        step whose update holds a trained batch (`step` + 1 while its micro-batch still accumulates; None: `step`),
+        written in its journal line: a line whose step a checkpoint covers names a batch that checkpoint holds."""
         self.consumed.add(batch.meta)
         if kind is Trained and not empty:  # from the release on, only this line brings it back
-            self.journal.append(batch.meta, slot.item)
+            self.journal.append(batch.meta, slot.item, step if held_by is None else held_by)
         if self.ledger is not None:  # before the release: a kill in between redelivers it (reconcile knows)
             identity = BatchIdentity.of(batch.meta)
             self.ledger.write(

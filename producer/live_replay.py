@@ -23,7 +23,7 @@ from dflash_ring.common.damaged_file import keep_aside
 from dflash_ring.common.lifecycle.ledger import Ledger
 from dflash_ring.common.lifecycle.ledger_events import Intake
 from dflash_ring.common.lifecycle.resume_state import CursorFile, ResumeState
-from dflash_ring.common.lifecycle.trained_journal import owed_to
+from dflash_ring.common.lifecycle.trained_journal import owed_once, owed_to
 
 log = logging.getLogger(__name__)
 
@@ -47,18 +47,38 @@ class LiveReplay:
         self._committed = (start.epoch, start.position, start.replayed)
         self._lock = threading.Lock()
         self._polled = 0.0
-        pending = start.replay[start.replayed :]
-        if outside := [x for x in pending if not in_plan(*x)]:
+        kept, seen, outside, repeated, ahead = [], set(), [], [], []
+        for x in start.replay[start.replayed :]:
+            if not in_plan(*x):
+                outside.append(x)
+            elif x >= (start.epoch, start.position):
+                ahead.append(x)
+            elif x in seen:
+                repeated.append(x)
+            else:
+                seen.add(x)
+                kept.append(x)
+        if outside or repeated or ahead:
             # Saved by an older version, or edited: nothing of them is published yet (they are after `replayed`), so
-            # the list is rebuilt without them, the damaged file kept aside; kept, they would be owed for ever.
+            # the list is rebuilt without them, the damaged file kept aside. Kept, a batch outside the plan would be
+            # owed for ever; a repeated one would train twice (the pending list is a set: a batch cannot be lost
+            # twice before it is published again), and so would one past the cursor (the plan publishes it too).
+            why = []
+            if outside:
+                why.append(f"{len(outside)} batch(es) not in producer {index}'s plan ({_named(outside)})")
+            if repeated:
+                why.append(f"{len(repeated)} repeat(s) of a batch it holds ({_named(repeated)})")
+            if ahead:
+                why.append(
+                    f"{len(ahead)} batch(es) at or past its cursor, epoch {start.epoch} position {start.position}, "
+                    f"never published ({_named(ahead)})"
+                )
             keep_aside(
                 cursor_file.path,
-                f"its replay list names {len(outside)} batch(es) not in producer {index}'s "
-                f"plan ({', '.join(f'epoch {e} position {q}' for e, q in outside[:5])}): "
-                "they are not produced",
+                f"its replay list names {'; '.join(why)}: they are not produced again",
                 copy=True,
             )
-            self._replay = self._replay[: start.replayed] + [x for x in pending if in_plan(*x)]
+            self._replay = self._replay[: start.replayed] + kept
             self._save(durable=True)
 
     def __len__(self) -> int:
@@ -78,7 +98,9 @@ class LiveReplay:
             owed = owed_to(self.index, self.checkpoint_dir, self._taken)
             if not owed:
                 return 0
-            added = [(e.epoch, e.position) for _, entries in owed for e in entries if self.in_plan(e.epoch, e.position)]
+            in_plan = [(key, [e for e in entries if self.in_plan(e.epoch, e.position)]) for key, entries in owed]
+            epoch, position, replayed = self._committed
+            added = owed_once(self.index, in_plan, self._replay[replayed:], (epoch, position))
             # Checked before the list is saved: a saved entry that no batch of the plan has would stop this producer
             # at every start. The segment is taken all the same (its other entries are), and the entries refused.
             for key, entries in owed:
@@ -128,3 +150,7 @@ class LiveReplay:
         self.cursor_file.save(
             ResumeState(epoch, position, tuple(self._replay), replayed, tuple(self._taken)), durable=durable
         )
+
+
+def _named(batches: list[tuple[int, int]]) -> str:
+    return ", ".join(f"epoch {e} position {q}" for e, q in batches[:5]) + (", ..." if len(batches) > 5 else "")

@@ -4,6 +4,11 @@ The cache key covers everything that changes the tokens (tokenizer vocabulary an
 max_length, enable_thinking, the data files), never how they are batched. The hot path reads
 only memory-mapped .npy files: no Arrow row access, and T producers on one host share the
 page cache.
+
+meta.json holds the sha256 of each array (and of its own other fields): a token changed on disk would be trained on
+in silence, so an entry whose bytes no longer match is damaged, kept aside and tokenized again (the key, and with it
+every cursor's plan, stays the same). Every token is also held to the tokenizer's vocabulary, so an entry written
+before the digests existed (read as it was, then given them) cannot hand the target a token it has no row for.
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,6 +28,7 @@ from transformers import PreTrainedTokenizerBase
 
 from dflash_ring.common.damaged_file import keep_aside
 from dflash_ring.common.durable import exclusive
+from dflash_ring.common.host_bounds import check_num_proc
 
 from dflash_ring.common.chat_encoding import BadRow, ChatEncoder, decode_json_row
 from dflash_ring.common.config.data import DataConfig, DataError
@@ -87,6 +95,7 @@ def load_sources(
 ) -> list[SourceData]:
     """Every source of `cfg` (one for `data.path`), each tokenized and cached on its own as `load_tokenized` does;
     `reserved_token`: the drafter's mask token where it is a token of the tokenizer (rows holding it are bad rows)."""
+    check_num_proc(cfg.num_proc)  # before any file is read: the host's bound (common/host_bounds.py)
     mixture = cfg.mixture()
     for _, sub in mixture:
         locate(sub)  # a missing or unreadable source fails now, not after tokenizing the ones before it
@@ -116,7 +125,7 @@ def load_tokenized(
         loaded = None
         if final.exists():
             try:
-                loaded = _open(final, True)
+                loaded = _open(final, True, vocabulary=len(tokenizer))
             except DamagedCache as e:  # the one rule (common/damaged_file.py): kept aside, rebuilt from the data
                 keep_aside(final, f"{e}; tokenized again from {data.root}")
         if loaded is None:
@@ -217,7 +226,7 @@ def _build(cfg: DataConfig, encoder: ChatEncoder, data: DataFiles, key: str, fin
             "num_samples": num_samples,
             "bad_rows": bad_rows,
         }
-        (tmp / "meta.json").write_text(json.dumps(meta))
+        (tmp / "meta.json").write_text(json.dumps(meta | {"digests": _digests(tmp, meta)}))
         for f in tmp.glob("map*.arrow"):
             f.unlink()
         tmp.rename(final)
@@ -270,13 +279,39 @@ class DamagedCache(Exception):
     """A tokenized cache entry that does not hold what _build writes; the message says what is wrong."""
 
 
+CHUNK_BYTES = 64 << 20
 _DTYPES = {"tokens": np.int32, "loss_mask": np.uint8, "offsets": np.int64, "row_ids": np.int64}
 
 
-def _open(directory: Path, from_cache: bool) -> TokenizedData:
+def _file_digest(path: Path) -> str:
+    """sha256 over the sha256 of each CHUNK_BYTES of `path`, one thread per core (pread and hashlib release the
+    GIL): a start verifies a few GB of tokens in about a second instead of several on one core."""
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        with ThreadPoolExecutor(max_workers=min(os.cpu_count() or 1, 16)) as pool:
+            chunks = pool.map(
+                lambda offset: hashlib.sha256(os.pread(fd, CHUNK_BYTES, offset)).digest(),
+                range(0, max(size, 1), CHUNK_BYTES),
+            )
+            return hashlib.sha256(b"".join(chunks)).hexdigest()
+    finally:
+        os.close(fd)
+
+
+def _digests(directory: Path, meta: dict[str, Any]) -> dict[str, str]:
+    """What meta.json's `digests` holds: each array's `_file_digest`, and the sha256 of meta's other fields."""
+    fields = {k: v for k, v in meta.items() if k != "digests"}
+    out = {name: _file_digest(directory / f"{name}.npy") for name in _ARRAYS if (directory / f"{name}.npy").exists()}
+    return out | {"meta": hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()}
+
+
+def _open(directory: Path, from_cache: bool, vocabulary: int | None = None) -> TokenizedData:
     """The cache entry, checked to be what _build writes (meta.json's fields, each array's dtype and length, the
-    offsets spanning the tokens): a damaged entry (a file cut short, edited or removed) is DamagedCache, never an
-    approximate read or a traceback from deep in the batching."""
+    offsets spanning the tokens, and, read from the cache, each file's digest and every token within `vocabulary`,
+    the tokenizer's size): a damaged entry (a file cut short, edited or removed, a token changed) is DamagedCache,
+    never an approximate read, a token trained on that the data never had, or a traceback from deep in the batching
+    or the target's embedding. An entry without digests (an earlier version's) is read as it was and given them."""
     try:
         meta = json.loads((directory / "meta.json").read_text())
         arrays = {name: np.load(directory / f"{name}.npy", mmap_mode="r") for name in _ARRAYS}
@@ -303,6 +338,21 @@ def _open(directory: Path, from_cache: bool) -> TokenizedData:
         raise DamagedCache("offsets.npy does not split the tokens into non-empty samples")
     if samples and (row_ids[0] < 0 or row_ids[-1] >= meta["num_rows"] or (np.diff(row_ids) <= 0).any()):
         raise DamagedCache("row_ids.npy does not name distinct rows of the data set in order")
+    if from_cache:
+        digests = meta.pop("digests", None)
+        if digests is not None and digests != (now := _digests(directory, meta)):
+            changed = [k for k in now if not isinstance(digests, dict) or digests.get(k) != now[k]] or ["digests"]
+            raise DamagedCache(f"{', '.join(changed)} no longer match(es) the digests in meta.json (bytes changed)")
+        if vocabulary is not None and len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= vocabulary):
+            raise DamagedCache(
+                f"tokens.npy holds token ids from {int(tokens.min())} to {int(tokens.max())}, outside the "
+                f"tokenizer's {vocabulary}"
+            )
+        if digests is None:  # an earlier version's entry: from now on, its bytes are checked too
+            tmp = directory / ".meta.json.tmp"
+            tmp.write_text(json.dumps(meta | {"digests": _digests(directory, meta)}))
+            os.replace(tmp, directory / "meta.json")
+            logger.info("tokenized cache %s written before digests: its digests added to meta.json", directory)
     return TokenizedData(
         **arrays,
         num_rows=meta["num_rows"],

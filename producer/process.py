@@ -41,6 +41,7 @@ from transformers import PreTrainedTokenizerBase
 
 from dflash_ring.common.lifecycle import sd_notify
 from dflash_ring.common.compile_cache import use_compile_cache
+from dflash_ring.common.host_bounds import check_num_proc
 from dflash_ring.common.config.schema import Config, RingConfig
 from dflash_ring.common.chat_encoding import mask_token_refusal
 from dflash_ring.common.config.target import TargetConfig, TargetConfigError
@@ -64,7 +65,7 @@ from .conformance import choose_packing
 from .probe_cache import cached_probe
 from .data_stats import DataStats, data_stats, log_lines
 from .pretokenized import SourceData, load_sources, target_tokenizer
-from .resume import replays_after_the_end, resume_point, resumed_batches
+from .resume import check_resume_point, replays_after_the_end, resume_point, resumed_batches
 from .target import TargetModel, TargetOutput, resolve_device, resolve_dtype
 from .tensor_group import TensorGroup, check_group
 
@@ -392,6 +393,7 @@ def run_producer(cfg: Config, index: int, device_name: str | None, startup: Star
     if device.type == "cuda":
         torch.cuda.set_device(device)
     check_group(cfg.target, device)  # target.tensor_parallel against the target and this host, before any wait
+    check_num_proc(cfg.data.num_proc)  # data.num_proc against this host's cores, before any wait
     with role_process(cfg, Role.PRODUCER, index, device_uuid(device), startup) as proc:
         metrics = ProducerMetrics(proc.registry)
         proc.attach(pin=device.type == "cuda")  # a mismatched config fails before any loading
@@ -568,6 +570,7 @@ def resume(
     replay list, and the ledger's start record."""
     port.set_planned_items(sum(plan.batches), sum(map(len, plan.eval_positions)))
     start, source = resume_point(port, built.cursor_file)
+    check_resume_point(start, plan.batches, source)  # before anything is published from it
     log.info(
         "producer %d of %d: %d samples an epoch, %d epochs, %s features; resuming at epoch %d "
         "position %d (from the %s)%s",

@@ -8,7 +8,7 @@ journals ask for again, producer/live_replay.py), then the plan from the cursor,
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 from dflash_ring.common.lifecycle.resume_state import CursorFile, ResumeState
@@ -20,6 +20,25 @@ from .live_replay import LiveReplay
 
 class PlanMismatchError(RuntimeError):
     """The ring row's resume point counts batches of another data plan: resuming there would skip or redo data."""
+
+
+class ResumePointError(RuntimeError):
+    """A resume point (the ring's, or the cursor file's) that this producer's plan does not have: started there, a
+    huge epoch would lose the rest of the shard in silence, a huge position was a traceback at every start."""
+
+
+def check_resume_point(start: ResumeState, batches: Sequence[int], source: str) -> None:
+    """Refuse (ResumePointError, one line naming `source`) a resume point outside the plan: `batches`, this shard's
+    batch count in each epoch of data.epochs. The end of the shard (epoch data.epochs, position 0) is one."""
+    epochs, e, q = len(batches), start.epoch, start.position
+    if 0 <= e < epochs and 0 <= q <= batches[e] or (e, q) == (epochs, 0):
+        return
+    has = f"{batches[e]} batches in epoch {e}" if 0 <= e < epochs else f"data.epochs = {epochs}"
+    raise ResumePointError(
+        f"the {source} resumes this producer at epoch {e} position {q}, which its plan does not have ({has}; the "
+        f"shard ends at epoch {epochs} position 0): it is damaged, or of a run with more epochs. Restore it (or "
+        f"data.epochs), or delete the cursor file to start the shard again from the beginning (epoch 0)"
+    )
 
 
 def resume_point(port: ProducerPort, cursor_file: CursorFile) -> tuple[ResumeState, str]:

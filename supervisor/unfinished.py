@@ -18,7 +18,7 @@ from pathlib import Path
 from dflash_ring.common.layout import Role
 from dflash_ring.common.lifecycle.resume_state import CursorFile, CursorFileError, ResumeState, cursor_path
 from dflash_ring.common.ring import Ring
-from dflash_ring.common.lifecycle.trained_journal import owed_to, seal_drafter
+from dflash_ring.common.lifecycle.trained_journal import owed_once, owed_to, seal_drafter
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,10 @@ def save_unfinished(ring: Ring, state_dir: str, checkpoint_dir: str) -> Unfinish
                     "they belong to another data plan"
                 )
         owed = owed_to(index, checkpoint_dir, taken)
-        lost_with_drafters = tuple((e.epoch, e.position) for _, entries in owed for e in entries)
-        replay = earlier + tuple(sorted(items - set(earlier))) + lost_with_drafters
+        from_ring = tuple(sorted(items - set(earlier)))
+        # Each batch once, and none the producer has not published (owed_once names what contradicts the records).
+        lost_with_drafters = tuple(owed_once(index, owed, earlier + from_ring, (epoch, position)))
+        replay = earlier + from_ring + lost_with_drafters
         f.path.parent.mkdir(parents=True, exist_ok=True)
         f.save(ResumeState(epoch, position, replay, 0, taken + tuple(key for key, _ in owed)), durable=True)
         if items or lost_with_drafters:

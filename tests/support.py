@@ -74,6 +74,9 @@ class Run:
             "supervisor": {"reap_interval_s": 0.1, "exit_timeout_s": 30},
             # Every process serves /metrics: a free base per run, so runs side by side never collide.
             "metrics": {"port_base": self.metrics_base},
+            # Where the default (relative to the processes' directory, this run's) puts them, written out: it is in
+            # the ring's fingerprint as an absolute path, and a test attaches from another directory.
+            "train": {"checkpoint_dir": str(self.tmp / "runs" / "default" / "checkpoints")},
         }
 
     def write_config(

@@ -128,6 +128,7 @@ def _ring_for_target(
         f'target.path="{build_target(tmp / "model", "qwen3", layers=4)}"',
         f'data.path="{data}"',
         f'data.cache_dir="{tmp / "cache"}"',
+        f'train.checkpoint_dir="{tmp / "ckpt"}"',  # in the ring's fingerprint: as the test and the process resolve it
         "ring.slots=1",
         f"ring.slot_bytes={slot_bytes}",
         "ring.slot_header_bytes=4096",
@@ -288,6 +289,7 @@ def _damaged_cursor_file(tmp: Path, name: str) -> list[str]:
         f'data.cache_dir="{tmp / "cache"}"',
         "data.max_length=128",
         "data.max_tokens_per_batch=256",
+        f'train.checkpoint_dir="{tmp / "ckpt"}"',  # in the ring's fingerprint: as the test and the process resolve it
         "ring.slots=2",
         f"ring.slot_bytes={1 << 20}",
         "ring.slot_header_bytes=65536",

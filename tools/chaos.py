@@ -77,6 +77,7 @@ from dflash_ring.common.lifecycle.ledger_events import (
 from dflash_ring.common.ring import Ring, RingNotFound
 from dflash_ring.common.ring.segment import leftover_files
 from dflash_ring.tools.fleet import cli_command
+from dflash_ring.tools.journal_edits import edit_after_kill
 from dflash_ring.tools.reconcile import read_ledgers, reconcile, throughput
 from dflash_ring.tools.restarter import Restarter
 
@@ -119,6 +120,9 @@ class ChaosOptions:
     whole_run_stops: int = 0  # also stop the whole run this many times (taking turns among stop_modes), start it again
     stop_modes: tuple[str, ...] = RUN_STOP_MODES
     standbys: int = 0  # warm standbys (`drafter --standby`, processes standby-N) beside the drafters, killed like them
+    # After each drafter SIGKILL, edit the journals it and earlier dead drafters left (tools/journal_edits.py): the
+    # ledger check then proves no edit made a batch train twice or vanish.
+    journal_edits: bool = True
 
     def refusal(self) -> str | None:
         """Why these options cannot do what they ask, before anything starts (None: they can). The fault window
@@ -136,7 +140,47 @@ class ChaosOptions:
                 f"--whole-run-stops {self.whole_run_stops} with --kills 0: the stops are scheduled in the fault "
                 "window, which the first kill opens, so none would happen; give --kills 1 or more"
             )
+        return self._bounds()
+
+    def _bounds(self) -> str | None:
+        """The run's processes and time bound what it can do (common/host_bounds.py's rule: before anything
+        starts). A warm standby waits for a dead drafter's seat, so there is one at most per drafter (more are idle
+        processes holding a model each). A process is killed again only once restarted (restart_delay_s[0] at
+        the soonest), so the window holds at most processes x seconds / that delay kills (10^8 was a schedule
+        built in memory, then a run that never ended)."""
+        cfg = chaos_config(self.config, self.overrides)
+        producers, consumers, ranks = cfg.topology.producers, cfg.topology.consumers, cfg.target.tensor_parallel
+        if cfg.drafter.precision == "fp8":  # what every drafter would refuse at its start, restarted forever
+            from dflash_ring.consumer.fp8 import Fp8Unavailable, check_precision
+
+            try:
+                check_precision(cfg.drafter.precision, cfg.train.device)
+            except Fp8Unavailable as e:
+                return f"drafter.precision = fp8: {e}"
+        if self.standbys > consumers:
+            return (
+                f"--standbys {self.standbys}: the run has {consumers} drafters (topology.consumers), and a standby "
+                f"waits for a dead drafter's seat: at most {consumers}"
+            )
+        processes = 1 + producers * ranks + consumers + self.standbys
+        most = int(processes * self.seconds / max(self.restart_delay_s[0], 0.1))
+        if self.kills > most:
+            return (
+                f"--kills {self.kills} in --seconds {self.seconds:g}: the run's {processes} processes, each killed "
+                f"again only once restarted ({self.restart_delay_s[0]:g} s at the soonest), take at most {most}; "
+                "lower --kills or give more --seconds"
+            )
         return None
+
+
+def chaos_config(config: str | None, overrides: list[str]) -> Config:
+    """The chaos run's config as far as it is known before anything is built: the user's config with --set, or the
+    embedded default's under CHAOS_DEFAULTS in what bounds the run (topology, the drafters' precision and device;
+    the rest is written once the tiny target is built)."""
+    if config is not None:
+        return load_config(config, overrides)
+    known = ("topology.", "target.tensor_parallel", "drafter.precision", "drafter.fp8_recipe", "train.device")
+    return load_config(None, [s for s in [*CHAOS_DEFAULTS, *overrides] if s.startswith(known)])
 
 
 @dataclass
@@ -253,6 +297,9 @@ class Phase:
         self.run_stops: list[dict[str, Any]] = []
         self.hung: list[str] = []
         self.failures: list[str] = []
+        self.journal_edits: list[dict[str, str]] = []
+        self._edited: set[str] = set()
+        self._edit_rng = random.Random(opts.seed + 2)
 
     def names(self) -> list[str]:
         t = self.cfg.topology
@@ -434,6 +481,10 @@ class Phase:
                         pid = rank if rank is not None else r.signal(victim, getattr(signal, sig))
                         role = "drafter" if victim.startswith("standby-") else victim.split("-")[0]
                         self.kills.append(Kill(time.time(), victim, role, sig if rank is None else "SIGKILL-rank", pid))
+                        if role == "drafter" and sig == "SIGKILL" and self.opts.journal_edits and _dead(pid):
+                            self.journal_edits += edit_after_kill(
+                                self.cfg.train.checkpoint_dir, pid, self._edit_rng, self._edited
+                            )
             time.sleep(0.05)
         if self.hung:
             r.kill_all()
@@ -454,6 +505,20 @@ class Phase:
         self.restarter.signalled.add(victim)
         os.kill(pid, signal.SIGKILL)
         return pid
+
+
+def _dead(pid: int, timeout_s: float = 5.0) -> bool:
+    """Whether child `pid` has exited, waiting up to `timeout_s`, without reaping it (the restarter's poll records
+    the exit): a journal is edited only once nothing can still write to it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
+                return True
+        except ChildProcessError:
+            return True
+        time.sleep(0.01)
+    return False
 
 
 def group_ranks(leader: int) -> list[int]:
@@ -609,6 +674,8 @@ def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
         "full_restarts_after_drain": phase.full_restarts,
         # Seats a warm standby (--standbys) took over from a dead drafter: its ledger start record names the dead pid.
         "standbys": opts.standbys,
+        # What tools/journal_edits.py did to dead drafters' journals between kills (each named by the readers).
+        "journal_edits": phase.journal_edits,
         "takeovers": sum(
             1
             for name, recs in ledgers.items()

@@ -22,6 +22,7 @@ from dflash_ring.common.config.ranges import PositiveSeconds, Range, Seconds
 from dflash_ring.common.ownership import SecretFileError, group_secret
 from dflash_ring.common.run_name import RunNameError, check_run_name
 from dflash_ring.common.config.drafter import DrafterConfig
+from dflash_ring.common.config.families import FAMILIES
 from dflash_ring.common.config.train import TrainConfig
 from dflash_ring.common.config.data import DataConfig
 from dflash_ring.common.config.target import TargetConfig, TargetGeometry
@@ -191,6 +192,11 @@ class Config:
         g = self.group
         if g.rendezvous and not re.match(r"^tcp://([^\s/:\[\]]+|\[[0-9A-Fa-f:.]+\]):\d{1,5}$", g.rendezvous):
             raise ConfigError(f"group.rendezvous = {g.rendezvous!r}: expected tcp://host:port")
+        if g.rendezvous and not 1 <= int(g.rendezvous.rsplit(":", 1)[1]) <= 65535:
+            # 0 would have the store serve on a port the kernel picks, which no other host can know
+            raise ConfigError(
+                f"group.rendezvous = {g.rendezvous!r}: the port must be 1..65535, the one every host dials"
+            )
         if g.serve and not g.rendezvous:
             raise ConfigError('group.serve = true needs group.rendezvous = "tcp://host:port" to listen on')
         if g.rendezvous:
@@ -220,9 +226,30 @@ class Config:
         # Drafter replicas average their weights: replicas of another shape or objective must not join (their
         # numeric format, drafter.precision, may differ: DrafterConfig.model_fields).
         fields |= {f"drafter.{k}": v for k, v in self.drafter.model_fields().items()}
+        fields |= self.train_fingerprint_fields()
         if target is not None:
             fields |= target.fingerprint_fields()
         return fields
+
+    def train_fingerprint_fields(self) -> dict[str, typing.Any]:
+        """What exactly once and training depend on (issue 46), so that a restarted drafter or a warm standby taking
+        a dead one's seat with other values is refused at attach, naming both: another train.checkpoint_dir would
+        resume from step 0 in its own directory and seal the dead drafter's journal against nothing (producers and
+        the supervisor read the journals there too, so they must agree as well); another optimizer or schedule
+        would train on with it in silence. The replica group holds its hosts to the same settings
+        (consumer/replica_group.py fingerprint_fields). Paths are absolute, betas as the trainer resolves them."""
+        t = self.train
+        return {
+            "train.checkpoint_dir": os.path.abspath(t.checkpoint_dir),
+            "train.lr": t.lr,
+            "train.weight_decay": t.weight_decay,
+            "train.betas": list(t.betas or (0.9, 0.95)),
+            "train.grad_clip": t.grad_clip,
+            "train.grad_accum": t.grad_accum,
+            "train.warmup_ratio": t.warmup_ratio,
+            "train.min_lr_ratio": t.min_lr_ratio,
+            "train.total_steps": t.total_steps,
+        }
 
     def tracking_dir(self) -> Path:
         """tracking.dir, or `tracking/` in the run's directory: the one that holds train.checkpoint_dir (where
@@ -257,6 +284,10 @@ def drafter_target_settings(drafter: DrafterConfig, geometry: TargetGeometry) ->
             f"drafter.target_layer_ids {drafter.target_layer_ids} differs from the layers the "
             f"producers capture {layer_ids}: set target.layer_ids instead"
         )
+    try:
+        FAMILIES[drafter.arch].check_target(drafter, geometry)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return mask, layer_ids
 
 
