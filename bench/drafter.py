@@ -81,8 +81,12 @@ def step_flops(
     supervised: int,
     teacher_positions: int,
 ) -> float:
-    h, hd = cfg["hidden_size"], cfg["head_dim"]
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    from dflash_ring.consumer.drafter_hf_config import drafter_attention
+
+    # the drafter's own attention geometry where it sets one (--drafter-attention), else the target's
+    attn = drafter_attention(drafter, cfg)
+    h, hd = cfg["hidden_size"], attn["head_dim"]
+    q, kv = attn["num_attention_heads"] * hd, attn["num_key_value_heads"] * hd
     block = drafter.block_size
     block_tokens = anchors.num_blocks * block
     per_layer_block = 2 * block_tokens * (h * q + 2 * h * kv + q * h + 3 * h * drafter_mlp(cfg, drafter))

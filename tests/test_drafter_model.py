@@ -17,10 +17,12 @@ from dflash_ring.common.config.drafter import DrafterConfig, build_target_layer_
 from dflash_ring.common.config.target import TargetConfigError
 from dflash_ring.consumer import qwen3_blocks
 from dflash_ring.consumer.model import (
+    FLEX_KERNEL_OPTIONS,
     FLEX_TILE,
     FrozenTargetHead,
     block_attention_mask,
     cu_seqlens_from_lengths,
+    flex_kernel_options,
     flex_layout,
     load_target_head,
     sample_anchors,
@@ -466,6 +468,17 @@ def _tiles(counts: torch.Tensor | None, indices: torch.Tensor | None, shape: tup
             for kv in row[:n]:
                 listed[q, kv] += 1
     return listed
+
+
+def test_flex_kernel_options_claim_whole_tiles_only_where_they_are():
+    """IS_DIVISIBLE lets the compiled kernels skip their bounds checks (issue 45): it must be given only where both
+    lengths are whole tiles, as flex_layout pads them; the tile sizes by head dim are kept beside it."""
+    q, k = torch.empty(1, 24, 3 * FLEX_TILE, 256), torch.empty(1, 4, 5 * FLEX_TILE, 256)
+    assert flex_kernel_options(q, k) == {**FLEX_KERNEL_OPTIONS[256], "IS_DIVISIBLE": True}
+    assert flex_kernel_options(q, k[:, :, :-1]) == FLEX_KERNEL_OPTIONS[256]
+    assert flex_kernel_options(q[:, :, :-1, :128], k[..., :128]) is None
+    assert flex_kernel_options(q[..., :128], k[..., :128]) == {"IS_DIVISIBLE": True}
+    assert FLEX_KERNEL_OPTIONS[256].get("IS_DIVISIBLE") is None  # the shared table is not written to
 
 
 @settings(max_examples=40, deadline=None)
