@@ -16,8 +16,17 @@ from pathlib import Path
 from dflash_ring.common.config.load import check_overrides, load_config
 from dflash_ring.common.config.paths import output_directories
 from dflash_ring.common.config.schema import Config, ConfigError, default_runtime_root
-from dflash_ring.common.arguments import at_least_one, non_negative, output_directory, seconds, seed, tree_budgets
+from dflash_ring.common.arguments import (
+    at_least_one,
+    cpu_threads,
+    non_negative,
+    output_directory,
+    seconds,
+    seed,
+    tree_budgets,
+)
 from dflash_ring.common.output_dir import OutputDirError, check_output_dir
+from dflash_ring.common.lifecycle.diverged import EXIT_DIVERGED, Diverged
 from dflash_ring.common.refusal import Refusal
 from dflash_ring.common.run_name import check_run_name
 
@@ -34,6 +43,8 @@ BENCHES = {
     "regenerate": "the regenerate hf engine's generated tokens/s vs plain model.generate",
     "loader": "one core: token arrays -> batches in the slot format, vs the target rate",
     "drafter": "one drafter training step: time split and FLOP utilization",
+    "attention": "the drafter's flex attention alone, forward + backward: K/V repeated vs enable_gqa, static vs "
+    "dynamic compile (GPU)",
     "precision": "FP8 quality guard (GPU): the same drafter, seed and learnable synthetic items trained in bf16 and "
     "in fp8; both curves and the final ratios",
     "recipes": "the embedded default trained with each recipe: chain and tree tau on the same held-out prompts, two "
@@ -73,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("torch.utils._pytree").addFilter(_TorchImportNoise())
     try:
         return args.func(args)
+    except Diverged as e:  # a drafter's training gone bad: one line, and a code nothing restarts
+        print(f"dflash-ring {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_DIVERGED
     except (Refusal, RuntimeError, TimeoutError, MemoryError, OSError) as e:
         # The boundary's one rule (common/refusal.py): an input refused by our code, or by a library while it read
         # or built from the user's file, a missing file, a refused ring: one line that says what and what to do,
@@ -224,6 +238,16 @@ def _parser() -> argparse.ArgumentParser:
     dp.add_argument("--json", action="store_true", help="print the report as JSON")
     dp.set_defaults(func=cmd_data_stats)
 
+    sp = with_config(
+        sub.add_parser(
+            "draft-vocab",
+            help="an EAGLE-3 drafter's reduced draft vocabulary (d2t/t2d) from the run's training data, for "
+            "drafter.draft_vocab",
+        )
+    )
+    sp.add_argument("--out", help="the safetensors file to write (default: drafter.draft_vocab)")
+    sp.set_defaults(func=cmd_draft_vocab)
+
     sp = with_config(sub.add_parser("drafter", help="run drafter trainer J: claim ring items and train"))
     who = sp.add_mutually_exclusive_group(required=True)
     who.add_argument("--index", type=non_negative)
@@ -248,7 +272,7 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--device", help="hf engine: e.g. cuda:0 or cpu (default: target.device)")
     sp.add_argument(
         "--threads",
-        type=non_negative,
+        type=cpu_threads,
         default=1,
         help="CPU threads for torch (default 1: on a shared CPU more threads can be many times slower; "
         "0: torch's default)",
@@ -298,7 +322,7 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--device", default="cpu")
     sp.add_argument(
         "--threads",
-        type=non_negative,
+        type=cpu_threads,
         default=1,
         help="CPU threads for torch (default 1, as inside `run`: small forwards; 0: torch's default)",
     )
@@ -621,6 +645,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
         check_precision(cfg.drafter.precision, cfg.train.device)
     _check_output_directories(cfg)  # refused by key here, as each role refuses them at its start
+    from dflash_ring.common.host_bounds import check_num_proc
+
+    check_num_proc(cfg.data.num_proc)  # this host's bound, as the producer checks it at its start
     if cfg.target.path and Path(cfg.target.path).expanduser().is_dir():
         # What every role reads of the target (config.json's geometry) and what a drafter checks against it (mask
         # token, layers); then the model as transformers builds it from config.json, on the meta device, against
@@ -657,6 +684,13 @@ def cmd_data_stats(args: argparse.Namespace) -> int:
         print(stats.to_json())
     else:
         print_table(stats)
+    return 0
+
+
+def cmd_draft_vocab(args: argparse.Namespace) -> int:
+    from dflash_ring.tools.draft_vocab import build_draft_vocab
+
+    print(build_draft_vocab(_config(args), args.out))
     return 0
 
 

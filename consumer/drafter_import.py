@@ -39,6 +39,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_ring.common.config.drafter import DrafterConfig
+from dflash_ring.common.bounded_read import CONFIG_BYTES, read_text
 from dflash_ring.common.refusal import Refusal
 from dflash_ring.common.safetensors_check import check_safetensors_file
 from dflash_ring.consumer.drafter_hf_config import drafter_rope
@@ -48,6 +49,7 @@ from dflash_ring.consumer.export import (
     ExportDirError,
     _check_weights,
     _expected_state,
+    _odd_dtype,
     export_arch,
 )
 from dflash_ring.consumer.families import FAMILIES, family
@@ -69,13 +71,15 @@ def released_drafter(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.
     qwen3_config(config)), arch = export_arch(config))."""
     root = Path(path)
     config_file = root / CONFIG_NAME
-    if not config_file.is_file():
+    if not (config_file.exists() or config_file.is_symlink()):  # one of another kind: refused below, naming it
         raise ReleasedDrafterError(
             f"{config_file} does not exist: drafter.init_from names a drafter directory (config.json and "
             "model.safetensors), as export writes or a released drafter ships"
         )
+    # The kind rule (common/bounded_read.py): a FIFO, a directory or a device is refused naming it, unread.
+    text = read_text(config_file, CONFIG_BYTES, ReleasedDrafterError, "drafter config")
     try:
-        source = json.loads(config_file.read_text())
+        source = json.loads(text)
     except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested past the parser's recursion
         raise ReleasedDrafterError(f"{config_file} is not a JSON config ({type(e).__name__}: {e})") from None
     if not isinstance(source, dict):
@@ -105,12 +109,11 @@ def released_drafter(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.
     weights = _weights_file(root)
     check_safetensors_file(weights)  # a truncated or damaged file: one line naming it, not safetensors' traceback
     state = load_file(weights)
-    _drop_target_tensors(state, config, weights)
+    own = {k: v for k, v in expected.items() if k not in family(arch).head_tensors}  # the model's, not the target's
+    _drop_target_tensors(state, config, weights, own)
     _our_names(state, family(arch).released_names, weights)
-    _check_weights(
-        state, {k: v for k, v in expected.items() if k not in TARGET_TENSORS}, str(weights), arch, ReleasedDrafterError
-    )
-    if odd := [k for k, v in state.items() if not v.is_floating_point() or v.element_size() < 2]:
+    _check_weights(state, own, str(weights), arch, ReleasedDrafterError)
+    if odd := [k for k, v in state.items() if _odd_dtype(v, expected[k])]:
         raise ReleasedDrafterError(
             f"{weights}: {odd[0]} is stored as {state[odd[0]].dtype}, not float16, bfloat16 or float32: a quantised "
             "drafter cannot start training; use its full-precision release"
@@ -138,19 +141,22 @@ def _weights_file(root: Path) -> Path:
     raise ReleasedDrafterError(f"{weights} does not exist: the drafter's weights are missing from {root}")
 
 
-def _drop_target_tensors(state: dict[str, torch.Tensor], config: Mapping[str, Any], weights: Path) -> None:
-    """Remove the target's tensors, refusing one of another shape (a drafter of another vocabulary or width)."""
+def _drop_target_tensors(
+    state: dict[str, torch.Tensor], config: Mapping[str, Any], weights: Path, own: Mapping[str, torch.Tensor]
+) -> None:
+    """Remove the target's tensors, refusing one of another shape (a drafter of another vocabulary or width); a name
+    the family's model owns (`own`: EAGLE-3's lm_head over its draft vocabulary, its d2t and t2d) stays."""
     vocab, hidden = config["vocab_size"], config["hidden_size"]
     shapes = {name: (vocab, hidden) for name in TARGET_TENSORS} | {"verifier_norm.weight": (hidden,)}
     for name in TARGET_TENSORS:
-        if name in state and tuple(state.pop(name).shape) != shapes[name]:
+        if name in state and name not in own and tuple(state.pop(name).shape) != shapes[name]:
             raise ReleasedDrafterError(
                 f"{weights}: {name} is not {list(shapes[name])} (the target's vocabulary x width its config "
                 "describes): a drafter for another target or with its own vocabulary cannot start ours"
             )
-    if reduced := sorted({"d2t", "t2d"} & set(state)):
+    if reduced := sorted({"d2t", "t2d"} & set(state) - set(own)):
         raise ReleasedDrafterError(
-            f"{weights} holds {reduced}: a reduced draft vocabulary, which our drafters (the target's whole "
+            f"{weights} holds {reduced}: a reduced draft vocabulary, which this family's drafters (the target's whole "
             "vocabulary through its lm_head) have no equivalent for; start from a full-vocabulary drafter"
         )
 
@@ -173,6 +179,12 @@ def _from_speculators(source: Mapping[str, Any], where: str) -> dict[str, Any]:
         raise ReleasedDrafterError(
             f"{where}: speculators_model_type {arch!r} is not a drafter we train (speculators' "
             f"{', '.join(FAMILIES)} are read)"
+        )
+
+    if family(arch).speculators_keys is None:
+        raise ReleasedDrafterError(
+            f"{where}: speculators' {family(arch).display} layout is not read here yet: start from the drafter in "
+            f"its flat {family(arch).architectures[0]} layout, or train from scratch"
         )
 
     def refuse(what: str) -> ReleasedDrafterError:

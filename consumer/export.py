@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_ring.common.durable import fsync
+from dflash_ring.common.bounded_read import CONFIG_BYTES, read_text
 from dflash_ring.common.refusal import Refusal
 from dflash_ring.common.safetensors_check import check_safetensors_file
 
@@ -30,6 +31,7 @@ from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.consumer.drafter_hf_config import drafter_hf_config, qwen3_config
 from dflash_ring.consumer.families import FAMILIES, family, family_of, family_of_layout
 from dflash_ring.consumer.families.family import DrafterFamily
+from dflash_ring.consumer.nonfinite import first_non_finite
 
 from .model import DFlashDraftModel
 from .target_head import FrozenTargetHead, HeadSpec
@@ -46,6 +48,10 @@ class ExportDirError(Refusal, ValueError):
     """A drafter directory that load_drafter cannot take as asked: a config.json that is not JSON or names no
     layout we write, an export of another layout than the caller serves, a config.json its weights or the model
     it describes do not match, a DSpark export of another target. The user's directory, so one line (exit 2)."""
+
+
+class NonFiniteExport(Refusal, ValueError):
+    """A drafter whose weights hold NaN or inf: served, every draft would be rejected (or the server fail). One line."""
 
 
 def export_arch(config: Mapping[str, Any], source: str = "config.json") -> str:
@@ -80,6 +86,13 @@ def _check_weights(
             f"{source} does not match its {family(arch).display} config: missing {missing}, unexpected {unexpected}, "
             f"wrong shapes {wrong_shape}"
         )
+
+
+def _odd_dtype(stored: torch.Tensor, expected: torch.Tensor) -> bool:
+    """A weight not in float16, bfloat16 or float32, or an index map (EAGLE-3's d2t, t2d) not in its own dtype."""
+    if expected.is_floating_point():
+        return not stored.is_floating_point() or stored.element_size() < 2
+    return stored.dtype != expected.dtype
 
 
 def _expected_state(config: Mapping[str, Any], arch: str = "dflash") -> dict[str, torch.Tensor]:
@@ -128,7 +141,10 @@ def export_drafter(
     exported = fam.settings(config)
     if exported != (model.block_size, model.mask_token_id, model.target_layer_ids):
         raise ValueError(f"config (block_size, mask_token_id, target_layer_ids) {exported} differs from the model's")
-    state = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in model.state_dict().items()}
+    state = {  # index maps (EAGLE-3's d2t, t2d) keep their integer and boolean dtypes
+        k: v.detach().to(device="cpu", dtype=dtype if v.is_floating_point() else v.dtype).contiguous()
+        for k, v in model.state_dict().items()
+    }
     if fam.head_tensors:
         if head is None:
             raise ValueError(
@@ -143,6 +159,11 @@ def export_drafter(
             for name, weight in zip(fam.head_tensors, (head.embed_weight, head.lm_head_weight))
         }
     _check_weights(state, _expected_state(config, arch), "model", arch)
+    if bad := first_non_finite(state):  # in the export's dtype: a float16 export overflows where float32 did not
+        raise NonFiniteExport(
+            f"export refused: {bad[0]} holds {bad[1]} (as {str(dtype).removeprefix('torch.')}): the drafter's "
+            "training diverged before this state; export an earlier checkpoint (a step-NNNNNNNN directory)"
+        )
     code = fam.code
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
@@ -179,8 +200,9 @@ def load_drafter(
     """
     root = Path(path)
     config_file = root / CONFIG_NAME
+    text = read_text(config_file, CONFIG_BYTES, ExportDirError, "drafter config")  # a FIFO, a device: refused, unread
     try:
-        config = json.loads(config_file.read_text())
+        config = json.loads(text)
     except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested past the parser's recursion
         raise ExportDirError(f"{config_file} is not a JSON config ({type(e).__name__}: {e})") from None
     if not isinstance(config, dict):
@@ -200,7 +222,7 @@ def load_drafter(
     check_safetensors_file(weights)  # a truncated or damaged file: one line naming it, not safetensors' traceback
     state = load_file(weights)
     _check_weights(state, expected, str(weights), found, ExportDirError)
-    if odd := [k for k, v in state.items() if not v.is_floating_point() or v.element_size() < 2]:
+    if odd := [k for k, v in state.items() if _odd_dtype(v, expected[k])]:
         raise ExportDirError(
             f"{weights}: {odd[0]} is stored as {state[odd[0]].dtype}, not float16, bfloat16 or float32 (an export "
             "writes the drafter's own floating-point weights; these would be cast as they are): export it again"

@@ -65,7 +65,9 @@ from dflash_ring.consumer.checkpoint_policy import Checkpoints
 from dflash_ring.consumer.fp8 import check_precision
 from dflash_ring.consumer.head_cache import CACHE_NAME as HEAD_CACHE_NAME
 from dflash_ring.consumer.head_loader import load_target_head
+from dflash_ring.consumer.nonfinite import NonFiniteSteps
 from dflash_ring.consumer.families.build import build_drafter
+from dflash_ring.consumer.families import family
 from dflash_ring.consumer.replica_group import fingerprint_fields
 from dflash_ring.consumer.replicas import Averaging
 from dflash_ring.consumer.ring_input import Prefetcher, ring_reading
@@ -85,7 +87,10 @@ def target_config_dict(target_path: str) -> dict[str, Any]:
         raise FileNotFoundError(
             f"target.path {target_path!r} has no config.json: point it at a local HF model directory"
         )
-    return json.loads(path.read_text())
+    from dflash_ring.common.bounded_read import CONFIG_BYTES, read_text
+    from dflash_ring.common.config.target import TargetConfigError
+
+    return json.loads(read_text(path, CONFIG_BYTES, TargetConfigError, "target config"))
 
 
 def resolve_drafter_config(drafter: DrafterConfig, target: TargetConfig) -> DrafterConfig:
@@ -124,6 +129,7 @@ class DrafterLoop:
     ):
         self.trainer, self.account, self.report = trainer, account, report
         self.averaging, self.checkpoints, self.schedule = averaging, checkpoints, schedule
+        self.nonfinite = NonFiniteSteps(trainer.cfg)  # train.max_nonfinite_steps in a row: Diverged
 
     def take(self, taken: tuple[DeviceBatch, SlotReader]) -> None:
         """One item from the ring: evaluated if held out, else trained."""
@@ -144,9 +150,14 @@ class DrafterLoop:
         total = self.schedule.total()
         before = self.trainer.micro_batches
         m = self.trainer.train_step(batch, total)
-        self.account.settle(Trained, batch, slot, self.trainer.step, empty=self.trainer.micro_batches == before)
+        # A micro-batch still accumulating goes into the next optimizer step: its journal line says so.
+        held_by = self.trainer.step + (1 if self.trainer.accumulated else 0)
+        self.account.settle(
+            Trained, batch, slot, self.trainer.step, empty=self.trainer.micro_batches == before, held_by=held_by
+        )
         self.report.trained(batch, m, total)
         if m is not None:  # an optimizer step (not a micro-batch of one still accumulating)
+            self.nonfinite.watch(m.step, m.loss, m.grad_norm)  # reported first: the last bad step is in the curves
             self.averaging.after_step(m.step)
             self.checkpoints.after_step(m.step)
 
@@ -204,6 +215,7 @@ def build(
     torch.manual_seed(train.seed)  # the initial weights: reproducible, and equal across replicas
     with torch.device(device):  # initialised where it trains: an 8B-wide drafter takes ~10 s on a CPU
         model = build_drafter(drafter_cfg, target_config)
+        family(drafter_cfg.arch).initialise(model, drafter_cfg)  # a resume, a warm start then load over it
     trainer = Trainer(model, head, drafter_cfg, train, device, SourceLabels(source_names))
     return Built(drafter_cfg, target_config, head, trainer)
 

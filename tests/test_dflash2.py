@@ -362,10 +362,14 @@ def test_the_selector_figures_are_their_definitions():
     in_top = torch.zeros_like(valid).masked_scatter(valid, inside)
     assert figures["selector/top_k_recall"] == pytest.approx(float(inside.float().mean()))
     assert figures["selector/top_k_mass"] == pytest.approx(float(q.topk(3, -1).values.sum(-1)[valid].mean()), rel=1e-5)
-    assert figures["selector/unary_top1"] == pytest.approx(float((logits.argmax(-1) == labels.tokens[:, 1:])[valid].sum()) / rows)
+    assert figures["selector/unary_top1"] == pytest.approx(
+        float((logits.argmax(-1) == labels.tokens[:, 1:])[valid].sum()) / rows
+    )
     assert figures["selector/accuracy"] == pytest.approx(float(hit.sum()) / rows)
     assert figures["selector/accept_len"] == pytest.approx(float((hit.long().cumprod(1).sum(1) + 1).float().mean()))
-    assert figures["selector/oracle_accept_len"] == pytest.approx(float((in_top.long().cumprod(1).sum(1) + 1).float().mean()))
+    assert figures["selector/oracle_accept_len"] == pytest.approx(
+        float((in_top.long().cumprod(1).sum(1) + 1).float().mean())
+    )
 
 
 def test_the_serving_walk_is_greedy_over_the_scores_from_the_anchor():

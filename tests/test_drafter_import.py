@@ -369,7 +369,8 @@ def layer_edit(speculators_dflash, **changes) -> dict:
         ({"aux_hidden_state_layer_ids": [0, 4, 7]}, "embedding output"),
         ({"target_hidden_size": 32}, "target_hidden_size 32"),
         ({"mask_token_id": None}, "no mask_token_id"),
-        ({"speculators_model_type": "eagle3"}, "'eagle3' is not a drafter we train"),
+        ({"speculators_model_type": "mlp_speculator"}, "'mlp_speculator' is not a drafter we train"),
+        ({"speculators_model_type": "eagle3"}, "speculators' EAGLE-3 layout is not read here yet"),
         ({"transformer_layer_config": [1]}, "not a JSON object"),
     ],
 )

@@ -292,7 +292,10 @@ def test_dspark_figures_reach_the_record_per_source_and_prometheus():
     drafts = sum(s.confidence_drafts for s in stats.values())
     figures = family("dspark").figures(out)
     torch.testing.assert_close(
-        sum(s.confidence_sums[0] for s in stats.values()) / drafts, figures["confidence/abs_error"], rtol=1e-6, atol=1e-6
+        sum(s.confidence_sums[0] for s in stats.values()) / drafts,
+        figures["confidence/abs_error"],
+        rtol=1e-6,
+        atol=1e-6,
     )
     m = StepMetrics(
         step=1,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Annotated, Any, Literal
 
-from dflash_ring.common.config.families import FAMILIES, DFlash2Keys, DSparkKeys
+from dflash_ring.common.config.families import FAMILIES, DFlash2Keys, DSparkKeys, Eagle3Keys
 from dflash_ring.common.config.ranges import AtLeastOne, Fraction, Positive, Range
 
 # Paper A.1: gamma for the exp(-(k-1)/gamma) position decay, per block size.
@@ -17,7 +17,7 @@ PAPER_LOSS_GAMMA: dict[int, float] = {16: 7.0, 10: 5.0, 8: 4.0}
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
-Arch = Literal["dflash", "dspark", "dflash2"]  # a name in common/config/families FAMILIES
+Arch = Literal["dflash", "dspark", "dflash2", "eagle3"]  # a name in common/config/families FAMILIES
 Objective = Literal["ce", "dpace"]
 LabelSource = Literal["data", "target_argmax"]
 Precision = Literal["bf16", "fp8"]
@@ -96,7 +96,7 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
 
 
 @dataclass
-class DrafterConfig(DFlash2Keys, DSparkKeys):
+class DrafterConfig(Eagle3Keys, DFlash2Keys, DSparkKeys):
     """What the trainer chooses; everything else is copied from the target's config.
 
     A field left None takes the recipe's value, else its default; the constructor resolves them all, so
@@ -107,7 +107,7 @@ class DrafterConfig(DFlash2Keys, DSparkKeys):
 
     # None, or a name in RECIPES whose settings fill the fields not set explicitly.
     recipe: str | None = None
-    # The family (common/config/families/: "dflash", "dspark", "dflash2"); a recipe of a family selects it.
+    # The family (common/config/families/: "dflash", "dspark", "dflash2", "eagle3"); a recipe of a family selects it.
     arch: Arch | None = None  # default "dflash"
     # At most 256: the drafter builds every layer (and a layer_types entry each) at start; DFlash drafters have 1 to
     # 8 and the largest targets fewer than 200, so more is a typo, not a model.
@@ -237,6 +237,15 @@ class DrafterConfig(DFlash2Keys, DSparkKeys):
             raise ValueError("sliding_attention layers need sliding_window >= block_size")
         if min(self.ce_weight, self.tv_weight, self.kl_weight, self.cap_weight) < 0:
             raise ValueError("ce_weight, tv_weight, kl_weight and cap_weight must be >= 0")
+        # Every `*_weight` key weighs a term of the loss (the shared ones and a family's own); all 0, the loss is 0 at
+        # every step and the run trains to its end learning nothing.
+        others = {k for f in FAMILIES.values() if f.name != self.arch for k in f.own_keys}
+        weights = {k: v for k, v in vars(self).items() if k.endswith("_weight") and k not in others}
+        if not any(weights.values()):
+            raise ValueError(
+                f"every loss weight is 0 ({', '.join(weights)}): the loss is 0 at every step and the drafter learns "
+                "nothing; set ce_weight > 0 (its default is 1) or another term's weight"
+            )
         FAMILIES[self.arch].check(self)
         heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
         if heads is not None and kv_heads is not None and heads % kv_heads:
@@ -253,9 +262,11 @@ class DrafterConfig(DFlash2Keys, DSparkKeys):
         """Every field but the numeric format and the warm start's source: what the ring's and the replica group's
         fingerprints compare. A format is not another model (bf16 and fp8 replicas may average their weights, a
         drafter may resume in the other format), and leaving it out keeps the fingerprint of every bf16 config as it
-        was before the field existed; where the first weights came from does not change the model either."""
+        was before the field existed; where the first weights came from does not change the model either. A key
+        naming a file the model is made of (FamilyConfig.digests) stands for the file's digest, not its path."""
+        digests = FAMILIES[self.arch].digests
         return {
-            k: v
+            k: digests[k](v) if k in digests and v is not None else v
             for k, v in asdict(self).items()
             if k not in NUMERIC_FORMAT_FIELDS
             and k != "init_from"  # where the first weights came from, not which model trains
@@ -279,7 +290,8 @@ class DrafterConfig(DFlash2Keys, DSparkKeys):
         return self.block_size if self.sample_from_anchor else self.block_size - 1
 
     def resolved_target_layer_ids(self, num_target_layers: int) -> list[int]:
-        ids = self.target_layer_ids or build_target_layer_ids(num_target_layers, self.num_hidden_layers)
+        rule = FAMILIES[self.arch].target_layer_ids or build_target_layer_ids
+        ids = self.target_layer_ids or rule(num_target_layers, self.num_hidden_layers)
         if not all(0 <= i < num_target_layers for i in ids):
             raise ValueError(f"target_layer_ids {ids} out of range for {num_target_layers} target layers")
         return list(ids)

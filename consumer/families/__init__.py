@@ -13,9 +13,10 @@ from typing import Any
 from dflash_ring.consumer.families.dflash import DFLASH
 from dflash_ring.consumer.families.dflash2 import DFLASH2
 from dflash_ring.consumer.families.dspark import DSPARK
+from dflash_ring.consumer.families.eagle3 import EAGLE3
 from dflash_ring.consumer.families.family import DrafterFamily
 
-FAMILIES: dict[str, DrafterFamily] = {family.name: family for family in (DFLASH, DFLASH2, DSPARK)}
+FAMILIES: dict[str, DrafterFamily] = {family.name: family for family in (DFLASH, DFLASH2, DSPARK, EAGLE3)}
 
 
 def family(arch: str) -> DrafterFamily:
@@ -24,7 +25,7 @@ def family(arch: str) -> DrafterFamily:
 
 
 def family_of(model: Any) -> DrafterFamily:
-    """The family whose training model `model` is (by its exact class: every family's model derives from DFlash's)."""
+    """The family whose training model `model` is (by its exact class)."""
     for candidate in FAMILIES.values():
         if type(model) is candidate.model:
             return candidate

@@ -69,10 +69,10 @@ class DrafterFamily:
 
     # The family's DrafterConfig keys from a vLLM speculators save_pretrained config.json: (its config, a reader of
     # a key it must set, a refusal for what the family's model has no equivalent of) -> keyword arguments
-    # (consumer/drafter_import.py).
-    speculators_keys: Callable[
-        [Mapping[str, Any], Callable[[str], Any], Callable[[str], Exception]], dict[str, Any]
-    ] = lambda source, key, refuse: {}
+    # (consumer/drafter_import.py). None: speculators' layout of the family is not read (EAGLE-3's: its own keys).
+    speculators_keys: (
+        Callable[[Mapping[str, Any], Callable[[str], Any], Callable[[str], Exception]], dict[str, Any]] | None
+    ) = lambda source, key, refuse: {}
     # Tensor names a released file may give the family's tensors -> ours (z-lab DFlash2's save_pretrained).
     released_names: Mapping[str, str] = field(default_factory=dict)
     # Why a draft tree (independent slots, consumer/draft_tree.py) cannot serve the family's drafter; None: it can.
@@ -85,6 +85,10 @@ class DrafterFamily:
     # The family's own named figures of a step from its objective's output, under the step record's keys
     # (consumer/step_record.py passes them on as they are to the log, the gauges, the trackers and the record file).
     figures: Callable[[DFlashLoss], dict[str, float]] = lambda out: {}
+    # What a run's freshly built drafter takes from files its settings name: (model, drafter config). Only the run's
+    # (consumer/process.py build): a resume restores its checkpoint over it, a warm start its release, and an export
+    # or a bench reads none of those files (EAGLE-3: drafter.draft_vocab's maps).
+    initialise: Callable[[torch.nn.Module, DrafterConfig], None] = _nothing
 
     @property
     def name(self) -> str:

@@ -31,5 +31,15 @@ class FamilyConfig:
     layer_types: Mapping[str, Callable[[int], list[str]]] = field(default_factory=dict)
     # Whether the anchor's slot drafts too (DSpark): a block then drafts B tokens, not B - 1.
     drafts_from_anchor: bool = False
+    # The family's default target layers for (target layers, drafter layers) where target_layer_ids is unset
+    # (None: build_target_layer_ids, DFlash's rule; EAGLE-3: low, middle and high).
+    target_layer_ids: Callable[[int, int], list[int]] | None = None
     # The family's checks of one field against another, on the resolved config (ValueError naming the fields).
     check: Callable[[Any], None] = lambda cfg: None
+    # Its checks against the target (the resolved config, the target's TargetGeometry: vocabulary, layer count, the
+    # layers the producers capture), before a drafter builds anything (ValueError naming the fields; one line).
+    check_target: Callable[[Any, Any], None] = lambda cfg, geometry: None
+    # Keys naming a file whose bytes are part of the model, with the digest of such a file: model_fields holds the
+    # digest, not the path, so replicas and standbys with another file are refused and a moved copy is not
+    # (EAGLE-3: drafter.draft_vocab, the draft vocabulary's maps).
+    digests: Mapping[str, Callable[[str], str]] = field(default_factory=dict)
