@@ -347,7 +347,10 @@ def _parser() -> argparse.ArgumentParser:
         "--baseline",
         action="append",
         default=[],
-        choices=("untrained", "prompt-lookup"),  # consumer/evaluate.py's BASELINES (not imported: it loads torch)
+        choices=(
+            "untrained",
+            "prompt-lookup",
+        ),  # consumer/evaluation/evaluate.py's BASELINES (not imported: it loads torch)
         help="also decode the same prompts, verified the same way, with: `untrained`, the drafter's architecture "
         "and config with fresh weights (seed 0, as `run`'s untrained row); `prompt-lookup`, n-gram lookup in the "
         "prompt and reply so far (no model); repeatable; reported beside the drafter",
@@ -578,7 +581,7 @@ def cmd_target(args: argparse.Namespace) -> int:
 def cmd_check_target(args: argparse.Namespace) -> int:
     from dflash_ring.producer.conformance import choose_packing, report_json
     from dflash_ring.producer.target import TargetModel, resolve_device
-    from dflash_ring.consumer.head_loader import probe_target_head
+    from dflash_ring.consumer.modeling.head_loader import probe_target_head
 
     cfg = _config(args).target
     mode = cfg.packing
@@ -641,7 +644,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     target was not checked, and an "OK" does not claim it."""
     cfg = _config(args)
     if cfg.drafter.precision == "fp8":
-        from dflash_ring.consumer.fp8 import check_precision  # torch: only for a config that needs a GPU's look
+        from dflash_ring.consumer.modeling.fp8 import (
+            check_precision,
+        )  # torch: only for a config that needs a GPU's look
 
         check_precision(cfg.drafter.precision, cfg.train.device)
     _check_output_directories(cfg)  # refused by key here, as each role refuses them at its start
@@ -696,7 +701,7 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
 
 def cmd_drafter(args: argparse.Namespace) -> int:
     from dflash_ring.common.lifecycle.startup import Startup
-    from dflash_ring.consumer.process import run_drafter
+    from dflash_ring.consumer.training.process import run_drafter
 
     startup = Startup("drafter standby" if args.standby else f"drafter {args.index}")
     startup.mark("imports")
@@ -781,7 +786,7 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from dflash_ring.consumer.checkpoint import export_checkpoint
+    from dflash_ring.consumer.training.checkpoint import export_checkpoint
 
     check_output_dir(args.out_dir)  # before loading anything
 
@@ -811,7 +816,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from dflash_ring.common.device import checked_device
-    from dflash_ring.consumer.evaluate import evaluate_drafter, format_report, progress_logger, report_json
+    from dflash_ring.consumer.evaluation.evaluate import evaluate_drafter, format_report, progress_logger, report_json
 
     checked_device(args.device)  # before any model loads
     # What it refuses of the inputs (EvalRefusal, ExportDirError, the target's refusals) and missing files are one

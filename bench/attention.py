@@ -1,6 +1,7 @@
 """`dflash-ring bench attention`: the drafter's flex attention alone, forward and backward, each way it can be called.
 
-The drafter's attention (consumer/model.py: `_flex_attention`) is one block-sparse flex_attention call per layer over
+The drafter's attention (consumer/modeling/model.py: `_flex_attention`) is one block-sparse flex_attention call per
+layer over
 every block of the step, on the layout `flex_layout` builds for the sampled anchors. Issue 45 asks two questions of it
 at head dim 256 (the Qwen3.6-27B width: 24 query heads, 4 key/value heads): does repeating K/V to the query heads beat
 `enable_gqa=True` forward + backward (ModelOpt's DFlash flex attention repeats them, its note saying the GQA backward
@@ -11,7 +12,8 @@ gradients compared with the baseline's (today's call: `enable_gqa`, dynamic).
 
 Variants: `gqa-dynamic` (baseline: the call before issue 45), `gqa-static`, `gqa-dynamic-divisible` (dynamic, with
 IS_DIVISIBLE in the kernel options: the lengths are whole tiles, which a dynamic compile cannot prove; what
-consumer/model.py calls now), `repeat-dynamic`, `repeat-static` (K/V repeated to the query heads inside the timed
+consumer/modeling/model.py calls now), `repeat-dynamic`, `repeat-static` (K/V repeated to the query heads inside the
+timed
 region, so the copy and the sum of their gradients over the group are counted), and `repeat-static-default-tiles`
 (Inductor's own tile sizes instead of FLEX_KERNEL_OPTIONS, which were tuned for GQA).
 
@@ -37,7 +39,12 @@ from dflash_ring.bench.progress import progress
 from dflash_ring.bench.target_shapes import SHAPES
 from dflash_ring.common.arguments import at_least_one, attention_geometry_argument, recipe_argument
 from dflash_ring.consumer.families.build import build_drafter
-from dflash_ring.consumer.model import FLEX_KERNEL_OPTIONS, cu_seqlens_from_lengths, flex_layout, sample_anchors
+from dflash_ring.consumer.modeling.model import (
+    FLEX_KERNEL_OPTIONS,
+    cu_seqlens_from_lengths,
+    flex_layout,
+    sample_anchors,
+)
 
 VARIANTS = {  # name: (K/V repeated to the query heads, compiled dynamic, the tuned tile sizes, IS_DIVISIBLE given)
     "gqa-dynamic": (False, True, True, False),
@@ -120,7 +127,7 @@ def run_attention_bench(
         torch._dynamo.reset()
         compiled = torch.compile(flex_attention, dynamic=dynamic)
         options = dict(FLEX_KERNEL_OPTIONS.get(head_dim, {})) if tuned else {}
-        if divisible:  # what consumer/model.py passes now (flex_kernel_options): the lengths are whole tiles
+        if divisible:  # what consumer/modeling/model.py passes now (flex_kernel_options): the lengths are whole tiles
             options["IS_DIVISIBLE"] = True
         options = options or None
 

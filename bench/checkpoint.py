@@ -2,7 +2,7 @@
 written in the background (train.async_checkpoints), measured in one run.
 
 The drafter (the Qwen3-8B shape of `bench drafter` on a GPU, `--tiny` or no GPU: a small one) trains
-through the drafter process's own Trainer and checkpoint policy (consumer/checkpoint_policy.py `Checkpoints`),
+through the drafter process's own Trainer and checkpoint policy (consumer/training/checkpoint_policy.py `Checkpoints`),
 one host-to-device batch copy per step as the prefetcher does. In order:
 
 1. steps without a checkpoint: the baseline step time;
@@ -46,11 +46,11 @@ from dflash_ring.common.arguments import at_least_one, output_directory
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.config.train import TrainConfig
 from dflash_ring.common.lifecycle.trained_journal import Journal
-from dflash_ring.consumer.checkpoint import Checkpoint, CheckpointStore, optimizer_to_flat
-from dflash_ring.consumer.checkpoint_policy import Checkpoints
-from dflash_ring.consumer.model import FrozenTargetHead, cu_seqlens_from_lengths
+from dflash_ring.consumer.training.checkpoint import Checkpoint, CheckpointStore, optimizer_to_flat
+from dflash_ring.consumer.training.checkpoint_policy import Checkpoints
+from dflash_ring.consumer.modeling.model import FrozenTargetHead, cu_seqlens_from_lengths
 from dflash_ring.consumer.families.build import build_drafter
-from dflash_ring.consumer.trainer import DeviceBatch, Trainer
+from dflash_ring.consumer.training.trainer import DeviceBatch, Trainer
 
 
 def run_checkpoint_bench(tiny: bool = False, every: int = 100, steps: int = 10, directory: str | None = None) -> dict:

@@ -6,7 +6,7 @@ target with 4 x 3072-token samples. Model FLOPs count what the step must compute
 and fc forward + backward, attention over the keys each block may see in each layer (sliding-window
 layers see at most their window), and the frozen lm_head in the loss (the draft's logits, their gradient
 to the hidden states, and the target's logits where the objective reads them, KL or target-argmax labels,
-once per distinct position the step reads: what the loss computes, consumer/loss.py). DSpark adds its Markov
+once per distinct position the step reads: what the loss computes, consumer/training/loss.py). DSpark adds its Markov
 bias; DFlash2 its convolutions (two per layer, each with its kernel projection) and its selector objective (the
 hidden projection, the K-way bilinear scores and the candidates' logits' gradient; the top-K is a selection).
 
@@ -40,12 +40,12 @@ from dflash_ring.common.arguments import (
 )
 from dflash_ring.common.compile_cache import use_compile_cache
 from dflash_ring.common.config.drafter import DrafterConfig, target_text_config
-from dflash_ring.consumer.fp8 import check_precision, convert_to_fp8
-from dflash_ring.consumer.loss import drafter_loss
-from dflash_ring.consumer.model import Anchors, FrozenTargetHead, cu_seqlens_from_lengths, sample_anchors
+from dflash_ring.consumer.modeling.fp8 import check_precision, convert_to_fp8
+from dflash_ring.consumer.training.loss import drafter_loss
+from dflash_ring.consumer.modeling.model import Anchors, FrozenTargetHead, cu_seqlens_from_lengths, sample_anchors
 from dflash_ring.consumer.families import family
 from dflash_ring.consumer.families.build import build_drafter
-from dflash_ring.consumer.objective import ObjectiveInputs, block_objective
+from dflash_ring.consumer.training.objective import ObjectiveInputs, block_objective
 
 H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s (spec sheet)
 DEFAULT_SAMPLES = (4, 3072)  # samples per step, tokens per sample: the paper's Qwen3-8B drafter
@@ -81,7 +81,7 @@ def step_flops(
     supervised: int,
     teacher_positions: int,
 ) -> float:
-    from dflash_ring.consumer.drafter_hf_config import drafter_attention
+    from dflash_ring.consumer.layouts.drafter_hf_config import drafter_attention
 
     # the drafter's own attention geometry where it sets one (--drafter-attention), else the target's
     attn = drafter_attention(drafter, cfg)
@@ -141,7 +141,7 @@ def selector_flops(cfg: dict[str, Any], drafter: DrafterConfig) -> int:
 
 
 def drafter_mlp(cfg: dict[str, Any], drafter: DrafterConfig) -> int:
-    from dflash_ring.consumer.drafter_hf_config import drafter_geometry
+    from dflash_ring.consumer.layouts.drafter_hf_config import drafter_geometry
 
     return drafter_geometry(drafter, cfg)["intermediate_size"]
 
@@ -437,7 +437,7 @@ def run_drafter_bench(
             "head_dim": model.layers[0].self_attn.head_dim,
         },
         "attention": attention,
-        # the trainable linears' GEMMs; the frozen head's products as consumer/loss.py does them
+        # the trainable linears' GEMMs; the frozen head's products as consumer/training/loss.py does them
         "precision": precision,
         "fp8_recipe": fp8_recipe if precision == "fp8" else None,
         "anchors_per_group": anchors_per_group if attention == "sdpa" else None,

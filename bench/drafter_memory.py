@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_ring.common.config.drafter import DrafterConfig
-from dflash_ring.consumer.drafter_hf_config import drafter_geometry
+from dflash_ring.consumer.layouts.drafter_hf_config import drafter_geometry
 
 MARGIN = 0.10
 COMPILED, EAGER, GRAD_CHECK = 9.0, 20.0, 15.5  # `a` above, bytes per block token, layer and (h + I)
@@ -86,7 +86,8 @@ class StepMemory:
 
 
 def trainable_parameters(target: Mapping[str, Any], drafter: DrafterConfig) -> int:
-    """The drafter's parameters (consumer/model.py: the decoder layers, fc and two norms), counted, not built."""
+    """The drafter's parameters (consumer/modeling/model.py: the decoder layers, fc and two norms), counted, not
+    built."""
     g = drafter_geometry(drafter, target)
     h, hd, inner = g["hidden_size"], g["head_dim"], g["intermediate_size"]
     q, kv = g["num_attention_heads"] * hd, g["num_key_value_heads"] * hd

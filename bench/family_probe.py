@@ -3,7 +3,7 @@
 `python -m dflash_ring.bench.family_probe [cuda|cpu] [family,family,...]`: each family is built tiny from its
 config class, saved, loaded by the producer's own loader (`TargetModel.load`, bf16 on CUDA) and judged by
 `choose_packing("auto")`, as a target process does at start; then the drafter's head probe derives and
-verifies its head (consumer/head_probe.py), as a drafter does at its first start. It is how the GPU path (the
+verifies its head (consumer/modeling/head_probe.py), as a drafter does at its first start. It is how the GPU path (the
 varlen kernel) and the installed transformers' modeling code are checked on a GPU machine whose transformers
 is not CI's.
 """
@@ -19,7 +19,7 @@ import torch
 
 from dflash_ring.bench.target_shapes import FAMILIES, PADDED_ONLY, model_class, tiny_config
 from dflash_ring.common.config.target import TargetConfig
-from dflash_ring.consumer.head_loader import probe_target_head
+from dflash_ring.consumer.modeling.head_loader import probe_target_head
 from dflash_ring.producer.conformance import choose_packing
 from dflash_ring.producer.target import TargetModel
 

@@ -67,9 +67,9 @@ from dflash_ring.common.config.drafter import DrafterConfig, build_target_layer_
 from dflash_ring.common.layout import Role
 from dflash_ring.common.metrics import DRAFTER, SUPERVISOR, TARGET
 from dflash_ring.common.ring import Ring
-from dflash_ring.consumer.head_cache import CACHE_NAME as HEAD_CACHE_NAME
-from dflash_ring.consumer.process import build
-from dflash_ring.consumer.trainer import DeviceBatch, Trainer
+from dflash_ring.consumer.modeling.head_cache import CACHE_NAME as HEAD_CACHE_NAME
+from dflash_ring.consumer.training.process import build
+from dflash_ring.consumer.training.trainer import DeviceBatch, Trainer
 from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 from dflash_ring.producer.batching import Batch, ShardBatcher
 from dflash_ring.producer.pretokenized import load_tokenized
@@ -209,7 +209,7 @@ def _standalone_target(
 
 
 def _standalone_drafter(trainer: Trainer, total_steps: int, fed: list[DeviceBatch], warm: int) -> dict[str, Any]:
-    """D (module docstring): the Trainer that consumer/process.py's `build` makes, stepped alone on `fed` (its
+    """D (module docstring): the Trainer that consumer/training/process.py's `build` makes, stepped alone on `fed` (its
     first `warm` steps compile), minus the ring."""
     device = trainer.device
     t0 = time.perf_counter()

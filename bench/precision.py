@@ -33,10 +33,10 @@ from dflash_ring.bench.target_shapes import SHAPES
 from dflash_ring.common.arguments import at_least_one, fp8_recipe_argument, recipe_argument, seed
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.config.train import TrainConfig
-from dflash_ring.consumer.fp8 import check_precision
-from dflash_ring.consumer.model import FrozenTargetHead, cu_seqlens_from_lengths
+from dflash_ring.consumer.modeling.fp8 import check_precision
+from dflash_ring.consumer.modeling.model import FrozenTargetHead, cu_seqlens_from_lengths
 from dflash_ring.consumer.families.build import build_drafter
-from dflash_ring.consumer.trainer import DeviceBatch, Trainer
+from dflash_ring.consumer.training.trainer import DeviceBatch, Trainer
 
 PRECISIONS = ("bf16", "fp8")
 TOLERANCE = 0.02  # the issue's: final loss and accept length within 2%

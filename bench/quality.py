@@ -138,7 +138,8 @@ def _device_name() -> str:
 
 
 def _records(checkpoint_dir: Path) -> list[dict[str, Any]]:
-    """Drafter 0's record file (consumer/tracking.py: tracking/drafter-0.jsonl beside the checkpoints), in order."""
+    """Drafter 0's record file (consumer/reporting/tracking.py: tracking/drafter-0.jsonl beside the checkpoints), in
+    order."""
     path = checkpoint_dir.parent / "tracking" / "drafter-0.jsonl"
     records = []
     for line in path.read_text().splitlines() if path.is_file() else []:

@@ -61,7 +61,7 @@ def run_recipes_bench(
     prompts: int = 100,
     max_new_tokens: int = 64,
 ) -> dict:
-    from dflash_ring.consumer.evaluate import evaluate_drafter
+    from dflash_ring.consumer.evaluation.evaluate import evaluate_drafter
     from dflash_ring.embedded.tiny_target import HELDOUT_FILE
     from dflash_ring.tools.launcher import console, embedded_config, train_and_export
 

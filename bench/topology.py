@@ -31,7 +31,7 @@ from dflash_ring.common.arguments import (
     fp8_recipe_argument,
     recipe_argument,
 )
-from dflash_ring.consumer.fp8 import check_precision
+from dflash_ring.consumer.modeling.fp8 import check_precision
 
 from .drafter import run_drafter_bench
 from .progress import progress

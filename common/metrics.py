@@ -305,7 +305,7 @@ class DrafterMetrics:
         self.grad_norm = Gauge(
             "dflash_ring_drafter_grad_norm", "Gradient norm of the last step, before clipping", registry=r
         )
-        # The step record's keys (consumer/step_record.py) each gauge shows.
+        # The step record's keys (consumer/reporting/step_record.py) each gauge shows.
         self.gauges = {
             "loss": self.loss,
             "accuracy/mean": self.accuracy,
@@ -347,7 +347,7 @@ class DrafterMetrics:
         )
 
     def publish(self, step: int, step_s: float, record: dict[str, float]) -> None:
-        """One optimizer step: its record (consumer/step_record.py) into the gauges, its time and number."""
+        """One optimizer step: its record (consumer/reporting/step_record.py) into the gauges, its time and number."""
         self.steps.inc()
         self.step.observe(step_s)
         self.step_number.set(step)

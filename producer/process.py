@@ -18,7 +18,7 @@ that file's replay list (common/lifecycle/resume_state.py), and a producer publi
 stopped at any moment loses nothing. At the end of the shard the file holds the end (a drained run
 started again must not redo a finished shard); the supervisor removes it once the run is complete.
 
-The process, after it attaches, as the drafter's is (consumer/process.py): `build` (the data, the target in its
+The process, after it attaches, as the drafter's is (consumer/training/process.py): `build` (the data, the target in its
 batch layout, the shard's batcher: interruptible, before the row is taken), `resume` (the plan in the row, the
 resume point, the replay list) and `publish_shard` (the publish loop, which checks the stop flag itself).
 """

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from dflash_ring.common.config.schema import ConfigError, GroupConfig
-from dflash_ring.consumer.replica_group import ReplicaGroup
+from dflash_ring.consumer.training.replica_group import ReplicaGroup
 
 
 def main() -> int:

@@ -42,7 +42,7 @@ from dflash_ring.bench.target_shapes import FAMILIES, model_class, tiny_config
 from dflash_ring.common.config.dump import dump_toml
 from dflash_ring.common.config.load import load_config
 from dflash_ring.common.config.schema import Config
-from dflash_ring.consumer.model import Anchors, FrozenTargetHead, cu_seqlens_from_lengths
+from dflash_ring.consumer.modeling.model import Anchors, FrozenTargetHead, cu_seqlens_from_lengths
 from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 from dflash_ring.producer.batching import Batch, Cursor
 from dflash_ring.producer.conformance import relative_error

@@ -106,9 +106,9 @@ def export_and_target(tmp_path_factory):
 
     from support import save_tiny_qwen3
     from dflash_ring.common.config.drafter import DrafterConfig
-    from dflash_ring.consumer.export import export_drafter
+    from dflash_ring.consumer.layouts.export import export_drafter
     from dflash_ring.consumer.families.build import build_drafter
-    from dflash_ring.consumer.model import load_target_head
+    from dflash_ring.consumer.modeling.model import load_target_head
 
     root = tmp_path_factory.mktemp("bounds")
     target = root / "target"
@@ -128,7 +128,7 @@ def test_an_exports_block_and_vocabulary_are_checked_against_memory_before_eval_
     """block_size 1e9: eval allocated past 3 GB before it failed; now one line before any round is drafted."""
     import shutil
 
-    from dflash_ring.consumer.evaluate import evaluate_drafter
+    from dflash_ring.consumer.evaluation.evaluate import evaluate_drafter
 
     export, target = export_and_target
     big = tmp_path / "export"

@@ -1,4 +1,5 @@
-"""The confidence-calibration figures of the offline eval (consumer/calibration.py) against hand-computed values."""
+"""The confidence-calibration figures of the offline eval (consumer/evaluation/calibration.py) against hand-computed
+values."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import random
 
 import pytest
 
-from dflash_ring.consumer.calibration import (
+from dflash_ring.consumer.evaluation.calibration import (
     auroc,
     brier_score,
     confidence_calibration,

@@ -74,7 +74,7 @@ def _checkpoints(tmp: Path, layers: int = 1) -> tuple[Path, Path]:
     """A tiny target and two real checkpoints of a `layers`-layer drafter trained on it."""
     from dataclasses import asdict
 
-    from dflash_ring.consumer.checkpoint import CheckpointStore
+    from dflash_ring.consumer.training.checkpoint import CheckpointStore
     from test_trainer_checkpoint import batch, make_trainer
 
     trainer, _ = make_trainer(tmp)

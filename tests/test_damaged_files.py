@@ -32,9 +32,9 @@ from dflash_ring.common.lifecycle.trained_journal import (
     seal,
     segments,
 )
-from dflash_ring.consumer.head_cache import _digest, cached_spec, store_spec
-from dflash_ring.consumer.target_head import HeadSpec
-from dflash_ring.consumer.tracking import RecordFile, checked_lines, read_records
+from dflash_ring.consumer.modeling.head_cache import _digest, cached_spec, store_spec
+from dflash_ring.consumer.modeling.target_head import HeadSpec
+from dflash_ring.consumer.reporting.tracking import RecordFile, checked_lines, read_records
 from dflash_ring.producer.live_replay import LiveReplay
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -308,10 +308,10 @@ def test_a_real_target_head_read_through_a_doubted_cache_is_the_probes(tmp_path,
     """Through the real loader on a real (untied) checkpoint: the issue's edits give the head the probe derives
     and a rewritten cache. A value the probe could derive with the digest made to match (a tiny softcap, so
     re-digested) is a forgery the digest cannot catch: the target's own outputs the probe recorded beside the values
-    do (consumer/head_cache.py), and the probe runs again."""
+    do (consumer/modeling/head_cache.py), and the probe runs again."""
     from support import build_target
 
-    from dflash_ring.consumer.head_loader import load_target_head
+    from dflash_ring.consumer.modeling.head_loader import load_target_head
 
     target = build_target(tmp_path / "target", "qwen3", layers=1, hidden=32)
     cache = tmp_path / "drafter-0" / "target-head.json"
@@ -325,7 +325,7 @@ def test_a_real_target_head_read_through_a_doubted_cache_is_the_probes(tmp_path,
 
 def test_the_report_refuses_a_line_that_is_not_json_in_one_line_naming_it(tmp_path):
     """The report reads a file it does not own: it refuses (the drafter that owns it rebuilds it)."""
-    from dflash_ring.consumer.tracking import RecordFileError
+    from dflash_ring.consumer.reporting.tracking import RecordFileError
 
     path = tmp_path / "drafter-0.jsonl"
     path.write_bytes(_records(path).replace(b'"step": 3', b'"step": \xff3'))
@@ -338,7 +338,7 @@ def test_the_report_refuses_a_line_that_is_not_json_in_one_line_naming_it(tmp_pa
 
 
 def _two_checkpoints(root: Path):
-    from dflash_ring.consumer.checkpoint import Checkpoint, CheckpointStore
+    from dflash_ring.consumer.training.checkpoint import Checkpoint, CheckpointStore
 
     store = CheckpointStore(root)
     model = torch.nn.Linear(2, 2)

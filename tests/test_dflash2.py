@@ -12,7 +12,7 @@ import torch
 
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.consumer.families.dflash2.dflash2_blocks import GroupedDynamicCausalConv, grouped_dynamic_causal_conv
-from dflash_ring.consumer.model import DFlashDraftModel, block_attention_mask, load_target_head
+from dflash_ring.consumer.modeling.model import DFlashDraftModel, block_attention_mask, load_target_head
 from dflash_ring.consumer.families.dflash2.model import DFlash2DraftModel
 from dflash_ring.consumer.families.build import build_drafter
 from support import anchors_from_local, save_tiny_qwen3, tiny_qwen3_config
@@ -193,7 +193,7 @@ def test_dflash2_sliding_layers_are_bidirectional_inside_the_block_in_both_atten
 
 def selector_case(seed=2, vocab=30, hidden_size=8, rank=4, block=5, top_k=4, spec=None):
     from dflash_ring.consumer.families.dflash2.dflash2_blocks import CandidateSelector
-    from dflash_ring.consumer.model import FrozenTargetHead, cu_seqlens_from_lengths, sample_anchors
+    from dflash_ring.consumer.modeling.model import FrozenTargetHead, cu_seqlens_from_lengths, sample_anchors
 
     torch.manual_seed(seed)
     head = FrozenTargetHead(torch.randn(vocab, hidden_size), torch.randn(vocab, hidden_size), spec=spec)
@@ -210,7 +210,7 @@ def selector_reference(hidden, chooser, anchors, input_ids, loss_mask, head, cfg
     """The recipe's loss on full [N, B, V] logits, autograd: position-decayed CE + selector_weight x the w-weighted
     mean K-way CE over rows whose gold is in the unary top-K (scores = top-K logits + the bilinear term of the true
     predecessor input_ids[anchor + k - 1])."""
-    from dflash_ring.consumer.loss import block_labels
+    from dflash_ring.consumer.training.loss import block_labels
     from dflash_ring.consumer.objectives.position_decay import position_weights
 
     block = hidden.shape[1]
@@ -236,9 +236,9 @@ def selector_reference(hidden, chooser, anchors, input_ids, loss_mask, head, cfg
 
 @pytest.mark.parametrize("spec", [None, "transformed"])
 def test_the_selector_loss_and_gradients_equal_the_full_logits_reference(spec):
-    from dflash_ring.consumer.loss import SelectorInputs, dflash_loss
+    from dflash_ring.consumer.training.loss import SelectorInputs, dflash_loss
     from dflash_ring.consumer.families.dflash2.model import _predecessors
-    from dflash_ring.consumer.target_head import HeadSpec
+    from dflash_ring.consumer.modeling.target_head import HeadSpec
 
     head_spec = HeadSpec(tied=False, logit_multiplier=0.7, logit_softcap=3.0) if spec else None
     head, input_ids, loss_mask, anchors, hidden, chooser = selector_case(spec=head_spec)
@@ -275,7 +275,7 @@ def test_the_selector_loss_and_gradients_equal_the_full_logits_reference(spec):
 
 
 def test_a_gold_outside_the_top_k_is_left_out_of_the_selector_and_counted_in_the_recall():
-    from dflash_ring.consumer.loss import SelectorInputs, dflash_loss
+    from dflash_ring.consumer.training.loss import SelectorInputs, dflash_loss
     from dflash_ring.consumer.families.dflash2.model import _predecessors
 
     head, input_ids, loss_mask, anchors, hidden, chooser = selector_case(top_k=2)
@@ -300,7 +300,7 @@ def test_a_gold_outside_the_top_k_is_left_out_of_the_selector_and_counted_in_the
         selector=SelectorInputs(context, chooser.successor_codebook, 2),
     )
     # the gold tokens of the rows left out get no gradient in the successor codebook, unless a kept row has them
-    from dflash_ring.consumer.loss import block_labels
+    from dflash_ring.consumer.training.loss import block_labels
 
     labels = block_labels(anchors, input_ids, loss_mask, 5)
     gold = labels.tokens[labels.valid]
@@ -331,9 +331,9 @@ def test_a_gold_outside_the_top_k_is_left_out_of_the_selector_and_counted_in_the
 
 
 def test_the_selector_figures_are_their_definitions():
-    from dflash_ring.consumer.loss import SelectorInputs, dflash_loss
+    from dflash_ring.consumer.training.loss import SelectorInputs, dflash_loss
     from dflash_ring.consumer.families.dflash2.model import _predecessors
-    from dflash_ring.consumer.loss import block_labels
+    from dflash_ring.consumer.training.loss import block_labels
     from dflash_ring.consumer.families import family
 
     head, input_ids, loss_mask, anchors, hidden, chooser = selector_case(top_k=3)
@@ -387,7 +387,7 @@ def test_the_serving_walk_is_greedy_over_the_scores_from_the_anchor():
 
 def test_a_dflash2_drafter_trains_on_a_tiny_target(tmp_path):
     from dflash_ring.common.config.train import TrainConfig
-    from dflash_ring.consumer.trainer import DeviceBatch, Trainer
+    from dflash_ring.consumer.training.trainer import DeviceBatch, Trainer
 
     save_tiny_qwen3(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
@@ -435,7 +435,7 @@ def test_a_dflash2_drafter_trains_on_a_tiny_target(tmp_path):
     assert f1["selector/accept_len"] > f0["selector/accept_len"]
     # the convolutions and the selector train: none is left at its initial value
     assert model.layers[0].attention_conv.kernel_projection.weight.abs().max() > 0
-    from dflash_ring.consumer.step_record import WindowStats, step_scalars
+    from dflash_ring.consumer.reporting.step_record import WindowStats, step_scalars
 
     record = step_scalars(last, WindowStats(1.0, 40, 0.0, 1, 40, 0, {}))
     assert {
@@ -452,8 +452,8 @@ def test_a_dflash2_drafter_trains_on_a_tiny_target(tmp_path):
 def test_a_dflash2_export_is_zlabs_layout_and_loads_back(target, tmp_path):
     from safetensors import safe_open
 
-    from dflash_ring.consumer.export import export_drafter, load_drafter
-    from dflash_ring.consumer.target_head import HeadSpec
+    from dflash_ring.consumer.layouts.export import export_drafter, load_drafter
+    from dflash_ring.consumer.modeling.target_head import HeadSpec
 
     _, config, head = target
     cfg = DrafterConfig(

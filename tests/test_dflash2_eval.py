@@ -14,10 +14,15 @@ import torch
 
 from dflash_ring.cli import main
 from dflash_ring.common.config.drafter import DrafterConfig
-from dflash_ring.consumer.evaluate import drafter_draft_fn, evaluate_drafter, prompt_generators, speculative_generate
+from dflash_ring.consumer.evaluation.evaluate import (
+    drafter_draft_fn,
+    evaluate_drafter,
+    prompt_generators,
+    speculative_generate,
+)
 from dflash_ring.consumer.families.dflash2 import draft as dflash2_draft
-from dflash_ring.consumer.export import export_drafter, load_drafter
-from dflash_ring.consumer.model import load_target_head
+from dflash_ring.consumer.layouts.export import export_drafter, load_drafter
+from dflash_ring.consumer.modeling.model import load_target_head
 from dflash_ring.consumer.families.dflash2.model import DFlash2DraftModel
 from dflash_ring.consumer.families.build import build_drafter
 from support import (  # noqa: F401 (fixtures, asked for by name; one_thread is autouse)

@@ -18,9 +18,9 @@ import torch
 from dflash_ring.common.arguments import attention_geometry, attention_geometry_argument
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.config.load import load_config
-from dflash_ring.consumer.drafter_hf_config import drafter_hf_config
-from dflash_ring.consumer.export import export_drafter, load_drafter
-from dflash_ring.consumer.model import load_target_head
+from dflash_ring.consumer.layouts.drafter_hf_config import drafter_hf_config
+from dflash_ring.consumer.layouts.export import export_drafter, load_drafter
+from dflash_ring.consumer.modeling.model import load_target_head
 from dflash_ring.consumer.families.build import build_drafter
 
 from support import save_tiny_qwen3

@@ -45,8 +45,8 @@ def test_dflash2_flops_and_memory_count_the_convolutions_and_the_selector():
     from dflash_ring.bench.drafter import dflash2_conv_flops, selector_flops, step_flops
     from dflash_ring.bench.drafter_memory import dflash2_activation_bytes, dflash2_parameters
     from dflash_ring.consumer.families.dflash2.dflash2_blocks import CandidateSelector, GroupedDynamicCausalConv
-    from dflash_ring.consumer.drafter_hf_config import drafter_geometry
-    from dflash_ring.consumer.model import sample_anchors
+    from dflash_ring.consumer.layouts.drafter_hf_config import drafter_geometry
+    from dflash_ring.consumer.modeling.model import sample_anchors
 
     target, d2 = _shape("qwen3.6-27b", "dflash2")
     plain = DrafterConfig(

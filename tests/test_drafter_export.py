@@ -11,11 +11,11 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
 from dflash_ring.common.config.drafter import DrafterConfig
-from dflash_ring.consumer.drafter_hf_config import drafter_hf_config
+from dflash_ring.consumer.layouts.drafter_hf_config import drafter_hf_config
 from dflash_ring.common.refusal import Refusal
 from dflash_ring.common.safetensors_check import DamagedWeightsError
-from dflash_ring.consumer.export import export_drafter, load_drafter
-from dflash_ring.consumer.model import Anchors, block_attention_mask, cu_seqlens_from_lengths, load_target_head
+from dflash_ring.consumer.layouts.export import export_drafter, load_drafter
+from dflash_ring.consumer.modeling.model import Anchors, block_attention_mask, cu_seqlens_from_lengths, load_target_head
 from dflash_ring.consumer.families.build import build_drafter
 from support import save_tiny_qwen3
 

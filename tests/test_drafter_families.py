@@ -20,18 +20,18 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 from dflash_ring.bench.target_shapes import shape_config
 from dflash_ring.common.config.drafter import DrafterConfig, build_target_layer_ids
-from dflash_ring.consumer.drafter_hf_config import drafter_hf_config, drafter_rope
-from dflash_ring.consumer.export import TARGET_HEAD_KEY, export_drafter, load_drafter
+from dflash_ring.consumer.layouts.drafter_hf_config import drafter_hf_config, drafter_rope
+from dflash_ring.consumer.layouts.export import TARGET_HEAD_KEY, export_drafter, load_drafter
 from dflash_ring.consumer.families.dspark import CODE_SOURCE as DSPARK_CODE_SOURCE
 from dflash_ring.consumer.families.dflash import CODE_SOURCE as MODEL_CODE_SOURCE
-from dflash_ring.consumer.head_probe import HeadProbeError, TargetHeadProbe, check, derive
-from dflash_ring.consumer.loss import dflash_loss
-from dflash_ring.consumer.model import Anchors, load_target_head
+from dflash_ring.consumer.modeling.head_probe import HeadProbeError, TargetHeadProbe, check, derive
+from dflash_ring.consumer.training.loss import dflash_loss
+from dflash_ring.consumer.modeling.model import Anchors, load_target_head
 from dflash_ring.consumer.families.build import build_drafter
 from dflash_ring.common.config.train import TrainConfig
-from dflash_ring.consumer.trainer import DeviceBatch, Trainer
+from dflash_ring.consumer.training.trainer import DeviceBatch, Trainer
 
-from dflash_ring.consumer.target_head import HeadSpec
+from dflash_ring.consumer.modeling.target_head import HeadSpec
 from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer
 
 from support import ARCHS, build_target
@@ -523,7 +523,7 @@ def test_a_restart_reuses_the_derived_head_without_modeling_code(tmp_path):
     cache = tmp_path / "drafter-0" / "target-head.json"
     first = load_target_head(path, cache=cache)
     code = (
-        "import json, sys; from dflash_ring.consumer.head_loader import load_target_head; "
+        "import json, sys; from dflash_ring.consumer.modeling.head_loader import load_target_head; "
         f"head = load_target_head({str(path)!r}, cache={str(cache)!r}); "
         "print(json.dumps([head.spec.to_json(), [m for m in sys.modules if 'modeling' in m]]))"
     )

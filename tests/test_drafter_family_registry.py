@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.config.families import FAMILIES as CONFIG_FAMILIES
-from dflash_ring.consumer.drafter_hf_config import drafter_hf_config
+from dflash_ring.consumer.layouts.drafter_hf_config import drafter_hf_config
 from dflash_ring.consumer.families import FAMILIES, family_of, family_of_layout
 from dflash_ring.consumer.families.build import build_drafter
 

@@ -31,10 +31,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from dflash_ring.common.config.drafter import DrafterConfig
-from dflash_ring.consumer.drafter_hf_config import drafter_hf_config, qwen3_config
-from dflash_ring.consumer.drafter_import import ReleasedDrafterError, released_drafter
-from dflash_ring.consumer.export import TARGET_HEAD_KEY, WEIGHTS_NAME, export_arch, export_drafter
-from dflash_ring.consumer.model import load_target_head
+from dflash_ring.consumer.layouts.drafter_hf_config import drafter_hf_config, qwen3_config
+from dflash_ring.consumer.layouts.drafter_import import ReleasedDrafterError, released_drafter
+from dflash_ring.consumer.layouts.export import TARGET_HEAD_KEY, WEIGHTS_NAME, export_arch, export_drafter
+from dflash_ring.consumer.modeling.model import load_target_head
 from dflash_ring.consumer.families.build import build_drafter
 from dflash_ring.consumer.families import family
 from support import anchors_from_local, save_tiny_qwen3

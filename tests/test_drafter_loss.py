@@ -9,14 +9,19 @@ import torch
 import torch.nn.functional as F
 
 from dflash_ring.common.config.drafter import DrafterConfig
-from dflash_ring.consumer.fp8 import Fp8Unavailable
-from dflash_ring.consumer.fp8_head import E5M2, Fp8Head, quantize_rows
-from dflash_ring.consumer.loss import block_labels, dflash_loss
+from dflash_ring.consumer.modeling.fp8 import Fp8Unavailable
+from dflash_ring.consumer.modeling.fp8_head import E5M2, Fp8Head, quantize_rows
+from dflash_ring.consumer.training.loss import block_labels, dflash_loss
 from dflash_ring.consumer.objectives.cap import accept_products
 from dflash_ring.consumer.objectives.dpace import dpace_weights
 from dflash_ring.consumer.objectives.position_decay import position_weights
 from dflash_ring.consumer.objectives.teacher import teacher_logits
-from dflash_ring.consumer.model import FrozenTargetHead, cu_seqlens_from_lengths, load_target_head, sample_anchors
+from dflash_ring.consumer.modeling.model import (
+    FrozenTargetHead,
+    cu_seqlens_from_lengths,
+    load_target_head,
+    sample_anchors,
+)
 from dflash_ring.consumer.families.build import build_drafter
 from support import anchors_from_local, save_tiny_qwen3
 

@@ -15,8 +15,8 @@ from transformers.models.qwen3 import modeling_qwen3
 
 from dflash_ring.common.config.drafter import DrafterConfig, build_target_layer_ids
 from dflash_ring.common.config.target import TargetConfigError
-from dflash_ring.consumer import qwen3_blocks
-from dflash_ring.consumer.model import (
+from dflash_ring.consumer.modeling import qwen3_blocks
+from dflash_ring.consumer.modeling.model import (
     FLEX_KERNEL_OPTIONS,
     FLEX_TILE,
     FrozenTargetHead,
@@ -93,7 +93,7 @@ def test_qwen3_blocks_equal_transformers_qwen3(rope):
     assert torch.equal(inv_freq, rotary.inv_freq) and scaling == rotary.attention_scaling
 
 
-# Every config attribute the drafter's modules read (consumer/model.py, qwen3_blocks.py, dspark_heads.py,
+# Every config attribute the drafter's modules read (consumer/modeling/model.py, qwen3_blocks.py, dspark_heads.py,
 # dflash2_blocks.py): what model_config must give exactly as Qwen3Config does.
 MODEL_READS = (
     "hidden_size",
@@ -124,7 +124,7 @@ def test_the_drafter_is_built_without_transformers_config_class_as_with_it(arch,
     """A drafter process builds from model_config (no transformers import at its start: seconds of a restart on
     the H200's transformers 5.17), the export from Qwen3Config: every attribute the modules read is the same, and
     the same seed gives the same weights and the same RoPE."""
-    from dflash_ring.consumer.drafter_hf_config import drafter_hf_config, model_config, qwen3_config
+    from dflash_ring.consumer.layouts.drafter_hf_config import drafter_hf_config, model_config, qwen3_config
     from dflash_ring.consumer.families import family
 
     layer_types = ["sliding_attention", "full_attention"] if arch == "dflash2" else ["full_attention"] * 2
@@ -152,7 +152,7 @@ def test_the_drafter_is_built_without_transformers_config_class_as_with_it(arch,
 
 
 def test_a_non_default_rope_builds_through_qwen3_config():
-    from dflash_ring.consumer.drafter_hf_config import drafter_hf_config, model_config
+    from dflash_ring.consumer.layouts.drafter_hf_config import drafter_hf_config, model_config
 
     target = tiny_qwen3_config(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}).to_dict()
     config = model_config(

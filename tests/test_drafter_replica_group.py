@@ -1,4 +1,4 @@
-"""Drafter replicas on several hosts (consumer/replica_group.py), as real processes on this machine.
+"""Drafter replicas on several hosts (consumer/training/replica_group.py), as real processes on this machine.
 
 Two "host leaders" meet at a TCPStore and average through gloo; one is SIGKILLed and
 restarted; mismatched configs are refused; and two runs with their own rings,

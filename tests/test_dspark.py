@@ -9,8 +9,13 @@ import torch.nn.functional as F
 
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.consumer.families.dspark.dspark_heads import ConfidenceHead, MarkovHead
-from dflash_ring.consumer.loss import DSparkHeads, block_labels, dflash_loss
-from dflash_ring.consumer.model import FrozenTargetHead, cu_seqlens_from_lengths, load_target_head, sample_anchors
+from dflash_ring.consumer.training.loss import DSparkHeads, block_labels, dflash_loss
+from dflash_ring.consumer.modeling.model import (
+    FrozenTargetHead,
+    cu_seqlens_from_lengths,
+    load_target_head,
+    sample_anchors,
+)
 from dflash_ring.consumer.families.dspark.model import DSparkDraftModel
 from dflash_ring.consumer.families.build import build_drafter
 from dflash_ring.consumer.families.dspark.model import dspark_prev_ids
@@ -217,7 +222,7 @@ def test_dspark_figures_equal_hand_computed_values():
 
 def test_a_dspark_drafter_trains_on_a_tiny_target(tmp_path):
     from dflash_ring.common.config.train import TrainConfig
-    from dflash_ring.consumer.trainer import DeviceBatch, Trainer
+    from dflash_ring.consumer.training.trainer import DeviceBatch, Trainer
 
     save_tiny_qwen3(tmp_path)
     target_config = (tmp_path / "config.json").read_text()
@@ -263,10 +268,10 @@ def test_dspark_figures_reach_the_record_per_source_and_prometheus():
     from prometheus_client import CollectorRegistry
 
     from dflash_ring.common.metrics import DrafterMetrics
-    from dflash_ring.consumer.source_metrics import by_source
-    from dflash_ring.consumer.step_record import WindowStats, step_scalars
+    from dflash_ring.consumer.reporting.source_metrics import by_source
+    from dflash_ring.consumer.reporting.step_record import WindowStats, step_scalars
     from dflash_ring.consumer.families import family
-    from dflash_ring.consumer.trainer import StepMetrics
+    from dflash_ring.consumer.training.trainer import StepMetrics
 
     torch.manual_seed(3)
     vocab, hidden_size, rank, block = 20, 6, 3, 4

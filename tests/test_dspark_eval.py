@@ -14,10 +14,10 @@ from dataclasses import asdict
 import pytest
 import torch
 
-import dflash_ring.consumer.evaluate as evaluate
+import dflash_ring.consumer.evaluation.evaluate as evaluate
 from dflash_ring.cli import main
 from dflash_ring.common.config.drafter import DrafterConfig
-from dflash_ring.consumer.evaluate import (
+from dflash_ring.consumer.evaluation.evaluate import (
     drafter_draft_fn,
     evaluate_drafter,
     prompt_generators,
@@ -25,10 +25,10 @@ from dflash_ring.consumer.evaluate import (
     summarize,
     verify_sampled,
 )
-from dflash_ring.consumer.draft import Draft
+from dflash_ring.consumer.modeling.draft import Draft
 from dflash_ring.consumer.families.dspark import draft as dspark_draft
-from dflash_ring.consumer.export import export_drafter
-from dflash_ring.consumer.model import Anchors, load_target_head
+from dflash_ring.consumer.layouts.export import export_drafter
+from dflash_ring.consumer.modeling.model import Anchors, load_target_head
 from dflash_ring.consumer.families.dspark.model import DSparkDraftModel
 from dflash_ring.consumer.families.build import build_drafter
 from dflash_ring.embedded.tiny_tokenizer import tiny_chat_tokenizer

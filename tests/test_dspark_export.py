@@ -14,13 +14,13 @@ from transformers import AutoModel
 
 from dflash_ring.cli import main
 from dflash_ring.common.config.drafter import DrafterConfig
-from dflash_ring.consumer.checkpoint import Checkpoint, CheckpointError, CheckpointStore, export_checkpoint
-from dflash_ring.consumer.export import export_drafter, load_drafter
+from dflash_ring.consumer.training.checkpoint import Checkpoint, CheckpointError, CheckpointStore, export_checkpoint
+from dflash_ring.consumer.layouts.export import export_drafter, load_drafter
 from dflash_ring.consumer.families.dspark import CODE_SOURCE as DSPARK_CODE_SOURCE
-from dflash_ring.consumer.model import FrozenTargetHead, load_target_head
+from dflash_ring.consumer.modeling.model import FrozenTargetHead, load_target_head
 from dflash_ring.consumer.families.dspark.model import DSparkDraftModel
 from dflash_ring.consumer.families.build import build_drafter
-from dflash_ring.consumer.target_head import HeadSpec
+from dflash_ring.consumer.modeling.target_head import HeadSpec
 from support import save_tiny_qwen3
 
 HIDDEN, VOCAB, RANK, BLOCK, MASK_ID = 64, 256, 8, 4, 250

@@ -23,19 +23,19 @@ from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.config.schema import ConfigError, drafter_target_settings
 from dflash_ring.common.config.target import TargetGeometry
 from dflash_ring.common.config.train import TrainConfig
-from dflash_ring.consumer.drafter_hf_config import drafter_hf_config
+from dflash_ring.consumer.layouts.drafter_hf_config import drafter_hf_config
 from dflash_ring.consumer.families import family
 from dflash_ring.consumer.families.build import build_drafter
 from dflash_ring.consumer.families.eagle3 import draft
 from dflash_ring.consumer.families.eagle3.model import Eagle3DraftModel
 from dflash_ring.consumer.families.eagle3.vocab import token_counts, vocab_mapping
-from dflash_ring.consumer.export import export_drafter, load_drafter
-from dflash_ring.consumer.warm_start import warm_start
-from dflash_ring.consumer.model import Anchors, FrozenTargetHead, load_target_head
-from dflash_ring.consumer.objective import ObjectiveInputs
-from dflash_ring.consumer.trainer import DeviceBatch, Trainer
+from dflash_ring.consumer.layouts.export import export_drafter, load_drafter
+from dflash_ring.consumer.training.warm_start import warm_start
+from dflash_ring.consumer.modeling.model import Anchors, FrozenTargetHead, load_target_head
+from dflash_ring.consumer.training.objective import ObjectiveInputs
+from dflash_ring.consumer.training.trainer import DeviceBatch, Trainer
 
-from dflash_ring.consumer.evaluate import drafter_draft_fn, evaluate_drafter, speculative_generate
+from dflash_ring.consumer.evaluation.evaluate import drafter_draft_fn, evaluate_drafter, speculative_generate
 from support import (  # noqa: F401 (fixtures, asked for by name; one_thread is autouse)
     EVAL_VOCAB,
     data,

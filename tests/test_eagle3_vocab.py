@@ -19,8 +19,8 @@ from dflash_ring.cli import main
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.config.schema import ConfigError, drafter_target_settings
 from dflash_ring.common.target_geometry import target_geometry
-from dflash_ring.consumer.process import build
-from dflash_ring.consumer.trainer import DeviceBatch
+from dflash_ring.consumer.training.process import build
+from dflash_ring.consumer.training.trainer import DeviceBatch
 from dflash_ring.producer.batching import split_sources
 from dflash_ring.producer.pretokenized import load_sources, target_tokenizer
 from support import build_target, load_tokenizer, one_thread, override, run_config, write_chat_rows  # noqa: F401

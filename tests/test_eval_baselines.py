@@ -16,8 +16,8 @@ import torch
 
 from dflash_ring.cli import _parser, main
 from dflash_ring.common.config.drafter import DrafterConfig
-from dflash_ring.consumer import evaluate
-from dflash_ring.consumer.evaluate import (
+from dflash_ring.consumer.evaluation import evaluate
+from dflash_ring.consumer.evaluation.evaluate import (
     BASELINES,
     EvalProgress,
     EvalRefusal,
@@ -32,9 +32,9 @@ from dflash_ring.consumer.evaluate import (
     speculative_generate,
     untrained_drafter,
 )
-from dflash_ring.consumer.export import export_drafter, load_drafter
+from dflash_ring.consumer.layouts.export import export_drafter, load_drafter
 from dflash_ring.consumer.families.build import build_drafter
-from dflash_ring.consumer.prompt_lookup import prompt_lookup
+from dflash_ring.consumer.evaluation.prompt_lookup import prompt_lookup
 from support import (  # noqa: F401 (fixtures, asked for by name)
     EVAL_VOCAB,
     MICRO_VOCAB,
@@ -246,7 +246,7 @@ def test_baselines_are_decoded_beside_the_drafter(drafter_dir, target_dir, targe
         assert 1 <= row.tau <= BLOCK
 
     # The untrained row is a real decode with the untrained drafter: its rounds, prompt by prompt.
-    from dflash_ring.consumer.head_loader import load_target_head
+    from dflash_ring.consumer.modeling.head_loader import load_target_head
 
     head = load_target_head(target_dir, dtype=torch.float32)
     fresh = untrained_drafter(load_drafter(drafter_dir, dtype=torch.float32))
@@ -385,7 +385,7 @@ def test_progress_is_reported_per_prompt_and_logged_first_last_and_between(draft
     line = format_progress(EvalProgress("chain", 3, 100, 2.4123, 300, 2.0, 3, 300, 5.0))
     assert line == "chain: 3/100 prompts, tau 2.412, 150.0 target tokens/s, ETA 8m15s"
 
-    caplog.set_level("INFO", logger="dflash_ring.consumer.evaluate")
+    caplog.set_level("INFO", logger="dflash_ring.consumer.evaluation.evaluate")
     nine = [
         EvalProgress(decoder, k, 9, 1.0, k, 1.0, k, 18, 1.0) for decoder in ("chain", "untrained") for k in range(1, 10)
     ]
@@ -410,7 +410,7 @@ def test_the_cli_prints_progress_on_stderr_and_json_alone_on_stdout(drafter_dir,
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)  # stdout is the report alone
     assert [b["name"] for b in report["baselines"]] == ["untrained"]
-    lines = [ln for ln in done.stderr.splitlines() if "dflash_ring.consumer.evaluate:" in ln]
+    lines = [ln for ln in done.stderr.splitlines() if "dflash_ring.consumer.evaluation.evaluate:" in ln]
     assert any("chain: 1/2 prompts, tau " in ln and "target tokens/s, ETA " in ln for ln in lines), done.stderr
     assert any("chain: 2/2 prompts" in ln for ln in lines) and any("untrained: 2/2 prompts" in ln for ln in lines)
     assert (

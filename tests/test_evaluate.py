@@ -15,8 +15,8 @@ from transformers import Qwen3ForCausalLM
 from dflash_ring.cli import main
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.refusal import Refusal
-from dflash_ring.consumer import evaluate
-from dflash_ring.consumer.evaluate import (
+from dflash_ring.consumer.evaluation import evaluate
+from dflash_ring.consumer.evaluation.evaluate import (
     AcceptanceReport,
     Generation,
     drafter_draft_fn,
@@ -24,8 +24,8 @@ from dflash_ring.consumer.evaluate import (
     speculative_generate,
     summarize,
 )
-from dflash_ring.consumer.export import export_drafter, load_drafter
-from dflash_ring.consumer.model import Anchors, FrozenTargetHead
+from dflash_ring.consumer.layouts.export import export_drafter, load_drafter
+from dflash_ring.consumer.modeling.model import Anchors, FrozenTargetHead
 from dflash_ring.consumer.families.build import build_drafter
 from support import save_eval_target, tiny_qwen3_config
 

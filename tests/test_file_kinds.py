@@ -157,7 +157,7 @@ def test_a_latest_pointer_of_the_wrong_kind_is_kept_aside_and_the_newest_checkpo
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_head_cache_of_the_wrong_kind_is_probed_again(tmp_path, kind):
-    from dflash_ring.consumer.head_cache import cached_spec
+    from dflash_ring.consumer.modeling.head_cache import cached_spec
 
     cache = tmp_path / "target-head.json"
     KINDS[kind](cache)
@@ -167,7 +167,7 @@ def test_a_head_cache_of_the_wrong_kind_is_probed_again(tmp_path, kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_record_file_of_the_wrong_kind_is_kept_aside_by_its_drafter_and_refused_by_the_report(tmp_path, kind):
-    from dflash_ring.consumer.tracking import RecordFile, read_records
+    from dflash_ring.consumer.reporting.tracking import RecordFile, read_records
 
     path = tmp_path / "drafter-0.jsonl"
     KINDS[kind](path)
@@ -228,7 +228,7 @@ def test_a_safetensors_file_of_the_wrong_kind_is_refused_naming_it(tmp_path, kin
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_an_exports_config_json_of_the_wrong_kind_is_refused_naming_it(tmp_path, kind):
-    from dflash_ring.consumer.export import load_drafter
+    from dflash_ring.consumer.layouts.export import load_drafter
 
     export = tmp_path / "export"
     export.mkdir()

@@ -22,12 +22,12 @@ from dflash_ring.common.config.schema import ConfigError
 from dflash_ring.common.ring import fingerprint_digest
 from dflash_ring.common.ring_spec import run_fingerprint_fields
 from dflash_ring.common.config.drafter import DrafterConfig
-from dflash_ring.consumer.drafter_hf_config import drafter_hf_config
-from dflash_ring.consumer.fp8 import Fp8Unavailable, convert_to_fp8, fp8_refusal
-from dflash_ring.consumer.loss import dflash_loss
-from dflash_ring.consumer.model import load_target_head
+from dflash_ring.consumer.layouts.drafter_hf_config import drafter_hf_config
+from dflash_ring.consumer.modeling.fp8 import Fp8Unavailable, convert_to_fp8, fp8_refusal
+from dflash_ring.consumer.training.loss import dflash_loss
+from dflash_ring.consumer.modeling.model import load_target_head
 from dflash_ring.consumer.families.build import build_drafter
-from dflash_ring.consumer.replica_group import fingerprint_fields
+from dflash_ring.consumer.training.replica_group import fingerprint_fields
 
 from support import anchors_from_local, save_tiny_qwen3, write_config
 

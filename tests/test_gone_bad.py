@@ -83,7 +83,7 @@ def test_max_nonfinite_steps_defaults_to_3_and_is_held_to_its_range():
 
 def _drafter_parts(tmp_path: Path, **train):
     """The drafter's Trainer as the drafter process builds it (consumer/process.build), on a tiny target."""
-    from dflash_ring.consumer.process import build
+    from dflash_ring.consumer.training.process import build
 
     target = tmp_path / "target"
     save_tiny_qwen3(target, vocab_size=96, max_position_embeddings=256, tie_word_embeddings=False)
@@ -96,7 +96,7 @@ def _drafter_parts(tmp_path: Path, **train):
 
 
 def _batch(seed: int, poisoned: bool = False):
-    from dflash_ring.consumer.trainer import DeviceBatch
+    from dflash_ring.consumer.training.trainer import DeviceBatch
 
     g = torch.Generator().manual_seed(seed)
     features = torch.randn(32, 64 * 1, generator=g)
@@ -131,7 +131,7 @@ def test_a_step_whose_gradient_is_not_finite_updates_neither_the_weights_nor_ada
 
 def _loop(max_nonfinite_steps: int, figures: list[tuple[float, float]]):
     """DrafterLoop around a trainer whose optimizer steps report `figures` (loss, grad_norm), one per item."""
-    from dflash_ring.consumer.process import DrafterLoop
+    from dflash_ring.consumer.training.process import DrafterLoop
 
     steps = iter(figures)
 
@@ -220,8 +220,8 @@ def _poisoned(tmp_path: Path):
 
 
 def test_no_checkpoint_of_weights_that_are_not_finite_is_written_in_the_step_or_in_the_background(tmp_path):
-    from dflash_ring.consumer.async_checkpoint import BackgroundWriter, HostSnapshot
-    from dflash_ring.consumer.checkpoint import CheckpointStore
+    from dflash_ring.consumer.training.async_checkpoint import BackgroundWriter, HostSnapshot
+    from dflash_ring.consumer.training.checkpoint import CheckpointStore
 
     trainer = _poisoned(tmp_path).trainer
     name = next(n for n, _ in trainer.model.named_parameters())
@@ -237,7 +237,7 @@ def test_no_checkpoint_of_weights_that_are_not_finite_is_written_in_the_step_or_
 
 
 def test_no_export_of_weights_that_are_not_finite(tmp_path):
-    from dflash_ring.consumer.export import export_drafter
+    from dflash_ring.consumer.layouts.export import export_drafter
 
     built = _poisoned(tmp_path)
     name = next(n for n, _ in built.trainer.model.named_parameters())
@@ -277,7 +277,7 @@ def _record_file(path: Path, *extra: dict) -> None:
 
 def test_a_record_line_whose_step_is_out_of_range_is_dropped_and_named(tmp_path, caplog):
     """Step 1e12 made a successor log nothing after it; 10**30 crash-looped it with TensorBoard on."""
-    from dflash_ring.consumer.tracking import RecordFile
+    from dflash_ring.consumer.reporting.tracking import RecordFile
 
     path = tmp_path / "drafter-0.jsonl"
     _record_file(path, {"step": 10**12, "series": "train", "loss": 1.0}, {"step": 10**30, "series": "eval"})
@@ -303,7 +303,7 @@ def test_the_report_refuses_a_record_line_whose_step_is_out_of_range(tmp_path):
 
 def _forged(cache: Path, **head) -> None:
     """The issue's edit: values changed and the digest recomputed, as anyone can from head_cache's source."""
-    from dflash_ring.consumer.head_cache import _digest
+    from dflash_ring.consumer.modeling.head_cache import _digest
 
     record = json.loads(cache.read_text())
     record["head"].update(head)
@@ -317,7 +317,7 @@ def _forged(cache: Path, **head) -> None:
 def test_a_head_cache_whose_values_were_changed_and_redigested_is_caught_by_the_targets_own_outputs(
     tmp_path, head, caplog
 ):
-    from dflash_ring.consumer.head_loader import load_target_head
+    from dflash_ring.consumer.modeling.head_loader import load_target_head
 
     target = build_target(tmp_path / "target", "gemma2", layers=1, hidden=32)  # an embedding scale and a softcap
     cache = tmp_path / "drafter-0" / "target-head.json"

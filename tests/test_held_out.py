@@ -12,11 +12,11 @@ import torch
 
 from dflash_ring.common.config.load import load_config
 from dflash_ring.common.config.schema import ConfigError
-from dflash_ring.consumer.loss import dflash_loss
-from dflash_ring.consumer.model import Anchors, load_target_head, sample_anchors
+from dflash_ring.consumer.training.loss import dflash_loss
+from dflash_ring.consumer.modeling.model import Anchors, load_target_head, sample_anchors
 from dflash_ring.consumer.families.build import build_drafter
-from dflash_ring.consumer.source_metrics import OTHER, SourceLabels, by_source
-from dflash_ring.consumer.trainer import DeviceBatch, Trainer
+from dflash_ring.consumer.reporting.source_metrics import OTHER, SourceLabels, by_source
+from dflash_ring.consumer.training.trainer import DeviceBatch, Trainer
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.config.train import TrainConfig
 from dflash_ring.producer.batching import ShardBatcher, held_out

@@ -19,8 +19,8 @@ from dflash_ring.common.ring import Ring
 from dflash_ring.common.ring_spec import ring_spec
 from dflash_ring.common.slot_contract import CU_SEQLENS, META_KEYS, item_tensors
 from dflash_ring.common.lifecycle.trained_journal import Journal, read_entries
-from dflash_ring.consumer.accounting import Consumed, ItemAccount
-from dflash_ring.consumer.ring_input import to_device
+from dflash_ring.consumer.training.accounting import Consumed, ItemAccount
+from dflash_ring.consumer.training.ring_input import to_device
 
 TOKENS, WIDTH = 6, 4
 

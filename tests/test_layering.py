@@ -146,7 +146,7 @@ def test_the_check_sees_a_circle_through_a_function_level_import(tmp_path):
 
 def test_the_check_refuses_an_upward_import_and_an_unplaced_package(tmp_path):
     for where, text in {
-        "embedded/a.py": "from dflash_ring.consumer import model\n",
+        "embedded/a.py": "from dflash_ring.consumer.modeling import model\n",
         "tools/b.py": "def f():\n    from ..bench import ring\n",
         "producer/c.py": "from dflash_ring.common import ring\n",
         "extras/d.py": "import os\n",
@@ -162,7 +162,7 @@ def test_the_check_refuses_an_upward_import_and_an_unplaced_package(tmp_path):
 
 def test_the_check_sees_a_crossing(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text("def f():\n    from dflash_ring.consumer.model import X\n")
+    module.write_text("def f():\n    from dflash_ring.consumer.modeling.model import X\n")
     assert "consumer" in imported_packages(module, tmp_path)
 
 

@@ -47,8 +47,8 @@ from safetensors.torch import load_file
 from transformers import AutoModel, AutoModelForCausalLM, Qwen3Config
 
 from dflash_ring.common.config.drafter import DrafterConfig
-from dflash_ring.consumer.export import WEIGHTS_NAME, export_drafter
-from dflash_ring.consumer.model import load_target_head
+from dflash_ring.consumer.layouts.export import WEIGHTS_NAME, export_drafter
+from dflash_ring.consumer.modeling.model import load_target_head
 from dflash_ring.consumer.families.build import build_drafter
 from dflash_ring.producer.target import TargetModel
 from support import anchors_from_local, save_tiny_qwen3

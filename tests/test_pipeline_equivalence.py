@@ -16,10 +16,10 @@ from transformers import AutoTokenizer
 from support import LEARNS, build_target, curves, cyclic_rows, pipeline_config, wait_exit
 
 from dflash_ring.common.config.load import load_config
-from dflash_ring.consumer.model import load_target_head
+from dflash_ring.consumer.modeling.model import load_target_head
 from dflash_ring.consumer.families.build import build_drafter
-from dflash_ring.consumer.process import resolve_drafter_config, target_config_dict
-from dflash_ring.consumer.trainer import DeviceBatch, Trainer
+from dflash_ring.consumer.training.process import resolve_drafter_config, target_config_dict
+from dflash_ring.consumer.training.trainer import DeviceBatch, Trainer
 from dflash_ring.producer.batching import ShardBatcher
 from dflash_ring.producer.pretokenized import load_tokenized
 from dflash_ring.producer.process import prepare, run_target

@@ -20,9 +20,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from dflash_ring.common.chat_encoding import BadRow, ChatEncoder, mask_token_candidates, mask_token_refusal
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.config.target import TargetConfig
-from dflash_ring.consumer.export import export_drafter
-from dflash_ring.consumer.head_loader import probe_target_head
-from dflash_ring.consumer.model import load_target_head
+from dflash_ring.consumer.layouts.export import export_drafter
+from dflash_ring.consumer.modeling.head_loader import probe_target_head
+from dflash_ring.consumer.modeling.model import load_target_head
 from dflash_ring.consumer.families.build import build_drafter
 from dflash_ring.producer.conformance import choose_packing
 from dflash_ring.producer.generation import GenerationSettings, Prompt

@@ -16,12 +16,12 @@ from dflash_ring.common.config.load import load_config
 from dflash_ring.common.config.schema import ConfigError, Config
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.ring_spec import run_fingerprint_fields
-from dflash_ring.consumer.checkpoint import CheckpointStore, export_checkpoint
-from dflash_ring.consumer.export import load_drafter
-from dflash_ring.consumer.model import load_target_head
+from dflash_ring.consumer.training.checkpoint import CheckpointStore, export_checkpoint
+from dflash_ring.consumer.layouts.export import load_drafter
+from dflash_ring.consumer.modeling.model import load_target_head
 from dflash_ring.consumer.families.build import build_drafter
 from dflash_ring.common.config.train import TrainConfig
-from dflash_ring.consumer.trainer import DeviceBatch, Trainer
+from dflash_ring.consumer.training.trainer import DeviceBatch, Trainer
 from support import save_tiny_qwen3
 
 

@@ -47,7 +47,7 @@ def test_phases_run_from_exec_each_once_and_finish_writes_one_record(tmp_path):
     [
         ("dflash_ring.supervisor.supervisor", ["torch", "transformers"]),
         (
-            "dflash_ring.consumer.process",
+            "dflash_ring.consumer.training.process",
             ["transformers.modeling_utils", "transformers.models.qwen3.modeling_qwen3", "datasets", "torch._dynamo"],
         ),
         ("dflash_ring.producer.process", ["datasets", "pyarrow", "pandas"]),

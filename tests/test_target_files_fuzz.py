@@ -346,7 +346,7 @@ def test_a_header_the_check_passes_is_one_safetensors_reads(target_dir, tmp_path
 def test_the_drafter_s_head_refuses_weights_it_would_use_as_is(target_dir, tmp_path, dtype):
     """The drafter reads the target's embedding and lm_head straight from the safetensors (no transformers load):
     stored as integers or FP8, they were cast and trained against in silence."""
-    from dflash_ring.consumer.head_loader import probe_target_head
+    from dflash_ring.consumer.modeling.head_loader import probe_target_head
 
     d = _copy(target_dir, tmp_path)
     _retyped(dtype)(d)

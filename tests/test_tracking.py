@@ -18,8 +18,8 @@ from dflash_ring.common.config.load import load_config
 from dflash_ring.common.config.schema import Config
 from dflash_ring.common.ring import fingerprint_digest
 from dflash_ring.common.ring_spec import run_fingerprint_fields
-from dflash_ring.consumer.tracking import RunRecord, Tracking, read_records
-from dflash_ring.consumer.wandb_offline import offline_runs
+from dflash_ring.consumer.reporting.tracking import RunRecord, Tracking, read_records
+from dflash_ring.consumer.reporting.wandb_offline import offline_runs
 from support import (
     STEP,
     build_target,
@@ -36,7 +36,7 @@ BY_SOURCE = re.compile(r"step (\d+) by source: (.*)")
 
 
 def tracking_of(cfg: Config, index: int) -> Tracking:
-    """Drafter `index`'s Tracking as its process opens it (consumer/process.py run_drafter)."""
+    """Drafter `index`'s Tracking as its process opens it (consumer/training/process.py run_drafter)."""
     run = RunRecord(cfg.run.name, dump_toml(cfg, full=True), fingerprint_digest(run_fingerprint_fields(cfg)).hex())
     return Tracking(cfg.tracking, cfg.tracking_dir(), index, run)
 
@@ -164,7 +164,7 @@ def test_a_tracker_failing_mid_run_is_warned_about_once_and_the_rest_go_on(tmp_p
         (metrics,) = (tmp_path / "mlruns").glob("*/*/metrics")
         shutil.rmtree(metrics)
         metrics.write_text("not a directory")
-        with caplog.at_level(logging.WARNING, logger="dflash_ring.consumer.tracking"):
+        with caplog.at_level(logging.WARNING, logger="dflash_ring.consumer.reporting.tracking"):
             for step in (3, 4, 5):
                 tracking.emit(step, {"loss": 1.0 / step})
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -206,9 +206,9 @@ def test_a_tracker_that_cannot_start_is_one_error_naming_its_setting(tmp_path, m
 def test_no_record_key_is_the_start_of_another():
     """MLflow's file store keeps each key as a path: `accuracy` beside `accuracy/pos_1` would be a file and a
     directory at once (its store then refuses every later step)."""
-    from dflash_ring.consumer.source_metrics import SourceStats
-    from dflash_ring.consumer.step_record import WindowStats, eval_scalars, step_scalars
-    from dflash_ring.consumer.trainer import StepMetrics
+    from dflash_ring.consumer.reporting.source_metrics import SourceStats
+    from dflash_ring.consumer.reporting.step_record import WindowStats, eval_scalars, step_scalars
+    from dflash_ring.consumer.training.trainer import StepMetrics
 
     m = StepMetrics(
         step=1,
@@ -247,7 +247,7 @@ def test_the_ring_counts_the_tokens_producers_publish(run):
             w = ring.producer(row).try_acquire()
             w.tensor("x", torch.float32, (4,))
             ring.producer(row).publish(w, tokens=tokens)
-        drafter = ring.consumer(3)  # what a drafter's step record reads (consumer/ring_input.py: ring_reading)
+        drafter = ring.consumer(3)  # what a drafter's step record reads (consumer/training/ring_input.py: ring_reading)
         assert (drafter.produced_tokens(), ring.counter(Counter.PRODUCED)) == (137, 3)
 
 

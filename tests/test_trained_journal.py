@@ -27,7 +27,7 @@ from dflash_ring.common.lifecycle.trained_journal import (
     segments,
     successor_step,
 )
-from dflash_ring.consumer.checkpoint import Checkpoint, CheckpointStore
+from dflash_ring.consumer.training.checkpoint import Checkpoint, CheckpointStore
 
 
 def _meta(p: int, e: int, q: int) -> dict[str, int]:

@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_ring.consumer.async_checkpoint import BackgroundWriter, HostSnapshot
+from dflash_ring.consumer.training.async_checkpoint import BackgroundWriter, HostSnapshot
 from dflash_ring.common.lifecycle.trained_journal import Journal
-from dflash_ring.consumer.checkpoint import FILES, CheckpointError, CheckpointStore, export_checkpoint
-from dflash_ring.consumer.checkpoint_policy import Checkpoints
+from dflash_ring.consumer.training.checkpoint import FILES, CheckpointError, CheckpointStore, export_checkpoint
+from dflash_ring.consumer.training.checkpoint_policy import Checkpoints
 from dflash_ring.common.config.drafter import DrafterConfig
-from dflash_ring.consumer.export import load_drafter
-from dflash_ring.consumer.model import load_target_head
+from dflash_ring.consumer.layouts.export import load_drafter
+from dflash_ring.consumer.modeling.model import load_target_head
 from dflash_ring.consumer.families.build import build_drafter
 from dflash_ring.common.config.train import TrainConfig
-from dflash_ring.consumer.trainer import DeviceBatch, Trainer, lr_at
+from dflash_ring.consumer.training.trainer import DeviceBatch, Trainer, lr_at
 from dflash_ring.tools.reconcile import read_ledgers, reconcile
 from support import build_target, cyclic_rows, pipeline_config, save_tiny_qwen3, wait_exit
 
@@ -152,7 +152,7 @@ def test_bit_flipped_latest_checkpoint_is_refused_with_one_line_and_the_previous
     trainer.train_step(batch(1), 20)
     second = store.save(trainer.state({}), keep=3)
     flip_a_tensor_byte(second / "model.safetensors")
-    with caplog.at_level("WARNING", logger="dflash_ring.consumer.checkpoint"):
+    with caplog.at_level("WARNING", logger="dflash_ring.consumer.training.checkpoint"):
         loaded = store.load_latest()
     assert loaded.path == first and loaded.step == 1
     assert [r.levelname for r in caplog.records] == ["ERROR"]
@@ -168,7 +168,7 @@ def test_bit_flipped_latest_checkpoint_is_refused_with_one_line_and_the_previous
 def test_chunked_digests_catch_a_flip_in_any_chunk_and_whole_file_manifests_still_verify(tmp_path, monkeypatch):
     """Chunks are hashed on all cores at load (restart time); a flip in the middle of a many-chunk file is
     refused all the same, and a manifest of whole-file digests (written by earlier versions) still verifies."""
-    from dflash_ring.consumer import checkpoint as module
+    from dflash_ring.consumer.training import checkpoint as module
 
     monkeypatch.setattr(module, "CHUNK_BYTES", 4096)
     trainer, _ = make_trainer(tmp_path)
@@ -200,7 +200,7 @@ def test_a_checkpoint_from_before_manifests_loads_with_a_warning(tmp_path, caplo
     trainer.train_step(batch(0), 20)
     path = store.save(trainer.state({}), keep=1)
     (path / "manifest.json").unlink()
-    with caplog.at_level("WARNING", logger="dflash_ring.consumer.checkpoint"):
+    with caplog.at_level("WARNING", logger="dflash_ring.consumer.training.checkpoint"):
         assert store.load_latest().path == path
     assert "no manifest.json" in caplog.text and "unverified" in caplog.text
 

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM, DynamicCache, Qwen3ForCausalLM
 
 from dflash_ring.cli import main
 from dflash_ring.common.config.drafter import DrafterConfig
-from dflash_ring.consumer.draft_tree import DraftTree, build_draft_tree, tree_attention_mask
-from dflash_ring.consumer.evaluate import (
+from dflash_ring.consumer.evaluation.draft_tree import DraftTree, build_draft_tree, tree_attention_mask
+from dflash_ring.consumer.evaluation.evaluate import (
     cache_argument,
     drafter_distribution_fn,
     drafter_draft_fn,
@@ -24,8 +24,8 @@ from dflash_ring.consumer.evaluate import (
     target_features,
     tree_speculative_generate,
 )
-from dflash_ring.consumer.export import export_drafter, load_drafter
-from dflash_ring.consumer.model import FrozenTargetHead
+from dflash_ring.consumer.layouts.export import export_drafter, load_drafter
+from dflash_ring.consumer.modeling.model import FrozenTargetHead
 from dflash_ring.consumer.families.build import build_drafter
 from support import build_target, save_eval_target
 

@@ -22,13 +22,13 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.config.target import TargetConfig
 from dflash_ring.common.config.train import TrainConfig
-from dflash_ring.consumer.checkpoint import CheckpointStore
-from dflash_ring.consumer.drafter_hf_config import drafter_hf_config
-from dflash_ring.consumer.export import export_drafter
-from dflash_ring.consumer.model import load_target_head
+from dflash_ring.consumer.training.checkpoint import CheckpointStore
+from dflash_ring.consumer.layouts.drafter_hf_config import drafter_hf_config
+from dflash_ring.consumer.layouts.export import export_drafter
+from dflash_ring.consumer.modeling.model import load_target_head
 from dflash_ring.consumer.families.build import build_drafter
-from dflash_ring.consumer.process import Resumed, build
-from dflash_ring.consumer.warm_start import WarmStartError
+from dflash_ring.consumer.training.process import Resumed, build
+from dflash_ring.consumer.training.warm_start import WarmStartError
 
 from support import anchors_from_local, save_tiny_qwen3
 
@@ -219,6 +219,6 @@ def test_no_drafter_there_is_refused_naming_the_path(target, tmp_path):
 def test_a_drafter_process_still_imports_no_transformers_at_start():
     """Warm start is read at a drafter's start, but its readers import transformers only where a config class is
     built: a restarted drafter's imports stay what they were (a drafter's start is measured in seconds)."""
-    probe = "import sys, dflash_ring.consumer.process; print('transformers' in sys.modules)"
+    probe = "import sys, dflash_ring.consumer.training.process; print('transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "False"

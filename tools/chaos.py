@@ -151,7 +151,7 @@ class ChaosOptions:
         cfg = chaos_config(self.config, self.overrides)
         producers, consumers, ranks = cfg.topology.producers, cfg.topology.consumers, cfg.target.tensor_parallel
         if cfg.drafter.precision == "fp8":  # what every drafter would refuse at its start, restarted forever
-            from dflash_ring.consumer.fp8 import Fp8Unavailable, check_precision
+            from dflash_ring.consumer.modeling.fp8 import Fp8Unavailable, check_precision
 
             try:
                 check_precision(cfg.drafter.precision, cfg.train.device)
@@ -563,7 +563,7 @@ def leftovers(run: RunConfig) -> list[str]:
 
 def _checkpoints(checkpoint_dir: str, consumers: int, out: Path) -> dict[str, Any]:
     """Each drafter's latest checkpoint under train.checkpoint_dir, exported to `out` (or why not)."""
-    from dflash_ring.consumer.checkpoint import CheckpointStore, export_checkpoint
+    from dflash_ring.consumer.training.checkpoint import CheckpointStore, export_checkpoint
 
     result = {}
     for j in range(consumers):

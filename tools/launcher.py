@@ -305,7 +305,7 @@ class Launch:
         t = self.cfg.topology
         check_ports_free(self.cfg.metrics, self.cfg.topology)  # one clear error now, not one per child process
         if self.cfg.drafter.precision == "fp8":  # likewise: the drafters would each refuse it
-            from dflash_ring.consumer.fp8 import check_precision
+            from dflash_ring.consumer.modeling.fp8 import check_precision
 
             check_precision(self.cfg.drafter.precision, self.cfg.train.device)
         if self.cfg.metrics.enabled:
@@ -453,7 +453,7 @@ def train_and_export(
     if rc != 0:
         con.print(f"[red]a process exited with {rc}: see its lines above[/]")
         return rc
-    from dflash_ring.consumer.checkpoint import export_checkpoint
+    from dflash_ring.consumer.training.checkpoint import export_checkpoint
 
     if out_dir.exists():
         import shutil
@@ -491,10 +491,10 @@ def _compare(
     `untrained_dir` once)."""
     import torch
 
-    from dflash_ring.consumer.evaluate import evaluate_drafter
-    from dflash_ring.consumer.export import export_drafter
+    from dflash_ring.consumer.evaluation.evaluate import evaluate_drafter
+    from dflash_ring.consumer.layouts.export import export_drafter
     from dflash_ring.consumer.families.build import build_drafter
-    from dflash_ring.consumer.process import resolve_drafter_config, target_config_dict
+    from dflash_ring.consumer.training.process import resolve_drafter_config, target_config_dict
     from dflash_ring.embedded.tiny_target import HELDOUT_FILE
     from transformers.utils import logging as hf_logging
 

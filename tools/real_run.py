@@ -262,7 +262,7 @@ def acceptance(
     """{drafter row: {evaluation set: tau}}: the trained drafter and `baselines` (an untrained drafter of its shape,
     prompt lookup with as many drafts a round), each set's first `scale.eval_prompts` prompts, lossless
     verification."""
-    from dflash_ring.consumer.evaluate import evaluate_drafter, progress_logger
+    from dflash_ring.consumer.evaluation.evaluate import evaluate_drafter, progress_logger
 
     rows: dict[str, dict[str, float]] = {}
     for set_name, file in EVAL_SETS.items():

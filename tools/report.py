@@ -1,7 +1,7 @@
 """`dflash-ring report RUN_DIR`: a picture of how the drafters learned, with no tracker running.
 
 It reads the record files every drafter writes whatever the trackers (`<tracking dir>/drafter-<j>.jsonl`,
-consumer/tracking.py) and draws loss and acceptance length per drafter, and per data source where the records
+consumer/reporting/tracking.py) and draws loss and acceptance length per drafter, and per data source where the records
 have `source/<name>/...` keys, into one PNG (matplotlib, from the `tracking` extra). Both panels draw one value
 per logged step, by one definition: the window since the previous logged step, every block of it (per drafter:
 `window/...`, all sources together; per source: `source/<name>/...`, that source's blocks), so one drafter's curve
@@ -12,7 +12,7 @@ dashed lines over the training curves, in both panels.
 Given instead a JSON file of `dflash-ring eval --json` whose drafter has a confidence head (DSpark), it draws that
 confidence's reliability diagram: per position k and pooled over positions, the mean predicted
 prod_{j<=k} sigmoid(c_j) against the observed fraction of rounds whose first k drafts were all accepted, per bin
-(consumer/calibration.py), with each position's ECE, AUROC and Brier score beside it.
+(consumer/evaluation/calibration.py), with each position's ECE, AUROC and Brier score beside it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_ring.common.bounded_read import RECORD_BYTES, check_output, read_text
-from dflash_ring.consumer.tracking import EVAL, TRAIN, read_records, step_out_of_range
+from dflash_ring.consumer.reporting.tracking import EVAL, TRAIN, read_records, step_out_of_range
 
 RECORD = re.compile(r"drafter-(\d+)\.jsonl$")
 SOURCE_KEY = re.compile(r"^source/(.+)/(loss|accept_len)$")
@@ -233,7 +233,8 @@ def calibration_of(path: Path) -> dict[str, Any]:
     return report
 
 
-# What consumer/calibration.py writes, field by field: (integer?, may be None?); every number a probability but the
+# What consumer/evaluation/calibration.py writes, field by field: (integer?, may be None?); every number a probability
+# but the
 # counts (>= 0) and the position (>= 0). JSON takes NaN and -1e308, which were drawn in silence.
 ROW_RANGES = {
     "position": (True, False),

@@ -1,7 +1,7 @@
 """What the trainer chooses for the drafter, and the DFlash rule for which target layers feed it.
 
 Import-light (no torch, no transformers): every process reads it while loading the run's config.
-The Hugging Face side (the exported config.json) is consumer/drafter_hf_config.py.
+The Hugging Face side (the exported config.json) is consumer/layouts/drafter_hf_config.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ Arch = Literal["dflash", "dspark", "dflash2", "eagle3"]  # a name in common/conf
 Objective = Literal["ce", "dpace"]
 LabelSource = Literal["data", "target_argmax"]
 Precision = Literal["bf16", "fp8"]
-# torchao's float8 recipes (consumer/fp8.py); the 27B ddtree step on the H200 (docs/benchmarks.md, issue 30):
+# torchao's float8 recipes (consumer/modeling/fp8.py); the 27B ddtree step on the H200 (docs/benchmarks.md, issue 30):
 # rowwise 0.979 s (all three GEMMs of a linear in FP8, rowwise scales: the one the quality guard ran on),
 # rowwise_with_gw_hp 0.875 s (the weight gradient's GEMM in bf16), tensorwise 0.861 s (one scale per tensor).
 Fp8Recipe = Literal["rowwise", "rowwise_with_gw_hp", "tensorwise"]
@@ -117,7 +117,7 @@ class DrafterConfig(Eagle3Keys, DFlash2Keys, DSparkKeys):
     # None -> paper rule for block_size (B16->7, B10->5, B8->4); other sizes must set it for loss "ce".
     loss_gamma: Positive | None = None
     # "ce": CE weighted by the position decay exp(-(k-1)/gamma), normalised by the weights' sum (the paper).
-    # "dpace": D-PACE weights from the drafter's own detached acceptance (consumer/loss.py), normalised by
+    # "dpace": D-PACE weights from the drafter's own detached acceptance (consumer/training/loss.py), normalised by
     # the number of supervised positions.
     loss: Objective | None = None  # default "ce"
     dpace_alpha: Fraction | None = None  # default 0.5: q~ = (1 - alpha) q + alpha
@@ -158,7 +158,7 @@ class DrafterConfig(Eagle3Keys, DFlash2Keys, DSparkKeys):
     # targets whose RoPE a fixed Qwen3 rotary cannot express (dynamic NTK, longrope).
     rope_theta: Positive | None = None
     # The format of the trainable linears' GEMMs. "bf16": autocast over fp32 master weights. "fp8": torchao's
-    # float8 training with rowwise scales (consumer/fp8.py), refused in one line where the GPU cannot run it
+    # float8 training with rowwise scales (consumer/modeling/fp8.py), refused in one line where the GPU cannot run it
     # (compute capability < 8.9) or torchao is missing. The same model either way: the weights, checkpoints and
     # export are laid out alike, so a run may resume in the other format (see model_fields).
     precision: Precision = "bf16"

@@ -105,7 +105,7 @@ class MetricsConfig:
 
 @dataclass
 class GroupConfig:
-    """Drafter replicas on several hosts (consumer/replica_group.py); empty rendezvous: this host only."""
+    """Drafter replicas on several hosts (consumer/training/replica_group.py); empty rendezvous: this host only."""
 
     # "tcp://host:port" of the rendezvous store every host's drafter leader connects to.
     rendezvous: str = ""
@@ -237,7 +237,8 @@ class Config:
         resume from step 0 in its own directory and seal the dead drafter's journal against nothing (producers and
         the supervisor read the journals there too, so they must agree as well); another optimizer or schedule
         would train on with it in silence. The replica group holds its hosts to the same settings
-        (consumer/replica_group.py fingerprint_fields). Paths are absolute, betas as the trainer resolves them."""
+        (consumer/training/replica_group.py fingerprint_fields). Paths are absolute, betas as the trainer resolves
+        them."""
         t = self.train
         return {
             "train.checkpoint_dir": os.path.abspath(t.checkpoint_dir),

@@ -9,7 +9,7 @@ from dflash_ring.common.config.paths import OutputDirectory
 from dflash_ring.common.config.ranges import AtLeastOne, Fraction, Positive, Range, Share
 
 # The most optimizer steps a drafter takes (train.total_steps' bound, see there); a step read back from a file
-# (the record file, consumer/tracking.py) past it was not written by a drafter.
+# (the record file, consumer/reporting/tracking.py) past it was not written by a drafter.
 MAX_STEPS = 1_000_000_000
 
 
@@ -46,7 +46,8 @@ class TrainConfig:
     checkpoint_dir: OutputDirectory = "runs/default/checkpoints"
     checkpoint_every_steps: AtLeastOne = 200
     keep_checkpoints: AtLeastOne = 3
-    # Copy the state to host memory in the step and write the checkpoint on a thread (consumer/async_checkpoint.py);
+    # Copy the state to host memory in the step and write the checkpoint on a thread
+    # (consumer/training/async_checkpoint.py);
     # false: write it in the step. A kill mid-write loses up to two intervals of updates instead of one.
     async_checkpoints: bool = True
     log_every_steps: AtLeastOne = 10

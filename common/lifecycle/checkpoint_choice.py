@@ -1,5 +1,5 @@
 """Which checkpoint of a drafter's directory a resume takes: one rule, for the store that loads it
-(consumer/checkpoint.py) and for whoever seals a dead drafter's journal against it
+(consumer/training/checkpoint.py) and for whoever seals a dead drafter's journal against it
 (common/lifecycle/trained_journal.py).
 
     <train.checkpoint_dir>/drafter-<j>/

@@ -1,5 +1,5 @@
 """The cross-host drafter group's rendezvous store: served by one host's supervisor, joined by every
-host's drafter leader (consumer/replica_group.py). Here so that the supervisor needs only common/."""
+host's drafter leader (consumer/training/replica_group.py). Here so that the supervisor needs only common/."""
 
 from __future__ import annotations
 

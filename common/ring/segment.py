@@ -60,7 +60,7 @@ def segment_name(run: str) -> str:
 
 
 def replica_segment_name(run: str) -> str:
-    """Where the drafter replicas of a run average their parameters (consumer/replicas.py)."""
+    """Where the drafter replicas of a run average their parameters (consumer/training/replicas.py)."""
     return f"{segment_name(run)}.replicas"
 
 

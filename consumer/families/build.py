@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from dflash_ring.common.config.drafter import DrafterConfig
-from dflash_ring.consumer.drafter_hf_config import drafter_hf_config, model_config
+from dflash_ring.consumer.layouts.drafter_hf_config import drafter_hf_config, model_config
 from dflash_ring.consumer.families import family
-from dflash_ring.consumer.model import DFlashDraftModel
+from dflash_ring.consumer.modeling.model import DFlashDraftModel
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -16,17 +16,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflash_ring.common.config.families import FamilyConfig
-from dflash_ring.consumer.objective import block_objective
+from dflash_ring.consumer.training.objective import block_objective
 
 if TYPE_CHECKING:
     import torch
 
     from dflash_ring.common.config.drafter import DrafterConfig
-    from dflash_ring.consumer.draft import Draft
-    from dflash_ring.consumer.loss import DFlashLoss
-    from dflash_ring.consumer.objective import ObjectiveInputs, StepObjective
-    from dflash_ring.consumer.model import DFlashDraftModel
-    from dflash_ring.consumer.target_head import FrozenTargetHead, HeadSpec
+    from dflash_ring.consumer.modeling.draft import Draft
+    from dflash_ring.consumer.training.loss import DFlashLoss
+    from dflash_ring.consumer.training.objective import ObjectiveInputs, StepObjective
+    from dflash_ring.consumer.modeling.model import DFlashDraftModel
+    from dflash_ring.consumer.modeling.target_head import FrozenTargetHead, HeadSpec
 
 
 def _nothing(*args: Any) -> None:
@@ -53,7 +53,7 @@ class DrafterFamily:
         Draft | torch.Tensor,
     ]
     # config.json keys of the family's own modules (top-level or in dflash_config), with the drafter setting that
-    # chooses each: what a released drafter must share with this one to warm-start it (consumer/warm_start.py).
+    # chooses each: what a released drafter must share with this one to warm-start it (consumer/training/warm_start.py).
     model_keys: Mapping[str, str] = field(default_factory=dict)
     # The objective's settings recorded in config.json's dflash_training beside the shared ones.
     training_keys: tuple[str, ...] = ()
@@ -69,24 +69,28 @@ class DrafterFamily:
 
     # The family's DrafterConfig keys from a vLLM speculators save_pretrained config.json: (its config, a reader of
     # a key it must set, a refusal for what the family's model has no equivalent of) -> keyword arguments
-    # (consumer/drafter_import.py). None: speculators' layout of the family is not read (EAGLE-3's: its own keys).
+    # (consumer/layouts/drafter_import.py). None: speculators' layout of the family is not read (EAGLE-3's: its own
+    # keys).
     speculators_keys: (
         Callable[[Mapping[str, Any], Callable[[str], Any], Callable[[str], Exception]], dict[str, Any]] | None
     ) = lambda source, key, refuse: {}
     # Tensor names a released file may give the family's tensors -> ours (z-lab DFlash2's save_pretrained).
     released_names: Mapping[str, str] = field(default_factory=dict)
-    # Why a draft tree (independent slots, consumer/draft_tree.py) cannot serve the family's drafter; None: it can.
+    # Why a draft tree (independent slots, consumer/evaluation/draft_tree.py) cannot serve the family's drafter; None:
+    # it can.
     no_draft_tree: str | None = None
     # The training objective on one packed batch: (model, inputs, head, drafter config) -> StepObjective
-    # (consumer/objective.py). The trainer, the held-out evaluation and the benches call this and nothing else.
+    # (consumer/training/objective.py). The trainer, the held-out evaluation and the benches call this and nothing else.
     objective: Callable[[torch.nn.Module, ObjectiveInputs, FrozenTargetHead, DrafterConfig], StepObjective] = (
         block_objective
     )
     # The family's own named figures of a step from its objective's output, under the step record's keys
-    # (consumer/step_record.py passes them on as they are to the log, the gauges, the trackers and the record file).
+    # (consumer/reporting/step_record.py passes them on as they are to the log, the gauges, the trackers and the record
+    # file).
     figures: Callable[[DFlashLoss], dict[str, float]] = lambda out: {}
     # What a run's freshly built drafter takes from files its settings name: (model, drafter config). Only the run's
-    # (consumer/process.py build): a resume restores its checkpoint over it, a warm start its release, and an export
+    # (consumer/training/process.py build): a resume restores its checkpoint over it, a warm start its release, and an
+    # export
     # or a bench reads none of those files (EAGLE-3: drafter.draft_vocab's maps).
     initialise: Callable[[torch.nn.Module, DrafterConfig], None] = _nothing
 

@@ -14,6 +14,7 @@ terms:
 - block terms: cap.py (CAP: the expected accepted length, through the CE's products), confidence.py (DSpark's
   confidence head against the detached analytic acceptance: outside the vocabulary, on the head's own logits).
 
-`dflash_loss` (consumer/loss.py) turns a recipe into these components; the chunk loop (head_loss.py) asks them for
+`dflash_loss` (consumer/training/loss.py) turns a recipe into these components; the chunk loop (head_loss.py) asks them
+for
 weights and gradient coefficients and never reads the config's objective names.
 """

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from dflash_ring.consumer.fp8_head import E5M2, quantize_rows
+from dflash_ring.consumer.modeling.fp8_head import E5M2, quantize_rows
 from .cross_entropy import ce_grad, ce_of
 from .soft_kl import kl_grad, kl_of
 from .total_variation import l1_grad, l1_of

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dflash_ring.consumer.fp8_head import E5M2, Fp8Head, quantize_rows
-from dflash_ring.consumer.target_head import head_logits
+from dflash_ring.consumer.modeling.fp8_head import E5M2, Fp8Head, quantize_rows
+from dflash_ring.consumer.modeling.target_head import head_logits
 from .cap import Cap, accept_products
 from .dpace import DPace
 from .fused import ChunkSpec, Coefficients, chunk_grad, chunk_terms, on

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dflash_ring.consumer.target_head import head_logits
+from dflash_ring.consumer.modeling.target_head import head_logits
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""DFlash (z-lab's block-diffusion drafter): the backbone (consumer/model.py) alone. Its layout is z-lab's and
+"""DFlash (z-lab's block-diffusion drafter): the backbone (consumer/modeling/model.py) alone. Its layout is z-lab's and
 SpecForge's: architectures ["DFlashDraftModel"], the drafter's settings nested in dflash_config, the drafter's own
 tensors only (the target's embedding and lm_head are shared at serve time); the export's dflash.py is hf_dflash.py,
 copied verbatim. A block is [anchor, MASK x (B-1)]: slots 1..B-1 draft."""
@@ -13,10 +13,10 @@ import torch
 
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.config.families.dflash import DFLASH as CONFIG
-from dflash_ring.consumer.draft import Draft, sample_tokens
+from dflash_ring.consumer.modeling.draft import Draft, sample_tokens
 from dflash_ring.consumer.families.family import DrafterFamily
-from dflash_ring.consumer.model import DFlashDraftModel
-from dflash_ring.consumer.target_head import FrozenTargetHead
+from dflash_ring.consumer.modeling.model import DFlashDraftModel
+from dflash_ring.consumer.modeling.target_head import FrozenTargetHead
 
 CODE_SOURCE = Path(__file__).with_name("hf_dflash.py")
 

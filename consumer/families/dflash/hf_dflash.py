@@ -3,7 +3,7 @@
 dflash-ring's export copies this file verbatim as `dflash.py` next to config.json ("auto_map":
 {"AutoModel": "dflash.DFlashDraftModel"}), so an exported drafter loads with its real architecture
 and weights (fc, hidden_norm, layers, norm) wherever transformers runs, without dflash-ring. Hence it
-imports only torch and transformers. The math is the training model's (dflash_ring.consumer.model),
+imports only torch and transformers. The math is the training model's (dflash_ring.consumer.modeling.model),
 checked equal by tests/test_drafter_families.py:
 
     context = hidden_norm(fc(concat of the target's hidden states at dflash_config.target_layer_ids))

@@ -15,11 +15,11 @@ import torch
 
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.config.families.dflash2 import DFLASH2 as CONFIG
-from dflash_ring.consumer.draft import Draft
+from dflash_ring.consumer.modeling.draft import Draft
 from dflash_ring.consumer.families.dflash2.model import DFlash2DraftModel
 from dflash_ring.consumer.families.dflash2.figures import dflash2_figures
 from dflash_ring.consumer.families.family import DrafterFamily
-from dflash_ring.consumer.target_head import FrozenTargetHead, HeadSpec
+from dflash_ring.consumer.modeling.target_head import FrozenTargetHead, HeadSpec
 
 HERE = Path(__file__).parent
 # dflash_config's keys for a target head's transforms (z-lab's dflash_generate and compute_logits read them).

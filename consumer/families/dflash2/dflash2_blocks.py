@@ -20,7 +20,7 @@ The codebooks are bare [V, r] parameters, so their state_dict names carry no `.w
 stores them. Serving walks the block from the anchor (prev of slot 1 is the anchor, then the token chosen); training
 scores the teacher-forced true predecessor (consumer/objectives/selector.py).
 
-Pure torch: the training model (consumer/model.py) and the exported model code (consumer/hf_dflash2.py) use it.
+Pure torch: the training model (consumer/modeling/model.py) and the exported model code (consumer/hf_dflash2.py) use it.
 """
 
 from __future__ import annotations

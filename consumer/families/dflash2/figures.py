@@ -7,7 +7,7 @@ over blocks of the greedy serving walk through the selector (`selector/accept_le
 
 from __future__ import annotations
 
-from dflash_ring.consumer.loss import DFlashLoss
+from dflash_ring.consumer.training.loss import DFlashLoss
 
 
 def dflash2_figures(out: DFlashLoss) -> dict[str, float]:

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from dflash_ring.consumer.families.dflash2.dflash2_blocks import CandidateSelector, GroupedDynamicCausalConv
-from dflash_ring.consumer.loss import SelectorInputs
-from dflash_ring.consumer.model import Anchors, DFlashDecoderLayer, DFlashDraftModel, block_size_of
+from dflash_ring.consumer.training.loss import SelectorInputs
+from dflash_ring.consumer.modeling.model import Anchors, DFlashDecoderLayer, DFlashDraftModel, block_size_of
 
 if TYPE_CHECKING:
     from transformers import Qwen3Config

@@ -15,13 +15,13 @@ import torch
 
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.config.families.dspark import DSPARK as CONFIG
-from dflash_ring.consumer.draft import Draft, sample_tokens
+from dflash_ring.consumer.modeling.draft import Draft, sample_tokens
 from dflash_ring.consumer.families.dspark.dspark_heads import check_dspark_head
 from dflash_ring.consumer.families.dspark.model import DSparkDraftModel
 from dflash_ring.consumer.families.dspark.figures import dspark_figures
 from dflash_ring.consumer.families.family import DrafterFamily
-from dflash_ring.consumer.qwen3_blocks import rope_parameters
-from dflash_ring.consumer.target_head import FrozenTargetHead
+from dflash_ring.consumer.modeling.qwen3_blocks import rope_parameters
+from dflash_ring.consumer.modeling.target_head import FrozenTargetHead
 
 CODE_SOURCE = Path(__file__).with_name("hf_dspark.py")
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_ring.common.config.schema import ConfigError
-from dflash_ring.consumer.target_head import HeadSpec
+from dflash_ring.consumer.modeling.target_head import HeadSpec
 
 
 def check_dspark_head(spec: HeadSpec) -> None:

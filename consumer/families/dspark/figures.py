@@ -1,10 +1,11 @@
-"""DSpark's named figures of a step (its objective's L1 to the target and confidence head, consumer/loss.py), as the
+"""DSpark's named figures of a step (its objective's L1 to the target and confidence head, consumer/training/loss.py),
+as the
 step record's keys: `tv`, `tau_probabilistic`, `accept_rate/pos_<k>` (k = 1: the first draft), and with the confidence
 head `confidence_loss` and `confidence/{abs_error,bias,cumprod_bias}` over the step's supervised drafts."""
 
 from __future__ import annotations
 
-from dflash_ring.consumer.loss import DFlashLoss
+from dflash_ring.consumer.training.loss import DFlashLoss
 
 
 def dspark_figures(out: DFlashLoss) -> dict[str, float]:

@@ -5,7 +5,7 @@ dflash-ring's export of a DSpark drafter copies this file verbatim as `dspark.py
 wherever transformers runs, without dflash-ring: it imports only torch and transformers. The checkpoint is
 DeepSeek's flat Qwen3DSparkModel layout (what vLLM's "dspark" method and SGLang's DSPARK load): no `model.`
 prefix, the target's embed_tokens and lm_head shipped as the drafter's own (frozen in training), every setting
-top-level in config.json. The math is the training model's (dflash_ring.consumer.model.DSparkDraftModel and
+top-level in config.json. The math is the training model's (dflash_ring.consumer.modeling.model.DSparkDraftModel and
 consumer/dspark_heads.py), checked equal in fp32 by tests/test_peer_conformance.py:
 
     backbone (DFlash unchanged): context = hidden_norm(fc(concat of the target's hidden states at target_layer_ids));

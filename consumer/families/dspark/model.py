@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from dflash_ring.consumer.families.dspark.dspark_heads import ConfidenceHead, MarkovHead
-from dflash_ring.consumer.loss import DSparkHeads
-from dflash_ring.consumer.model import Anchors, DFlashDraftModel
+from dflash_ring.consumer.training.loss import DSparkHeads
+from dflash_ring.consumer.modeling.model import Anchors, DFlashDraftModel
 
 if TYPE_CHECKING:
     from transformers import Qwen3Config

@@ -5,7 +5,7 @@ before step 0). The per-step accuracy (EAGLE's and SpecForge's acc_k) is the sha
 
 from __future__ import annotations
 
-from dflash_ring.consumer.loss import DFlashLoss
+from dflash_ring.consumer.training.loss import DFlashLoss
 
 
 def eagle3_figures(out: DFlashLoss) -> dict[str, float]:

@@ -23,11 +23,11 @@ from torch.nn.attention import sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask
 
 from dflash_ring.common.config.families.eagle3 import EAGLE3 as EAGLE3_CONFIG
-from dflash_ring.consumer.model import _SDPA_BACKENDS, FLEX_TILE, _apply_rope, _flex_attention
-from dflash_ring.consumer.qwen3_blocks import Qwen3MLP, Qwen3RMSNorm, rope_frequencies
+from dflash_ring.consumer.modeling.model import _SDPA_BACKENDS, FLEX_TILE, _apply_rope, _flex_attention
+from dflash_ring.consumer.modeling.qwen3_blocks import Qwen3MLP, Qwen3RMSNorm, rope_frequencies
 
 if TYPE_CHECKING:
-    from dflash_ring.consumer.target_head import FrozenTargetHead
+    from dflash_ring.consumer.modeling.target_head import FrozenTargetHead
 
 
 class _StepCache:
@@ -84,7 +84,7 @@ class Eagle3Attention(nn.Module):
             def keys(parts: list[torch.Tensor]) -> torch.Tensor:
                 return torch.cat([p[start:end] for p in parts]).transpose(0, 1).repeat_interleave(groups, dim=0)[None]
 
-            with sdpa_kernel(_SDPA_BACKENDS):  # no cuDNN: it builds a graph per new shape (consumer/model.py)
+            with sdpa_kernel(_SDPA_BACKENDS):  # no cuDNN: it builds a graph per new shape (consumer/modeling/model.py)
                 out = F.scaled_dot_product_attention(
                     q[start:end].transpose(0, 1)[None], keys(cache.keys), keys(cache.values), attn_mask=mask
                 )

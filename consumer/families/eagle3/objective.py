@@ -26,15 +26,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dflash_ring.consumer.loss import DFlashLoss
-from dflash_ring.consumer.model import Anchors
-from dflash_ring.consumer.objective import ObjectiveInputs, StepObjective
-from dflash_ring.consumer.target_head import head_logits
+from dflash_ring.consumer.training.loss import DFlashLoss
+from dflash_ring.consumer.modeling.model import Anchors
+from dflash_ring.consumer.training.objective import ObjectiveInputs, StepObjective
+from dflash_ring.consumer.modeling.target_head import head_logits
 
 if TYPE_CHECKING:
     from dflash_ring.common.config.drafter import DrafterConfig
     from dflash_ring.consumer.families.eagle3.model import Eagle3DraftModel
-    from dflash_ring.consumer.target_head import FrozenTargetHead
+    from dflash_ring.consumer.modeling.target_head import FrozenTargetHead
 
 
 def step_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, steps: int) -> torch.Tensor:

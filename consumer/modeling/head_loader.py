@@ -13,9 +13,9 @@ import torch
 
 from dflash_ring.common.target_loading import load_target_hf_config
 
-from .head_cache import cached_entry, doubt, fingerprint, store_spec
-from .head_probe import RECORDED_TOLERANCE, outputs_error, probe_head_recorded
-from .target_head import FrozenTargetHead, config_tied, head_tensor_keys, read_head
+from dflash_ring.consumer.modeling.head_cache import cached_entry, doubt, fingerprint, store_spec
+from dflash_ring.consumer.modeling.head_probe import RECORDED_TOLERANCE, outputs_error, probe_head_recorded
+from dflash_ring.consumer.modeling.target_head import FrozenTargetHead, config_tied, head_tensor_keys, read_head
 
 
 def probe_target_head(target_dir: str | Path, embed: torch.Tensor | None = None, lm_head: torch.Tensor | None = None):

@@ -17,7 +17,7 @@ import torch
 from dflash_ring.common.config.drafter import DrafterConfig, target_text_config
 from dflash_ring.common.target_geometry import layer_count_key, plain_geometry
 from dflash_ring.consumer.families import FAMILIES
-from dflash_ring.consumer.qwen3_blocks import rope_parameters
+from dflash_ring.consumer.modeling.qwen3_blocks import rope_parameters
 
 if TYPE_CHECKING:  # transformers only where a config class is needed: its import costs a drafter's start seconds
     from transformers import PretrainedConfig, Qwen3Config

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from dflash_ring.common.pinning import HostRegistration
-from dflash_ring.consumer.checkpoint import (
+from dflash_ring.consumer.training.checkpoint import (
     Checkpoint,
     CheckpointError,
     CheckpointStore,

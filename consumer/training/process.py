@@ -18,10 +18,13 @@ the checkpoint load and a step, not the imports, the build and the compile. A dr
 started for its index precompiles while its checkpoint loads (`Resumed.load`).
 
 This file keeps the assembly and the loop (`DrafterLoop`); the loop's parts are components of their own: the ring's
-items onto the device (`Prefetcher`, consumer/ring_input.py), each item settled in the one order exactly once rests on
-(`ItemAccount`, consumer/accounting.py), what a step reports (`StepReport`, consumer/step_report.py), replica averaging
-(`Averaging`, consumer/replicas.py), the checkpoint policy (`Checkpoints`, consumer/checkpoint_policy.py) and the LR
-schedule's length (`StepSchedule`, consumer/trainer.py).
+items onto the device (`Prefetcher`, consumer/training/ring_input.py), each item settled in the one order exactly once
+rests on
+(`ItemAccount`, consumer/training/accounting.py), what a step reports (`StepReport`,
+consumer/reporting/step_report.py), replica averaging
+(`Averaging`, consumer/training/replicas.py), the checkpoint policy (`Checkpoints`,
+consumer/training/checkpoint_policy.py) and the LR
+schedule's length (`StepSchedule`, consumer/training/trainer.py).
 """
 
 from __future__ import annotations
@@ -59,24 +62,24 @@ from dflash_ring.common.config.target import TargetConfig
 from dflash_ring.common.target_geometry import target_geometry
 from dflash_ring.common.config.train import TrainConfig
 from dflash_ring.common.lifecycle.trained_journal import Journal, drop_covered, journal_dir, seal
-from dflash_ring.consumer.accounting import Consumed, ItemAccount
-from dflash_ring.consumer.checkpoint import CheckpointStore, check_same_shape
-from dflash_ring.consumer.checkpoint_policy import Checkpoints
-from dflash_ring.consumer.fp8 import check_precision
-from dflash_ring.consumer.head_cache import CACHE_NAME as HEAD_CACHE_NAME
-from dflash_ring.consumer.head_loader import load_target_head
-from dflash_ring.consumer.nonfinite import NonFiniteSteps
+from dflash_ring.consumer.training.accounting import Consumed, ItemAccount
+from dflash_ring.consumer.training.checkpoint import CheckpointStore, check_same_shape
+from dflash_ring.consumer.training.checkpoint_policy import Checkpoints
+from dflash_ring.consumer.modeling.fp8 import check_precision
+from dflash_ring.consumer.modeling.head_cache import CACHE_NAME as HEAD_CACHE_NAME
+from dflash_ring.consumer.modeling.head_loader import load_target_head
+from dflash_ring.consumer.training.nonfinite import NonFiniteSteps
 from dflash_ring.consumer.families.build import build_drafter
 from dflash_ring.consumer.families import family
-from dflash_ring.consumer.replica_group import fingerprint_fields
-from dflash_ring.consumer.replicas import Averaging
-from dflash_ring.consumer.ring_input import Prefetcher, ring_reading
-from dflash_ring.consumer.source_metrics import SourceLabels
-from dflash_ring.consumer.step_report import StepReport
-from dflash_ring.consumer.target_head import FrozenTargetHead
-from dflash_ring.consumer.tracking import RunRecord, Tracking, check_tracking_dir
-from dflash_ring.consumer.trainer import DeviceBatch, StepSchedule, Trainer
-from dflash_ring.consumer.warm_start import warm_start
+from dflash_ring.consumer.training.replica_group import fingerprint_fields
+from dflash_ring.consumer.training.replicas import Averaging
+from dflash_ring.consumer.training.ring_input import Prefetcher, ring_reading
+from dflash_ring.consumer.reporting.source_metrics import SourceLabels
+from dflash_ring.consumer.reporting.step_report import StepReport
+from dflash_ring.consumer.modeling.target_head import FrozenTargetHead
+from dflash_ring.consumer.reporting.tracking import RunRecord, Tracking, check_tracking_dir
+from dflash_ring.consumer.training.trainer import DeviceBatch, StepSchedule, Trainer
+from dflash_ring.consumer.training.warm_start import warm_start
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +236,8 @@ class Resumed:
         """`checkpoint_dir`: train.checkpoint_dir, which holds drafter-<index>/."""
         self.store = CheckpointStore(Path(checkpoint_dir) / f"drafter-{index}")
         self.trainer, self.drafter_cfg, self.target_config = built.trainer, built.drafter_cfg, built.target_config
-        # Where the first weights came from (drafter.init_from, consumer/warm_start.py): saved with every checkpoint.
+        # Where the first weights came from (drafter.init_from, consumer/training/warm_start.py): saved with every
+        # checkpoint.
         self.warm_start: dict[str, str] | None = None
         self.consumed = Consumed()
         self.loaded: tuple[str, tuple[str, ...]] | None = None  # the store's contents when last loaded

@@ -29,16 +29,16 @@ import torch
 import torch.nn.functional as F
 
 from dflash_ring.common.config.drafter import DrafterConfig
-from .model import Anchors, DFlashDraftModel, FrozenTargetHead
-from .objectives.cap import Cap, accept_products
-from .objectives.confidence import Calibration, calibration, confidence_loss
-from .objectives.dpace import DPace
-from .objectives.fused import ChunkSpec
-from .objectives.head_loss import ChunkedHeadLoss, TermWeights, chunk_plan
-from .objectives.position_decay import PositionDecay
-from .objectives.selector import selector_terms
-from .objectives.teacher import teacher_logits
-from .objectives.total_variation import analytic_acceptance
+from dflash_ring.consumer.modeling.model import Anchors, DFlashDraftModel, FrozenTargetHead
+from dflash_ring.consumer.objectives.cap import Cap, accept_products
+from dflash_ring.consumer.objectives.confidence import Calibration, calibration, confidence_loss
+from dflash_ring.consumer.objectives.dpace import DPace
+from dflash_ring.consumer.objectives.fused import ChunkSpec
+from dflash_ring.consumer.objectives.head_loss import ChunkedHeadLoss, TermWeights, chunk_plan
+from dflash_ring.consumer.objectives.position_decay import PositionDecay
+from dflash_ring.consumer.objectives.selector import selector_terms
+from dflash_ring.consumer.objectives.teacher import teacher_logits
+from dflash_ring.consumer.objectives.total_variation import analytic_acceptance
 
 
 @dataclass(frozen=True)

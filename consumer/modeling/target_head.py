@@ -24,7 +24,7 @@ from dflash_ring.common.bounded_read import CONFIG_BYTES, read_text
 from dflash_ring.common.safetensors_check import DamagedWeightsError, weight_files
 from dflash_ring.common.config.target import TargetConfigError
 from dflash_ring.common.target_loading import load_target_hf_config
-from dflash_ring.consumer.fp8_head import Fp8Head
+from dflash_ring.consumer.modeling.fp8_head import Fp8Head
 
 # Checkpoint names, in order: text models, transformers-5 multimodal wrappers (Qwen3.5, Gemma3 as
 # loaded), and the multimodal layout published on the hub (Gemma3: language_model.model.*); nemotron_h

@@ -19,7 +19,7 @@ A DSpark drafter (DSparkDraftModel) drafts in two stages: one backbone forward p
 slot's hidden state, then B cheap Markov steps left to right: slot k's logits are the backbone's plus
 the Markov bias of the token before it (the anchor for slot 0, else the token drafted at slot k - 1),
 so q_k is conditioned on the drafted prefix. Its confidence head's cumulative product is scored
-against the rounds' acceptance (consumer/calibration.py).
+against the rounds' acceptance (consumer/evaluation/calibration.py).
 
 A DFlash2 drafter (DFlash2DraftModel) drafts through its candidate selector, as z-lab's `propose` does: one
 backbone forward gives slots 1..B-1 their hidden states and logits (the target's head); each slot's candidates are
@@ -63,14 +63,20 @@ from dflash_ring.common.target_loading import load_target_hf_config, load_target
 from dflash_ring.common.tokenizer_loading import check_token_ids, load_target_tokenizer
 from dflash_ring.common.refusal import Refusal
 
-from .calibration import ConfidenceCalibration, confidence_calibration
-from .draft_tree import build_draft_tree, check_tree_target, follow_greedy, keep_path, tree_attention_mask
-from .export import load_drafter
-from .head_loader import load_target_head
-from .draft import Draft, DraftFn, sample_tokens
-from .families import family_of
-from .model import DFlashDraftModel, FrozenTargetHead
-from .prompt_lookup import DEFAULT_LOOKUP_NGRAM, DEFAULT_LOOKUP_TOKENS, prompt_lookup
+from dflash_ring.consumer.evaluation.calibration import ConfidenceCalibration, confidence_calibration
+from dflash_ring.consumer.evaluation.draft_tree import (
+    build_draft_tree,
+    check_tree_target,
+    follow_greedy,
+    keep_path,
+    tree_attention_mask,
+)
+from dflash_ring.consumer.layouts.export import load_drafter
+from dflash_ring.consumer.modeling.head_loader import load_target_head
+from dflash_ring.consumer.modeling.draft import Draft, DraftFn, sample_tokens
+from dflash_ring.consumer.families import family_of
+from dflash_ring.consumer.modeling.model import DFlashDraftModel, FrozenTargetHead
+from dflash_ring.consumer.evaluation.prompt_lookup import DEFAULT_LOOKUP_NGRAM, DEFAULT_LOOKUP_TOKENS, prompt_lookup
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +156,7 @@ class AcceptanceReport:
     temperature: float = 0.0  # 0: greedy; else sampling at this temperature, verified losslessly
     seed: int | None = None  # the sampling's seed (None when greedy)
     # A DSpark drafter's confidence, per position k: prod_{j<=k} sigmoid(c_j) against "the first k drafts were
-    # all accepted", over every chain round (consumer/calibration.py). None for a DFlash drafter.
+    # all accepted", over every chain round (consumer/evaluation/calibration.py). None for a DFlash drafter.
     calibration: ConfidenceCalibration | None = None
     # What drafted the chain above: "drafter" (the exported one), or "prompt-lookup" when it ran without a drafter
     # (then block_size is its drafts per round + 1, and lookup_ngram its longest n-gram).

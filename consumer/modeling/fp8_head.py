@@ -5,7 +5,7 @@ third of a wide drafter's step (27B width: 2 x 80 of ~600 TFLOP); the H200 runs 
 (shared/reference/h200-limits.md). The head is frozen, so its two FP8 copies are made once, each scaled
 along the axis the product keeps: per vocabulary row for the logits, per hidden column for the gradient.
 The activations are scaled per row: the hidden states here (a cheap pass over H), the logits' gradient
-inside the loss's compiled chunk function (consumer/loss.py), where the cast fuses into the pass that
+inside the loss's compiled chunk function (consumer/training/loss.py), where the cast fuses into the pass that
 forms it. The gradient is cast to e5m2: its entries span q ~ 1/V up to ~1 in a row, wider than e4m3's range.
 
 The teacher's logits stay in the head's own dtype: they are computed once per position (cheap) and define
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_ring.consumer.fp8 import Fp8Unavailable
+from dflash_ring.consumer.modeling.fp8 import Fp8Unavailable
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2

@@ -3,7 +3,8 @@
 A loss that turned NaN (train.lr = 1e30, weight_decay = 1e30, a target whose features are NaN) trained on to the
 run's end: NaN curves, NaN checkpoints, exit 0. Now:
 
-- An optimizer step whose gradient is not finite is not taken (Trainer._update, consumer/trainer.py). AdamW would
+- An optimizer step whose gradient is not finite is not taken (Trainer._update, consumer/training/trainer.py). AdamW
+would
   write the NaN into both moments (and every later step through them) and into every weight; its gradients are
   dropped instead, so the step updates nothing, not even weight decay, and the state stays the last finite one (one
   bad batch costs that batch, not the run).

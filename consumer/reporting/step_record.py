@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dflash_ring.consumer.source_metrics import SourceStats, add_sources, overall
-from dflash_ring.consumer.trainer import StepMetrics
+from dflash_ring.consumer.reporting.source_metrics import SourceStats, add_sources, overall
+from dflash_ring.consumer.training.trainer import StepMetrics
 
 
 @dataclass(frozen=True)

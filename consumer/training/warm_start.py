@@ -26,10 +26,10 @@ import torch
 from dflash_ring.common.bounded_read import open_regular
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.refusal import Refusal
-from dflash_ring.consumer.drafter_hf_config import drafter_hf_config
-from dflash_ring.consumer.qwen3_blocks import rope_parameters
-from dflash_ring.consumer.drafter_import import ReleasedDrafterError, released_drafter
-from dflash_ring.consumer.export import export_arch
+from dflash_ring.consumer.layouts.drafter_hf_config import drafter_hf_config
+from dflash_ring.consumer.modeling.qwen3_blocks import rope_parameters
+from dflash_ring.consumer.layouts.drafter_import import ReleasedDrafterError, released_drafter
+from dflash_ring.consumer.layouts.export import export_arch
 from dflash_ring.consumer.families import family
 
 # What a released drafter's config.json must share with this drafter's, and the setting that chooses each here.
@@ -83,7 +83,7 @@ def description(config: Mapping[str, Any], arch: str) -> dict[str, Any]:
 def warm_start(
     model: torch.nn.Module, drafter: DrafterConfig, target_config: Mapping[str, Any], path: str | Path
 ) -> WarmStart:
-    """Load the drafter at `path` (any layout consumer/drafter_import.py reads) into `model`, this run's freshly
+    """Load the drafter at `path` (any layout consumer/layouts/drafter_import.py reads) into `model`, this run's freshly
     built drafter, after checking that it is this drafter (WarmStartError naming each difference otherwise)."""
     root = Path(path).expanduser()
     try:

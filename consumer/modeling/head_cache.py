@@ -31,7 +31,7 @@ from dflash_ring.common.config.target import TargetConfigError
 from dflash_ring.common.damaged_file import keep_aside
 from dflash_ring.common.durable import fsync
 
-from .target_head import HeadSpec
+from dflash_ring.consumer.modeling.target_head import HeadSpec
 
 CACHE_NAME = "target-head.json"
 

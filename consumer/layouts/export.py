@@ -28,13 +28,13 @@ from dflash_ring.common.refusal import Refusal
 from dflash_ring.common.safetensors_check import check_safetensors_file
 
 from dflash_ring.common.config.drafter import DrafterConfig
-from dflash_ring.consumer.drafter_hf_config import drafter_hf_config, qwen3_config
+from dflash_ring.consumer.layouts.drafter_hf_config import drafter_hf_config, qwen3_config
 from dflash_ring.consumer.families import FAMILIES, family, family_of, family_of_layout
 from dflash_ring.consumer.families.family import DrafterFamily
-from dflash_ring.consumer.nonfinite import first_non_finite
+from dflash_ring.consumer.training.nonfinite import first_non_finite
 
-from .model import DFlashDraftModel
-from .target_head import FrozenTargetHead, HeadSpec
+from dflash_ring.consumer.modeling.model import DFlashDraftModel
+from dflash_ring.consumer.modeling.target_head import FrozenTargetHead, HeadSpec
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

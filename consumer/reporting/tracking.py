@@ -1,6 +1,6 @@
 """A drafter's learning curves: its record file, and the trackers of [tracking] (TensorBoard, W&B, MLflow).
 
-Every logged step's record (consumer/step_record.py) goes to `<tracking dir>/drafter-<j>.jsonl` first, always,
+Every logged step's record (consumer/reporting/step_record.py) goes to `<tracking dir>/drafter-<j>.jsonl` first, always,
 tracker or not: `dflash-ring report` draws from it, and it is what a restarted drafter resumes from. Then to each
 tracker of `tracking.backends`.
 
@@ -318,7 +318,7 @@ class WandB:
         # has what was streamed.
         self.kept = None
         if resume_after is not None and t.wandb_mode == "offline":
-            from dflash_ring.consumer.wandb_offline import last_step
+            from dflash_ring.consumer.reporting.wandb_offline import last_step
 
             self.kept = last_step(root / "wandb", series_id(root, run.name, index))
 

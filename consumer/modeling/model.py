@@ -19,11 +19,11 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from dflash_ring.consumer.qwen3_blocks import Qwen3MLP, Qwen3RMSNorm, rope_frequencies, rotate_half
+from dflash_ring.consumer.modeling.qwen3_blocks import Qwen3MLP, Qwen3RMSNorm, rope_frequencies, rotate_half
 
 # The frozen head lives in target_head.py; re-exported for callers that import it from here.
-from .head_loader import load_target_head  # noqa: F401
-from .target_head import EMBED_KEYS, LM_HEAD_KEYS, FrozenTargetHead  # noqa: F401
+from dflash_ring.consumer.modeling.head_loader import load_target_head  # noqa: F401
+from dflash_ring.consumer.modeling.target_head import EMBED_KEYS, LM_HEAD_KEYS, FrozenTargetHead  # noqa: F401
 
 if TYPE_CHECKING:  # built from consumer/drafter_hf_config.model_config: no transformers import at a drafter's start
     from transformers import Qwen3Config
@@ -449,7 +449,8 @@ class DFlashDraftModel(nn.Module):
     def compile_layers(self, include_fc: bool = False) -> None:
         """torch.compile each decoder layer in place (one graph serves all: they share code and shapes), fusing
         norms, RoPE, SiLU and residual adds around the matmuls; state_dict names are unchanged. `include_fc`
-        compiles fc too: under FP8 (consumer/fp8.py) its input's rowwise cast, a pass over all [T, n*H] features,
+        compiles fc too: under FP8 (consumer/modeling/fp8.py) its input's rowwise cast, a pass over all [T, n*H]
+        features,
         is fused only there; in bf16 fc is one matmul that compiling would not speed up."""
         for layer in self.layers:
             layer.compile(dynamic=True)
@@ -527,6 +528,6 @@ class DFlashDraftModel(nn.Module):
         return self(padded, committed_ids, anchors, head)[0]
 
     def objective_inputs(self, hidden: torch.Tensor, input_ids: torch.Tensor, anchors: Anchors) -> dict[str, Any]:
-        """What the family's own modules give the objective beside the backbone's output (consumer/loss.py
+        """What the family's own modules give the objective beside the backbone's output (consumer/training/loss.py
         dflash_loss's keyword arguments): none for DFlash."""
         return {}

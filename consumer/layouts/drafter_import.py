@@ -10,7 +10,7 @@ same `architectures` as z-lab's, so that key alone would take it for ours). Layo
   maps them). The tensors carry our names already (layers.*, fc, hidden_norm, norm; DFlash2's convolutions and
   candidate_selector codebooks; DSpark's markov_head and confidence_head); the target's own (embed_tokens,
   lm_head, verifier_lm_head, verifier_norm) are left out of the file by their save and dropped here if present.
-- ours = z-lab's DFlash and DFlash2, DeepSeek's flat DSpark (config.json `architectures`, consumer/export.py):
+- ours = z-lab's DFlash and DFlash2, DeepSeek's flat DSpark (config.json `architectures`, consumer/layouts/export.py):
   read as load_drafter reads them; a DSpark file's embed_tokens and lm_head (the target's) are dropped, and DFlash2's
   codebooks as z-lab's save_pretrained names them (`.weight`, its nn.Embedding) take our names.
 The returned config is shaped as consumer/drafter_hf_config.drafter_hf_config writes it for the arch, less what a
@@ -42,8 +42,8 @@ from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.bounded_read import CONFIG_BYTES, read_text
 from dflash_ring.common.refusal import Refusal
 from dflash_ring.common.safetensors_check import check_safetensors_file
-from dflash_ring.consumer.drafter_hf_config import drafter_rope
-from dflash_ring.consumer.export import (
+from dflash_ring.consumer.layouts.drafter_hf_config import drafter_rope
+from dflash_ring.consumer.layouts.export import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     ExportDirError,

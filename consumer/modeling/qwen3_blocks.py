@@ -36,7 +36,7 @@ class Qwen3RMSNorm(nn.Module):
 
 
 class Qwen3MLP(nn.Module):
-    """SwiGLU; the drafter's config always says silu (consumer/drafter_hf_config.py)."""
+    """SwiGLU; the drafter's config always says silu (consumer/layouts/drafter_hf_config.py)."""
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()

@@ -21,8 +21,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from dflash_ring.consumer.loss import DFlashLoss
-from dflash_ring.consumer.model import Anchors
+from dflash_ring.consumer.training.loss import DFlashLoss
+from dflash_ring.consumer.modeling.model import Anchors
 
 log = logging.getLogger(__name__)
 

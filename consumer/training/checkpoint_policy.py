@@ -1,6 +1,6 @@
 """The drafter's checkpoint policy (`Checkpoints`): when a checkpoint is taken, and what follows once it is durable.
 
-The state is written by consumer/checkpoint.py, in the background by async_checkpoint.py beside this.
+The state is written by consumer/training/checkpoint.py, in the background by async_checkpoint.py beside this.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 from dflash_ring.common.lifecycle.ledger import Ledger
 from dflash_ring.common.lifecycle.ledger_events import CheckpointDurable
 from dflash_ring.common.lifecycle.trained_journal import Journal
-from dflash_ring.consumer.async_checkpoint import BackgroundWriter, HostSnapshot
-from dflash_ring.consumer.checkpoint import CheckpointStore
-from dflash_ring.consumer.trainer import Trainer
+from dflash_ring.consumer.training.async_checkpoint import BackgroundWriter, HostSnapshot
+from dflash_ring.consumer.training.checkpoint import CheckpointStore
+from dflash_ring.consumer.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
 

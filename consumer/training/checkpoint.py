@@ -20,7 +20,7 @@ about a second instead of spending ~8 s on one core before it can train. Manifes
 warning.
 
 `save` is the one writer, whether the drafter calls it in its step or a background thread calls it on a
-host snapshot (consumer/async_checkpoint.py): the files are the same either way.
+host snapshot (consumer/training/async_checkpoint.py): the files are the same either way.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from dflash_ring.common.crash_points import crash_point
 from dflash_ring.common.damaged_file import keep_aside
 from dflash_ring.common.durable import fsync
 from dflash_ring.common.lifecycle.diverged import Diverged
-from dflash_ring.consumer.nonfinite import first_non_finite
+from dflash_ring.consumer.training.nonfinite import first_non_finite
 
 log = logging.getLogger(__name__)
 
@@ -329,10 +329,10 @@ def export_checkpoint(
     else from the target.path the run recorded in the checkpoint; with neither, or where that directory holds no
     head of the trained shapes, the export is refused in one line."""
     from dflash_ring.common.config.drafter import DrafterConfig
-    from dflash_ring.consumer.export import export_drafter
+    from dflash_ring.consumer.layouts.export import export_drafter
     from dflash_ring.consumer.families import family
     from dflash_ring.consumer.families.build import build_drafter
-    from dflash_ring.consumer.target_head import HeadSpec
+    from dflash_ring.consumer.modeling.target_head import HeadSpec
 
     path = Path(ckpt_path)
     what_to_give = "give a drafter's checkpoint directory (train.checkpoint_dir/drafter-N) or one of its step-N dirs"
@@ -358,7 +358,13 @@ def _checkpoint_target_head(ckpt: Checkpoint, target: str | os.PathLike | None, 
     are the ones the checkpoint recorded), checked against the shapes the drafter trained with."""
     from dflash_ring.common.config.drafter import target_text_config
     from dflash_ring.common.config.target import TargetConfigError
-    from dflash_ring.consumer.target_head import FrozenTargetHead, HeadSpec, config_tied, head_tensor_keys, read_head
+    from dflash_ring.consumer.modeling.target_head import (
+        FrozenTargetHead,
+        HeadSpec,
+        config_tied,
+        head_tensor_keys,
+        read_head,
+    )
 
     recorded = ckpt.info.get("target_path")
     where = target if target is not None else recorded

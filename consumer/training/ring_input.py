@@ -2,7 +2,8 @@
 
 The mirror of the producer's `Loader` and `SlotFiller` (producer/process.py). A prefetch thread claims the next item
 and copies it to the device while the current step runs; the slot stays claimed until the step that used it has
-returned and the item is settled (consumer/accounting.py), so a drafter killed at any moment leaves what it held
+returned and the item is settled (consumer/training/accounting.py), so a drafter killed at any moment leaves what it
+held
 READING, for the reaper to hand to another drafter.
 """
 
@@ -24,8 +25,8 @@ from dflash_ring.common.metrics import DrafterMetrics
 from dflash_ring.common.ring import ConsumerPort, SlotReader
 from dflash_ring.common.slot_contract import read_item
 from dflash_ring.common.slot_format import SlotFormatError
-from dflash_ring.consumer.step_record import RingReading
-from dflash_ring.consumer.trainer import DeviceBatch
+from dflash_ring.consumer.reporting.step_record import RingReading
+from dflash_ring.consumer.training.trainer import DeviceBatch
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ class Prefetcher(threading.Thread):
 
 
 def ring_reading(port: ConsumerPort) -> RingReading:
-    """What the step's record shows of the ring (consumer/step_record.py: Window)."""
+    """What the step's record shows of the ring (consumer/reporting/step_record.py: Window)."""
     return RingReading(
         port.wait_seconds, port.counter(Counter.PRODUCED), port.produced_tokens(), port.slot_counts()["ready"]
     )

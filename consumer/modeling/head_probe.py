@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_ring.common.refusal import Refusal
-from .target_head import FrozenTargetHead, HeadSpec
+from dflash_ring.consumer.modeling.target_head import FrozenTargetHead, HeadSpec
 
 # float32 arithmetic: a head that does what the model does is exact or a few ulp off; a wrong scale,
 # a missing multiplier or cap is off by far more (tests/test_drafter_families.py checks both).

@@ -1,5 +1,5 @@
 """A family's training objective on one packed batch: the inputs it reads, what it returns, and the block families'
-objective (DFlash, DSpark, DFlash2: the block forward at sampled anchors, then consumer/loss.py).
+objective (DFlash, DSpark, DFlash2: the block forward at sampled anchors, then consumer/training/loss.py).
 
 The trainer, the held-out evaluation and the benches call `family(arch).objective` and nothing else, so a family
 whose training is not a block forward (EAGLE-3's unrolled steps over every position) brings its own, returning the
@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dflash_ring.consumer.loss import DFlashLoss, drafter_loss
-from dflash_ring.consumer.model import Anchors
+from dflash_ring.consumer.training.loss import DFlashLoss, drafter_loss
+from dflash_ring.consumer.modeling.model import Anchors
 
 if TYPE_CHECKING:
     from torch import nn
 
     from dflash_ring.common.config.drafter import DrafterConfig
-    from dflash_ring.consumer.target_head import FrozenTargetHead
+    from dflash_ring.consumer.modeling.target_head import FrozenTargetHead
 
 
 @dataclass(frozen=True)

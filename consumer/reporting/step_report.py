@@ -1,7 +1,8 @@
 """Where a drafter's steps and held-out items are reported: Prometheus, the log line, the record file and trackers.
 
 One sink for what follows a settled item (torchtitan's `MetricsProcessor` is the model): its counters at once; a
-step's record (consumer/step_record.py) to the metrics at once and to the log, the record file and the trackers every
+step's record (consumer/reporting/step_record.py) to the metrics at once and to the log, the record file and the
+trackers every
 train.log_every_steps (and the last one at the end); the rolling window those rates are over. A held-out item's
 per-source sums wait for the next multiple of train.eval_every_steps (and the end), where they become one evaluation
 record (`eval_scalars`), emitted like a step's.
@@ -16,10 +17,17 @@ from dataclasses import asdict
 
 from dflash_ring.common.lifecycle.ledger_events import BatchIdentity
 from dflash_ring.common.metrics import DrafterMetrics
-from dflash_ring.consumer.source_metrics import SourceStats, add_sources, held_out_sources
-from dflash_ring.consumer.step_record import RingReading, Window, eval_scalars, log_line, source_line, step_scalars
-from dflash_ring.consumer.tracking import Tracking
-from dflash_ring.consumer.trainer import DeviceBatch, StepMetrics
+from dflash_ring.consumer.reporting.source_metrics import SourceStats, add_sources, held_out_sources
+from dflash_ring.consumer.reporting.step_record import (
+    RingReading,
+    Window,
+    eval_scalars,
+    log_line,
+    source_line,
+    step_scalars,
+)
+from dflash_ring.consumer.reporting.tracking import Tracking
+from dflash_ring.consumer.training.trainer import DeviceBatch, StepMetrics
 
 log = logging.getLogger(__name__)
 

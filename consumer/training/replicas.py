@@ -13,7 +13,7 @@ Caveats, by design: optimizer moments are not averaged (each replica keeps its
 own AdamW state, as the in-process pipeline did when it averaged every 50
 steps), and a peer caught mid-publish contributes a mix of two of its recent
 versions; both are within what periodic model averaging tolerates. Replicas
-on other hosts are not reached by this; they need a torch.distributed group (consumer/replica_group.py), which
+on other hosts are not reached by this; they need a torch.distributed group (consumer/training/replica_group.py), which
 `Averaging` runs beside it.
 """
 
@@ -36,7 +36,7 @@ from dflash_ring.common.lifecycle.liveness import is_alive, lock_path
 from dflash_ring.common.ownership import ForeignObjectError, check_private_fd
 from dflash_ring.common.pinning import HostRegistration
 from dflash_ring.common.ring import replica_segment_name
-from dflash_ring.consumer.replica_group import ReplicaGroup
+from dflash_ring.consumer.training.replica_group import ReplicaGroup
 
 log = logging.getLogger(__name__)
 

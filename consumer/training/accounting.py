@@ -24,7 +24,7 @@ from dflash_ring.common.lifecycle.ledger import Ledger
 from dflash_ring.common.lifecycle.ledger_events import BatchIdentity, Evaluated, Settled, Trained
 from dflash_ring.common.ring import SlotReader
 from dflash_ring.common.lifecycle.trained_journal import Journal
-from dflash_ring.consumer.trainer import DeviceBatch
+from dflash_ring.consumer.training.trainer import DeviceBatch
 
 
 @dataclass

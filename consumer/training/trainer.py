@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dflash_ring.consumer.checkpoint import Checkpoint
+from dflash_ring.consumer.training.checkpoint import Checkpoint
 from dflash_ring.common.config.drafter import DrafterConfig
 from dflash_ring.common.layout import Counter, Role
 from dflash_ring.common.slot_contract import item_sources
 from dflash_ring.consumer.families import family
-from dflash_ring.consumer.fp8 import check_precision, convert_to_fp8
-from dflash_ring.consumer.model import Anchors, DFlashDraftModel, FrozenTargetHead, sample_anchors
-from dflash_ring.consumer.objective import ObjectiveInputs, StepObjective
-from dflash_ring.consumer.source_metrics import SourceLabels, SourceStats, add_sources, by_source
+from dflash_ring.consumer.modeling.fp8 import check_precision, convert_to_fp8
+from dflash_ring.consumer.modeling.model import Anchors, DFlashDraftModel, FrozenTargetHead, sample_anchors
+from dflash_ring.consumer.training.objective import ObjectiveInputs, StepObjective
+from dflash_ring.consumer.reporting.source_metrics import SourceLabels, SourceStats, add_sources, by_source
 from dflash_ring.common.config.train import TrainConfig
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class DeviceBatch:
 class StepMetrics:
     step: int
     loss: float
-    ce: float  # the loss's terms (consumer/loss.py): weighted CE, weighted KL, CAP's mean A / (B - 1)
+    ce: float  # the loss's terms (consumer/training/loss.py): weighted CE, weighted KL, CAP's mean A / (B - 1)
     kl: float
     cap: float
     accuracy_per_position: list[float]
@@ -153,7 +153,8 @@ class Trainer:
         if fp8:  # before compiling (the casts are traced into the layers) and before the optimizer takes the weights
             check_precision(drafter.precision, device)
             convert_to_fp8(self.model, drafter.fp8_recipe)
-            head.quantize_fp8()  # and the frozen head's products of the draft in the loss (consumer/fp8_head.py)
+            head.quantize_fp8()  # and the frozen head's products of the draft in the loss
+            # (consumer/modeling/fp8_head.py)
         self.cfg, self.device = train, device
         if self.compiled:  # sdpa groups vary
             self.model.compile_layers(include_fc=fp8)
@@ -237,7 +238,8 @@ class Trainer:
             torch.cuda.current_stream(self.device).wait_event(self._hold)
             self._hold = None
         # A gradient that is not finite updates nothing: AdamW would write it into both moments and every weight
-        # (consumer/nonfinite.py counts such steps and ends a drafter that keeps taking them). The norm's one host
+        # (consumer/training/nonfinite.py counts such steps and ends a drafter that keeps taking them). The norm's one
+        # host
         # sync is the step's figures' own, taken a little earlier.
         if math.isfinite(float(grad_norm)):
             self.optimizer.step()
@@ -277,7 +279,7 @@ class Trainer:
         return self._by_source(batch, step)
 
     def _forward(self, batch: DeviceBatch, anchors: Anchors) -> StepObjective:
-        """The family's objective on the batch (consumer/objective.py)."""
+        """The family's objective on the batch (consumer/training/objective.py)."""
         inputs = ObjectiveInputs(
             features=batch.features,
             input_ids=batch.input_ids,
@@ -300,7 +302,7 @@ class Trainer:
 
     @property
     def compiled(self) -> bool:
-        """Whether the first steps compile (train.compile with flex attention on a GPU: consumer/model.py)."""
+        """Whether the first steps compile (train.compile with flex attention on a GPU: consumer/modeling/model.py)."""
         return self.cfg.compile and self.device.type == "cuda" and self.cfg.attention_for("cuda") == "flex"
 
     def precompile(self, max_tokens: int, max_length: int, force: bool = False) -> float:

@@ -1,0 +1,2 @@
+"""Offline evaluation: speculative decoding against the target (chain, draft tree, prompt lookup) and the confidence's
+calibration."""
