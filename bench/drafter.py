@@ -45,6 +45,7 @@ from dflash_ring.consumer.training.loss import drafter_loss
 from dflash_ring.consumer.modeling.model import Anchors, FrozenTargetHead, cu_seqlens_from_lengths, sample_anchors
 from dflash_ring.consumer.families import family
 from dflash_ring.consumer.families.build import build_drafter
+from dflash_ring.consumer.layouts.drafter_hf_config import drafter_geometry
 from dflash_ring.consumer.training.objective import ObjectiveInputs, block_objective
 
 H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s (spec sheet)
@@ -141,8 +142,6 @@ def selector_flops(cfg: dict[str, Any], drafter: DrafterConfig) -> int:
 
 
 def drafter_mlp(cfg: dict[str, Any], drafter: DrafterConfig) -> int:
-    from dflash_ring.consumer.layouts.drafter_hf_config import drafter_geometry
-
     return drafter_geometry(drafter, cfg)["intermediate_size"]
 
 
@@ -379,7 +378,22 @@ def run_drafter_bench(
         )
     blocks = a.num_blocks
     mean = {k: sum(v) / len(v) for k, v in phases.items()}
-    flops = step_flops(target, drafter, n_ctx, tokens, a, step.supervised, step.teacher_positions)
+    geometry = drafter_geometry(drafter, target)
+    own = family(drafter.arch).step_flops  # a family trained otherwise than by blocks counts its own
+    flops = (
+        own(
+            target,
+            geometry,
+            drafter,
+            n_ctx,
+            tokens,
+            a,
+            step.supervised,
+            step.teacher_positions,
+        )
+        if own
+        else step_flops(target, drafter, n_ctx, tokens, a, step.supervised, step.teacher_positions)
+    )
     summary = {
         "step_split_s": {k: round(v, 4) for k, v in mean.items()},
         "tokens_per_s": round(tokens / mean["step_s"], 1),
@@ -432,9 +446,9 @@ def run_drafter_bench(
             "blocks_per_step": blocks,
             "vocab": vocab,
             # The drafter's attention (its own where --drafter-attention set it, else the target's).
-            "heads": model.layers[0].self_attn.num_heads,
-            "kv_heads": model.layers[0].self_attn.num_heads // model.layers[0].self_attn.num_kv_groups,
-            "head_dim": model.layers[0].self_attn.head_dim,
+            "heads": geometry["num_attention_heads"],
+            "kv_heads": geometry["num_key_value_heads"],
+            "head_dim": geometry["head_dim"],
         },
         "attention": attention,
         # the trainable linears' GEMMs; the frozen head's products as consumer/training/loss.py does them

@@ -525,7 +525,8 @@ def test_a_restart_reuses_the_derived_head_without_modeling_code(tmp_path):
     code = (
         "import json, sys; from dflash_ring.consumer.modeling.head_loader import load_target_head; "
         f"head = load_target_head({str(path)!r}, cache={str(cache)!r}); "
-        "print(json.dumps([head.spec.to_json(), [m for m in sys.modules if 'modeling' in m]]))"
+        "print(json.dumps([head.spec.to_json(), "
+        "[m for m in sys.modules if m.startswith('transformers') and 'modeling' in m]]))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -88,6 +88,10 @@ class DrafterFamily:
     # (consumer/reporting/step_record.py passes them on as they are to the log, the gauges, the trackers and the record
     # file).
     figures: Callable[[DFlashLoss], dict[str, float]] = lambda out: {}
+    # The model FLOPs of one training step, where the family's objective is not the block forward (bench drafter's
+    # MFU: bench/drafter.py step_flops counts the block families'): (target config, the drafter's geometry, drafter
+    # config, target layers read, tokens, the objective's blocks, supervised drafts, teacher positions) -> FLOPs.
+    step_flops: Callable[..., float] | None = None
     # What a run's freshly built drafter takes from files its settings name: (model, drafter config). Only the run's
     # (consumer/training/process.py build): a resume restores its checkpoint over it, a warm start its release, and an
     # export

@@ -20,6 +20,7 @@ from dflash_ring.common.config.families.eagle3 import EAGLE3 as CONFIG
 from dflash_ring.common.config.families.eagle3 import read_draft_vocab
 from dflash_ring.consumer.modeling.draft import Draft, sample_tokens
 from dflash_ring.consumer.families.eagle3.figures import eagle3_figures
+from dflash_ring.consumer.families.eagle3.flops import eagle3_step_flops
 from dflash_ring.consumer.families.eagle3.model import Eagle3DraftModel, Unroll, eagle3_settings, teacher_ids
 from dflash_ring.consumer.families.eagle3.objective import eagle3_objective
 from dflash_ring.consumer.families.family import DrafterFamily
