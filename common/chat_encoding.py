@@ -25,6 +25,10 @@ _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _DUMMIES = ("x", "y")
 # The chat every template must render (with generation markers: and mark the reply of) before any row is encoded.
 _MINIMAL_CHAT = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "x"}]
+# A template writes a row's text with its own around it (role headers, a default system prompt, tool descriptions):
+# at most RENDER_FACTOR times the row's characters plus RENDER_SLACK of its own. One that loops over or multiplies
+# the content renders far more, and tokenizing that would not end: the row is a bad row before it is tokenized.
+RENDER_FACTOR, RENDER_SLACK = 8, 1 << 16
 
 
 class BadRow(ValueError):
@@ -156,12 +160,13 @@ class ChatEncoder:
     def encode(self, row: Any) -> tuple[np.ndarray, np.ndarray]:
         """(input_ids int32, loss_mask uint8), truncated to max_length; raises BadRow."""
         messages = conversation_of(row)
+        text = self._apply(messages, tokenize=False)  # bounded before anything tokenizes it (the marked path too)
+        self._check_rendered(messages, text)
         if self.uses_generation_markers:
             out = self._apply(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
             ids = np.asarray(out["input_ids"], dtype=np.int32)
             mask = np.asarray(out["assistant_masks"], dtype=np.uint8)
         else:
-            text = self._apply(messages, tokenize=False)
             enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
             ids = np.asarray(enc["input_ids"], dtype=np.int32)
             mask = _mask_spans(
@@ -176,6 +181,17 @@ class ChatEncoder:
                 f"({self.tokenizer.convert_ids_to_tokens(self.reserved_token)!r}), the drafter's mask token"
             )
         return ids, mask
+
+    def _check_rendered(self, messages: list[dict[str, Any]], text: str) -> None:
+        """BadRow, naming the template, when it rendered the row past RENDER_FACTOR times its characters plus
+        RENDER_SLACK: a template that loops over or multiplies the content, whose tokenizing would not end."""
+        own = sum(len(str(v)) for m in messages for v in m.values())
+        if len(text) > RENDER_FACTOR * own + RENDER_SLACK:
+            raise BadRow(
+                f"the chat template of {self.tokenizer.name_or_path} renders it as {len(text)} characters from its "
+                f"{own}, past {RENDER_FACTOR} times those plus {RENDER_SLACK} (a template that loops over or "
+                "multiplies the content): skipped before tokenizing"
+            )
 
     def _apply(self, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
         try:

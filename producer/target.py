@@ -338,5 +338,6 @@ class ShardedTarget(TargetModel):
         return super().compile_layers(backend)
 
     def _run(self, **inputs) -> torch.Tensor | None:
-        send_run(inputs, self.packed, self.device)
-        return super()._run(**inputs)
+        with self.group.waiting("in a forward"):
+            send_run(inputs, self.packed, self.device)
+            return super()._run(**inputs)

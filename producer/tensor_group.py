@@ -17,6 +17,13 @@ Faults. The leader watches its ranks: a rank that exits while the group runs tak
 (systemd: one unit per group, the leader's; `dflash-ring run`'s restarter likewise). To the ring the group's
 death is its producer's death: the reaper or the restarted leader undoes the WRITING slot and rolls the cursor
 back, so nothing is lost or published twice.
+
+Stalls. A rank that stops answering without exiting (SIGSTOPped, or hung holding its interpreter) would block its
+leader silently in the next collective until the group's 30-minute timeout. So each rank touches a beat file of its
+own in the group's private directory every second, from a thread that runs whatever its main thread waits on (a
+rank blocked in a collective on another still beats: the one that stopped is the one named). The leader's beat watch
+names a rank whose beat is older than a few seconds (its pid, what the leader waits on it for and since when), again
+at a bounded rate while it lasts, and once more when it answers again. It only names: the timeout is unchanged.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict
@@ -54,6 +62,10 @@ INPUT_KEYS = ("input_ids", "position_ids", "attention_mask", "cu_seq_lens_q", "c
 DTYPES = (torch.int64, torch.int32)
 HEADER = 3 + 5 * len(INPUT_KEYS)
 JOIN_TIMEOUT = datetime.timedelta(minutes=30)  # ranks load their shard of the target before the first collective
+BEAT_EVERY = 1.0  # seconds between a rank's beats (and the leader's looks at them)
+STALL_AFTER = 5.0  # a beat older than this: the rank is named as not answering
+STALL_REPEAT = 30.0  # while a stall lasts, it is named again at most this often
+START_GRACE = 300.0  # before its first beat a rank is still importing torch (a minute on a loaded box): not a stall
 
 
 def backend_for(device: torch.device) -> str:
@@ -200,6 +212,25 @@ def serve_rank(target, device: torch.device) -> None:
                 target._captured.clear()
 
 
+def beat_path(rendezvous: Path, rank: int) -> Path:
+    return rendezvous / f"rank-{rank}.beat"
+
+
+def start_beating(path: Path) -> None:
+    """In a rank: touch its beat file every BEAT_EVERY seconds from a daemon thread, until the leader removes the
+    group's directory (its close) or the rank ends. A stopped or interpreter-hung rank stops beating."""
+
+    def beat() -> None:
+        try:
+            while True:
+                path.touch()
+                time.sleep(BEAT_EVERY)
+        except FileNotFoundError:  # the group's directory is gone: the leader is closing the group
+            return
+
+    threading.Thread(target=beat, name="beat", daemon=True).start()
+
+
 def die_with_leader(leader: int) -> None:
     """In a rank, first thing: SIGKILL when the leader dies, however it dies (Linux prctl PR_SET_PDEATHSIG), set by
     the rank itself (a preexec_fn is unsafe in a leader that already runs threads); a leader already gone by then
@@ -217,6 +248,8 @@ class TensorGroup:
         self.ranks: list[subprocess.Popen] = []
         self._closing = threading.Event()
         self._rendezvous: Path | None = None
+        self._started: list[float] = []  # each rank's spawn time (wall clock, as a beat file's mtime)
+        self._waiting: tuple[str, float] | None = None  # what the leader waits on the ranks for, and since when
 
     @classmethod
     def start(cls, cfg: TargetConfig, device: torch.device) -> TensorGroup:
@@ -256,16 +289,23 @@ class TensorGroup:
                         str(rank_device(device, rank)),
                         "--leader",
                         str(os.getpid()),
+                        "--beat-file",
+                        str(beat_path(group._rendezvous, rank)),
                         "--target",
                         spec,
                     ],
                     env=env,
                 )
             )
+            group._started.append(time.time())
         for rank, proc in enumerate(group.ranks, start=1):
             threading.Thread(target=group._watch, args=(rank, proc), name=f"rank-{rank}", daemon=True).start()
+        threading.Thread(target=group._watch_beats, name="rank-beats", daemon=True).start()
         os.environ.update(RANK="0", WORLD_SIZE=str(group.size), LOCAL_RANK=str(device.index or 0))
-        dist.init_process_group(backend_for(device), store=store, rank=0, world_size=group.size, timeout=JOIN_TIMEOUT)
+        with group.waiting("to join the group"):
+            dist.init_process_group(
+                backend_for(device), store=store, rank=0, world_size=group.size, timeout=JOIN_TIMEOUT
+            )
         group._store = store  # kept for the group's lifetime (the ranks' keys live in it)
         log.info(
             "tensor-parallel group of %d ranks (%s) joined: ranks %s",
@@ -320,8 +360,56 @@ class TensorGroup:
         logging.shutdown()
         os._exit(1)  # a producer's death to the ring: its slot and cursor are undone by whoever takes the row
 
+    @contextmanager
+    def waiting(self, what: str) -> Iterator[None]:
+        """Marks the leader as waiting on its ranks (`what`, for the beat watch's warnings) while the block runs."""
+        self._waiting = (what, time.monotonic())
+        try:
+            yield
+        finally:
+            self._waiting = None
+
+    def _watch_beats(self) -> None:
+        """Name each rank whose beat is older than STALL_AFTER (before its first beat: than START_GRACE, since its
+        spawn), again every STALL_REPEAT while it lasts, and once when it beats again. Logs only: the collectives'
+        timeout is what ends a group that never answers."""
+        stalled: dict[int, tuple[float, float]] = {}  # rank -> (the stall's start, when it was last named)
+        while not self._closing.wait(BEAT_EVERY):
+            now = time.time()
+            for rank, proc in enumerate(self.ranks, start=1):
+                try:
+                    last, limit = beat_path(self._rendezvous, rank).stat().st_mtime, STALL_AFTER
+                except FileNotFoundError:  # not beating yet: still starting
+                    last, limit = self._started[rank - 1], START_GRACE
+                if now - last <= limit:
+                    if rank in stalled:
+                        log.warning(
+                            "tensor-parallel rank %d (pid %d) answers again after %.1f s",
+                            rank,
+                            proc.pid,
+                            now - stalled.pop(rank)[0],
+                        )
+                    continue
+                since, named = stalled.get(rank, (last, 0.0))
+                if now - named < STALL_REPEAT:
+                    continue
+                stalled[rank] = (since, now)
+                waiting = self._waiting
+                log.warning(
+                    "tensor-parallel rank %d (pid %d) has not answered for %.1f s: the leader %s (the group's "
+                    "timeout, %s, still holds)",
+                    rank,
+                    proc.pid,
+                    now - since,
+                    "is not waiting on it yet"
+                    if waiting is None
+                    else f"has waited on it {waiting[0]} for {time.monotonic() - waiting[1]:.1f} s",
+                    JOIN_TIMEOUT,
+                )
+
     def compile(self) -> None:
-        _send([COMPILE], [], self.device)
+        with self.waiting("to compile its layers"):
+            _send([COMPILE], [], self.device)
 
     def close(self) -> None:
         """Tell the ranks to stop, wait for them, leave the group."""

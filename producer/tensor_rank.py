@@ -2,7 +2,8 @@
 
 It joins the group through the leader's store, loads its shard of the target, and mirrors the leader's forwards
 until told to stop. It holds nothing of the run (no ring row, data or files), so its death needs no undoing: its
-leader goes down with it and the group restarts as one. Exits 0 on the leader's stop; dies with the leader.
+leader goes down with it and the group restarts as one. It beats (a file it touches every second) so its leader
+can name it if it stops answering. Exits 0 on the leader's stop; dies with the leader.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import logging
 import signal
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,7 +20,7 @@ import torch.distributed as dist
 from dflash_ring.common.target_geometry import target_geometry
 
 from .target import TargetModel, load_sharded
-from .tensor_group import JOIN_TIMEOUT, backend_for, die_with_leader, rank_target_config, serve_rank
+from .tensor_group import JOIN_TIMEOUT, backend_for, die_with_leader, rank_target_config, serve_rank, start_beating
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,8 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", required=True)
     p.add_argument("--leader", type=int, required=True, help="the leader's pid: this rank dies with it")
     p.add_argument("--target", required=True, help="the leader's target settings, as JSON")
+    p.add_argument("--beat-file", required=True, help="touched every second: the leader names a rank that stops")
     args = p.parse_args(argv)
     die_with_leader(args.leader)
+    start_beating(Path(args.beat_file))
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,

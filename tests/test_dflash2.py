@@ -15,7 +15,7 @@ from dflash_ring.consumer.families.dflash2.dflash2_blocks import GroupedDynamicC
 from dflash_ring.consumer.modeling.model import DFlashDraftModel, block_attention_mask, load_target_head
 from dflash_ring.consumer.families.dflash2.model import DFlash2DraftModel
 from dflash_ring.consumer.families.build import build_drafter
-from support import anchors_from_local, save_tiny_qwen3, tiny_qwen3_config
+from support import anchors_from_local, build_target, save_tiny_qwen3, tiny_qwen3_config
 
 # The CPU runs flex_attention eagerly (the reference check of the GPU path): its torch.compile advice is expected.
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
@@ -504,3 +504,29 @@ def test_a_dflash2_export_is_zlabs_layout_and_loads_back(target, tmp_path):
     context, ids, anchors = packed_inputs(len(model.target_layer_ids) * 64)
     with torch.no_grad():
         assert torch.equal(back(context, ids, anchors, head), model(context, ids, anchors, head))
+
+
+@pytest.mark.parametrize(
+    "setting,says",
+    [
+        ("drafter.selector_top_k=411", "drafter.selector_top_k 411 exceeds the target's vocabulary of 410"),
+        ("drafter.conv_group_size=65536", "drafter.conv_group_size 65536 does not divide the target's hidden_size 64"),
+    ],
+)
+def test_check_config_refuses_in_one_line_the_sizes_the_dflash2_model_refuses(
+    tmp_path, capsys, monkeypatch, setting, says
+):
+    """A selector_top_k past the target's vocabulary, or a conv_group_size that does not divide its width, was a
+    ValueError traceback from the drafter's blocks that check-config passed (issue 46): now the family's check_target
+    refuses it, in check-config and in every role (drafter_target_settings)."""
+    from dflash_ring.cli import main
+
+    target = build_target(tmp_path / "model", "qwen3", layers=4)  # width 64, 410 tokens
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()  # the target's save (its progress bar) is not check-config's output
+    args = ["check-config", "--set", f'target.path="{target}"', "--set", "target.mask_token_id=95"]
+    args += ["--set", 'drafter.recipe="dflash2"']
+    assert main([*args, "--set", setting]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err, err
+    assert main(args) == 0

@@ -144,6 +144,26 @@ def test_a_marked_template_that_cannot_mark_a_reply_is_refused_before_any_row(tm
     assert says in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("template", [MARKED_TEMPLATE, UNMARKED_TEMPLATE], ids=["marked", "unmarked"])
+def test_a_template_that_multiplies_a_row_skips_it_in_one_line_naming_the_template(tmp_path, caplog, template):
+    """A chat template that loops over a row's content rendered it many times over and tokenizing it never ended
+    (issue 46): a rendering past RENDER_FACTOR times the row's characters plus RENDER_SLACK is a bad row, skipped
+    before anything tokenizes it, in one line naming the row and the template; the other rows are kept."""
+    assert template.count("{%- endfor %}") == 1
+    looping = template.replace(
+        "{%- for m in messages %}",
+        "{%- for m in messages %}{%- for _ in range(10000 if 'again' in m.content else 1) %}",
+    ).replace("{%- endfor %}", "{%- endfor %}{%- endfor %}")
+    tok = tiny_chat_tokenizer(tmp_path / "tok", chat_template=looping)
+    looped = {"messages": [{"role": "user", "content": "again"}, {"role": "assistant", "content": "and again"}]}
+    path = write_jsonl(tmp_path / "rows.jsonl", [GOOD_ROWS[0], looped])
+    with caplog.at_level(logging.WARNING, logger="dflash_ring.producer.pretokenized"):
+        data = load_tokenized(DataConfig(path=str(path), cache_dir=str(tmp_path / "cache")), tok)
+    assert data.row_ids.tolist() == [0] and [i for i, _ in data.bad_rows] == [1]
+    (line,) = [r.getMessage() for r in caplog.records if "skipping row 1 " in r.getMessage()]
+    assert f"the chat template of {tok.name_or_path} renders it as" in line and "\n" not in line, line
+
+
 def test_truncation_to_max_length(tokenizer):
     full_ids, full_mask = ChatEncoder(tokenizer, max_length=4096, enable_thinking=False).encode({"messages": CHAT})
     cut = int(np.flatnonzero(full_mask)[0]) + 3

@@ -38,6 +38,22 @@ def _check(cfg: Any) -> None:
         raise ValueError("selector_weight must be >= 0")
 
 
+def _check_target(cfg: Any, geometry: Any) -> None:
+    """What the model's blocks (consumer/families/dflash2/dflash2_blocks.py) refuse when built, refused before: the
+    convolution's dynamic part is shared by groups of conv_group_size channels of the drafter's width (the target's
+    hidden_size), and the selector rescores the top selector_top_k of the target's vocabulary."""
+    if geometry.hidden_size % cfg.conv_group_size:
+        raise ValueError(
+            f"drafter.conv_group_size {cfg.conv_group_size} does not divide the target's hidden_size "
+            f"{geometry.hidden_size} (the drafter's width, shared by groups of that many channels): set a divisor of it"
+        )
+    if cfg.selector_top_k > geometry.vocab_size:
+        raise ValueError(
+            f"drafter.selector_top_k {cfg.selector_top_k} exceeds the target's vocabulary of {geometry.vocab_size} "
+            "(the selector rescores the top k of it): set it to at most that"
+        )
+
+
 DFLASH2 = FamilyConfig(
     name="dflash2",
     display="DFlash2",
@@ -82,4 +98,5 @@ DFLASH2 = FamilyConfig(
     },
     layer_types={"dflash2": lambda n: ["sliding_attention"] * n},  # all sliding, as the released checkpoint
     check=_check,
+    check_target=_check_target,
 )
