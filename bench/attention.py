@@ -1,8 +1,8 @@
 """`dflash-ring bench attention`: the drafter's flex attention alone, forward and backward, each way it can be called.
 
 The drafter's attention (consumer/modeling/model.py: `_flex_attention`) is one block-sparse flex_attention call per
-layer over
-every block of the step, on the layout `flex_layout` builds for the sampled anchors. Issue 45 asks two questions of it
+layer over every block of the step, on the layout `flex_layout` builds for the sampled anchors. Issue 45 asks two
+questions of it
 at head dim 256 (the Qwen3.6-27B width: 24 query heads, 4 key/value heads): does repeating K/V to the query heads beat
 `enable_gqa=True` forward + backward (ModelOpt's DFlash flex attention repeats them, its note saying the GQA backward
 is much slower), and does compiling flex with `dynamic=False` beat `dynamic=True`? This bench answers both on the
@@ -13,8 +13,7 @@ gradients compared with the baseline's (today's call: `enable_gqa`, dynamic).
 Variants: `gqa-dynamic` (baseline: the call before issue 45), `gqa-static`, `gqa-dynamic-divisible` (dynamic, with
 IS_DIVISIBLE in the kernel options: the lengths are whole tiles, which a dynamic compile cannot prove; what
 consumer/modeling/model.py calls now), `repeat-dynamic`, `repeat-static` (K/V repeated to the query heads inside the
-timed
-region, so the copy and the sum of their gradients over the group are counted), and `repeat-static-default-tiles`
+timed region, so the copy and the sum of their gradients over the group are counted), and `repeat-static-default-tiles`
 (Inductor's own tile sizes instead of FLEX_KERNEL_OPTIONS, which were tuned for GQA).
 
 FLOPs per layer as `bench drafter` counts them: forward 4 x rows x visible keys x heads x head dim, forward +

@@ -1,8 +1,8 @@
 """A producer's account of each batch it publishes: the ring's commit, the ledger's record, the replay list's commit.
 
 The mirror of the drafter's `ItemAccount` (consumer/training/accounting.py), in the one order a restart relies on:
-`publish`
-moves the slot to READY and the producer's cursor in its row together (the ring's record wins over the file's);
+`publish` moves the slot to READY and the producer's cursor in its row together (the ring's record wins over the
+file's);
 then the `pub` ledger record (reconcile's evidence that the batch was published: a SIGKILL between the two leaves
 a published batch without its record, which reconcile counts, never a record without its batch); then the cursor
 file and the replay list follow the ring's record (producer/live_replay.py).

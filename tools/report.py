@@ -234,8 +234,7 @@ def calibration_of(path: Path) -> dict[str, Any]:
 
 
 # What consumer/evaluation/calibration.py writes, field by field: (integer?, may be None?); every number a probability
-# but the
-# counts (>= 0) and the position (>= 0). JSON takes NaN and -1e308, which were drawn in silence.
+# but the counts (>= 0) and the position (>= 0). JSON takes NaN and -1e308, which were drawn in silence.
 ROW_RANGES = {
     "position": (True, False),
     "count": (True, False),

@@ -47,8 +47,8 @@ class TrainConfig:
     checkpoint_every_steps: AtLeastOne = 200
     keep_checkpoints: AtLeastOne = 3
     # Copy the state to host memory in the step and write the checkpoint on a thread
-    # (consumer/training/async_checkpoint.py);
-    # false: write it in the step. A kill mid-write loses up to two intervals of updates instead of one.
+    # (consumer/training/async_checkpoint.py); false: write it in the step. A kill mid-write loses up to two intervals
+    # of updates instead of one.
     async_checkpoints: bool = True
     log_every_steps: AtLeastOne = 10
     # Held-out items (data.eval_fraction, eval = true sources) are evaluated as they arrive (their slot is

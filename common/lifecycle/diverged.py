@@ -2,8 +2,8 @@
 
 Gone bad: a loss or gradient norm that is not finite for train.max_nonfinite_steps optimizer steps in a row
 (consumer/training/nonfinite.py), or weights that are not finite where a checkpoint would hold them
-(consumer/training/checkpoint.py).
-Training on would only write NaN curves, and checkpoints a successor resumes into the same NaN, until the run ends
+(consumer/training/checkpoint.py). Training on would only write NaN curves, and checkpoints a successor resumes into the
+same NaN, until the run ends
 with exit 0. A restart cannot help either: it resumes from the last checkpoint with the same settings and data, and
 diverges again. So the code is its own, EXIT_DIVERGED, and final: the drafter units list it in
 RestartPreventExitStatus= (Restart=on-failure restarts any other failure), chaos's restarter leaves it down

@@ -31,8 +31,7 @@ TARGET_PHASES = ("imports", "config", "attach", "data", "model", "probe", "join"
 # "takeover" its checkpoint loaded once the seat is its own (a standby's, or one newer than it loaded at "checkpoint"):
 # a takeover's kill to first step is the phases after "standby".
 # "checkpoint" overlaps the first step's precompile (consumer/training/process.py); a standby precompiles at
-# "precompile", once
-# attached, before it waits.
+# "precompile", once attached, before it waits.
 DRAFTER_PHASES = (
     "imports",
     "config",

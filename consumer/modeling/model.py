@@ -450,8 +450,7 @@ class DFlashDraftModel(nn.Module):
         """torch.compile each decoder layer in place (one graph serves all: they share code and shapes), fusing
         norms, RoPE, SiLU and residual adds around the matmuls; state_dict names are unchanged. `include_fc`
         compiles fc too: under FP8 (consumer/modeling/fp8.py) its input's rowwise cast, a pass over all [T, n*H]
-        features,
-        is fused only there; in bf16 fc is one matmul that compiling would not speed up."""
+        features, is fused only there; in bf16 fc is one matmul that compiling would not speed up."""
         for layer in self.layers:
             layer.compile(dynamic=True)
         if include_fc:

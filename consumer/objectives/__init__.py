@@ -15,6 +15,5 @@ terms:
   confidence head against the detached analytic acceptance: outside the vocabulary, on the head's own logits).
 
 `dflash_loss` (consumer/training/loss.py) turns a recipe into these components; the chunk loop (head_loss.py) asks them
-for
-weights and gradient coefficients and never reads the config's objective names.
+for weights and gradient coefficients and never reads the config's objective names.
 """

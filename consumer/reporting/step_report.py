@@ -2,8 +2,8 @@
 
 One sink for what follows a settled item (torchtitan's `MetricsProcessor` is the model): its counters at once; a
 step's record (consumer/reporting/step_record.py) to the metrics at once and to the log, the record file and the
-trackers every
-train.log_every_steps (and the last one at the end); the rolling window those rates are over. A held-out item's
+trackers every train.log_every_steps (and the last one at the end); the rolling window those rates are over. A held-out
+item's
 per-source sums wait for the next multiple of train.eval_every_steps (and the end), where they become one evaluation
 record (`eval_scalars`), emitted like a step's.
 """

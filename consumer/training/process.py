@@ -19,12 +19,10 @@ started for its index precompiles while its checkpoint loads (`Resumed.load`).
 
 This file keeps the assembly and the loop (`DrafterLoop`); the loop's parts are components of their own: the ring's
 items onto the device (`Prefetcher`, consumer/training/ring_input.py), each item settled in the one order exactly once
-rests on
-(`ItemAccount`, consumer/training/accounting.py), what a step reports (`StepReport`,
-consumer/reporting/step_report.py), replica averaging
-(`Averaging`, consumer/training/replicas.py), the checkpoint policy (`Checkpoints`,
-consumer/training/checkpoint_policy.py) and the LR
-schedule's length (`StepSchedule`, consumer/training/trainer.py).
+rests on (`ItemAccount`, consumer/training/accounting.py), what a step reports (`StepReport`,
+consumer/reporting/step_report.py), replica averaging (`Averaging`, consumer/training/replicas.py), the checkpoint
+policy (`Checkpoints`, consumer/training/checkpoint_policy.py) and the LR schedule's length (`StepSchedule`,
+consumer/training/trainer.py).
 """
 
 from __future__ import annotations

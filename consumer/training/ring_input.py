@@ -3,8 +3,7 @@
 The mirror of the producer's `Loader` and `SlotFiller` (producer/process.py). A prefetch thread claims the next item
 and copies it to the device while the current step runs; the slot stays claimed until the step that used it has
 returned and the item is settled (consumer/training/accounting.py), so a drafter killed at any moment leaves what it
-held
-READING, for the reaper to hand to another drafter.
+held READING, for the reaper to hand to another drafter.
 """
 
 from __future__ import annotations

@@ -239,8 +239,7 @@ class Trainer:
             self._hold = None
         # A gradient that is not finite updates nothing: AdamW would write it into both moments and every weight
         # (consumer/training/nonfinite.py counts such steps and ends a drafter that keeps taking them). The norm's one
-        # host
-        # sync is the step's figures' own, taken a little earlier.
+        # host sync is the step's figures' own, taken a little earlier.
         if math.isfinite(float(grad_norm)):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

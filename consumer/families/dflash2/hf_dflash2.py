@@ -4,8 +4,8 @@ dflash-ring's export of an arch = "dflash2" drafter copies this file as `dflash2
 as `dflash2_blocks.py` next to config.json ("auto_map": {"AutoModel": "dflash2.DFlash2DraftModel"}), so the drafter
 loads with its real architecture wherever transformers runs, without dflash-ring: it imports only torch,
 transformers and that second file. The math is the training model's
-(dflash_ring.consumer.modeling.model.DFlash2DraftModel),
-checked equal with z-lab's DFlash2DraftModel by tests/test_peer_conformance.py:
+(dflash_ring.consumer.modeling.model.DFlash2DraftModel), checked equal with z-lab's DFlash2DraftModel by
+tests/test_peer_conformance.py:
 
     context = hidden_norm(fc(concat of the target's hidden states at dflash_config.target_layer_ids))
     per layer: h = norm(x); h, d = attention_conv.prepare(h); x += attention_conv.finish(attn(h), d); the same with

@@ -1,6 +1,6 @@
 """DSpark's named figures of a step (its objective's L1 to the target and confidence head, consumer/training/loss.py),
-as the
-step record's keys: `tv`, `tau_probabilistic`, `accept_rate/pos_<k>` (k = 1: the first draft), and with the confidence
+as the step record's keys: `tv`, `tau_probabilistic`, `accept_rate/pos_<k>` (k = 1: the first draft), and with the
+confidence
 head `confidence_loss` and `confidence/{abs_error,bias,cumprod_bias}` over the step's supervised drafts."""
 
 from __future__ import annotations
