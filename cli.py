@@ -301,8 +301,17 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("out_dir")
     sp.add_argument(
         "--target",
-        help="the target model directory: a DSpark export ships its embed_tokens and lm_head "
+        help="the target model directory: a DSpark export ships its embed_tokens and lm_head; a --layout "
+        "speculators export names it (as given: a directory or a hub id) as its verifier "
         "(default: the target.path recorded in the checkpoint)",
+    )
+    sp.add_argument(
+        "--layout",
+        choices=("native", "speculators"),
+        default="native",
+        help="native: the family's own layout (z-lab's DFlash, DeepSeek's flat DSpark, EAGLE's flat EAGLE-3, which "
+        "SGLang needs); speculators: vLLM speculators' save_pretrained layout (EAGLE-3 only), which `vllm serve DIR` "
+        "serves alone",
     )
     sp.set_defaults(func=cmd_export)
 
@@ -790,7 +799,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     check_output_dir(args.out_dir)  # before loading anything
 
-    print(f"exported {export_checkpoint(args.checkpoint, args.out_dir, args.target)}")
+    print(f"exported {export_checkpoint(args.checkpoint, args.out_dir, args.target, args.layout)}")
     return 0
 
 

@@ -20,14 +20,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import tempfile
 import time
 from dataclasses import asdict, replace
 from datetime import datetime, timezone
+from pathlib import Path
 from statistics import fmean
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from dflash_ring.bench.drafter_memory import GiB, fit_samples
 from dflash_ring.bench.progress import progress
@@ -40,11 +44,13 @@ from dflash_ring.common.arguments import (
 )
 from dflash_ring.common.compile_cache import use_compile_cache
 from dflash_ring.common.config.drafter import DrafterConfig, target_text_config
+from dflash_ring.common.config.schema import ConfigError
 from dflash_ring.consumer.modeling.fp8 import check_precision, convert_to_fp8
 from dflash_ring.consumer.training.loss import drafter_loss
 from dflash_ring.consumer.modeling.model import Anchors, FrozenTargetHead, cu_seqlens_from_lengths, sample_anchors
 from dflash_ring.consumer.families import family
 from dflash_ring.consumer.families.build import build_drafter
+from dflash_ring.consumer.families.eagle3.vocab import vocab_mapping
 from dflash_ring.consumer.layouts.drafter_hf_config import drafter_geometry
 from dflash_ring.consumer.training.objective import ObjectiveInputs, block_objective
 
@@ -171,19 +177,42 @@ def _drafter_config(
     anchors: int | None,
     loss_chunk: int,
     attention: tuple[int, int, int] | None = None,
+    draft_vocab_size: int = 0,
 ) -> DrafterConfig:
     """The recipe's drafter for the shape; attention: its own (heads, key/value heads, head width), else the
-    target's."""
+    target's. draft_vocab_size: EAGLE-3's reduced vocabulary (the keys of another family refuse it), whose maps
+    DRAFT_VOCAB_FILE holds once write_draft_vocab has run."""
     heads, kv_heads, head_dim = attention or (None, None, None)
-    return DrafterConfig(
-        recipe=recipe,
-        num_anchors=anchors,
-        mask_token_id=target["vocab_size"] - 1,
-        loss_chunk_tokens=loss_chunk,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-    )
+    vocab = {"draft_vocab_size": draft_vocab_size, "draft_vocab": str(DRAFT_VOCAB_FILE)} if draft_vocab_size else {}
+    if draft_vocab_size > target["vocab_size"]:
+        raise ConfigError(
+            f"--draft-vocab-size {draft_vocab_size} exceeds the target's vocabulary of {target['vocab_size']}"
+        )
+    try:  # the options' combination as a run's config would refuse it, in one line
+        return DrafterConfig(
+            recipe=recipe,
+            num_anchors=anchors,
+            mask_token_id=target["vocab_size"] - 1,
+            loss_chunk_tokens=loss_chunk,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            **vocab,
+        )
+    except ValueError as e:
+        raise ConfigError(f"bench drafter --recipe {recipe}: {e}") from None
+
+
+DRAFT_VOCAB_FILE = Path(tempfile.gettempdir()) / f"bench-drafter-draft-vocab-{os.getpid()}.safetensors"
+
+
+def write_draft_vocab(draft_vocab_size: int, vocab_size: int) -> None:
+    """A reduced draft vocabulary's maps for the bench (which tokens it keeps changes no FLOP, only which head rows
+    are read): the draft-vocab tool's mapping of random counts, so the kept ids scatter over the vocabulary as a
+    real data set's do."""
+    counts = torch.randint(0, 1000, (vocab_size,), generator=torch.Generator().manual_seed(0))
+    d2t, t2d = vocab_mapping(counts, draft_vocab_size)
+    save_file({"d2t": d2t, "t2d": t2d, "counts": counts}, DRAFT_VOCAB_FILE, {"vocab_size": str(vocab_size)})
 
 
 def _fit_to_gpu(
@@ -199,13 +228,14 @@ def _fit_to_gpu(
     compiled: bool,
     check: bool,
     drafter_attention: tuple[int, int, int] | None = None,
+    draft_vocab_size: int = 0,
 ) -> tuple[int, int]:
     """The samples the GPU step runs (the given ones, or defaults that fit); DoesNotFit, before anything is built,
     if they do not fit. The estimate is of the shape as a GPU runs it, also when asked for on a CPU."""
     target = bench_target(shape, tiny)
     seqs, seq_len, memory = fit_samples(
         target,
-        _drafter_config(target, recipe, anchors, loss_chunk, drafter_attention),
+        _drafter_config(target, recipe, anchors, loss_chunk, drafter_attention, draft_vocab_size),
         seqs,
         seq_len,
         gpu_bytes,
@@ -248,6 +278,7 @@ def run_drafter_bench(
     precision: str = "bf16",
     fp8_recipe: str = "rowwise",
     drafter_attention: tuple[int, int, int] | None = None,
+    draft_vocab_size: int = 0,
 ) -> dict:
     """seqs, seq_len: None to fit the GPU. gpu_memory_gib: what the step must fit in (default: the visible GPU's
     total; given without a GPU, the check runs for the GPU shape and the bench then runs its CPU smoke size).
@@ -275,19 +306,26 @@ def run_drafter_bench(
             compiled=compile and attention in ("auto", "flex"),
             check=check,
             drafter_attention=drafter_attention,
+            draft_vocab_size=draft_vocab_size,
         )
     attention = attention if attention != "auto" else ("flex" if cuda else "sdpa")
     target = bench_target(shape, tiny or not cuda)
     if not cuda:
         seqs, seq_len, anchors, steps = 2, 256, 32, 2
+        draft_vocab_size = min(draft_vocab_size, target["vocab_size"])  # the CPU smoke run's small vocabulary
     drafter = replace(
-        _drafter_config(target, recipe, anchors, loss_chunk, drafter_attention),
+        _drafter_config(target, recipe, anchors, loss_chunk, drafter_attention, draft_vocab_size),
         precision=precision,
         fp8_recipe=fp8_recipe,
     )
     anchors = drafter.num_anchors
     backbone_only = replace(drafter, confidence_weight=0.0)  # DSpark's step without its heads (heads_overhead)
-    model = build_drafter(drafter, target).to(dev)
+    if draft_vocab_size:
+        write_draft_vocab(draft_vocab_size, target["vocab_size"])
+    try:
+        model = build_drafter(drafter, target).to(dev)
+    finally:
+        DRAFT_VOCAB_FILE.unlink(missing_ok=True)
     if precision == "fp8":  # as the Trainer does: before the optimizer and the compile
         convert_to_fp8(model, fp8_recipe)
     n_ctx = len(model.target_layer_ids)
@@ -445,6 +483,7 @@ def run_drafter_bench(
             "seq_len": seq_len,
             "blocks_per_step": blocks,
             "vocab": vocab,
+            "draft_vocab": drafter.draft_vocab_size or vocab,
             # The drafter's attention (its own where --drafter-attention set it, else the target's).
             "heads": geometry["num_attention_heads"],
             "kv_heads": geometry["num_key_value_heads"],
@@ -536,6 +575,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     fp8_recipe_argument(parser)
     parser.add_argument(
+        "--draft-vocab-size",
+        type=at_least_one,
+        default=0,
+        help="EAGLE-3's reduced draft vocabulary (EAGLE and SpecForge train 32000; default: the target's)",
+    )
+    parser.add_argument(
         "--compile-cache",
         default="",
         help="persistent compile cache root (run.compile_cache_dir); run twice to see a warm start",
@@ -564,6 +609,7 @@ def main(args: argparse.Namespace) -> int:
                 precision=args.precision,
                 fp8_recipe=args.fp8_recipe,
                 drafter_attention=args.drafter_attention,
+                draft_vocab_size=args.draft_vocab_size,
             ),
             indent=2,
         )

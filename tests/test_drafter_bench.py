@@ -208,3 +208,40 @@ def test_tiny_drafter_bench_prints_each_figure_before_the_json():
         assert sum(s[phase] for s in steps) / len(steps) == pytest.approx(mean, abs=1e-4)
     assert summary == {k: report[k] for k in summary}
     assert set(summary) >= {"tokens_per_s", "mfu", "step_split_s", "peak_memory_gib"}
+
+
+@pytest.mark.processes  # the report names the platform (uname)
+def test_the_eagle3_bench_counts_its_own_flops_over_its_draft_vocabulary(capsys):
+    """EAGLE-3 trains every row through ttt_steps steps, not blocks of anchors: its family counts the step's FLOPs
+    (the block families' count gave 337.78 TFLOP for both of an H100 run's vocabularies), and a reduced draft
+    vocabulary (--draft-vocab-size) takes its head rows out of the draft's and the teacher's products."""
+    from dflash_ring.bench.drafter import _drafter_config, run_drafter_bench
+    from dflash_ring.consumer.families import family
+    from dflash_ring.consumer.layouts.drafter_hf_config import drafter_geometry
+    from dflash_ring.consumer.modeling.model import Anchors, cu_seqlens_from_lengths
+
+    target = bench_target("qwen3-8b", tiny=False)
+    anchors = Anchors(torch.arange(10), None, cu_seqlens_from_lengths([3072] * 4))
+    flops = {
+        vocab: family("eagle3").step_flops(target, drafter_geometry(d, target), d, 3, 4 * 3072, anchors, 64512, 64512)
+        for vocab in (0, 32000)
+        for d in [_drafter_config(target, "eagle3", None, 1024, None, vocab)]
+    }
+    assert flops[0] - flops[32000] == pytest.approx(4 * 2 * 4096 * (151936 - 32000) * 64512)
+    report = run_drafter_bench(tiny=True, steps=1, recipe="eagle3", draft_vocab_size=100)
+    assert (report["shape"]["vocab"], report["shape"]["draft_vocab"]) == (512, 100)
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--recipe", "paper", "--draft-vocab-size", "100"], "draft_vocab_size, draft_vocab are EAGLE-3-only"),
+        (["--recipe", "eagle3", "--draft-vocab-size", "200000"], "exceeds the target's vocabulary of 151936"),
+    ],
+)
+def test_a_draft_vocabulary_the_bench_cannot_build_is_refused_in_one_line(args, words, capsys):
+    from dflash_ring.cli import main
+
+    assert main(["bench", "drafter", "--gpu-memory-gib", "80", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err

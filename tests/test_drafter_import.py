@@ -370,7 +370,7 @@ def layer_edit(speculators_dflash, **changes) -> dict:
         ({"target_hidden_size": 32}, "target_hidden_size 32"),
         ({"mask_token_id": None}, "no mask_token_id"),
         ({"speculators_model_type": "mlp_speculator"}, "'mlp_speculator' is not a drafter we train"),
-        ({"speculators_model_type": "eagle3"}, "speculators' EAGLE-3 layout is not read here yet"),
+        ({"speculators_model_type": "eagle3"}, "model_type 'qwen3'"),
         ({"transformer_layer_config": [1]}, "not a JSON object"),
     ],
 )

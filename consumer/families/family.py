@@ -69,16 +69,23 @@ class DrafterFamily:
 
     # The family's DrafterConfig keys from a vLLM speculators save_pretrained config.json: (its config, a reader of
     # a key it must set, a refusal for what the family's model has no equivalent of) -> keyword arguments
-    # (consumer/layouts/drafter_import.py). None: speculators' layout of the family is not read (EAGLE-3's: its own
-    # keys).
-    speculators_keys: (
-        Callable[[Mapping[str, Any], Callable[[str], Any], Callable[[str], Exception]], dict[str, Any]] | None
-    ) = lambda source, key, refuse: {}
+    # (consumer/layouts/drafter_import.py). block_size, mask_token_id and target_layer_ids among them replace the
+    # block families' keys of those settings (EAGLE-3's layout keeps them otherwise: eagle3/speculators.py).
+    speculators_keys: Callable[
+        [Mapping[str, Any], Callable[[str], Any], Callable[[str], Exception]], dict[str, Any]
+    ] = lambda source, key, refuse: {}
+    # `dflash-ring export --layout speculators`: (the config.json of the family's own layout, as export writes it;
+    # speculators' verifier {name_or_path, architectures}) -> the config.json of speculators' save_pretrained layout
+    # of the family, whose tensor names are the model's own (consumer/layouts/export.py). None: no such writer.
+    speculators_layout: Callable[[Mapping[str, Any], Mapping[str, Any]], dict[str, Any]] | None = None
     # Tensor names a released file may give the family's tensors -> ours (z-lab DFlash2's save_pretrained).
     released_names: Mapping[str, str] = field(default_factory=dict)
     # Why a draft tree (independent slots, consumer/evaluation/draft_tree.py) cannot serve the family's drafter; None:
     # it can.
     no_draft_tree: str | None = None
+    # Whether the model reads drafter.mask_token_id (a block's unknown slots); EAGLE-3 drafts from its own hidden
+    # state and reads none, so a warm start does not compare its release's (speculators' layout records none).
+    reads_mask_token: bool = True
     # The training objective on one packed batch: (model, inputs, head, drafter config) -> StepObjective
     # (consumer/training/objective.py). The trainer, the held-out evaluation and the benches call this and nothing else.
     objective: Callable[[torch.nn.Module, ObjectiveInputs, FrozenTargetHead, DrafterConfig], StepObjective] = (

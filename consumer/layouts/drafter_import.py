@@ -10,6 +10,8 @@ same `architectures` as z-lab's, so that key alone would take it for ours). Layo
   maps them). The tensors carry our names already (layers.*, fc, hidden_norm, norm; DFlash2's convolutions and
   candidate_selector codebooks; DSpark's markov_head and confidence_head); the target's own (embed_tokens,
   lm_head, verifier_lm_head, verifier_norm) are left out of the file by their save and dropped here if present.
+  EAGLE-3's (Eagle3Speculator) keeps its settings under keys of its own, which its family's hook reads
+  (consumer/families/eagle3/speculators.py); its lm_head, d2t and t2d are the drafter's own.
 - ours = z-lab's DFlash and DFlash2, DeepSeek's flat DSpark (config.json `architectures`, consumer/layouts/export.py):
   read as load_drafter reads them; a DSpark file's embed_tokens and lm_head (the target's) are dropped, and DFlash2's
   codebooks as z-lab's save_pretrained names them (`.weight`, its nn.Embedding) take our names.
@@ -20,11 +22,12 @@ and the state loads into that model with strict=True. The target's tensors are n
 target head serves them.
 
 What a speculators drafter may be that ours cannot reproduce exactly is refused in one line (ReleasedDrafterError):
-a reduced draft vocabulary (d2t/t2d maps, its own lm_head), DFlash or DFlash2 drafting from the anchor or DSpark
-not, sliding-window layers (their window keeps the W context tokens before the anchor for every slot of a block;
-ours, z-lab's and SpecForge's keep the last W keys of each slot's own position), no Markov or confidence head (or
-a confidence head without the Markov embedding), attention biases, another MLP activation, a partial rotary, a
-target layer id of 0 (the embedding). Reading is safetensors-only: a pickle (.bin, .pt) is code, never loaded.
+a reduced draft vocabulary (d2t/t2d maps, its own lm_head) but EAGLE-3's (its model maps one as speculators'),
+DFlash or DFlash2 drafting from the anchor or DSpark not, sliding-window layers (their window keeps the W context
+tokens before the anchor for every slot of a block; ours, z-lab's and SpecForge's keep the last W keys of each slot's
+own position), no Markov or confidence head (or a confidence head without the Markov embedding), attention biases,
+another MLP activation, a partial rotary, a target layer id of 0 (the embedding), and EAGLE-3's own options (its
+hook's refusals). Reading is safetensors-only: a pickle (.bin, .pt) is code, never loaded.
 """
 
 from __future__ import annotations
@@ -181,12 +184,6 @@ def _from_speculators(source: Mapping[str, Any], where: str) -> dict[str, Any]:
             f"{', '.join(FAMILIES)} are read)"
         )
 
-    if family(arch).speculators_keys is None:
-        raise ReleasedDrafterError(
-            f"{where}: speculators' {family(arch).display} layout is not read here yet: start from the drafter in "
-            f"its flat {family(arch).architectures[0]} layout, or train from scratch"
-        )
-
     def refuse(what: str) -> ReleasedDrafterError:
         return ReleasedDrafterError(
             f"{where}: a speculators {family(arch).display} drafter with {what}; ours has no equivalent, so it cannot "
@@ -213,10 +210,14 @@ def _from_speculators(source: Mapping[str, Any], where: str) -> dict[str, Any]:
             f"{where}: transformer_layer_config does not load ({type(e).__name__}: {e})"
         ) from None
     hidden, heads = layer.hidden_size, layer.num_attention_heads
-    vocab = layer.vocab_size
-    if key("draft_vocab_size") != vocab:
+    vocab, fam = layer.vocab_size, family(arch)
+    if not 0 < key("draft_vocab_size") <= vocab:
+        raise ReleasedDrafterError(
+            f"{where}: draft_vocab_size {source['draft_vocab_size']} is not in 1..{vocab} (the target's vocabulary)"
+        )
+    if source["draft_vocab_size"] < vocab and "draft_vocab_size" not in fam.config.own_keys:  # EAGLE-3's d2t/t2d
         raise refuse(f"a reduced draft vocabulary ({source['draft_vocab_size']} of the target's {vocab}, d2t/t2d maps)")
-    if bool(source.get("sample_from_anchor")) != family(arch).config.drafts_from_anchor:
+    if bool(source.get("sample_from_anchor")) != fam.config.drafts_from_anchor:
         raise refuse(f"sample_from_anchor {bool(source.get('sample_from_anchor'))}")
     layer_types = list(getattr(layer, "layer_types", None) or ["full_attention"] * layer.num_hidden_layers)
     if any(t != "full_attention" for t in layer_types):
@@ -227,9 +228,6 @@ def _from_speculators(source: Mapping[str, Any], where: str) -> dict[str, Any]:
         raise refuse(f"hidden_act {layer.hidden_act!r} (a Qwen3 drafter MLP is SwiGLU)")
     if source.get("target_hidden_size") not in (None, hidden):
         raise refuse(f"target_hidden_size {source['target_hidden_size']} != hidden_size {hidden}")
-    aux = key("aux_hidden_state_layer_ids")
-    if not aux or min(aux) < 1:
-        raise refuse(f"aux_hidden_state_layer_ids {aux} (a feature of the embedding output, id 0)")
     params = dict(getattr(layer, "rope_parameters", None) or {})
     if "sliding_attention" in params:  # speculators' flatten_rope_parameters: the sliding one serves every layer
         params = dict(params["sliding_attention"])
@@ -239,24 +237,26 @@ def _from_speculators(source: Mapping[str, Any], where: str) -> dict[str, Any]:
         rope = drafter_rope({"rope_parameters": params})
     except (KeyError, ValueError) as e:
         raise refuse(f"its RoPE {params} ({e})") from None
-    mask_token_id, block_size, target_layer_ids = key("mask_token_id"), key("block_size"), [i - 1 for i in aux]
-    fam = family(arch)
     own = fam.speculators_keys(source, key, refuse)
+    if "target_layer_ids" not in own:  # the block families' keys of the settings the family's hook gave none of
+        aux = key("aux_hidden_state_layer_ids")
+        if not aux or min(aux) < 1:
+            raise refuse(f"aux_hidden_state_layer_ids {aux} (a feature of the embedding output, id 0)")
+        own["target_layer_ids"] = [i - 1 for i in aux]
+    own |= {name: key(name) for name in ("mask_token_id", "block_size") if name not in own}
     try:  # the family's own layout of these settings (loss_gamma: a training value the layout does not record)
         settings = DrafterConfig(
             arch=arch,
-            block_size=block_size,
-            mask_token_id=mask_token_id,
-            target_layer_ids=target_layer_ids,
             num_hidden_layers=layer.num_hidden_layers,
             loss_gamma=1.0,
+            init_from=str(Path(where).parent),  # its weights, and EAGLE-3's draft vocabulary maps, are this release's
             **own,
         )
     except ValueError as e:
         raise ReleasedDrafterError(f"{where}: its settings are not a drafter of ours ({e})") from None
     # Written for as many target layers as its ids need; what speculators does not record is left out: the
     # target's layer count, and the training's anchors (DSpark's layout writes them).
-    config: dict[str, Any] = fam.layout(settings, max(target_layer_ids) + 1)
+    config: dict[str, Any] = fam.layout(settings, max(settings.target_layer_ids) + 1)
     config.pop("num_target_layers")
     config.pop("num_anchors", None)
     config |= {

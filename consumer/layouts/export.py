@@ -3,7 +3,9 @@
 Each family's layout (consumer/families/<name>/: its config.json keys, the code shipped beside the weights, the
 target tensors its file carries) is told apart by config.json's `architectures`: z-lab's DFlash and DFlash2,
 DeepSeek's flat DSpark. config.json's auto_map points transformers' AutoModel (trust_remote_code) at the code file,
-so that path gives the real drafter, not a bare Qwen3Model.
+so that path gives the real drafter, not a bare Qwen3Model. A family may also be written in vLLM speculators'
+save_pretrained layout (layout "speculators": DrafterFamily.speculators_layout, EAGLE-3's Eagle3Speculator, which
+`vllm serve <dir>` serves alone since it names its verifier), the same tensors under another config.json and no code.
 
 Export is atomic (temp dir in the same parent, fsync, rename) so a crash never
 leaves a half-written drafter where a server or a resume would pick it up.
@@ -48,6 +50,15 @@ class ExportDirError(Refusal, ValueError):
     """A drafter directory that load_drafter cannot take as asked: a config.json that is not JSON or names no
     layout we write, an export of another layout than the caller serves, a config.json its weights or the model
     it describes do not match, a DSpark export of another target. The user's directory, so one line (exit 2)."""
+
+
+class ExportLayoutError(Refusal, ValueError):
+    """An export asked in a layout that cannot describe the drafter: speculators' for a family we write no
+    speculators layout of, or without the target it must name as its verifier. The user's choice: one line, exit 2."""
+
+
+# "native": the family's own layout (z-lab's DFlash and DFlash2, DeepSeek's flat DSpark, EAGLE's flat EAGLE-3).
+LAYOUTS = ("native", "speculators")
 
 
 class NonFiniteExport(Refusal, ValueError):
@@ -113,8 +124,12 @@ def export_drafter(
     dtype: torch.dtype = torch.bfloat16,
     head_spec: HeadSpec | None = None,
     head: FrozenTargetHead | None = None,
+    layout: str = "native",
+    verifier: str | None = None,
 ) -> Path:
-    """Write the drafter: its weights and model code, in the layout of drafter_config.arch's family.
+    """Write the drafter: its weights and model code, in the layout of drafter_config.arch's family (`layout`
+    "native"), or its weights in speculators' layout of the family ("speculators"), whose config.json names
+    `verifier` (the target's path or hub id, as `vllm serve` is to find it) and the target's architectures.
 
     head: the target's frozen head the drafter trained with. A family whose file carries the target's tensors (DSpark:
     embed_tokens and lm_head) needs it; the others read only its spec. head_spec (default: head's), the target head
@@ -127,6 +142,20 @@ def export_drafter(
         raise FileExistsError(f"{out} exists; export never overwrites a drafter in place")
     arch = drafter_config.arch
     fam = family(arch)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is none of {LAYOUTS}")
+    if layout == "speculators":
+        if fam.speculators_layout is None:
+            writers = [f.display for f in FAMILIES.values() if f.speculators_layout is not None]
+            raise ExportLayoutError(
+                f"layout 'speculators' (vLLM speculators' save_pretrained) is written for {', '.join(writers)} "
+                f"drafters, not {fam.describe()}: export it in its own layout (leave --layout out)"
+            )
+        if not verifier:
+            raise ExportLayoutError(
+                f"a {fam.display} export in speculators' layout names its verifier (the target, which `vllm serve` "
+                "loads beside it), and none is known: pass the target model (dflash-ring export --target DIR)"
+            )
     if (model_family := family_of(model)) is not fam:
         raise ValueError(
             f"the model is {model_family.describe()}, its drafter config says arch = {arch!r} "
@@ -165,6 +194,14 @@ def export_drafter(
             "training diverged before this state; export an earlier checkpoint (a step-NNNNNNNN directory)"
         )
     code = fam.code
+    if layout == "speculators":  # speculators' loader and vLLM's build the model from config.json alone
+        architectures = (
+            target_config.get("architectures")
+            if isinstance(target_config, Mapping)
+            else getattr(target_config, "architectures", None)
+        )
+        config = fam.speculators_layout(config, {"name_or_path": verifier, "architectures": list(architectures or [])})
+        code = ()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:

@@ -320,14 +320,20 @@ def _sha256(path: Path) -> str:
 
 
 def export_checkpoint(
-    ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, target: str | os.PathLike | None = None
+    ckpt_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    target: str | os.PathLike | None = None,
+    layout: str = "native",
 ) -> Path:
     """`dflash-ring export`: a training checkpoint (a step dir, or a checkpoint root) -> an HF drafter dir, in the
-    layout of its arch (DFlash, or DeepSeek's flat DSpark layout).
+    layout of its arch (DFlash, or DeepSeek's flat DSpark layout), or with layout "speculators" in vLLM
+    speculators' layout of it (EAGLE-3's; consumer/layouts/export.py refuses the others in one line).
 
     A DSpark export ships the target's embed_tokens and lm_head: they are read from `target` (a model directory),
     else from the target.path the run recorded in the checkpoint; with neither, or where that directory holds no
-    head of the trained shapes, the export is refused in one line."""
+    head of the trained shapes, the export is refused in one line. A speculators-layout export names the target as
+    its verifier: `target` as given (a directory or a hub id, as `vllm serve` will find it), else that recorded
+    path."""
     from dflash_ring.common.config.drafter import DrafterConfig
     from dflash_ring.consumer.layouts.export import export_drafter
     from dflash_ring.consumer.families import family
@@ -350,7 +356,17 @@ def export_checkpoint(
     frozen = None
     if family(drafter.arch).head_tensors:
         frozen = _checkpoint_target_head(ckpt, target, spec)
-    return export_drafter(model, drafter, ckpt.info["target_config"], out_dir, head_spec=spec, head=frozen)
+    verifier = str(target) if target is not None else ckpt.info.get("target_path")
+    return export_drafter(
+        model,
+        drafter,
+        ckpt.info["target_config"],
+        out_dir,
+        head_spec=spec,
+        head=frozen,
+        layout=layout,
+        verifier=verifier,
+    )
 
 
 def _checkpoint_target_head(ckpt: Checkpoint, target: str | os.PathLike | None, spec):

@@ -70,6 +70,7 @@ def description(config: Mapping[str, Any], arch: str) -> dict[str, Any]:
     """The values of MODEL_KEYS and the family's own model keys (DrafterFamily.model_keys) in a config.json of our
     export layout, wherever the layout keeps them (top-level or nested in dflash_config)."""
     _, mask_token_id, layer_ids = family(arch).settings(config)
+    mask_token_id = mask_token_id if family(arch).reads_mask_token else None
     found = {k: config.get(k) for k in MODEL_KEYS} | {"mask_token_id": mask_token_id, "target_layer_ids": layer_ids}
     # One spelling of the RoPE: transformers 5's save_pretrained writes rope_parameters only, our export both.
     found["rope_parameters"] = config.get("rope_parameters") or rope_parameters(

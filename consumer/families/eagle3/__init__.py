@@ -6,7 +6,8 @@ eagle_config.eagle_aux_hidden_state_layer_ids (ours + 1: eagle3.md 1.1), draft_v
 replaces the head when it is absent) and norm_before_residual always written (absent means false in this layout
 and true in speculators': eagle3.md 4.4). The tensors are the drafter's own (fc, layers.0, norm, lm_head, and d2t,
 t2d with a reduced vocabulary); the target's embedding is shared at serve time. A round drafts a chain of ttt_steps
-tokens."""
+tokens. speculators' own layout of the drafter (Eagle3Speculator, which `vllm serve <dir>` serves alone) is read as a
+warm start's release and written by `export --layout speculators` (speculators.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from dflash_ring.consumer.families.eagle3.figures import eagle3_figures
 from dflash_ring.consumer.families.eagle3.flops import eagle3_step_flops
 from dflash_ring.consumer.families.eagle3.model import Eagle3DraftModel, Unroll, eagle3_settings, teacher_ids
 from dflash_ring.consumer.families.eagle3.objective import eagle3_objective
+from dflash_ring.consumer.families.eagle3.speculators import speculators_keys, speculators_layout
 from dflash_ring.consumer.families.family import DrafterFamily
 from dflash_ring.consumer.modeling.target_head import FrozenTargetHead
 
@@ -122,6 +124,7 @@ EAGLE3 = DrafterFamily(
     settings=settings,
     draft=draft,
     no_draft_tree="an EAGLE-3 drafter drafts a chain, each step reading the one before it",
+    reads_mask_token=False,
     model_keys={
         "draft_vocab_size": "drafter.draft_vocab_size",
         "norm_before_residual": "drafter.norm_before_residual",
@@ -131,8 +134,10 @@ EAGLE3 = DrafterFamily(
     # EAGLE's and SpecForge's flat files name the decoder layer midlayer (speculators' converter maps it the same way).
     released_names={f"midlayer.{name}": f"layers.0.{name}" for name in LAYER_TENSORS},
     finish_config=finish_config,
-    speculators_keys=None,  # its save_pretrained (Eagle3Speculator) keeps other keys than the block families'
+    speculators_keys=speculators_keys,
+    speculators_layout=speculators_layout,
     objective=eagle3_objective,
     figures=eagle3_figures,
     initialise=initialise,
+    step_flops=eagle3_step_flops,
 )
