@@ -262,6 +262,26 @@ def test_loss_gradients_and_accuracies_equal_speculators_per_document(steps, dra
         assert any(EAGLE3.figures(out)[f"full_acc_{k}"] > 0 for k in range(steps))
 
 
+def test_the_targets_distribution_is_computed_once_per_label_position(monkeypatch):
+    """Row t's step k reads the target's distribution at t + 1 + k: a position serves every step that reads it, so
+    the teacher's head runs once per distinct label position (it ran per (row, step), twice with the checkpoint's
+    recompute), and the backward pass runs no head product at all (the gradients are made in the forward)."""
+    from dflash_ring.consumer.families.eagle3 import objective
+    from dflash_ring.consumer.families.eagle3.objective import step_labels
+
+    cfg = eagle3_config(5)
+    model, head = drafter_and_head(cfg)
+    data = batch([13, 9])
+    rows, real = [], objective.head_logits
+    monkeypatch.setattr(objective, "head_logits", lambda x, *a: rows.append(x.shape[0]) or real(x, *a))
+    step = ours(model, head, cfg, data)
+    valid = step_labels(data["input_ids"], data["loss_mask"], data["cu_seqlens"], 5)
+    labels = (torch.arange(valid.shape[0])[:, None] + 1 + torch.arange(5))[valid].unique()
+    assert sum(rows) == labels.numel() == step.out.teacher_positions < int(valid.sum())
+    step.out.loss.backward()
+    assert sum(rows) == labels.numel()
+
+
 def test_each_documents_steps_stay_inside_it_where_speculators_crosses_into_the_next():
     """Packed [A | B]: speculators 0.9.0 labels A's last rows at step k >= 1 with B's tokens and distributions (its
     shifted labels run on across the document boundary), so each step k counts k rows more than there are; ours

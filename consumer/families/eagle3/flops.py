@@ -23,8 +23,8 @@ def eagle3_step_flops(
     """Forward and backward (x3) of what trains, forward only of the target's distribution: fc once over every row;
     at each of the ttt_steps steps the one layer over every row (q/k/v from [embedding, hidden], 2H wide; o; the
     SwiGLU MLP) and causal attention (row t sees its document's rows up to t and its own k earlier steps); the
-    draft's head over the draft vocabulary per supervised (row, step), and the teacher's head per supervised (row,
-    step) (`teacher_positions`, forward only)."""
+    draft's head over the draft vocabulary per supervised (row, step), and the teacher's head once per label
+    position (`teacher_positions`, forward only: the objective computes it once for every step that reads it)."""
     g = geometry  # the drafter's (layouts/drafter_hf_config.py drafter_geometry)
     h, hd = g["hidden_size"], g["head_dim"]
     q, kv = g["num_attention_heads"] * hd, g["num_key_value_heads"] * hd

@@ -9,8 +9,8 @@ stay inside it (NeMo Automodel's doc_remaining), where speculators 0.9.0 reads t
 
     loss = kl_weight * sum_k decay^k * sum_t m_{t,k} KL(p~_{t+1+k} || q_t^(k)) / max(sum_t m_{t,k}, 1)
 
-The vocabulary products run in chunks of loss_chunk_tokens rows, each recomputed in the backward pass
-(activation checkpointing), so no [T, V] logits outlive their chunk.
+The vocabulary products run in chunks of loss_chunk_tokens label positions, with their gradients made in the forward
+pass (_StepsKL), so no [T, V] logits outlive their chunk and the target's distribution is computed once per position.
 
 For the shared figures each row with a supervised step is a "block" and step k its draft position k + 1: hits are
 the draft's argmax against the target's (both in the draft vocabulary), the accepted length is the teacher-forced
@@ -23,8 +23,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from dflash_ring.consumer.training.loss import DFlashLoss
 from dflash_ring.consumer.modeling.model import Anchors
@@ -46,24 +44,64 @@ def step_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: to
     return inside & loss_mask.bool()[label.clamp(max=length - 1)]
 
 
-def _chunk_terms(
-    norm: nn.Module,
-    hidden: torch.Tensor,
-    teacher: torch.Tensor,
-    lm_head: torch.Tensor,
-    target_rows: torch.Tensor,
-    multiplier: float | None,
-    cap: float | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(KL [n], draft argmax [n], target argmax [n], log q at the target's argmax [n]) of n rows: the draft's logits
-    lm_head(norm(hidden)), the target's head_logits(target_rows . teacher), both over the draft vocabulary."""
-    log_q = F.log_softmax(F.linear(norm(hidden), lm_head).float(), dim=-1)
-    with torch.no_grad():
-        target = head_logits(F.linear(teacher.to(target_rows.dtype), target_rows), multiplier, cap).float()
-        log_p = F.log_softmax(target, dim=-1)
-        best = log_p.argmax(dim=-1)
-    kl = (log_p.exp() * (log_p - log_q)).sum(dim=-1)
-    return kl, log_q.argmax(dim=-1), best, log_q.gather(1, best[:, None]).squeeze(1).detach()
+class _StepsKL(torch.autograd.Function):
+    """The loss over every step's supervised rows with its gradients made in the forward pass (as Liger's fused
+    linear losses do): no [rows, V] tensor is kept for the backward, none is recomputed, and the target's
+    distribution is computed once per label position, for all the steps that read it (step k's row t reads position
+    t + 1 + k: one position serves up to ttt_steps (row, step) pairs).
+
+    The KL's gradient to the draft's logits is q - p (p sums to 1), scaled by the step's weight; the head's and the
+    normed hidden states' gradients follow by two products per chunk. Inputs: the lm_head weight, the teacher rows
+    over the draft vocabulary, the final hidden states, valid [T, K], the label positions (ascending), each step's
+    weight [K], the chunk, the target
+    head's logit multiplier and softcap, then each step's normed hidden state. Outputs: the loss, and (not
+    differentiable) the KL [T, K], the draft's argmax hits against the target's and log q at the target's argmax."""
+
+    @staticmethod
+    def forward(
+        ctx, weight, target_rows, final_hidden, valid, label_positions, weights, chunk, multiplier, cap, *normed
+    ):
+        length, steps = valid.shape
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_normed = [torch.zeros_like(x) for x in normed]
+        kl_grid = torch.zeros(length, steps, device=weight.device)
+        correct = torch.zeros(length, steps, dtype=torch.bool, device=weight.device)
+        log_q_best = torch.zeros(length, steps, device=weight.device)
+        loss = torch.zeros((), dtype=torch.float64, device=weight.device)
+        for positions in label_positions.split(chunk):
+            target = head_logits(F.linear(final_hidden[positions].to(target_rows.dtype), target_rows), multiplier, cap)
+            log_p = F.log_softmax(target.float(), dim=-1)
+            best = log_p.argmax(dim=-1)
+            for k in range(steps):
+                rows = positions - 1 - k
+                use = (rows >= 0) & valid[rows.clamp(min=0), k]
+                if not use.any():
+                    continue
+                rows, lp = rows[use], log_p[use]
+                x = normed[k][rows]
+                log_q = F.log_softmax(F.linear(x, weight).float(), dim=-1)
+                p = lp.exp()
+                kl = (p * (lp - log_q)).sum(dim=-1)
+                loss += weights[k].double() * kl.double().sum()
+                kl_grid[rows, k] = kl
+                correct[rows, k] = log_q.argmax(dim=-1) == best[use]
+                log_q_best[rows, k] = log_q.gather(1, best[use][:, None]).squeeze(1)
+                grad_logits = (log_q.exp() - p) * weights[k]
+                grad_normed[k][rows] = (grad_logits.to(weight.dtype) @ weight).to(x.dtype)
+                grad_weight += (grad_logits.T.to(x.dtype) @ x).float()
+        ctx.save_for_backward(grad_weight, *grad_normed)
+        ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(kl_grid, correct, log_q_best)
+        return loss.float(), kl_grid, correct, log_q_best
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        grad_weight, *grad_normed = ctx.saved_tensors
+        return (
+            (grad_weight * grad_loss).to(ctx.weight_dtype),
+            *(None,) * 8,
+            *(g * grad_loss.to(g.dtype) for g in grad_normed),
+        )
 
 
 def eagle3_objective(
@@ -73,41 +111,31 @@ def eagle3_objective(
     drafts)."""
     if inputs.final_hidden is None:
         raise ValueError("EAGLE-3's objective reads the target's distribution: the batch needs its final hidden state")
-    steps, length = cfg.ttt_steps, inputs.input_ids.shape[0]
+    steps = cfg.ttt_steps
     hiddens = model(inputs.features, inputs.input_ids, inputs.cu_seqlens, head, steps, attention=inputs.attention)
     valid = step_labels(inputs.input_ids, inputs.loss_mask, inputs.cu_seqlens, steps)
     ids = model.draft_ids
     target_rows = head.lm_head_weight if ids is None else head.lm_head_weight[ids]
-    device = inputs.features.device
-    kl_grid = torch.zeros(length, steps, device=device)
-    correct = torch.zeros(length, steps, dtype=torch.bool, device=device)
-    log_q_best = torch.zeros(length, steps, device=device)
-    loss = torch.zeros((), device=device)
-    for k, hidden in enumerate(hiddens):
-        rows = valid[:, k].nonzero().squeeze(1)
-        if not rows.numel():
-            continue
-        kls = []
-        for chunk in rows.split(cfg.loss_chunk_tokens):
-            kl, pred, best, lq = checkpoint(
-                _chunk_terms,
-                model.norm,
-                hidden[chunk],
-                inputs.final_hidden[chunk + 1 + k],
-                model.lm_head.weight,
-                target_rows,
-                head.logit_multiplier,
-                head.logit_softcap,
-                use_reentrant=False,
-            )
-            kls.append(kl)
-            correct[chunk, k] = pred == best
-            log_q_best[chunk, k] = lq
-        kl = torch.cat(kls)
-        kl_grid[rows, k] = kl.detach()
-        loss = loss + cfg.ttt_step_loss_decay**k * kl.sum() / rows.numel()
-    loss = cfg.kl_weight * loss
-    return StepObjective(_figures(loss, kl_grid, correct, log_q_best, valid, cfg), _rows(valid, inputs.cu_seqlens))
+    counts = valid.sum(dim=0)
+    # the label positions some step reads: t + 1 + k for every supervised (t, k), each once
+    offsets = 1 + torch.arange(steps, device=valid.device)
+    label_positions = torch.unique((torch.arange(valid.shape[0], device=valid.device)[:, None] + offsets)[valid])
+    decay = cfg.ttt_step_loss_decay ** torch.arange(steps, device=valid.device, dtype=torch.float32)
+    weights = torch.where(counts > 0, cfg.kl_weight * decay / counts.clamp(min=1), 0.0)
+    loss, kl_grid, correct, log_q_best = _StepsKL.apply(
+        model.lm_head.weight,
+        target_rows,
+        inputs.final_hidden,
+        valid,
+        label_positions,
+        weights,
+        cfg.loss_chunk_tokens,
+        head.logit_multiplier,
+        head.logit_softcap,
+        *(model.norm(hidden) for hidden in hiddens),
+    )
+    figures = _figures(loss, kl_grid, correct, log_q_best, valid, label_positions.numel(), cfg)
+    return StepObjective(figures, _rows(valid, inputs.cu_seqlens))
 
 
 def _rows(valid: torch.Tensor, cu_seqlens: torch.Tensor) -> Anchors:
@@ -123,6 +151,7 @@ def _figures(
     correct: torch.Tensor,
     log_q_best: torch.Tensor,
     valid: torch.Tensor,
+    teacher_positions: int,
     cfg: DrafterConfig,
 ) -> DFlashLoss:
     supervised = valid.any(dim=1)
@@ -145,7 +174,7 @@ def _figures(
         accept_len=block_accept.sum() / n,
         accept_len_prob=block_accept_prob.sum() / n,
         num_blocks=int(supervised.sum()),
-        teacher_positions=int(valid.sum()),  # one teacher product per supervised (row, step): each step has its own
+        teacher_positions=teacher_positions,  # one teacher product per label position, for every step reading it
         alpha_per_position=None,
         tau_probabilistic=None,
         # A source's loss is its rows' decay-weighted mean KL per supervised step (the batch's loss normalises
