@@ -282,6 +282,25 @@ def test_the_targets_distribution_is_computed_once_per_label_position(monkeypatc
     assert sum(rows) == labels.numel()
 
 
+def test_under_autocast_the_gradients_made_in_the_forward_match_the_fp32_ones():
+    """The GPU's path (bf16 products under autocast, the hidden states' gradients kept in bf16 and cast back by
+    autograd) on the CPU's autocast: the same loss and gradients as fp32, to bf16's precision."""
+    cfg = eagle3_config(3, 100)
+    data = batch([13, 9])
+    grads = {}
+    for dtype in (None, torch.bfloat16):
+        model, head = drafter_and_head(cfg)
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            step = ours(model, head, cfg, data)
+        step.out.loss.backward()
+        grads[dtype] = (step.out.loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    (loss32, fp32), (loss16, bf16) = grads.values()
+    torch.testing.assert_close(loss16, loss32, rtol=2e-2, atol=0)
+    for name, grad in fp32.items():
+        assert bf16[name].dtype == torch.float32, name
+        assert float((bf16[name] - grad).norm() / grad.norm()) < 5e-2, name
+
+
 def test_each_documents_steps_stay_inside_it_where_speculators_crosses_into_the_next():
     """Packed [A | B]: speculators 0.9.0 labels A's last rows at step k >= 1 with B's tokens and distributions (its
     shifted labels run on across the document boundary), so each step k counts k rows more than there are; ours

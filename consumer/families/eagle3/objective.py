@@ -44,6 +44,11 @@ def step_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: to
     return inside & loss_mask.bool()[label.clamp(max=length - 1)]
 
 
+# Rows of the head's gradient updated by one product: a [V, H] temporary per chunk would cost V x H x 2 bytes (2.5 GB
+# at the Qwen3.6-27B width) at the step's peak; a slice of 32k rows, 1/8 of it.
+VOCAB_SLICE = 32768
+
+
 class _StepsKL(torch.autograd.Function):
     """The loss over every step's supervised rows with its gradients made in the forward pass (as Liger's fused
     linear losses do): no [rows, V] tensor is kept for the backward, none is recomputed, and the target's
@@ -53,9 +58,12 @@ class _StepsKL(torch.autograd.Function):
     The KL's gradient to the draft's logits is q - p (p sums to 1), scaled by the step's weight; the head's and the
     normed hidden states' gradients follow by two products per chunk. Inputs: the lm_head weight, the teacher rows
     over the draft vocabulary, the final hidden states, valid [T, K], the label positions (ascending), each step's
-    weight [K], the chunk, the target
-    head's logit multiplier and softcap, then each step's normed hidden state. Outputs: the loss, and (not
-    differentiable) the KL [T, K], the draft's argmax hits against the target's and log q at the target's argmax."""
+    weight [K], the chunk, the target head's logit multiplier and softcap, then each step's normed hidden state.
+    Outputs: the loss, and (not differentiable) the KL [T, K], the draft's argmax hits against the target's and log q
+    at the target's argmax.
+
+    Memory: the head's gradient (fp32, as its .grad will be) and the hidden states' (in the products' dtype: bf16
+    under autocast) live from the forward to the backward; the chunk's [rows, V] tensors are reused in place."""
 
     @staticmethod
     def forward(
@@ -63,7 +71,9 @@ class _StepsKL(torch.autograd.Function):
     ):
         length, steps = valid.shape
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        grad_normed = [torch.zeros_like(x) for x in normed]
+        device = weight.device.type
+        product = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else normed[0].dtype
+        grad_normed = [torch.zeros(x.shape, dtype=product, device=x.device) for x in normed]
         kl_grid = torch.zeros(length, steps, device=weight.device)
         correct = torch.zeros(length, steps, dtype=torch.bool, device=weight.device)
         log_q_best = torch.zeros(length, steps, device=weight.device)
@@ -81,26 +91,34 @@ class _StepsKL(torch.autograd.Function):
                 x = normed[k][rows]
                 log_q = F.log_softmax(F.linear(x, weight).float(), dim=-1)
                 p = lp.exp()
-                kl = (p * (lp - log_q)).sum(dim=-1)
+                kl = lp.sub(log_q).mul_(p).sum(dim=-1)
                 loss += weights[k].double() * kl.double().sum()
                 kl_grid[rows, k] = kl
                 correct[rows, k] = log_q.argmax(dim=-1) == best[use]
                 log_q_best[rows, k] = log_q.gather(1, best[use][:, None]).squeeze(1)
-                grad_logits = (log_q.exp() - p) * weights[k]
-                grad_normed[k][rows] = (grad_logits.to(weight.dtype) @ weight).to(x.dtype)
-                grad_weight += (grad_logits.T.to(x.dtype) @ x).float()
-        ctx.save_for_backward(grad_weight, *grad_normed)
+                grad_logits = log_q.exp_().sub_(p).mul_(weights[k])  # q - p, weighted, in log_q's memory
+                del p
+                grad_normed[k][rows] = (grad_logits.to(weight.dtype) @ weight).to(product)
+                x = x.to(product)
+                for part in range(0, grad_logits.shape[1], VOCAB_SLICE):  # no [V, H] temporary per chunk
+                    grad_weight[part : part + VOCAB_SLICE] += (
+                        grad_logits[:, part : part + VOCAB_SLICE].T.to(product) @ x
+                    )
+        # Held on ctx, not saved: the backward hands grad_weight on as the only reference, so autograd makes it the
+        # head's .grad without a copy (a saved tensor's second reference would cost a [V, H] fp32 copy at the peak).
+        ctx.grads = [grad_weight, *grad_normed]
         ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(kl_grid, correct, log_q_best)
         return loss.float(), kl_grid, correct, log_q_best
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
-        grad_weight, *grad_normed = ctx.saved_tensors
+        grad_weight, *grad_normed = ctx.grads  # used once (no retain_graph): scaled in place
+        del ctx.grads
         return (
-            (grad_weight * grad_loss).to(ctx.weight_dtype),
+            grad_weight.mul_(grad_loss).to(ctx.weight_dtype),
             *(None,) * 8,
-            *(g * grad_loss.to(g.dtype) for g in grad_normed),
+            *(g.mul_(grad_loss.to(g.dtype)) for g in grad_normed),  # autograd casts each to its input's dtype
         )
 
 
