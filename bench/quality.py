@@ -3,9 +3,10 @@
 SmolLM2-135M-Instruct (real/smollm2.py) regenerates the replies to ShareGPT prompts once (a held-out split kept out
 of training); each recipe then trains a drafter on the same items for the same number of epochs (the same trained
 tokens), once per seed (train.seed: the initial weights; the data order is the same), through the ring as any run
-(tools/real_run.py). Each trained drafter is evaluated with lossless verification, greedy and at T = 1, on held-out
-ShareGPT, GSM8K and HumanEval prompts, beside the baselines a user would pick instead, on the same target outputs:
-an untrained drafter of the recipe's shape and prompt lookup (n-gram) drafting, as many drafts a round.
+(tools/real_run.py), each at its recipe's shape, reading the scale's target layers for its family (EAGLE-3 reads
+three). Each trained drafter is evaluated with lossless verification, greedy and at T = 1, on held-out ShareGPT,
+GSM8K and HumanEval prompts, beside the baselines a user would pick instead, on the same target outputs: an untrained
+drafter of the recipe's shape and prompt lookup (n-gram) drafting, as many drafts a round (EAGLE-3: its chain's).
 
 The figures: per recipe, set and temperature, tau's mean over seeds and its spread (max - min), and the best recipe's
 greedy tau over prompt lookup's; the picture (`quality.png`): each run's acceptance length on the held-out ShareGPT
@@ -31,7 +32,7 @@ from dflash_ring.bench.recipes import seed_list
 from dflash_ring.common.arguments import at_least_one, output_directory
 from dflash_ring.common.refusal import Refusal
 
-RECIPES = ("paper", "ddtree", "dspark", "dflash2")
+RECIPES = ("paper", "ddtree", "dspark", "dflash2", "eagle3")
 TEMPERATURES = (0.0, 1.0)
 
 
@@ -51,6 +52,7 @@ def run_quality_bench(
 ) -> dict[str, Any]:
     from dflash_ring.common.config.drafter import DrafterConfig
     from dflash_ring.common.config.dump import dump_toml
+    from dflash_ring.common.host_bounds import cores
     from dflash_ring.real.smollm2 import read_marker
     from dflash_ring.tools.launcher import console, train_and_export
     from dflash_ring.tools.real_run import SCALES, acceptance, prepare, run_config
@@ -66,7 +68,9 @@ def run_quality_bench(
     )
     work = Path(workdir)
     con = console()
-    model, data, replies = prepare(scale, work, 4, con, gguf)
+    # Regeneration's CPU threads: 4 where the host has them (`dflash-ring regenerate --threads` refuses more than its
+    # cores, so a fixed 4 stopped the bench on a 2-core box before anything ran).
+    model, data, replies = prepare(scale, work, min(4, cores()), con, gguf)
     mask = read_marker(model)["mask_token_id"]
     results = work / "quality.jsonl"
     lookup: dict[tuple[str, int], dict[str, float]] = {}
@@ -87,11 +91,12 @@ def run_quality_bench(
             cfg, exported, steps = trained
             train_s = time.monotonic() - started
             started = time.monotonic()
-            # Prompt lookup drafts from the prompt and the target's own tokens alone: the same for every run of a
-            # round size, so it runs once per size and temperature; the untrained drafter once per recipe (its shape).
+            # Prompt lookup drafts from the prompt and the target's own tokens alone: the same for every run that
+            # drafts as many tokens a round (a block's B - 1, DSpark's B, EAGLE-3's chain of ttt_steps), so it runs
+            # once per round size and temperature; the untrained drafter once per recipe (its shape).
             taus = {}
             for t in TEMPERATURES:
-                key = (f"T={t:g}", cfg.drafter.block_size)
+                key = (f"T={t:g}", cfg.drafter.drafts_per_block)
                 baselines = ("untrained",) if seed == seeds[0] else ()
                 baselines += () if key in lookup else ("prompt-lookup",)
                 rows = acceptance(exported, model, data, scale, temperature=t, seed=seed, baselines=baselines)
@@ -103,7 +108,9 @@ def run_quality_bench(
                 "steps": steps,
                 "trained_tokens": _trained_tokens(Path(cfg.train.checkpoint_dir)),
                 "drafter": {
-                    k: getattr(cfg.drafter, k) for k in ("arch", "num_hidden_layers", "block_size", "num_anchors")
+                    **{k: getattr(cfg.drafter, k) for k in ("arch", "num_hidden_layers", "block_size", "num_anchors")},
+                    "drafts_per_round": cfg.drafter.drafts_per_block,
+                    "target_layer_ids": cfg.target.layer_ids,
                 },
                 "train_s": round(train_s, 1),
                 "eval_s": round(time.monotonic() - started, 1),

@@ -47,6 +47,9 @@ class Scale:
     max_new_tokens: int
     regenerate_batch: int
     layer_ids: tuple[int, ...]  # target layers the drafter reads (the target stops after the last)
+    # (drafter.arch, its layers) for a family whose drafter cannot read layer_ids: EAGLE-3 reads exactly three
+    # (low, middle and high), so a scale of five names its three here.
+    family_layer_ids: tuple[tuple[str, tuple[int, ...]], ...]
     drafter: tuple[tuple[str, Any], ...]  # DrafterConfig fields: the demo's small drafter, or a recipe
     max_length: int
     max_tokens_per_batch: int
@@ -55,6 +58,11 @@ class Scale:
     eval_prompts: int  # per evaluation set
     eval_new_tokens: int
     eval_every_steps: int  # held-out acceptance into the curves this often (train.eval_every_steps)
+
+    def target_layer_ids(self, drafter: DrafterConfig) -> tuple[int, ...]:
+        """The target layers `drafter` reads at this scale: its family's own where the scale names them, else the
+        scale's; so each recipe of `bench quality` trains at its own shape on the same target."""
+        return dict(self.family_layer_ids).get(drafter.arch, self.layer_ids)
 
 
 SCALES = {
@@ -68,6 +76,7 @@ SCALES = {
         max_new_tokens=96,
         regenerate_batch=16,
         layer_ids=(2, 8, 14),
+        family_layer_ids=(),  # three layers already: EAGLE-3's low, middle and high as well
         drafter=(("num_hidden_layers", 1), ("block_size", 8), ("num_anchors", 32)),
         max_length=320,
         max_tokens_per_batch=1024,
@@ -87,6 +96,7 @@ SCALES = {
         max_new_tokens=384,
         regenerate_batch=128,
         layer_ids=(1, 7, 13, 19, 25),
+        family_layer_ids=(("eagle3", (1, 14, 26)),),  # the family's own rule for 30 layers: 1, L//2 - 1, L - 4
         drafter=(("recipe", "paper"),),
         max_length=1024,
         max_tokens_per_batch=16384,
@@ -117,11 +127,11 @@ def regenerate_config(scale: Scale, model: Path, prompts: Path, out: Path, rows:
     )
 
 
-def slot_bytes(scale: Scale, model: Path) -> int:
-    """Room for a full batch's features in fp32 (the CPU's dtype; bf16 on a GPU takes half): its layers and the
+def slot_bytes(scale: Scale, model: Path, layers: int) -> int:
+    """Room for a full batch's features in fp32 (the CPU's dtype; bf16 on a GPU takes half): its `layers` and the
     final hidden state a KL or TV objective reads, plus the ids, masks and header (a few MiB)."""
     hidden = json.loads((model / "config.json").read_text())["hidden_size"]
-    return scale.max_tokens_per_batch * (len(scale.layer_ids) + 1) * hidden * 4 + (8 << 20)
+    return scale.max_tokens_per_batch * (layers + 1) * hidden * 4 + (8 << 20)
 
 
 def run_config(
@@ -135,11 +145,14 @@ def run_config(
 ) -> Config:
     """The training run: 1 target and 1 drafter (`drafter`: the scale's unless given), trained on the regenerated
     replies; the held-out ones an `eval = true` source. `seed`: the drafter's initial weights (train.seed); the
-    data's order is the same for every seed, so runs of one scale train on the same items."""
+    data's order is the same for every seed, so runs of one scale train on the same items. The target layers are
+    the scale's for the drafter's family (Scale.target_layer_ids)."""
     d = Config()
+    drafter = drafter or DrafterConfig(**dict(scale.drafter))
+    layer_ids = scale.target_layer_ids(drafter)
     cfg = Config(
         run=replace(d.run, name=f"smollm2-{scale.name}", run_dir=str(workdir / "locks")),
-        ring=replace(d.ring, slots=8, slot_bytes=slot_bytes(scale, model)),
+        ring=replace(d.ring, slots=8, slot_bytes=slot_bytes(scale, model, len(layer_ids))),
         topology=replace(d.topology, producers=1, consumers=1),
         data=replace(
             d.data,
@@ -155,13 +168,13 @@ def run_config(
         target=replace(
             d.target,
             path=str(model),
-            layer_ids=list(scale.layer_ids),
+            layer_ids=list(layer_ids),
             mask_token_id=mask_token_id,
             ship_final_hidden=None,  # follows the drafter's objective (a KL or TV term needs the target's final state)
             state_dir=str(workdir / "state"),
             device=scale.device,
         ),
-        drafter=drafter or DrafterConfig(**dict(scale.drafter)),
+        drafter=drafter,
         train=replace(
             d.train,
             seed=seed,
