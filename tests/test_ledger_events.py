@@ -116,3 +116,28 @@ def test_a_ledger_file_reads_back_what_was_written_and_counts_a_cut_line(tmp_pat
         "epoch": 0,
         "pos": 3,
     }
+
+
+def test_a_ledger_that_is_not_a_regular_file_never_blocks_its_reader_or_writer(tmp_path):
+    """Issue 46, the kind of a file: a FIFO under a ledger's name blocked `reconcile` (and the chaos ledger check) in
+    open(), and a role opening its ledger for writing waited for a reader. The reader names it in one line; the
+    writer keeps it aside (the damaged-file rule) and begins a new file. A line longer than any record is a cut line,
+    read past without being held whole."""
+    from dflash_ring.common.lifecycle.ledger import MAX_LINE_BYTES, LedgerFileError
+
+    fifo = tmp_path / "target-0.jsonl"
+    os.mkfifo(fifo, 0o600)
+    with pytest.raises(LedgerFileError, match="ledger .*target-0.jsonl is a FIFO"):
+        read_ledger(fifo)
+    ledger = Ledger(fifo)
+    ledger.write(DrafterStart(0))
+    ledger.close()
+    assert stat.S_ISREG(fifo.stat().st_mode) and [kind(r) for r in read_ledger(fifo).records] == ["start"]
+    assert [p.name for p in tmp_path.iterdir() if p.name != fifo.name and stat.S_ISFIFO(p.stat().st_mode)]
+    with open(fifo, "ab") as f:
+        f.write(b"x" * (3 * MAX_LINE_BYTES) + b"\n")
+    ledger = Ledger(fifo)
+    ledger.write(DrafterStart(1))
+    ledger.close()
+    read = read_ledger(fifo)
+    assert read.cut_lines == 1 and [kind(r) for r in read.records] == ["start", "start"]
