@@ -31,6 +31,7 @@ from dflash_ring.common.ring_users import ring_users
 from dflash_ring.supervisor.cleanup import remove_run, users_of
 from dflash_ring.supervisor.reaper import reap
 from dflash_ring.supervisor.fence import fence
+from dflash_ring.supervisor.silence import SilenceWatch
 from dflash_ring.supervisor.owed import owed
 from dflash_ring.supervisor.unfinished import save_unfinished, seal_journals
 
@@ -64,6 +65,7 @@ class Supervisor:
         self._metrics: RingCollector | None = None
         self._stopping_sent = False
         self._owed_logged = 0.0
+        self._silence = SilenceWatch(cfg.supervisor.silent_after_s)
 
     # ---- start ---------------------------------------------------------------
 
@@ -190,6 +192,7 @@ class Supervisor:
                 ring.heartbeat(0)
                 sd_notify.watchdog()
                 reap(ring, self.lock_dir, self.cfg.train.checkpoint_dir)
+                self._silence.observe(ring.rows())
                 self._apply_stop_requests(ring)
                 done = self.producers_done(ring)
                 ring.set_flag(Counter.PRODUCERS_DONE, done)

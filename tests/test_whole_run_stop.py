@@ -132,7 +132,7 @@ def test_a_drafter_stalled_through_stop_now_is_fenced_and_nothing_trains_twice(r
         {
             "run": {"ledger_dir": str(ledger)},
             "data": {"epochs": 3},
-            "supervisor": {"exit_timeout_s": 3},
+            "supervisor": {"exit_timeout_s": 3, "silent_after_s": 1},
             "train": {"checkpoint_every_steps": 4},
         },
         consumers=1,
@@ -151,7 +151,9 @@ def test_a_drafter_stalled_through_stop_now_is_fenced_and_nothing_trains_twice(r
     drafter.send_signal(signal.SIGCONT)  # were it alive, it would now train what it held and checkpoint it
     assert wait_exit(drafter, 60) == -signal.SIGKILL
     wait_exit(producer, 60)
-    assert "fenced consumer-0.lock: SIGKILL" in sup.stderr.read()
+    log = sup.stderr.read()
+    assert "fenced consumer-0.lock: SIGKILL" in log
+    assert f"drafter 0 (pid {drafter.pid}) has not answered for" in log  # named before the fence (issue 46, goal 5)
     again = [run.supervisor(), run.role("target", 0), run.role("drafter", 0)]
     for p in again:
         assert wait_exit(p, 600) == 0, p.stderr.read()[-3000:]

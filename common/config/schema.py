@@ -85,6 +85,9 @@ class SupervisorConfig:
     reap_interval_s: PositiveSeconds = 0.5
     # After shutdown, how long to wait for every process to exit before removing the ring.
     exit_timeout_s: Seconds = 60.0
+    # A running producer or drafter whose heartbeat has not moved for this long is named in the log (pid, how long),
+    # again every minute while it stays silent (supervisor/silence.py).
+    silent_after_s: PositiveSeconds = 30.0
 
 
 @dataclass
