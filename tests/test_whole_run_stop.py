@@ -98,7 +98,13 @@ def test_a_run_stopped_whole_and_started_again_trains_every_batch_exactly_once(r
             sup_args = ("--reclaim-stale",)  # what `dflash-ring run` passes
         if mode != "sigkill-then-reclaim":
             saved = CursorFile(cursor_path(run.tmp / "state", run.name, 0), plan="").read()
-            assert saved is not None and saved[2].replay, f"{mode}: what the ring held is not in the replay list"
+            # Once in ~10 loaded full runs (stop 44) sigterm-all found the file at the producer's last cursor with an
+            # empty list after the supervisor had logged saving the ring's items into it: unexplained, and not seen
+            # since in 7 runs; the logs of both writers say who wrote last, should it come back.
+            assert saved is not None and saved[2].replay, (
+                f"{mode}: what the ring held is not in the replay list: {saved}\n--- supervisor:\n"
+                f"{procs[0].stderr.read()[-4000:]}\n--- target:\n{procs[1].stderr.read()[-4000:]}"
+            )
     again = [run.supervisor(*sup_args), run.role("target", 0), run.role("drafter", 0)]
     for p in again:
         assert wait_exit(p, 600) == 0, p.stderr.read()[-3000:]
