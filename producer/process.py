@@ -77,12 +77,21 @@ LOG_EVERY_S = 30.0
 # ---- slot format --------------------------------------------------------------------------------
 
 
-def check_slot_fits(ring: RingConfig, max_tokens_per_batch: int, target: TargetModel) -> None:
-    """The largest batch (data.max_tokens_per_batch) of this target's features fits a slot of `ring`."""
-    hidden = target.hidden_size if target.final_hidden else None
-    check_fits(
-        ring.slot_bytes, ring.slot_header_bytes, max_tokens_per_batch, target.feature_width, hidden, target.dtype
-    )
+def check_slot_fits(
+    ring: RingConfig, max_tokens_per_batch: int, feature_width: int, final_hidden: int | None, dtype: torch.dtype
+) -> None:
+    """The largest batch (data.max_tokens_per_batch) of a target's features (`final_hidden`: the width of the final
+    hidden state when shipped) fits a slot of `ring`. Numbers, not the loaded model, so that check-config runs this
+    very check from the target's config.json before a run."""
+    check_fits(ring.slot_bytes, ring.slot_header_bytes, max_tokens_per_batch, feature_width, final_hidden, dtype)
+
+
+def check_mask_token(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> None:
+    """The mask token (drafter.mask_token_id, else target.mask_token_id) against the target's tokenizer: a token the
+    data or the chat template uses is refused in one line. A function of its own so that check-config runs it too."""
+    mask = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None else cfg.target.mask_token_id
+    if mask is not None and (why := mask_token_refusal(tokenizer, mask, target_geometry(cfg.target).vocab_size)):
+        raise TargetConfigError(why)
 
 
 # ---- loader -----------------------------------------------------------------------------------
@@ -477,9 +486,8 @@ def build(
 def load_data(cfg: Config, metrics: ProducerMetrics) -> tuple[PreTrainedTokenizerBase, list[SourceData], DataStats]:
     """The target's tokenizer, the data tokenized with it, and the data's statistics."""
     tokenizer = target_tokenizer(cfg.target)
+    check_mask_token(cfg, tokenizer)
     mask = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None else cfg.target.mask_token_id
-    if mask is not None and (why := mask_token_refusal(tokenizer, mask, target_geometry(cfg.target).vocab_size)):
-        raise TargetConfigError(why)
     sources = load_sources(cfg.data, tokenizer, reserved_token=mask)
     metrics.bad_rows.inc(sum(len(s.data.bad_rows) for s in sources))
     # Before anything is published: what this run trains on.
@@ -514,7 +522,8 @@ def choose_layout(
     startup.mark("probe")
     metrics.packing.labels("packed" if target.packed else "padded", target.config.model_type).set(1)
     metrics.conformance_error.set(float("nan") if probe is None or probe.max_error is None else probe.max_error)
-    check_slot_fits(cfg.ring, cfg.data.max_tokens_per_batch, target)
+    hidden = target.hidden_size if target.final_hidden else None
+    check_slot_fits(cfg.ring, cfg.data.max_tokens_per_batch, target.feature_width, hidden, target.dtype)
     if cfg.target.compile and device.type == "cuda" and target.packed:
         use_compile_cache(
             cfg.run.compile_cache_dir,
@@ -622,7 +631,7 @@ def publish_shard(
             startup=startup,
         )
         if producer.run(loader):
-            port.done()
+            port.done((epochs, 0))
             if proc.ledger is not None:
                 proc.ledger.write(ShardDone())
             # Keep the end, not nothing: a run drained now and started again must not redo this shard.

@@ -15,6 +15,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+import numpy as np
+
 from dflash_ring.common.lifecycle import sd_notify
 from dflash_ring.common.config.schema import Config
 from dflash_ring.common.layout import STOP_DRAIN, STOP_NOW, Counter, RingHeaderError, Role, RowStatus
@@ -66,6 +68,7 @@ class Supervisor:
         self._stopping_sent = False
         self._owed_logged = 0.0
         self._silence = SilenceWatch(cfg.supervisor.silent_after_s)
+        self._short_done: set[int] = set()  # producer rows named DONE short of their end (producers_done)
 
     # ---- start ---------------------------------------------------------------
 
@@ -244,10 +247,26 @@ class Supervisor:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-    @staticmethod
-    def producers_done(ring: Ring) -> int:
+    def producers_done(self, ring: Ring) -> int:
+        """Producer rows DONE whose cursor is at the end of the plan (ProcessTable.mark_done: every finished shard's
+        is). A DONE row short of it was not written by a producer that finished (a stray write into the table): it is
+        not counted, and is named once, so the run does not end while that shard still owes batches."""
         rows = ring.rows()
-        return int(((rows["role"] == Role.PRODUCER) & (rows["status"] == RowStatus.DONE)).sum())
+        done = 0
+        for row in np.flatnonzero((rows["role"] == Role.PRODUCER) & (rows["status"] == RowStatus.DONE)):
+            cursor = ring.committed_cursor(int(row))
+            if cursor is not None and cursor[0] >= self.cfg.data.epochs:
+                done += 1
+            elif int(row) not in self._short_done:
+                self._short_done.add(int(row))
+                log.error(
+                    "producer %d's row says DONE but its cursor is %s, short of its plan's end (epoch %d): not "
+                    "counted as done; the run waits for that shard",
+                    int(rows[row]["index"]),
+                    "absent" if cursor is None else f"epoch {cursor[0]} position {cursor[1]}",
+                    self.cfg.data.epochs,
+                )
+        return done
 
     def _may_shut_down(self, ring: Ring, done: int, producers: int) -> bool:
         if ring.draining and not self._live_others():

@@ -51,7 +51,7 @@ def produce(args: argparse.Namespace, ring: Ring, me: Membership, ledger) -> Non
             time.sleep(args.delay_s)
     while args.wait_file and not Path(args.wait_file).exists():
         time.sleep(0.05)  # the test looks at the live run first
-    port.done()
+    port.done((args.epochs, 0))
 
 
 def consume(args: argparse.Namespace, ring: Ring, me: Membership, ledger) -> None:
@@ -102,6 +102,7 @@ def main() -> int:
     with Ring.attach(ring_spec(cfg)) as ring:
         me = Membership.join(ring, cfg.run, role, args.index, journal_dir=cfg.train.checkpoint_dir)
         with open(args.ledger, "a") as ledger:
+            args.epochs = cfg.data.epochs  # a producer's DONE states the end of its plan: (epochs, 0)
             (produce if role == Role.PRODUCER else consume)(args, ring, me, ledger)
         me.leave()
     return 0

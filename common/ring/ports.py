@@ -70,9 +70,10 @@ class ProducerPort:
     def set_planned_items(self, n: int, evals: int = 0) -> None:
         self._table.set_planned_items(self.row, n, evals)
 
-    def done(self) -> None:
-        """The shard is published: the supervisor counts this row finished (RowStatus.DONE)."""
-        self._table.set_row_status(self.row, RowStatus.DONE)
+    def done(self, end: tuple[int, int]) -> None:
+        """The shard is published up to `end` (the plan's (epochs, 0)): the supervisor counts this row finished
+        (RowStatus.DONE) once its cursor says so (ProcessTable.mark_done)."""
+        self._table.mark_done(self.row, end)
 
 
 class ConsumerPort:

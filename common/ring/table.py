@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from dflash_ring.common.layout import Counter, Role, RowStatus
+from dflash_ring.common.layout import NO_OWNER, Counter, Role, RowStatus, SlotState, pack_state
 from dflash_ring.common.ring.segment import Segment
 
 
@@ -46,6 +46,20 @@ class ProcessTable:
 
     def set_row_status(self, row: int, status: RowStatus) -> None:
         self._seg.rows[row]["status"] = status
+
+    def mark_done(self, row: int, end: tuple[int, int]) -> None:
+        """A producer's shard is published: DONE, with its row's cursor at `end`, the end of its plan (where every
+        publish of its last batch and of later replays leaves it already; a producer that published nothing in this
+        ring, having resumed at the end from its cursor file, records it here). So every DONE row states its end, and
+        the supervisor counts only those: a DONE written into a row whose cursor is short of the end is no finished
+        shard. Staged with a word no slot holds (WRITING by no owner): never rolled back."""
+        r = self._seg.rows[row]
+        r["prev_cursor"] = r["cursor"] if r["has_cursor"] else (-1, -1)
+        r["prev_replayed"] = r["replayed"]
+        r["pending_word"] = pack_state(0, NO_OWNER, SlotState.WRITING)
+        r["cursor"] = end
+        r["has_cursor"] = 1
+        r["status"] = RowStatus.DONE
 
     def row_status(self, row: int) -> RowStatus:
         return RowStatus(int(self._seg.rows[row]["status"]))
