@@ -644,14 +644,33 @@ def _mask_token_check(args: argparse.Namespace, vocab_size: int) -> tuple[int | 
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    """What every role does first (load_config: types, each number's range, the sections' own checks), alone:
-    the cheap way to vet a config before a run, and what tests/test_config_bounds.py drives. With
-    drafter.precision = "fp8" also what a drafter checks first: this host's GPU (train.device) and torchao. Then
-    tracking.dir as a drafter checks it at start. With a target.path that exists, also its config.json as every
-    role reads it, the drafter's settings against it, and the model transformers builds from it (on the meta
-    device) against its weights' shapes; without one (a config vetted away from its GPU host) it says so: the
+    """What every role checks of its config before it works, alone: the cheap way to vet a config before a run, and
+    what tests/test_config_bounds.py drives. Each check is the role's own function, called here (what this passes,
+    no role refuses at its start: tests/test_check_config_knows_every_refusal.py walks the roles' start-up for
+    them): load_config (types, each number's range, the sections' own checks), a named train.device and
+    target.device as the drafter (pick_device) and the producer (resolve_device) take them, with drafter.precision =
+    "fp8" this host's GPU and torchao, the output directories and tracking.dir, data.num_proc against this host's
+    cores. With a target.path that exists, also its config.json as every role reads it, the drafter's settings
+    against it, the model transformers builds from it (on the meta device) against its weights' shapes, the
+    tensor-parallel group, the mask token against the target's tokenizer, a full batch against a ring slot, and the
+    released drafter drafter.init_from names; without one (a config vetted away from its GPU host) it says so: the
     target was not checked, and an "OK" does not claim it."""
     cfg = _config(args)
+    from dflash_ring.common.device import DeviceError
+
+    try:  # "auto" is whatever this host has; a named device is checked as the drafter and the producer check it
+        if cfg.train.device != "auto":
+            from dflash_ring.consumer.training.process import pick_device
+
+            key = "train.device"
+            pick_device(cfg.train.device, 0)
+        if cfg.target.device != "auto":
+            from dflash_ring.producer.target import resolve_device
+
+            key = "target.device"
+            resolve_device(cfg.target.device)
+    except DeviceError as e:  # the role's words, after the setting they are about
+        raise ConfigError(f"{key}: {e}") from None
     if cfg.drafter.precision == "fp8":
         from dflash_ring.consumer.modeling.fp8 import (
             check_precision,
@@ -663,20 +682,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
     check_num_proc(cfg.data.num_proc)  # this host's bound, as the producer checks it at its start
     if cfg.target.path and Path(cfg.target.path).expanduser().is_dir():
-        # What every role reads of the target (config.json's geometry) and what a drafter checks against it (mask
-        # token, layers); then the model as transformers builds it from config.json, on the meta device, against
-        # the weights' shapes (common/target_loading.check_target_builds): config classes and headers, no weights.
-        from dflash_ring.common.config.schema import drafter_target_settings
-        from dflash_ring.common.target_geometry import target_geometry
-        from dflash_ring.common.target_loading import check_target_builds
-
-        drafter_target_settings(cfg.drafter, target_geometry(cfg.target))  # a target it cannot read: its own refusal
-        check_target_builds(cfg.target.path)
-        if cfg.target.tensor_parallel > 1:  # the target's counts and family, this host's devices
-            from dflash_ring.producer.target import resolve_device
-            from dflash_ring.producer.tensor_group import check_group
-
-            check_group(cfg.target, resolve_device(cfg.target.device))
+        _check_target_settings(cfg)
     print(f"config OK: run {cfg.run.name!r}" + (f" from {args.config}" if args.config else " (defaults)"))
     if note := cfg.drafter.recipe_note():
         print(f"note: {note}")
@@ -685,6 +691,38 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     elif not Path(cfg.target.path).expanduser().is_dir():
         print(f"not checked: the target: target.path {cfg.target.path} is not a directory on this host")
     return 0
+
+
+def _check_target_settings(cfg: Config) -> None:
+    """check-config's part that needs the target directory, each check the function a role runs at its start: what
+    every role reads of the target (config.json's geometry) and what a drafter checks against it (mask token,
+    layers, its family's sizes); the model as transformers builds it from config.json, on the meta device, against
+    the weights' shapes (common/target_loading.check_target_builds: config classes and headers, no weights); the
+    tensor-parallel group; the producer's checks of the mask token against the tokenizer and of a full batch against
+    a ring slot; the drafter's first start's check of the released drafter it warm-starts from."""
+    from dflash_ring.common.config.schema import drafter_target_settings
+    from dflash_ring.common.target_geometry import target_geometry
+    from dflash_ring.common.target_loading import check_target_builds
+    from dflash_ring.consumer.training.process import resolve_drafter_config, target_config_dict
+    from dflash_ring.consumer.training.warm_start import check_release
+    from dflash_ring.producer.pretokenized import target_tokenizer
+    from dflash_ring.producer.process import check_mask_token, check_slot_fits
+    from dflash_ring.producer.target import resolve_device, resolve_dtype
+    from dflash_ring.producer.tensor_group import check_group
+
+    geometry = target_geometry(cfg.target)  # a target it cannot read: its own refusal
+    drafter_target_settings(cfg.drafter, geometry)
+    check_target_builds(cfg.target.path)
+    device = resolve_device(cfg.target.device)
+    check_group(cfg.target, device)  # target.tensor_parallel: the target's counts and family, this host's devices
+    check_mask_token(cfg, target_tokenizer(cfg.target))
+    hidden = geometry.hidden_size if cfg.target.ship_final_hidden else None  # as TargetModel ships it
+    dtype = resolve_dtype(cfg.target.dtype, device)
+    check_slot_fits(cfg.ring, cfg.data.max_tokens_per_batch, geometry.feature_width, hidden, dtype)
+    if cfg.drafter.init_from is not None:  # what a drafter's first start loads (a resume keeps its checkpoint's)
+        check_release(
+            resolve_drafter_config(cfg.drafter, cfg.target), target_config_dict(cfg.target.path), cfg.drafter.init_from
+        )
 
 
 def cmd_data_stats(args: argparse.Namespace) -> int:

@@ -524,7 +524,7 @@ def test_check_config_refuses_in_one_line_the_sizes_the_dflash2_model_refuses(
     target = build_target(tmp_path / "model", "qwen3", layers=4)  # width 64, 410 tokens
     monkeypatch.chdir(tmp_path)
     capsys.readouterr()  # the target's save (its progress bar) is not check-config's output
-    args = ["check-config", "--set", f'target.path="{target}"', "--set", "target.mask_token_id=95"]
+    args = ["check-config", "--set", f'target.path="{target}"', "--set", "target.mask_token_id=405"]
     args += ["--set", 'drafter.recipe="dflash2"']
     assert main([*args, "--set", setting]) == 2
     err = capsys.readouterr().err.strip()

@@ -63,6 +63,7 @@ def test_a_run_stopped_whole_and_started_again_trains_every_batch_exactly_once(r
     )
     records = lambda name: read_ledger(ledger / f"{name}.jsonl").records  # noqa: E731
     sup_args: tuple[str, ...] = ()
+    left: list[bool] = []  # per stop: whether the ring still held items when it was removed
     for mode in STOPS:
         procs = [run.supervisor(*sup_args), run.role("target", 0), run.role("drafter", 0)]
         drafter = procs[2]
@@ -98,12 +99,15 @@ def test_a_run_stopped_whole_and_started_again_trains_every_batch_exactly_once(r
             sup_args = ("--reclaim-stale",)  # what `dflash-ring run` passes
         if mode != "sigkill-then-reclaim":
             saved = CursorFile(cursor_path(run.tmp / "state", run.name, 0), plan="").read()
-            # Once in ~10 loaded full runs (stop 44) sigterm-all found the file at the producer's last cursor with an
-            # empty list after the supervisor had logged saving the ring's items into it: unexplained, and not seen
-            # since in 7 runs; the logs of both writers say who wrote last, should it come back.
-            assert saved is not None and saved[2].replay, (
-                f"{mode}: what the ring held is not in the replay list: {saved}\n--- supervisor:\n"
-                f"{procs[0].stderr.read()[-4000:]}\n--- target:\n{procs[1].stderr.read()[-4000:]}"
+            log = procs[0].stderr.read()
+            # SIGTERM is a drain: the drafter, woken with its own SIGTERM pending, finishes what it holds, and its
+            # loader thread may have claimed the waiting items first (a race with the signal, seen once in ~10 loaded
+            # runs at stop 44): then the ring is empty at the shutdown and the list rightly has nothing new (each
+            # batch trained once, which the lineage's reconcile below checks).
+            drained = mode == "sigterm-all" and "ring empty" in log and "untrained item(s)" not in log
+            left.append(not drained)
+            assert saved is not None and (saved[2].replay or drained), (
+                f"{mode}: what the ring held is not in the replay list: {saved}\n--- supervisor:\n{log[-4000:]}"
             )
     again = [run.supervisor(*sup_args), run.role("target", 0), run.role("drafter", 0)]
     for p in again:
@@ -114,11 +118,14 @@ def test_a_run_stopped_whole_and_started_again_trains_every_batch_exactly_once(r
         pid: sum(r["ev"] == "pub" and bool(r.get("replay")) and r["pid"] == pid for r in records("target-0"))
         for pid in starts
     }
-    assert len(starts) == len(STOPS) + 1 and all(replayed[pid] >= 1 for pid in starts[1:]), (STOPS, replayed)
+    if len(left) < len(STOPS):  # the reclaim's own supervisor saved what its stale ring held (not looked at above)
+        left.append(True)
+    assert len(starts) == len(STOPS) + 1, (STOPS, starts)
+    assert all(replayed[pid] >= 1 for pid, held in zip(starts[1:], left) if held), (STOPS, left, replayed)
     ledgers, _ = read_ledgers(ledger)
     rec = reconcile(ledgers)
     assert rec["problems"] == [], rec["problems"]
-    assert rec["replayed_batches"] >= len(STOPS) and rec["lost_in_flight"] == 0
+    assert rec["replayed_batches"] >= sum(left) and rec["lost_in_flight"] == 0
     assert rec["trained_exactly_once"] == rec["planned_batches"] > 0, rec
     assert run.leftovers() == []
 

@@ -157,6 +157,14 @@ class ChaosOptions:
                 check_precision(cfg.drafter.precision, cfg.train.device)
             except Fp8Unavailable as e:
                 return f"drafter.precision = fp8: {e}"
+        if cfg.train.device != "auto":  # a device no drafter can run on: each refuses it, restarted forever
+            from dflash_ring.common.device import DeviceError
+            from dflash_ring.consumer.training.process import pick_device
+
+            try:
+                pick_device(cfg.train.device, 0)
+            except DeviceError as e:
+                return f"train.device: {e}"
         if self.standbys > consumers:
             return (
                 f"--standbys {self.standbys}: the run has {consumers} drafters (topology.consumers), and a standby "

@@ -81,11 +81,12 @@ def description(config: Mapping[str, Any], arch: str) -> dict[str, Any]:
     return found | {k: config.get(k, nested.get(k)) for k in family(arch).model_keys}
 
 
-def warm_start(
-    model: torch.nn.Module, drafter: DrafterConfig, target_config: Mapping[str, Any], path: str | Path
-) -> WarmStart:
-    """Load the drafter at `path` (any layout consumer/layouts/drafter_import.py reads) into `model`, this run's freshly
-    built drafter, after checking that it is this drafter (WarmStartError naming each difference otherwise)."""
+def check_release(
+    drafter: DrafterConfig, target_config: Mapping[str, Any], path: str | Path
+) -> tuple[Path, str, dict[str, torch.Tensor]]:
+    """The released drafter at `path` read and checked against this drafter's settings and target (WarmStartError
+    naming each difference): (its directory, its arch, its tensors). A function of its own, needing no built model,
+    so that check-config refuses a wrong drafter.init_from before a run, as the drafter's first start would."""
     root = Path(path).expanduser()
     try:
         config, state = released_drafter(root)
@@ -106,6 +107,15 @@ def warm_start(
             f"drafter.init_from {root} is not this drafter: {'; '.join(differences)}: set those drafter settings "
             "to the released drafter's, or name a drafter of this target and shape"
         )
+    return root, arch, state
+
+
+def warm_start(
+    model: torch.nn.Module, drafter: DrafterConfig, target_config: Mapping[str, Any], path: str | Path
+) -> WarmStart:
+    """Load the drafter at `path` (any layout consumer/layouts/drafter_import.py reads) into `model`, this run's freshly
+    built drafter, after checking that it is this drafter (WarmStartError naming each difference otherwise)."""
+    root, arch, state = check_release(drafter, target_config, path)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in state.items()}
     if got != expected:  # the description matched, the tensors do not: a file that disagrees with its own config
