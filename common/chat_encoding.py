@@ -9,10 +9,14 @@ on templates that rewrite history (Qwen3 drops earlier replies' reasoning and pr
 
 from __future__ import annotations
 
+import _signal  # the C module behind `signal`: see _bounded
 import json
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -29,10 +33,68 @@ _MINIMAL_CHAT = [{"role": "user", "content": "q"}, {"role": "assistant", "conten
 # at most RENDER_FACTOR times the row's characters plus RENDER_SLACK of its own. One that loops over or multiplies
 # the content renders far more, and tokenizing that would not end: the row is a bad row before it is tokenized.
 RENDER_FACTOR, RENDER_SLACK = 8, 1 << 16
+# A template that loops without writing (nested range loops, which jinja's sandbox caps one at a time, or a loop over
+# a huge string) renders for hours, and RENDER_FACTOR never sees its output: each render gets at most RENDER_SECONDS
+# (`_bounded`). Generous, so that only a template that would not end is refused, even on a loaded host: a real template
+# renders a row in well under a millisecond, one at the size bound (producer/data_source.py: 786 KB at the default
+# max_length) in tens of milliseconds. Per render, not per row: a row renders once more per assistant turn, and one of
+# 1000 turns at that size takes 22 s in all, a row to keep. A module constant, not a setting: no real template comes
+# near it, and a template that loops is to be fixed, not waited for.
+RENDER_SECONDS = 10.0
+
+_T = TypeVar("_T")
 
 
 class BadRow(ValueError):
     """A row that cannot become a training sample; its message is the reason shown to the user."""
+
+
+class _RenderTimeout(BaseException):
+    """Raised into a render past RENDER_SECONDS by the SIGALRM handler: a BaseException, so that no `except Exception`
+    in jinja's or transformers' code, nor `ChatEncoder._apply`'s, takes it for the template's own error."""
+
+
+def _alarm(signum: int, frame: object) -> None:
+    raise _RenderTimeout(
+        f"it did not finish rendering within {RENDER_SECONDS:g} s: a template that loops without output"
+    )
+
+
+def _bounded(render: Callable[[], _T]) -> _T:
+    """`render()`, interrupted by _RenderTimeout past RENDER_SECONDS. Jinja compiles a template to Python, so a
+    SIGALRM handler that raises stops it between two bytecodes; the itimer repeats every RENDER_SECONDS in case the
+    exception is swallowed (raised inside a __del__ or a weakref callback). The SIGALRM handler and ITIMER_REAL found
+    are put back after, the itimer less the time the render took, at once if it fell due meanwhile (role_process's,
+    which raises a stop again, is late by one render at most); a handler that took SIGALRM over during the render
+    (role_process's, on a stop) keeps it and its itimer. Through `_signal`: `signal.signal` and `signal.getsignal` turn
+    a handler into an enum by way of a raised ValueError, ~2 us each and most of the cost; with `_signal` the bound
+    costs ~1 us a render (a small row renders 5 times in ~550 us: within the noise).
+
+    Only a process's main thread may set a signal handler: on any other thread the render is not bounded. Every
+    caller runs on one: the producer's start-up, `data stats`, `tools/draft_vocab.py`, `bench pipeline`, the tiny
+    target's build and `check-target` on the CLI's main thread, and `datasets.map` (producer/pretokenized.py `_build`)
+    in that thread, or with data.num_proc > 1 on the main thread of each of its worker processes. A caller on another
+    thread would hang on such a template as before; it would need to render in a process it can kill instead."""
+    previous = _signal.getsignal(signal.SIGALRM)
+    if previous is None or threading.current_thread() is not threading.main_thread():
+        return render()  # a handler set outside Python cannot be put back; another thread cannot set one
+    _signal.signal(signal.SIGALRM, _alarm)
+    delay, interval = signal.setitimer(signal.ITIMER_REAL, RENDER_SECONDS, RENDER_SECONDS)
+    started = time.monotonic()
+    try:
+        return render()
+    finally:
+        try:  # an alarm due as the render returned runs its handler after one of these calls: it did finish
+            ours = _signal.getsignal(signal.SIGALRM) is _alarm
+            if ours:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except _RenderTimeout:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            ours = True
+        if ours:
+            _signal.signal(signal.SIGALRM, previous)
+            if delay:
+                signal.setitimer(signal.ITIMER_REAL, max(delay - (time.monotonic() - started), 1e-6), interval)
 
 
 def conversation_of(row: Any, *, reply_required: bool = True) -> list[dict[str, Any]]:
@@ -158,8 +220,19 @@ class ChatEncoder:
         self.generation_prompt, self.closing = ("", "") if self.uses_generation_markers else self._probe()
 
     def encode(self, row: Any) -> tuple[np.ndarray, np.ndarray]:
-        """(input_ids int32, loss_mask uint8), truncated to max_length; raises BadRow."""
+        """(input_ids int32, loss_mask uint8), truncated to max_length; raises BadRow, also for a render past
+        RENDER_SECONDS (`_bounded`): a template that loops on some rows' content would otherwise never end."""
         messages = conversation_of(row)
+        try:
+            return self._encode(messages)
+        except _RenderTimeout:
+            raise BadRow(
+                f"the chat template of {self.tokenizer.name_or_path} did not finish rendering it within "
+                f"{RENDER_SECONDS:g} s (a template that loops without output): skipped; fix the template or set "
+                "target.tokenizer to a tokenizer directory whose template renders it"
+            ) from None
+
+    def _encode(self, messages: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
         text = self._apply(messages, tokenize=False)  # bounded before anything tokenizes it (the marked path too)
         self._check_rendered(messages, text)
         if self.uses_generation_markers:
@@ -194,8 +267,11 @@ class ChatEncoder:
             )
 
     def _apply(self, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
+        """One render, bounded (`_bounded`: _RenderTimeout goes through to the caller, which says what it means)."""
         try:
-            return self.tokenizer.apply_chat_template(messages, enable_thinking=self.enable_thinking, **kwargs)
+            return _bounded(
+                lambda: self.tokenizer.apply_chat_template(messages, enable_thinking=self.enable_thinking, **kwargs)
+            )
         except Exception as e:  # templates raise anything (jinja errors, raise_exception(...)); only this row is lost
             raise BadRow(f"chat template failed: {type(e).__name__}: {e}") from e
 
@@ -228,10 +304,10 @@ class ChatEncoder:
         parse, or whose markers mark nothing, would skip every row of every data set, each as a bad row."""
         try:
             out = self._apply(_MINIMAL_CHAT, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-        except BadRow as e:
-            raise self._unusable(str(e)) from e
+        except (BadRow, _RenderTimeout) as e:
+            raise _unusable(self.tokenizer, str(e)) from e
         if not any(out["assistant_masks"]):
-            raise self._unusable("its {% generation %} markers mark no token of the reply")
+            raise _unusable(self.tokenizer, "its {% generation %} markers mark no token of the reply")
 
     def _probe(self) -> tuple[str, str]:
         """The generation prompt, and what the template writes right after a reply (ChatML:
@@ -241,17 +317,18 @@ class ChatEncoder:
             asked = self._apply(user, tokenize=False)
             prompted = self._apply(user, tokenize=False, add_generation_prompt=True)
             replies = [self._apply(user + [{"role": "assistant", "content": d}], tokenize=False) for d in _DUMMIES]
-        except BadRow as e:
-            raise self._unusable(str(e)) from e
+        except (BadRow, _RenderTimeout) as e:
+            raise _unusable(self.tokenizer, str(e)) from e
         generation_prompt = prompted[len(asked) :] if prompted.startswith(asked) else ""
         n = _common_suffix(*replies)
         return generation_prompt, replies[0][len(replies[0]) - n :]
 
-    def _unusable(self, why: str) -> DataError:
-        return DataError(
-            f"the chat template of {self.tokenizer.name_or_path} cannot render a minimal user/assistant chat "
-            f"({why}); fix the template or set target.tokenizer to a tokenizer directory whose template works"
-        )
+
+def _unusable(tokenizer: PreTrainedTokenizerBase, why: str) -> DataError:
+    return DataError(
+        f"the chat template of {tokenizer.name_or_path} cannot render a minimal user/assistant chat "
+        f"({why}); fix the template or set target.tokenizer to a tokenizer directory whose template works"
+    )
 
 
 def _with_content(messages: list[dict[str, Any]], k: int, content: str) -> list[dict[str, Any]]:
@@ -287,16 +364,21 @@ def _common_suffix(a: str, b: str) -> int:
 
 def template_token_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
     """The ids a minimal chat renders to (with its generation prompt): the template's own tokens, which every row
-    contains, so none of them can be a mask token."""
+    contains, so none of them can be a mask token. A template that does not render it within RENDER_SECONDS is refused
+    here (DataError), as ChatEncoder's probe would refuse it, rather than after each of these renders' bound."""
     ids: set[int] = set()
     for add in (False, True):
         try:
-            rendered = tokenizer.apply_chat_template(
-                _MINIMAL_CHAT if not add else _MINIMAL_CHAT[:1],
-                tokenize=True,
-                add_generation_prompt=add,
-                return_dict=True,
+            rendered = _bounded(
+                lambda add=add: tokenizer.apply_chat_template(
+                    _MINIMAL_CHAT if not add else _MINIMAL_CHAT[:1],
+                    tokenize=True,
+                    add_generation_prompt=add,
+                    return_dict=True,
+                )
             )
+        except _RenderTimeout as e:
+            raise _unusable(tokenizer, str(e)) from None
         except Exception:  # a template that cannot render fails the data set with its own line (ChatEncoder)
             continue
         ids.update(int(i) for i in rendered["input_ids"])
