@@ -2,7 +2,8 @@
 
 `DFLASH_RING_CRASH_AT=name[@n]` in a process's environment makes it SIGKILL itself the n-th
 time (default: the first) it passes `crash_point(name)`. Unset, a crash point is one string
-comparison. Names: "claimed" (a slot CASed to WRITING, its item not numbered yet),
+comparison. Names: "stated" (a slot CASed to WRITING or READING by a claim its row states, the slot's descriptor
+not yet naming its holder), "claimed" (a slot CASed to WRITING, its item not numbered yet),
 "published" and "released" (the slot's CAS done, its counts not yet updated), "trained" (a drafter's
 step on an item returned, its slot not yet released), "ring.prefaulted" (the supervisor's new segment
 prefaulted, its header not written: a segment with no magic); `regenerate`'s "regenerate.shard_written" (a shard's

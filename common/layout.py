@@ -3,7 +3,7 @@
     [ header: 8 KiB ][ process table ][ slot descriptors ][ payload 0 ][ payload 1 ] ...
 
 Header: identity (magic, layout version, run, config fingerprint, geometry) and
-64-bit counters, each on its own 64-byte line. Process table: one 192-byte row
+64-bit counters, each on its own 64-byte line. Process table: one 256-byte row
 per process (row 0 supervisor, then producers, then consumers). Slot descriptors:
 64 bytes each; the first word is the slot's state word, changed only by
 compare-and-swap. Payload areas are page-aligned so they can be pinned and
@@ -21,11 +21,11 @@ import numpy as np
 from dflash_ring.common.run_name import is_valid as is_valid_run_name
 
 MAGIC = b"DFLRING\x01"
-LAYOUT_VERSION = 5  # 2: 192-byte rows (count intents), pending_word, run.lock_dir; 3: cursor_plan; 4: replayed;
-# 5: planned_eval_items, tokens
+LAYOUT_VERSION = 6  # 2: 192-byte rows (count intents), pending_word, run.lock_dir; 3: cursor_plan; 4: replayed;
+# 5: planned_eval_items, tokens; 6: 256-byte rows with claim statements, descriptors' holder and released words
 PAGE = 4096
 HEADER_BYTES = 2 * PAGE
-ROW_BYTES = 192
+ROW_BYTES = 256
 DESC_BYTES = 64
 FINGERPRINT_BLOB_OFFSET = 1024
 FINGERPRINT_BLOB_MAX = HEADER_BYTES - FINGERPRINT_BLOB_OFFSET
@@ -94,7 +94,8 @@ def pack_state(gen: int, owner: int, state: SlotState) -> int:
     The owner lives in the same word as the state so that claiming a slot and
     recording who holds it is one compare-and-swap: a process that dies right
     after its CAS still leaves a slot the reaper can attribute. The generation
-    fences stale owners: every return to FREE or READY bumps it.
+    fences stale owners: every move to FREE or READY bumps it (a publish too), so only a claim keeps it, and no
+    word a slot holds ever comes back: a WRITING or READING word names one claim.
     """
     return ((gen & 0xFF_FFFF_FFFF) << 24) | ((owner & 0xFFFF) << 8) | int(state)
 
@@ -117,6 +118,10 @@ ROW_DTYPE = np.dtype(
         # tokens: tokens a producer published (the drafters' view of the producers' tokens/s). Added after the
         # publish, so a producer killed in between leaves one item's tokens out: a rate, where items is the
         # exactly-once count.
+        # claim_slot, claim_word: the claim this row is making (slot + 1, 0: none, and the state word it is about to
+        # CAS in), stated before the CAS and withdrawn once the slot's descriptor names the word (`holder`): with the
+        # holder, what lets the supervisor tell a WRITING or READING word the row took from one written into the
+        # segment by someone else (common/ring/slots.py, Slots._claim; common/ring/repair.py, repair_unstated_words).
         "names": [
             "role",
             "index",
@@ -139,6 +144,8 @@ ROW_DTYPE = np.dtype(
             "prev_replayed",
             "planned_eval_items",
             "tokens",
+            "claim_slot",
+            "claim_word",
         ],
         "formats": [
             "<u4",
@@ -162,17 +169,23 @@ ROW_DTYPE = np.dtype(
             "<u8",
             "<u8",
             "<u8",
+            "<u8",
+            "<u8",
         ],
-        "offsets": [0, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 104, 112, 120, 128, 136, 160, 168, 176, 184],
+        "offsets": [0, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 104, 112, 120, 128, 136, 160, 168, 176, 184, 192, 200],
         "itemsize": ROW_BYTES,
     }
 )
 
+# holder: the state word the slot's last holder took it with (WRITING or READING), written by that holder after its
+# CAS; released: the READING word of the last consumer that released it, written before its release CAS. Words never
+# repeat (every transition but a claim moves the generation), so a slot whose word is its holder's is held by the
+# protocol, and one whose holder was released holds a consumed item (common/ring/repair.py, repair_unstated_words).
 DESC_DTYPE = np.dtype(
     {
-        "names": ["state", "item", "claimed_ns", "deliveries"],
-        "formats": ["<u8", "<u8", "<u8", "<u8"],
-        "offsets": [0, 8, 16, 24],
+        "names": ["state", "item", "claimed_ns", "deliveries", "holder", "released"],
+        "formats": ["<u8", "<u8", "<u8", "<u8", "<u8", "<u8"],
+        "offsets": [0, 8, 16, 24, 32, 40],
         "itemsize": DESC_BYTES,
     }
 )

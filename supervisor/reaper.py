@@ -71,11 +71,14 @@ def reap(ring: Ring, lock_dir: Path, checkpoint_dir: str | None = None) -> list[
 
 def repair_words(ring: Ring) -> list[CorruptSlot]:
     """Slots whose state word no process of the protocol can have written (another process wrote into the
-    segment): counted corrupt, their items redelivered, and each named, so the run still ends and says why."""
+    segment): counted corrupt, their items redelivered, and each named, so the run still ends and says why. Those are
+    words the protocol cannot produce at all, and holding words (WRITING, READING) that name a plausible row, the
+    live process's own included, but no claim of it stated (Ring.repair_unstated_words)."""
     found = ring.repair_impossible_words()
+    found += ring.repair_unstated_words()
     for c in found:
         log.error(
-            "slot %d (item %d) is corrupt: its state word %#x %s, which the ring protocol cannot produce; "
+            "slot %d (item %d) is corrupt: its state word %#x %s: the ring protocol cannot produce that; "
             "%s (counted corrupt: `dflash-ring status`, dflash_ring_items_corrupt_total). Something other "
             "than the protocol wrote it: look for another process that maps /dev/shm%s "
             "(fuser -v /dev/shm%s)",

@@ -212,6 +212,9 @@ class Ring:
     def repair_impossible_words(self) -> list[CorruptSlot]:
         return self.repair.repair_impossible_words()
 
+    def repair_unstated_words(self) -> list[CorruptSlot]:
+        return self.repair.repair_unstated_words()
+
     def unfinished_items(self) -> tuple[list[dict[str, Any]], list[str]]:
         return self.repair.unfinished_items()
 

@@ -175,6 +175,67 @@ class Repair:
                     )
         return found
 
+    # ---- holding words no claim stated ---------------------------------------------------------
+
+    def repair_unstated_words(self) -> list[CorruptSlot]:
+        """Put back every WRITING or READING word that no claim of its row stated (Slots._claim): a same-user process
+        wrote it into the segment, with a plausible owner (even the live process's own row), and the protocol would
+        wait for that row to publish or release a slot it never took (a READY item set READING is never trained,
+        the run never ends; set WRITING, `stop --now` would drop it as an unpublished write). The slot is counted
+        corrupt and goes back to where its item is: READY if it holds a published item nobody consumed, else FREE.
+        Each change is a CAS from the judged word. The supervisor calls this every pass, after
+        repair_impossible_words; what that repaired is no longer looked at here."""
+        seg = self._seg
+        words = seg.desc["state"].copy()
+        holding = np.isin(words & 0xFF, (SlotState.WRITING, SlotState.READING))
+        found = []
+        for slot in np.flatnonzero(holding & (seg.desc["holder"] != words)).tolist():
+            word = int(words[slot])
+            if self._stated(slot, word) or impossible_word(word, seg.rows["role"]) is not None:
+                continue
+            owner = (word >> 8) & 0xFFFF
+            r = seg.rows[owner]
+            who = f"{Role(int(r['role'])).name.lower()} {int(r['index'])} (row {owner}, pid {int(r['pid'])})"
+            state = SlotState(word & 0xFF).name
+            if self._owed(slot):
+                new, outcome = pack_state((word >> 24) + 1, NO_OWNER, SlotState.READY), "made READY again: redelivered"
+            else:
+                new, outcome = pack_state((word >> 24) + 1, NO_OWNER, SlotState.FREE), "freed (it held no item owed)"
+            if not seg.states[slot].cmpxchg_strong(expected=word, desired=new):
+                continue  # moved meanwhile: looked at again on the next pass
+            seg.counters[Counter.CORRUPT].fetch_add(1)
+            seg.hint(seg.sem_ready if new & 0xFF == SlotState.READY else seg.sem_free)
+            why = f"says {state} by {who}, which never claimed it"
+            found.append(CorruptSlot(slot, int(seg.desc[slot]["item"]), word, why, outcome))
+        return found
+
+    def _stated(self, slot: int, word: int) -> bool:
+        """Whether a claim stated `word` for `slot`, or the slot has moved off it. The holder is read again after the
+        row's claim: a claim withdrawn between the two looks had named its holder first (Slots._claim). A word that
+        stays put through all three looks, with neither saying it, was never claimed."""
+        seg = self._seg
+        if int(seg.desc[slot]["holder"]) == word:
+            return True
+        r = seg.rows[(word >> 8) & 0xFFFF]
+        if int(r["claim_slot"]) == slot + 1 and int(r["claim_word"]) == word:
+            return True
+        return int(seg.desc[slot]["holder"]) == word or int(seg.desc[slot]["state"]) != word
+
+    def _owed(self, slot: int) -> bool:
+        """Whether the slot holds a published item that no consumer has finished: its header reads (a claim for
+        writing clears it, an abort or a dead writer's reclaim clears what a publish may have written) and its last
+        holder was not a consumer that released it."""
+        seg = self._seg
+        d = seg.desc[slot]
+        holder = int(d["holder"])
+        if holder & 0xFF == SlotState.READING and int(d["released"]) == holder:
+            return False
+        try:
+            seg.header(slot)
+        except SlotFormatError:
+            return False
+        return True
+
     def _repair(self, slot: int, word: int, why: str) -> CorruptSlot | None:
         seg = self._seg
         item = int(seg.desc[slot]["item"])
@@ -202,7 +263,8 @@ class Repair:
 
     def unfinished_items(self) -> tuple[list[dict[str, Any]], list[str]]:
         """The metadata of every item published and not yet trained (READY, or READING by a holder that may
-        die, or under a state word the protocol cannot produce: see repair_impossible_words); and a line for each
+        die, or under a state word the protocol cannot produce or no claim stated: see repair_impossible_words and
+        repair_unstated_words); and a line for each
         such slot whose header cannot be read. Used by whoever removes the ring, so that what it held is
         produced again (supervisor/unfinished.py)."""
         seg = self._seg
@@ -214,6 +276,11 @@ class Repair:
             published = word & 0xFF in (SlotState.READY, SlotState.READING)
             if word & 0xFF == SlotState.FREE and self._slots.unconsumed(slot):
                 published, why = True, "says FREE over a published item no drafter claimed"
+            elif word & 0xFF in (SlotState.WRITING, SlotState.READING) and why is None and not self._stated(slot, word):
+                if not self._owed(slot):
+                    continue  # a holding word nobody claimed, over a consumed item or none: nothing is owed
+                state, owner = SlotState(word & 0xFF).name, (word >> 8) & 0xFFFF
+                published, why = True, f"says {state} by row {owner}, which never claimed it, over a published item"
             if not published and (why is None or word & 0xFF == SlotState.FREE):
                 continue  # free, or being written by a producer: nothing published to keep
             name = f"slot {slot} (item {int(desc['item'][slot])})"

@@ -203,6 +203,10 @@ class Segment:
         geo = self.geometry
         self.rows = np.frombuffer(self._mm, dtype=ROW_DTYPE, count=geo.n_rows, offset=geo.table_offset)
         self.desc = np.frombuffer(self._mm, dtype=DESC_DTYPE, count=geo.n_slots, offset=geo.desc_offset)
+        # The columns every claim writes (Slots._claim, Slots.release), as views made once: a field of `rows[row]`
+        # costs a record object per write (~1 us a claim against ~0.15 us).
+        self.claim_word, self.claim_slot = self.rows["claim_word"], self.rows["claim_slot"]
+        self.holder, self.released = self.desc["holder"], self.desc["released"]
         self.counters = dict(zip(Counter, atomic_words(self._mm, list(Counter))))
         self.states = atomic_words(self._mm, [geo.desc_offset + i * DESC_BYTES for i in range(geo.n_slots)])
         self._bytes = None  # a uint8 tensor over the mapping, made on first use (operator commands never need torch)
@@ -283,7 +287,18 @@ class Segment:
             return
         if self.pin is not None:
             self.pin.close()
-        del self.rows, self.desc, self._bytes, self._areas, self.counters, self.states
+        del (
+            self.rows,
+            self.desc,
+            self.claim_word,
+            self.claim_slot,
+            self.holder,
+            self.released,
+            self._bytes,
+            self._areas,
+            self.counters,
+            self.states,
+        )
         self.mv.release()
         self.sem_ready.close()
         self.sem_free.close()

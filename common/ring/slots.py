@@ -1,9 +1,12 @@
 """The slot state machine: every transition one compare-and-swap on the slot's state word.
 
-    FREE --try_acquire--> WRITING --publish--> READY --try_claim--> READING --release--> FREE (gen+1)
-                (abort: FREE, gen+1)                  (requeue: READY, gen+1)
+    FREE --try_acquire--> WRITING --publish--> READY (gen+1) --try_claim--> READING --release--> FREE (gen+1)
+                (abort: FREE, gen+1)                              (requeue: READY, gen+1)
 
-A word packs `generation | owner row | state`; the generation fences a stale owner's late transition. A row's
+A word packs `generation | owner row | state`; the generation fences a stale owner's late transition, and since only a
+claim keeps it, a WRITING or READING word names one claim. Each claim is stated (`_claim`): the row names it before
+its CAS, the slot's descriptor names its holder after, so a holding word nobody took this way (a same-user process
+wrote the segment) is told from one the protocol made (common/ring/repair.py, repair_unstated_words). A row's
 `items` is the one count of what it published (producer) or released (consumer); each count moves with its CAS
 in three steps (`_commit`: arm, CAS, count), so a death between the CAS and the count is repaired by whoever
 reclaims the row (`settle`). Waiting (`acquire`, `claim`) sleeps on a semaphore that is only a hint.
@@ -100,7 +103,7 @@ class Slots:
                     )
                 continue
             mine = pack_state(word >> 24, row, SlotState.WRITING)
-            if seg.states[slot].cmpxchg_strong(expected=word, desired=mine):
+            if self._claim(row, slot, word, mine):
                 crash_point("claimed")  # the descriptor still shows the slot's previous item here
                 seg.clear_header(slot)
                 item = seg.counters[Counter.NEXT_ITEM].fetch_add(1)
@@ -135,7 +138,7 @@ class Slots:
         seg.mv[off : off + len(header)] = header
         if cursor is not None:
             self._table.stage_cursor(row, w.word, cursor, replayed)
-        if not self._commit(row, w.slot, w.word, pack_state(w.word >> 24, row, SlotState.READY), "published"):
+        if not self._commit(row, w.slot, w.word, pack_state((w.word >> 24) + 1, row, SlotState.READY), "published"):
             raise SlotLostError(f"slot {w.slot} (item {w.item}) was reclaimed while this process wrote it")
         seg.rows[row]["tokens"] += tokens  # only this producer writes its row
         seg.hint(seg.sem_ready)
@@ -165,7 +168,7 @@ class Slots:
         for slot in ready.tolist():
             word = int(states[slot])
             mine = pack_state(word >> 24, row, SlotState.READING)
-            if not seg.states[slot].cmpxchg_strong(expected=word, desired=mine):
+            if not self._claim(row, slot, word, mine):
                 continue
             d = seg.desc[slot]
             d["claimed_ns"] = time.time_ns()
@@ -200,6 +203,7 @@ class Slots:
         """Hand a consumed slot back to the producers."""
         seg = self._seg
         row = (r.word >> 8) & 0xFFFF
+        seg.released[r.slot] = r.word  # before the CAS: a FREE slot whose holder was released holds no item
         if not self._commit(row, r.slot, r.word, pack_state((r.word >> 24) + 1, NO_OWNER, SlotState.FREE), "released"):
             raise SlotLostError(f"slot {r.slot} (item {r.item}) was reclaimed while this process read it")
         seg.hint(seg.sem_free)
@@ -212,7 +216,24 @@ class Slots:
         ):
             seg.hint(seg.sem_ready)
 
-    # ---- counted transitions ------------------------------------------------------------------
+    # ---- stated claims and counted transitions ------------------------------------------------
+
+    def _claim(self, row: int, slot: int, expected: int, mine: int) -> bool:
+        """The CAS that takes a slot (WRITING or READING), stated: the row names the claim (its word, then its slot)
+        before the CAS, the descriptor names the holder after it, and only then is the row's statement withdrawn. So
+        whenever a slot's word is `mine`, the descriptor's holder or this row's claim says so; words never repeat, so
+        no earlier or later claim can say it for this one. One thread of a process claims (the producer's loop, the
+        drafter's loader): the row's one claim field is never shared."""
+        seg = self._seg
+        seg.claim_word[row] = mine
+        seg.claim_slot[row] = slot + 1  # last: armed once the word is in place
+        if not seg.states[slot].cmpxchg_strong(expected=expected, desired=mine):
+            seg.claim_slot[row] = 0
+            return False
+        crash_point("stated")  # the slot is this row's, said by its claim alone: a death here is the reaper's
+        seg.holder[slot] = mine
+        seg.claim_slot[row] = 0
+        return True
 
     def _commit(self, row: int, slot: int, expected: int, desired: int, point: str) -> bool:
         """The CAS of a publish or a release, with the row's count: arm (slot, the word the CAS expects,
