@@ -156,7 +156,7 @@ class ChaosOptions:
             try:
                 check_precision(cfg.drafter.precision, cfg.train.device)
             except Fp8Unavailable as e:
-                return f"drafter.precision = fp8: {e}"
+                return str(e)  # it names drafter.precision itself
         if cfg.train.device != "auto":  # a device no drafter can run on: each refuses it, restarted forever
             from dflash_ring.common.device import DeviceError
             from dflash_ring.consumer.training.process import pick_device
