@@ -19,6 +19,7 @@ RECORD_BYTES = 64 << 20  # a cursor file (its replay list) or a regenerate shard
 JOURNAL_BYTES = 1 << 30  # a drafter's journal segment: ~40 bytes a trained batch since its last checkpoint
 SECRET_BYTES = 1 << 20  # group.secret_file: a few dozen random bytes
 REPORT_BYTES = 1 << 30  # a drafter's record file: a line (~1 KiB with per-source keys) per logged step
+PROMPTS_BYTES = 1 << 30  # `eval --data`: JSONL chat rows, read whole (an eval set is thousands of prompts, not GBs)
 
 
 def open_regular(path: str | os.PathLike, error: type[Exception], what: str) -> int:

@@ -97,6 +97,19 @@ def _bounded(render: Callable[[], _T]) -> _T:
                 signal.setitimer(signal.ITIMER_REAL, max(delay - (time.monotonic() - started), 1e-6), interval)
 
 
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
+    """`tokenizer.apply_chat_template(messages, **kwargs)` within RENDER_SECONDS (`_bounded`), for the renders outside
+    ChatEncoder (regenerate's prompts, eval's): past it, BadRow naming the template, so one prompt is lost, not the
+    run. The template's own errors go through as they are."""
+    try:
+        return _bounded(lambda: tokenizer.apply_chat_template(messages, **kwargs))
+    except _RenderTimeout:
+        raise BadRow(
+            f"the chat template of {tokenizer.name_or_path} did not finish rendering it within {RENDER_SECONDS:g} s "
+            "(a template that loops without output); fix the template or use a tokenizer whose template renders it"
+        ) from None
+
+
 def conversation_of(row: Any, *, reply_required: bool = True) -> list[dict[str, Any]]:
     """Validate a row of either shape (chat `messages`, or `prompt`/`response`) into messages.
 

@@ -20,7 +20,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from dflash_ring.common.chat_encoding import eos_ids
+from dflash_ring.common.chat_encoding import eos_ids, render_chat
 from dflash_ring.common.config.target import TargetConfig, TargetConfigError
 from dflash_ring.common.tokenizer_loading import check_token_ids
 
@@ -191,8 +191,8 @@ def chat_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerBase:
 def rendered_ids(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, enable_thinking: bool) -> list[int]:
     """The prompt's token ids as the target reads them: the chat template with the generation prompt. One function
     for the engine and for `regenerate.max_prompt_tokens`, so the length a prompt is judged by is the one it runs at."""
-    text = tokenizer.apply_chat_template(
-        list(prompt.messages), tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+    text = render_chat(  # bounded in time: a template that loops loses this prompt (BadRow), not the run
+        tokenizer, list(prompt.messages), tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
     )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 

@@ -166,3 +166,22 @@ def test_a_normal_template_renders_as_before_on_any_thread(tmp_path):
     for (ids, mask), (ids2, mask2) in zip(here, there, strict=True):
         assert mask.any() and ids.tolist() == ids2.tolist() and mask.tolist() == mask2.tolist()
     assert (signal.getsignal(signal.SIGALRM), signal.getitimer(signal.ITIMER_REAL)) == before
+
+
+def test_regenerates_and_evals_prompts_are_bounded_too(tmp_path):
+    """Outside ChatEncoder a prompt is rendered by `render_chat`: regenerate's (hf engine `rendered_ids`, whose
+    failure is that prompt's error reply) and eval's (`chat_prompts`, one line naming the file's line)."""
+    from dflash_ring.consumer.evaluation.evaluate import EvalRefusal, chat_prompts
+    from dflash_ring.producer.generation import Prompt
+    from dflash_ring.producer.hf_engine import rendered_ids
+
+    tokenizer = tiny_chat_tokenizer(tmp_path / "tok", chat_template=LOOPS_ON_ROW)
+    looping = Prompt(0, ({"role": "user", "content": "loop for ever"},))
+    with pytest.raises(BadRow, match="did not finish rendering it within 0.5 s"):
+        rendered_ids(tokenizer, looping, enable_thinking=False)
+    assert rendered_ids(tokenizer, Prompt(1, ({"role": "user", "content": "hi"},)), enable_thinking=False)
+    data = tmp_path / "eval.jsonl"
+    data.write_text(f"{json.dumps(GOOD)}\n{json.dumps(LOOPING)}\n")
+    with pytest.raises(EvalRefusal) as e:
+        chat_prompts(data, tokenizer)
+    assert str(e.value).startswith(f"data {data}, line 2: the chat template of {tokenizer.name_or_path} did not"), e

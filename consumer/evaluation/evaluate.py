@@ -57,7 +57,8 @@ from statistics import fmean
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from dflash_ring.common.chat_encoding import BadRow, decode_json_row, eos_ids, prompt_of
+from dflash_ring.common.bounded_read import PROMPTS_BYTES, read_text
+from dflash_ring.common.chat_encoding import BadRow, decode_json_row, eos_ids, prompt_of, render_chat
 from dflash_ring.common.host_bounds import check_memory
 from dflash_ring.common.target_loading import load_target_hf_config, load_target_lm
 from dflash_ring.common.tokenizer_loading import check_token_ids, load_target_tokenizer
@@ -537,10 +538,7 @@ def chat_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: in
     A row with no user turn to answer is refused, naming its line."""
     if Path(path).exists() and not Path(path).is_file():  # a directory, a FIFO (read forever), a device
         raise EvalRefusal(f"data {path} is not a regular file: point --data at a JSONL file of chat rows")
-    try:
-        lines = Path(path).read_text().splitlines()
-    except UnicodeDecodeError as e:
-        raise EvalRefusal(f"data {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    lines = read_text(path, PROMPTS_BYTES, EvalRefusal, "data").splitlines()
     if not tokenizer.chat_template:
         raise EvalRefusal(
             f"the target tokenizer {tokenizer.name_or_path} has no chat template to render the prompts of {path} with"
@@ -555,9 +553,11 @@ def chat_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: in
         try:
             messages = prompt_of(decode_json_row(line))
             try:
-                text = tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
+                text = render_chat(
+                    tokenizer, messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
                 )
+            except BadRow:
+                raise  # one that did not finish rendering: named as it is
             except Exception as e:  # noqa: BLE001 (templates raise anything: jinja errors, raise_exception(...))
                 raise BadRow(f"the target's chat template failed ({type(e).__name__}: {e})") from None
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
