@@ -222,19 +222,12 @@ class Repair:
         return int(seg.desc[slot]["holder"]) == word or int(seg.desc[slot]["state"]) != word
 
     def _owed(self, slot: int) -> bool:
-        """Whether the slot holds a published item that no consumer has finished: its header reads (a claim for
-        writing clears it, an abort or a dead writer's reclaim clears what a publish may have written) and its last
-        holder was not a consumer that released it."""
-        seg = self._seg
-        d = seg.desc[slot]
+        """Whether the slot holds a published item that no consumer has finished: its header reads (Slots.header_reads)
+        and its last holder was not a consumer that released it."""
+        d = self._seg.desc[slot]
         holder = int(d["holder"])
-        if holder & 0xFF == SlotState.READING and int(d["released"]) == holder:
-            return False
-        try:
-            seg.header(slot)
-        except SlotFormatError:
-            return False
-        return True
+        released = holder & 0xFF == SlotState.READING and int(d["released"]) == holder
+        return not released and self._slots.header_reads(slot)
 
     def _repair(self, slot: int, word: int, why: str) -> CorruptSlot | None:
         seg = self._seg

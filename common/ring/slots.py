@@ -274,9 +274,12 @@ class Slots:
         claimed by a consumer first (its claim counts a delivery before any release). So a readable header
         with no delivery is a published item whose READY word was rewritten by someone outside the protocol
         (a same-user process can write the segment): the item is still owed."""
+        return int(self._seg.desc[slot]["deliveries"]) == 0 and self.header_reads(slot)
+
+    def header_reads(self, slot: int) -> bool:
+        """Whether the slot's header is one a publish wrote (a claim for writing clears it, and so do an abort and a
+        dead writer's reclaim, whatever a publish may have written)."""
         seg = self._seg
-        if int(seg.desc[slot]["deliveries"]) != 0:
-            return False
         off = seg.geometry.slot_offset(slot)
         if seg.mv[off : off + 4] == b"\0\0\0\0":  # cleared by a claim (or a new ring): the common case, cheap
             return False
