@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from test_producer_data import MARKED_TEMPLATE, UNMARKED_TEMPLATE
 from dflash_ring.common import chat_encoding
 from dflash_ring.common.chat_encoding import BadRow, ChatEncoder, template_token_ids
 from dflash_ring.common.config.data import DataConfig, DataError
@@ -23,15 +24,7 @@ from dflash_ring.producer.pretokenized import load_tokenized
 
 # 10^10 iterations that write nothing: hours, where the bound below ends it in half a second.
 NEST = "{%- for i in range(100000) %}{%- for j in range(100000) %}{%- endfor %}{%- endfor %}"
-MARKED = (
-    "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- generation %}{{- m.content + '<|im_end|>\\n' }}{%- endgeneration %}"
-    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-UNMARKED = MARKED.replace("{%- generation %}", "").replace("{%- endgeneration %}", "")
+MARKED, UNMARKED = MARKED_TEMPLATE, UNMARKED_TEMPLATE  # the ChatML the data tests use, marked and not
 # Loops only on a row that asks for it: the start-up probe's minimal chat renders at once.
 LOOPS_ON_ROW = "{%- for m in messages if 'loop' in m.content %}" + NEST + "{%- endfor %}" + UNMARKED
 GOOD = {"prompt": "explain speculative decoding", "response": "a drafter guesses, the target checks"}
